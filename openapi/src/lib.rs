@@ -1,0 +1,242 @@
+//! ExactScore wire types: the JSON bodies of every endpoint, with serde and utoipa derives.
+//! Shared by the server (which serves them) and the client (which sends and reads them), so the
+//! two cannot drift; `openapi.json` is generated from the served router.
+
+use std::collections::BTreeMap;
+
+use serde::{Deserialize, Serialize};
+use utoipa::ToSchema;
+
+/// Token ids: one sequence or a batch of sequences.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, ToSchema)]
+#[serde(untagged)]
+pub enum TokensInput {
+    Single(Vec<i64>),
+    Batch(Vec<Vec<i64>>),
+}
+
+/// Text: one string or a batch of strings.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, ToSchema)]
+#[serde(untagged)]
+pub enum TextInput {
+    Single(String),
+    Batch(Vec<String>),
+}
+
+/// Which per-token details to return (all default to the cheap ones).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, ToSchema)]
+#[serde(default, deny_unknown_fields)]
+pub struct ReturnOptions {
+    /// Per-token log-probabilities (`null` for the first token). Default true.
+    pub token_logprobs: bool,
+    /// The `top_k` most likely tokens at every position. Default true when `top_k` > 0.
+    pub top_k: bool,
+    /// Whether each token was the argmax of the distribution before it. Default false.
+    pub greedy: bool,
+    /// The decoded string of each token (and of top-k tokens). Default false.
+    pub token_strings: bool,
+}
+
+impl Default for ReturnOptions {
+    fn default() -> Self {
+        Self {
+            token_logprobs: true,
+            top_k: true,
+            greedy: false,
+            token_strings: false,
+        }
+    }
+}
+
+/// `POST /score`: exactly one of `tokens` and `text`.
+#[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct ScoreRequest {
+    /// Token ids to score (one sequence or a batch). Ids are checked against the vocabulary.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tokens: Option<TokensInput>,
+    /// Text to tokenize with the model's tokenizer and score.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub text: Option<TextInput>,
+    /// With `text`: let the tokenizer add its special tokens (BOS). Default true.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub add_special_tokens: Option<bool>,
+    /// Number of most likely tokens to return per position, 0..=20. Default 0.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub top_k: Option<i64>,
+    /// Which details to return.
+    #[serde(default, rename = "return", skip_serializing_if = "Option::is_none")]
+    pub return_options: Option<ReturnOptions>,
+}
+
+/// One of the most likely tokens at a position.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, ToSchema)]
+pub struct TopToken {
+    pub id: u32,
+    pub logprob: f32,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub token: Option<String>,
+}
+
+/// Scores of one sequence. Position i refers to token i; position 0 has no log-probability.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, ToSchema)]
+pub struct SequenceScore {
+    /// Position of this sequence in the request.
+    pub index: usize,
+    pub tokens: Vec<u32>,
+    /// log p(token_i | tokens_<i) in f32; `null` at position 0.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub token_logprobs: Option<Vec<Option<f32>>>,
+    /// Sum of -log p over the scored tokens (accumulated in f64).
+    pub sum_nll: f64,
+    /// Number of scored tokens (length - 1).
+    pub num_scored: usize,
+    /// `sum_nll / num_scored`; `null` when nothing was scored.
+    pub mean_nll: Option<f64>,
+    /// `exp(mean_nll)`; `null` when nothing was scored.
+    pub perplexity: Option<f64>,
+    /// `top_k[i]`: the most likely tokens after token i (predicting token i+1), best first.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub top_k: Option<Vec<Vec<TopToken>>>,
+    /// `greedy[i]`: token i was the argmax after token i-1; `null` at position 0.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub greedy: Option<Vec<Option<bool>>>,
+    /// Decoded string of every token.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub token_strings: Option<Vec<String>>,
+}
+
+/// Work done for a request.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, ToSchema)]
+pub struct Usage {
+    /// Tokens sent through the model.
+    pub input_tokens: usize,
+    /// Tokens that received a log-probability.
+    pub scored_tokens: usize,
+    /// Milliseconds spent waiting in the queue.
+    pub queue_ms: f64,
+    /// Milliseconds of model compute for the batch(es) this request was part of.
+    pub compute_ms: f64,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, ToSchema)]
+pub struct ScoreResponse {
+    pub model: String,
+    /// One entry per input sequence, in request order.
+    pub sequences: Vec<SequenceScore>,
+    pub usage: Usage,
+}
+
+/// Every error response: what went wrong, its category and, for validation errors, the
+/// offending field, the rule it broke and the value it had.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, ToSchema)]
+pub struct ErrorBody {
+    pub error: String,
+    /// `invalid_json`, `validation`, `unauthorized`, `payload_too_large`, `overloaded`,
+    /// `not_ready`, `timeout`, `internal`, `not_found`.
+    pub kind: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub field: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rule: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub value: Option<serde_json::Value>,
+}
+
+/// `POST /tokenize` (the shape lm-eval's remote tokenizer and vLLM use).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, ToSchema)]
+pub struct TokenizeRequest {
+    pub prompt: String,
+    /// Default true.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub add_special_tokens: Option<bool>,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, ToSchema)]
+pub struct TokenizeResponse {
+    pub tokens: Vec<u32>,
+    pub count: usize,
+    pub max_model_len: usize,
+}
+
+/// `POST /detokenize`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, ToSchema)]
+pub struct DetokenizeRequest {
+    pub tokens: Vec<i64>,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, ToSchema)]
+pub struct DetokenizeResponse {
+    pub prompt: String,
+}
+
+/// `GET /tokenizer_info`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, ToSchema)]
+pub struct TokenizerInfo {
+    pub tokenizer_class: String,
+    pub bos_token: Option<String>,
+    pub bos_token_id: Option<u32>,
+    pub eos_token: Option<String>,
+    pub eos_token_id: Option<u32>,
+    pub pad_token: Option<String>,
+    pub vocab_size: usize,
+    pub model_max_length: usize,
+    /// Whether encoding with special tokens prepends BOS.
+    pub add_bos_token: bool,
+}
+
+/// Server limits, as configured.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, ToSchema)]
+pub struct Limits {
+    pub max_input_tokens: usize,
+    pub max_batch_tokens: usize,
+    pub max_batch_requests: usize,
+    pub max_queued_requests: usize,
+    pub max_top_k: usize,
+}
+
+/// `GET /info`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, ToSchema)]
+pub struct ModelInfo {
+    /// Served model name (the checkpoint directory name unless configured).
+    pub model: String,
+    pub architecture: String,
+    pub vocab_size: usize,
+    pub num_layers: usize,
+    pub hidden_size: usize,
+    /// Weight format of each projection type (`q_proj`, ..., `lm_head`).
+    pub formats: BTreeMap<String, String>,
+    /// Activation quantization applied per projection type, if any.
+    pub activation_quant: BTreeMap<String, String>,
+    /// `emulate` or `off`.
+    pub activation_quant_mode: String,
+    /// Average stored bits per weight over the decoder Linear layers (scales included).
+    pub bits_per_weight: f64,
+    /// Compute dtype: `f32`, `bf16` or `f16`.
+    pub dtype: String,
+    pub devices: Vec<String>,
+    pub limits: Limits,
+    pub version: String,
+}
+
+/// `GET /v1/models` entry.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, ToSchema)]
+pub struct ModelCard {
+    pub id: String,
+    pub object: String,
+    pub created: u64,
+    pub owned_by: String,
+    pub max_model_len: usize,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, ToSchema)]
+pub struct ModelList {
+    pub object: String,
+    pub data: Vec<ModelCard>,
+}
+
+/// `GET /health/*`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, ToSchema)]
+pub struct Health {
+    pub status: String,
+}

@@ -1,0 +1,5 @@
+//! ExactScore server library: exact per-token log-probabilities of compressed-tensors
+//! checkpoints (model + quantized layers), the batching engine and the HTTP API.
+
+pub mod model;
+pub mod quant;

@@ -1,0 +1,449 @@
+//! The Llama block family (Llama, Mistral, Qwen2, Qwen3) for prefill scoring. Sequences of a
+//! batch are concatenated along the token axis for every Linear; attention runs per sequence,
+//! so a sequence's result does not depend on what shares its batch.
+
+use std::path::Path;
+
+use candle_core::{DType, Device, Module, Result, Tensor, D};
+
+use super::checkpoint::{read_to_string, Checkpoint, LoadError};
+use super::config::{Architecture, ModelConfig};
+use super::rope::{inv_freq, RopeTables};
+use super::scoring::{score_row, SequenceScores};
+use crate::quant::dense::DenseWeight;
+use crate::quant::{load_linear, LinearOptions, QuantLinear, QuantizationConfig, SCALE_DTYPES};
+
+/// How to materialise a model.
+#[derive(Debug, Clone)]
+pub struct ModelOptions {
+    pub linear: LinearOptions,
+    /// Longest sequence that will be scored (sizes the RoPE tables).
+    pub max_seq_len: usize,
+}
+
+/// One sequence to score.
+#[derive(Debug, Clone, Copy)]
+pub struct ScoreInput<'a> {
+    pub tokens: &'a [u32],
+    pub top_k: usize,
+}
+
+/// Rows of the lm_head processed at once, so that `[rows, vocab]` f32 logits stay small.
+const LM_HEAD_CHUNK: usize = 1024;
+
+struct RmsNorm {
+    weight: Tensor,
+    eps: f64,
+}
+
+impl RmsNorm {
+    fn load(
+        ckpt: &Checkpoint,
+        name: &str,
+        dim: usize,
+        opts: &LinearOptions,
+    ) -> std::result::Result<Self, LoadError> {
+        let weight = ckpt
+            .tensor(
+                &format!("{name}.weight"),
+                SCALE_DTYPES,
+                Some(&[dim]),
+                &opts.device,
+            )?
+            .to_dtype(opts.dtype)?;
+        Ok(Self { weight, eps: 0.0 })
+    }
+
+    fn with_eps(mut self, eps: f64) -> Self {
+        self.eps = eps;
+        self
+    }
+
+    /// transformers' LlamaRMSNorm: normalise in f32, cast back, then scale by the weight.
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        let dtype = x.dtype();
+        let x32 = x.to_dtype(DType::F32)?;
+        let variance = x32.sqr()?.mean_keepdim(D::Minus1)?;
+        let normed = x32.broadcast_mul(&(variance + self.eps)?.sqrt()?.recip()?)?;
+        normed.to_dtype(dtype)?.broadcast_mul(&self.weight)
+    }
+}
+
+struct Attention {
+    q_proj: QuantLinear,
+    k_proj: QuantLinear,
+    v_proj: QuantLinear,
+    o_proj: QuantLinear,
+    q_norm: Option<RmsNorm>,
+    k_norm: Option<RmsNorm>,
+    num_heads: usize,
+    num_kv_heads: usize,
+    head_dim: usize,
+    sliding_window: Option<usize>,
+}
+
+struct Mlp {
+    gate_proj: QuantLinear,
+    up_proj: QuantLinear,
+    down_proj: QuantLinear,
+}
+
+struct DecoderLayer {
+    input_layernorm: RmsNorm,
+    self_attn: Attention,
+    post_attention_layernorm: RmsNorm,
+    mlp: Mlp,
+}
+
+pub struct Model {
+    config: ModelConfig,
+    opts: ModelOptions,
+    embed_tokens: Tensor,
+    layers: Vec<DecoderLayer>,
+    norm: RmsNorm,
+    lm_head: QuantLinear,
+    rope: RopeTables,
+}
+
+/// Loads the Linear modules of a checkpoint, resolving each one's quantization scheme.
+struct LinearLoader<'a> {
+    ckpt: &'a Checkpoint,
+    quant: Option<QuantizationConfig>,
+    opts: &'a LinearOptions,
+}
+
+impl LinearLoader<'_> {
+    fn load(
+        &self,
+        name: &str,
+        shape: (usize, usize),
+        bias: bool,
+    ) -> std::result::Result<QuantLinear, LoadError> {
+        let scheme = match &self.quant {
+            Some(q) => q.scheme_for(name, "Linear")?,
+            None => None,
+        };
+        load_linear(self.ckpt, name, shape, bias, scheme, self.opts)
+    }
+}
+
+impl Model {
+    pub fn load(dir: &Path, opts: &ModelOptions) -> std::result::Result<Self, LoadError> {
+        let config = ModelConfig::from_json(&read_to_string(&dir.join("config.json"))?)?;
+        let ckpt = Checkpoint::open(dir)?;
+        let quant = config
+            .quantization_config
+            .as_ref()
+            .map(QuantizationConfig::parse)
+            .transpose()?;
+        if let Some(q) = &quant {
+            if q.scheme_for("model.embed_tokens", "Embedding")?.is_some() {
+                return Err(LoadError::Unsupported {
+                    layer: "model.embed_tokens".into(),
+                    field: "config_groups.targets".into(),
+                    reason: "quantized embeddings are not supported".into(),
+                });
+            }
+        }
+        let lin = &opts.linear;
+        let loader = LinearLoader {
+            ckpt: &ckpt,
+            quant,
+            opts: lin,
+        };
+        let c = &config;
+        let (h, kv_dim, q_dim) = (
+            c.hidden_size,
+            c.num_kv_heads * c.head_dim,
+            c.num_heads * c.head_dim,
+        );
+        let embed_tokens = ckpt.tensor(
+            "model.embed_tokens.weight",
+            SCALE_DTYPES,
+            Some(&[c.vocab_size, h]),
+            &lin.device,
+        )?;
+        let o_bias = c.attention_bias
+            && matches!(c.architecture, Architecture::Llama | Architecture::Mistral);
+        let mut layers = Vec::with_capacity(c.num_layers);
+        for i in 0..c.num_layers {
+            let p = format!("model.layers.{i}");
+            let head_norm = |which: &str| -> std::result::Result<Option<RmsNorm>, LoadError> {
+                c.qk_norm
+                    .then(|| {
+                        RmsNorm::load(&ckpt, &format!("{p}.self_attn.{which}"), c.head_dim, lin)
+                    })
+                    .transpose()
+                    .map(|n| n.map(|n| n.with_eps(c.rms_norm_eps)))
+            };
+            layers.push(DecoderLayer {
+                input_layernorm: RmsNorm::load(&ckpt, &format!("{p}.input_layernorm"), h, lin)?
+                    .with_eps(c.rms_norm_eps),
+                self_attn: Attention {
+                    q_proj: loader.load(
+                        &format!("{p}.self_attn.q_proj"),
+                        (q_dim, h),
+                        c.attention_bias,
+                    )?,
+                    k_proj: loader.load(
+                        &format!("{p}.self_attn.k_proj"),
+                        (kv_dim, h),
+                        c.attention_bias,
+                    )?,
+                    v_proj: loader.load(
+                        &format!("{p}.self_attn.v_proj"),
+                        (kv_dim, h),
+                        c.attention_bias,
+                    )?,
+                    o_proj: loader.load(&format!("{p}.self_attn.o_proj"), (h, q_dim), o_bias)?,
+                    q_norm: head_norm("q_norm")?,
+                    k_norm: head_norm("k_norm")?,
+                    num_heads: c.num_heads,
+                    num_kv_heads: c.num_kv_heads,
+                    head_dim: c.head_dim,
+                    sliding_window: c.sliding_window,
+                },
+                post_attention_layernorm: RmsNorm::load(
+                    &ckpt,
+                    &format!("{p}.post_attention_layernorm"),
+                    h,
+                    lin,
+                )?
+                .with_eps(c.rms_norm_eps),
+                mlp: Mlp {
+                    gate_proj: loader.load(
+                        &format!("{p}.mlp.gate_proj"),
+                        (c.intermediate_size, h),
+                        c.mlp_bias,
+                    )?,
+                    up_proj: loader.load(
+                        &format!("{p}.mlp.up_proj"),
+                        (c.intermediate_size, h),
+                        c.mlp_bias,
+                    )?,
+                    down_proj: loader.load(
+                        &format!("{p}.mlp.down_proj"),
+                        (h, c.intermediate_size),
+                        c.mlp_bias,
+                    )?,
+                },
+            });
+        }
+        let norm = RmsNorm::load(&ckpt, "model.norm", h, lin)?.with_eps(c.rms_norm_eps);
+        let lm_head = if c.tie_word_embeddings && !ckpt.contains("lm_head.weight") {
+            QuantLinear::new(
+                Box::new(DenseWeight::from_tensor(embed_tokens.clone())),
+                None,
+            )
+        } else {
+            loader.load("lm_head", (c.vocab_size, h), false)?
+        };
+        let embed_tokens = embed_tokens.to_dtype(lin.dtype)?;
+        let freqs = inv_freq(c.head_dim, c.rope_theta, &c.rope_scaling);
+        let rope = RopeTables::new(&freqs, opts.max_seq_len.max(1), lin.dtype, &lin.device)?;
+        Ok(Self {
+            config,
+            opts: opts.clone(),
+            embed_tokens,
+            layers,
+            norm,
+            lm_head,
+            rope,
+        })
+    }
+
+    pub fn config(&self) -> &ModelConfig {
+        &self.config
+    }
+
+    pub fn options(&self) -> &ModelOptions {
+        &self.opts
+    }
+
+    /// Every Linear with its module name, lm_head last.
+    pub fn linears(&self) -> Vec<(String, &QuantLinear)> {
+        let mut out = Vec::new();
+        for (i, l) in self.layers.iter().enumerate() {
+            let a = &l.self_attn;
+            let m = &l.mlp;
+            for (n, lin) in [
+                ("self_attn.q_proj", &a.q_proj),
+                ("self_attn.k_proj", &a.k_proj),
+                ("self_attn.v_proj", &a.v_proj),
+                ("self_attn.o_proj", &a.o_proj),
+                ("mlp.gate_proj", &m.gate_proj),
+                ("mlp.up_proj", &m.up_proj),
+                ("mlp.down_proj", &m.down_proj),
+            ] {
+                out.push((format!("model.layers.{i}.{n}"), lin));
+            }
+        }
+        out.push(("lm_head".to_string(), &self.lm_head));
+        out
+    }
+
+    /// Final-norm hidden states `[sum of lengths, hidden]` of the sequences, concatenated.
+    pub fn hidden_states(&self, sequences: &[&[u32]]) -> Result<Tensor> {
+        let lens: Vec<usize> = sequences.iter().map(|s| s.len()).collect();
+        let longest = lens.iter().copied().max().unwrap_or(0);
+        if longest > self.rope.max_len() {
+            candle_core::bail!(
+                "sequence of {longest} tokens exceeds max_seq_len {}",
+                self.rope.max_len()
+            );
+        }
+        let ids: Vec<u32> = sequences.iter().flat_map(|s| s.iter().copied()).collect();
+        if let Some(bad) = ids.iter().find(|&&t| t as usize >= self.config.vocab_size) {
+            candle_core::bail!(
+                "token id {bad} is outside the vocabulary ({})",
+                self.config.vocab_size
+            );
+        }
+        let ids = Tensor::new(ids.as_slice(), &self.opts.linear.device)?;
+        let mut x = self.embed_tokens.index_select(&ids, 0)?;
+        for layer in &self.layers {
+            x = layer.forward(&x, &lens, &self.rope)?;
+        }
+        self.norm.forward(&x)
+    }
+
+    /// Scores a batch. Results come back in input order.
+    pub fn score(&self, batch: &[ScoreInput<'_>]) -> Result<Vec<SequenceScores>> {
+        let sequences: Vec<&[u32]> = batch.iter().map(|b| b.tokens).collect();
+        let hidden = self.hidden_states(&sequences)?;
+        let mut offset = 0;
+        let mut out = Vec::with_capacity(batch.len());
+        for input in batch {
+            let n = input.tokens.len();
+            let mut rows = Vec::with_capacity(n);
+            for start in (0..n).step_by(LM_HEAD_CHUNK) {
+                let len = LM_HEAD_CHUNK.min(n - start);
+                let h = hidden.narrow(0, offset + start, len)?;
+                let logits = self
+                    .lm_head
+                    .forward(&h)?
+                    .to_dtype(DType::F32)?
+                    .to_vec2::<f32>()?;
+                for (i, row) in logits.iter().enumerate() {
+                    let target = input.tokens.get(start + i + 1).copied();
+                    rows.push(score_row(row, target, input.top_k));
+                }
+            }
+            offset += n;
+            out.push(SequenceScores { rows });
+        }
+        Ok(out)
+    }
+}
+
+impl DecoderLayer {
+    fn forward(&self, x: &Tensor, lens: &[usize], rope: &RopeTables) -> Result<Tensor> {
+        let attn = self
+            .self_attn
+            .forward(&self.input_layernorm.forward(x)?, lens, rope)?;
+        let x = (x + attn)?;
+        let mlp = self
+            .mlp
+            .forward(&self.post_attention_layernorm.forward(&x)?)?;
+        x + mlp
+    }
+}
+
+impl Mlp {
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        let gate = candle_nn::Activation::Silu.forward(&self.gate_proj.forward(x)?)?;
+        self.down_proj.forward(&(gate * self.up_proj.forward(x)?)?)
+    }
+}
+
+impl Attention {
+    /// `x`: `[tokens of all sequences, hidden]`; attention never crosses sequence boundaries.
+    fn forward(&self, x: &Tensor, lens: &[usize], rope: &RopeTables) -> Result<Tensor> {
+        let q = self.q_proj.forward(x)?;
+        let k = self.k_proj.forward(x)?;
+        let v = self.v_proj.forward(x)?;
+        let mut outputs = Vec::with_capacity(lens.len());
+        let mut offset = 0;
+        for &len in lens {
+            let q = self.heads(
+                &q.narrow(0, offset, len)?,
+                self.num_heads,
+                self.q_norm.as_ref(),
+                Some(rope),
+            )?;
+            let k = self.heads(
+                &k.narrow(0, offset, len)?,
+                self.num_kv_heads,
+                self.k_norm.as_ref(),
+                Some(rope),
+            )?;
+            let v = self.heads(&v.narrow(0, offset, len)?, self.num_kv_heads, None, None)?;
+            outputs.push(self.attend(&q, &k, &v)?);
+            offset += len;
+        }
+        self.o_proj.forward(&Tensor::cat(&outputs, 0)?)
+    }
+
+    /// `[len, heads * head_dim]` → `[1, heads, len, head_dim]`, with optional per-head norm and RoPE.
+    fn heads(
+        &self,
+        x: &Tensor,
+        heads: usize,
+        norm: Option<&RmsNorm>,
+        rope: Option<&RopeTables>,
+    ) -> Result<Tensor> {
+        let len = x.dims()[0];
+        let mut x = x.reshape((len, heads, self.head_dim))?;
+        if let Some(norm) = norm {
+            x = norm.forward(&x)?;
+        }
+        let x = x.transpose(0, 1)?.contiguous()?.unsqueeze(0)?;
+        match rope {
+            Some(rope) => rope.apply(&x),
+            None => Ok(x),
+        }
+    }
+
+    /// Causal softmax attention in f32 for one sequence; returns `[len, heads * head_dim]`.
+    fn attend(&self, q: &Tensor, k: &Tensor, v: &Tensor) -> Result<Tensor> {
+        let (_, heads, len, dim) = q.dims4()?;
+        let dtype = q.dtype();
+        let group = heads / self.num_kv_heads;
+        let repeat = |t: &Tensor| -> Result<Tensor> {
+            if group == 1 {
+                return t.to_dtype(DType::F32);
+            }
+            t.unsqueeze(2)?
+                .expand((1, self.num_kv_heads, group, len, dim))?
+                .reshape((1, heads, len, dim))?
+                .to_dtype(DType::F32)
+        };
+        let (k, v) = (repeat(k)?, repeat(v)?);
+        let q = q.to_dtype(DType::F32)?;
+        let scores = (q.matmul(&k.t()?)? * (1.0 / (dim as f64).sqrt()))?;
+        let mask = causal_mask(len, self.sliding_window, q.device())?;
+        let probs = candle_nn::ops::softmax_last_dim(&scores.broadcast_add(&mask)?)?;
+        probs
+            .matmul(&v)?
+            .transpose(1, 2)?
+            .reshape((len, heads * dim))?
+            .to_dtype(dtype)
+    }
+}
+
+/// `[len, len]` additive mask: 0 where key j is visible from query i, -inf elsewhere.
+fn causal_mask(len: usize, window: Option<usize>, device: &Device) -> Result<Tensor> {
+    let window = window.unwrap_or(usize::MAX);
+    let mask: Vec<f32> = (0..len)
+        .flat_map(|i| {
+            (0..len).map(move |j| {
+                if j <= i && i - j < window {
+                    0.0
+                } else {
+                    f32::NEG_INFINITY
+                }
+            })
+        })
+        .collect();
+    Tensor::from_vec(mask, (len, len), device)
+}

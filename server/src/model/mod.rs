@@ -1,0 +1,12 @@
+//! The model: checkpoint reading, config, the Llama block family and scoring.
+
+pub mod checkpoint;
+pub mod config;
+pub mod llama;
+pub mod rope;
+pub mod scoring;
+
+pub use checkpoint::LoadError;
+pub use config::{Architecture, ModelConfig};
+pub use llama::{Model, ModelOptions, ScoreInput};
+pub use scoring::{RowScore, SequenceScores};

@@ -1,0 +1,619 @@
+//! compressed-tensors `quantization_config`: config groups, `targets` / `ignore` resolution, and
+//! the refusal of everything we cannot compute exactly.
+
+use std::collections::BTreeMap;
+
+use regex::Regex;
+use serde::Deserialize;
+use serde_json::Value;
+
+use crate::model::checkpoint::LoadError;
+
+/// On-disk layout of a quantized Linear (the `format` key).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+pub enum Format {
+    /// Integer codes packed into int32 words (`weight_packed`).
+    PackQuantized,
+    /// Integer codes stored one per byte in `weight` (`int-quantized`, `naive-quantized`).
+    IntQuantized,
+    /// NVFP4: fp4 e2m1 codes, fp8 group scales, f32 global scale.
+    Nvfp4PackQuantized,
+    /// FP8 e4m3 weights with tensor, channel or block scales.
+    FloatQuantized,
+}
+
+impl Format {
+    fn parse(name: &str, layer: &str) -> Result<Self, LoadError> {
+        match name {
+            "pack-quantized" => Ok(Self::PackQuantized),
+            "int-quantized" | "naive-quantized" => Ok(Self::IntQuantized),
+            "nvfp4-pack-quantized" => Ok(Self::Nvfp4PackQuantized),
+            "float-quantized" => Ok(Self::FloatQuantized),
+            other => Err(unsupported(
+                layer,
+                "format",
+                format!(
+                    "`{other}` is not supported (supported: pack-quantized, int-quantized, \
+                     naive-quantized, nvfp4-pack-quantized, float-quantized)"
+                ),
+            )),
+        }
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::PackQuantized => "pack-quantized",
+            Self::IntQuantized => "int-quantized",
+            Self::Nvfp4PackQuantized => "nvfp4-pack-quantized",
+            Self::FloatQuantized => "float-quantized",
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum QuantType {
+    Int,
+    Float,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Strategy {
+    Tensor,
+    Channel,
+    Group,
+    Block,
+    Token,
+    TensorGroup,
+}
+
+/// One `weights` / `input_activations` entry.
+#[derive(Debug, Clone, PartialEq)]
+pub struct QuantArgs {
+    pub num_bits: u32,
+    pub kind: QuantType,
+    pub symmetric: bool,
+    pub strategy: Strategy,
+    pub group_size: Option<usize>,
+    pub block_structure: Option<[usize; 2]>,
+    pub dynamic: bool,
+}
+
+#[derive(Deserialize)]
+struct RawArgs {
+    num_bits: u32,
+    #[serde(rename = "type")]
+    kind: String,
+    #[serde(default = "yes")]
+    symmetric: bool,
+    group_size: Option<i64>,
+    strategy: Option<String>,
+    #[serde(default)]
+    block_structure: Value,
+    #[serde(default)]
+    dynamic: Value,
+    #[serde(default)]
+    actorder: Value,
+}
+
+fn yes() -> bool {
+    true
+}
+
+fn unsupported(layer: &str, field: impl Into<String>, reason: impl Into<String>) -> LoadError {
+    LoadError::Unsupported {
+        layer: layer.into(),
+        field: field.into(),
+        reason: reason.into(),
+    }
+}
+
+impl QuantArgs {
+    fn parse(raw: &Value, group: &str, role: &str) -> Result<Self, LoadError> {
+        let field = |f: &str| format!("config_groups.{group}.{role}.{f}");
+        let raw: RawArgs = serde_json::from_value(raw.clone()).map_err(|e| {
+            unsupported(
+                group,
+                format!("config_groups.{group}.{role}"),
+                e.to_string(),
+            )
+        })?;
+        let kind = match raw.kind.as_str() {
+            "int" => QuantType::Int,
+            "float" => QuantType::Float,
+            other => {
+                return Err(unsupported(
+                    group,
+                    field("type"),
+                    format!("`{other}` is not supported"),
+                ))
+            }
+        };
+        let strategy = match raw.strategy.as_deref() {
+            Some("tensor") => Strategy::Tensor,
+            Some("channel") => Strategy::Channel,
+            Some("group") => Strategy::Group,
+            Some("block") => Strategy::Block,
+            Some("token") => Strategy::Token,
+            Some("tensor_group") => Strategy::TensorGroup,
+            None if raw.group_size.is_some_and(|g| g > 0) => Strategy::Group,
+            None => Strategy::Tensor,
+            Some(other) => {
+                return Err(unsupported(
+                    group,
+                    field("strategy"),
+                    format!("`{other}` is not supported"),
+                ))
+            }
+        };
+        match &raw.actorder {
+            Value::Null | Value::Bool(false) => {}
+            // "weight"/"static" reorder only during calibration and store no g_idx.
+            Value::String(s) if s == "weight" || s == "static" => {}
+            other => {
+                return Err(unsupported(
+                    group,
+                    field("actorder"),
+                    format!("{other} (activation reordering with g_idx) is not implemented"),
+                ))
+            }
+        }
+        let dynamic = match &raw.dynamic {
+            Value::Null | Value::Bool(false) => false,
+            Value::Bool(true) => true,
+            // NVFP4 activations: per-group scales computed at run time against a stored global scale.
+            Value::String(s) if s == "local" => true,
+            other => {
+                return Err(unsupported(
+                    group,
+                    field("dynamic"),
+                    format!("{other} is not supported"),
+                ))
+            }
+        };
+        let block_structure = match &raw.block_structure {
+            Value::Null => None,
+            Value::Array(items) if items.len() == 2 => {
+                let dims: Vec<usize> = items
+                    .iter()
+                    .filter_map(|v| v.as_u64().map(|v| v as usize))
+                    .collect();
+                match dims[..] {
+                    [a, b] if a > 0 && b > 0 => Some([a, b]),
+                    _ => {
+                        return Err(unsupported(
+                            group,
+                            field("block_structure"),
+                            format!("{items:?}"),
+                        ))
+                    }
+                }
+            }
+            other => {
+                return Err(unsupported(
+                    group,
+                    field("block_structure"),
+                    format!("{other} is not [rows, cols]"),
+                ))
+            }
+        };
+        Ok(Self {
+            num_bits: raw.num_bits,
+            kind,
+            symmetric: raw.symmetric,
+            strategy,
+            group_size: raw.group_size.filter(|g| *g > 0).map(|g| g as usize),
+            block_structure,
+            dynamic,
+        })
+    }
+}
+
+/// What one Linear layer is: its on-disk format, weight arguments and optional activation
+/// quantization.
+#[derive(Debug, Clone, PartialEq)]
+pub struct LayerScheme {
+    pub group: String,
+    pub format: Format,
+    pub weights: QuantArgs,
+    pub input_activations: Option<QuantArgs>,
+}
+
+/// A target or ignore pattern: exact module name, `re:` regex (Python `re.match`, so anchored
+/// at the start), or a module class name such as `Linear`.
+#[derive(Debug, Clone)]
+enum Target {
+    Name(String),
+    Regex(Regex),
+    Class(String),
+}
+
+impl Target {
+    fn parse(text: &str, field: &str) -> Result<Self, LoadError> {
+        if let Some(pattern) = text.strip_prefix("re:") {
+            let regex = Regex::new(&format!("^(?:{pattern})"))
+                .map_err(|e| LoadError::config(field, format!("bad regex `{pattern}`: {e}")))?;
+            Ok(Self::Regex(regex))
+        } else if text.contains('.') || text.chars().next().is_some_and(char::is_lowercase) {
+            Ok(Self::Name(text.into()))
+        } else {
+            Ok(Self::Class(text.into()))
+        }
+    }
+
+    /// Match precedence as in compressed-tensors: exact name beats regex beats class.
+    fn precedence(&self, module: &str, class: &str) -> Option<u8> {
+        match self {
+            Self::Name(n) if n == module => Some(0),
+            Self::Regex(r) if r.is_match(module) => Some(1),
+            Self::Class(c) if c == class => Some(2),
+            _ => None,
+        }
+    }
+}
+
+struct Group {
+    name: String,
+    targets: Vec<Target>,
+    scheme: LayerScheme,
+}
+
+/// A parsed `quantization_config`.
+pub struct QuantizationConfig {
+    groups: Vec<Group>,
+    ignore: Vec<Target>,
+}
+
+#[derive(Deserialize)]
+struct RawConfig {
+    quant_method: Option<String>,
+    format: Option<String>,
+    quantization_status: Option<String>,
+    #[serde(default)]
+    config_groups: BTreeMap<String, Value>,
+    #[serde(default)]
+    ignore: Vec<String>,
+    #[serde(default)]
+    sparsity_config: Value,
+    #[serde(default)]
+    transform_config: Value,
+    #[serde(default)]
+    kv_cache_scheme: Value,
+}
+
+fn is_empty(v: &Value) -> bool {
+    match v {
+        Value::Null => true,
+        Value::Object(m) => m.is_empty(),
+        _ => false,
+    }
+}
+
+impl QuantizationConfig {
+    pub fn parse(raw: &Value) -> Result<Self, LoadError> {
+        const ROOT: &str = "quantization_config";
+        let cfg: RawConfig = serde_json::from_value(raw.clone())
+            .map_err(|e| LoadError::config(ROOT, e.to_string()))?;
+        match cfg.quant_method.as_deref() {
+            Some("compressed-tensors") => {}
+            other => {
+                return Err(LoadError::config(
+                    format!("{ROOT}.quant_method"),
+                    format!("{other:?} is not supported (only compressed-tensors)"),
+                ))
+            }
+        }
+        if let Some(status) = cfg.quantization_status.as_deref() {
+            if status != "compressed" {
+                return Err(LoadError::config(
+                    format!("{ROOT}.quantization_status"),
+                    format!("`{status}` is not supported (only compressed checkpoints)"),
+                ));
+            }
+        }
+        for (field, value) in [
+            ("sparsity_config", &cfg.sparsity_config),
+            ("transform_config", &cfg.transform_config),
+            ("kv_cache_scheme", &cfg.kv_cache_scheme),
+        ] {
+            if !is_empty(value) {
+                return Err(LoadError::config(
+                    format!("{ROOT}.{field}"),
+                    format!("is set ({value}); not supported: it would be silently ignored"),
+                ));
+            }
+        }
+        // The top-level format is the default of every group; "mixed-precision" says the
+        // groups differ and each names its own.
+        if let Some(top) = cfg.format.as_deref().filter(|f| *f != "mixed-precision") {
+            Format::parse(top, ROOT)?;
+        }
+        let mut groups = Vec::new();
+        for (name, group) in &cfg.config_groups {
+            let field = |f: &str| format!("{ROOT}.config_groups.{name}.{f}");
+            if !is_empty(group.get("output_activations").unwrap_or(&Value::Null)) {
+                return Err(unsupported(
+                    name,
+                    field("output_activations"),
+                    "output activation quantization is not supported",
+                ));
+            }
+            let weights = match group.get("weights") {
+                Some(w) if !w.is_null() => QuantArgs::parse(w, name, "weights")?,
+                _ => {
+                    return Err(unsupported(
+                        name,
+                        field("weights"),
+                        "groups without weight quantization are not supported",
+                    ))
+                }
+            };
+            let input_activations = match group.get("input_activations") {
+                Some(a) if !a.is_null() => Some(QuantArgs::parse(a, name, "input_activations")?),
+                _ => None,
+            };
+            let format_name = group
+                .get("format")
+                .and_then(Value::as_str)
+                .or(cfg.format.as_deref())
+                .ok_or_else(|| {
+                    unsupported(
+                        name,
+                        field("format"),
+                        "no format in the group nor at the top level",
+                    )
+                })?;
+            let format = Format::parse(format_name, name)?;
+            let targets = group
+                .get("targets")
+                .and_then(Value::as_array)
+                .ok_or_else(|| LoadError::config(field("targets"), "missing or not a list"))?
+                .iter()
+                .map(|t| {
+                    let text = t.as_str().ok_or_else(|| {
+                        LoadError::config(field("targets"), format!("{t} is not a string"))
+                    })?;
+                    Target::parse(text, &field("targets"))
+                })
+                .collect::<Result<Vec<_>, _>>()?;
+            let scheme = LayerScheme {
+                group: name.clone(),
+                format,
+                weights,
+                input_activations,
+            };
+            check_scheme(&scheme)?;
+            groups.push(Group {
+                name: name.clone(),
+                targets,
+                scheme,
+            });
+        }
+        let ignore = cfg
+            .ignore
+            .iter()
+            .map(|t| Target::parse(t, &format!("{ROOT}.ignore")))
+            .collect::<Result<Vec<_>, _>>()?;
+        Ok(Self { groups, ignore })
+    }
+
+    /// The scheme of the module `name` of class `class` (`Linear`, `Embedding`), or `None`
+    /// when it is not quantized.
+    pub fn scheme_for(&self, name: &str, class: &str) -> Result<Option<&LayerScheme>, LoadError> {
+        if self
+            .ignore
+            .iter()
+            .any(|t| t.precedence(name, class).is_some())
+        {
+            return Ok(None);
+        }
+        let mut best: Option<(u8, &Group)> = None;
+        for group in &self.groups {
+            let Some(p) = group
+                .targets
+                .iter()
+                .filter_map(|t| t.precedence(name, class))
+                .min()
+            else {
+                continue;
+            };
+            match best {
+                Some((bp, other)) if bp == p => {
+                    return Err(unsupported(
+                        name,
+                        "config_groups",
+                        format!(
+                            "matched equally by groups `{}` and `{}`",
+                            other.name, group.name
+                        ),
+                    ))
+                }
+                Some((bp, _)) if bp < p => {}
+                _ => best = Some((p, group)),
+            }
+        }
+        Ok(best.map(|(_, g)| &g.scheme))
+    }
+}
+
+/// Refuses argument combinations the format modules do not implement exactly.
+fn check_scheme(s: &LayerScheme) -> Result<(), LoadError> {
+    let w = &s.weights;
+    let g = &s.group;
+    let bad =
+        |field: &str, reason: String| unsupported(g, format!("config_groups.{g}.{field}"), reason);
+    match s.format {
+        Format::PackQuantized | Format::IntQuantized => {
+            if w.kind != QuantType::Int || !(w.num_bits == 4 || w.num_bits == 8) {
+                return Err(bad(
+                    "weights",
+                    format!(
+                        "{} {:?} bits with format {} (need int, 4 or 8 bits)",
+                        w.num_bits,
+                        w.kind,
+                        s.format.name()
+                    ),
+                ));
+            }
+            if !matches!(w.strategy, Strategy::Group | Strategy::Channel) {
+                return Err(bad(
+                    "weights.strategy",
+                    format!(
+                        "{:?} is not supported for integer weights (group, channel)",
+                        w.strategy
+                    ),
+                ));
+            }
+            if w.strategy == Strategy::Group && w.group_size.is_none() {
+                return Err(bad(
+                    "weights.group_size",
+                    "strategy group needs a group_size".into(),
+                ));
+            }
+        }
+        Format::Nvfp4PackQuantized => {
+            if w.kind != QuantType::Float
+                || w.num_bits != 4
+                || w.group_size != Some(16)
+                || !w.symmetric
+            {
+                return Err(bad(
+                    "weights",
+                    "nvfp4-pack-quantized needs float, 4 bits, symmetric, group_size 16".into(),
+                ));
+            }
+        }
+        Format::FloatQuantized => {
+            if w.kind != QuantType::Float || w.num_bits != 8 || !w.symmetric {
+                return Err(bad(
+                    "weights",
+                    "float-quantized needs float, 8 bits, symmetric".into(),
+                ));
+            }
+            if !matches!(
+                w.strategy,
+                Strategy::Tensor | Strategy::Channel | Strategy::Block
+            ) {
+                return Err(bad(
+                    "weights.strategy",
+                    format!(
+                        "{:?} is not supported for fp8 weights (tensor, channel, block)",
+                        w.strategy
+                    ),
+                ));
+            }
+            if w.strategy == Strategy::Block && w.block_structure.is_none() {
+                return Err(bad(
+                    "weights.block_structure",
+                    "strategy block needs block_structure".into(),
+                ));
+            }
+        }
+    }
+    if w.dynamic {
+        return Err(bad(
+            "weights.dynamic",
+            "dynamic weight quantization is not supported".into(),
+        ));
+    }
+    if let Some(a) = &s.input_activations {
+        let supported = match (a.kind, a.num_bits, a.strategy) {
+            (QuantType::Float, 8, Strategy::Token) => a.dynamic && a.symmetric,
+            (QuantType::Float, 8, Strategy::Tensor) => !a.dynamic && a.symmetric,
+            (QuantType::Float, 4, Strategy::TensorGroup) => a.group_size == Some(16) && a.symmetric,
+            _ => false,
+        };
+        if !supported {
+            return Err(bad(
+                "input_activations",
+                format!(
+                    "{:?} {} bits, strategy {:?}, dynamic {} is not supported (fp8 per-token dynamic, \
+                     fp8 per-tensor static, nvfp4 group 16)",
+                    a.kind, a.num_bits, a.strategy, a.dynamic
+                ),
+            ));
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    fn w4a16(targets: Value, ignore: Value) -> Value {
+        json!({
+            "quant_method": "compressed-tensors", "format": "pack-quantized", "quantization_status": "compressed",
+            "config_groups": {"group_0": {"targets": targets, "weights": {"num_bits": 4, "type": "int",
+                "symmetric": true, "strategy": "group", "group_size": 128}}},
+            "ignore": ignore, "sparsity_config": {}, "kv_cache_scheme": null
+        })
+    }
+
+    #[test]
+    fn class_target_with_ignore() {
+        let cfg = QuantizationConfig::parse(&w4a16(json!(["Linear"]), json!(["lm_head"]))).unwrap();
+        let s = cfg
+            .scheme_for("model.layers.0.self_attn.q_proj", "Linear")
+            .unwrap()
+            .unwrap();
+        assert_eq!(s.format, Format::PackQuantized);
+        assert_eq!(s.weights.group_size, Some(128));
+        assert!(cfg.scheme_for("lm_head", "Linear").unwrap().is_none());
+        assert!(cfg
+            .scheme_for("model.embed_tokens", "Embedding")
+            .unwrap()
+            .is_none());
+    }
+
+    #[test]
+    fn regex_targets_and_ignores_are_anchored_at_the_start() {
+        let cfg = QuantizationConfig::parse(&w4a16(
+            json!(["re:.*mlp\\..*_proj"]),
+            json!(["re:model.layers.1.*"]),
+        ))
+        .unwrap();
+        assert!(cfg
+            .scheme_for("model.layers.0.mlp.up_proj", "Linear")
+            .unwrap()
+            .is_some());
+        assert!(cfg
+            .scheme_for("model.layers.0.self_attn.q_proj", "Linear")
+            .unwrap()
+            .is_none());
+        assert!(cfg
+            .scheme_for("model.layers.1.mlp.up_proj", "Linear")
+            .unwrap()
+            .is_none());
+    }
+
+    #[test]
+    fn sparsity_and_unknown_format_and_actorder_group_are_refused() {
+        let mut c = w4a16(json!(["Linear"]), json!([]));
+        c["sparsity_config"] = json!({"format": "sparse-24-bitmask"});
+        assert!(QuantizationConfig::parse(&c)
+            .err()
+            .unwrap()
+            .to_string()
+            .contains("sparsity_config"));
+
+        let mut c = w4a16(json!(["Linear"]), json!([]));
+        c["format"] = json!("marlin-24");
+        let e = QuantizationConfig::parse(&c).err().unwrap().to_string();
+        assert!(e.contains("format") && e.contains("marlin-24"), "{e}");
+
+        let mut c = w4a16(json!(["Linear"]), json!([]));
+        c["config_groups"]["group_0"]["weights"]["actorder"] = json!("group");
+        let e = QuantizationConfig::parse(&c).err().unwrap().to_string();
+        assert!(e.contains("actorder") && e.contains("group_0"), "{e}");
+    }
+
+    #[test]
+    fn int8_activations_are_refused_not_guessed() {
+        let mut c = w4a16(json!(["Linear"]), json!([]));
+        c["config_groups"]["group_0"]["weights"]["num_bits"] = json!(8);
+        c["config_groups"]["group_0"]["input_activations"] = json!({"num_bits": 8, "type": "int", "symmetric": true, "strategy": "token", "dynamic": true});
+        let e = QuantizationConfig::parse(&c).err().unwrap().to_string();
+        assert!(e.contains("input_activations"), "{e}");
+    }
+}

@@ -1,0 +1,97 @@
+//! `float-quantized`: fp8 e4m3 weights with a per-tensor, per-channel or per-block scale.
+//! `w[r, c] = f32(fp8(weight[r, c])) * f32(scale[..])`, exact in f32.
+
+use candle_core::{Device, Result, Tensor};
+use safetensors::Dtype as StDtype;
+
+use super::compressed_tensors::{LayerScheme, Strategy};
+use super::minifloat::fp8_e4m3_to_f32;
+use super::{to_f32_vec, QuantizedWeight, SCALE_DTYPES};
+use crate::model::checkpoint::{Checkpoint, LoadError};
+
+pub struct Fp8Weight {
+    out: usize,
+    inp: usize,
+    weight: Tensor,
+    scale: Tensor,
+    /// Rows and columns covered by one scale.
+    block: (usize, usize),
+}
+
+impl Fp8Weight {
+    pub fn load(
+        ckpt: &Checkpoint,
+        name: &str,
+        (out, inp): (usize, usize),
+        scheme: &LayerScheme,
+        device: &Device,
+    ) -> std::result::Result<Self, LoadError> {
+        let weight = ckpt.tensor(
+            &format!("{name}.weight"),
+            &[StDtype::F8_E4M3],
+            Some(&[out, inp]),
+            device,
+        )?;
+        let block = match scheme.weights.strategy {
+            Strategy::Tensor => (out, inp),
+            Strategy::Channel => (1, inp),
+            _ => {
+                let [br, bc] = scheme.weights.block_structure.expect("checked at parse");
+                (br, bc)
+            }
+        };
+        let scale_name = format!("{name}.weight_scale");
+        let expected = [out.div_ceil(block.0), inp.div_ceil(block.1)];
+        let scale = ckpt.tensor(&scale_name, SCALE_DTYPES, None, device)?;
+        // A per-tensor scale may be stored as [1] or [] as well as [1, 1].
+        let ok = scale.dims() == expected || (expected == [1, 1] && scale.elem_count() == 1);
+        if !ok {
+            return Err(LoadError::WrongShape {
+                name: scale_name,
+                found: scale.dims().to_vec(),
+                expected: expected.to_vec(),
+            });
+        }
+        Ok(Self {
+            out,
+            inp,
+            weight,
+            scale,
+            block,
+        })
+    }
+}
+
+impl QuantizedWeight for Fp8Weight {
+    fn shape(&self) -> (usize, usize) {
+        (self.out, self.inp)
+    }
+
+    fn describe(&self) -> String {
+        let how = match self.block {
+            (r, c) if r == self.out && c == self.inp => "tensor".to_string(),
+            (1, _) => "channel".to_string(),
+            (r, c) => format!("block {r}x{c}"),
+        };
+        format!("float-quantized fp8 e4m3 {how}")
+    }
+
+    fn bits_per_weight(&self) -> f64 {
+        let scale_bits = (self.scale.dtype().size_in_bytes() * 8) as f64;
+        8.0 + scale_bits / (self.block.0 * self.block.1) as f64
+    }
+
+    fn dequantize_f32(&self) -> Result<Vec<f32>> {
+        let codes = self.weight.flatten_all()?.to_vec1::<u8>()?;
+        let scale = to_f32_vec(&self.scale)?;
+        let scale_cols = self.inp.div_ceil(self.block.1);
+        let mut w = Vec::with_capacity(codes.len());
+        for r in 0..self.out {
+            for c in 0..self.inp {
+                let s = scale[(r / self.block.0) * scale_cols + c / self.block.1];
+                w.push(fp8_e4m3_to_f32(codes[r * self.inp + c]) * s);
+            }
+        }
+        Ok(w)
+    }
+}

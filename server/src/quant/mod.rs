@@ -1,0 +1,202 @@
+//! Quantized Linear layers. [`load_linear`] is the only place that matches on formats; model
+//! code holds a [`QuantLinear`] and never asks what is inside.
+
+pub mod act_qdq;
+pub mod compressed_tensors;
+pub mod dense;
+pub mod float_quantized;
+pub mod minifloat;
+pub mod nvfp4;
+pub mod pack_quantized;
+
+use candle_core::{DType, Device, Result, Tensor};
+use safetensors::Dtype as StDtype;
+
+use crate::model::checkpoint::{Checkpoint, LoadError};
+pub use act_qdq::{ActivationQdq, ActivationQuantMode};
+pub use compressed_tensors::{Format, LayerScheme, QuantizationConfig};
+
+/// A weight matrix `[out, in]` stored in one format. Stays compressed in memory.
+pub trait QuantizedWeight: Send + Sync {
+    /// `(out_features, in_features)`.
+    fn shape(&self) -> (usize, usize);
+    /// Human-readable format name, e.g. `pack-quantized int4 g128 sym`.
+    fn describe(&self) -> String;
+    /// Bits stored per weight, scales and zero points included.
+    fn bits_per_weight(&self) -> f64;
+    /// The specification: the dequantized weight as compressed-tensors computes it for a float32
+    /// model, row-major. Plain Rust over slices; the reference for every faster path.
+    fn dequantize_f32(&self) -> Result<Vec<f32>>;
+    /// The dequantized weight `[out, in]` in `dtype` on the layer's device.
+    fn dequantize(&self, dtype: DType, device: &Device) -> Result<Tensor> {
+        let (out, inp) = self.shape();
+        Tensor::from_vec(self.dequantize_f32()?, (out, inp), &Device::Cpu)?
+            .to_dtype(dtype)?
+            .to_device(device)
+    }
+}
+
+/// `y = QDQ(x) · Wᵀ (+ b)` for a weight in any supported format.
+pub struct QuantLinear {
+    weight: Box<dyn QuantizedWeight>,
+    bias: Option<Tensor>,
+    activation: Option<ActivationQdq>,
+}
+
+impl QuantLinear {
+    pub fn new(weight: Box<dyn QuantizedWeight>, bias: Option<Tensor>) -> Self {
+        Self {
+            weight,
+            bias,
+            activation: None,
+        }
+    }
+
+    /// `x`: `[tokens, in]` in the compute dtype.
+    pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        let x = match &self.activation {
+            Some(qdq) => qdq.apply(x)?,
+            None => x.clone(),
+        };
+        let w = self.weight.dequantize(x.dtype(), x.device())?;
+        let y = x.matmul(&w.t()?)?;
+        match &self.bias {
+            Some(b) => y.broadcast_add(b),
+            None => Ok(y),
+        }
+    }
+
+    pub fn weight(&self) -> &dyn QuantizedWeight {
+        self.weight.as_ref()
+    }
+
+    pub fn activation(&self) -> Option<&ActivationQdq> {
+        self.activation.as_ref()
+    }
+}
+
+/// Where and how layers are materialised.
+#[derive(Debug, Clone)]
+pub struct LinearOptions {
+    pub device: Device,
+    pub dtype: DType,
+    pub activation_quant: ActivationQuantMode,
+}
+
+/// Loads the Linear `name` (`name.weight` or its compressed tensors, optional `name.bias`).
+/// Checks every tensor and refuses any tensor under `name.` it would not use.
+pub fn load_linear(
+    ckpt: &Checkpoint,
+    name: &str,
+    (out, inp): (usize, usize),
+    bias: bool,
+    scheme: Option<&LayerScheme>,
+    opts: &LinearOptions,
+) -> std::result::Result<QuantLinear, LoadError> {
+    let dev = &opts.device;
+    let (weight, mut used): (Box<dyn QuantizedWeight>, Vec<&str>) = match scheme {
+        None => (
+            Box::new(dense::DenseWeight::load(ckpt, name, (out, inp), dev)?),
+            vec!["weight"],
+        ),
+        Some(s) => match s.format {
+            Format::PackQuantized | Format::IntQuantized => (
+                Box::new(pack_quantized::IntWeight::load(
+                    ckpt,
+                    name,
+                    (out, inp),
+                    s,
+                    dev,
+                )?),
+                vec![
+                    pack_quantized::codes_tensor(s.format),
+                    "weight_scale",
+                    "weight_zero_point",
+                    "weight_shape",
+                ],
+            ),
+            Format::Nvfp4PackQuantized => (
+                Box::new(nvfp4::Nvfp4Weight::load(ckpt, name, (out, inp), dev)?),
+                vec!["weight_packed", "weight_scale", "weight_global_scale"],
+            ),
+            Format::FloatQuantized => (
+                Box::new(float_quantized::Fp8Weight::load(
+                    ckpt,
+                    name,
+                    (out, inp),
+                    s,
+                    dev,
+                )?),
+                vec!["weight", "weight_scale"],
+            ),
+        },
+    };
+    let bias = if bias {
+        used.push("bias");
+        Some(
+            ckpt.tensor(
+                &format!("{name}.bias"),
+                &[StDtype::BF16, StDtype::F16, StDtype::F32],
+                Some(&[out]),
+                dev,
+            )?
+            .to_dtype(opts.dtype)?,
+        )
+    } else {
+        None
+    };
+    let activation = match scheme.and_then(|s| s.input_activations.as_ref()) {
+        Some(args) => {
+            used.extend(["input_global_scale", "input_scale", "input_zero_point"]);
+            let qdq = ActivationQdq::load(ckpt, name, args)?;
+            (opts.activation_quant == ActivationQuantMode::Emulate).then_some(qdq)
+        }
+        None => None,
+    };
+    let prefix = format!("{name}.");
+    if let Some(extra) = ckpt
+        .names_with_prefix(&prefix)
+        .find(|n| !used.contains(&&n[prefix.len()..]))
+    {
+        return Err(LoadError::BadTensor {
+            name: extra.into(),
+            reason: format!(
+                "unexpected for {} (unsupported feature such as g_idx or a second weight?)",
+                scheme.map_or("an unquantized layer", |s| s.format.name())
+            ),
+        });
+    }
+    Ok(QuantLinear {
+        weight,
+        bias,
+        activation,
+    })
+}
+
+/// Reads a small float tensor (scales) as f32 values.
+pub(crate) fn to_f32_vec(t: &Tensor) -> Result<Vec<f32>> {
+    t.flatten_all()?.to_dtype(DType::F32)?.to_vec1::<f32>()
+}
+
+/// Float dtypes a scale may be stored in.
+pub(crate) const SCALE_DTYPES: &[StDtype] = &[StDtype::BF16, StDtype::F16, StDtype::F32];
+
+/// Loads a tensor holding exactly one f32 (a global scale).
+pub(crate) fn load_scalar(ckpt: &Checkpoint, name: &str) -> std::result::Result<f32, LoadError> {
+    let t = ckpt.tensor(name, SCALE_DTYPES, None, &Device::Cpu)?;
+    if t.elem_count() != 1 {
+        return Err(LoadError::WrongShape {
+            name: name.into(),
+            found: t.dims().to_vec(),
+            expected: vec![1],
+        });
+    }
+    let v = to_f32_vec(&t)?[0];
+    if !v.is_finite() || v == 0.0 {
+        return Err(LoadError::BadTensor {
+            name: name.into(),
+            reason: format!("global scale must be finite and non-zero, found {v}"),
+        });
+    }
+    Ok(v)
+}

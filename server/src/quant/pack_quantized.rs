@@ -1,0 +1,268 @@
+//! Integer weights: `pack-quantized` (codes packed into int32 words) and `int-quantized` /
+//! `naive-quantized` (one signed byte per code). int4 and int8, symmetric or with zero points,
+//! `group` or `channel` strategy.
+//!
+//! `w[r, c] = (q[r, c] - zp[r, c / group]) * scale[r, c / group]`, exact in f32.
+
+use candle_core::{Device, Result, Tensor};
+use safetensors::Dtype as StDtype;
+
+use super::compressed_tensors::{Format, LayerScheme, Strategy};
+use super::{to_f32_vec, QuantizedWeight, SCALE_DTYPES};
+use crate::model::checkpoint::{Checkpoint, LoadError};
+
+/// Name of the tensor that holds the codes in `format`.
+pub fn codes_tensor(format: Format) -> &'static str {
+    if format == Format::PackQuantized {
+        "weight_packed"
+    } else {
+        "weight"
+    }
+}
+
+pub struct IntWeight {
+    out: usize,
+    inp: usize,
+    bits: usize,
+    group: usize,
+    /// `true`: int32 words with codes `q + 2^(bits-1)`; `false`: one i8 per code (as u8 bits).
+    packed: bool,
+    codes: Tensor,
+    scale: Tensor,
+    /// Zero points: packed along dim 0 (pack-quantized) or `[out, groups]` i8 bytes.
+    zero_point: Option<Tensor>,
+}
+
+/// Unpacks `count` codes of `bits` bits from little-endian int32 words, lowest bits first,
+/// removing the `2^(bits-1)` offset.
+pub fn unpack_int32(words: &[i32], bits: usize, count: usize) -> Vec<i32> {
+    let mask = (1u32 << bits) - 1;
+    let offset = 1i32 << (bits - 1);
+    (0..count)
+        .map(|j| {
+            let word = words[(j * bits) / 32] as u32;
+            ((word >> ((j * bits) % 32)) & mask) as i32 - offset
+        })
+        .collect()
+}
+
+/// Inverse of [`unpack_int32`] (used by tests and by tools that write checkpoints).
+pub fn pack_int32(values: &[i32], bits: usize) -> Vec<i32> {
+    let mut words = vec![0u32; (values.len() * bits).div_ceil(32)];
+    let offset = 1i32 << (bits - 1);
+    let mask = (1u32 << bits) - 1;
+    for (j, &v) in values.iter().enumerate() {
+        words[(j * bits) / 32] |= (((v + offset) as u32) & mask) << ((j * bits) % 32);
+    }
+    words.into_iter().map(|w| w as i32).collect()
+}
+
+impl IntWeight {
+    pub fn load(
+        ckpt: &Checkpoint,
+        name: &str,
+        (out, inp): (usize, usize),
+        scheme: &LayerScheme,
+        device: &Device,
+    ) -> std::result::Result<Self, LoadError> {
+        let args = &scheme.weights;
+        let bits = args.num_bits as usize;
+        let group = match args.strategy {
+            Strategy::Channel => inp,
+            _ => args.group_size.unwrap_or(inp),
+        };
+        if inp % group != 0 {
+            return Err(LoadError::Unsupported {
+                layer: name.into(),
+                field: "weights.group_size".into(),
+                reason: format!("{group} does not divide in_features {inp}"),
+            });
+        }
+        let groups = inp / group;
+        let packed = scheme.format == Format::PackQuantized;
+        let codes = if packed {
+            let cols = (inp * bits).div_ceil(32);
+            ckpt.tensor(
+                &format!("{name}.weight_packed"),
+                &[StDtype::I32],
+                Some(&[out, cols]),
+                device,
+            )?
+        } else {
+            ckpt.tensor(
+                &format!("{name}.weight"),
+                &[StDtype::I8],
+                Some(&[out, inp]),
+                device,
+            )?
+        };
+        let scale = ckpt.tensor(
+            &format!("{name}.weight_scale"),
+            SCALE_DTYPES,
+            Some(&[out, groups]),
+            device,
+        )?;
+        let zp_name = format!("{name}.weight_zero_point");
+        let zero_point = match (args.symmetric, packed) {
+            (true, _) => None,
+            (false, true) => {
+                let rows = (out * bits).div_ceil(32);
+                Some(ckpt.tensor(&zp_name, &[StDtype::I32], Some(&[rows, groups]), device)?)
+            }
+            (false, false) => {
+                Some(ckpt.tensor(&zp_name, &[StDtype::I8], Some(&[out, groups]), device)?)
+            }
+        };
+        let shape_name = format!("{name}.weight_shape");
+        if ckpt.contains(&shape_name) {
+            let stored = ckpt
+                .tensor(
+                    &shape_name,
+                    &[StDtype::I64, StDtype::I32],
+                    Some(&[2]),
+                    &Device::Cpu,
+                )?
+                .to_dtype(candle_core::DType::I64)?
+                .to_vec1::<i64>()?;
+            if stored != [out as i64, inp as i64] {
+                return Err(LoadError::BadTensor {
+                    name: shape_name,
+                    reason: format!("says {stored:?}, the model config implies [{out}, {inp}]"),
+                });
+            }
+        }
+        Ok(Self {
+            out,
+            inp,
+            bits,
+            group,
+            packed,
+            codes,
+            scale,
+            zero_point,
+        })
+    }
+
+    /// Signed codes, row-major `[out, in]`.
+    fn codes(&self) -> Result<Vec<i32>> {
+        if self.packed {
+            let words = self.codes.flatten_all()?.to_vec1::<i32>()?;
+            let cols = words.len() / self.out;
+            let mut q = Vec::with_capacity(self.out * self.inp);
+            for row in words.chunks(cols) {
+                q.extend(unpack_int32(row, self.bits, self.inp));
+            }
+            Ok(q)
+        } else {
+            Ok(signed_bytes(&self.codes)?)
+        }
+    }
+
+    /// Zero points, row-major `[out, groups]` (all zero when symmetric).
+    fn zero_points(&self) -> Result<Vec<i32>> {
+        let groups = self.inp / self.group;
+        let Some(zp) = &self.zero_point else {
+            return Ok(vec![0; self.out * groups]);
+        };
+        if !self.packed {
+            return signed_bytes(zp);
+        }
+        // Packed along dim 0: column g of the word matrix holds the zero points of every row.
+        let words = zp.flatten_all()?.to_vec1::<i32>()?;
+        let rows = words.len() / groups;
+        let mut out = vec![0; self.out * groups];
+        for g in 0..groups {
+            let column: Vec<i32> = (0..rows).map(|r| words[r * groups + g]).collect();
+            for (r, v) in unpack_int32(&column, self.bits, self.out)
+                .into_iter()
+                .enumerate()
+            {
+                out[r * groups + g] = v;
+            }
+        }
+        Ok(out)
+    }
+}
+
+fn signed_bytes(t: &Tensor) -> Result<Vec<i32>> {
+    Ok(t.flatten_all()?
+        .to_vec1::<u8>()?
+        .into_iter()
+        .map(|b| b as i8 as i32)
+        .collect())
+}
+
+impl QuantizedWeight for IntWeight {
+    fn shape(&self) -> (usize, usize) {
+        (self.out, self.inp)
+    }
+
+    fn describe(&self) -> String {
+        let layout = if self.packed {
+            "pack-quantized"
+        } else {
+            "int-quantized"
+        };
+        let sym = if self.zero_point.is_some() {
+            "asym"
+        } else {
+            "sym"
+        };
+        let grouping = if self.group == self.inp {
+            "channel".to_string()
+        } else {
+            format!("g{}", self.group)
+        };
+        format!("{layout} int{} {grouping} {sym}", self.bits)
+    }
+
+    fn bits_per_weight(&self) -> f64 {
+        let scale_bits = (self.scale.dtype().size_in_bytes() * 8) as f64;
+        let zp_bits = if self.zero_point.is_some() {
+            self.bits as f64
+        } else {
+            0.0
+        };
+        self.bits as f64 + (scale_bits + zp_bits) / self.group as f64
+    }
+
+    fn dequantize_f32(&self) -> Result<Vec<f32>> {
+        let q = self.codes()?;
+        let zp = self.zero_points()?;
+        let scale = to_f32_vec(&self.scale)?;
+        let groups = self.inp / self.group;
+        let mut w = Vec::with_capacity(q.len());
+        for r in 0..self.out {
+            for c in 0..self.inp {
+                let g = r * groups + c / self.group;
+                w.push((q[r * self.inp + c] - zp[g]) as f32 * scale[g]);
+            }
+        }
+        Ok(w)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    proptest! {
+        #[test]
+        fn int4_pack_then_unpack_is_identity(values in prop::collection::vec(-8i32..8, 1..70)) {
+            prop_assert_eq!(unpack_int32(&pack_int32(&values, 4), 4, values.len()), values);
+        }
+
+        #[test]
+        fn int8_pack_then_unpack_is_identity(values in prop::collection::vec(-128i32..128, 1..70)) {
+            prop_assert_eq!(unpack_int32(&pack_int32(&values, 8), 8, values.len()), values);
+        }
+    }
+
+    #[test]
+    fn int4_layout_matches_the_spec_low_nibble_first() {
+        // Element 0 in the lowest bits: codes 0x1 (q=-7) then 0xF (q=7).
+        let word = 0x0000_00F1u32 as i32;
+        assert_eq!(unpack_int32(&[word], 4, 2), vec![-7, 7]);
+    }
+}

@@ -1,0 +1,1 @@
+//! End-to-end test crate (tests live in tests/tests).
