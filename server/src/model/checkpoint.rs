@@ -62,10 +62,23 @@ impl LoadError {
     }
 }
 
+/// A tensor held in host memory: dtype, shape and little-endian bytes, as in a safetensors file.
+pub struct HostTensor {
+    pub dtype: StDtype,
+    pub shape: Vec<usize>,
+    pub data: Vec<u8>,
+}
+
+enum Storage {
+    Files(MmapedSafetensors),
+    /// Built in memory (benchmarks with random weights of a real model's shape).
+    Memory(std::collections::HashMap<String, HostTensor>),
+}
+
 /// An opened checkpoint. Tensors are memory-mapped and copied to the device on request only.
 pub struct Checkpoint {
     dir: PathBuf,
-    tensors: MmapedSafetensors,
+    storage: Storage,
     names: BTreeSet<String>,
 }
 
@@ -86,9 +99,18 @@ impl Checkpoint {
         let names = tensors.tensors().into_iter().map(|(n, _)| n).collect();
         Ok(Self {
             dir: dir.to_path_buf(),
-            tensors,
+            storage: Storage::Files(tensors),
             names,
         })
+    }
+
+    /// A checkpoint whose tensors are already in memory.
+    pub fn from_memory(tensors: std::collections::HashMap<String, HostTensor>) -> Self {
+        Self {
+            dir: PathBuf::from("<memory>"),
+            names: tensors.keys().cloned().collect(),
+            storage: Storage::Memory(tensors),
+        }
     }
 
     pub fn dir(&self) -> &Path {
@@ -101,11 +123,17 @@ impl Checkpoint {
 
     /// Shape and dtype of a tensor without loading it.
     pub fn meta(&self, name: &str) -> Result<(StDtype, Vec<usize>), LoadError> {
-        let view = self
-            .tensors
-            .get(name)
-            .map_err(|_| LoadError::MissingTensor { name: name.into() })?;
-        Ok((view.dtype(), view.shape().to_vec()))
+        let missing = || LoadError::MissingTensor { name: name.into() };
+        match &self.storage {
+            Storage::Files(files) => {
+                let view = files.get(name).map_err(|_| missing())?;
+                Ok((view.dtype(), view.shape().to_vec()))
+            }
+            Storage::Memory(map) => {
+                let t = map.get(name).ok_or_else(missing)?;
+                Ok((t.dtype, t.shape.clone()))
+            }
+        }
     }
 
     /// Loads `name` after checking its dtype is one of `dtypes` and its shape is `shape`
@@ -139,16 +167,24 @@ impl Checkpoint {
                 });
             }
         }
-        if matches!(dtype, StDtype::I8 | StDtype::F8_E4M3) {
-            let view = self.tensors.get(name)?;
-            return Ok(Tensor::from_raw_buffer(
-                view.data(),
-                DType::U8,
-                &found,
-                device,
-            )?);
-        }
-        Ok(self.tensors.load(name, device)?)
+        // Byte-sized codes keep their bits as U8 (candle has no I8; we decode F8 ourselves).
+        let as_bytes = matches!(dtype, StDtype::I8 | StDtype::F8_E4M3);
+        let candle_dtype = if as_bytes {
+            DType::U8
+        } else {
+            DType::try_from(dtype)?
+        };
+        let data = match &self.storage {
+            Storage::Files(files) if !as_bytes => return Ok(files.load(name, device)?),
+            Storage::Files(files) => files.get(name)?.data().to_vec(),
+            Storage::Memory(map) => map[name].data.clone(),
+        };
+        Ok(Tensor::from_raw_buffer(
+            &data,
+            candle_dtype,
+            &found,
+            device,
+        )?)
     }
 
     /// Every tensor name that starts with `prefix` (used to reject tensors we would ignore).

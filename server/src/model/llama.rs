@@ -9,7 +9,7 @@ use candle_core::{DType, Device, Module, Result, Tensor, D};
 use super::checkpoint::{read_to_string, Checkpoint, LoadError};
 use super::config::{Architecture, ModelConfig};
 use super::rope::{inv_freq, RopeTables};
-use super::scoring::{score_row, SequenceScores};
+use super::scoring::{score_logits, SequenceScores};
 use crate::quant::dense::DenseWeight;
 use crate::quant::{load_linear, LinearOptions, QuantLinear, QuantizationConfig, SCALE_DTYPES};
 
@@ -128,9 +128,18 @@ impl LinearLoader<'_> {
 }
 
 impl Model {
+    /// Loads the checkpoint directory `dir` (config.json + safetensors).
     pub fn load(dir: &Path, opts: &ModelOptions) -> std::result::Result<Self, LoadError> {
         let config = ModelConfig::from_json(&read_to_string(&dir.join("config.json"))?)?;
-        let ckpt = Checkpoint::open(dir)?;
+        Self::from_checkpoint(config, &Checkpoint::open(dir)?, opts)
+    }
+
+    /// Builds the model from an opened checkpoint (files or memory).
+    pub fn from_checkpoint(
+        config: ModelConfig,
+        ckpt: &Checkpoint,
+        opts: &ModelOptions,
+    ) -> std::result::Result<Self, LoadError> {
         let quant = config
             .quantization_config
             .as_ref()
@@ -147,7 +156,7 @@ impl Model {
         }
         let lin = &opts.linear;
         let loader = LinearLoader {
-            ckpt: &ckpt,
+            ckpt,
             quant,
             opts: lin,
         };
@@ -171,13 +180,13 @@ impl Model {
             let head_norm = |which: &str| -> std::result::Result<Option<RmsNorm>, LoadError> {
                 c.qk_norm
                     .then(|| {
-                        RmsNorm::load(&ckpt, &format!("{p}.self_attn.{which}"), c.head_dim, lin)
+                        RmsNorm::load(ckpt, &format!("{p}.self_attn.{which}"), c.head_dim, lin)
                     })
                     .transpose()
                     .map(|n| n.map(|n| n.with_eps(c.rms_norm_eps)))
             };
             layers.push(DecoderLayer {
-                input_layernorm: RmsNorm::load(&ckpt, &format!("{p}.input_layernorm"), h, lin)?
+                input_layernorm: RmsNorm::load(ckpt, &format!("{p}.input_layernorm"), h, lin)?
                     .with_eps(c.rms_norm_eps),
                 self_attn: Attention {
                     q_proj: loader.load(
@@ -204,7 +213,7 @@ impl Model {
                     sliding_window: c.sliding_window,
                 },
                 post_attention_layernorm: RmsNorm::load(
-                    &ckpt,
+                    ckpt,
                     &format!("{p}.post_attention_layernorm"),
                     h,
                     lin,
@@ -229,7 +238,7 @@ impl Model {
                 },
             });
         }
-        let norm = RmsNorm::load(&ckpt, "model.norm", h, lin)?.with_eps(c.rms_norm_eps);
+        let norm = RmsNorm::load(ckpt, "model.norm", h, lin)?.with_eps(c.rms_norm_eps);
         let lm_head = if c.tie_word_embeddings && !ckpt.contains("lm_head.weight") {
             QuantLinear::new(
                 Box::new(DenseWeight::from_tensor(embed_tokens.clone())),
@@ -319,15 +328,11 @@ impl Model {
             for start in (0..n).step_by(LM_HEAD_CHUNK) {
                 let len = LM_HEAD_CHUNK.min(n - start);
                 let h = hidden.narrow(0, offset + start, len)?;
-                let logits = self
-                    .lm_head
-                    .forward(&h)?
-                    .to_dtype(DType::F32)?
-                    .to_vec2::<f32>()?;
-                for (i, row) in logits.iter().enumerate() {
-                    let target = input.tokens.get(start + i + 1).copied();
-                    rows.push(score_row(row, target, input.top_k));
-                }
+                let logits = self.lm_head.forward(&h)?;
+                let targets: Vec<Option<u32>> = (start..start + len)
+                    .map(|i| input.tokens.get(i + 1).copied())
+                    .collect();
+                rows.extend(score_logits(&logits, &targets, input.top_k)?);
             }
             offset += n;
             out.push(SequenceScores { rows });
@@ -420,7 +425,26 @@ impl Attention {
         };
         let (k, v) = (repeat(k)?, repeat(v)?);
         let q = q.to_dtype(DType::F32)?;
-        let scores = (q.matmul(&k.t()?)? * (1.0 / (dim as f64).sqrt()))?;
+        let scale = 1.0 / (dim as f64).sqrt();
+        #[cfg(feature = "cuda")]
+        if q.device().is_cuda() {
+            let attend = || {
+                let scores = q.matmul(&k.t()?)?;
+                let probs =
+                    crate::cuda::causal_softmax(&scores, scale as f32, self.sliding_window)?;
+                probs.matmul(&v)
+            };
+            let out = if dtype == DType::F32 {
+                attend()?
+            } else {
+                crate::cuda::with_tf32(attend)?
+            };
+            return out
+                .transpose(1, 2)?
+                .reshape((len, heads * dim))?
+                .to_dtype(dtype);
+        }
+        let scores = (q.matmul(&k.t()?)? * scale)?;
         let mask = causal_mask(len, self.sliding_window, q.device())?;
         let probs = candle_nn::ops::softmax_last_dim(&scores.broadcast_add(&mask)?)?;
         probs

@@ -73,6 +73,14 @@ impl ActivationQdq {
 
     /// QDQ of `x` (`[tokens, k]`, any float dtype), computed in f32 and returned in x's dtype.
     pub fn apply(&self, x: &Tensor) -> Result<Tensor> {
+        #[cfg(feature = "cuda")]
+        if x.device().is_cuda() {
+            return match *self {
+                Self::Fp8PerToken => crate::cuda::qdq_fp8(x, None),
+                Self::Fp8Static { scale } => crate::cuda::qdq_fp8(x, Some(scale)),
+                Self::Nvfp4 { global_scale } => crate::cuda::qdq_nvfp4(x, global_scale),
+            };
+        }
         let (rows, k) = x.dims2()?;
         let mut values = x.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
         for row in values.chunks_mut(k) {

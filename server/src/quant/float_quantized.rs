@@ -1,7 +1,7 @@
 //! `float-quantized`: fp8 e4m3 weights with a per-tensor, per-channel or per-block scale.
 //! `w[r, c] = f32(fp8(weight[r, c])) * f32(scale[..])`, exact in f32.
 
-use candle_core::{Device, Result, Tensor};
+use candle_core::{DType, Device, Result, Tensor};
 use safetensors::Dtype as StDtype;
 
 use super::compressed_tensors::{LayerScheme, Strategy};
@@ -13,9 +13,11 @@ pub struct Fp8Weight {
     out: usize,
     inp: usize,
     weight: Tensor,
+    /// f32, one per block, row-major.
     scale: Tensor,
     /// Rows and columns covered by one scale.
     block: (usize, usize),
+    stored_bits: f64,
 }
 
 impl Fp8Weight {
@@ -42,7 +44,8 @@ impl Fp8Weight {
         };
         let scale_name = format!("{name}.weight_scale");
         let expected = [out.div_ceil(block.0), inp.div_ceil(block.1)];
-        let scale = ckpt.tensor(&scale_name, SCALE_DTYPES, None, device)?;
+        let scale = ckpt.tensor(&scale_name, SCALE_DTYPES, None, &Device::Cpu)?;
+        let scale_bits = (scale.dtype().size_in_bytes() * 8) as f64;
         // A per-tensor scale may be stored as [1] or [] as well as [1, 1].
         let ok = scale.dims() == expected || (expected == [1, 1] && scale.elem_count() == 1);
         if !ok {
@@ -56,8 +59,12 @@ impl Fp8Weight {
             out,
             inp,
             weight,
-            scale,
+            scale: scale
+                .flatten_all()?
+                .to_dtype(DType::F32)?
+                .to_device(device)?,
             block,
+            stored_bits: 8.0 + scale_bits / (block.0 * block.1) as f64,
         })
     }
 }
@@ -77,8 +84,7 @@ impl QuantizedWeight for Fp8Weight {
     }
 
     fn bits_per_weight(&self) -> f64 {
-        let scale_bits = (self.scale.dtype().size_in_bytes() * 8) as f64;
-        8.0 + scale_bits / (self.block.0 * self.block.1) as f64
+        self.stored_bits
     }
 
     fn dequantize_f32(&self) -> Result<Vec<f32>> {
@@ -93,5 +99,19 @@ impl QuantizedWeight for Fp8Weight {
             }
         }
         Ok(w)
+    }
+
+    #[cfg(feature = "cuda")]
+    fn dequantize(&self, dtype: DType, device: &Device) -> Result<Tensor> {
+        if !self.weight.device().is_cuda() {
+            return self.dequantize_reference(dtype, device);
+        }
+        crate::cuda::dequant_fp8(
+            &self.weight,
+            &self.scale,
+            (self.out, self.inp),
+            self.block,
+            dtype,
+        )
     }
 }

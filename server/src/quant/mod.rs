@@ -27,8 +27,13 @@ pub trait QuantizedWeight: Send + Sync {
     /// The specification: the dequantized weight as compressed-tensors computes it for a float32
     /// model, row-major. Plain Rust over slices; the reference for every faster path.
     fn dequantize_f32(&self) -> Result<Vec<f32>>;
-    /// The dequantized weight `[out, in]` in `dtype` on the layer's device.
+    /// The dequantized weight `[out, in]` in `dtype` on the layer's device. Formats override
+    /// this with a GPU kernel; on the CPU it is the reference.
     fn dequantize(&self, dtype: DType, device: &Device) -> Result<Tensor> {
+        self.dequantize_reference(dtype, device)
+    }
+    /// [`Self::dequantize_f32`] rounded to `dtype` (nearest even) and moved to `device`.
+    fn dequantize_reference(&self, dtype: DType, device: &Device) -> Result<Tensor> {
         let (out, inp) = self.shape();
         Tensor::from_vec(self.dequantize_f32()?, (out, inp), &Device::Cpu)?
             .to_dtype(dtype)?

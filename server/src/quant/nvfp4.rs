@@ -97,4 +97,18 @@ impl QuantizedWeight for Nvfp4Weight {
         }
         Ok(w)
     }
+
+    #[cfg(feature = "cuda")]
+    fn dequantize(&self, dtype: candle_core::DType, device: &Device) -> Result<Tensor> {
+        if !self.packed.device().is_cuda() {
+            return self.dequantize_reference(dtype, device);
+        }
+        crate::cuda::dequant_nvfp4(
+            &self.packed,
+            &self.scale,
+            self.global_scale,
+            (self.out, self.inp),
+            dtype,
+        )
+    }
 }

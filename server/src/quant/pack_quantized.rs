@@ -4,7 +4,7 @@
 //!
 //! `w[r, c] = (q[r, c] - zp[r, c / group]) * scale[r, c / group]`, exact in f32.
 
-use candle_core::{Device, Result, Tensor};
+use candle_core::{DType, Device, Result, Tensor};
 use safetensors::Dtype as StDtype;
 
 use super::compressed_tensors::{Format, LayerScheme, Strategy};
@@ -20,17 +20,20 @@ pub fn codes_tensor(format: Format) -> &'static str {
     }
 }
 
+/// Both on-disk layouts are brought at load into one layout that the CPU reference and the GPU
+/// kernel share: codes packed into int32 words along each row (the pack-quantized layout, as
+/// stored, so the bulk of the bytes is not touched), f32 scales `[out, groups]` and unpacked
+/// i32 zero points `[out, groups]` (both tiny).
 pub struct IntWeight {
     out: usize,
     inp: usize,
     bits: usize,
     group: usize,
-    /// `true`: int32 words with codes `q + 2^(bits-1)`; `false`: one i8 per code (as u8 bits).
-    packed: bool,
     codes: Tensor,
     scale: Tensor,
-    /// Zero points: packed along dim 0 (pack-quantized) or `[out, groups]` i8 bytes.
     zero_point: Option<Tensor>,
+    /// Bits per weight as stored on disk (scale dtype and zero points included).
+    stored_bits: f64,
 }
 
 /// Unpacks `count` codes of `bits` bits from little-endian int32 words, lowest bits first,
@@ -79,6 +82,7 @@ impl IntWeight {
             });
         }
         let groups = inp / group;
+        let cpu = &Device::Cpu;
         let packed = scheme.format == Format::PackQuantized;
         let codes = if packed {
             let cols = (inp * bits).div_ceil(32);
@@ -89,29 +93,46 @@ impl IntWeight {
                 device,
             )?
         } else {
-            ckpt.tensor(
+            let bytes = ckpt.tensor(
                 &format!("{name}.weight"),
                 &[StDtype::I8],
                 Some(&[out, inp]),
-                device,
-            )?
+                cpu,
+            )?;
+            let words: Vec<i32> = signed_bytes(&bytes)?
+                .chunks(inp)
+                .flat_map(|row| pack_int32(row, bits))
+                .collect();
+            let cols = words.len() / out;
+            Tensor::from_vec(words, (out, cols), device)?
         };
-        let scale = ckpt.tensor(
+        let raw_scale = ckpt.tensor(
             &format!("{name}.weight_scale"),
             SCALE_DTYPES,
             Some(&[out, groups]),
-            device,
+            cpu,
         )?;
+        let scale_bits = (raw_scale.dtype().size_in_bytes() * 8) as f64;
+        let scale = raw_scale.to_dtype(DType::F32)?.to_device(device)?;
         let zp_name = format!("{name}.weight_zero_point");
         let zero_point = match (args.symmetric, packed) {
             (true, _) => None,
             (false, true) => {
                 let rows = (out * bits).div_ceil(32);
-                Some(ckpt.tensor(&zp_name, &[StDtype::I32], Some(&[rows, groups]), device)?)
+                let words = ckpt.tensor(&zp_name, &[StDtype::I32], Some(&[rows, groups]), cpu)?;
+                Some(unpack_zero_points(&words, bits, out, groups)?)
             }
             (false, false) => {
-                Some(ckpt.tensor(&zp_name, &[StDtype::I8], Some(&[out, groups]), device)?)
+                let bytes = ckpt.tensor(&zp_name, &[StDtype::I8], Some(&[out, groups]), cpu)?;
+                Some(signed_bytes(&bytes)?)
             }
+        }
+        .map(|zp| Tensor::from_vec(zp, (out, groups), device))
+        .transpose()?;
+        let zp_bits = if zero_point.is_some() {
+            bits as f64
+        } else {
+            0.0
         };
         let shape_name = format!("{name}.weight_shape");
         if ckpt.contains(&shape_name) {
@@ -136,52 +157,38 @@ impl IntWeight {
             inp,
             bits,
             group,
-            packed,
             codes,
             scale,
             zero_point,
+            stored_bits: bits as f64 + (scale_bits + zp_bits) / group as f64,
         })
     }
 
     /// Signed codes, row-major `[out, in]`.
     fn codes(&self) -> Result<Vec<i32>> {
-        if self.packed {
-            let words = self.codes.flatten_all()?.to_vec1::<i32>()?;
-            let cols = words.len() / self.out;
-            let mut q = Vec::with_capacity(self.out * self.inp);
-            for row in words.chunks(cols) {
-                q.extend(unpack_int32(row, self.bits, self.inp));
-            }
-            Ok(q)
-        } else {
-            Ok(signed_bytes(&self.codes)?)
+        let words = self.codes.flatten_all()?.to_vec1::<i32>()?;
+        let cols = words.len() / self.out;
+        let mut q = Vec::with_capacity(self.out * self.inp);
+        for row in words.chunks(cols) {
+            q.extend(unpack_int32(row, self.bits, self.inp));
         }
+        Ok(q)
     }
+}
 
-    /// Zero points, row-major `[out, groups]` (all zero when symmetric).
-    fn zero_points(&self) -> Result<Vec<i32>> {
-        let groups = self.inp / self.group;
-        let Some(zp) = &self.zero_point else {
-            return Ok(vec![0; self.out * groups]);
-        };
-        if !self.packed {
-            return signed_bytes(zp);
+/// Zero points packed along dim 0 (column g of the word matrix holds the zero points of every
+/// output row for group g) → row-major `[out, groups]`.
+fn unpack_zero_points(words: &Tensor, bits: usize, out: usize, groups: usize) -> Result<Vec<i32>> {
+    let words = words.flatten_all()?.to_vec1::<i32>()?;
+    let rows = words.len() / groups;
+    let mut zp = vec![0; out * groups];
+    for g in 0..groups {
+        let column: Vec<i32> = (0..rows).map(|r| words[r * groups + g]).collect();
+        for (r, v) in unpack_int32(&column, bits, out).into_iter().enumerate() {
+            zp[r * groups + g] = v;
         }
-        // Packed along dim 0: column g of the word matrix holds the zero points of every row.
-        let words = zp.flatten_all()?.to_vec1::<i32>()?;
-        let rows = words.len() / groups;
-        let mut out = vec![0; self.out * groups];
-        for g in 0..groups {
-            let column: Vec<i32> = (0..rows).map(|r| words[r * groups + g]).collect();
-            for (r, v) in unpack_int32(&column, self.bits, self.out)
-                .into_iter()
-                .enumerate()
-            {
-                out[r * groups + g] = v;
-            }
-        }
-        Ok(out)
     }
+    Ok(zp)
 }
 
 fn signed_bytes(t: &Tensor) -> Result<Vec<i32>> {
@@ -198,11 +205,6 @@ impl QuantizedWeight for IntWeight {
     }
 
     fn describe(&self) -> String {
-        let layout = if self.packed {
-            "pack-quantized"
-        } else {
-            "int-quantized"
-        };
         let sym = if self.zero_point.is_some() {
             "asym"
         } else {
@@ -213,24 +215,21 @@ impl QuantizedWeight for IntWeight {
         } else {
             format!("g{}", self.group)
         };
-        format!("{layout} int{} {grouping} {sym}", self.bits)
+        format!("int{} {grouping} {sym}", self.bits)
     }
 
     fn bits_per_weight(&self) -> f64 {
-        let scale_bits = (self.scale.dtype().size_in_bytes() * 8) as f64;
-        let zp_bits = if self.zero_point.is_some() {
-            self.bits as f64
-        } else {
-            0.0
-        };
-        self.bits as f64 + (scale_bits + zp_bits) / self.group as f64
+        self.stored_bits
     }
 
     fn dequantize_f32(&self) -> Result<Vec<f32>> {
         let q = self.codes()?;
-        let zp = self.zero_points()?;
-        let scale = to_f32_vec(&self.scale)?;
         let groups = self.inp / self.group;
+        let zp = match &self.zero_point {
+            Some(zp) => zp.flatten_all()?.to_vec1::<i32>()?,
+            None => vec![0; self.out * groups],
+        };
+        let scale = to_f32_vec(&self.scale)?;
         let mut w = Vec::with_capacity(q.len());
         for r in 0..self.out {
             for c in 0..self.inp {
@@ -239,6 +238,22 @@ impl QuantizedWeight for IntWeight {
             }
         }
         Ok(w)
+    }
+
+    #[cfg(feature = "cuda")]
+    fn dequantize(&self, dtype: DType, device: &Device) -> Result<Tensor> {
+        if !self.codes.device().is_cuda() {
+            return self.dequantize_reference(dtype, device);
+        }
+        crate::cuda::dequant_int(
+            &self.codes,
+            &self.scale,
+            self.zero_point.as_ref(),
+            (self.out, self.inp),
+            self.bits,
+            self.group,
+            dtype,
+        )
     }
 }
 

@@ -1,0 +1,33 @@
+//! Compiles server/kernels/*.cu to PTX with nvcc when the `cuda` feature is on.
+//! nvcc comes from $NVCC (set by ../shared/gpu/cuda-env.sh) or PATH; the target architecture
+//! from $CUDA_COMPUTE_CAP (default 90: H100/H200).
+
+fn main() {
+    println!("cargo:rerun-if-changed=kernels");
+    println!("cargo:rerun-if-env-changed=CUDA_COMPUTE_CAP");
+    if std::env::var_os("CARGO_FEATURE_CUDA").is_none() {
+        return;
+    }
+    let nvcc = std::env::var("NVCC").unwrap_or_else(|_| "nvcc".into());
+    let cap = std::env::var("CUDA_COMPUTE_CAP").unwrap_or_else(|_| "90".into());
+    let out = std::path::PathBuf::from(std::env::var("OUT_DIR").unwrap());
+    {
+        let src = "kernels/exactscore.cu";
+        let ptx = out.join("exactscore.ptx");
+        let status = std::process::Command::new(&nvcc)
+            .args([
+                "--ptx",
+                "-O3",
+                "-std=c++17",
+                &format!("-arch=compute_{cap}"),
+                "-o",
+            ])
+            .arg(&ptx)
+            .arg(src)
+            .status()
+            .unwrap_or_else(|e| {
+                panic!("cannot run nvcc ({nvcc}): {e}; source ../shared/gpu/cuda-env.sh")
+            });
+        assert!(status.success(), "nvcc failed on {src}");
+    }
+}

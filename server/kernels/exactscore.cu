@@ -1,0 +1,322 @@
+// ExactScore CUDA kernels: dequantization of compressed-tensors weights, activation QDQ and
+// fused scoring (log-softmax + gather + argmax + top-k). Every kernel mirrors a CPU reference in
+// server/src/quant or server/src/model/scoring.rs; all arithmetic is IEEE f32 (no fast math), so
+// dequantization and QDQ are bit-identical to the CPU path.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <stdint.h>
+
+template <typename T> __device__ __forceinline__ T from_f32(float v);
+template <> __device__ __forceinline__ float from_f32<float>(float v) { return v; }
+template <> __device__ __forceinline__ __nv_bfloat16 from_f32<__nv_bfloat16>(float v) { return __float2bfloat16_rn(v); }
+template <> __device__ __forceinline__ __half from_f32<__half>(float v) { return __float2half_rn(v); }
+
+template <typename T> __device__ __forceinline__ float to_f32(T v);
+template <> __device__ __forceinline__ float to_f32<float>(float v) { return v; }
+template <> __device__ __forceinline__ float to_f32<__nv_bfloat16>(__nv_bfloat16 v) { return __bfloat162float(v); }
+template <> __device__ __forceinline__ float to_f32<__half>(__half v) { return __half2float(v); }
+
+__device__ __forceinline__ float fp8_e4m3_to_f32(uint8_t b) {
+    int exp = (b >> 3) & 0xF;
+    int man = b & 7;
+    float mag;
+    if (exp == 0) mag = ldexpf((float)man, -9);
+    else if (exp == 15 && man == 7) mag = __int_as_float(0x7fc00000);
+    else mag = ldexpf(1.0f + man / 8.0f, exp - 7);
+    return (b & 0x80) ? -mag : mag;
+}
+
+__constant__ float FP4_VALUES[8] = {0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f};
+
+__device__ __forceinline__ float fp4_e2m1_to_f32(uint8_t nibble) {
+    float mag = FP4_VALUES[nibble & 7];
+    return (nibble & 8) ? -mag : mag;
+}
+
+// Round to nearest even on a float grid with `mant` explicit bits and smallest normal exponent
+// `min_exp` (see quant/minifloat.rs: round_to_grid).
+__device__ __forceinline__ float round_to_grid(float x, int min_exp, int mant) {
+    if (x == 0.0f || !isfinite(x)) return x;
+    int binade = (int)((__float_as_uint(fabsf(x)) >> 23) & 0xFF) - 127;
+    float ulp = ldexpf(1.0f, max(binade, min_exp) - mant);
+    return copysignf(rintf(x / ulp) * ulp, x);
+}
+
+__device__ __forceinline__ float bf16_round(float v) { return __bfloat162float(__float2bfloat16_rn(v)); }
+
+// ---- dequantization: one thread per packed word / byte -------------------------------------
+
+// pack-quantized int4/int8: w = (q - zp) * scale. `zps` may be null (symmetric).
+template <typename T>
+__device__ void dequant_int(const int32_t* packed, const float* scales, const int32_t* zps, T* out,
+                            int rows, int cols, int words_per_row, int bits, int group) {
+    long idx = (long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (idx >= (long)rows * words_per_row) return;
+    int r = idx / words_per_row;
+    int w = idx % words_per_row;
+    uint32_t word = (uint32_t)packed[idx];
+    int per = 32 / bits;
+    uint32_t mask = (1u << bits) - 1;
+    int offset = 1 << (bits - 1);
+    int groups = cols / group;
+    for (int i = 0; i < per; ++i) {
+        int c = w * per + i;
+        if (c >= cols) break;
+        int g = r * groups + c / group;
+        int q = (int)((word >> (i * bits)) & mask) - offset;
+        int zp = zps ? zps[g] : 0;
+        out[(long)r * cols + c] = from_f32<T>((float)(q - zp) * scales[g]);
+    }
+}
+
+// nvfp4: w = bf16(fp4(code) * (fp8(scale) / global)), two codes per byte, low nibble first.
+template <typename T>
+__device__ void dequant_nvfp4(const uint8_t* packed, const uint8_t* scales, float global_scale, T* out,
+                              int rows, int cols) {
+    long idx = (long)blockIdx.x * blockDim.x + threadIdx.x;
+    long half_cols = cols / 2;
+    if (idx >= (long)rows * half_cols) return;
+    int r = idx / half_cols;
+    int c = (idx % half_cols) * 2;
+    uint8_t b = packed[idx];
+    float s = fp8_e4m3_to_f32(scales[(long)r * (cols / 16) + c / 16]) / global_scale;
+    out[(long)r * cols + c] = from_f32<T>(bf16_round(fp4_e2m1_to_f32(b & 0xF) * s));
+    out[(long)r * cols + c + 1] = from_f32<T>(bf16_round(fp4_e2m1_to_f32(b >> 4) * s));
+}
+
+// float-quantized fp8: w = fp8(code) * scale[r / block_rows, c / block_cols].
+template <typename T>
+__device__ void dequant_fp8(const uint8_t* codes, const float* scales, T* out, int rows, int cols,
+                            int block_rows, int block_cols, int scale_cols) {
+    long idx = (long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (idx >= (long)rows * cols) return;
+    int r = idx / cols;
+    int c = idx % cols;
+    float s = scales[(long)(r / block_rows) * scale_cols + c / block_cols];
+    out[idx] = from_f32<T>(fp8_e4m3_to_f32(codes[idx]) * s);
+}
+
+// ---- activation QDQ (x -> out) ------------------------------------------------------------
+
+// fp8 per-token dynamic: one block per row.
+template <typename T>
+__device__ void qdq_fp8_token(const T* x, T* out, int k, float static_scale) {
+    __shared__ float s_lo[256];
+    __shared__ float s_hi[256];
+    const T* row = x + (long)blockIdx.x * k;
+    T* dst = out + (long)blockIdx.x * k;
+    float scale = static_scale;
+    if (scale <= 0.0f) {
+        float lo = 0.0f, hi = 0.0f;
+        for (int i = threadIdx.x; i < k; i += blockDim.x) {
+            float v = to_f32(row[i]);
+            lo = fminf(lo, v);
+            hi = fmaxf(hi, v);
+        }
+        s_lo[threadIdx.x] = lo;
+        s_hi[threadIdx.x] = hi;
+        __syncthreads();
+        for (int s = blockDim.x / 2; s > 0; s >>= 1) {
+            if (threadIdx.x < s) {
+                s_lo[threadIdx.x] = fminf(s_lo[threadIdx.x], s_lo[threadIdx.x + s]);
+                s_hi[threadIdx.x] = fmaxf(s_hi[threadIdx.x], s_hi[threadIdx.x + s]);
+            }
+            __syncthreads();
+        }
+        scale = fmaxf(fabsf(s_lo[0]), fabsf(s_hi[0])) / 448.0f;
+        if (scale == 0.0f) scale = 1.1920929e-07f;
+    }
+    for (int i = threadIdx.x; i < k; i += blockDim.x) {
+        float q = fminf(fmaxf(to_f32(row[i]) / scale + 0.0f, -448.0f), 448.0f);
+        dst[i] = from_f32<T>(round_to_grid(q, -6, 3) * scale);
+    }
+}
+
+// nvfp4: one thread per group of 16 values.
+template <typename T>
+__device__ void qdq_nvfp4(const T* x, T* out, long groups, float global_scale) {
+    long g = (long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (g >= groups) return;
+    const T* v = x + g * 16;
+    T* dst = out + g * 16;
+    float lo = 0.0f, hi = 0.0f;
+    for (int i = 0; i < 16; ++i) {
+        float f = to_f32(v[i]);
+        lo = fminf(lo, f);
+        hi = fmaxf(hi, f);
+    }
+    float s = global_scale * (fmaxf(fabsf(lo), fabsf(hi)) / 6.0f);
+    s = round_to_grid(fminf(fmaxf(s, -448.0f), 448.0f), -6, 3);
+    if (s == 0.0f) s = 0.125f;
+    float eff = s / global_scale;
+    for (int i = 0; i < 16; ++i) {
+        float q = fminf(fmaxf(to_f32(v[i]) / eff + 0.0f, -6.0f), 6.0f);
+        dst[i] = from_f32<T>(round_to_grid(q, 0, 1) * eff);
+    }
+}
+
+// ---- fused scoring: one block (256 threads) per row -----------------------------------------
+
+#define SCORE_THREADS 256
+#define MAX_TOP_K 20
+
+__device__ __forceinline__ bool better(float a, int ia, float b, int ib) {
+    return a > b || (a == b && ia < ib);
+}
+
+// Per row: log-softmax over the vocabulary (f32), log p(target), argmax (lowest id on ties) and
+// the top-k. `targets[row] < 0` means no target. Only these small vectors leave the GPU.
+template <typename T>
+__device__ void score_rows(const T* logits, int vocab, const int32_t* targets, int top_k,
+                           float* target_lp, int32_t* argmax_id, float* argmax_lp,
+                           int32_t* topk_id, float* topk_lp) {
+    __shared__ float s_val[SCORE_THREADS];
+    __shared__ int s_idx[SCORE_THREADS];
+    __shared__ float s_lse;
+    const T* row = logits + (long)blockIdx.x * vocab;
+    int tid = threadIdx.x;
+
+    float best = -INFINITY;
+    int best_i = 0x7fffffff;
+    for (int i = tid; i < vocab; i += SCORE_THREADS) {
+        float v = to_f32(row[i]);
+        if (better(v, i, best, best_i)) { best = v; best_i = i; }
+    }
+    s_val[tid] = best;
+    s_idx[tid] = best_i;
+    __syncthreads();
+    for (int s = SCORE_THREADS / 2; s > 0; s >>= 1) {
+        if (tid < s && better(s_val[tid + s], s_idx[tid + s], s_val[tid], s_idx[tid])) {
+            s_val[tid] = s_val[tid + s];
+            s_idx[tid] = s_idx[tid + s];
+        }
+        __syncthreads();
+    }
+    float max_v = s_val[0];
+    int max_i = s_idx[0];
+    __syncthreads();
+
+    float sum = 0.0f;
+    for (int i = tid; i < vocab; i += SCORE_THREADS) sum += expf(to_f32(row[i]) - max_v);
+    s_val[tid] = sum;
+    __syncthreads();
+    for (int s = SCORE_THREADS / 2; s > 0; s >>= 1) {
+        if (tid < s) s_val[tid] += s_val[tid + s];
+        __syncthreads();
+    }
+    if (tid == 0) {
+        float lse = max_v + logf(s_val[0]);
+        s_lse = lse;
+        int t = targets[blockIdx.x];
+        target_lp[blockIdx.x] = t >= 0 ? to_f32(row[t]) - lse : NAN;
+        argmax_id[blockIdx.x] = max_i;
+        argmax_lp[blockIdx.x] = max_v - lse;
+    }
+    if (top_k <= 0) return;
+    __syncthreads();
+
+    // Top-k: each thread keeps its own sorted list, thread 0 merges the 256 lists.
+    float vals[MAX_TOP_K];
+    int ids[MAX_TOP_K];
+    int n = 0;
+    for (int i = tid; i < vocab; i += SCORE_THREADS) {
+        float v = to_f32(row[i]);
+        if (n == top_k && !better(v, i, vals[n - 1], ids[n - 1])) continue;
+        int at = n < top_k ? n++ : n - 1;
+        while (at > 0 && better(v, i, vals[at - 1], ids[at - 1])) {
+            vals[at] = vals[at - 1];
+            ids[at] = ids[at - 1];
+            --at;
+        }
+        vals[at] = v;
+        ids[at] = i;
+    }
+    // Merge: each round the block finds the best remaining head among all threads' lists and
+    // its owner advances.
+    __shared__ int s_owner[SCORE_THREADS];
+    int head = 0;
+    for (int out = 0; out < top_k; ++out) {
+        s_val[tid] = head < n ? vals[head] : -INFINITY;
+        s_idx[tid] = head < n ? ids[head] : 0x7fffffff;
+        s_owner[tid] = tid;
+        __syncthreads();
+        for (int s = SCORE_THREADS / 2; s > 0; s >>= 1) {
+            if (tid < s && better(s_val[tid + s], s_idx[tid + s], s_val[tid], s_idx[tid])) {
+                s_val[tid] = s_val[tid + s];
+                s_idx[tid] = s_idx[tid + s];
+                s_owner[tid] = s_owner[tid + s];
+            }
+            __syncthreads();
+        }
+        if (tid == 0) {
+            topk_id[(long)blockIdx.x * top_k + out] = s_idx[0];
+            topk_lp[(long)blockIdx.x * top_k + out] = s_val[0] - s_lse;
+        }
+        if (tid == s_owner[0]) ++head;
+        __syncthreads();
+    }
+}
+
+// ---- attention: fused scale + causal (sliding-window) mask + softmax over f32 scores ----------
+
+// `scores` is [heads * t, t] (row = head * t + query). Out-of-window entries become 0.
+extern "C" __global__ void causal_softmax_f32(const float* scores, float* out, int t, float scale, int window) {
+    __shared__ float s_red[SCORE_THREADS];
+    long row = blockIdx.x;
+    int i = row % t;
+    int lo = window > 0 ? max(0, i - window + 1) : 0;
+    const float* src = scores + row * t;
+    float* dst = out + row * t;
+    int tid = threadIdx.x;
+    float m = -INFINITY;
+    for (int j = lo + tid; j <= i; j += SCORE_THREADS) m = fmaxf(m, src[j] * scale);
+    s_red[tid] = m;
+    __syncthreads();
+    for (int s = SCORE_THREADS / 2; s > 0; s >>= 1) {
+        if (tid < s) s_red[tid] = fmaxf(s_red[tid], s_red[tid + s]);
+        __syncthreads();
+    }
+    m = s_red[0];
+    __syncthreads();
+    float sum = 0.0f;
+    for (int j = lo + tid; j <= i; j += SCORE_THREADS) sum += expf(src[j] * scale - m);
+    s_red[tid] = sum;
+    __syncthreads();
+    for (int s = SCORE_THREADS / 2; s > 0; s >>= 1) {
+        if (tid < s) s_red[tid] += s_red[tid + s];
+        __syncthreads();
+    }
+    sum = s_red[0];
+    for (int j = tid; j < t; j += SCORE_THREADS) dst[j] = (j >= lo && j <= i) ? expf(src[j] * scale - m) / sum : 0.0f;
+}
+
+// ---- extern "C" entry points, one per dtype -------------------------------------------------
+
+#define DEQUANT_ENTRY(SUFFIX, T)                                                                     \
+    extern "C" __global__ void dequant_int_##SUFFIX(const int32_t* p, const float* s, const int32_t* z, \
+                                                    T* o, int rows, int cols, int wpr, int bits, int g) { \
+        dequant_int<T>(p, s, z, o, rows, cols, wpr, bits, g);                                        \
+    }                                                                                                \
+    extern "C" __global__ void dequant_nvfp4_##SUFFIX(const uint8_t* p, const uint8_t* s, float gs,  \
+                                                      T* o, int rows, int cols) {                    \
+        dequant_nvfp4<T>(p, s, gs, o, rows, cols);                                                   \
+    }                                                                                                \
+    extern "C" __global__ void dequant_fp8_##SUFFIX(const uint8_t* c, const float* s, T* o, int rows, \
+                                                    int cols, int br, int bc, int sc) {              \
+        dequant_fp8<T>(c, s, o, rows, cols, br, bc, sc);                                             \
+    }                                                                                                \
+    extern "C" __global__ void qdq_fp8_token_##SUFFIX(const T* x, T* o, int k, float static_scale) { \
+        qdq_fp8_token<T>(x, o, k, static_scale);                                                     \
+    }                                                                                                \
+    extern "C" __global__ void qdq_nvfp4_##SUFFIX(const T* x, T* o, long groups, float gs) {       \
+        qdq_nvfp4<T>(x, o, groups, gs);                                                              \
+    }                                                                                                \
+    extern "C" __global__ void score_rows_##SUFFIX(const T* l, int vocab, const int32_t* t, int k,  \
+                                                   float* tl, int32_t* ai, float* al, int32_t* ti,   \
+                                                   float* tlp) {                                     \
+        score_rows<T>(l, vocab, t, k, tl, ai, al, ti, tlp);                                          \
+    }
+
+DEQUANT_ENTRY(f32, float)
+DEQUANT_ENTRY(bf16, __nv_bfloat16)
+DEQUANT_ENTRY(f16, __half)

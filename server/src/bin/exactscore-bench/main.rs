@@ -1,0 +1,369 @@
+//! `exactscore-bench`: the GPU path measured against the CPU reference and against the clock.
+//!
+//! * `check --fixtures DIR --device cuda:0`: every fixture variant scored on the device vs the
+//!   CPU f32 path (f32 and bf16 compute), batch invariance, dequantization and activation QDQ
+//!   bit-exactness. Prints one table.
+//! * `speed --shape llama3-8b --formats w4a16,nvfp4,fp8,bf16 --batch 1,2,4`: scores 2048-token
+//!   windows of a random-weight model of that shape (built in memory, no file), through the same
+//!   `Model::score` the server uses, and prints ms/window, tokens/s, fraction of the measured
+//!   cuBLAS bf16 ceiling and peak GPU memory.
+
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+
+use anyhow::{bail, Context, Result};
+use candle_core::{DType, Device, Tensor};
+use clap::{Parser, Subcommand};
+use exactscore_server::model::{Model, ModelOptions, ScoreInput, SequenceScores};
+use exactscore_server::quant::{ActivationQdq, ActivationQuantMode, LinearOptions};
+use serde_json::Value;
+
+mod random_model;
+
+#[derive(Parser)]
+#[command(about = "ExactScore GPU numerics check and throughput benchmark")]
+struct Args {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// GPU vs CPU numerics on the fixture checkpoints.
+    Check {
+        #[arg(long, default_value = "tests/fixtures")]
+        fixtures: PathBuf,
+        #[arg(long, default_value = "cuda:0")]
+        device: String,
+    },
+    /// Scoring throughput on a random-weight model of a real shape.
+    Speed {
+        /// llama3-8b, llama3-70b, mistral-large-123b, or tiny.
+        #[arg(long, default_value = "llama3-8b")]
+        shape: String,
+        /// Comma list of w4a16, nvfp4, nvfp4a16, fp8, bf16.
+        #[arg(long, value_delimiter = ',', default_value = "w4a16")]
+        formats: Vec<String>,
+        /// Windows per forward pass.
+        #[arg(long, value_delimiter = ',', default_value = "1,2,4")]
+        batch: Vec<usize>,
+        #[arg(long, default_value_t = 2048)]
+        ctx: usize,
+        #[arg(long, default_value_t = 5)]
+        iters: usize,
+        #[arg(long, default_value = "bf16")]
+        dtype: String,
+        #[arg(long, default_value = "cuda:0")]
+        device: String,
+    },
+}
+
+fn main() -> Result<()> {
+    match Args::parse().command {
+        Command::Check { fixtures, device } => check(&fixtures, &parse_device(&device)?),
+        Command::Speed {
+            shape,
+            formats,
+            batch,
+            ctx,
+            iters,
+            dtype,
+            device,
+        } => speed(
+            &shape,
+            &formats,
+            &batch,
+            ctx,
+            iters,
+            parse_dtype(&dtype)?,
+            &parse_device(&device)?,
+        ),
+    }
+}
+
+fn parse_device(s: &str) -> Result<Device> {
+    Ok(match s {
+        "cpu" => Device::Cpu,
+        s => match s.strip_prefix("cuda:") {
+            Some(i) => Device::new_cuda(i.parse()?)?,
+            None => bail!("device `{s}`: expected cpu or cuda:N"),
+        },
+    })
+}
+
+fn parse_dtype(s: &str) -> Result<DType> {
+    Ok(match s {
+        "f32" => DType::F32,
+        "bf16" => DType::BF16,
+        "f16" => DType::F16,
+        other => bail!("dtype `{other}`: expected f32, bf16 or f16"),
+    })
+}
+
+fn options(
+    device: &Device,
+    dtype: DType,
+    act: ActivationQuantMode,
+    max_seq_len: usize,
+) -> ModelOptions {
+    ModelOptions {
+        linear: LinearOptions {
+            device: device.clone(),
+            dtype,
+            activation_quant: act,
+        },
+        max_seq_len,
+    }
+}
+
+// ---- check ---------------------------------------------------------------------------------
+
+fn sequences(reference: &Value) -> Vec<Vec<u32>> {
+    reference["sequences"]
+        .as_array()
+        .map(|seqs| {
+            seqs.iter()
+                .map(|s| {
+                    s["token_ids"]
+                        .as_array()
+                        .unwrap()
+                        .iter()
+                        .map(|t| t.as_u64().unwrap() as u32)
+                        .collect()
+                })
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+fn score(model: &Model, seqs: &[Vec<u32>]) -> Result<Vec<SequenceScores>> {
+    let batch: Vec<ScoreInput> = seqs
+        .iter()
+        .map(|t| ScoreInput {
+            tokens: t,
+            top_k: 5,
+        })
+        .collect();
+    Ok(model.score(&batch)?)
+}
+
+/// (max, mean) of per-token |Δlogprob|.
+fn diff(a: &[SequenceScores], b: &[SequenceScores]) -> (f64, f64) {
+    let d: Vec<f64> = a
+        .iter()
+        .zip(b)
+        .flat_map(|(x, y)| {
+            x.token_logprobs()
+                .zip(y.token_logprobs())
+                .map(|(p, q)| (p as f64 - q as f64).abs())
+                .collect::<Vec<_>>()
+        })
+        .collect();
+    (
+        d.iter().copied().fold(0.0, f64::max),
+        d.iter().sum::<f64>() / d.len().max(1) as f64,
+    )
+}
+
+fn bits_equal(a: &Tensor, b: &Tensor) -> Result<bool> {
+    let a = a.to_device(&Device::Cpu)?.flatten_all()?.to_vec1::<f32>()?;
+    let b = b.to_device(&Device::Cpu)?.flatten_all()?.to_vec1::<f32>()?;
+    Ok(a.len() == b.len() && a.iter().zip(&b).all(|(x, y)| x.to_bits() == y.to_bits()))
+}
+
+fn check(fixtures: &Path, device: &Device) -> Result<()> {
+    let mut rows = Vec::new();
+    let mut failures = 0;
+    for variant in [
+        "llama-dense-bf16",
+        "llama-w4a16-g128",
+        "llama-w4a16-asym-g64",
+        "llama-w8a16-channel",
+        "llama-nvfp4a16",
+        "llama-nvfp4",
+        "llama-fp8-dynamic",
+    ] {
+        let dir = fixtures.join(variant);
+        let reference: Value =
+            serde_json::from_str(&std::fs::read_to_string(dir.join("reference.json"))?)?;
+        let seqs = sequences(&reference);
+        let has_act = reference.get("weights_only").is_some();
+        let modes: &[ActivationQuantMode] = if has_act {
+            &[ActivationQuantMode::Off, ActivationQuantMode::Emulate]
+        } else {
+            &[ActivationQuantMode::Emulate]
+        };
+        for &act in modes {
+            let cpu = Model::load(&dir, &options(&Device::Cpu, DType::F32, act, 512))?;
+            let gpu32 = Model::load(&dir, &options(device, DType::F32, act, 512))?;
+            let gpu16 = Model::load(&dir, &options(device, DType::BF16, act, 512))?;
+            let cpu_scores = score(&cpu, &seqs)?;
+            let g32 = score(&gpu32, &seqs)?;
+            let g16 = score(&gpu16, &seqs)?;
+            let (max32, mean32) = diff(&g32, &cpu_scores);
+            let (max16, mean16) = diff(&g16, &cpu_scores);
+            let ref_bf16_mean = reference["bf16_run"]["diff_stats_vs_f32"]["mean"]
+                .as_f64()
+                .unwrap_or(f64::NAN);
+            // Batch invariance: each sequence alone vs inside the batch, bitwise.
+            let mut invariant = true;
+            for (i, s) in seqs.iter().enumerate() {
+                invariant &= score(&gpu32, std::slice::from_ref(s))?[0] == g32[i];
+                invariant &= score(&gpu16, std::slice::from_ref(s))?[0] == g16[i];
+            }
+            // Dequantization on the device vs the CPU reference, bit for bit.
+            let mut dequant_exact = true;
+            for (_, linear) in gpu32.linears() {
+                let w = linear.weight();
+                let gpu_w = w.dequantize(DType::F32, device)?;
+                let (o, i) = w.shape();
+                let cpu_w = Tensor::from_vec(w.dequantize_f32()?, (o, i), &Device::Cpu)?;
+                dequant_exact &= bits_equal(&gpu_w, &cpu_w)?;
+            }
+            let label = format!(
+                "{variant}{}",
+                if has_act {
+                    format!(" act={act:?}")
+                } else {
+                    String::new()
+                }
+            );
+            let weights_only = !has_act || act == ActivationQuantMode::Off;
+            let ok = (!weights_only || max32 <= 1e-4)
+                && invariant
+                && dequant_exact
+                && (mean16 <= 2.0 * ref_bf16_mean || !weights_only);
+            failures += usize::from(!ok);
+            rows.push(format!(
+                "| {label:<38} | {max32:9.2e} | {mean32:9.2e} | {max16:9.2e} | {mean16:9.2e} | {ref_bf16_mean:9.2e} | {invariant:5} | {dequant_exact:5} | {} |",
+                if ok { "ok" } else { "FAIL" }
+            ));
+        }
+        if has_act {
+            rows.push(qdq_row(&dir, variant, device)?);
+        }
+    }
+    println!("| variant | f32 max |Δ| | f32 mean | bf16 max |Δ| | bf16 mean | ref bf16 mean | batch-inv (bitwise) | dequant bitwise | |");
+    println!("|---|---|---|---|---|---|---|---|---|");
+    for r in rows {
+        println!("{r}");
+    }
+    if failures > 0 {
+        bail!("{failures} check(s) failed");
+    }
+    Ok(())
+}
+
+fn qdq_row(dir: &Path, variant: &str, device: &Device) -> Result<String> {
+    let v = candle_core::safetensors::load(dir.join("act_qdq_vectors.safetensors"), &Device::Cpu)?;
+    let mut exact = true;
+    for prefix in [
+        "model.layers.0.self_attn.q_proj",
+        "model.layers.1.mlp.down_proj",
+        "synthetic",
+    ] {
+        let qdq = match v.get(&format!("{prefix}.input_global_scale")) {
+            Some(g) => ActivationQdq::Nvfp4 {
+                global_scale: g.to_vec1::<f32>()?[0],
+            },
+            None => ActivationQdq::Fp8PerToken,
+        };
+        let input = v[&format!("{prefix}.input")].to_device(device)?;
+        exact &= bits_equal(&qdq.apply(&input)?, &v[&format!("{prefix}.input_qdq")])?;
+    }
+    Ok(format!(
+        "| {variant} activation QDQ on device vs vectors: bit-exact = {exact} |"
+    ))
+}
+
+// ---- speed ---------------------------------------------------------------------------------
+
+fn gpu_used_bytes() -> u64 {
+    #[cfg(feature = "cuda")]
+    {
+        if let Ok((free, total)) = candle_core::cuda_backend::cudarc::driver::result::mem_get_info()
+        {
+            return (total - free) as u64;
+        }
+    }
+    0
+}
+
+/// Measured bf16 GEMM ceiling (TFLOP/s) for 8192^3 on `device`.
+fn bf16_ceiling(device: &Device) -> Result<f64> {
+    let n = 8192;
+    let a = Tensor::randn(0f32, 1.0, (n, n), device)?.to_dtype(DType::BF16)?;
+    let b = Tensor::randn(0f32, 1.0, (n, n), device)?.to_dtype(DType::BF16)?;
+    let _ = a.matmul(&b)?;
+    device.synchronize()?;
+    let iters = 10;
+    let t = Instant::now();
+    for _ in 0..iters {
+        let _ = a.matmul(&b)?;
+    }
+    device.synchronize()?;
+    Ok(2.0 * (n as f64).powi(3) * iters as f64 / t.elapsed().as_secs_f64() / 1e12)
+}
+
+#[allow(clippy::too_many_arguments)]
+fn speed(
+    shape: &str,
+    formats: &[String],
+    batches: &[usize],
+    ctx: usize,
+    iters: usize,
+    dtype: DType,
+    device: &Device,
+) -> Result<()> {
+    let shape =
+        random_model::Shape::named(shape).with_context(|| format!("unknown shape {shape}"))?;
+    let ceiling = bf16_ceiling(device)?;
+    println!("device {device:?}, cuBLAS bf16 8192^3 ceiling {ceiling:.0} TFLOP/s, shape {}, ctx {ctx}, compute {dtype:?}", shape.name);
+    println!("| format | bits/weight | batch | ms/window | tokens/s | % of ceiling | peak GPU GiB | load s |");
+    println!("|---|---|---|---|---|---|---|---|");
+    for format in formats {
+        let t_load = Instant::now();
+        let (config, ckpt) = random_model::build(&shape, format)?;
+        let model = Model::from_checkpoint(
+            config,
+            &ckpt,
+            &options(device, dtype, ActivationQuantMode::Emulate, ctx),
+        )?;
+        drop(ckpt);
+        device.synchronize()?;
+        let load_s = t_load.elapsed().as_secs_f64();
+        let bpw = random_model::decoder_bits_per_weight(&model);
+        // Deterministic token windows.
+        let tokens: Vec<u32> = (0..ctx * batches.iter().max().unwrap_or(&1))
+            .map(|i| ((i * 7919) % shape.vocab) as u32)
+            .collect();
+        for &batch in batches {
+            let windows: Vec<ScoreInput> = (0..batch)
+                .map(|b| ScoreInput {
+                    tokens: &tokens[b * ctx..(b + 1) * ctx],
+                    top_k: 0,
+                })
+                .collect();
+            model.score(&windows)?; // warm-up (PTX JIT, allocator)
+            device.synchronize()?;
+            let mut peak = gpu_used_bytes();
+            let t = Instant::now();
+            for _ in 0..iters {
+                model.score(&windows)?;
+                peak = peak.max(gpu_used_bytes());
+            }
+            device.synchronize()?;
+            let secs = t.elapsed().as_secs_f64() / iters as f64;
+            let tokens_per_s = (batch * ctx) as f64 / secs;
+            let flops = shape.flops_per_window(ctx) * batch as f64;
+            println!(
+                "| {format} | {bpw:.3} | {batch} | {:.1} | {:.0} | {:.0}% | {:.1} | {load_s:.1} |",
+                secs * 1e3 / batch as f64,
+                tokens_per_s,
+                100.0 * flops / secs / 1e12 / ceiling,
+                peak as f64 / (1u64 << 30) as f64,
+            );
+        }
+    }
+    Ok(())
+}

@@ -1,0 +1,283 @@
+//! Random-weight checkpoints of real model shapes, built in memory in any supported format,
+//! so the benchmark exercises the same loader and engine as a real checkpoint.
+
+use std::collections::HashMap;
+
+use anyhow::{bail, Result};
+use exactscore_server::model::checkpoint::{Checkpoint, HostTensor};
+use exactscore_server::model::{Model, ModelConfig};
+use safetensors::Dtype;
+use serde_json::json;
+
+pub struct Shape {
+    pub name: &'static str,
+    pub hidden: usize,
+    pub intermediate: usize,
+    pub layers: usize,
+    pub heads: usize,
+    pub kv_heads: usize,
+    pub vocab: usize,
+    pub rope_theta: f64,
+}
+
+impl Shape {
+    pub fn named(name: &str) -> Option<Self> {
+        let (hidden, intermediate, layers, heads, kv_heads, vocab, rope_theta) = match name {
+            "llama3-8b" => (4096, 14336, 32, 32, 8, 128256, 500000.0),
+            "llama3-70b" => (8192, 28672, 80, 64, 8, 128256, 500000.0),
+            "mistral-large-123b" => (12288, 28672, 88, 96, 8, 32768, 1000000.0),
+            "tiny" => (256, 512, 2, 4, 2, 2000, 500000.0),
+            _ => return None,
+        };
+        let name = match name {
+            "llama3-8b" => "llama3-8b",
+            "llama3-70b" => "llama3-70b",
+            "mistral-large-123b" => "mistral-large-123b",
+            _ => "tiny",
+        };
+        Some(Self {
+            name,
+            hidden,
+            intermediate,
+            layers,
+            heads,
+            kv_heads,
+            vocab,
+            rope_theta,
+        })
+    }
+
+    fn head_dim(&self) -> usize {
+        self.hidden / self.heads
+    }
+
+    /// (name suffix, out, in) of every Linear in one decoder layer.
+    fn linears(&self) -> [(&'static str, usize, usize); 7] {
+        let (h, i, kv) = (
+            self.hidden,
+            self.intermediate,
+            self.kv_heads * self.head_dim(),
+        );
+        [
+            ("self_attn.q_proj", h, h),
+            ("self_attn.k_proj", kv, h),
+            ("self_attn.v_proj", kv, h),
+            ("self_attn.o_proj", h, h),
+            ("mlp.gate_proj", i, h),
+            ("mlp.up_proj", i, h),
+            ("mlp.down_proj", h, i),
+        ]
+    }
+
+    /// Matmul FLOPs of one window: 2·params·T for the Linears (lm_head included) plus the two
+    /// attention products over the full T×T score matrix (what the implementation computes).
+    pub fn flops_per_window(&self, ctx: usize) -> f64 {
+        let per_layer: usize = self.linears().iter().map(|(_, o, i)| o * i).sum();
+        let linear = (per_layer * self.layers + self.vocab * self.hidden) as f64;
+        let t = ctx as f64;
+        2.0 * linear * t + 4.0 * self.layers as f64 * t * t * self.hidden as f64
+    }
+}
+
+/// xorshift64*: fast, deterministic filler for gigabytes of weights.
+struct Rng(u64);
+
+impl Rng {
+    fn fill(&mut self, buf: &mut [u8], map: impl Fn(u8) -> u8) {
+        for chunk in buf.chunks_mut(8) {
+            self.0 ^= self.0 >> 12;
+            self.0 ^= self.0 << 25;
+            self.0 ^= self.0 >> 27;
+            let v = self.0.wrapping_mul(0x2545_F491_4F6C_DD1D).to_le_bytes();
+            for (b, r) in chunk.iter_mut().zip(v) {
+                *b = map(r);
+            }
+        }
+    }
+
+    fn tensor(&mut self, dtype: Dtype, shape: Vec<usize>, map: impl Fn(u8) -> u8) -> HostTensor {
+        let mut data = vec![0u8; shape.iter().product::<usize>() * dtype.bitsize() / 8];
+        self.fill(&mut data, map);
+        HostTensor { dtype, shape, data }
+    }
+
+    /// bf16 values of magnitude 2^-7..2^-5 with random sign and mantissa (never NaN/inf).
+    fn bf16(&mut self, shape: Vec<usize>) -> HostTensor {
+        let mut t = self.tensor(Dtype::BF16, shape, |b| b);
+        for v in t.data.chunks_mut(2) {
+            let bits = u16::from_le_bytes([v[0], v[1]]);
+            let bits = (bits & 0x807F) | ((120 + (bits >> 7) % 3) << 7);
+            v.copy_from_slice(&bits.to_le_bytes());
+        }
+        t
+    }
+}
+
+fn constant<T: Copy>(
+    dtype: Dtype,
+    shape: Vec<usize>,
+    value: T,
+    to_bytes: impl Fn(T) -> Vec<u8>,
+) -> HostTensor {
+    let n: usize = shape.iter().product();
+    HostTensor {
+        dtype,
+        shape,
+        data: (0..n).flat_map(|_| to_bytes(value)).collect(),
+    }
+}
+
+/// fp8 e4m3 bytes with exponent 1..=14 (finite, never NaN).
+fn fp8_byte(b: u8) -> u8 {
+    (b & 0x87) | ((1 + (b >> 3) % 14) << 3)
+}
+
+fn quantization_config(format: &str) -> Result<Option<serde_json::Value>> {
+    let (fmt, weights, input) = match format {
+        "bf16" => return Ok(None),
+        "w4a16" => (
+            "pack-quantized",
+            json!({"num_bits": 4, "type": "int", "symmetric": true, "strategy": "group", "group_size": 128}),
+            None,
+        ),
+        "nvfp4a16" => (
+            "nvfp4-pack-quantized",
+            json!({"num_bits": 4, "type": "float", "symmetric": true, "strategy": "tensor_group", "group_size": 16}),
+            None,
+        ),
+        "nvfp4" => (
+            "nvfp4-pack-quantized",
+            json!({"num_bits": 4, "type": "float", "symmetric": true, "strategy": "tensor_group", "group_size": 16}),
+            Some(
+                json!({"num_bits": 4, "type": "float", "symmetric": true, "strategy": "tensor_group", "group_size": 16, "dynamic": "local"}),
+            ),
+        ),
+        "fp8" => (
+            "float-quantized",
+            json!({"num_bits": 8, "type": "float", "symmetric": true, "strategy": "channel"}),
+            Some(
+                json!({"num_bits": 8, "type": "float", "symmetric": true, "strategy": "token", "dynamic": true}),
+            ),
+        ),
+        other => bail!("unknown format {other} (w4a16, nvfp4, nvfp4a16, fp8, bf16)"),
+    };
+    Ok(Some(json!({
+        "quant_method": "compressed-tensors", "format": fmt, "quantization_status": "compressed",
+        "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights, "input_activations": input}},
+        "ignore": ["lm_head"]
+    })))
+}
+
+/// A random checkpoint of `shape` in `format`, with its config.
+pub fn build(shape: &Shape, format: &str) -> Result<(ModelConfig, Checkpoint)> {
+    let quant = quantization_config(format)?;
+    let config = json!({
+        "architectures": ["LlamaForCausalLM"], "vocab_size": shape.vocab, "hidden_size": shape.hidden,
+        "intermediate_size": shape.intermediate, "num_hidden_layers": shape.layers,
+        "num_attention_heads": shape.heads, "num_key_value_heads": shape.kv_heads, "rms_norm_eps": 1e-5,
+        "rope_parameters": {"rope_type": "llama3", "rope_theta": shape.rope_theta, "factor": 8.0,
+            "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
+        "max_position_embeddings": 131072, "dtype": "bfloat16", "quantization_config": quant,
+    });
+    let config = ModelConfig::from_json(&config.to_string())?;
+    let mut rng = Rng(0x9E37_79B9_7F4A_7C15);
+    let mut t: HashMap<String, HostTensor> = HashMap::new();
+    let f32_bytes = |v: f32| v.to_le_bytes().to_vec();
+    t.insert(
+        "model.embed_tokens.weight".into(),
+        rng.bf16(vec![shape.vocab, shape.hidden]),
+    );
+    t.insert(
+        "lm_head.weight".into(),
+        rng.bf16(vec![shape.vocab, shape.hidden]),
+    );
+    t.insert(
+        "model.norm.weight".into(),
+        constant(Dtype::F32, vec![shape.hidden], 1.0f32, f32_bytes),
+    );
+    for l in 0..shape.layers {
+        let p = format!("model.layers.{l}");
+        for norm in ["input_layernorm", "post_attention_layernorm"] {
+            t.insert(
+                format!("{p}.{norm}.weight"),
+                constant(Dtype::F32, vec![shape.hidden], 1.0f32, f32_bytes),
+            );
+        }
+        for (name, out, inp) in shape.linears() {
+            let n = format!("{p}.{name}");
+            match format {
+                "bf16" => {
+                    t.insert(format!("{n}.weight"), rng.bf16(vec![out, inp]));
+                }
+                "w4a16" => {
+                    t.insert(
+                        format!("{n}.weight_packed"),
+                        rng.tensor(Dtype::I32, vec![out, inp / 8], |b| b),
+                    );
+                    t.insert(
+                        format!("{n}.weight_scale"),
+                        constant(
+                            Dtype::BF16,
+                            vec![out, inp / 128],
+                            half::bf16::from_f32(0.002),
+                            |v| v.to_le_bytes().to_vec(),
+                        ),
+                    );
+                }
+                "nvfp4" | "nvfp4a16" => {
+                    t.insert(
+                        format!("{n}.weight_packed"),
+                        rng.tensor(Dtype::U8, vec![out, inp / 2], |b| b),
+                    );
+                    t.insert(
+                        format!("{n}.weight_scale"),
+                        rng.tensor(Dtype::F8_E4M3, vec![out, inp / 16], fp8_byte),
+                    );
+                    t.insert(
+                        format!("{n}.weight_global_scale"),
+                        constant(Dtype::F32, vec![1], 20000.0f32, f32_bytes),
+                    );
+                    if format == "nvfp4" {
+                        t.insert(
+                            format!("{n}.input_global_scale"),
+                            constant(Dtype::F32, vec![1], 500.0f32, f32_bytes),
+                        );
+                    }
+                }
+                _ => {
+                    t.insert(
+                        format!("{n}.weight"),
+                        rng.tensor(Dtype::F8_E4M3, vec![out, inp], fp8_byte),
+                    );
+                    t.insert(
+                        format!("{n}.weight_scale"),
+                        constant(
+                            Dtype::BF16,
+                            vec![out, 1],
+                            half::bf16::from_f32(0.0005),
+                            |v| v.to_le_bytes().to_vec(),
+                        ),
+                    );
+                }
+            }
+        }
+    }
+    Ok((config, Checkpoint::from_memory(t)))
+}
+
+/// Average stored bits per weight over the decoder Linears (lm_head excluded).
+pub fn decoder_bits_per_weight(model: &Model) -> f64 {
+    let (bits, weights) = model
+        .linears()
+        .iter()
+        .filter(|(name, _)| name != "lm_head")
+        .map(|(_, l)| {
+            let (o, i) = l.weight().shape();
+            (
+                l.weight().bits_per_weight() * (o * i) as f64,
+                (o * i) as f64,
+            )
+        })
+        .fold((0.0, 0.0), |a, b| (a.0 + b.0, a.1 + b.1));
+    bits / weights
+}

@@ -1,0 +1,303 @@
+//! CUDA launches of the kernels in `server/kernels/exactscore.cu` (feature `cuda`). Each
+//! function mirrors a CPU reference and is checked against it on the device.
+// Kernel launches are FFI: the argument lists below must match the kernel signatures.
+#![allow(unsafe_code)]
+
+use candle_core::cuda_backend::cudarc::driver::{
+    CudaSlice, DeviceRepr, LaunchConfig, PushKernelArg,
+};
+use candle_core::cuda_backend::{CudaDType, CudaDevice, CudaStorage, WrapErr};
+use candle_core::op::BackpropOp;
+use candle_core::{bail, DType, Result, Shape, Storage, Tensor};
+
+const PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/exactscore.ptx"));
+const MODULE: &str = "exactscore";
+const THREADS: u32 = 256;
+
+/// Runs `$body` with `$T` bound to the Rust type of a float dtype.
+macro_rules! with_float_type {
+    ($dtype:expr, $T:ident => $body:expr) => {
+        match $dtype {
+            DType::F32 => {
+                type $T = f32;
+                $body
+            }
+            DType::BF16 => {
+                type $T = half::bf16;
+                $body
+            }
+            DType::F16 => {
+                type $T = half::f16;
+                $body
+            }
+            other => bail!("no CUDA kernel for dtype {other:?}"),
+        }
+    };
+}
+
+fn kernel_name(base: &str, dtype: DType) -> String {
+    let suffix = match dtype {
+        DType::F32 => "f32",
+        DType::BF16 => "bf16",
+        _ => "f16",
+    };
+    format!("{base}_{suffix}")
+}
+
+fn grid_1d(n: usize) -> LaunchConfig {
+    LaunchConfig {
+        grid_dim: ((n as u32).div_ceil(THREADS).max(1), 1, 1),
+        block_dim: (THREADS, 1, 1),
+        shared_mem_bytes: 0,
+    }
+}
+
+fn grid_rows(rows: usize) -> LaunchConfig {
+    LaunchConfig {
+        grid_dim: (rows as u32, 1, 1),
+        block_dim: (THREADS, 1, 1),
+        shared_mem_bytes: 0,
+    }
+}
+
+/// Runs `f` with the CUDA slice of a contiguous tensor, its start offset and its device.
+fn with_slice<T: CudaDType + DeviceRepr, R>(
+    t: &Tensor,
+    f: impl FnOnce(&CudaSlice<T>, usize, &CudaDevice) -> Result<R>,
+) -> Result<R> {
+    let (storage, layout) = t.storage_and_layout();
+    let Storage::Cuda(cuda) = &*storage else {
+        bail!("expected a CUDA tensor, found one on {:?}", t.device())
+    };
+    if !layout.is_contiguous() {
+        bail!("CUDA kernels need contiguous inputs");
+    }
+    f(T::as_cuda_slice(cuda)?, layout.start_offset(), &cuda.device)
+}
+
+fn wrap<T: CudaDType>(slice: CudaSlice<T>, dev: &CudaDevice, shape: impl Into<Shape>) -> Tensor {
+    let storage = Storage::Cuda(CudaStorage::wrap_cuda_slice(slice, dev.clone()));
+    Tensor::from_storage(storage, shape, BackpropOp::none(), false)
+}
+
+/// pack-quantized int4/int8 → `[rows, cols]` in `dtype`. `scales`: f32 `[rows, groups]`;
+/// `zero_points`: i32 `[rows, groups]` or `None` (symmetric).
+pub fn dequant_int(
+    codes: &Tensor,
+    scales: &Tensor,
+    zero_points: Option<&Tensor>,
+    (rows, cols): (usize, usize),
+    bits: usize,
+    group: usize,
+    dtype: DType,
+) -> Result<Tensor> {
+    let words_per_row = codes.dims()[1];
+    let name = kernel_name("dequant_int", dtype);
+    let launch = |zp: Option<(&CudaSlice<i32>, usize)>| -> Result<Tensor> {
+        with_slice::<i32, _>(codes, |codes, co, dev| {
+            with_slice::<f32, _>(scales, |scales, so, _| {
+                with_float_type!(dtype, T => {
+                    let func = dev.get_or_load_custom_func(&name, MODULE, PTX)?;
+                    // SAFETY: the kernel writes every element.
+                    let out = unsafe { dev.alloc::<T>(rows * cols) }?;
+                    let (codes, scales) = (codes.slice(co..), scales.slice(so..));
+                    let zp_view = zp.map(|(z, zo)| z.slice(zo..));
+                    let null = 0u64;
+                    let mut b = func.builder();
+                    b.arg(&codes);
+                    b.arg(&scales);
+                    match &zp_view {
+                        Some(z) => b.arg(z),
+                        None => b.arg(&null),
+                    };
+                    b.arg(&out);
+                    let (r, c, w, bi, g) = (rows as i32, cols as i32, words_per_row as i32, bits as i32, group as i32);
+                    b.arg(&r).arg(&c).arg(&w).arg(&bi).arg(&g);
+                    // SAFETY: arguments match `dequant_int_*` in exactscore.cu.
+                    unsafe { b.launch(grid_1d(rows * words_per_row)) }.w()?;
+                    Ok(wrap(out, dev, (rows, cols)))
+                })
+            })
+        })
+    };
+    match zero_points {
+        Some(zp) => with_slice::<i32, _>(zp, |z, zo, _| launch(Some((z, zo)))),
+        None => launch(None),
+    }
+}
+
+/// nvfp4 → `[rows, cols]` in `dtype` (values rounded to bf16 first, as the reference does).
+pub fn dequant_nvfp4(
+    packed: &Tensor,
+    scales: &Tensor,
+    global_scale: f32,
+    (rows, cols): (usize, usize),
+    dtype: DType,
+) -> Result<Tensor> {
+    let name = kernel_name("dequant_nvfp4", dtype);
+    with_slice::<u8, _>(packed, |packed, po, dev| {
+        with_slice::<u8, _>(scales, |scales, so, _| {
+            with_float_type!(dtype, T => {
+                let func = dev.get_or_load_custom_func(&name, MODULE, PTX)?;
+                // SAFETY: the kernel writes every element.
+                let out = unsafe { dev.alloc::<T>(rows * cols) }?;
+                let (packed, scales) = (packed.slice(po..), scales.slice(so..));
+                let (r, c) = (rows as i32, cols as i32);
+                let mut b = func.builder();
+                b.arg(&packed).arg(&scales).arg(&global_scale).arg(&out).arg(&r).arg(&c);
+                // SAFETY: arguments match `dequant_nvfp4_*`.
+                unsafe { b.launch(grid_1d(rows * cols / 2)) }.w()?;
+                Ok(wrap(out, dev, (rows, cols)))
+            })
+        })
+    })
+}
+
+/// float-quantized fp8 → `[rows, cols]` in `dtype`; `scales`: f32, one per `block`.
+pub fn dequant_fp8(
+    codes: &Tensor,
+    scales: &Tensor,
+    (rows, cols): (usize, usize),
+    block: (usize, usize),
+    dtype: DType,
+) -> Result<Tensor> {
+    let name = kernel_name("dequant_fp8", dtype);
+    with_slice::<u8, _>(codes, |codes, co, dev| {
+        with_slice::<f32, _>(scales, |scales, so, _| {
+            with_float_type!(dtype, T => {
+                let func = dev.get_or_load_custom_func(&name, MODULE, PTX)?;
+                // SAFETY: the kernel writes every element.
+                let out = unsafe { dev.alloc::<T>(rows * cols) }?;
+                let (codes, scales) = (codes.slice(co..), scales.slice(so..));
+                let args = [rows, cols, block.0, block.1, cols.div_ceil(block.1)].map(|v| v as i32);
+                let mut b = func.builder();
+                b.arg(&codes).arg(&scales).arg(&out);
+                for a in &args {
+                    b.arg(a);
+                }
+                // SAFETY: arguments match `dequant_fp8_*`.
+                unsafe { b.launch(grid_1d(rows * cols)) }.w()?;
+                Ok(wrap(out, dev, (rows, cols)))
+            })
+        })
+    })
+}
+
+/// fp8 QDQ of `x` `[rows, k]`: per-token dynamic when `static_scale` is `None`.
+pub fn qdq_fp8(x: &Tensor, static_scale: Option<f32>) -> Result<Tensor> {
+    let x = x.contiguous()?;
+    let (rows, k) = x.dims2()?;
+    let name = kernel_name("qdq_fp8_token", x.dtype());
+    with_float_type!(x.dtype(), T => with_slice::<T, _>(&x, |xs, xo, dev| {
+        let func = dev.get_or_load_custom_func(&name, MODULE, PTX)?;
+        // SAFETY: the kernel writes every element.
+        let out = unsafe { dev.alloc::<T>(rows * k) }?;
+        let xs = xs.slice(xo..);
+        let (k32, scale) = (k as i32, static_scale.unwrap_or(0.0));
+        let mut b = func.builder();
+        b.arg(&xs).arg(&out).arg(&k32).arg(&scale);
+        // SAFETY: arguments match `qdq_fp8_token_*`.
+        unsafe { b.launch(grid_rows(rows)) }.w()?;
+        Ok(wrap(out, dev, (rows, k)))
+    }))
+}
+
+/// NVFP4 QDQ of `x` `[rows, k]` (k a multiple of 16) against `global_scale`.
+pub fn qdq_nvfp4(x: &Tensor, global_scale: f32) -> Result<Tensor> {
+    let x = x.contiguous()?;
+    let (rows, k) = x.dims2()?;
+    if k % 16 != 0 {
+        bail!("NVFP4 activations need a multiple of 16 features, got {k}");
+    }
+    let name = kernel_name("qdq_nvfp4", x.dtype());
+    with_float_type!(x.dtype(), T => with_slice::<T, _>(&x, |xs, xo, dev| {
+        let func = dev.get_or_load_custom_func(&name, MODULE, PTX)?;
+        // SAFETY: the kernel writes every element.
+        let out = unsafe { dev.alloc::<T>(rows * k) }?;
+        let xs = xs.slice(xo..);
+        let groups = (rows * k / 16) as i64;
+        let mut b = func.builder();
+        b.arg(&xs).arg(&out).arg(&groups).arg(&global_scale);
+        // SAFETY: arguments match `qdq_nvfp4_*`.
+        unsafe { b.launch(grid_1d(groups as usize)) }.w()?;
+        Ok(wrap(out, dev, (rows, k)))
+    }))
+}
+
+/// Per-row scores computed on the GPU; only these vectors are copied to the host.
+pub struct RowScores {
+    pub target_logprob: Vec<f32>,
+    pub argmax: Vec<u32>,
+    pub argmax_logprob: Vec<f32>,
+    /// `rows * top_k`, row-major.
+    pub top_ids: Vec<u32>,
+    pub top_logprobs: Vec<f32>,
+}
+
+/// Fused log-softmax + gather + argmax + top-k over `logits` `[rows, vocab]`.
+/// `targets[i] < 0` means row i has no target.
+pub fn score_rows(logits: &Tensor, targets: &[i32], top_k: usize) -> Result<RowScores> {
+    let logits = logits.contiguous()?;
+    let (rows, vocab) = logits.dims2()?;
+    if top_k > 20 {
+        bail!("top_k {top_k} exceeds the kernel's maximum of 20");
+    }
+    let name = kernel_name("score_rows", logits.dtype());
+    let (tl, ai, al, ti, tp) = with_float_type!(logits.dtype(), T => with_slice::<T, _>(&logits, |ls, lo, dev| {
+        let func = dev.get_or_load_custom_func(&name, MODULE, PTX)?;
+        let targets = dev.clone_htod(targets)?;
+        let k_alloc = (rows * top_k).max(1);
+        // SAFETY: the kernel writes every element it is asked for (top-k only when k > 0).
+        let (tl, ai, al, ti, tp) = unsafe {
+            (dev.alloc::<f32>(rows)?, dev.alloc::<u32>(rows)?, dev.alloc::<f32>(rows)?,
+             dev.alloc::<u32>(k_alloc)?, dev.alloc::<f32>(k_alloc)?)
+        };
+        let ls = ls.slice(lo..);
+        let (v32, k32) = (vocab as i32, top_k as i32);
+        let mut b = func.builder();
+        b.arg(&ls).arg(&v32).arg(&targets).arg(&k32).arg(&tl).arg(&ai).arg(&al).arg(&ti).arg(&tp);
+        // SAFETY: arguments match `score_rows_*`.
+        unsafe { b.launch(grid_rows(rows)) }.w()?;
+        Ok((wrap(tl, dev, rows), wrap(ai, dev, rows), wrap(al, dev, rows), wrap(ti, dev, k_alloc), wrap(tp, dev, k_alloc)))
+    }))?;
+    let top_len = rows * top_k;
+    Ok(RowScores {
+        target_logprob: tl.to_vec1()?,
+        argmax: ai.to_vec1()?,
+        argmax_logprob: al.to_vec1()?,
+        top_ids: ti.narrow(0, 0, top_len)?.to_vec1()?,
+        top_logprobs: tp.narrow(0, 0, top_len)?.to_vec1()?,
+    })
+}
+
+/// `softmax(scale * scores)` under a causal (optionally sliding-window) mask, for f32 scores
+/// `[heads, t, t]`; masked entries are 0. One pass instead of scale + mask add + softmax.
+pub fn causal_softmax(scores: &Tensor, scale: f32, window: Option<usize>) -> Result<Tensor> {
+    let scores = scores.contiguous()?;
+    let dims = scores.dims().to_vec();
+    let t = *dims.last().unwrap_or(&0);
+    let rows = scores.elem_count() / t.max(1);
+    with_slice::<f32, _>(&scores, |s, so, dev| {
+        let func = dev.get_or_load_custom_func("causal_softmax_f32", MODULE, PTX)?;
+        // SAFETY: the kernel writes every element.
+        let out = unsafe { dev.alloc::<f32>(rows * t) }?;
+        let s = s.slice(so..);
+        let (t32, w32) = (t as i32, window.map_or(0, |w| w as i32));
+        let mut b = func.builder();
+        b.arg(&s).arg(&out).arg(&t32).arg(&scale).arg(&w32);
+        // SAFETY: arguments match `causal_softmax_f32`.
+        unsafe { b.launch(grid_rows(rows)) }.w()?;
+        Ok(wrap(out, dev, dims))
+    })
+}
+
+/// Runs `f` with cuBLAS f32 GEMMs on TF32 tensor cores. Used for attention in bf16/f16 compute:
+/// bf16 and f16 values are exact in TF32, so Q·Kᵀ and P·V keep f32 accumulation and f32 scores
+/// (as fused bf16 attention kernels do), at tensor-core speed.
+pub fn with_tf32<R>(f: impl FnOnce() -> Result<R>) -> Result<R> {
+    let before = candle_core::cuda_backend::gemm_reduced_precision_f32();
+    candle_core::cuda_backend::set_gemm_reduced_precision_f32(true);
+    let result = f();
+    candle_core::cuda_backend::set_gemm_reduced_precision_f32(before);
+    result
+}

@@ -1,0 +1,81 @@
+//! Opt-in: a real 135M model (SmolLM2-135M, built by ../shared/fixtures/make_real_smollm2.py,
+//! too big to ship). Run with
+//! `EXACTSCORE_REAL_MODELS=/path/to/out cargo test --release -p exactscore-server --test real_model -- --ignored --nocapture`.
+
+mod common;
+
+use std::path::PathBuf;
+
+use candle_core::DType;
+use common::{options, reference_logprobs, sequences};
+use exactscore_server::model::{Model, ScoreInput};
+use exactscore_server::quant::ActivationQuantMode;
+
+fn real_dir(variant: &str) -> PathBuf {
+    let root = std::env::var("EXACTSCORE_REAL_MODELS")
+        .expect("set EXACTSCORE_REAL_MODELS to the --out directory of make_real_smollm2.py");
+    PathBuf::from(root).join(variant)
+}
+
+/// Scores the reference's 8 x 512 WikiText-2 tokens; returns (ours, reference) mean NLL and
+/// the per-token max |Δ| against `block`.
+fn check(variant: &str, act: ActivationQuantMode, block: &str) -> (f64, f64, f64) {
+    let dir = real_dir(variant);
+    let reference: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("reference.json")).unwrap())
+            .unwrap();
+    let mut opts = options(DType::F32, act);
+    opts.max_seq_len = 512;
+    let model = Model::load(&dir, &opts).unwrap();
+    let seqs = sequences(&reference);
+    let expected_block = match block {
+        "sequences" => &reference["sequences"],
+        other => &reference[other]["sequences"],
+    };
+    let expected = reference_logprobs(expected_block);
+    let (mut max, mut nll, mut ref_nll, mut n) = (0f64, 0f64, 0f64, 0usize);
+    for (seq, exp) in seqs.iter().zip(&expected) {
+        let scores = model
+            .score(&[ScoreInput {
+                tokens: seq,
+                top_k: 0,
+            }])
+            .unwrap();
+        for (ours, theirs) in scores[0].token_logprobs().zip(exp) {
+            max = max.max((ours as f64 - theirs).abs());
+            nll -= ours as f64;
+            ref_nll -= theirs;
+            n += 1;
+        }
+    }
+    let (ours, theirs) = (nll / n as f64, ref_nll / n as f64);
+    println!(
+        "{variant} [{block}]: {n} tokens, mean NLL {ours:.6} (ppl {:.4}) vs reference {theirs:.6} (ppl {:.4}), max |Δ| {max:.2e}",
+        ours.exp(),
+        theirs.exp()
+    );
+    (ours, theirs, max)
+}
+
+#[test]
+#[ignore = "needs the real SmolLM2 checkpoints (EXACTSCORE_REAL_MODELS)"]
+fn smollm2_dense_and_w4a16_match_reference_per_token() {
+    for variant in ["smollm2-135m-dense-bf16", "smollm2-135m-w4a16-g64"] {
+        let (_, _, max) = check(variant, ActivationQuantMode::Emulate, "sequences");
+        assert!(max <= 1e-4, "{variant}: max |Δ| {max}");
+    }
+}
+
+#[test]
+#[ignore = "needs the real SmolLM2 checkpoints (EXACTSCORE_REAL_MODELS)"]
+fn smollm2_activation_quant_schemes() {
+    for variant in ["smollm2-135m-nvfp4", "smollm2-135m-fp8-dynamic"] {
+        let (_, _, max) = check(variant, ActivationQuantMode::Off, "weights_only");
+        assert!(max <= 1e-4, "{variant} weights only: max |Δ| {max}");
+        let (ours, theirs, _) = check(variant, ActivationQuantMode::Emulate, "sequences");
+        assert!(
+            (ours - theirs).abs() / theirs <= 0.01,
+            "{variant}: mean NLL {ours} vs {theirs}"
+        );
+    }
+}
