@@ -23,13 +23,13 @@ pub enum ClientError {
     Unauthorized {
         url: String,
         status: u16,
-        body: ErrorBody,
+        body: Box<ErrorBody>,
     },
     #[error("{url}: {status} {}: {}{}", body.kind, body.error, field_suffix(body))]
     Api {
         url: String,
         status: u16,
-        body: ErrorBody,
+        body: Box<ErrorBody>,
     },
     #[error("{url}: cannot connect: {message}")]
     Connect { url: String, message: String },
@@ -309,7 +309,10 @@ impl Client {
         let policy = &self.config.retry;
         let mut attempt = 0u32;
         loop {
-            match self.attempt(&method, &url, payload.as_deref(), &parse).await {
+            match self
+                .attempt(&method, &url, payload.as_deref(), &parse)
+                .await
+            {
                 Attempt::Done(v) => return Ok(v),
                 Attempt::Fail(e) => return Err(e),
                 Attempt::Retry(e, retry_after) => {
@@ -368,17 +371,19 @@ impl Client {
                 Err(e) => Attempt::Fail(e),
             };
         }
-        let body = serde_json::from_slice::<ErrorBody>(&bytes).unwrap_or_else(|_| ErrorBody {
-            error: String::from_utf8_lossy(&bytes).chars().take(200).collect(),
-            kind: status
-                .canonical_reason()
-                .unwrap_or("error")
-                .to_lowercase()
-                .replace(' ', "_"),
-            field: None,
-            rule: None,
-            value: None,
-        });
+        let body = Box::new(
+            serde_json::from_slice::<ErrorBody>(&bytes).unwrap_or_else(|_| ErrorBody {
+                error: String::from_utf8_lossy(&bytes).chars().take(200).collect(),
+                kind: status
+                    .canonical_reason()
+                    .unwrap_or("error")
+                    .to_lowercase()
+                    .replace(' ', "_"),
+                field: None,
+                rule: None,
+                value: None,
+            }),
+        );
         let err = if status == StatusCode::UNAUTHORIZED || status == StatusCode::FORBIDDEN {
             ClientError::Unauthorized {
                 url: url.to_string(),

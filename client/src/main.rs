@@ -50,7 +50,12 @@ struct ConnArgs {
 #[derive(Args)]
 struct PplArgs {
     /// Server base URL; repeat to spread requests over several servers.
-    #[arg(long = "server", required = true, env = "EXACTSCORE_SERVER", value_delimiter = ',')]
+    #[arg(
+        long = "server",
+        required = true,
+        env = "EXACTSCORE_SERVER",
+        value_delimiter = ','
+    )]
     servers: Vec<String>,
     #[arg(long, env = "EXACTSCORE_API_KEY", hide_env_values = true)]
     api_key: Option<String>,
@@ -194,7 +199,15 @@ fn compare(args: CompareArgs) -> anyhow::Result<()> {
         reports.push((label, r));
     }
     let header = [
-        "model", "bpw", "method", "ctx", "windows", "tokens", "ppl", "± se", "bits/byte",
+        "model",
+        "bpw",
+        "method",
+        "ctx",
+        "windows",
+        "tokens",
+        "ppl",
+        "± se",
+        "bits/byte",
     ];
     let rows: Vec<[String; 9]> = reports
         .iter()

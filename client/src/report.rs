@@ -172,7 +172,10 @@ impl Report {
                 fmt_opt(self.stats.mean_nll_stderr, 6)
             ),
         );
-        add("bits per token", format!("{:.6}", self.stats.bits_per_token));
+        add(
+            "bits per token",
+            format!("{:.6}", self.stats.bits_per_token),
+        );
         add("bits per byte", format!("{:.6}", self.bits_per_byte));
         add("windows", self.stats.windows.to_string());
         add("tokens scored", self.stats.tokens_scored.to_string());

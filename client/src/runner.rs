@@ -410,7 +410,10 @@ pub async fn run_ppl(config: PplConfig) -> Result<Report, PplError> {
             path: path.clone(),
             message,
         };
-        let exists = path.exists() && std::fs::metadata(path).map(|m| m.len() > 0).unwrap_or(false);
+        let exists = path.exists()
+            && std::fs::metadata(path)
+                .map(|m| m.len() > 0)
+                .unwrap_or(false);
         if exists && !config.resume {
             return Err(perr(
                 "already exists: pass --resume to continue it, or remove it".into(),
@@ -493,9 +496,9 @@ pub async fn run_ppl(config: PplConfig) -> Result<Report, PplError> {
     let mut new_tokens = 0usize;
     let mut new_windows = 0usize;
     let mut first_err: Option<PplError> = None;
-    let (mut run_s, mut run_c) = done.values().fold((0f64, 0usize), |(s, c), r| {
-        (s + r.sum_nll, c + r.count)
-    });
+    let (mut run_s, mut run_c) = done
+        .values()
+        .fold((0f64, 0usize), |(s, c), r| (s + r.sum_nll, c + r.count));
     while let Some(msg) = rx.recv().await {
         match msg {
             Ok(r) => {

@@ -58,8 +58,11 @@ fn txt_is_read_as_is() {
     let dir = tempfile::tempdir().unwrap();
     let p = dir.path().join("a.txt");
     std::fs::write(&p, "one\n\ntwo").unwrap();
-    let ds = dataset::load(&DatasetSpec::parse(p.to_str().unwrap()).unwrap(), &Default::default())
-        .unwrap();
+    let ds = dataset::load(
+        &DatasetSpec::parse(p.to_str().unwrap()).unwrap(),
+        &Default::default(),
+    )
+    .unwrap();
     assert_eq!(ds.text, "one\n\ntwo");
 }
 
@@ -86,17 +89,25 @@ fn jsonl_field_selection() {
         wikitext_path: None,
     };
     let e = dataset::load(&spec, &opts).unwrap_err().to_string();
-    assert!(e.contains(":1:") && e.contains("no field \"missing\""), "{e}");
+    assert!(
+        e.contains(":1:") && e.contains("no field \"missing\""),
+        "{e}"
+    );
 
     std::fs::write(&p, "{\"text\": \"a\"}\n{\"text\": 3}\n").unwrap();
-    let e = dataset::load(&spec, &DatasetOptions::default()).unwrap_err().to_string();
+    let e = dataset::load(&spec, &DatasetOptions::default())
+        .unwrap_err()
+        .to_string();
     assert!(e.contains(":2:") && e.contains("not a string"), "{e}");
 }
 
 #[test]
 fn unknown_extension_is_refused() {
     assert!(DatasetSpec::parse("data.csv").is_err());
-    assert_eq!(DatasetSpec::parse("wikitext2").unwrap(), DatasetSpec::Wikitext2);
+    assert_eq!(
+        DatasetSpec::parse("wikitext2").unwrap(),
+        DatasetSpec::Wikitext2
+    );
 }
 
 #[test]
@@ -155,7 +166,10 @@ fn parquet_column_selection() {
         field: Some("other".into()),
         wikitext_path: None,
     };
-    assert_eq!(dataset::load(&spec, &opts).unwrap().text, "other 0\n\nother 1\n\nother 2");
+    assert_eq!(
+        dataset::load(&spec, &opts).unwrap().text,
+        "other 0\n\nother 1\n\nother 2"
+    );
     let opts = DatasetOptions {
         field: Some("id".into()),
         wikitext_path: None,

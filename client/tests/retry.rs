@@ -32,14 +32,14 @@ fn client(url: &str, key: Option<&str>) -> Client {
     Client::new(c).unwrap()
 }
 
+type Script = Vec<(u16, Option<&'static str>)>;
+type Scripted = (Arc<AtomicUsize>, Arc<Script>);
+
 /// `/score` answers the scripted statuses in order, then 200 with a valid response.
-fn scripted(script: Vec<(u16, Option<&'static str>)>) -> (Router, Arc<AtomicUsize>) {
+fn scripted(script: Script) -> (Router, Arc<AtomicUsize>) {
     let calls = Arc::new(AtomicUsize::new(0));
     let script = Arc::new(script);
-    let handler = move |State((calls, script)): State<(
-        Arc<AtomicUsize>,
-        Arc<Vec<(u16, Option<&'static str>)>>,
-    )>| async move {
+    let handler = move |State((calls, script)): State<Scripted>| async move {
         let n = calls.fetch_add(1, Ordering::SeqCst);
         if let Some(&(status, retry_after)) = script.get(n) {
             let status = StatusCode::from_u16(status).unwrap();
@@ -71,7 +71,7 @@ fn scripted(script: Vec<(u16, Option<&'static str>)>) -> (Router, Arc<AtomicUsiz
         .into_response()
     };
     let app = Router::new()
-        .route("/score", post(handler.clone()))
+        .route("/score", post(handler))
         .route("/info", get(handler))
         .with_state((calls.clone(), script));
     (app, calls)
@@ -131,10 +131,16 @@ async fn wrong_key_is_a_one_line_error() {
     let (app, calls) = scripted(vec![(401, None); 5]);
     let url = spawn(app).await;
     let e = client(&url, Some("nope")).info().await.unwrap_err();
-    assert!(matches!(e, ClientError::Unauthorized { status: 401, .. }), "{e:?}");
+    assert!(
+        matches!(e, ClientError::Unauthorized { status: 401, .. }),
+        "{e:?}"
+    );
     assert_eq!(calls.load(Ordering::SeqCst), 1, "no retry on 401");
     let msg = e.to_string();
-    assert!(msg.contains("rejected the API key") && !msg.contains('\n'), "{msg}");
+    assert!(
+        msg.contains("rejected the API key") && !msg.contains('\n'),
+        "{msg}"
+    );
 }
 
 #[tokio::test]
@@ -153,7 +159,10 @@ async fn cli_wrong_key_prints_one_line_and_fails() {
     assert!(!out.status.success());
     let stderr = String::from_utf8(out.stderr).unwrap();
     assert_eq!(stderr.trim_end().lines().count(), 1, "{stderr}");
-    assert!(stderr.starts_with("error: ") && stderr.contains("API key"), "{stderr}");
+    assert!(
+        stderr.starts_with("error: ") && stderr.contains("API key"),
+        "{stderr}"
+    );
     assert!(!stderr.contains("panicked") && !stderr.contains("Backtrace"));
 }
 

@@ -15,8 +15,26 @@ use exactscore_client::{run_ppl, Method, PplConfig, PplError, RetryPolicy};
 
 fn text() -> String {
     let words = [
-        "the", "model", "scores", "every", "token", "of", "a", "long", "text", "exactly", "and",
-        "quantized", "weights", "stay", "compressed", "on", "GPU", "perplexity", "is", "low",
+        "the",
+        "model",
+        "scores",
+        "every",
+        "token",
+        "of",
+        "a",
+        "long",
+        "text",
+        "exactly",
+        "and",
+        "quantized",
+        "weights",
+        "stay",
+        "compressed",
+        "on",
+        "GPU",
+        "perplexity",
+        "is",
+        "low",
     ];
     let mut s = String::new();
     for i in 0..900usize {
@@ -171,7 +189,10 @@ async fn interrupted_then_resumed() {
         let lines = std::fs::read_to_string(&partial).unwrap().lines().count();
         assert_eq!(lines, done + 1, "header + one line per finished window");
         // A torn last line, as if killed mid-write.
-        let mut f = std::fs::OpenOptions::new().append(true).open(&partial).unwrap();
+        let mut f = std::fs::OpenOptions::new()
+            .append(true)
+            .open(&partial)
+            .unwrap();
         std::io::Write::write_all(&mut f, b"{\"window\": 99, \"sum_n").unwrap();
         drop(f);
 
@@ -187,14 +208,24 @@ async fn interrupted_then_resumed() {
         let e = run_ppl(cfg).await.unwrap_err();
         assert!(e.to_string().contains("different run"), "{e}");
 
-        let before: usize = fakes.iter().map(|f| f.score_calls.load(Ordering::SeqCst)).sum();
+        let before: usize = fakes
+            .iter()
+            .map(|f| f.score_calls.load(Ordering::SeqCst))
+            .sum();
         let mut cfg = config(urls, ds, Method::Exl3, conc);
         cfg.output = Some(partial.clone());
         cfg.resume = true;
         let r = run_ppl(cfg).await.unwrap();
-        let after: usize = fakes.iter().map(|f| f.score_calls.load(Ordering::SeqCst)).sum();
+        let after: usize = fakes
+            .iter()
+            .map(|f| f.score_calls.load(Ordering::SeqCst))
+            .sum();
         assert_eq!(r.resumed_windows, done);
-        assert_eq!(after - before, total - done, "finished windows are not redone");
+        assert_eq!(
+            after - before,
+            total - done,
+            "finished windows are not redone"
+        );
         let (s, c) = direct(Method::Exl3, 64, 24);
         assert_eq!(r.stats.tokens_scored, c);
         assert_rel(r.stats.perplexity, (s / c as f64).exp());
@@ -220,7 +251,10 @@ async fn max_windows_and_throttling() {
     let r = run_ppl(cfg).await.unwrap();
     assert_eq!(r.stats.windows, 7);
     assert_eq!(r.stats.tokens_scored, 7 * 63);
-    assert!(f.score_calls.load(Ordering::SeqCst) > 7, "429s were retried");
+    assert!(
+        f.score_calls.load(Ordering::SeqCst) > 7,
+        "429s were retried"
+    );
 }
 
 #[tokio::test]

@@ -76,10 +76,10 @@ proptest! {
             prop_assert!(w.len() <= ctx);
             let seq = w.sequence(&tokens);
             // Position p of the request is the token it claims to be.
-            for pos in 0..seq.len() {
+            for (pos, &t) in seq.iter().enumerate() {
                 match w.token_index(pos) {
-                    Some(i) => prop_assert_eq!(seq[pos], tokens[i]),
-                    None => prop_assert_eq!(seq[pos], u32::MAX),
+                    Some(i) => prop_assert_eq!(t, tokens[i]),
+                    None => prop_assert_eq!(t, u32::MAX),
                 }
             }
             // Scored positions run to the end of the request.

@@ -117,7 +117,11 @@ pub fn model_info() -> ModelInfo {
     }
 }
 
-async fn score(State(f): State<Arc<Fake>>, h: HeaderMap, Json(req): Json<ScoreRequest>) -> Response {
+async fn score(
+    State(f): State<Arc<Fake>>,
+    h: HeaderMap,
+    Json(req): Json<ScoreRequest>,
+) -> Response {
     if !f.authorized(&h) {
         return error(StatusCode::UNAUTHORIZED, "unauthorized", "invalid API key");
     }
