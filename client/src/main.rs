@@ -189,15 +189,28 @@ fn compare(args: CompareArgs) -> anyhow::Result<()> {
         let s = std::fs::read_to_string(p).with_context(|| format!("reading {}", p.display()))?;
         let r: Report =
             serde_json::from_str(&s).with_context(|| format!("{}: not a report", p.display()))?;
-        let label = match &r.server_info {
-            Some(i) => i.model.clone(),
-            None => p
-                .file_stem()
-                .map(|s| s.to_string_lossy().into_owned())
-                .unwrap_or_default(),
-        };
-        reports.push((label, r));
+        let stem = p
+            .file_stem()
+            .map(|s| s.to_string_lossy().into_owned())
+            .unwrap_or_default();
+        let model = r.server_info.as_ref().map(|i| i.model.clone());
+        reports.push((model, stem, r));
     }
+    // Label by model; where several reports share a model, add the file name.
+    let reports: Vec<(String, Report)> = {
+        let models: Vec<Option<String>> = reports.iter().map(|(m, _, _)| m.clone()).collect();
+        reports
+            .into_iter()
+            .map(|(m, stem, r)| {
+                let label = match m {
+                    Some(m) if models.iter().filter(|x| x.as_ref() == Some(&m)).count() == 1 => m,
+                    Some(m) => format!("{m} [{stem}]"),
+                    None => stem,
+                };
+                (label, r)
+            })
+            .collect()
+    };
     let header = [
         "model",
         "bpw",

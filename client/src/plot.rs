@@ -122,11 +122,14 @@ where
                 .map_err(e)?;
         }
         chart
-            .draw_series(std::iter::once(Text::new(
-                reports[i].0.clone(),
-                (x, y),
-                ("sans-serif", 14).into_font().color(&c),
-            )))
+            .draw_series(std::iter::once(
+                EmptyElement::at((x, y))
+                    + Text::new(
+                        reports[i].0.clone(),
+                        (8, -16),
+                        ("sans-serif", 14).into_font().color(&c),
+                    ),
+            ))
             .map_err(e)?;
     }
 
