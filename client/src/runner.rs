@@ -234,9 +234,10 @@ impl Balancer {
 fn window_nll(
     url: &str,
     w: &Window,
-    seq_len: usize,
+    seq: &[u32],
     score: &exactscore_api::SequenceScore,
 ) -> Result<WindowResult, PplError> {
+    let seq_len = seq.len();
     let bad = |message: String| PplError::BadResponse {
         url: url.to_string(),
         window: w.index,
@@ -246,6 +247,9 @@ fn window_nll(
         .token_logprobs
         .as_ref()
         .ok_or_else(|| bad("no token_logprobs".into()))?;
+    if score.tokens != seq {
+        return Err(bad("the server scored other tokens than were sent".into()));
+    }
     if lps.len() != seq_len {
         return Err(bad(format!(
             "{} log-probabilities for {} tokens",
@@ -482,7 +486,7 @@ pub async fn run_ppl(config: PplConfig) -> Result<Report, PplError> {
                 balancer.release(s);
                 let out = res
                     .map_err(PplError::from)
-                    .and_then(|score| window_nll(clients[s].base_url(), &w, seq.len(), &score));
+                    .and_then(|score| window_nll(clients[s].base_url(), &w, &seq, &score));
                 if tx.send(out).await.is_err() {
                     break;
                 }
