@@ -269,3 +269,40 @@ async fn wrong_key_fails_fast() {
     assert!(msg.contains("API key"), "{msg}");
     assert!(!msg.contains('\n'));
 }
+
+#[tokio::test]
+async fn wikitext2_through_the_runner() {
+    let (urls, _f) = servers(2).await;
+    let mut cfg = config(urls, DatasetSpec::Wikitext2, Method::Exl3, 4);
+    cfg.ctx = 2048;
+    cfg.stride = 512;
+    cfg.max_windows = Some(3);
+    let r = run_ppl(cfg).await.unwrap();
+    assert_eq!(r.dataset.bytes, 1_293_436);
+    assert_eq!(
+        r.dataset.sha256,
+        exactscore_client::dataset::WIKITEXT2_SHA256
+    );
+    assert_eq!(
+        r.dataset.text_tokens + 1,
+        r.dataset.sequence_tokens,
+        "BOS added once"
+    );
+    assert_eq!(r.stats.windows, 3);
+    assert_eq!(r.stats.tokens_scored, 3 * 2047);
+    let tok = common::tokenizer();
+    let wt =
+        exactscore_client::dataset::load(&DatasetSpec::Wikitext2, &Default::default()).unwrap();
+    let t = tok
+        .encode_fast(wt.text.as_str(), true)
+        .unwrap()
+        .get_ids()
+        .to_vec();
+    let mut s = 0f64;
+    for k in 0..3 {
+        for p in 1..2048 {
+            s += -(fake_logprob(t[k * 512 + p]) as f64);
+        }
+    }
+    assert_rel(r.stats.perplexity, (s / (3.0 * 2047.0)).exp());
+}
