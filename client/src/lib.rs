@@ -1,1 +1,17 @@
-//! Client.
+//! ExactScore client: a typed async client of the ExactScore server ([`http`]), window arithmetic
+//! ([`windows`]), datasets ([`dataset`]), tokenization ([`tokenize`]), the perplexity runner
+//! ([`runner::run_ppl`]), reports ([`report`]) and plots ([`plot`]).
+
+pub mod dataset;
+pub mod http;
+pub mod plot;
+pub mod report;
+pub mod runner;
+pub mod term;
+pub mod tokenize;
+pub mod windows;
+
+pub use http::{Client, ClientConfig, ClientError, RetryPolicy};
+pub use report::{Report, Stats, WindowResult};
+pub use runner::{run_ppl, PplConfig, PplError};
+pub use windows::{Method, Window, WindowParams};

@@ -1,0 +1,472 @@
+//! Typed async client over the ExactScore wire types, with retries.
+//!
+//! Retries (jittered exponential backoff, `Retry-After` honoured) happen on 429, 502, 503, 504
+//! and on connection errors (the request never reached the server). Any other 4xx — notably a 422
+//! validation error — is returned at once as [`ClientError::Api`] carrying the server's
+//! [`ErrorBody`]; 401/403 become [`ClientError::Unauthorized`].
+
+use std::time::Duration;
+
+use exactscore_api::{
+    DetokenizeRequest, DetokenizeResponse, ErrorBody, Health, ModelInfo, ReturnOptions,
+    ScoreRequest, ScoreResponse, TextInput, TokenizeRequest, TokenizeResponse, TokenizerInfo,
+    TokensInput,
+};
+use rand::Rng;
+use reqwest::{Method, StatusCode};
+use serde::{de::DeserializeOwned, Serialize};
+
+/// Errors of one client call. `Display` is one line, fit for a CLI's error message.
+#[derive(Debug, thiserror::Error)]
+pub enum ClientError {
+    #[error("{url}: the server rejected the API key ({status}): {}", body.error)]
+    Unauthorized {
+        url: String,
+        status: u16,
+        body: Box<ErrorBody>,
+    },
+    #[error("{url}: {status} {}: {}{}", body.kind, body.error, field_suffix(body))]
+    Api {
+        url: String,
+        status: u16,
+        body: Box<ErrorBody>,
+    },
+    #[error("{url}: cannot connect: {message}")]
+    Connect { url: String, message: String },
+    #[error("{url}: request timed out after {timeout:?}")]
+    Timeout { url: String, timeout: Duration },
+    #[error("{url}: {message}")]
+    Transport { url: String, message: String },
+    #[error("{url}: unexpected response ({status}): {message}")]
+    Decode {
+        url: String,
+        status: u16,
+        message: String,
+    },
+    #[error("{last} (gave up after {attempts} attempts)")]
+    RetriesExhausted {
+        attempts: u32,
+        last: Box<ClientError>,
+    },
+    #[error("invalid server URL {0:?}")]
+    BadUrl(String),
+}
+
+fn field_suffix(body: &ErrorBody) -> String {
+    match (&body.field, &body.rule) {
+        (Some(f), Some(r)) => format!(" (field {f}: {r})"),
+        (Some(f), None) => format!(" (field {f})"),
+        _ => String::new(),
+    }
+}
+
+impl ClientError {
+    /// The server's error body, if the server answered with one.
+    pub fn body(&self) -> Option<&ErrorBody> {
+        match self {
+            ClientError::Unauthorized { body, .. } | ClientError::Api { body, .. } => Some(body),
+            ClientError::RetriesExhausted { last, .. } => last.body(),
+            _ => None,
+        }
+    }
+
+    /// HTTP status, when there was a response.
+    pub fn status(&self) -> Option<u16> {
+        match self {
+            ClientError::Unauthorized { status, .. }
+            | ClientError::Api { status, .. }
+            | ClientError::Decode { status, .. } => Some(*status),
+            ClientError::RetriesExhausted { last, .. } => last.status(),
+            _ => None,
+        }
+    }
+}
+
+/// Retry policy: attempt `i` (0-based) waits `Retry-After` when the server sent one (capped by
+/// `max_retry_after`), else `d/2 + U(0, d/2)` with `d = min(max_delay, base_delay · 2^i)`.
+#[derive(Debug, Clone)]
+pub struct RetryPolicy {
+    /// Retries after the first attempt (0 = never retry).
+    pub max_retries: u32,
+    pub base_delay: Duration,
+    pub max_delay: Duration,
+    pub max_retry_after: Duration,
+}
+
+impl Default for RetryPolicy {
+    fn default() -> Self {
+        Self {
+            max_retries: 8,
+            base_delay: Duration::from_millis(250),
+            max_delay: Duration::from_secs(20),
+            max_retry_after: Duration::from_secs(120),
+        }
+    }
+}
+
+impl RetryPolicy {
+    /// The wait before retry number `attempt` (0-based).
+    pub fn backoff(&self, attempt: u32, retry_after: Option<Duration>) -> Duration {
+        if let Some(ra) = retry_after {
+            // A little jitter on top so that many clients told the same thing do not return in
+            // lockstep.
+            let jitter = rand::rng().random_range(0.0..0.1) * ra.as_secs_f64().max(0.05);
+            return ra.min(self.max_retry_after) + Duration::from_secs_f64(jitter);
+        }
+        let exp = (self.base_delay.as_secs_f64() * 2f64.powi(attempt.min(30) as i32))
+            .min(self.max_delay.as_secs_f64());
+        let half = exp / 2.0;
+        Duration::from_secs_f64(half + rand::rng().random_range(0.0..=half.max(0.0)))
+    }
+}
+
+/// Client settings.
+#[derive(Debug, Clone)]
+pub struct ClientConfig {
+    /// Base URL, e.g. `http://127.0.0.1:8080`.
+    pub base_url: String,
+    pub api_key: Option<String>,
+    /// Whole-request timeout.
+    pub timeout: Duration,
+    pub connect_timeout: Duration,
+    pub retry: RetryPolicy,
+}
+
+impl ClientConfig {
+    pub fn new(base_url: impl Into<String>) -> Self {
+        Self {
+            base_url: base_url.into(),
+            api_key: None,
+            timeout: Duration::from_secs(600),
+            connect_timeout: Duration::from_secs(10),
+            retry: RetryPolicy::default(),
+        }
+    }
+}
+
+/// Typed client of one ExactScore server. Cheap to clone.
+#[derive(Debug, Clone)]
+pub struct Client {
+    http: reqwest::Client,
+    base: String,
+    config: ClientConfig,
+}
+
+enum Attempt<T> {
+    Done(T),
+    Retry(ClientError, Option<Duration>),
+    Fail(ClientError),
+}
+
+impl Client {
+    pub fn new(config: ClientConfig) -> Result<Self, ClientError> {
+        let base = config.base_url.trim_end_matches('/').to_string();
+        if !(base.starts_with("http://") || base.starts_with("https://")) {
+            return Err(ClientError::BadUrl(config.base_url.clone()));
+        }
+        let http = reqwest::Client::builder()
+            .timeout(config.timeout)
+            .connect_timeout(config.connect_timeout)
+            .build()
+            .map_err(|e| ClientError::Transport {
+                url: base.clone(),
+                message: e.to_string(),
+            })?;
+        Ok(Self { http, base, config })
+    }
+
+    /// Base URL without a trailing slash.
+    pub fn base_url(&self) -> &str {
+        &self.base
+    }
+
+    /// `POST /score` with any request.
+    pub async fn score(&self, req: &ScoreRequest) -> Result<ScoreResponse, ClientError> {
+        self.json(Method::POST, "/score", Some(req)).await
+    }
+
+    /// Score one token sequence; returns only per-token log-probabilities.
+    pub async fn score_tokens(
+        &self,
+        tokens: &[u32],
+    ) -> Result<exactscore_api::SequenceScore, ClientError> {
+        let req = ScoreRequest {
+            tokens: Some(TokensInput::Single(
+                tokens.iter().map(|&t| i64::from(t)).collect(),
+            )),
+            top_k: Some(0),
+            return_options: Some(ReturnOptions {
+                token_logprobs: true,
+                top_k: false,
+                greedy: false,
+                token_strings: false,
+            }),
+            ..Default::default()
+        };
+        let url = self.url("/score");
+        let mut resp = self.score(&req).await?;
+        if resp.sequences.len() != 1 {
+            return Err(ClientError::Decode {
+                url,
+                status: 200,
+                message: format!("expected 1 sequence, got {}", resp.sequences.len()),
+            });
+        }
+        Ok(resp.sequences.remove(0))
+    }
+
+    /// Score one text (tokenized by the server).
+    pub async fn score_text(
+        &self,
+        text: &str,
+        top_k: i64,
+        options: ReturnOptions,
+    ) -> Result<ScoreResponse, ClientError> {
+        let req = ScoreRequest {
+            text: Some(TextInput::Single(text.to_string())),
+            top_k: Some(top_k),
+            return_options: Some(options),
+            ..Default::default()
+        };
+        self.score(&req).await
+    }
+
+    pub async fn tokenize(
+        &self,
+        text: &str,
+        add_special_tokens: bool,
+    ) -> Result<TokenizeResponse, ClientError> {
+        let req = TokenizeRequest {
+            prompt: text.to_string(),
+            add_special_tokens: Some(add_special_tokens),
+        };
+        self.json(Method::POST, "/tokenize", Some(&req)).await
+    }
+
+    pub async fn detokenize(&self, tokens: &[u32]) -> Result<String, ClientError> {
+        let req = DetokenizeRequest {
+            tokens: tokens.iter().map(|&t| i64::from(t)).collect(),
+        };
+        let r: DetokenizeResponse = self.json(Method::POST, "/detokenize", Some(&req)).await?;
+        Ok(r.prompt)
+    }
+
+    pub async fn tokenizer_info(&self) -> Result<TokenizerInfo, ClientError> {
+        self.json::<(), _>(Method::GET, "/tokenizer_info", None)
+            .await
+    }
+
+    /// The raw `tokenizer.json` the server uses.
+    pub async fn tokenizer_json(&self) -> Result<Vec<u8>, ClientError> {
+        self.request::<(), _>(Method::GET, "/tokenizer.json", None, |_, b| Ok(b.to_vec()))
+            .await
+    }
+
+    pub async fn info(&self) -> Result<ModelInfo, ClientError> {
+        self.json::<(), _>(Method::GET, "/info", None).await
+    }
+
+    /// `GET /health/ready` (retried while 503).
+    pub async fn ready(&self) -> Result<Health, ClientError> {
+        self.json::<(), _>(Method::GET, "/health/ready", None).await
+    }
+
+    fn url(&self, path: &str) -> String {
+        format!("{}{}", self.base, path)
+    }
+
+    async fn json<B: Serialize, T: DeserializeOwned>(
+        &self,
+        method: Method,
+        path: &str,
+        body: Option<&B>,
+    ) -> Result<T, ClientError> {
+        self.request(method, path, body, |url, bytes| {
+            serde_json::from_slice(bytes).map_err(|e| ClientError::Decode {
+                url: url.to_string(),
+                status: 200,
+                message: e.to_string(),
+            })
+        })
+        .await
+    }
+
+    async fn request<B: Serialize, T>(
+        &self,
+        method: Method,
+        path: &str,
+        body: Option<&B>,
+        parse: impl Fn(&str, &[u8]) -> Result<T, ClientError>,
+    ) -> Result<T, ClientError> {
+        let url = self.url(path);
+        let payload = match body {
+            Some(b) => Some(serde_json::to_vec(b).map_err(|e| ClientError::Transport {
+                url: url.clone(),
+                message: e.to_string(),
+            })?),
+            None => None,
+        };
+        let policy = &self.config.retry;
+        let mut attempt = 0u32;
+        loop {
+            match self
+                .attempt(&method, &url, payload.as_deref(), &parse)
+                .await
+            {
+                Attempt::Done(v) => return Ok(v),
+                Attempt::Fail(e) => return Err(e),
+                Attempt::Retry(e, retry_after) => {
+                    if attempt >= policy.max_retries {
+                        return Err(if attempt == 0 {
+                            e
+                        } else {
+                            ClientError::RetriesExhausted {
+                                attempts: attempt + 1,
+                                last: Box::new(e),
+                            }
+                        });
+                    }
+                    tokio::time::sleep(policy.backoff(attempt, retry_after)).await;
+                    attempt += 1;
+                }
+            }
+        }
+    }
+
+    async fn attempt<T>(
+        &self,
+        method: &Method,
+        url: &str,
+        payload: Option<&[u8]>,
+        parse: &impl Fn(&str, &[u8]) -> Result<T, ClientError>,
+    ) -> Attempt<T> {
+        let mut rb = self.http.request(method.clone(), url);
+        if let Some(key) = &self.config.api_key {
+            rb = rb.bearer_auth(key);
+        }
+        if let Some(p) = payload {
+            rb = rb
+                .header(reqwest::header::CONTENT_TYPE, "application/json")
+                .body(p.to_vec());
+        }
+        let resp = match rb.send().await {
+            Ok(r) => r,
+            Err(e) => return self.transport_error(url, e),
+        };
+        let status = resp.status();
+        let retry_after = resp
+            .headers()
+            .get(reqwest::header::RETRY_AFTER)
+            .and_then(|v| v.to_str().ok())
+            .and_then(|s| s.trim().parse::<f64>().ok())
+            .filter(|s| s.is_finite() && *s >= 0.0)
+            .map(Duration::from_secs_f64);
+        let bytes = match resp.bytes().await {
+            Ok(b) => b,
+            Err(e) => return self.transport_error(url, e),
+        };
+        if status.is_success() {
+            return match parse(url, &bytes) {
+                Ok(v) => Attempt::Done(v),
+                Err(e) => Attempt::Fail(e),
+            };
+        }
+        let body = Box::new(
+            serde_json::from_slice::<ErrorBody>(&bytes).unwrap_or_else(|_| ErrorBody {
+                error: String::from_utf8_lossy(&bytes).chars().take(200).collect(),
+                kind: status
+                    .canonical_reason()
+                    .unwrap_or("error")
+                    .to_lowercase()
+                    .replace(' ', "_"),
+                field: None,
+                rule: None,
+                value: None,
+            }),
+        );
+        let err = if status == StatusCode::UNAUTHORIZED || status == StatusCode::FORBIDDEN {
+            ClientError::Unauthorized {
+                url: url.to_string(),
+                status: status.as_u16(),
+                body,
+            }
+        } else {
+            ClientError::Api {
+                url: url.to_string(),
+                status: status.as_u16(),
+                body,
+            }
+        };
+        match status.as_u16() {
+            429 | 502 | 503 | 504 => Attempt::Retry(err, retry_after),
+            _ => Attempt::Fail(err),
+        }
+    }
+
+    fn transport_error<T>(&self, url: &str, e: reqwest::Error) -> Attempt<T> {
+        let message = error_chain(&e);
+        if e.is_timeout() {
+            Attempt::Fail(ClientError::Timeout {
+                url: url.to_string(),
+                timeout: self.config.timeout,
+            })
+        } else if e.is_connect() {
+            Attempt::Retry(
+                ClientError::Connect {
+                    url: url.to_string(),
+                    message,
+                },
+                None,
+            )
+        } else {
+            // The connection broke before a complete response: the server may have dropped
+            // it (restart, drain). Scoring is idempotent, so retrying is safe.
+            Attempt::Retry(
+                ClientError::Transport {
+                    url: url.to_string(),
+                    message,
+                },
+                None,
+            )
+        }
+    }
+}
+
+/// `e: cause: cause` on one line.
+fn error_chain(e: &dyn std::error::Error) -> String {
+    let mut s = e.to_string();
+    let mut cur = e.source();
+    while let Some(c) = cur {
+        let cs = c.to_string();
+        if !s.contains(&cs) {
+            s.push_str(": ");
+            s.push_str(&cs);
+        }
+        cur = c.source();
+    }
+    s.replace('\n', " ")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn backoff_bounds() {
+        let p = RetryPolicy {
+            max_retries: 3,
+            base_delay: Duration::from_millis(100),
+            max_delay: Duration::from_millis(1000),
+            max_retry_after: Duration::from_secs(5),
+        };
+        for attempt in 0..10 {
+            let d = p.backoff(attempt, None).as_secs_f64();
+            let full = (0.1 * 2f64.powi(attempt as i32)).min(1.0);
+            assert!(d >= full / 2.0 - 1e-9 && d <= full + 1e-9, "{attempt}: {d}");
+        }
+        let d = p.backoff(0, Some(Duration::from_secs(2))).as_secs_f64();
+        assert!((2.0..=2.21).contains(&d), "{d}");
+        let d = p.backoff(0, Some(Duration::from_secs(100))).as_secs_f64();
+        assert!((5.0..=15.1).contains(&d), "{d}");
+    }
+}

@@ -1,0 +1,411 @@
+//! `exactscore`: perplexity evaluations and per-token scores against ExactScore servers.
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::sync::atomic::Ordering;
+use std::time::Duration;
+
+use anyhow::Context as _;
+use clap::{Args, Parser, Subcommand};
+use exactscore_api::{ReturnOptions, ScoreRequest, TextInput};
+use exactscore_client::dataset::{DatasetOptions, DatasetSpec};
+use exactscore_client::term::{self, ColorChoice};
+use exactscore_client::tokenize::TokenizeMode;
+use exactscore_client::{
+    plot, run_ppl, Client, ClientConfig, Method, PplConfig, PplError, Report, RetryPolicy,
+};
+
+#[derive(Parser)]
+#[command(name = "exactscore", version, about = "Client of ExactScore servers")]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Perplexity of a dataset, windows spread over one or more servers.
+    Ppl(PplArgs),
+    /// Compare reports of `exactscore ppl --json` (table, optional plot).
+    Compare(CompareArgs),
+    /// Per-token log-probabilities of a text, as a table.
+    Score(ScoreArgs),
+    /// The server's /info as JSON.
+    Info(ConnArgs),
+}
+
+#[derive(Args)]
+struct ConnArgs {
+    /// Server base URL.
+    #[arg(long, env = "EXACTSCORE_SERVER")]
+    server: String,
+    /// Bearer API key.
+    #[arg(long, env = "EXACTSCORE_API_KEY", hide_env_values = true)]
+    api_key: Option<String>,
+    /// Per-request timeout, seconds.
+    #[arg(long, default_value_t = 600)]
+    timeout: u64,
+}
+
+#[derive(Args)]
+struct PplArgs {
+    /// Server base URL; repeat to spread requests over several servers.
+    #[arg(
+        long = "server",
+        required = true,
+        env = "EXACTSCORE_SERVER",
+        value_delimiter = ','
+    )]
+    servers: Vec<String>,
+    #[arg(long, env = "EXACTSCORE_API_KEY", hide_env_values = true)]
+    api_key: Option<String>,
+    /// `wikitext2`, or a `.txt`, `.txt.gz`, `.jsonl` or `.parquet` file.
+    #[arg(long)]
+    dataset: String,
+    /// Field (`.jsonl`) or column (`.parquet`) holding the text.
+    #[arg(long, alias = "column", default_value = "text")]
+    field: String,
+    /// Where `wikitext-2-raw-test.txt.gz` is (default: tests/fixtures/corpus/ of the repository).
+    #[arg(long, env = "EXACTSCORE_WIKITEXT_PATH")]
+    wikitext_path: Option<PathBuf>,
+    #[arg(long, value_enum, default_value_t = Method::Exl3)]
+    method: Method,
+    /// Tokens per request.
+    #[arg(long, default_value_t = 2048)]
+    ctx: usize,
+    /// Offset between window starts (exl3 only).
+    #[arg(long, default_value_t = 512)]
+    stride: usize,
+    /// Evaluate only the first N windows.
+    #[arg(long)]
+    max_windows: Option<usize>,
+    /// Requests in flight over all servers together.
+    #[arg(long, default_value_t = 4)]
+    concurrency: usize,
+    /// Where the text is tokenized.
+    #[arg(long, value_enum, default_value_t = TokenizeMode::Local)]
+    tokenize: TokenizeMode,
+    /// Partial results (JSON lines, one per finished window).
+    #[arg(long)]
+    output: Option<PathBuf>,
+    /// Continue the run recorded in --output.
+    #[arg(long)]
+    resume: bool,
+    /// Write the report as JSON here.
+    #[arg(long)]
+    json: Option<PathBuf>,
+    /// Per-request timeout, seconds.
+    #[arg(long, default_value_t = 600)]
+    timeout: u64,
+    /// Retries of a request on 429/503/connection errors.
+    #[arg(long, default_value_t = 8)]
+    retries: u32,
+    /// No progress bar.
+    #[arg(long)]
+    no_progress: bool,
+}
+
+#[derive(Args)]
+struct CompareArgs {
+    /// Report files (`exactscore ppl --json`).
+    #[arg(required = true)]
+    reports: Vec<PathBuf>,
+    /// Write a plot (`.png` or `.svg`).
+    #[arg(long)]
+    plot: Option<PathBuf>,
+}
+
+#[derive(Args)]
+struct ScoreArgs {
+    #[command(flatten)]
+    conn: ConnArgs,
+    /// Text to score (tokenized by the server).
+    #[arg(long)]
+    text: String,
+    /// Show the k most likely tokens at each position.
+    #[arg(long, default_value_t = 0)]
+    top_k: i64,
+    /// Let the tokenizer add its special tokens (BOS).
+    #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
+    add_special_tokens: bool,
+    /// Colour surprising tokens (`auto`: on a terminal, unless NO_COLOR is set).
+    #[arg(long, value_enum, default_value_t = ColorChoice::Auto)]
+    color: ColorChoice,
+}
+
+fn client(conn: &ConnArgs) -> anyhow::Result<Client> {
+    Ok(Client::new(ClientConfig {
+        base_url: conn.server.clone(),
+        api_key: conn.api_key.clone(),
+        timeout: Duration::from_secs(conn.timeout),
+        connect_timeout: Duration::from_secs(10),
+        retry: RetryPolicy::default(),
+    })?)
+}
+
+async fn ppl(args: PplArgs) -> anyhow::Result<()> {
+    let mut cfg = PplConfig::new(args.servers, DatasetSpec::parse(&args.dataset)?);
+    cfg.api_key = args.api_key;
+    cfg.dataset_options = DatasetOptions {
+        field: Some(args.field),
+        wikitext_path: args.wikitext_path,
+    };
+    cfg.method = args.method;
+    cfg.ctx = args.ctx;
+    cfg.stride = args.stride;
+    cfg.max_windows = args.max_windows;
+    cfg.concurrency = args.concurrency;
+    cfg.tokenize = args.tokenize;
+    cfg.output = args.output;
+    cfg.resume = args.resume;
+    cfg.progress = !args.no_progress;
+    cfg.timeout = Duration::from_secs(args.timeout);
+    cfg.retry = RetryPolicy {
+        max_retries: args.retries,
+        ..RetryPolicy::default()
+    };
+    let cancel = cfg.cancel.clone();
+    tokio::spawn(async move {
+        if tokio::signal::ctrl_c().await.is_ok() {
+            cancel.store(true, Ordering::SeqCst);
+            eprintln!("\nstopping: finishing requests in flight (Ctrl-C again to quit now)");
+            if tokio::signal::ctrl_c().await.is_ok() {
+                std::process::exit(130);
+            }
+        }
+    });
+    let report = run_ppl(cfg).await?;
+    print!("{}", report.to_table());
+    if let Some(path) = args.json {
+        let s = serde_json::to_string_pretty(&report)?;
+        std::fs::write(&path, s).with_context(|| format!("writing {}", path.display()))?;
+    }
+    Ok(())
+}
+
+fn compare(args: CompareArgs) -> anyhow::Result<()> {
+    let mut reports = vec![];
+    for p in &args.reports {
+        let s = std::fs::read_to_string(p).with_context(|| format!("reading {}", p.display()))?;
+        let r: Report =
+            serde_json::from_str(&s).with_context(|| format!("{}: not a report", p.display()))?;
+        let stem = p
+            .file_stem()
+            .map(|s| s.to_string_lossy().into_owned())
+            .unwrap_or_default();
+        let model = r.server_info.as_ref().map(|i| i.model.clone());
+        reports.push((model, stem, r));
+    }
+    // Label by model; where several reports share a model, add the file name.
+    let reports: Vec<(String, Report)> = {
+        let models: Vec<Option<String>> = reports.iter().map(|(m, _, _)| m.clone()).collect();
+        reports
+            .into_iter()
+            .map(|(m, stem, r)| {
+                let label = match m {
+                    Some(m) if models.iter().filter(|x| x.as_ref() == Some(&m)).count() == 1 => m,
+                    Some(m) => format!("{m} [{stem}]"),
+                    None => stem,
+                };
+                (label, r)
+            })
+            .collect()
+    };
+    let header = [
+        "model",
+        "bpw",
+        "method",
+        "ctx",
+        "windows",
+        "tokens",
+        "ppl",
+        "± se",
+        "bits/byte",
+    ];
+    let rows: Vec<[String; 9]> = reports
+        .iter()
+        .map(|(label, r)| {
+            [
+                label.clone(),
+                r.server_info
+                    .as_ref()
+                    .map(|i| format!("{:.3}", i.bits_per_weight))
+                    .unwrap_or_else(|| "?".into()),
+                r.method.to_string(),
+                r.ctx.to_string(),
+                r.stats.windows.to_string(),
+                r.stats.tokens_scored.to_string(),
+                format!("{:.4}", r.stats.perplexity),
+                r.stats
+                    .perplexity_stderr
+                    .map(|s| format!("{s:.4}"))
+                    .unwrap_or_else(|| "n/a".into()),
+                format!("{:.4}", r.bits_per_byte),
+            ]
+        })
+        .collect();
+    let widths: Vec<usize> = (0..header.len())
+        .map(|c| {
+            rows.iter()
+                .map(|r| r[c].chars().count())
+                .chain([header[c].len()])
+                .max()
+                .unwrap_or(0)
+        })
+        .collect();
+    let line = |cells: Vec<&str>| {
+        cells
+            .iter()
+            .zip(&widths)
+            .enumerate()
+            .map(|(i, (c, w))| {
+                if i == 0 {
+                    format!("{c:<w$}")
+                } else {
+                    format!("{c:>w$}")
+                }
+            })
+            .collect::<Vec<_>>()
+            .join("  ")
+    };
+    println!("{}", line(header.to_vec()));
+    for r in &rows {
+        println!("{}", line(r.iter().map(String::as_str).collect()));
+    }
+    if let Some(p) = args.plot {
+        plot::plot(&reports, &p)?;
+        eprintln!("wrote {}", p.display());
+    }
+    Ok(())
+}
+
+async fn score(args: ScoreArgs) -> anyhow::Result<()> {
+    let c = client(&args.conn)?;
+    let req = ScoreRequest {
+        text: Some(TextInput::Single(args.text.clone())),
+        add_special_tokens: Some(args.add_special_tokens),
+        top_k: Some(args.top_k),
+        return_options: Some(ReturnOptions {
+            token_logprobs: true,
+            top_k: args.top_k > 0,
+            greedy: true,
+            token_strings: true,
+        }),
+        ..Default::default()
+    };
+    let resp = c.score(&req).await?;
+    let seq = resp
+        .sequences
+        .first()
+        .context("the server returned no sequence")?;
+    let no_color = std::env::var_os("NO_COLOR").is_some_and(|v| !v.is_empty());
+    let on = args.color.enabled(no_color);
+    let strings = seq.token_strings.clone().unwrap_or_default();
+    let lps = seq.token_logprobs.clone().unwrap_or_default();
+    let greedy = seq.greedy.clone().unwrap_or_default();
+    println!(
+        "{:>5}  {:>7}  {:<20}  {:>9}  {:>8}  greedy{}",
+        "pos",
+        "id",
+        "token",
+        "logprob",
+        "prob",
+        if args.top_k > 0 { "  top" } else { "" }
+    );
+    for (i, id) in seq.tokens.iter().enumerate() {
+        let tok = term::escape_token(strings.get(i).map(String::as_str).unwrap_or(""));
+        let tok = format!("{tok:<20}");
+        let (lp, prob, color) = match lps.get(i).copied().flatten() {
+            Some(lp) => (
+                format!("{lp:>9.4}"),
+                format!("{:>8.4}", lp.exp()),
+                Some(term::surprise_color(lp)),
+            ),
+            None => (format!("{:>9}", "-"), format!("{:>8}", "-"), None),
+        };
+        let g = match greedy.get(i).copied().flatten() {
+            Some(true) => "yes",
+            Some(false) => "no",
+            None => "-",
+        };
+        let top = if args.top_k > 0 && i > 0 {
+            seq.top_k
+                .as_ref()
+                .and_then(|t| t.get(i - 1))
+                .map(|alts| {
+                    alts.iter()
+                        .map(|a| {
+                            format!(
+                                "{}:{:.2}",
+                                term::escape_token(a.token.as_deref().unwrap_or("?")),
+                                a.logprob
+                            )
+                        })
+                        .collect::<Vec<_>>()
+                        .join(" ")
+                })
+                .unwrap_or_default()
+        } else {
+            String::new()
+        };
+        let (tok, lp) = match color {
+            Some(col) => (term::paint(&tok, col, on), term::paint(&lp, col, on)),
+            None => (term::paint(&tok, term::Color::Dim, on), lp),
+        };
+        println!(
+            "{i:>5}  {id:>7}  {tok}  {lp}  {prob}  {g:>6}{}",
+            if top.is_empty() {
+                String::new()
+            } else {
+                format!("  {top}")
+            }
+        );
+    }
+    match (seq.mean_nll, seq.perplexity) {
+        (Some(m), Some(p)) => println!(
+            "{} tokens, {} scored: sum NLL {:.4}, mean NLL {m:.4}, perplexity {p:.4}",
+            seq.tokens.len(),
+            seq.num_scored,
+            seq.sum_nll
+        ),
+        _ => println!("{} tokens, nothing scored", seq.tokens.len()),
+    }
+    Ok(())
+}
+
+async fn run(cli: Cli) -> anyhow::Result<()> {
+    match cli.command {
+        Command::Ppl(a) => ppl(a).await,
+        Command::Compare(a) => compare(a),
+        Command::Score(a) => score(a).await,
+        Command::Info(a) => {
+            let info = client(&a)?.info().await?;
+            println!("{}", serde_json::to_string_pretty(&info)?);
+            Ok(())
+        }
+    }
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let rt = match tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("error: cannot start the runtime: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    match rt.block_on(run(cli)) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("error: {}", format!("{e:#}").replace('\n', " "));
+            match e.downcast_ref::<PplError>() {
+                Some(PplError::Interrupted { .. }) => ExitCode::from(130),
+                _ => ExitCode::FAILURE,
+            }
+        }
+    }
+}

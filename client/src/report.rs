@@ -1,0 +1,228 @@
+//! Perplexity reports and their statistics.
+//!
+//! With windows `j = 1..W`, each with NLL sum `s_j` (nats, over its scored positions) and count
+//! `c_j`: `S = Σ s_j`, `C = Σ c_j`, mean NLL `μ = S / C`, perplexity `exp(μ)`.
+//!
+//! **Standard error** is per window (windows, not tokens, are the independent units; tokens of
+//! one window are correlated): the ratio-estimator standard error
+//! `SE(μ) = sqrt(W / (W - 1) · Σ_j (s_j - μ·c_j)²) / C`, which for equal window lengths is the
+//! standard deviation of the per-window mean NLLs divided by `√W`. The perplexity's standard error
+//! is by the delta method `SE(ppl) = ppl · SE(μ)`. Undefined (`null`) for fewer than 2 windows.
+//! Overlapping windows (`exl3` with stride < ctx) are not independent, so it is then optimistic.
+//!
+//! **Bits per token** `= μ / ln 2`. **Bits per byte** `= (μ / ln 2) · T / B`, with `B` the UTF-8
+//! byte length of the dataset text and `T` the number of tokens it was tokenized into (a BOS added
+//! by the tokenizer not counted): the mean bits per scored token spread over the text's bytes at
+//! the text's token density. When every token of the text is predicted exactly once (`rolling`
+//! without `--max-windows`) this is exactly lm-eval's `Σ NLL / (B · ln 2)`.
+
+use std::fmt::Write as _;
+
+use exactscore_api::ModelInfo;
+use serde::{Deserialize, Serialize};
+
+use crate::windows::Method;
+
+/// One finished window (also one line of the partial file).
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct WindowResult {
+    pub window: usize,
+    /// Σ −log p over the window's scored positions, nats, f64 accumulation of f32 log-probs.
+    pub sum_nll: f64,
+    pub count: usize,
+}
+
+/// Summary statistics of a set of windows.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct Stats {
+    pub windows: usize,
+    pub tokens_scored: usize,
+    pub total_nll: f64,
+    pub mean_nll: f64,
+    pub perplexity: f64,
+    pub mean_nll_stderr: Option<f64>,
+    pub perplexity_stderr: Option<f64>,
+    pub bits_per_token: f64,
+}
+
+impl Stats {
+    pub fn from_windows(results: &[WindowResult]) -> Stats {
+        let w = results.len();
+        let s: f64 = results.iter().map(|r| r.sum_nll).sum();
+        let c: usize = results.iter().map(|r| r.count).sum();
+        let mean = if c > 0 { s / c as f64 } else { f64::NAN };
+        let ppl = mean.exp();
+        let se = (w >= 2 && c > 0).then(|| {
+            let ss: f64 = results
+                .iter()
+                .map(|r| (r.sum_nll - mean * r.count as f64).powi(2))
+                .sum();
+            (w as f64 / (w as f64 - 1.0) * ss).sqrt() / c as f64
+        });
+        Stats {
+            windows: w,
+            tokens_scored: c,
+            total_nll: s,
+            mean_nll: mean,
+            perplexity: ppl,
+            mean_nll_stderr: se,
+            perplexity_stderr: se.map(|se| se * ppl),
+            bits_per_token: mean / std::f64::consts::LN_2,
+        }
+    }
+}
+
+/// Dataset facts in a report.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct DatasetSummary {
+    pub name: String,
+    /// UTF-8 bytes of the evaluated text (`B`).
+    pub bytes: usize,
+    pub sha256: String,
+    pub documents: usize,
+    /// Tokens of the text, a tokenizer-added BOS excluded (`T`).
+    pub text_tokens: usize,
+    /// Tokens the windows were cut from (BOS included where added).
+    pub sequence_tokens: usize,
+}
+
+/// Result of `exactscore ppl`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Report {
+    pub method: Method,
+    pub ctx: usize,
+    pub stride: usize,
+    pub max_windows: Option<usize>,
+    pub tokenize: crate::tokenize::TokenizeMode,
+    pub dataset: DatasetSummary,
+    #[serde(flatten)]
+    pub stats: Stats,
+    pub bits_per_byte: f64,
+    /// How the standard errors are computed.
+    pub stderr_method: String,
+    /// Windows already in the partial file when this run started.
+    pub resumed_windows: usize,
+    /// Wall time of this run (seconds), resumed windows not included.
+    pub wall_time_s: f64,
+    /// Tokens scored in this run / wall time.
+    pub tokens_per_s: f64,
+    pub servers: Vec<String>,
+    pub server_info: Option<ModelInfo>,
+    /// Every window, by index.
+    pub per_window: Vec<WindowResult>,
+}
+
+pub const STDERR_METHOD: &str =
+    "per-window ratio estimator: SE(mean_nll) = sqrt(W/(W-1) * sum_j (s_j - mean_nll*c_j)^2) / C; \
+     SE(ppl) = ppl * SE(mean_nll)";
+
+fn fmt_opt(v: Option<f64>, digits: usize) -> String {
+    v.map(|v| format!("{v:.digits$}"))
+        .unwrap_or_else(|| "n/a".into())
+}
+
+impl Report {
+    /// Human-readable table.
+    pub fn to_table(&self) -> String {
+        let mut rows: Vec<(String, String)> = vec![];
+        let mut add = |k: &str, v: String| rows.push((k.to_string(), v));
+        if let Some(i) = &self.server_info {
+            add("model", i.model.clone());
+            add("dtype", i.dtype.clone());
+            add("bits per weight", format!("{:.4}", i.bits_per_weight));
+            let mut fm: Vec<&str> = i.formats.values().map(String::as_str).collect();
+            fm.sort_unstable();
+            fm.dedup();
+            add("formats", fm.join(", "));
+        }
+        add("servers", self.servers.join(", "));
+        add(
+            "dataset",
+            format!(
+                "{} ({} bytes, {} tokens)",
+                self.dataset.name, self.dataset.bytes, self.dataset.text_tokens
+            ),
+        );
+        add(
+            "method",
+            format!(
+                "{} ctx={}{}",
+                self.method,
+                self.ctx,
+                if self.method == Method::Exl3 {
+                    format!(" stride={}", self.stride)
+                } else {
+                    String::new()
+                }
+            ),
+        );
+        add(
+            "perplexity",
+            format!(
+                "{:.6} ± {}",
+                self.stats.perplexity,
+                fmt_opt(self.stats.perplexity_stderr, 6)
+            ),
+        );
+        add(
+            "mean NLL",
+            format!(
+                "{:.6} ± {} nats",
+                self.stats.mean_nll,
+                fmt_opt(self.stats.mean_nll_stderr, 6)
+            ),
+        );
+        add(
+            "bits per token",
+            format!("{:.6}", self.stats.bits_per_token),
+        );
+        add("bits per byte", format!("{:.6}", self.bits_per_byte));
+        add("windows", self.stats.windows.to_string());
+        add("tokens scored", self.stats.tokens_scored.to_string());
+        add(
+            "wall time",
+            format!(
+                "{:.2} s ({} windows resumed)",
+                self.wall_time_s, self.resumed_windows
+            ),
+        );
+        add("tokens/s", format!("{:.1}", self.tokens_per_s));
+        let w = rows.iter().map(|(k, _)| k.len()).max().unwrap_or(0);
+        let mut out = String::new();
+        for (k, v) in rows {
+            let _ = writeln!(out, "{k:<w$}  {v}");
+        }
+        out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn wr(window: usize, sum_nll: f64, count: usize) -> WindowResult {
+        WindowResult {
+            window,
+            sum_nll,
+            count,
+        }
+    }
+
+    #[test]
+    fn equal_windows_stderr_is_sd_of_means_over_sqrt_w() {
+        let r = [wr(0, 10.0, 10), wr(1, 20.0, 10), wr(2, 30.0, 10)];
+        let s = Stats::from_windows(&r);
+        assert!((s.mean_nll - 2.0).abs() < 1e-12);
+        // means 1,2,3: sd = 1, / sqrt(3)
+        let expected = 1.0 / 3f64.sqrt();
+        assert!((s.mean_nll_stderr.unwrap() - expected).abs() < 1e-12);
+        assert!((s.perplexity_stderr.unwrap() - expected * 2f64.exp()).abs() < 1e-9);
+    }
+
+    #[test]
+    fn single_window_has_no_stderr() {
+        let s = Stats::from_windows(&[wr(0, 5.0, 5)]);
+        assert_eq!(s.mean_nll_stderr, None);
+        assert!((s.perplexity - 1f64.exp()).abs() < 1e-12);
+    }
+}

@@ -1,0 +1,581 @@
+//! The perplexity runner behind `exactscore ppl`: dataset → tokens → windows → requests spread
+//! over all servers → resumable partial file → [`Report`].
+//!
+//! Partial file (JSON lines, flushed per line): a header line
+//! `{"exactscore_partial":1, method, ctx, stride, max_windows, prefix, dataset_sha256,
+//! tokens_sha256, num_tokens, num_windows, model}` then one [`WindowResult`] per finished window
+//! (`{"window", "sum_nll", "count"}`) in completion order. `--resume` checks the header against the
+//! current run, drops a torn last line (interrupted write), and skips the windows already there.
+
+use std::collections::{BTreeMap, VecDeque};
+use std::io::Write as _;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use serde::{Deserialize, Serialize};
+
+use crate::dataset::{self, DatasetError, DatasetOptions, DatasetSpec};
+use crate::http::{Client, ClientConfig, ClientError, RetryPolicy};
+use crate::report::{DatasetSummary, Report, Stats, WindowResult, STDERR_METHOD};
+use crate::tokenize::{self, TokenizeError, TokenizeMode};
+use crate::windows::{self, Method, Window, WindowError, WindowParams};
+
+/// Everything a run needs. Build with [`PplConfig::new`] and adjust the fields.
+#[derive(Debug, Clone)]
+pub struct PplConfig {
+    pub servers: Vec<String>,
+    pub api_key: Option<String>,
+    pub dataset: DatasetSpec,
+    pub dataset_options: DatasetOptions,
+    pub method: Method,
+    pub ctx: usize,
+    pub stride: usize,
+    pub max_windows: Option<usize>,
+    /// Requests in flight over all servers together.
+    pub concurrency: usize,
+    pub tokenize: TokenizeMode,
+    /// Partial results file (JSON lines).
+    pub output: Option<PathBuf>,
+    pub resume: bool,
+    pub progress: bool,
+    pub timeout: Duration,
+    pub retry: RetryPolicy,
+    /// Stop dispatching once this many windows finished in this run (tests simulate an
+    /// interruption with it).
+    pub stop_after: Option<usize>,
+    /// Set to stop dispatching (Ctrl-C); windows in flight are still written.
+    pub cancel: Arc<AtomicBool>,
+}
+
+impl PplConfig {
+    pub fn new(servers: Vec<String>, dataset: DatasetSpec) -> Self {
+        Self {
+            servers,
+            api_key: None,
+            dataset,
+            dataset_options: DatasetOptions::default(),
+            method: Method::Exl3,
+            ctx: 2048,
+            stride: 512,
+            max_windows: None,
+            concurrency: 4,
+            tokenize: TokenizeMode::Local,
+            output: None,
+            resume: false,
+            progress: false,
+            timeout: Duration::from_secs(600),
+            retry: RetryPolicy::default(),
+            stop_after: None,
+            cancel: Arc::new(AtomicBool::new(false)),
+        }
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum PplError {
+    #[error(transparent)]
+    Client(#[from] ClientError),
+    #[error(transparent)]
+    Dataset(#[from] DatasetError),
+    #[error(transparent)]
+    Window(#[from] WindowError),
+    #[error(transparent)]
+    Tokenize(#[from] TokenizeError),
+    #[error("{0}")]
+    Config(String),
+    #[error("servers serve different models: {0}")]
+    ServerMismatch(String),
+    #[error("{url}: bad score response for window {window}: {message}")]
+    BadResponse {
+        url: String,
+        window: usize,
+        message: String,
+    },
+    #[error("partial file {path}: {message}")]
+    Partial { path: PathBuf, message: String },
+    #[error("interrupted after {done}/{total} windows{}", resume_hint(.output))]
+    Interrupted {
+        done: usize,
+        total: usize,
+        output: Option<PathBuf>,
+    },
+}
+
+fn resume_hint(output: &Option<PathBuf>) -> String {
+    match output {
+        Some(p) => format!(
+            "; finished windows are in {}: rerun with --resume",
+            p.display()
+        ),
+        None => "; pass --output to make runs resumable".into(),
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+struct PartialHeader {
+    exactscore_partial: u32,
+    method: Method,
+    ctx: usize,
+    stride: usize,
+    max_windows: Option<usize>,
+    prefix: Option<u32>,
+    dataset_sha256: String,
+    tokens_sha256: String,
+    num_tokens: usize,
+    num_windows: usize,
+    model: String,
+}
+
+fn tokens_sha256(tokens: &[u32]) -> String {
+    let bytes: Vec<u8> = tokens.iter().flat_map(|t| t.to_le_bytes()).collect();
+    dataset::sha256_hex(&bytes)
+}
+
+/// Read a partial file: its header and finished windows. A torn last line is cut off the file.
+fn read_partial(path: &Path) -> Result<(PartialHeader, Vec<WindowResult>), PplError> {
+    let perr = |message: String| PplError::Partial {
+        path: path.to_path_buf(),
+        message,
+    };
+    let bytes = std::fs::read(path).map_err(|e| perr(e.to_string()))?;
+    let complete = match bytes.iter().rposition(|&b| b == b'\n') {
+        Some(i) => i + 1,
+        None => 0,
+    };
+    if complete < bytes.len() {
+        let f = std::fs::OpenOptions::new()
+            .write(true)
+            .open(path)
+            .map_err(|e| perr(e.to_string()))?;
+        f.set_len(complete as u64)
+            .map_err(|e| perr(e.to_string()))?;
+    }
+    let text = std::str::from_utf8(&bytes[..complete]).map_err(|e| perr(e.to_string()))?;
+    let mut lines = text.lines().filter(|l| !l.trim().is_empty());
+    let header: PartialHeader = match lines.next() {
+        Some(l) => serde_json::from_str(l).map_err(|e| perr(format!("bad header: {e}")))?,
+        None => return Err(perr("empty (no header)".into())),
+    };
+    let mut seen = std::collections::BTreeSet::new();
+    let mut results = vec![];
+    for (i, l) in lines.enumerate() {
+        let r: WindowResult =
+            serde_json::from_str(l).map_err(|e| perr(format!("line {}: {e}", i + 2)))?;
+        if r.window >= header.num_windows {
+            return Err(perr(format!("window {} out of range", r.window)));
+        }
+        if seen.insert(r.window) {
+            results.push(r);
+        }
+    }
+    Ok((header, results))
+}
+
+fn header_diff(a: &PartialHeader, b: &PartialHeader) -> Option<String> {
+    let mut d = vec![];
+    macro_rules! cmp {
+        ($f:ident) => {
+            if a.$f != b.$f {
+                d.push(format!(
+                    "{} {:?} (file) vs {:?} (now)",
+                    stringify!($f),
+                    a.$f,
+                    b.$f
+                ));
+            }
+        };
+    }
+    cmp!(exactscore_partial);
+    cmp!(method);
+    cmp!(ctx);
+    cmp!(stride);
+    cmp!(max_windows);
+    cmp!(prefix);
+    cmp!(dataset_sha256);
+    cmp!(tokens_sha256);
+    cmp!(num_windows);
+    cmp!(model);
+    (!d.is_empty()).then(|| d.join("; "))
+}
+
+/// Picks the server with the fewest requests in flight (round-robin among ties).
+struct Balancer {
+    inflight: Vec<AtomicUsize>,
+    rr: AtomicUsize,
+}
+
+impl Balancer {
+    fn new(n: usize) -> Self {
+        Self {
+            inflight: (0..n).map(|_| AtomicUsize::new(0)).collect(),
+            rr: AtomicUsize::new(0),
+        }
+    }
+
+    fn acquire(&self) -> usize {
+        let n = self.inflight.len();
+        let start = self.rr.fetch_add(1, Ordering::Relaxed) % n;
+        let best = (0..n)
+            .map(|i| (start + i) % n)
+            .min_by_key(|&i| self.inflight[i].load(Ordering::Relaxed))
+            .unwrap_or(0);
+        self.inflight[best].fetch_add(1, Ordering::Relaxed);
+        best
+    }
+
+    fn release(&self, i: usize) {
+        self.inflight[i].fetch_sub(1, Ordering::Relaxed);
+    }
+}
+
+/// NLL sum of a window from a score response.
+fn window_nll(
+    url: &str,
+    w: &Window,
+    seq: &[u32],
+    score: &exactscore_api::SequenceScore,
+) -> Result<WindowResult, PplError> {
+    let seq_len = seq.len();
+    let bad = |message: String| PplError::BadResponse {
+        url: url.to_string(),
+        window: w.index,
+        message,
+    };
+    let lps = score
+        .token_logprobs
+        .as_ref()
+        .ok_or_else(|| bad("no token_logprobs".into()))?;
+    if score.tokens != seq {
+        return Err(bad("the server scored other tokens than were sent".into()));
+    }
+    if lps.len() != seq_len {
+        return Err(bad(format!(
+            "{} log-probabilities for {} tokens",
+            lps.len(),
+            seq_len
+        )));
+    }
+    let mut sum = 0f64;
+    for p in w.scored.clone() {
+        match lps[p] {
+            Some(lp) if lp.is_finite() && lp <= 0.0 => sum += -f64::from(lp),
+            other => return Err(bad(format!("position {p}: log-probability {other:?}"))),
+        }
+    }
+    Ok(WindowResult {
+        window: w.index,
+        sum_nll: sum,
+        count: w.num_scored(),
+    })
+}
+
+fn progress_bar(total: usize, done: usize, enabled: bool) -> indicatif::ProgressBar {
+    if !enabled {
+        return indicatif::ProgressBar::hidden();
+    }
+    let pb = indicatif::ProgressBar::new(total as u64);
+    pb.set_style(
+        indicatif::ProgressStyle::with_template(
+            "{bar:30.cyan/blue} {pos}/{len} windows [{elapsed_precise} < {eta_precise}] {msg}",
+        )
+        .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
+    );
+    pb.set_position(done as u64);
+    pb.reset_eta();
+    pb
+}
+
+/// Run a perplexity evaluation against `config.servers` and return the report.
+pub async fn run_ppl(config: PplConfig) -> Result<Report, PplError> {
+    let started = Instant::now();
+    if config.servers.is_empty() {
+        return Err(PplError::Config("at least one --server is needed".into()));
+    }
+    if config.concurrency == 0 {
+        return Err(PplError::Config("--concurrency must be at least 1".into()));
+    }
+    if config.resume && config.output.is_none() {
+        return Err(PplError::Config("--resume needs --output".into()));
+    }
+    let clients = config
+        .servers
+        .iter()
+        .map(|s| {
+            Client::new(ClientConfig {
+                base_url: s.clone(),
+                api_key: config.api_key.clone(),
+                timeout: config.timeout,
+                connect_timeout: Duration::from_secs(10),
+                retry: config.retry.clone(),
+            })
+        })
+        .collect::<Result<Vec<_>, _>>()?;
+
+    // Servers: ready, and all serving the same model.
+    let mut infos = vec![];
+    for c in &clients {
+        c.ready().await?;
+        infos.push(c.info().await?);
+    }
+    let info = infos[0].clone();
+    for (c, i) in clients.iter().zip(&infos).skip(1) {
+        if i.model != info.model || i.formats != info.formats || i.dtype != info.dtype {
+            return Err(PplError::ServerMismatch(format!(
+                "{} serves {} ({}), {} serves {} ({})",
+                clients[0].base_url(),
+                info.model,
+                info.dtype,
+                c.base_url(),
+                i.model,
+                i.dtype
+            )));
+        }
+    }
+
+    // Dataset and tokens.
+    let spec = config.dataset.clone();
+    let opts = config.dataset_options.clone();
+    let ds = tokio::task::spawn_blocking(move || dataset::load(&spec, &opts))
+        .await
+        .map_err(|e| PplError::Config(e.to_string()))??;
+    let tinfo = clients[0].tokenizer_info().await?;
+    // exl3/disjoint: the tokenizer's own special-token rule (BOS at the very start when it adds
+    // one); rolling: no special tokens, the prefix token (BOS, else EOS) prepended instead.
+    let add_special = config.method != Method::Rolling;
+    let prefix = if config.method == Method::Rolling {
+        Some(
+            tinfo
+                .bos_token_id
+                .or(tinfo.eos_token_id)
+                .ok_or(WindowError::NoPrefix)?,
+        )
+    } else {
+        None
+    };
+    let tokens = tokenize::tokenize(&clients[0], &ds.text, add_special, config.tokenize).await?;
+    let bos_added = add_special
+        && tinfo.add_bos_token
+        && tinfo.bos_token_id.is_some()
+        && tokens.first().copied() == tinfo.bos_token_id;
+    let text_tokens = tokens.len() - usize::from(bos_added);
+
+    let params = WindowParams {
+        method: config.method,
+        ctx: config.ctx,
+        stride: config.stride,
+        prefix_token: prefix,
+        max_windows: config.max_windows,
+    };
+    let all = windows::windows(tokens.len(), &params)?;
+    if all.is_empty() {
+        return Err(PplError::Config(format!(
+            "no window: {} tokens are too few for method {} with ctx {}",
+            tokens.len(),
+            config.method,
+            config.ctx
+        )));
+    }
+    let max_len = infos
+        .iter()
+        .map(|i| i.limits.max_input_tokens)
+        .min()
+        .unwrap_or(usize::MAX);
+    if max_len > 0 && config.ctx > max_len {
+        return Err(PplError::Config(format!(
+            "--ctx {} exceeds the server's max_input_tokens {}",
+            config.ctx, max_len
+        )));
+    }
+
+    // Partial file.
+    let header = PartialHeader {
+        exactscore_partial: 1,
+        method: config.method,
+        ctx: config.ctx,
+        stride: if config.method == Method::Exl3 {
+            config.stride
+        } else {
+            0
+        },
+        max_windows: config.max_windows,
+        prefix,
+        dataset_sha256: ds.sha256.clone(),
+        tokens_sha256: tokens_sha256(&tokens),
+        num_tokens: tokens.len(),
+        num_windows: all.len(),
+        model: info.model.clone(),
+    };
+    let mut done: BTreeMap<usize, WindowResult> = BTreeMap::new();
+    let mut out_file = None;
+    if let Some(path) = &config.output {
+        let perr = |message: String| PplError::Partial {
+            path: path.clone(),
+            message,
+        };
+        let exists = path.exists()
+            && std::fs::metadata(path)
+                .map(|m| m.len() > 0)
+                .unwrap_or(false);
+        if exists && !config.resume {
+            return Err(perr(
+                "already exists: pass --resume to continue it, or remove it".into(),
+            ));
+        }
+        if exists {
+            let (h, results) = read_partial(path)?;
+            if let Some(d) = header_diff(&h, &header) {
+                return Err(perr(format!("made by a different run: {d}")));
+            }
+            for r in results {
+                done.insert(r.window, r);
+            }
+        }
+        let mut f = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(path)
+            .map_err(|e| perr(e.to_string()))?;
+        if !exists {
+            let line = serde_json::to_string(&header).map_err(|e| perr(e.to_string()))?;
+            writeln!(f, "{line}")
+                .and_then(|_| f.flush())
+                .map_err(|e| perr(e.to_string()))?;
+        }
+        out_file = Some(f);
+    }
+    let resumed = done.len();
+
+    // Dispatch.
+    let tokens = Arc::new(tokens);
+    let queue: Arc<Mutex<VecDeque<Window>>> = Arc::new(Mutex::new(
+        all.iter()
+            .filter(|w| !done.contains_key(&w.index))
+            .cloned()
+            .collect(),
+    ));
+    let pending = queue.lock().map(|q| q.len()).unwrap_or(0);
+    let balancer = Arc::new(Balancer::new(clients.len()));
+    let stop = Arc::new(AtomicBool::new(false));
+    let (tx, mut rx) = tokio::sync::mpsc::channel::<Result<WindowResult, PplError>>(
+        config.concurrency.saturating_mul(2).max(4),
+    );
+    let workers = config.concurrency.min(pending.max(1));
+    for _ in 0..workers {
+        let (queue, tokens, balancer, clients, tx, stop, cancel) = (
+            queue.clone(),
+            tokens.clone(),
+            balancer.clone(),
+            clients.clone(),
+            tx.clone(),
+            stop.clone(),
+            config.cancel.clone(),
+        );
+        tokio::spawn(async move {
+            loop {
+                if stop.load(Ordering::SeqCst) || cancel.load(Ordering::SeqCst) {
+                    break;
+                }
+                let Some(w) = queue.lock().ok().and_then(|mut q| q.pop_front()) else {
+                    break;
+                };
+                let seq = w.sequence(&tokens);
+                let s = balancer.acquire();
+                let res = clients[s].score_tokens(&seq).await;
+                balancer.release(s);
+                let out = res
+                    .map_err(PplError::from)
+                    .and_then(|score| window_nll(clients[s].base_url(), &w, &seq, &score));
+                if tx.send(out).await.is_err() {
+                    break;
+                }
+            }
+        });
+    }
+    drop(tx);
+
+    let pb = progress_bar(all.len(), resumed, config.progress);
+    let run_start = Instant::now();
+    let mut new_tokens = 0usize;
+    let mut new_windows = 0usize;
+    let mut first_err: Option<PplError> = None;
+    let (mut run_s, mut run_c) = done
+        .values()
+        .fold((0f64, 0usize), |(s, c), r| (s + r.sum_nll, c + r.count));
+    while let Some(msg) = rx.recv().await {
+        match msg {
+            Ok(r) => {
+                if let (Some(f), Some(path)) = (out_file.as_mut(), config.output.as_ref()) {
+                    let line = serde_json::to_string(&r).unwrap_or_default();
+                    if let Err(e) = writeln!(f, "{line}").and_then(|_| f.flush()) {
+                        stop.store(true, Ordering::SeqCst);
+                        first_err.get_or_insert(PplError::Partial {
+                            path: path.clone(),
+                            message: e.to_string(),
+                        });
+                    }
+                }
+                new_tokens += r.count;
+                new_windows += 1;
+                run_s += r.sum_nll;
+                run_c += r.count;
+                done.insert(r.window, r);
+                pb.inc(1);
+                let secs = run_start.elapsed().as_secs_f64().max(1e-9);
+                pb.set_message(format!(
+                    "{:.0} tok/s, ppl {:.4}",
+                    new_tokens as f64 / secs,
+                    (run_s / run_c.max(1) as f64).exp()
+                ));
+                if config.stop_after.is_some_and(|k| new_windows >= k) {
+                    stop.store(true, Ordering::SeqCst);
+                }
+            }
+            Err(e) => {
+                stop.store(true, Ordering::SeqCst);
+                first_err.get_or_insert(e);
+            }
+        }
+    }
+    pb.finish_and_clear();
+    if let Some(e) = first_err {
+        return Err(e);
+    }
+    if done.len() < all.len() {
+        return Err(PplError::Interrupted {
+            done: done.len(),
+            total: all.len(),
+            output: config.output.clone(),
+        });
+    }
+
+    let per_window: Vec<WindowResult> = done.into_values().collect();
+    let stats = Stats::from_windows(&per_window);
+    let bytes = ds.text.len();
+    let wall = started.elapsed().as_secs_f64();
+    Ok(Report {
+        method: config.method,
+        ctx: config.ctx,
+        stride: header.stride,
+        max_windows: config.max_windows,
+        tokenize: config.tokenize,
+        dataset: DatasetSummary {
+            name: ds.name.clone(),
+            bytes,
+            sha256: ds.sha256.clone(),
+            documents: ds.documents,
+            text_tokens,
+            sequence_tokens: tokens.len(),
+        },
+        bits_per_byte: stats.bits_per_token * text_tokens as f64 / bytes.max(1) as f64,
+        stats,
+        stderr_method: STDERR_METHOD.into(),
+        resumed_windows: resumed,
+        wall_time_s: wall,
+        tokens_per_s: new_tokens as f64 / run_start.elapsed().as_secs_f64().max(1e-9),
+        servers: clients.iter().map(|c| c.base_url().to_string()).collect(),
+        server_info: Some(info),
+        per_window,
+    })
+}

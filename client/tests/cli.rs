@@ -1,0 +1,137 @@
+//! The `exactscore` binary against a fake server: ppl → report → compare + plots, score.
+
+mod common;
+
+use std::process::Output;
+
+use common::{fake_app, spawn, Fake};
+use exactscore_client::Report;
+
+async fn exactscore(args: Vec<String>) -> Output {
+    tokio::task::spawn_blocking(move || {
+        std::process::Command::new(env!("CARGO_BIN_EXE_exactscore"))
+            .args(&args)
+            .env_remove("EXACTSCORE_API_KEY")
+            .env_remove("EXACTSCORE_SERVER")
+            .output()
+            .unwrap()
+    })
+    .await
+    .unwrap()
+}
+
+fn s(v: &[&str]) -> Vec<String> {
+    v.iter().map(|x| x.to_string()).collect()
+}
+
+#[tokio::test]
+async fn ppl_compare_plot_and_score() {
+    let dir = tempfile::tempdir().unwrap();
+    let url = spawn(fake_app(Fake::new(Some("k")))).await;
+    let data = dir.path().join("d.txt");
+    std::fs::write(
+        &data,
+        "a few words of text to score, again and again. ".repeat(60),
+    )
+    .unwrap();
+    let mut reports = vec![];
+    for (i, method) in ["exl3", "disjoint", "rolling"].iter().enumerate() {
+        let json = dir.path().join(format!("r{i}.json"));
+        let out = exactscore(s(&[
+            "ppl",
+            "--server",
+            &url,
+            "--api-key",
+            "k",
+            "--dataset",
+            data.to_str().unwrap(),
+            "--method",
+            method,
+            "--ctx",
+            "48",
+            "--stride",
+            "16",
+            "--concurrency",
+            "3",
+            "--no-progress",
+            "--json",
+            json.to_str().unwrap(),
+        ]))
+        .await;
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        assert!(
+            stdout.contains("perplexity") && stdout.contains("bits per byte"),
+            "{stdout}"
+        );
+        let r: Report = serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+        assert!(r.stats.perplexity > 1.0);
+        reports.push(json.to_str().unwrap().to_string());
+    }
+    for ext in ["png", "svg"] {
+        let plot = dir.path().join(format!("cmp.{ext}"));
+        let mut args = s(&["compare"]);
+        args.extend(reports.iter().cloned());
+        args.extend(s(&["--plot", plot.to_str().unwrap()]));
+        let out = exactscore(args).await;
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let table = String::from_utf8_lossy(&out.stdout);
+        assert_eq!(table.lines().count(), 4, "{table}");
+        assert!(
+            table.contains("fake-llama") && table.contains("4.250"),
+            "{table}"
+        );
+        let bytes = std::fs::read(&plot).unwrap();
+        if ext == "png" {
+            assert_eq!(&bytes[..4], b"\x89PNG");
+        } else {
+            let svg = String::from_utf8(bytes).unwrap();
+            assert!(svg.contains("<svg") && svg.contains("Perplexity vs bits per weight"));
+        }
+    }
+
+    let out = exactscore(s(&[
+        "score",
+        "--server",
+        &url,
+        "--api-key",
+        "k",
+        "--text",
+        "hello world",
+        "--color",
+        "never",
+    ]))
+    .await;
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let stdout = String::from_utf8(out.stdout).unwrap();
+    assert!(
+        stdout.contains("logprob") && stdout.contains("perplexity"),
+        "{stdout}"
+    );
+    assert!(!stdout.contains('\x1b'), "no colour with --color never");
+    let out = exactscore(s(&[
+        "score",
+        "--server",
+        &url,
+        "--api-key",
+        "k",
+        "--text",
+        "hello world",
+        "--color",
+        "always",
+    ]))
+    .await;
+    assert!(String::from_utf8(out.stdout).unwrap().contains('\x1b'));
+}

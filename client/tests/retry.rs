@@ -1,0 +1,184 @@
+//! Retry behaviour of the typed client against scripted local servers.
+
+mod common;
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use axum::extract::State;
+use axum::http::StatusCode;
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use common::spawn;
+use exactscore_api::ErrorBody;
+use exactscore_client::{Client, ClientConfig, ClientError, RetryPolicy};
+
+fn fast() -> RetryPolicy {
+    RetryPolicy {
+        max_retries: 3,
+        base_delay: Duration::from_millis(1),
+        max_delay: Duration::from_millis(10),
+        max_retry_after: Duration::from_secs(5),
+    }
+}
+
+fn client(url: &str, key: Option<&str>) -> Client {
+    let mut c = ClientConfig::new(url);
+    c.api_key = key.map(String::from);
+    c.retry = fast();
+    c.timeout = Duration::from_secs(20);
+    Client::new(c).unwrap()
+}
+
+type Script = Vec<(u16, Option<&'static str>)>;
+type Scripted = (Arc<AtomicUsize>, Arc<Script>);
+
+/// `/score` answers the scripted statuses in order, then 200 with a valid response.
+fn scripted(script: Script) -> (Router, Arc<AtomicUsize>) {
+    let calls = Arc::new(AtomicUsize::new(0));
+    let script = Arc::new(script);
+    let handler = move |State((calls, script)): State<Scripted>| async move {
+        let n = calls.fetch_add(1, Ordering::SeqCst);
+        if let Some(&(status, retry_after)) = script.get(n) {
+            let status = StatusCode::from_u16(status).unwrap();
+            let body = Json(ErrorBody {
+                error: format!("scripted {}", status.as_u16()),
+                kind: match status.as_u16() {
+                    429 => "overloaded",
+                    503 => "not_ready",
+                    401 => "unauthorized",
+                    _ => "validation",
+                }
+                .into(),
+                field: (status.as_u16() == 422).then(|| "tokens".to_string()),
+                rule: (status.as_u16() == 422).then(|| "non-empty".to_string()),
+                value: None,
+            });
+            let mut r: Response = (status, body).into_response();
+            if let Some(ra) = retry_after {
+                r.headers_mut().insert("retry-after", ra.parse().unwrap());
+            }
+            return r;
+        }
+        Json(serde_json::json!({
+            "model": "m",
+            "sequences": [{"index": 0, "tokens": [1, 2], "token_logprobs": [null, -0.5],
+                           "sum_nll": 0.5, "num_scored": 1, "mean_nll": 0.5, "perplexity": 1.6487}],
+            "usage": {"input_tokens": 2, "scored_tokens": 1, "queue_ms": 0.0, "compute_ms": 0.0}
+        }))
+        .into_response()
+    };
+    let app = Router::new()
+        .route("/score", post(handler))
+        .route("/info", get(handler))
+        .with_state((calls.clone(), script));
+    (app, calls)
+}
+
+#[tokio::test]
+async fn retries_429_honouring_retry_after() {
+    let (app, calls) = scripted(vec![(429, Some("1"))]);
+    let url = spawn(app).await;
+    let t = Instant::now();
+    let s = client(&url, None).score_tokens(&[1, 2]).await.unwrap();
+    assert_eq!(s.token_logprobs, Some(vec![None, Some(-0.5)]));
+    assert_eq!(calls.load(Ordering::SeqCst), 2);
+    assert!(t.elapsed() >= Duration::from_secs(1), "waited Retry-After");
+}
+
+#[tokio::test]
+async fn retries_503_then_succeeds() {
+    let (app, calls) = scripted(vec![(503, None), (503, None)]);
+    let url = spawn(app).await;
+    client(&url, None).score_tokens(&[1, 2]).await.unwrap();
+    assert_eq!(calls.load(Ordering::SeqCst), 3);
+}
+
+#[tokio::test]
+async fn gives_up_after_max_retries() {
+    let (app, calls) = scripted(vec![(429, Some("0")); 10]);
+    let url = spawn(app).await;
+    let e = client(&url, None).score_tokens(&[1, 2]).await.unwrap_err();
+    assert!(
+        matches!(&e, ClientError::RetriesExhausted { attempts: 4, .. }),
+        "{e:?}"
+    );
+    assert_eq!(e.status(), Some(429));
+    assert_eq!(calls.load(Ordering::SeqCst), 4);
+}
+
+#[tokio::test]
+async fn validation_error_is_not_retried() {
+    let (app, calls) = scripted(vec![(422, None), (422, None)]);
+    let url = spawn(app).await;
+    let e = client(&url, None).score_tokens(&[1, 2]).await.unwrap_err();
+    assert_eq!(calls.load(Ordering::SeqCst), 1, "no retry on 422");
+    match &e {
+        ClientError::Api { status, body, .. } => {
+            assert_eq!(*status, 422);
+            assert_eq!(body.kind, "validation");
+            assert_eq!(body.field.as_deref(), Some("tokens"));
+            assert_eq!(body.rule.as_deref(), Some("non-empty"));
+        }
+        other => panic!("expected Api error, got {other:?}"),
+    }
+}
+
+#[tokio::test]
+async fn wrong_key_is_a_one_line_error() {
+    let (app, calls) = scripted(vec![(401, None); 5]);
+    let url = spawn(app).await;
+    let e = client(&url, Some("nope")).info().await.unwrap_err();
+    assert!(
+        matches!(e, ClientError::Unauthorized { status: 401, .. }),
+        "{e:?}"
+    );
+    assert_eq!(calls.load(Ordering::SeqCst), 1, "no retry on 401");
+    let msg = e.to_string();
+    assert!(
+        msg.contains("rejected the API key") && !msg.contains('\n'),
+        "{msg}"
+    );
+}
+
+#[tokio::test]
+async fn cli_wrong_key_prints_one_line_and_fails() {
+    let (app, _calls) = scripted(vec![(401, None); 5]);
+    let url = spawn(app).await;
+    let out = tokio::task::spawn_blocking(move || {
+        std::process::Command::new(env!("CARGO_BIN_EXE_exactscore"))
+            .args(["info", "--server", &url, "--api-key", "nope"])
+            .env_remove("EXACTSCORE_API_KEY")
+            .output()
+            .unwrap()
+    })
+    .await
+    .unwrap();
+    assert!(!out.status.success());
+    let stderr = String::from_utf8(out.stderr).unwrap();
+    assert_eq!(stderr.trim_end().lines().count(), 1, "{stderr}");
+    assert!(
+        stderr.starts_with("error: ") && stderr.contains("API key"),
+        "{stderr}"
+    );
+    assert!(!stderr.contains("panicked") && !stderr.contains("Backtrace"));
+}
+
+#[tokio::test]
+async fn connection_refused_is_retried_then_reported() {
+    let port = {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        l.local_addr().unwrap().port()
+    };
+    let url = format!("http://127.0.0.1:{port}");
+    let e = client(&url, None).info().await.unwrap_err();
+    match &e {
+        ClientError::RetriesExhausted { attempts, last } => {
+            assert_eq!(*attempts, 4);
+            assert!(matches!(**last, ClientError::Connect { .. }), "{last:?}");
+        }
+        other => panic!("{other:?}"),
+    }
+}
