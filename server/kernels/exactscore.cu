@@ -69,31 +69,71 @@ __device__ void dequant_int(const int32_t* packed, const float* scales, const in
     }
 }
 
+// N values written with one vector store (the output rows are 16-byte aligned).
+template <typename T, int N> struct alignas(sizeof(T) * N >= 16 ? 16 : sizeof(T) * N) Pack { T v[N]; };
+
+// Fast path of dequant_int when every word lies inside one group (group % (32 / BITS) == 0 and
+// cols % (32 / BITS) == 0, true for real models): one scale lookup and vector stores per word.
+template <typename T, int BITS>
+__device__ void dequant_int_words(const int32_t* packed, const float* scales, const int32_t* zps, T* out,
+                                  int rows, int cols, int group) {
+    constexpr int PER = 32 / BITS;
+    long idx = (long)blockIdx.x * blockDim.x + threadIdx.x;
+    int words_per_row = cols / PER;
+    if (idx >= (long)rows * words_per_row) return;
+    int r = idx / words_per_row;
+    int c0 = (idx % words_per_row) * PER;
+    int g = r * (cols / group) + c0 / group;
+    float s = scales[g];
+    int zp = zps ? zps[g] : 0;
+    uint32_t word = (uint32_t)packed[idx];
+    Pack<T, PER> p;
+#pragma unroll
+    for (int i = 0; i < PER; ++i) {
+        int q = (int)((word >> (i * BITS)) & ((1u << BITS) - 1)) - (1 << (BITS - 1));
+        p.v[i] = from_f32<T>((float)(q - zp) * s);
+    }
+    *reinterpret_cast<Pack<T, PER>*>(out + (long)r * cols + c0) = p;
+}
+
 // nvfp4: w = bf16(fp4(code) * (fp8(scale) / global)), two codes per byte, low nibble first.
+// One thread per group of 16 weights (8 bytes, one scale).
 template <typename T>
 __device__ void dequant_nvfp4(const uint8_t* packed, const uint8_t* scales, float global_scale, T* out,
                               int rows, int cols) {
-    long idx = (long)blockIdx.x * blockDim.x + threadIdx.x;
-    long half_cols = cols / 2;
-    if (idx >= (long)rows * half_cols) return;
-    int r = idx / half_cols;
-    int c = (idx % half_cols) * 2;
-    uint8_t b = packed[idx];
-    float s = fp8_e4m3_to_f32(scales[(long)r * (cols / 16) + c / 16]) / global_scale;
-    out[(long)r * cols + c] = from_f32<T>(bf16_round(fp4_e2m1_to_f32(b & 0xF) * s));
-    out[(long)r * cols + c + 1] = from_f32<T>(bf16_round(fp4_e2m1_to_f32(b >> 4) * s));
+    long g = (long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (g >= (long)rows * (cols / 16)) return;
+    float s = fp8_e4m3_to_f32(scales[g]) / global_scale;
+    uint2 bytes = reinterpret_cast<const uint2*>(packed)[g];
+    Pack<T, 16> p;
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+        uint8_t b = ((i < 4 ? bytes.x : bytes.y) >> ((i % 4) * 8)) & 0xFF;
+        p.v[2 * i] = from_f32<T>(bf16_round(fp4_e2m1_to_f32(b & 0xF) * s));
+        p.v[2 * i + 1] = from_f32<T>(bf16_round(fp4_e2m1_to_f32(b >> 4) * s));
+    }
+    reinterpret_cast<Pack<T, 16>*>(out)[g] = p;
 }
 
 // float-quantized fp8: w = fp8(code) * scale[r / block_rows, c / block_cols].
+// One thread per 8 weights (cols % 8 == 0, checked by the caller).
 template <typename T>
 __device__ void dequant_fp8(const uint8_t* codes, const float* scales, T* out, int rows, int cols,
                             int block_rows, int block_cols, int scale_cols) {
     long idx = (long)blockIdx.x * blockDim.x + threadIdx.x;
-    if (idx >= (long)rows * cols) return;
-    int r = idx / cols;
-    int c = idx % cols;
-    float s = scales[(long)(r / block_rows) * scale_cols + c / block_cols];
-    out[idx] = from_f32<T>(fp8_e4m3_to_f32(codes[idx]) * s);
+    if (idx >= (long)rows * cols / 8) return;
+    long e = idx * 8;
+    int r = e / cols;
+    int c0 = e % cols;
+    uint2 bytes = reinterpret_cast<const uint2*>(codes)[idx];
+    const float* srow = scales + (long)(r / block_rows) * scale_cols;
+    Pack<T, 8> p;
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+        uint8_t b = ((i < 4 ? bytes.x : bytes.y) >> ((i % 4) * 8)) & 0xFF;
+        p.v[i] = from_f32<T>(fp8_e4m3_to_f32(b) * srow[(c0 + i) / block_cols]);
+    }
+    reinterpret_cast<Pack<T, 8>*>(out)[idx] = p;
 }
 
 // ---- activation QDQ (x -> out) ------------------------------------------------------------
@@ -260,13 +300,14 @@ __device__ void score_rows(const T* logits, int vocab, const int32_t* targets, i
 // ---- attention: fused scale + causal (sliding-window) mask + softmax over f32 scores ----------
 
 // `scores` is [heads * t, t] (row = head * t + query). Out-of-window entries become 0.
-extern "C" __global__ void causal_softmax_f32(const float* scores, float* out, int t, float scale, int window) {
+template <typename T>
+__device__ void causal_softmax(const float* scores, T* out, int t, float scale, int window) {
     __shared__ float s_red[SCORE_THREADS];
     long row = blockIdx.x;
     int i = row % t;
     int lo = window > 0 ? max(0, i - window + 1) : 0;
     const float* src = scores + row * t;
-    float* dst = out + row * t;
+    T* dst = out + row * t;
     int tid = threadIdx.x;
     float m = -INFINITY;
     for (int j = lo + tid; j <= i; j += SCORE_THREADS) m = fmaxf(m, src[j] * scale);
@@ -287,7 +328,8 @@ extern "C" __global__ void causal_softmax_f32(const float* scores, float* out, i
         __syncthreads();
     }
     sum = s_red[0];
-    for (int j = tid; j < t; j += SCORE_THREADS) dst[j] = (j >= lo && j <= i) ? expf(src[j] * scale - m) / sum : 0.0f;
+    for (int j = tid; j < t; j += SCORE_THREADS)
+        dst[j] = from_f32<T>((j >= lo && j <= i) ? expf(src[j] * scale - m) / sum : 0.0f);
 }
 
 // ---- extern "C" entry points, one per dtype -------------------------------------------------
@@ -296,6 +338,14 @@ extern "C" __global__ void causal_softmax_f32(const float* scores, float* out, i
     extern "C" __global__ void dequant_int_##SUFFIX(const int32_t* p, const float* s, const int32_t* z, \
                                                     T* o, int rows, int cols, int wpr, int bits, int g) { \
         dequant_int<T>(p, s, z, o, rows, cols, wpr, bits, g);                                        \
+    }                                                                                                \
+    extern "C" __global__ void dequant_int4_words_##SUFFIX(const int32_t* p, const float* s, const int32_t* z, \
+                                                           T* o, int rows, int cols, int g) {        \
+        dequant_int_words<T, 4>(p, s, z, o, rows, cols, g);                                          \
+    }                                                                                                \
+    extern "C" __global__ void dequant_int8_words_##SUFFIX(const int32_t* p, const float* s, const int32_t* z, \
+                                                           T* o, int rows, int cols, int g) {        \
+        dequant_int_words<T, 8>(p, s, z, o, rows, cols, g);                                          \
     }                                                                                                \
     extern "C" __global__ void dequant_nvfp4_##SUFFIX(const uint8_t* p, const uint8_t* s, float gs,  \
                                                       T* o, int rows, int cols) {                    \
@@ -310,6 +360,9 @@ extern "C" __global__ void causal_softmax_f32(const float* scores, float* out, i
     }                                                                                                \
     extern "C" __global__ void qdq_nvfp4_##SUFFIX(const T* x, T* o, long groups, float gs) {       \
         qdq_nvfp4<T>(x, o, groups, gs);                                                              \
+    }                                                                                                \
+    extern "C" __global__ void causal_softmax_##SUFFIX(const float* s, T* o, int t, float scale, int w) { \
+        causal_softmax<T>(s, o, t, scale, w);                                                        \
     }                                                                                                \
     extern "C" __global__ void score_rows_##SUFFIX(const T* l, int vocab, const int32_t* t, int k,  \
                                                    float* tl, int32_t* ai, float* al, int32_t* ti,   \

@@ -92,7 +92,14 @@ pub fn dequant_int(
     dtype: DType,
 ) -> Result<Tensor> {
     let words_per_row = codes.dims()[1];
-    let name = kernel_name("dequant_int", dtype);
+    let per = 32 / bits;
+    // Fast kernel when each int32 word lies inside one group (every real model).
+    let words_kernel = group % per == 0 && cols % per == 0;
+    let name = match (words_kernel, bits) {
+        (true, 4) => kernel_name("dequant_int4_words", dtype),
+        (true, _) => kernel_name("dequant_int8_words", dtype),
+        (false, _) => kernel_name("dequant_int", dtype),
+    };
     let launch = |zp: Option<(&CudaSlice<i32>, usize)>| -> Result<Tensor> {
         with_slice::<i32, _>(codes, |codes, co, dev| {
             with_slice::<f32, _>(scales, |scales, so, _| {
@@ -112,8 +119,12 @@ pub fn dequant_int(
                     };
                     b.arg(&out);
                     let (r, c, w, bi, g) = (rows as i32, cols as i32, words_per_row as i32, bits as i32, group as i32);
-                    b.arg(&r).arg(&c).arg(&w).arg(&bi).arg(&g);
-                    // SAFETY: arguments match `dequant_int_*` in exactscore.cu.
+                    b.arg(&r).arg(&c);
+                    if !words_kernel {
+                        b.arg(&w).arg(&bi);
+                    }
+                    b.arg(&g);
+                    // SAFETY: arguments match `dequant_int_*` / `dequant_int{4,8}_words_*`.
                     unsafe { b.launch(grid_1d(rows * words_per_row)) }.w()?;
                     Ok(wrap(out, dev, (rows, cols)))
                 })
@@ -145,8 +156,8 @@ pub fn dequant_nvfp4(
                 let (r, c) = (rows as i32, cols as i32);
                 let mut b = func.builder();
                 b.arg(&packed).arg(&scales).arg(&global_scale).arg(&out).arg(&r).arg(&c);
-                // SAFETY: arguments match `dequant_nvfp4_*`.
-                unsafe { b.launch(grid_1d(rows * cols / 2)) }.w()?;
+                // SAFETY: arguments match `dequant_nvfp4_*` (one thread per 16 weights).
+                unsafe { b.launch(grid_1d(rows * cols / 16)) }.w()?;
                 Ok(wrap(out, dev, (rows, cols)))
             })
         })
@@ -161,6 +172,9 @@ pub fn dequant_fp8(
     block: (usize, usize),
     dtype: DType,
 ) -> Result<Tensor> {
+    if cols % 8 != 0 {
+        bail!("the fp8 dequantization kernel needs in_features divisible by 8, got {cols}");
+    }
     let name = kernel_name("dequant_fp8", dtype);
     with_slice::<u8, _>(codes, |codes, co, dev| {
         with_slice::<f32, _>(scales, |scales, so, _| {
@@ -175,8 +189,8 @@ pub fn dequant_fp8(
                 for a in &args {
                     b.arg(a);
                 }
-                // SAFETY: arguments match `dequant_fp8_*`.
-                unsafe { b.launch(grid_1d(rows * cols)) }.w()?;
+                // SAFETY: arguments match `dequant_fp8_*` (one thread per 8 weights).
+                unsafe { b.launch(grid_1d(rows * cols / 8)) }.w()?;
                 Ok(wrap(out, dev, (rows, cols)))
             })
         })
@@ -271,28 +285,37 @@ pub fn score_rows(logits: &Tensor, targets: &[i32], top_k: usize) -> Result<RowS
 }
 
 /// `softmax(scale * scores)` under a causal (optionally sliding-window) mask, for f32 scores
-/// `[heads, t, t]`; masked entries are 0. One pass instead of scale + mask add + softmax.
-pub fn causal_softmax(scores: &Tensor, scale: f32, window: Option<usize>) -> Result<Tensor> {
+/// `[heads, t, t]`, written in `dtype`; masked entries are 0. One pass instead of scale + mask
+/// add + softmax.
+pub fn causal_softmax(
+    scores: &Tensor,
+    scale: f32,
+    window: Option<usize>,
+    dtype: DType,
+) -> Result<Tensor> {
     let scores = scores.contiguous()?;
     let dims = scores.dims().to_vec();
     let t = *dims.last().unwrap_or(&0);
     let rows = scores.elem_count() / t.max(1);
+    let name = kernel_name("causal_softmax", dtype);
     with_slice::<f32, _>(&scores, |s, so, dev| {
-        let func = dev.get_or_load_custom_func("causal_softmax_f32", MODULE, PTX)?;
-        // SAFETY: the kernel writes every element.
-        let out = unsafe { dev.alloc::<f32>(rows * t) }?;
-        let s = s.slice(so..);
-        let (t32, w32) = (t as i32, window.map_or(0, |w| w as i32));
-        let mut b = func.builder();
-        b.arg(&s).arg(&out).arg(&t32).arg(&scale).arg(&w32);
-        // SAFETY: arguments match `causal_softmax_f32`.
-        unsafe { b.launch(grid_rows(rows)) }.w()?;
-        Ok(wrap(out, dev, dims))
+        with_float_type!(dtype, T => {
+            let func = dev.get_or_load_custom_func(&name, MODULE, PTX)?;
+            // SAFETY: the kernel writes every element.
+            let out = unsafe { dev.alloc::<T>(rows * t) }?;
+            let s = s.slice(so..);
+            let (t32, w32) = (t as i32, window.map_or(0, |w| w as i32));
+            let mut b = func.builder();
+            b.arg(&s).arg(&out).arg(&t32).arg(&scale).arg(&w32);
+            // SAFETY: arguments match `causal_softmax_*`.
+            unsafe { b.launch(grid_rows(rows)) }.w()?;
+            Ok(wrap(out, dev, dims))
+        })
     })
 }
 
-/// Runs `f` with cuBLAS f32 GEMMs on TF32 tensor cores. Used for attention in bf16/f16 compute:
-/// bf16 and f16 values are exact in TF32, so Q·Kᵀ and P·V keep f32 accumulation and f32 scores
+/// Runs `f` with cuBLAS f32 GEMMs on TF32 tensor cores. Used for Q·Kᵀ in bf16/f16 compute:
+/// bf16 and f16 values are exact in TF32, so the scores keep f32 accumulation and f32 output
 /// (as fused bf16 attention kernels do), at tensor-core speed.
 pub fn with_tf32<R>(f: impl FnOnce() -> Result<R>) -> Result<R> {
     let before = candle_core::cuda_backend::gemm_reduced_precision_f32();

@@ -60,7 +60,11 @@ impl RmsNorm {
     }
 
     /// transformers' LlamaRMSNorm: normalise in f32, cast back, then scale by the weight.
+    /// On a GPU one fused kernel (f32 accumulation, a single rounding at the end instead of two).
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        if x.device().is_cuda() {
+            return candle_nn::ops::rms_norm(&x.contiguous()?, &self.weight, self.eps as f32);
+        }
         let dtype = x.dtype();
         let x32 = x.to_dtype(DType::F32)?;
         let variance = x32.sqr()?.mean_keepdim(D::Minus1)?;
@@ -414,36 +418,39 @@ impl Attention {
         let (_, heads, len, dim) = q.dims4()?;
         let dtype = q.dtype();
         let group = heads / self.num_kv_heads;
+        // GQA: query head h reads kv head h / group.
         let repeat = |t: &Tensor| -> Result<Tensor> {
             if group == 1 {
-                return t.to_dtype(DType::F32);
+                return Ok(t.clone());
             }
             t.unsqueeze(2)?
                 .expand((1, self.num_kv_heads, group, len, dim))?
-                .reshape((1, heads, len, dim))?
-                .to_dtype(DType::F32)
+                .reshape((1, heads, len, dim))
         };
         let (k, v) = (repeat(k)?, repeat(v)?);
-        let q = q.to_dtype(DType::F32)?;
         let scale = 1.0 / (dim as f64).sqrt();
         #[cfg(feature = "cuda")]
         if q.device().is_cuda() {
-            let attend = || {
-                let scores = q.matmul(&k.t()?)?;
-                let probs =
-                    crate::cuda::causal_softmax(&scores, scale as f32, self.sliding_window)?;
-                probs.matmul(&v)
-            };
-            let out = if dtype == DType::F32 {
-                attend()?
+            // Scores in f32 (TF32 tensor cores for bf16/f16 inputs, exact there), fused
+            // scale + mask + softmax, probabilities in the compute dtype for P·V.
+            let (q32, k32) = (q.to_dtype(DType::F32)?, k.to_dtype(DType::F32)?);
+            let scores = if dtype == DType::F32 {
+                q32.matmul(&k32.t()?)?
             } else {
-                crate::cuda::with_tf32(attend)?
+                crate::cuda::with_tf32(|| q32.matmul(&k32.t()?))?
             };
-            return out
+            let probs =
+                crate::cuda::causal_softmax(&scores, scale as f32, self.sliding_window, dtype)?;
+            return probs
+                .matmul(&v)?
                 .transpose(1, 2)?
-                .reshape((len, heads * dim))?
-                .to_dtype(dtype);
+                .reshape((len, heads * dim));
         }
+        let (q, k, v) = (
+            q.to_dtype(DType::F32)?,
+            k.to_dtype(DType::F32)?,
+            v.to_dtype(DType::F32)?,
+        );
         let scores = (q.matmul(&k.t()?)? * scale)?;
         let mask = causal_mask(len, self.sliding_window, q.device())?;
         let probs = candle_nn::ops::softmax_last_dim(&scores.broadcast_add(&mask)?)?;

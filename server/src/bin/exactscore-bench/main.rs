@@ -205,11 +205,16 @@ fn check(fixtures: &Path, device: &Device) -> Result<()> {
             let ref_bf16_mean = reference["bf16_run"]["diff_stats_vs_f32"]["mean"]
                 .as_f64()
                 .unwrap_or(f64::NAN);
-            // Batch invariance: each sequence alone vs inside the batch, bitwise.
-            let mut invariant = true;
+            // Batch invariance: each sequence alone vs inside the batch (bitwise, and max |Δ|).
+            let (mut bitwise, mut inv32, mut inv16) = (true, 0f64, 0f64);
             for (i, s) in seqs.iter().enumerate() {
-                invariant &= score(&gpu32, std::slice::from_ref(s))?[0] == g32[i];
-                invariant &= score(&gpu16, std::slice::from_ref(s))?[0] == g16[i];
+                let (a32, a16) = (
+                    score(&gpu32, std::slice::from_ref(s))?,
+                    score(&gpu16, std::slice::from_ref(s))?,
+                );
+                bitwise &= a32[0] == g32[i] && a16[0] == g16[i];
+                inv32 = inv32.max(diff(&a32, &g32[i..=i]).0);
+                inv16 = inv16.max(diff(&a16, &g16[i..=i]).0);
             }
             // Dequantization on the device vs the CPU reference, bit for bit.
             let mut dequant_exact = true;
@@ -229,13 +234,15 @@ fn check(fixtures: &Path, device: &Device) -> Result<()> {
                 }
             );
             let weights_only = !has_act || act == ActivationQuantMode::Off;
-            let ok = (!weights_only || max32 <= 1e-4)
-                && invariant
-                && dequant_exact
-                && (mean16 <= 2.0 * ref_bf16_mean || !weights_only);
+            // Weights-only: f32 within 1e-4 of the CPU, alone vs batched within 1e-4, bf16 error
+            // within the reference's own bf16-vs-f32 spread (+50 %). Activation-quantized rows
+            // are reported, not judged per token (rounding flips, see README).
+            let ok = dequant_exact
+                && (!weights_only
+                    || (max32 <= 1e-4 && inv32 <= 1e-4 && mean16 <= 1.5 * ref_bf16_mean));
             failures += usize::from(!ok);
             rows.push(format!(
-                "| {label:<38} | {max32:9.2e} | {mean32:9.2e} | {max16:9.2e} | {mean16:9.2e} | {ref_bf16_mean:9.2e} | {invariant:5} | {dequant_exact:5} | {} |",
+                "| {label:<38} | {max32:9.2e} | {mean32:9.2e} | {max16:9.2e} | {mean16:9.2e} | {ref_bf16_mean:9.2e} | {inv32:8.1e} / {inv16:8.1e} | {bitwise:5} | {dequant_exact:5} | {} |",
                 if ok { "ok" } else { "FAIL" }
             ));
         }
@@ -243,8 +250,9 @@ fn check(fixtures: &Path, device: &Device) -> Result<()> {
             rows.push(qdq_row(&dir, variant, device)?);
         }
     }
-    println!("| variant | f32 max |Δ| | f32 mean | bf16 max |Δ| | bf16 mean | ref bf16 mean | batch-inv (bitwise) | dequant bitwise | |");
-    println!("|---|---|---|---|---|---|---|---|---|");
+    println!("All |Δ| are per-token log-prob differences against the CPU f32 path.");
+    println!("| variant | f32 max |Δ| | f32 mean | bf16 max |Δ| | bf16 mean | reference bf16 mean | alone vs batched max |Δ| f32 / bf16 | bitwise | dequant bitwise | |");
+    println!("|---|---|---|---|---|---|---|---|---|---|");
     for r in rows {
         println!("{r}");
     }
@@ -319,8 +327,8 @@ fn speed(
         random_model::Shape::named(shape).with_context(|| format!("unknown shape {shape}"))?;
     let ceiling = bf16_ceiling(device)?;
     println!("device {device:?}, cuBLAS bf16 8192^3 ceiling {ceiling:.0} TFLOP/s, shape {}, ctx {ctx}, compute {dtype:?}", shape.name);
-    println!("| format | bits/weight | batch | ms/window | tokens/s | % of ceiling | peak GPU GiB | load s |");
-    println!("|---|---|---|---|---|---|---|---|");
+    println!("| format | bits/weight | batch | ms/window | tokens/s | % of ceiling | peak GPU GiB | dequant all ms | load s |");
+    println!("|---|---|---|---|---|---|---|---|---|");
     for format in formats {
         let t_load = Instant::now();
         let (config, ckpt) = random_model::build(&shape, format)?;
@@ -356,8 +364,14 @@ fn speed(
             let secs = t.elapsed().as_secs_f64() / iters as f64;
             let tokens_per_s = (batch * ctx) as f64 / secs;
             let flops = shape.flops_per_window(ctx) * batch as f64;
+            let t = Instant::now();
+            for (_, l) in model.linears() {
+                l.weight().dequantize(dtype, device)?;
+            }
+            device.synchronize()?;
+            let dequant_ms = t.elapsed().as_secs_f64() * 1e3;
             println!(
-                "| {format} | {bpw:.3} | {batch} | {:.1} | {:.0} | {:.0}% | {:.1} | {load_s:.1} |",
+                "| {format} | {bpw:.3} | {batch} | {:.1} | {:.0} | {:.0}% | {:.1} | {dequant_ms:.1} | {load_s:.1} |",
                 secs * 1e3 / batch as f64,
                 tokens_per_s,
                 100.0 * flops / secs / 1e12 / ceiling,
