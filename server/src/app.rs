@@ -177,7 +177,10 @@ pub fn model_info(model: &Model, config: &Config, limits: Limits) -> ModelInfo {
         let w = linear.weight();
         push_unique(formats.entry(kind.clone()).or_default(), w.describe());
         if let Some(qdq) = linear.activation() {
-            push_unique(activation.entry(kind.clone()).or_default(), qdq.describe().into());
+            push_unique(
+                activation.entry(kind.clone()).or_default(),
+                qdq.describe().into(),
+            );
         }
         if kind != "lm_head" {
             let (out, inp) = w.shape();

@@ -60,7 +60,12 @@ pub struct Args {
     #[arg(long, env = "EXACTSCORE_DEVICE", default_value = "cpu")]
     pub device: String,
     /// Apply the activation quantization the checkpoint declares (`emulate`) or not (`off`).
-    #[arg(long, env = "EXACTSCORE_ACTIVATION_QUANT", value_enum, default_value = "emulate")]
+    #[arg(
+        long,
+        env = "EXACTSCORE_ACTIVATION_QUANT",
+        value_enum,
+        default_value = "emulate"
+    )]
     pub activation_quant: ActQuantArg,
     /// Require `Authorization: Bearer <key>` on every route but `/health/*`.
     #[arg(long, env = "EXACTSCORE_API_KEY", hide_env_values = true)]
@@ -84,7 +89,12 @@ pub struct Args {
     /// HTTP requests admitted at once (queued or computing); 429 with Retry-After beyond.
     #[arg(long, env = "EXACTSCORE_MAX_QUEUED_REQUESTS", default_value_t = 256)]
     pub max_queued_requests: usize,
-    #[arg(long, env = "EXACTSCORE_LOG_FORMAT", value_enum, default_value = "text")]
+    #[arg(
+        long,
+        env = "EXACTSCORE_LOG_FORMAT",
+        value_enum,
+        default_value = "text"
+    )]
     pub log_format: LogFormat,
     /// Print the OpenAPI document of the served router and exit (no model is loaded).
     #[arg(long)]
@@ -296,7 +306,10 @@ mod tests {
         assert_eq!(c.device, DeviceSpec::Cpu);
         assert_eq!(c.dtype, DType::F32);
         assert_eq!((c.host.as_str(), c.port), ("127.0.0.1", 8000));
-        assert_eq!(c.resolve_max_input_tokens(131072), DEFAULT_MAX_INPUT_TOKENS_CAP);
+        assert_eq!(
+            c.resolve_max_input_tokens(131072),
+            DEFAULT_MAX_INPUT_TOKENS_CAP
+        );
         assert_eq!(c.resolve_max_input_tokens(512), 512);
     }
 

@@ -109,7 +109,9 @@ async fn send(app: &Router, req: Request<Body>) -> (StatusCode, axum::http::Head
     let res = app.clone().oneshot(req).await.unwrap();
     let status = res.status();
     let headers = res.headers().clone();
-    let body = axum::body::to_bytes(res.into_body(), usize::MAX).await.unwrap();
+    let body = axum::body::to_bytes(res.into_body(), usize::MAX)
+        .await
+        .unwrap();
     (status, headers, body.to_vec())
 }
 
@@ -122,11 +124,20 @@ async fn error(app: &Router, req: Request<Body>, status: StatusCode) -> ErrorBod
 
 /// A 422 for `body` naming `field`, `rule` and `value`.
 async fn assert_422(app: &Router, body: Value, field: &str, rule: &str, value: Value) {
-    let e = error(app, post("/score", body.to_string()), StatusCode::UNPROCESSABLE_ENTITY).await;
+    let e = error(
+        app,
+        post("/score", body.to_string()),
+        StatusCode::UNPROCESSABLE_ENTITY,
+    )
+    .await;
     assert_eq!(e.kind, "validation");
     assert_eq!(e.field.as_deref(), Some(field), "{body}: {e:?}");
     assert_eq!(e.rule.as_deref(), Some(rule), "{body}: {e:?}");
-    assert_eq!(e.value.clone().unwrap_or(Value::Null), value, "{body}: {e:?}");
+    assert_eq!(
+        e.value.clone().unwrap_or(Value::Null),
+        value,
+        "{body}: {e:?}"
+    );
 }
 
 #[tokio::test]
@@ -149,13 +160,20 @@ async fn score_200_tokens_single_and_batch_in_order() {
     let lp = s0.token_logprobs.clone().unwrap();
     assert_eq!(
         lp,
-        vec![None, Some(FakeEngine::logprob(6)), Some(FakeEngine::logprob(7))]
+        vec![
+            None,
+            Some(FakeEngine::logprob(6)),
+            Some(FakeEngine::logprob(7))
+        ]
     );
     assert_eq!(s0.num_scored, 2);
     let expect = -(FakeEngine::logprob(6) as f64 + FakeEngine::logprob(7) as f64);
     assert!((s0.sum_nll - expect).abs() < 1e-9);
     assert!((s0.mean_nll.unwrap() - expect / 2.0).abs() < 1e-9);
-    assert_eq!(s0.greedy.clone().unwrap(), vec![None, Some(false), Some(false)]);
+    assert_eq!(
+        s0.greedy.clone().unwrap(),
+        vec![None, Some(false), Some(false)]
+    );
     assert_eq!(s0.top_k.as_ref().unwrap().len(), 3);
     assert_eq!(s0.top_k.as_ref().unwrap()[0].len(), 2);
     assert_eq!(r.sequences[1].tokens, vec![9, 8]);
@@ -163,7 +181,11 @@ async fn score_200_tokens_single_and_batch_in_order() {
     assert_eq!(r.usage.scored_tokens, 3);
 
     // Single list, versioned path.
-    let (status, _, body) = send(&app, post("/v1/score", json!({"tokens": [1, 2]}).to_string())).await;
+    let (status, _, body) = send(
+        &app,
+        post("/v1/score", json!({"tokens": [1, 2]}).to_string()),
+    )
+    .await;
     assert_eq!(status, StatusCode::OK);
     let r: ScoreResponse = serde_json::from_slice(&body).unwrap();
     assert_eq!(r.sequences[0].tokens, vec![1, 2]);
@@ -192,7 +214,12 @@ async fn score_200_text_is_tokenized_with_bos() {
 #[tokio::test]
 async fn status_400_malformed_json() {
     let app = app(Setup::default()).await;
-    let e = error(&app, post("/score", "{\"tokens\": [1, 2"), StatusCode::BAD_REQUEST).await;
+    let e = error(
+        &app,
+        post("/score", "{\"tokens\": [1, 2"),
+        StatusCode::BAD_REQUEST,
+    )
+    .await;
     assert_eq!(e.kind, "invalid_json");
     let e = error(&app, post("/tokenize", "not json"), StatusCode::BAD_REQUEST).await;
     assert_eq!(e.kind, "invalid_json");
@@ -249,22 +276,113 @@ async fn status_413_body_too_large() {
 #[tokio::test]
 async fn status_422_names_field_rule_and_value() {
     let app = app(Setup::default()).await;
-    assert_422(&app, json!({"tokens": []}), "tokens", "non_empty", json!([])).await;
-    assert_422(&app, json!({"tokens": [[1, 2], []]}), "tokens[1]", "non_empty", json!([])).await;
-    assert_422(&app, json!({"tokens": [1, 2000]}), "tokens[1]", "below_vocab_size", json!(2000)).await;
-    assert_422(&app, json!({"tokens": [[1], [3, -4]]}), "tokens[1][1]", "non_negative", json!(-4)).await;
+    assert_422(
+        &app,
+        json!({"tokens": []}),
+        "tokens",
+        "non_empty",
+        json!([]),
+    )
+    .await;
+    assert_422(
+        &app,
+        json!({"tokens": [[1, 2], []]}),
+        "tokens[1]",
+        "non_empty",
+        json!([]),
+    )
+    .await;
+    assert_422(
+        &app,
+        json!({"tokens": [1, 2000]}),
+        "tokens[1]",
+        "below_vocab_size",
+        json!(2000),
+    )
+    .await;
+    assert_422(
+        &app,
+        json!({"tokens": [[1], [3, -4]]}),
+        "tokens[1][1]",
+        "non_negative",
+        json!(-4),
+    )
+    .await;
     let long: Vec<u32> = vec![1; MAX_INPUT + 1];
-    assert_422(&app, json!({ "tokens": long }), "tokens", "max_input_tokens", json!(MAX_INPUT + 1)).await;
+    assert_422(
+        &app,
+        json!({ "tokens": long }),
+        "tokens",
+        "max_input_tokens",
+        json!(MAX_INPUT + 1),
+    )
+    .await;
     let long_text = "word ".repeat(200);
-    assert_422(&app, json!({ "text": [long_text] }), "text[0]", "max_input_tokens", json!(402)).await;
-    assert_422(&app, json!({"tokens": [1, 2], "top_k": 21}), "top_k", "range", json!(21)).await;
-    assert_422(&app, json!({"tokens": [1, 2], "top_k": -1}), "top_k", "range", json!(-1)).await;
-    assert_422(&app, json!({"tokens": [1], "text": "hi"}), "text", "mutually_exclusive", json!("hi")).await;
-    assert_422(&app, json!({"top_k": 1}), "tokens", "required_one_of", Value::Null).await;
-    assert_422(&app, json!({"text": "", "add_special_tokens": false}), "text", "non_empty", json!("")).await;
+    assert_422(
+        &app,
+        json!({ "text": [long_text] }),
+        "text[0]",
+        "max_input_tokens",
+        json!(402),
+    )
+    .await;
+    assert_422(
+        &app,
+        json!({"tokens": [1, 2], "top_k": 21}),
+        "top_k",
+        "range",
+        json!(21),
+    )
+    .await;
+    assert_422(
+        &app,
+        json!({"tokens": [1, 2], "top_k": -1}),
+        "top_k",
+        "range",
+        json!(-1),
+    )
+    .await;
+    assert_422(
+        &app,
+        json!({"tokens": [1], "text": "hi"}),
+        "text",
+        "mutually_exclusive",
+        json!("hi"),
+    )
+    .await;
+    assert_422(
+        &app,
+        json!({"top_k": 1}),
+        "tokens",
+        "required_one_of",
+        Value::Null,
+    )
+    .await;
+    assert_422(
+        &app,
+        json!({"text": "", "add_special_tokens": false}),
+        "text",
+        "non_empty",
+        json!(""),
+    )
+    .await;
     // Well-formed JSON of the wrong shape: 422 with the path of the field.
-    assert_422(&app, json!({"tokens": [1, 2], "top_k": "3"}), "top_k", "schema", Value::Null).await;
-    assert_422(&app, json!({"tokens": [1, 2], "bogus": 1}), "bogus", "schema", Value::Null).await;
+    assert_422(
+        &app,
+        json!({"tokens": [1, 2], "top_k": "3"}),
+        "top_k",
+        "schema",
+        Value::Null,
+    )
+    .await;
+    assert_422(
+        &app,
+        json!({"tokens": [1, 2], "bogus": 1}),
+        "bogus",
+        "schema",
+        Value::Null,
+    )
+    .await;
     let e = error(
         &app,
         post("/detokenize", json!({"tokens": [5, 99999]}).to_string()),
@@ -273,7 +391,11 @@ async fn status_422_names_field_rule_and_value() {
     .await;
     assert_eq!(
         (e.field.as_deref(), e.rule.as_deref(), e.value),
-        (Some("tokens[1]"), Some("below_vocab_size"), Some(json!(99999)))
+        (
+            Some("tokens[1]"),
+            Some("below_vocab_size"),
+            Some(json!(99999))
+        )
     );
 }
 
@@ -298,7 +420,8 @@ async fn status_429_queue_full_with_retry_after() {
     })
     .await
     .unwrap();
-    let (status, headers, body) = send(&app, post("/score", json!({"tokens": [3, 4]}).to_string())).await;
+    let (status, headers, body) =
+        send(&app, post("/score", json!({"tokens": [3, 4]}).to_string())).await;
     assert_eq!(status, StatusCode::TOO_MANY_REQUESTS);
     assert_eq!(headers[header::RETRY_AFTER], "1");
     let e: ErrorBody = serde_json::from_slice(&body).unwrap();
@@ -325,15 +448,27 @@ async fn status_503_not_ready_then_draining() {
     assert_eq!(e.kind, "not_ready");
     let (status, _, ready) = send(&app, get("/health/ready")).await;
     assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE);
-    assert_eq!(serde_json::from_slice::<Value>(&ready).unwrap()["status"], "starting");
+    assert_eq!(
+        serde_json::from_slice::<Value>(&ready).unwrap()["status"],
+        "starting"
+    );
     assert_eq!(send(&app, get("/health/live")).await.0, StatusCode::OK);
 
     state.readiness.set_warm();
-    assert_eq!(send(&app, post("/score", body.clone())).await.0, StatusCode::OK);
+    assert_eq!(
+        send(&app, post("/score", body.clone())).await.0,
+        StatusCode::OK
+    );
     state.readiness.start_draining();
-    assert_eq!(send(&app, post("/score", body)).await.0, StatusCode::SERVICE_UNAVAILABLE);
+    assert_eq!(
+        send(&app, post("/score", body)).await.0,
+        StatusCode::SERVICE_UNAVAILABLE
+    );
     let (_, _, ready) = send(&app, get("/health/ready")).await;
-    assert_eq!(serde_json::from_slice::<Value>(&ready).unwrap()["status"], "draining");
+    assert_eq!(
+        serde_json::from_slice::<Value>(&ready).unwrap()["status"],
+        "draining"
+    );
 }
 
 #[tokio::test]
@@ -346,7 +481,11 @@ async fn status_404_has_the_error_shape() {
 #[tokio::test]
 async fn tokenizer_routes() {
     let app = app(Setup::default()).await;
-    let (status, _, body) = send(&app, post("/tokenize", json!({"prompt": "Hello world"}).to_string())).await;
+    let (status, _, body) = send(
+        &app,
+        post("/tokenize", json!({"prompt": "Hello world"}).to_string()),
+    )
+    .await;
     assert_eq!(status, StatusCode::OK);
     let t: Value = serde_json::from_slice(&body).unwrap();
     assert_eq!(t["tokens"][0], 1992);
@@ -354,7 +493,11 @@ async fn tokenizer_routes() {
     assert_eq!(t["max_model_len"], MAX_INPUT);
 
     let ids = t["tokens"].clone();
-    let (_, _, body) = send(&app, post("/detokenize", json!({ "tokens": ids }).to_string())).await;
+    let (_, _, body) = send(
+        &app,
+        post("/detokenize", json!({ "tokens": ids }).to_string()),
+    )
+    .await;
     let d: Value = serde_json::from_slice(&body).unwrap();
     assert_eq!(d["prompt"], "<|begin_of_text|>Hello world");
 
@@ -366,7 +509,10 @@ async fn tokenizer_routes() {
 
     let (status, _, body) = send(&app, get("/tokenizer.json")).await;
     assert_eq!(status, StatusCode::OK);
-    assert_eq!(body, std::fs::read(fixture().join("tokenizer.json")).unwrap());
+    assert_eq!(
+        body,
+        std::fs::read(fixture().join("tokenizer.json")).unwrap()
+    );
 }
 
 #[tokio::test]
@@ -380,10 +526,17 @@ async fn info_models_metrics_openapi() {
     let i: Value = serde_json::from_slice(&body).unwrap();
     assert_eq!(i["limits"]["max_input_tokens"], MAX_INPUT);
 
-    send(&app, post("/score", json!({"tokens": [1, 2, 3]}).to_string())).await;
+    send(
+        &app,
+        post("/score", json!({"tokens": [1, 2, 3]}).to_string()),
+    )
+    .await;
     let (status, headers, body) = send(&app, get("/metrics")).await;
     assert_eq!(status, StatusCode::OK);
-    assert!(headers[header::CONTENT_TYPE].to_str().unwrap().starts_with("text/plain"));
+    assert!(headers[header::CONTENT_TYPE]
+        .to_str()
+        .unwrap()
+        .starts_with("text/plain"));
     let text = String::from_utf8(body).unwrap();
     for name in [
         "exactscore_requests_total",

@@ -15,7 +15,9 @@ use tokio::sync::oneshot;
 const TOLERANCE: f64 = 1e-4;
 
 fn fixture(variant: &str) -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("fixtures").join(variant)
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("fixtures")
+        .join(variant)
 }
 
 struct Reference {
@@ -29,7 +31,10 @@ fn reference(variant: &str) -> Reference {
     let v: Value = serde_json::from_str(&text).unwrap();
     let seqs = v["sequences"].as_array().unwrap();
     Reference {
-        texts: seqs.iter().map(|s| s["text"].as_str().unwrap().to_string()).collect(),
+        texts: seqs
+            .iter()
+            .map(|s| s["text"].as_str().unwrap().to_string())
+            .collect(),
         ids: seqs
             .iter()
             .map(|s| serde_json::from_value(s["token_ids"].clone()).unwrap())
@@ -72,7 +77,12 @@ async fn start(variant: &str) -> Running {
 }
 
 async fn score(client: &reqwest::Client, base: &str, body: Value) -> ScoreResponse {
-    let res = client.post(format!("{base}/score")).json(&body).send().await.unwrap();
+    let res = client
+        .post(format!("{base}/score"))
+        .json(&body)
+        .send()
+        .await
+        .unwrap();
     let status = res.status();
     let text = res.text().await.unwrap();
     assert_eq!(status, 200, "{text}");
@@ -120,7 +130,12 @@ async fn real_server_matches_reference_logprobs() {
     // Batched, token and text.
     let r = score(&client, base, json!({ "tokens": reference.ids })).await;
     check(&r, &reference, &all);
-    let r = score(&client, base, json!({ "text": reference.texts, "top_k": 3 })).await;
+    let r = score(
+        &client,
+        base,
+        json!({ "text": reference.texts, "top_k": 3 }),
+    )
+    .await;
     check(&r, &reference, &all);
 
     // Concurrent: 8 requests at once, each gets its own answer.
@@ -129,9 +144,9 @@ async fn real_server_matches_reference_logprobs() {
             let (client, base) = (client.clone(), server.base.clone());
             let order: Vec<usize> = (0..n).map(|j| (j + k) % n).take(1 + k % n).collect();
             let ids: Vec<Vec<u32>> = order.iter().map(|&i| reference.ids[i].clone()).collect();
-            tokio::spawn(async move {
-                (order, score(&client, &base, json!({ "tokens": ids })).await)
-            })
+            tokio::spawn(
+                async move { (order, score(&client, &base, json!({ "tokens": ids })).await) },
+            )
         })
         .collect();
     for t in tasks {

@@ -98,7 +98,12 @@ impl State {
 mod tests {
     use super::*;
 
-    fn entry(len: usize) -> (Entry, oneshot::Receiver<Result<ScoredSequence, EngineError>>) {
+    fn entry(
+        len: usize,
+    ) -> (
+        Entry,
+        oneshot::Receiver<Result<ScoredSequence, EngineError>>,
+    ) {
         let (tx, rx) = oneshot::channel();
         let e = Entry {
             tokens: vec![len as u32; len],

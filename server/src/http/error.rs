@@ -84,7 +84,11 @@ impl ApiError {
         let (field, rule, value) = match self {
             Self::Validation {
                 field, rule, value, ..
-            } => (Some(field.clone()), Some(rule.to_string()), Some(value.clone())),
+            } => (
+                Some(field.clone()),
+                Some(rule.to_string()),
+                Some(value.clone()),
+            ),
             Self::Unauthorized => (
                 Some("authorization".into()),
                 Some("bearer_api_key".into()),

@@ -22,7 +22,12 @@ pub async fn live() -> Json<Health> {
     ))]
 pub async fn ready(State(state): State<SharedState>) -> (StatusCode, Json<Health>) {
     match state.readiness.check() {
-        Ok(()) => (StatusCode::OK, Json(Health { status: "ready".into() })),
+        Ok(()) => (
+            StatusCode::OK,
+            Json(Health {
+                status: "ready".into(),
+            }),
+        ),
         Err(why) => (
             StatusCode::SERVICE_UNAVAILABLE,
             Json(Health { status: why.into() }),

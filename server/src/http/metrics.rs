@@ -35,7 +35,10 @@ pub fn recorder() -> PrometheusHandle {
                     )
                 })
                 .and_then(|b| {
-                    b.set_buckets_for_metric(Matcher::Full("exactscore_batch_tokens".into()), &tokens)
+                    b.set_buckets_for_metric(
+                        Matcher::Full("exactscore_batch_tokens".into()),
+                        &tokens,
+                    )
                 })
                 .expect("bucket lists are non-empty")
                 .build_recorder();
@@ -52,15 +55,36 @@ pub fn recorder() -> PrometheusHandle {
 
 fn describe() {
     use metrics::{describe_counter, describe_gauge, describe_histogram, Unit};
-    describe_counter!("exactscore_requests_total", "HTTP requests by route and status");
-    describe_histogram!("exactscore_request_seconds", Unit::Seconds, "HTTP request latency");
+    describe_counter!(
+        "exactscore_requests_total",
+        "HTTP requests by route and status"
+    );
+    describe_histogram!(
+        "exactscore_request_seconds",
+        Unit::Seconds,
+        "HTTP request latency"
+    );
     describe_gauge!("exactscore_queue_depth", "Sequences waiting for a batch");
-    describe_histogram!("exactscore_queue_seconds", Unit::Seconds, "Time a sequence waited");
-    describe_histogram!("exactscore_compute_seconds", Unit::Seconds, "Model time per batch");
+    describe_histogram!(
+        "exactscore_queue_seconds",
+        Unit::Seconds,
+        "Time a sequence waited"
+    );
+    describe_histogram!(
+        "exactscore_compute_seconds",
+        Unit::Seconds,
+        "Model time per batch"
+    );
     describe_histogram!("exactscore_batch_sequences", "Sequences per batch");
     describe_histogram!("exactscore_batch_tokens", "Tokens per batch");
-    describe_counter!("exactscore_tokens_processed_total", "Tokens run through the model");
-    describe_counter!("exactscore_tokens_scored_total", "Tokens returned with a logprob");
+    describe_counter!(
+        "exactscore_tokens_processed_total",
+        "Tokens run through the model"
+    );
+    describe_counter!(
+        "exactscore_tokens_scored_total",
+        "Tokens returned with a logprob"
+    );
     describe_gauge!(
         "exactscore_throughput_tokens_per_second",
         "Tokens per second of the last batch"
@@ -73,7 +97,11 @@ fn describe() {
         (status = 401, body = ErrorBody)
     ))]
 pub async fn metrics(State(state): State<SharedState>) -> Response {
-    let text = state.metrics.as_ref().map(|h| h.render()).unwrap_or_default();
+    let text = state
+        .metrics
+        .as_ref()
+        .map(|h| h.render())
+        .unwrap_or_default();
     (
         [(CONTENT_TYPE, "text/plain; version=0.0.4; charset=utf-8")],
         text,

@@ -148,7 +148,10 @@ pub fn router(state: SharedState) -> Router {
             }),
         )
         .fallback(|req: Request| async move { ApiError::NotFound(req.uri().path().to_string()) })
-        .layer(middleware::from_fn_with_state(state.clone(), require_api_key))
+        .layer(middleware::from_fn_with_state(
+            state.clone(),
+            require_api_key,
+        ))
         .layer(DefaultBodyLimit::max(limit))
         .layer(Extension(BodyLimit(limit)))
         .layer(middleware::from_fn(metrics::track))

@@ -61,13 +61,14 @@ async fn handle(state: SharedState, req: ScoreRequest) -> Result<Json<ScoreRespo
     };
     let valid = validate::score_request(req, &rules)?;
     // Held until the answer is built: bounds requests queued or computing.
-    let _permit = state
-        .admission
-        .clone()
-        .try_acquire_owned()
-        .map_err(|_| ApiError::Overloaded {
-            max_queued: state.limits().max_queued_requests,
-        })?;
+    let _permit =
+        state
+            .admission
+            .clone()
+            .try_acquire_owned()
+            .map_err(|_| ApiError::Overloaded {
+                max_queued: state.limits().max_queued_requests,
+            })?;
     let receivers: Vec<_> = valid
         .sequences
         .iter()

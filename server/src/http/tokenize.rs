@@ -27,7 +27,14 @@ pub async fn tokenize(
     let tokens = state
         .tokenizer
         .encode(&req.prompt, req.add_special_tokens.unwrap_or(true))
-        .map_err(|e| ApiError::validation("prompt", "tokenizable", serde_json::Value::Null, e.to_string()))?;
+        .map_err(|e| {
+            ApiError::validation(
+                "prompt",
+                "tokenizable",
+                serde_json::Value::Null,
+                e.to_string(),
+            )
+        })?;
     Ok(Json(TokenizeResponse {
         count: tokens.len(),
         tokens,

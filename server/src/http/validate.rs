@@ -111,7 +111,14 @@ fn text_sequences(
             let ids = rules
                 .tokenizer
                 .encode(&text, add_special_tokens)
-                .map_err(|e| ApiError::validation(&field, "tokenizable", preview(&json!(text)), e.to_string()))?;
+                .map_err(|e| {
+                    ApiError::validation(
+                        &field,
+                        "tokenizable",
+                        preview(&json!(text)),
+                        e.to_string(),
+                    )
+                })?;
             if ids.is_empty() {
                 return Err(ApiError::validation(
                     field,
@@ -140,7 +147,12 @@ fn text_sequences(
 
 fn check_batch_len(field: &str, n: usize) -> Result<(), ApiError> {
     if n == 0 {
-        return Err(ApiError::validation(field, "non_empty", json!([]), format!("`{field}` is an empty list")));
+        return Err(ApiError::validation(
+            field,
+            "non_empty",
+            json!([]),
+            format!("`{field}` is an empty list"),
+        ));
     }
     if n > MAX_SEQUENCES_PER_REQUEST {
         return Err(ApiError::validation(
@@ -184,7 +196,12 @@ pub fn token_ids(field: &str, ids: &[i64], vocab_size: usize) -> Result<Vec<u32>
         .map(|(i, &id)| {
             let at = format!("{field}[{i}]");
             if id < 0 {
-                Err(ApiError::validation(at, "non_negative", id, format!("token id {id} is negative")))
+                Err(ApiError::validation(
+                    at,
+                    "non_negative",
+                    id,
+                    format!("token id {id} is negative"),
+                ))
             } else if id as u64 >= vocab_size as u64 {
                 Err(ApiError::validation(
                     at,
