@@ -1,0 +1,228 @@
+//! Assembly: model + tokenizer + engine + HTTP state from a [`Config`], warm-up, and serving
+//! with graceful shutdown. Shared by `main` and the end-to-end tests.
+
+use std::collections::BTreeMap;
+use std::future::Future;
+use std::path::Path;
+use std::sync::Arc;
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use candle_core::{DType, Device};
+use exactscore_api::{Limits, ModelInfo};
+use tokio::net::TcpListener;
+use tokio::sync::Semaphore;
+
+use crate::config::{Config, DeviceSpec, HttpConfig};
+use crate::engine::batcher::EngineThread;
+use crate::engine::{BatchLimits, Engine, EngineError, ModelEngine, Scheduler};
+use crate::http::validate::MAX_TOP_K;
+use crate::http::{self, AppState, Readiness, SharedState};
+use crate::model::{checkpoint::LoadError, Model, ModelConfig, ModelOptions};
+use crate::quant::LinearOptions;
+use crate::tokenizer::{TextTokenizer, TokenizerError};
+
+#[derive(Debug, thiserror::Error)]
+pub enum AppError {
+    #[error("loading the model: {0}")]
+    Load(#[from] LoadError),
+    #[error("loading the tokenizer: {0}")]
+    Tokenizer(#[from] TokenizerError),
+    #[error("device {device}: {message}")]
+    Device { device: String, message: String },
+    #[error("warm-up batch failed: {0}")]
+    WarmUp(#[from] EngineError),
+    #[error("{0}")]
+    Io(#[from] std::io::Error),
+}
+
+/// A running engine with its HTTP state.
+pub struct Server {
+    pub state: SharedState,
+    engine: EngineThread,
+}
+
+/// What the HTTP state is made of, besides the engine.
+pub struct StateParts {
+    pub info: ModelInfo,
+    pub tokenizer: Arc<TextTokenizer>,
+    pub http: HttpConfig,
+    pub batch: BatchLimits,
+}
+
+impl Server {
+    /// Starts the engine thread and batcher over any [`Engine`] (the fake one in HTTP tests).
+    /// Not ready until [`Server::warm_up`].
+    pub fn start(engine: Box<dyn Engine>, parts: StateParts) -> std::io::Result<Self> {
+        let (scheduler, engine) = Scheduler::start(engine, parts.batch)?;
+        let state = Arc::new(AppState {
+            scheduler,
+            admission: Arc::new(Semaphore::new(parts.info.limits.max_queued_requests)),
+            info: parts.info,
+            tokenizer: parts.tokenizer,
+            readiness: Arc::new(Readiness::default()),
+            metrics: Some(http::metrics::recorder()),
+            http: parts.http,
+            created: SystemTime::now()
+                .duration_since(UNIX_EPOCH)
+                .map_or(0, |d| d.as_secs()),
+        });
+        Ok(Self { state, engine })
+    }
+
+    /// Loads the model named by `config` and starts it (blocking work runs off the runtime).
+    pub async fn load(config: &Config) -> Result<Self, AppError> {
+        let cfg = config.clone();
+        let (model, tokenizer, max_input_tokens) =
+            tokio::task::spawn_blocking(move || load_model(&cfg))
+                .await
+                .map_err(|e| AppError::Io(std::io::Error::other(e)))??;
+        let limits = Limits {
+            max_input_tokens,
+            max_batch_tokens: config.batch.max_batch_tokens,
+            max_batch_requests: config.batch.max_batch_requests,
+            max_queued_requests: config.max_queued_requests,
+            max_top_k: MAX_TOP_K,
+        };
+        let info = model_info(&model, config, limits);
+        let parts = StateParts {
+            info,
+            tokenizer: Arc::new(tokenizer),
+            http: config.http.clone(),
+            batch: config.batch,
+        };
+        Ok(Self::start(Box::new(ModelEngine(model)), parts)?)
+    }
+
+    /// Runs one small batch through the whole path, then reports ready.
+    pub async fn warm_up(&self) -> Result<(), AppError> {
+        let bos = self.state.tokenizer.info().bos_token_id.unwrap_or(0);
+        let tokens = vec![bos.min(self.state.info.vocab_size.saturating_sub(1) as u32); 2];
+        let rx = self.state.scheduler.submit(tokens, 1);
+        rx.await.unwrap_or(Err(EngineError::Stopped))?;
+        self.state.readiness.set_warm();
+        Ok(())
+    }
+
+    /// Serves until `shutdown` resolves; then reports not ready, finishes every admitted
+    /// request, stops the engine after its last batch and returns.
+    pub async fn serve(
+        self,
+        listener: TcpListener,
+        shutdown: impl Future<Output = ()> + Send + 'static,
+    ) -> std::io::Result<()> {
+        let readiness = self.state.readiness.clone();
+        let scheduler = self.state.scheduler.clone();
+        let app = http::router(self.state);
+        axum::serve(listener, app)
+            .with_graceful_shutdown(async move {
+                shutdown.await;
+                tracing::info!("shutting down: draining admitted requests");
+                readiness.start_draining();
+            })
+            .await?;
+        scheduler.shutdown();
+        let engine = self.engine;
+        tokio::task::spawn_blocking(move || engine.join())
+            .await
+            .map_err(std::io::Error::other)?;
+        tracing::info!("engine stopped");
+        Ok(())
+    }
+}
+
+fn load_model(config: &Config) -> Result<(Model, TextTokenizer, usize), AppError> {
+    let dir = &config.model_dir;
+    let model_config = ModelConfig::from_json(&read(dir, "config.json")?)?;
+    let max_input_tokens = config.resolve_max_input_tokens(model_config.max_position_embeddings);
+    let device = match &config.device {
+        DeviceSpec::Cpu => Device::Cpu,
+        DeviceSpec::Cuda(ids) => {
+            let id = ids.first().copied().unwrap_or(0);
+            Device::new_cuda(id).map_err(|e| AppError::Device {
+                device: format!("cuda:{id}"),
+                message: e.to_string(),
+            })?
+        }
+    };
+    let opts = ModelOptions {
+        linear: LinearOptions {
+            device,
+            dtype: config.dtype,
+            activation_quant: config.activation_quant,
+        },
+        max_seq_len: max_input_tokens,
+    };
+    let model = Model::load(dir, &opts)?;
+    let tokenizer = TextTokenizer::load(dir)?;
+    Ok((model, tokenizer, max_input_tokens))
+}
+
+fn read(dir: &Path, name: &str) -> Result<String, AppError> {
+    let path = dir.join(name);
+    std::fs::read_to_string(&path).map_err(|e| {
+        AppError::Io(std::io::Error::new(
+            e.kind(),
+            format!("{}: {e}", path.display()),
+        ))
+    })
+}
+
+/// `/info`: formats and activation quantization per projection type, bits per weight.
+pub fn model_info(model: &Model, config: &Config, limits: Limits) -> ModelInfo {
+    let mut formats: BTreeMap<String, Vec<String>> = BTreeMap::new();
+    let mut activation: BTreeMap<String, Vec<String>> = BTreeMap::new();
+    let (mut bits, mut weights) = (0.0f64, 0.0f64);
+    for (name, linear) in model.linears() {
+        let kind = name.rsplit('.').next().unwrap_or(&name).to_string();
+        let w = linear.weight();
+        push_unique(formats.entry(kind.clone()).or_default(), w.describe());
+        if let Some(qdq) = linear.activation() {
+            push_unique(
+                activation.entry(kind.clone()).or_default(),
+                qdq.describe().into(),
+            );
+        }
+        if kind != "lm_head" {
+            let (out, inp) = w.shape();
+            let n = (out * inp) as f64;
+            bits += w.bits_per_weight() * n;
+            weights += n;
+        }
+    }
+    let join = |m: BTreeMap<String, Vec<String>>| -> BTreeMap<String, String> {
+        m.into_iter().map(|(k, v)| (k, v.join("; "))).collect()
+    };
+    let cfg = model.config();
+    ModelInfo {
+        model: config.served_model_name.clone(),
+        architecture: cfg.architecture.hf_name().to_string(),
+        vocab_size: cfg.vocab_size,
+        num_layers: cfg.num_layers,
+        hidden_size: cfg.hidden_size,
+        formats: join(formats),
+        activation_quant: join(activation),
+        activation_quant_mode: match config.activation_quant {
+            crate::quant::ActivationQuantMode::Emulate => "emulate".into(),
+            crate::quant::ActivationQuantMode::Off => "off".into(),
+        },
+        bits_per_weight: if weights > 0.0 { bits / weights } else { 0.0 },
+        dtype: dtype_name(config.dtype).into(),
+        devices: config.device.names(),
+        limits,
+        version: env!("CARGO_PKG_VERSION").into(),
+    }
+}
+
+fn push_unique(list: &mut Vec<String>, item: String) {
+    if !list.contains(&item) {
+        list.push(item);
+    }
+}
+
+pub fn dtype_name(dtype: DType) -> &'static str {
+    match dtype {
+        DType::BF16 => "bf16",
+        DType::F16 => "f16",
+        _ => "f32",
+    }
+}

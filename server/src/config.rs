@@ -1,0 +1,356 @@
+//! Command line and environment: clap [`Args`] (every flag has an `EXACTSCORE_*` variable),
+//! validated into a [`Config`]. The only place that reads the environment.
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use candle_core::DType;
+use clap::{Parser, ValueEnum};
+
+use crate::engine::BatchLimits;
+use crate::quant::ActivationQuantMode;
+
+/// The tiny bundled checkpoint, so that `cargo run -p exactscore-server` serves at once.
+pub const DEFAULT_MODEL_DIR: &str = concat!(
+    env!("CARGO_MANIFEST_DIR"),
+    "/../tests/fixtures/llama-w4a16-g128"
+);
+
+/// Default cap on `--max-input-tokens` when it is not given. Attention is O(T²) in memory per
+/// sequence (`heads × T × T` f32 scores: 32 heads × 8192² × 4 B = 8 GiB on CPU), so the
+/// model's advertised context (often 128k) is not a safe default.
+pub const DEFAULT_MAX_INPUT_TOKENS_CAP: usize = 8192;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum DtypeArg {
+    F32,
+    Bf16,
+    F16,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum ActQuantArg {
+    Emulate,
+    Off,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum LogFormat {
+    Text,
+    Json,
+}
+
+#[derive(Debug, Clone, Parser)]
+#[command(name = "exactscore-server", version, about)]
+pub struct Args {
+    /// Checkpoint directory (config.json, *.safetensors, tokenizer.json).
+    #[arg(long, env = "EXACTSCORE_MODEL", default_value = DEFAULT_MODEL_DIR)]
+    pub model: PathBuf,
+    /// Name reported by the API (default: the directory name).
+    #[arg(long, env = "EXACTSCORE_SERVED_MODEL_NAME")]
+    pub served_model_name: Option<String>,
+    #[arg(long, env = "EXACTSCORE_HOST", default_value = "127.0.0.1")]
+    pub host: String,
+    #[arg(long, env = "EXACTSCORE_PORT", default_value_t = 8000)]
+    pub port: u16,
+    /// Compute dtype.
+    #[arg(long, env = "EXACTSCORE_DTYPE", value_enum, default_value = "f32")]
+    pub dtype: DtypeArg,
+    /// `cpu`, or CUDA devices such as `cuda:0` (needs a build with `--features cuda`).
+    #[arg(long, env = "EXACTSCORE_DEVICE", default_value = "cpu")]
+    pub device: String,
+    /// Apply the activation quantization the checkpoint declares (`emulate`) or not (`off`).
+    #[arg(
+        long,
+        env = "EXACTSCORE_ACTIVATION_QUANT",
+        value_enum,
+        default_value = "emulate"
+    )]
+    pub activation_quant: ActQuantArg,
+    /// Require `Authorization: Bearer <key>` on every route but `/health/*`.
+    #[arg(long, env = "EXACTSCORE_API_KEY", hide_env_values = true)]
+    pub api_key: Option<String>,
+    /// Largest request body accepted (413 beyond).
+    #[arg(long, env = "EXACTSCORE_MAX_BODY_BYTES", default_value_t = 8 * 1024 * 1024)]
+    pub max_body_bytes: usize,
+    /// Time limit of one request, queueing included (504 beyond).
+    #[arg(long, env = "EXACTSCORE_REQUEST_TIMEOUT_SECS", default_value_t = 600)]
+    pub request_timeout_secs: u64,
+    /// Sum of sequence lengths computed in one batch.
+    #[arg(long, env = "EXACTSCORE_MAX_BATCH_TOKENS", default_value_t = 16384)]
+    pub max_batch_tokens: usize,
+    /// Sequences computed in one batch.
+    #[arg(long, env = "EXACTSCORE_MAX_BATCH_REQUESTS", default_value_t = 64)]
+    pub max_batch_requests: usize,
+    /// Longest sequence accepted (422 beyond). Default: the model's context length, capped at
+    /// 8192 because CPU attention memory grows with the square of the length.
+    #[arg(long, env = "EXACTSCORE_MAX_INPUT_TOKENS")]
+    pub max_input_tokens: Option<usize>,
+    /// HTTP requests admitted at once (queued or computing); 429 with Retry-After beyond.
+    #[arg(long, env = "EXACTSCORE_MAX_QUEUED_REQUESTS", default_value_t = 256)]
+    pub max_queued_requests: usize,
+    #[arg(
+        long,
+        env = "EXACTSCORE_LOG_FORMAT",
+        value_enum,
+        default_value = "text"
+    )]
+    pub log_format: LogFormat,
+    /// Print the OpenAPI document of the served router and exit (no model is loaded).
+    #[arg(long)]
+    pub print_openapi: bool,
+}
+
+/// Where the model runs.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum DeviceSpec {
+    Cpu,
+    Cuda(Vec<usize>),
+}
+
+impl DeviceSpec {
+    /// Names as reported by `/info`.
+    pub fn names(&self) -> Vec<String> {
+        match self {
+            Self::Cpu => vec!["cpu".into()],
+            Self::Cuda(ids) => ids.iter().map(|i| format!("cuda:{i}")).collect(),
+        }
+    }
+}
+
+#[derive(Debug, thiserror::Error, PartialEq)]
+pub enum ConfigError {
+    #[error("--{flag} {value}: {rule}")]
+    Invalid {
+        flag: &'static str,
+        value: String,
+        rule: String,
+    },
+}
+
+fn invalid(flag: &'static str, value: impl ToString, rule: impl ToString) -> ConfigError {
+    ConfigError::Invalid {
+        flag,
+        value: value.to_string(),
+        rule: rule.to_string(),
+    }
+}
+
+/// Validated settings. `max_input_tokens` is resolved against the model's context at load.
+#[derive(Debug, Clone)]
+pub struct Config {
+    pub model_dir: PathBuf,
+    pub served_model_name: String,
+    pub host: String,
+    pub port: u16,
+    pub dtype: DType,
+    pub device: DeviceSpec,
+    pub activation_quant: ActivationQuantMode,
+    pub http: HttpConfig,
+    pub batch: BatchLimits,
+    pub max_input_tokens: Option<usize>,
+    pub max_queued_requests: usize,
+    pub log_format: LogFormat,
+}
+
+/// What the HTTP layer needs beyond the model.
+#[derive(Debug, Clone)]
+pub struct HttpConfig {
+    pub api_key: Option<String>,
+    pub max_body_bytes: usize,
+    pub request_timeout: Duration,
+}
+
+impl Config {
+    pub fn from_args(args: Args) -> Result<Self, ConfigError> {
+        let device = parse_device(&args.device)?;
+        let positive = |flag, v: usize| {
+            if v == 0 {
+                Err(invalid(flag, v, "must be at least 1"))
+            } else {
+                Ok(v)
+            }
+        };
+        positive("max-batch-tokens", args.max_batch_tokens)?;
+        positive("max-batch-requests", args.max_batch_requests)?;
+        positive("max-queued-requests", args.max_queued_requests)?;
+        positive("max-body-bytes", args.max_body_bytes)?;
+        if args.request_timeout_secs == 0 {
+            return Err(invalid("request-timeout-secs", 0, "must be at least 1"));
+        }
+        if let Some(max) = args.max_input_tokens {
+            positive("max-input-tokens", max)?;
+            // Otherwise a maximal sequence could never be batched (the queue would still run
+            // it alone, but the budget would silently not mean what it says).
+            if max > args.max_batch_tokens {
+                return Err(invalid(
+                    "max-input-tokens",
+                    max,
+                    format!(
+                        "must not exceed --max-batch-tokens ({})",
+                        args.max_batch_tokens
+                    ),
+                ));
+            }
+        }
+        if let Some(key) = &args.api_key {
+            if key.is_empty() {
+                return Err(invalid("api-key", "\"\"", "must not be empty"));
+            }
+        }
+        let served_model_name = match args.served_model_name {
+            Some(name) if !name.trim().is_empty() => name,
+            Some(name) => return Err(invalid("served-model-name", name, "must not be blank")),
+            None => args
+                .model
+                .file_name()
+                .map(|n| n.to_string_lossy().into_owned())
+                .unwrap_or_else(|| "model".into()),
+        };
+        Ok(Self {
+            model_dir: args.model,
+            served_model_name,
+            host: args.host,
+            port: args.port,
+            dtype: match args.dtype {
+                DtypeArg::F32 => DType::F32,
+                DtypeArg::Bf16 => DType::BF16,
+                DtypeArg::F16 => DType::F16,
+            },
+            device,
+            activation_quant: match args.activation_quant {
+                ActQuantArg::Emulate => ActivationQuantMode::Emulate,
+                ActQuantArg::Off => ActivationQuantMode::Off,
+            },
+            http: HttpConfig {
+                api_key: args.api_key,
+                max_body_bytes: args.max_body_bytes,
+                request_timeout: Duration::from_secs(args.request_timeout_secs),
+            },
+            batch: BatchLimits {
+                max_batch_tokens: args.max_batch_tokens,
+                max_batch_requests: args.max_batch_requests,
+            },
+            max_input_tokens: args.max_input_tokens,
+            max_queued_requests: args.max_queued_requests,
+            log_format: args.log_format,
+        })
+    }
+
+    /// `--max-input-tokens`, or the model context capped for memory and the batch budget.
+    pub fn resolve_max_input_tokens(&self, model_context: usize) -> usize {
+        self.max_input_tokens.unwrap_or_else(|| {
+            model_context
+                .min(DEFAULT_MAX_INPUT_TOKENS_CAP)
+                .min(self.batch.max_batch_tokens)
+                .max(1)
+        })
+    }
+}
+
+fn parse_device(s: &str) -> Result<DeviceSpec, ConfigError> {
+    let s = s.trim();
+    if s == "cpu" {
+        return Ok(DeviceSpec::Cpu);
+    }
+    // `cuda`, `cuda:0`, `cuda:0,1` or `cuda:0,cuda:1`.
+    let mut ids = Vec::new();
+    for part in s.split(',') {
+        let part = part.trim();
+        let id = part.strip_prefix("cuda:").unwrap_or(part);
+        let id = if id == "cuda" { "0" } else { id };
+        let id: usize = id
+            .parse()
+            .map_err(|_| invalid("device", s, "expected `cpu` or `cuda:N[,M...]`"))?;
+        if ids.contains(&id) {
+            return Err(invalid("device", s, "a device is listed twice"));
+        }
+        ids.push(id);
+    }
+    if !s.starts_with("cuda") {
+        return Err(invalid("device", s, "expected `cpu` or `cuda:N[,M...]`"));
+    }
+    if !cfg!(feature = "cuda") {
+        return Err(invalid(
+            "device",
+            s,
+            "this binary was built without CUDA support; rebuild with \
+             `cargo build --release -p exactscore-server --features cuda` or use `--device cpu`",
+        ));
+    }
+    if ids.len() > 1 {
+        return Err(invalid(
+            "device",
+            s,
+            "splitting a model over several GPUs is not implemented yet; use one device",
+        ));
+    }
+    Ok(DeviceSpec::Cuda(ids))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn parse(extra: &[&str]) -> Result<Config, ConfigError> {
+        let mut argv = vec!["exactscore-server"];
+        argv.extend_from_slice(extra);
+        Config::from_args(Args::try_parse_from(argv).expect("clap"))
+    }
+
+    #[test]
+    fn defaults_serve_the_bundled_fixture_on_cpu() {
+        let c = parse(&[]).unwrap();
+        assert!(c.model_dir.join("config.json").is_file());
+        assert_eq!(c.served_model_name, "llama-w4a16-g128");
+        assert_eq!(c.device, DeviceSpec::Cpu);
+        assert_eq!(c.dtype, DType::F32);
+        assert_eq!((c.host.as_str(), c.port), ("127.0.0.1", 8000));
+        assert_eq!(
+            c.resolve_max_input_tokens(131072),
+            DEFAULT_MAX_INPUT_TOKENS_CAP
+        );
+        assert_eq!(c.resolve_max_input_tokens(512), 512);
+    }
+
+    #[test]
+    fn cuda_needs_the_feature() {
+        let err = parse(&["--device", "cuda:0"]);
+        if cfg!(feature = "cuda") {
+            assert!(err.is_ok());
+        } else {
+            let msg = err.unwrap_err().to_string();
+            assert!(msg.contains("without CUDA support"), "{msg}");
+        }
+    }
+
+    #[test]
+    fn bad_values_are_refused_with_the_flag() {
+        for (argv, flag) in [
+            (&["--device", "tpu"][..], "--device"),
+            (&["--max-batch-tokens", "0"][..], "--max-batch-tokens"),
+            (
+                &["--max-input-tokens", "9000", "--max-batch-tokens", "4096"][..],
+                "--max-input-tokens",
+            ),
+            (&["--api-key", ""][..], "--api-key"),
+        ] {
+            let msg = parse(argv).unwrap_err().to_string();
+            assert!(msg.starts_with(flag), "{argv:?}: {msg}");
+        }
+    }
+
+    #[test]
+    fn every_flag_has_an_env_var() {
+        use clap::CommandFactory;
+        for arg in Args::command().get_arguments() {
+            let id = arg.get_id().as_str();
+            if ["help", "version", "print_openapi"].contains(&id) {
+                continue;
+            }
+            let env = arg.get_env().map(|e| e.to_string_lossy().into_owned());
+            let expected = format!("EXACTSCORE_{}", id.to_uppercase());
+            assert_eq!(env.as_deref(), Some(expected.as_str()), "{id}");
+        }
+    }
+}

@@ -1,0 +1,86 @@
+//! A deterministic stand-in for the model, for HTTP tests: no weights, instant answers, and an
+//! optional gate that holds a batch until the test releases it (to fill the queue).
+
+use std::sync::mpsc;
+
+use super::{Engine, EngineError};
+use crate::model::{RowScore, ScoreInput, SequenceScores};
+
+#[derive(Default)]
+pub struct FakeEngine {
+    gate: Option<Gate>,
+}
+
+struct Gate {
+    started: mpsc::Sender<()>,
+    release: mpsc::Receiver<()>,
+}
+
+/// The test's side of a gate: wait for a batch to start, then let it finish.
+pub struct GateHandle {
+    started: mpsc::Receiver<()>,
+    release: mpsc::Sender<()>,
+}
+
+impl GateHandle {
+    /// Blocks until the engine has started a batch.
+    pub fn wait_started(&self) {
+        self.started.recv().expect("fake engine gone");
+    }
+
+    /// Lets one gated batch finish.
+    pub fn release(&self) {
+        let _ = self.release.send(());
+    }
+}
+
+impl FakeEngine {
+    /// An engine whose every batch waits for [`GateHandle::release`].
+    pub fn gated() -> (Self, GateHandle) {
+        let (started_tx, started_rx) = mpsc::channel();
+        let (release_tx, release_rx) = mpsc::channel();
+        let engine = Self {
+            gate: Some(Gate {
+                started: started_tx,
+                release: release_rx,
+            }),
+        };
+        let handle = GateHandle {
+            started: started_rx,
+            release: release_tx,
+        };
+        (engine, handle)
+    }
+
+    /// The fake log-probability of `token`: `-(token + 1) / 1000`, easy to check in tests.
+    pub fn logprob(token: u32) -> f32 {
+        -((token + 1) as f32) / 1000.0
+    }
+}
+
+impl Engine for FakeEngine {
+    fn score(&mut self, batch: &[ScoreInput<'_>]) -> Result<Vec<SequenceScores>, EngineError> {
+        if let Some(gate) = &self.gate {
+            let _ = gate.started.send(());
+            gate.release.recv().map_err(|_| EngineError::Stopped)?;
+        }
+        Ok(batch
+            .iter()
+            .map(|input| SequenceScores {
+                rows: (0..input.tokens.len())
+                    .map(|i| {
+                        let target = input.tokens.get(i + 1).copied();
+                        // The "model" always predicts token 0 best, then 1, 2, ...
+                        RowScore {
+                            target_logprob: target.map(Self::logprob),
+                            argmax: (0, Self::logprob(0)),
+                            top_k: (0..input.top_k as u32)
+                                .map(|t| (t, Self::logprob(t)))
+                                .collect(),
+                        }
+                    })
+                    .collect(),
+            })
+            .collect())
+    }
+}

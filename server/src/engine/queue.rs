@@ -1,0 +1,222 @@
+//! The pure, synchronous queue of sequences waiting to be scored. No runtime, no locks, no
+//! clocks beyond the timestamp each entry carries: the batcher owns the concurrency, this
+//! module owns the policy (strict FIFO under a token and a sequence budget).
+
+use std::collections::VecDeque;
+use std::time::Instant;
+
+use tokio::sync::oneshot;
+
+use super::{EngineError, ScoredSequence};
+
+/// Where the engine sends the outcome of one sequence.
+pub type Reply = oneshot::Sender<Result<ScoredSequence, EngineError>>;
+
+/// One sequence waiting to be scored.
+#[derive(Debug)]
+pub struct Entry {
+    pub tokens: Vec<u32>,
+    pub top_k: usize,
+    pub enqueued: Instant,
+    pub reply: Reply,
+}
+
+impl Entry {
+    /// The HTTP handler drops its receiver when the client goes away or the request times out.
+    pub fn is_cancelled(&self) -> bool {
+        self.reply.is_closed()
+    }
+}
+
+/// How much one batch may hold.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct BatchLimits {
+    /// Sum of sequence lengths in one batch.
+    pub max_batch_tokens: usize,
+    /// Sequences in one batch.
+    pub max_batch_requests: usize,
+}
+
+#[derive(Debug)]
+pub struct State {
+    entries: VecDeque<Entry>,
+    limits: BatchLimits,
+}
+
+impl State {
+    pub fn new(limits: BatchLimits) -> Self {
+        Self {
+            entries: VecDeque::new(),
+            limits,
+        }
+    }
+
+    pub fn push(&mut self, entry: Entry) {
+        self.entries.push_back(entry);
+    }
+
+    /// Sequences waiting (cancelled ones included until the next `drop_cancelled`).
+    pub fn len(&self) -> usize {
+        self.entries.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.entries.is_empty()
+    }
+
+    /// Removes entries whose client is gone, so they are never computed. Returns how many.
+    pub fn drop_cancelled(&mut self) -> usize {
+        let before = self.entries.len();
+        self.entries.retain(|e| !e.is_cancelled());
+        before - self.entries.len()
+    }
+
+    /// Takes the next batch: entries in arrival order while both budgets hold. Stops at the
+    /// first entry that does not fit (no overtaking, so a long sequence is never starved).
+    /// A head entry longer than the token budget is taken alone rather than left stuck.
+    pub fn next_batch(&mut self) -> Vec<Entry> {
+        self.drop_cancelled();
+        let mut batch = Vec::new();
+        let mut tokens = 0;
+        while let Some(head) = self.entries.front() {
+            let len = head.tokens.len();
+            let fits = tokens + len <= self.limits.max_batch_tokens;
+            if batch.len() >= self.limits.max_batch_requests || (!fits && !batch.is_empty()) {
+                break;
+            }
+            tokens += len;
+            batch.extend(self.entries.pop_front());
+            if !fits {
+                break; // oversize head, alone
+            }
+        }
+        batch
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn entry(
+        len: usize,
+    ) -> (
+        Entry,
+        oneshot::Receiver<Result<ScoredSequence, EngineError>>,
+    ) {
+        let (tx, rx) = oneshot::channel();
+        let e = Entry {
+            tokens: vec![len as u32; len],
+            top_k: 0,
+            enqueued: Instant::now(),
+            reply: tx,
+        };
+        (e, rx)
+    }
+
+    fn state(tokens: usize, requests: usize) -> State {
+        State::new(BatchLimits {
+            max_batch_tokens: tokens,
+            max_batch_requests: requests,
+        })
+    }
+
+    fn lens(batch: &[Entry]) -> Vec<usize> {
+        batch.iter().map(|e| e.tokens.len()).collect()
+    }
+
+    #[test]
+    fn fifo_order_is_kept() {
+        let mut s = state(100, 10);
+        let mut keep = Vec::new();
+        for len in [3, 1, 2] {
+            let (e, rx) = entry(len);
+            s.push(e);
+            keep.push(rx);
+        }
+        assert_eq!(lens(&s.next_batch()), vec![3, 1, 2]);
+        assert!(s.is_empty());
+        assert!(s.next_batch().is_empty());
+    }
+
+    #[test]
+    fn token_budget_splits_batches_without_overtaking() {
+        let mut s = state(10, 10);
+        let mut keep = Vec::new();
+        for len in [4, 5, 3, 1] {
+            let (e, rx) = entry(len);
+            s.push(e);
+            keep.push(rx);
+        }
+        // 4 + 5 = 9; 3 does not fit, and 1 must not overtake it.
+        assert_eq!(lens(&s.next_batch()), vec![4, 5]);
+        assert_eq!(lens(&s.next_batch()), vec![3, 1]);
+    }
+
+    #[test]
+    fn request_budget_caps_batch_size() {
+        let mut s = state(1000, 2);
+        let mut keep = Vec::new();
+        for _ in 0..5 {
+            let (e, rx) = entry(1);
+            s.push(e);
+            keep.push(rx);
+        }
+        assert_eq!(s.next_batch().len(), 2);
+        assert_eq!(s.next_batch().len(), 2);
+        assert_eq!(s.next_batch().len(), 1);
+    }
+
+    #[test]
+    fn cancelled_entries_are_dropped_before_compute() {
+        let mut s = state(100, 10);
+        let (a, rx_a) = entry(1);
+        let (b, rx_b) = entry(2);
+        let (c, rx_c) = entry(3);
+        s.push(a);
+        s.push(b);
+        s.push(c);
+        drop(rx_b); // client of b went away
+        assert_eq!(s.len(), 3);
+        assert_eq!(lens(&s.next_batch()), vec![1, 3]);
+        drop((rx_a, rx_c));
+    }
+
+    #[test]
+    fn drop_cancelled_reports_count() {
+        let mut s = state(100, 10);
+        let (a, rx_a) = entry(1);
+        let (b, _rx_b) = entry(2);
+        s.push(a);
+        s.push(b);
+        drop(rx_a);
+        assert_eq!(s.drop_cancelled(), 1);
+        assert_eq!(s.len(), 1);
+    }
+
+    #[test]
+    fn oversize_head_runs_alone() {
+        let mut s = state(10, 10);
+        let mut keep = Vec::new();
+        for len in [25, 2, 2] {
+            let (e, rx) = entry(len);
+            s.push(e);
+            keep.push(rx);
+        }
+        assert_eq!(lens(&s.next_batch()), vec![25]);
+        assert_eq!(lens(&s.next_batch()), vec![2, 2]);
+    }
+
+    #[test]
+    fn oversize_entry_waits_behind_a_partial_batch() {
+        let mut s = state(10, 10);
+        let mut keep = Vec::new();
+        for len in [2, 25] {
+            let (e, rx) = entry(len);
+            s.push(e);
+            keep.push(rx);
+        }
+        assert_eq!(lens(&s.next_batch()), vec![2]);
+        assert_eq!(lens(&s.next_batch()), vec![25]);
+    }
+}

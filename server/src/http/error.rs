@@ -1,0 +1,146 @@
+//! The one error type of the HTTP edge and its status table. Every non-2xx response of the
+//! server is an [`ErrorBody`]; internal details are logged, never returned.
+
+use axum::http::{header, HeaderValue, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::Json;
+use exactscore_api::ErrorBody;
+use serde_json::Value;
+
+#[derive(Debug, thiserror::Error)]
+pub enum ApiError {
+    #[error("malformed JSON body: {0}")]
+    InvalidJson(String),
+    #[error("missing or wrong API key")]
+    Unauthorized,
+    #[error("no route for {0}")]
+    NotFound(String),
+    #[error("request body exceeds the limit of {limit} bytes")]
+    PayloadTooLarge { limit: usize },
+    /// A request that parsed but breaks a rule: names the field, the rule and the value.
+    #[error("{message}")]
+    Validation {
+        field: String,
+        rule: &'static str,
+        value: Value,
+        message: String,
+    },
+    #[error("the queue is full ({max_queued} requests); retry later")]
+    Overloaded { max_queued: usize },
+    #[error("the server is {0}; retry later")]
+    NotReady(&'static str),
+    #[error("request exceeded the server's time limit of {0} s")]
+    Timeout(u64),
+    /// The message is logged; clients see a generic text.
+    #[error("internal error")]
+    Internal(String),
+}
+
+impl ApiError {
+    pub fn validation(
+        field: impl Into<String>,
+        rule: &'static str,
+        value: impl Into<Value>,
+        message: impl Into<String>,
+    ) -> Self {
+        Self::Validation {
+            field: field.into(),
+            rule,
+            value: value.into(),
+            message: message.into(),
+        }
+    }
+
+    /// The status table: the one place that maps errors to HTTP.
+    pub fn status(&self) -> StatusCode {
+        match self {
+            Self::InvalidJson(_) => StatusCode::BAD_REQUEST,
+            Self::Unauthorized => StatusCode::UNAUTHORIZED,
+            Self::NotFound(_) => StatusCode::NOT_FOUND,
+            Self::PayloadTooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
+            Self::Validation { .. } => StatusCode::UNPROCESSABLE_ENTITY,
+            Self::Overloaded { .. } => StatusCode::TOO_MANY_REQUESTS,
+            Self::NotReady(_) => StatusCode::SERVICE_UNAVAILABLE,
+            Self::Timeout(_) => StatusCode::GATEWAY_TIMEOUT,
+            Self::Internal(_) => StatusCode::INTERNAL_SERVER_ERROR,
+        }
+    }
+
+    pub fn kind(&self) -> &'static str {
+        match self {
+            Self::InvalidJson(_) => "invalid_json",
+            Self::Unauthorized => "unauthorized",
+            Self::NotFound(_) => "not_found",
+            Self::PayloadTooLarge { .. } => "payload_too_large",
+            Self::Validation { .. } => "validation",
+            Self::Overloaded { .. } => "overloaded",
+            Self::NotReady(_) => "not_ready",
+            Self::Timeout(_) => "timeout",
+            Self::Internal(_) => "internal",
+        }
+    }
+
+    pub fn body(&self) -> ErrorBody {
+        let (field, rule, value) = match self {
+            Self::Validation {
+                field, rule, value, ..
+            } => (
+                Some(field.clone()),
+                Some(rule.to_string()),
+                Some(value.clone()),
+            ),
+            Self::Unauthorized => (
+                Some("authorization".into()),
+                Some("bearer_api_key".into()),
+                None, // never echo credentials
+            ),
+            Self::PayloadTooLarge { limit } => (
+                Some("body".into()),
+                Some("max_body_bytes".into()),
+                Some(Value::from(*limit)),
+            ),
+            _ => (None, None, None),
+        };
+        ErrorBody {
+            error: self.to_string(),
+            kind: self.kind().into(),
+            field,
+            rule,
+            value,
+        }
+    }
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        if let Self::Internal(detail) = &self {
+            tracing::error!(%detail, "internal error");
+        }
+        let mut response = (self.status(), Json(self.body())).into_response();
+        let retry_after = match self {
+            Self::Overloaded { .. } => Some("1"),
+            Self::NotReady(_) => Some("5"),
+            _ => None,
+        };
+        if let Some(secs) = retry_after {
+            response
+                .headers_mut()
+                .insert(header::RETRY_AFTER, HeaderValue::from_static(secs));
+        }
+        response
+    }
+}
+
+/// Shortens a value for an error body: long strings and arrays are cut, so a 4 MB text is
+/// not echoed back.
+pub fn preview(value: &Value) -> Value {
+    const MAX_CHARS: usize = 64;
+    const MAX_ITEMS: usize = 16;
+    match value {
+        Value::String(s) if s.chars().count() > MAX_CHARS => {
+            Value::String(s.chars().take(MAX_CHARS).collect::<String>() + "…")
+        }
+        Value::Array(items) => Value::Array(items.iter().take(MAX_ITEMS).map(preview).collect()),
+        other => other.clone(),
+    }
+}

@@ -1,0 +1,210 @@
+//! `POST /score`: validate, queue every sequence, wait for all of them, answer in request
+//! order. Logprobs are the f32 numbers of the model, unchanged.
+
+use std::collections::HashSet;
+use std::time::Duration;
+
+use axum::extract::State;
+use axum::Json;
+use exactscore_api::{
+    ErrorBody, ReturnOptions, ScoreRequest, ScoreResponse, SequenceScore, TopToken, Usage,
+};
+
+use super::error::ApiError;
+use super::json::ApiJson;
+use super::validate::{self, Rules, ValidScore};
+use super::SharedState;
+use crate::engine::{EngineError, ScoredSequence};
+use crate::model::SequenceScores;
+use crate::tokenizer::TextTokenizer;
+
+#[utoipa::path(post, path = "/score", tag = "scoring", request_body = ScoreRequest,
+    responses(
+        (status = 200, description = "Scores, in request order", body = ScoreResponse),
+        (status = 400, description = "Malformed JSON", body = ErrorBody),
+        (status = 401, description = "Missing or wrong API key", body = ErrorBody),
+        (status = 413, description = "Body too large", body = ErrorBody),
+        (status = 422, description = "Invalid request: names the field, rule and value", body = ErrorBody),
+        (status = 429, description = "Queue full; see Retry-After", body = ErrorBody),
+        (status = 503, description = "Starting or draining; see Retry-After", body = ErrorBody),
+        (status = 504, description = "Request timed out", body = ErrorBody)
+    ))]
+pub async fn score(
+    State(state): State<SharedState>,
+    ApiJson(req): ApiJson<ScoreRequest>,
+) -> Result<Json<ScoreResponse>, ApiError> {
+    handle(state, req).await
+}
+
+/// `POST /v1/score`: the same endpoint under the versioned prefix.
+#[utoipa::path(post, path = "/v1/score", tag = "scoring", request_body = ScoreRequest,
+    responses(
+        (status = 200, description = "Same as `/score`", body = ScoreResponse),
+        (status = 400, body = ErrorBody), (status = 401, body = ErrorBody),
+        (status = 413, body = ErrorBody), (status = 422, body = ErrorBody),
+        (status = 429, body = ErrorBody), (status = 503, body = ErrorBody),
+        (status = 504, body = ErrorBody)
+    ))]
+pub async fn score_v1(
+    state: State<SharedState>,
+    body: ApiJson<ScoreRequest>,
+) -> Result<Json<ScoreResponse>, ApiError> {
+    score(state, body).await
+}
+
+async fn handle(state: SharedState, req: ScoreRequest) -> Result<Json<ScoreResponse>, ApiError> {
+    state.readiness.check().map_err(ApiError::NotReady)?;
+    let rules = Rules {
+        vocab_size: state.info.vocab_size,
+        max_input_tokens: state.limits().max_input_tokens,
+        tokenizer: &state.tokenizer,
+    };
+    let valid = validate::score_request(req, &rules)?;
+    // Held until the answer is built: bounds requests queued or computing.
+    let _permit =
+        state
+            .admission
+            .clone()
+            .try_acquire_owned()
+            .map_err(|_| ApiError::Overloaded {
+                max_queued: state.limits().max_queued_requests,
+            })?;
+    let receivers: Vec<_> = valid
+        .sequences
+        .iter()
+        .map(|ids| state.scheduler.submit(ids.clone(), valid.top_k))
+        .collect();
+    // Dropping the receivers (timeout, or the client hanging up and this future being
+    // dropped) cancels whatever has not been computed yet.
+    let wait = async {
+        let mut out = Vec::with_capacity(receivers.len());
+        for rx in receivers {
+            out.push(rx.await.unwrap_or(Err(EngineError::Stopped)));
+        }
+        out
+    };
+    let timeout = state.http.request_timeout;
+    let results = tokio::time::timeout(timeout, wait)
+        .await
+        .map_err(|_| ApiError::Timeout(timeout.as_secs()))?;
+    let scored = results
+        .into_iter()
+        .collect::<Result<Vec<_>, _>>()
+        .map_err(|e| ApiError::Internal(e.to_string()))?;
+    let response = respond(&state, valid, scored)?;
+    metrics::counter!("exactscore_tokens_scored_total")
+        .increment(response.usage.scored_tokens as u64);
+    Ok(Json(response))
+}
+
+fn respond(
+    state: &SharedState,
+    valid: ValidScore,
+    scored: Vec<ScoredSequence>,
+) -> Result<ScoreResponse, ApiError> {
+    let mut usage = Usage {
+        input_tokens: 0,
+        scored_tokens: 0,
+        queue_ms: 0.0,
+        compute_ms: 0.0,
+    };
+    let mut batches = HashSet::new();
+    let mut sequences = Vec::with_capacity(scored.len());
+    for (index, (tokens, s)) in valid.sequences.into_iter().zip(scored).enumerate() {
+        usage.input_tokens += tokens.len();
+        usage.scored_tokens += s.scores.num_scored();
+        usage.queue_ms = usage.queue_ms.max(ms(s.queue_time));
+        if batches.insert(s.batch_id) {
+            usage.compute_ms += ms(s.compute_time);
+        }
+        let seq = sequence_score(
+            index,
+            tokens,
+            &s.scores,
+            valid.top_k,
+            &valid.options,
+            &state.tokenizer,
+        )
+        .map_err(|e| ApiError::Internal(e.to_string()))?;
+        sequences.push(seq);
+    }
+    Ok(ScoreResponse {
+        model: state.info.model.clone(),
+        sequences,
+        usage,
+    })
+}
+
+fn ms(d: Duration) -> f64 {
+    d.as_secs_f64() * 1e3
+}
+
+/// Shapes one sequence's scores as the wire type asks.
+pub fn sequence_score(
+    index: usize,
+    tokens: Vec<u32>,
+    scores: &SequenceScores,
+    top_k: usize,
+    options: &ReturnOptions,
+    tokenizer: &TextTokenizer,
+) -> Result<SequenceScore, crate::tokenizer::TokenizerError> {
+    let num_scored = scores.num_scored();
+    let sum_nll = scores.sum_nll();
+    let mean_nll = (num_scored > 0).then(|| sum_nll / num_scored as f64);
+    let token_logprobs = options.token_logprobs.then(|| {
+        std::iter::once(None)
+            .chain(scores.token_logprobs().map(Some))
+            .collect()
+    });
+    let greedy = options.greedy.then(|| {
+        std::iter::once(None)
+            .chain(scores.greedy(&tokens).into_iter().map(Some))
+            .collect()
+    });
+    let text = |id: u32| -> Result<Option<String>, _> {
+        if options.token_strings {
+            tokenizer.decode(&[id]).map(Some)
+        } else {
+            Ok(None)
+        }
+    };
+    let top_k = if options.top_k && top_k > 0 {
+        let mut rows = Vec::with_capacity(scores.rows.len());
+        for row in &scores.rows {
+            let mut out = Vec::with_capacity(row.top_k.len());
+            for &(id, logprob) in &row.top_k {
+                out.push(TopToken {
+                    id,
+                    logprob,
+                    token: text(id)?,
+                });
+            }
+            rows.push(out);
+        }
+        Some(rows)
+    } else {
+        None
+    };
+    let token_strings = if options.token_strings {
+        Some(
+            tokens
+                .iter()
+                .map(|&t| tokenizer.decode(&[t]))
+                .collect::<Result<Vec<_>, _>>()?,
+        )
+    } else {
+        None
+    };
+    Ok(SequenceScore {
+        index,
+        tokens,
+        token_logprobs,
+        sum_nll,
+        num_scored,
+        mean_nll,
+        perplexity: mean_nll.map(f64::exp),
+        top_k,
+        greedy,
+        token_strings,
+    })
+}

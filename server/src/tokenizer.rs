@@ -1,0 +1,123 @@
+//! The model's tokenizer (`tokenizer.json`), plus what clients need to know about it.
+
+use std::path::Path;
+
+use exactscore_api::TokenizerInfo;
+use serde_json::Value;
+
+#[derive(Debug, thiserror::Error)]
+pub enum TokenizerError {
+    #[error("reading {path}: {source}")]
+    Read {
+        path: String,
+        source: std::io::Error,
+    },
+    #[error("parsing {path}: {message}")]
+    Parse { path: String, message: String },
+    #[error("tokenizer: {0}")]
+    Tokenize(String),
+}
+
+pub struct TextTokenizer {
+    inner: tokenizers::Tokenizer,
+    /// The file as stored, served at `GET /tokenizer.json`.
+    raw: Vec<u8>,
+    info: TokenizerInfo,
+}
+
+impl TextTokenizer {
+    /// Loads `dir/tokenizer.json` and, where present, `dir/tokenizer_config.json`.
+    pub fn load(dir: &Path) -> Result<Self, TokenizerError> {
+        let path = dir.join("tokenizer.json");
+        let shown = path.display().to_string();
+        let raw = std::fs::read(&path).map_err(|source| TokenizerError::Read {
+            path: shown.clone(),
+            source,
+        })?;
+        let inner = tokenizers::Tokenizer::from_bytes(&raw).map_err(|e| TokenizerError::Parse {
+            path: shown,
+            message: e.to_string(),
+        })?;
+        let config_path = dir.join("tokenizer_config.json");
+        let config: Value = match std::fs::read(&config_path) {
+            Ok(bytes) => serde_json::from_slice(&bytes).map_err(|e| TokenizerError::Parse {
+                path: config_path.display().to_string(),
+                message: e.to_string(),
+            })?,
+            Err(_) => Value::Null, // optional
+        };
+        let mut tok = Self {
+            inner,
+            raw,
+            info: TokenizerInfo {
+                tokenizer_class: String::new(),
+                bos_token: None,
+                bos_token_id: None,
+                eos_token: None,
+                eos_token_id: None,
+                pad_token: None,
+                vocab_size: 0,
+                model_max_length: 0,
+                add_bos_token: false,
+            },
+        };
+        tok.info = tok.describe(&config)?;
+        Ok(tok)
+    }
+
+    fn describe(&self, config: &Value) -> Result<TokenizerInfo, TokenizerError> {
+        // Special tokens may be plain strings or `{"content": ...}` objects.
+        let special = |key: &str| -> Option<String> {
+            match &config[key] {
+                Value::String(s) => Some(s.clone()),
+                Value::Object(o) => o.get("content")?.as_str().map(str::to_string),
+                _ => None,
+            }
+        };
+        let bos_token = special("bos_token");
+        let bos_token_id = bos_token.as_deref().and_then(|t| self.inner.token_to_id(t));
+        let eos_token = special("eos_token");
+        let add_bos_token = match bos_token_id {
+            Some(bos) => self.encode("a", true)?.first() == Some(&bos),
+            None => false,
+        };
+        Ok(TokenizerInfo {
+            tokenizer_class: config["tokenizer_class"]
+                .as_str()
+                .unwrap_or("PreTrainedTokenizerFast")
+                .to_string(),
+            eos_token_id: eos_token.as_deref().and_then(|t| self.inner.token_to_id(t)),
+            bos_token,
+            bos_token_id,
+            eos_token,
+            pad_token: special("pad_token"),
+            vocab_size: self.inner.get_vocab_size(true),
+            model_max_length: config["model_max_length"]
+                .as_u64()
+                .map_or(0, |v| v.min(usize::MAX as u64) as usize),
+            add_bos_token,
+        })
+    }
+
+    pub fn encode(&self, text: &str, add_special_tokens: bool) -> Result<Vec<u32>, TokenizerError> {
+        self.inner
+            .encode(text, add_special_tokens)
+            .map(|e| e.get_ids().to_vec())
+            .map_err(|e| TokenizerError::Tokenize(e.to_string()))
+    }
+
+    /// Decodes ids, special tokens included, as vLLM's `/detokenize` does.
+    pub fn decode(&self, ids: &[u32]) -> Result<String, TokenizerError> {
+        self.inner
+            .decode(ids, false)
+            .map_err(|e| TokenizerError::Tokenize(e.to_string()))
+    }
+
+    pub fn info(&self) -> &TokenizerInfo {
+        &self.info
+    }
+
+    pub fn raw_json(&self) -> &[u8] {
+        &self.raw
+    }
+}

@@ -1,0 +1,558 @@
+//! HTTP tests: the real router, queue and batcher over a fake engine, driven with `oneshot`.
+//! One test per status code, and every error body checked for its field, rule and value.
+
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::body::Body;
+use axum::http::{header, Request, StatusCode};
+use axum::Router;
+use exactscore_api::{ErrorBody, Limits, ModelInfo, ScoreResponse};
+use exactscore_server::app::{Server, StateParts};
+use exactscore_server::config::HttpConfig;
+use exactscore_server::engine::fake::{FakeEngine, GateHandle};
+use exactscore_server::engine::BatchLimits;
+use exactscore_server::http::{router, SharedState};
+use exactscore_server::tokenizer::TextTokenizer;
+use serde_json::{json, Value};
+use tower::ServiceExt;
+
+const VOCAB: usize = 2000;
+const MAX_INPUT: usize = 64;
+
+fn fixture() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/llama-w4a16-g128")
+}
+
+struct Setup {
+    api_key: Option<&'static str>,
+    max_body_bytes: usize,
+    max_queued: usize,
+    warm: bool,
+}
+
+impl Default for Setup {
+    fn default() -> Self {
+        Self {
+            api_key: None,
+            max_body_bytes: 64 * 1024,
+            max_queued: 8,
+            warm: true,
+        }
+    }
+}
+
+fn info(max_queued: usize) -> ModelInfo {
+    ModelInfo {
+        model: "fake".into(),
+        architecture: "LlamaForCausalLM".into(),
+        vocab_size: VOCAB,
+        num_layers: 2,
+        hidden_size: 256,
+        formats: BTreeMap::new(),
+        activation_quant: BTreeMap::new(),
+        activation_quant_mode: "emulate".into(),
+        bits_per_weight: 4.25,
+        dtype: "f32".into(),
+        devices: vec!["cpu".into()],
+        limits: Limits {
+            max_input_tokens: MAX_INPUT,
+            max_batch_tokens: 256,
+            max_batch_requests: 4,
+            max_queued_requests: max_queued,
+            max_top_k: 20,
+        },
+        version: "test".into(),
+    }
+}
+
+async fn app_with(engine: FakeEngine, setup: Setup) -> (Router, SharedState) {
+    let parts = StateParts {
+        info: info(setup.max_queued),
+        tokenizer: Arc::new(TextTokenizer::load(&fixture()).unwrap()),
+        http: HttpConfig {
+            api_key: setup.api_key.map(str::to_string),
+            max_body_bytes: setup.max_body_bytes,
+            request_timeout: Duration::from_secs(30),
+        },
+        batch: BatchLimits {
+            max_batch_tokens: 256,
+            max_batch_requests: 4,
+        },
+    };
+    let server = Server::start(Box::new(engine), parts).unwrap();
+    if setup.warm {
+        server.warm_up().await.unwrap();
+    }
+    let state = server.state.clone();
+    (router(state.clone()), state)
+}
+
+async fn app(setup: Setup) -> Router {
+    app_with(FakeEngine::default(), setup).await.0
+}
+
+fn post(path: &str, body: impl Into<Body>) -> Request<Body> {
+    Request::post(path)
+        .header(header::CONTENT_TYPE, "application/json")
+        .body(body.into())
+        .unwrap()
+}
+
+fn get(path: &str) -> Request<Body> {
+    Request::get(path).body(Body::empty()).unwrap()
+}
+
+async fn send(app: &Router, req: Request<Body>) -> (StatusCode, axum::http::HeaderMap, Vec<u8>) {
+    let res = app.clone().oneshot(req).await.unwrap();
+    let status = res.status();
+    let headers = res.headers().clone();
+    let body = axum::body::to_bytes(res.into_body(), usize::MAX)
+        .await
+        .unwrap();
+    (status, headers, body.to_vec())
+}
+
+async fn error(app: &Router, req: Request<Body>, status: StatusCode) -> ErrorBody {
+    let (got, _, body) = send(app, req).await;
+    let text = String::from_utf8_lossy(&body).into_owned();
+    assert_eq!(got, status, "{text}");
+    serde_json::from_slice(&body).unwrap_or_else(|e| panic!("not an ErrorBody ({e}): {text}"))
+}
+
+/// A 422 for `body` naming `field`, `rule` and `value`.
+async fn assert_422(app: &Router, body: Value, field: &str, rule: &str, value: Value) {
+    let e = error(
+        app,
+        post("/score", body.to_string()),
+        StatusCode::UNPROCESSABLE_ENTITY,
+    )
+    .await;
+    assert_eq!(e.kind, "validation");
+    assert_eq!(e.field.as_deref(), Some(field), "{body}: {e:?}");
+    assert_eq!(e.rule.as_deref(), Some(rule), "{body}: {e:?}");
+    assert_eq!(
+        e.value.clone().unwrap_or(Value::Null),
+        value,
+        "{body}: {e:?}"
+    );
+}
+
+#[tokio::test]
+async fn score_200_tokens_single_and_batch_in_order() {
+    let app = app(Setup::default()).await;
+    let (status, _, body) = send(
+        &app,
+        post(
+            "/score",
+            json!({"tokens": [[5, 6, 7], [9, 8]], "top_k": 2, "return": {"greedy": true}})
+                .to_string(),
+        ),
+    )
+    .await;
+    assert_eq!(status, StatusCode::OK, "{}", String::from_utf8_lossy(&body));
+    let r: ScoreResponse = serde_json::from_slice(&body).unwrap();
+    assert_eq!(r.sequences.len(), 2);
+    let s0 = &r.sequences[0];
+    assert_eq!((s0.index, s0.tokens.clone()), (0, vec![5, 6, 7]));
+    let lp = s0.token_logprobs.clone().unwrap();
+    assert_eq!(
+        lp,
+        vec![
+            None,
+            Some(FakeEngine::logprob(6)),
+            Some(FakeEngine::logprob(7))
+        ]
+    );
+    assert_eq!(s0.num_scored, 2);
+    let expect = -(FakeEngine::logprob(6) as f64 + FakeEngine::logprob(7) as f64);
+    assert!((s0.sum_nll - expect).abs() < 1e-9);
+    assert!((s0.mean_nll.unwrap() - expect / 2.0).abs() < 1e-9);
+    assert_eq!(
+        s0.greedy.clone().unwrap(),
+        vec![None, Some(false), Some(false)]
+    );
+    assert_eq!(s0.top_k.as_ref().unwrap().len(), 3);
+    assert_eq!(s0.top_k.as_ref().unwrap()[0].len(), 2);
+    assert_eq!(r.sequences[1].tokens, vec![9, 8]);
+    assert_eq!(r.usage.input_tokens, 5);
+    assert_eq!(r.usage.scored_tokens, 3);
+
+    // Single list, versioned path.
+    let (status, _, body) = send(
+        &app,
+        post("/v1/score", json!({"tokens": [1, 2]}).to_string()),
+    )
+    .await;
+    assert_eq!(status, StatusCode::OK);
+    let r: ScoreResponse = serde_json::from_slice(&body).unwrap();
+    assert_eq!(r.sequences[0].tokens, vec![1, 2]);
+    assert!(r.sequences[0].top_k.is_none());
+    assert!(r.sequences[0].greedy.is_none());
+}
+
+#[tokio::test]
+async fn score_200_text_is_tokenized_with_bos() {
+    let app = app(Setup::default()).await;
+    let body = json!({"text": ["Hello world", "Hi"], "return": {"token_strings": true}});
+    let (status, _, body) = send(&app, post("/score", body.to_string())).await;
+    assert_eq!(status, StatusCode::OK, "{}", String::from_utf8_lossy(&body));
+    let r: ScoreResponse = serde_json::from_slice(&body).unwrap();
+    assert_eq!(r.sequences[0].tokens[0], 1992, "BOS added by default");
+    let strings = r.sequences[0].token_strings.clone().unwrap();
+    assert_eq!(strings[0], "<|begin_of_text|>");
+    assert_eq!(strings[1..].concat().trim(), "Hello world");
+
+    let body = json!({"text": "Hi", "add_special_tokens": false});
+    let (_, _, body) = send(&app, post("/score", body.to_string())).await;
+    let r: ScoreResponse = serde_json::from_slice(&body).unwrap();
+    assert_ne!(r.sequences[0].tokens[0], 1992);
+}
+
+#[tokio::test]
+async fn status_400_malformed_json() {
+    let app = app(Setup::default()).await;
+    let e = error(
+        &app,
+        post("/score", "{\"tokens\": [1, 2"),
+        StatusCode::BAD_REQUEST,
+    )
+    .await;
+    assert_eq!(e.kind, "invalid_json");
+    let e = error(&app, post("/tokenize", "not json"), StatusCode::BAD_REQUEST).await;
+    assert_eq!(e.kind, "invalid_json");
+}
+
+#[tokio::test]
+async fn status_401_missing_or_wrong_key_health_stays_open() {
+    let app = app(Setup {
+        api_key: Some("s3cret"),
+        ..Setup::default()
+    })
+    .await;
+    let body = json!({"tokens": [1, 2]}).to_string();
+    let e = error(&app, post("/score", body.clone()), StatusCode::UNAUTHORIZED).await;
+    assert_eq!(e.kind, "unauthorized");
+    assert_eq!(e.field.as_deref(), Some("authorization"));
+    assert_eq!(e.rule.as_deref(), Some("bearer_api_key"));
+    let mut wrong = post("/score", body.clone());
+    wrong
+        .headers_mut()
+        .insert(header::AUTHORIZATION, "Bearer s3crex".parse().unwrap());
+    error(&app, wrong, StatusCode::UNAUTHORIZED).await;
+    error(&app, get("/info"), StatusCode::UNAUTHORIZED).await;
+
+    let mut right = post("/score", body);
+    right
+        .headers_mut()
+        .insert(header::AUTHORIZATION, "Bearer s3cret".parse().unwrap());
+    assert_eq!(send(&app, right).await.0, StatusCode::OK);
+    assert_eq!(send(&app, get("/health/live")).await.0, StatusCode::OK);
+    assert_eq!(send(&app, get("/health/ready")).await.0, StatusCode::OK);
+}
+
+#[tokio::test]
+async fn status_413_body_too_large() {
+    let app = app(Setup {
+        max_body_bytes: 100,
+        ..Setup::default()
+    })
+    .await;
+    let ids: Vec<u32> = (0..200).collect();
+    let e = error(
+        &app,
+        post("/score", json!({ "tokens": ids }).to_string()),
+        StatusCode::PAYLOAD_TOO_LARGE,
+    )
+    .await;
+    assert_eq!(e.kind, "payload_too_large");
+    assert_eq!(e.field.as_deref(), Some("body"));
+    assert_eq!(e.rule.as_deref(), Some("max_body_bytes"));
+    assert_eq!(e.value, Some(json!(100)));
+}
+
+#[tokio::test]
+async fn status_422_names_field_rule_and_value() {
+    let app = app(Setup::default()).await;
+    assert_422(
+        &app,
+        json!({"tokens": []}),
+        "tokens",
+        "non_empty",
+        json!([]),
+    )
+    .await;
+    assert_422(
+        &app,
+        json!({"tokens": [[1, 2], []]}),
+        "tokens[1]",
+        "non_empty",
+        json!([]),
+    )
+    .await;
+    assert_422(
+        &app,
+        json!({"tokens": [1, 2000]}),
+        "tokens[1]",
+        "below_vocab_size",
+        json!(2000),
+    )
+    .await;
+    assert_422(
+        &app,
+        json!({"tokens": [[1], [3, -4]]}),
+        "tokens[1][1]",
+        "non_negative",
+        json!(-4),
+    )
+    .await;
+    let long: Vec<u32> = vec![1; MAX_INPUT + 1];
+    assert_422(
+        &app,
+        json!({ "tokens": long }),
+        "tokens",
+        "max_input_tokens",
+        json!(MAX_INPUT + 1),
+    )
+    .await;
+    let long_text = "word ".repeat(200);
+    assert_422(
+        &app,
+        json!({ "text": [long_text] }),
+        "text[0]",
+        "max_input_tokens",
+        json!(402),
+    )
+    .await;
+    assert_422(
+        &app,
+        json!({"tokens": [1, 2], "top_k": 21}),
+        "top_k",
+        "range",
+        json!(21),
+    )
+    .await;
+    assert_422(
+        &app,
+        json!({"tokens": [1, 2], "top_k": -1}),
+        "top_k",
+        "range",
+        json!(-1),
+    )
+    .await;
+    assert_422(
+        &app,
+        json!({"tokens": [1], "text": "hi"}),
+        "text",
+        "mutually_exclusive",
+        json!("hi"),
+    )
+    .await;
+    assert_422(
+        &app,
+        json!({"top_k": 1}),
+        "tokens",
+        "required_one_of",
+        Value::Null,
+    )
+    .await;
+    assert_422(
+        &app,
+        json!({"text": "", "add_special_tokens": false}),
+        "text",
+        "non_empty",
+        json!(""),
+    )
+    .await;
+    // Well-formed JSON of the wrong shape: 422 with the path of the field.
+    assert_422(
+        &app,
+        json!({"tokens": [1, 2], "top_k": "3"}),
+        "top_k",
+        "schema",
+        Value::Null,
+    )
+    .await;
+    assert_422(
+        &app,
+        json!({"tokens": [1, 2], "bogus": 1}),
+        "bogus",
+        "schema",
+        Value::Null,
+    )
+    .await;
+    let e = error(
+        &app,
+        post("/detokenize", json!({"tokens": [5, 99999]}).to_string()),
+        StatusCode::UNPROCESSABLE_ENTITY,
+    )
+    .await;
+    assert_eq!(
+        (e.field.as_deref(), e.rule.as_deref(), e.value),
+        (
+            Some("tokens[1]"),
+            Some("below_vocab_size"),
+            Some(json!(99999))
+        )
+    );
+}
+
+/// The first request holds the only admission permit inside a gated batch: the next is 429.
+#[tokio::test]
+async fn status_429_queue_full_with_retry_after() {
+    let (engine, gate): (FakeEngine, GateHandle) = FakeEngine::gated();
+    let setup = Setup {
+        max_queued: 1,
+        warm: false,
+        ..Setup::default()
+    };
+    let (app, state) = app_with(engine, setup).await;
+    state.readiness.set_warm();
+    let first = tokio::spawn({
+        let app = app.clone();
+        async move { send(&app, post("/score", json!({"tokens": [1, 2]}).to_string())).await }
+    });
+    let gate = tokio::task::spawn_blocking(move || {
+        gate.wait_started();
+        gate
+    })
+    .await
+    .unwrap();
+    let (status, headers, body) =
+        send(&app, post("/score", json!({"tokens": [3, 4]}).to_string())).await;
+    assert_eq!(status, StatusCode::TOO_MANY_REQUESTS);
+    assert_eq!(headers[header::RETRY_AFTER], "1");
+    let e: ErrorBody = serde_json::from_slice(&body).unwrap();
+    assert_eq!(e.kind, "overloaded");
+    gate.release();
+    assert_eq!(first.await.unwrap().0, StatusCode::OK);
+}
+
+#[tokio::test]
+async fn status_503_not_ready_then_draining() {
+    let (app, state) = app_with(
+        FakeEngine::default(),
+        Setup {
+            warm: false,
+            ..Setup::default()
+        },
+    )
+    .await;
+    let body = json!({"tokens": [1, 2]}).to_string();
+    let (status, headers, body_bytes) = send(&app, post("/score", body.clone())).await;
+    assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE);
+    assert!(headers.contains_key(header::RETRY_AFTER));
+    let e: ErrorBody = serde_json::from_slice(&body_bytes).unwrap();
+    assert_eq!(e.kind, "not_ready");
+    let (status, _, ready) = send(&app, get("/health/ready")).await;
+    assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE);
+    assert_eq!(
+        serde_json::from_slice::<Value>(&ready).unwrap()["status"],
+        "starting"
+    );
+    assert_eq!(send(&app, get("/health/live")).await.0, StatusCode::OK);
+
+    state.readiness.set_warm();
+    assert_eq!(
+        send(&app, post("/score", body.clone())).await.0,
+        StatusCode::OK
+    );
+    state.readiness.start_draining();
+    assert_eq!(
+        send(&app, post("/score", body)).await.0,
+        StatusCode::SERVICE_UNAVAILABLE
+    );
+    let (_, _, ready) = send(&app, get("/health/ready")).await;
+    assert_eq!(
+        serde_json::from_slice::<Value>(&ready).unwrap()["status"],
+        "draining"
+    );
+}
+
+#[tokio::test]
+async fn status_404_has_the_error_shape() {
+    let app = app(Setup::default()).await;
+    let e = error(&app, get("/nope"), StatusCode::NOT_FOUND).await;
+    assert_eq!(e.kind, "not_found");
+}
+
+#[tokio::test]
+async fn tokenizer_routes() {
+    let app = app(Setup::default()).await;
+    let (status, _, body) = send(
+        &app,
+        post("/tokenize", json!({"prompt": "Hello world"}).to_string()),
+    )
+    .await;
+    assert_eq!(status, StatusCode::OK);
+    let t: Value = serde_json::from_slice(&body).unwrap();
+    assert_eq!(t["tokens"][0], 1992);
+    assert_eq!(t["count"], t["tokens"].as_array().unwrap().len());
+    assert_eq!(t["max_model_len"], MAX_INPUT);
+
+    let ids = t["tokens"].clone();
+    let (_, _, body) = send(
+        &app,
+        post("/detokenize", json!({ "tokens": ids }).to_string()),
+    )
+    .await;
+    let d: Value = serde_json::from_slice(&body).unwrap();
+    assert_eq!(d["prompt"], "<|begin_of_text|>Hello world");
+
+    let (_, _, body) = send(&app, get("/tokenizer_info")).await;
+    let i: Value = serde_json::from_slice(&body).unwrap();
+    assert_eq!(i["bos_token"], "<|begin_of_text|>");
+    assert_eq!(i["eos_token"], "<|end_of_text|>");
+    assert_eq!(i["add_bos_token"], true);
+
+    let (status, _, body) = send(&app, get("/tokenizer.json")).await;
+    assert_eq!(status, StatusCode::OK);
+    assert_eq!(
+        body,
+        std::fs::read(fixture().join("tokenizer.json")).unwrap()
+    );
+}
+
+#[tokio::test]
+async fn info_models_metrics_openapi() {
+    let app = app(Setup::default()).await;
+    let (_, _, body) = send(&app, get("/v1/models")).await;
+    let m: Value = serde_json::from_slice(&body).unwrap();
+    assert_eq!(m["object"], "list");
+    assert_eq!(m["data"][0]["id"], "fake");
+    let (_, _, body) = send(&app, get("/info")).await;
+    let i: Value = serde_json::from_slice(&body).unwrap();
+    assert_eq!(i["limits"]["max_input_tokens"], MAX_INPUT);
+
+    send(
+        &app,
+        post("/score", json!({"tokens": [1, 2, 3]}).to_string()),
+    )
+    .await;
+    let (status, headers, body) = send(&app, get("/metrics")).await;
+    assert_eq!(status, StatusCode::OK);
+    assert!(headers[header::CONTENT_TYPE]
+        .to_str()
+        .unwrap()
+        .starts_with("text/plain"));
+    let text = String::from_utf8(body).unwrap();
+    for name in [
+        "exactscore_requests_total",
+        "exactscore_batch_tokens_bucket",
+        "exactscore_compute_seconds_bucket",
+        "exactscore_queue_seconds_bucket",
+        "exactscore_tokens_scored_total",
+        "exactscore_queue_depth",
+    ] {
+        assert!(text.contains(name), "{name} missing from:\n{text}");
+    }
+    assert!(text.contains("route=\"/score\",status=\"200\""), "{text}");
+
+    let (status, _, body) = send(&app, get("/openapi.json")).await;
+    assert_eq!(status, StatusCode::OK);
+    let doc: Value = serde_json::from_slice(&body).unwrap();
+    assert!(doc["openapi"].as_str().unwrap().starts_with("3.1"));
+    assert!(doc["paths"]["/score"]["post"].is_object());
+}
