@@ -240,3 +240,96 @@ pub struct ModelList {
 pub struct Health {
     pub status: String,
 }
+
+/// `prompt` of `/v1/completions`: text, texts, token ids, or lists of token ids.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, ToSchema)]
+#[serde(untagged)]
+pub enum PromptInput {
+    Text(String),
+    TokenBatch(Vec<Vec<i64>>),
+    Tokens(Vec<i64>),
+    Texts(Vec<String>),
+}
+
+/// `POST /v1/completions` (OpenAI legacy completions, as lm-eval's `local-completions` and the
+/// OpenAI client send it). This is a scoring server: `max_tokens` is 0 (score the prompt) or 1
+/// (also return the greedy next token, `temperature` 0). Anything that would need sampling or
+/// generation is refused, never ignored.
+#[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct CompletionRequest {
+    /// Must equal the served model name when given.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub model: Option<String>,
+    pub prompt: Option<PromptInput>,
+    /// Return the prompt's tokens with their log-probabilities. Default false.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub echo: Option<bool>,
+    /// Number of most likely tokens per position, 0..=20; `null`: no log-probabilities.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub logprobs: Option<i64>,
+    /// 0 or 1. Required (OpenAI's default of 16 would mean generation).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_tokens: Option<i64>,
+    /// Must be 0 when `max_tokens` is 1 (the appended token is the argmax).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub temperature: Option<f64>,
+    /// Accepted; results are deterministic.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub seed: Option<i64>,
+    /// Must be 1.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub n: Option<i64>,
+    /// Must be false.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub stream: Option<bool>,
+    /// Must be empty: one greedy token is never cut.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub stop: Option<serde_json::Value>,
+    /// Accepted and ignored (an end-user tag).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub user: Option<String>,
+    /// Tokenize text prompts with the tokenizer's special tokens (BOS). Default false, as
+    /// lm-eval expects: its context/continuation split counts tokens without BOS.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub add_special_tokens: Option<bool>,
+}
+
+/// Per-token details of one choice (OpenAI shape).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, ToSchema)]
+pub struct CompletionLogprobs {
+    /// Vocabulary strings of the tokens (unique per id, e.g. `Ġthe`).
+    pub tokens: Vec<String>,
+    /// `null` for the first prompt token.
+    pub token_logprobs: Vec<Option<f32>>,
+    /// Per position: the `logprobs` most likely tokens plus the actual one; `null` first.
+    pub top_logprobs: Vec<Option<BTreeMap<String, f32>>>,
+    /// Character offset of each token in `text` (per-token decoding; approximate where a token
+    /// ends inside a multi-byte character).
+    pub text_offset: Vec<usize>,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, ToSchema)]
+pub struct CompletionChoice {
+    pub index: usize,
+    pub text: String,
+    pub logprobs: Option<CompletionLogprobs>,
+    pub finish_reason: String,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, ToSchema)]
+pub struct CompletionUsage {
+    pub prompt_tokens: usize,
+    pub completion_tokens: usize,
+    pub total_tokens: usize,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, ToSchema)]
+pub struct CompletionResponse {
+    pub id: String,
+    pub object: String,
+    pub created: u64,
+    pub model: String,
+    pub choices: Vec<CompletionChoice>,
+    pub usage: CompletionUsage,
+}

@@ -113,6 +113,11 @@ impl TextTokenizer {
             .map_err(|e| TokenizerError::Tokenize(e.to_string()))
     }
 
+    /// The vocabulary string of one token (`Ġthe`): unique per id, unlike its decoded text.
+    pub fn token_string(&self, id: u32) -> String {
+        self.inner.id_to_token(id).unwrap_or_default()
+    }
+
     pub fn info(&self) -> &TokenizerInfo {
         &self.info
     }

@@ -556,3 +556,194 @@ async fn info_models_metrics_openapi() {
     assert!(doc["openapi"].as_str().unwrap().starts_with("3.1"));
     assert!(doc["paths"]["/score"]["post"].is_object());
 }
+
+// ---- /v1/completions --------------------------------------------------------------------
+
+async fn completion(app: &Router, body: Value) -> Value {
+    let (status, _, bytes) = send(app, post("/v1/completions", body.to_string())).await;
+    let text = String::from_utf8_lossy(&bytes).into_owned();
+    assert_eq!(status, StatusCode::OK, "{text}");
+    serde_json::from_slice(&bytes).unwrap()
+}
+
+#[tokio::test]
+async fn completions_echo_with_greedy_token_is_what_lm_eval_reads() {
+    let app = app(Setup::default()).await;
+    let body = json!({"prompt": [[5, 7, 9]], "echo": true, "logprobs": 1, "max_tokens": 1,
+                      "temperature": 0, "seed": 1234, "model": "fake"});
+    let r = completion(&app, body).await;
+    let c = &r["choices"][0];
+    let lp = &c["logprobs"];
+    let got: Vec<Option<f32>> = lp["token_logprobs"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|v| v.as_f64().map(|f| f as f32))
+        .collect();
+    let expect = vec![
+        None,
+        Some(FakeEngine::logprob(7)),
+        Some(FakeEngine::logprob(9)),
+        Some(FakeEngine::logprob(0)), // the appended greedy token (the fake's argmax is 0)
+    ];
+    assert_eq!(got, expect);
+    assert_eq!(lp["tokens"].as_array().unwrap().len(), 4);
+    assert_eq!(lp["text_offset"].as_array().unwrap().len(), 4);
+    let top = lp["top_logprobs"].as_array().unwrap();
+    assert!(top[0].is_null());
+    // Each dict holds the top-1 and the actual token; lm-eval's is_greedy is max(dict) == lp.
+    for (i, entry) in top.iter().enumerate().skip(1) {
+        let max = entry
+            .as_object()
+            .unwrap()
+            .values()
+            .map(|v| v.as_f64().unwrap())
+            .fold(f64::MIN, f64::max);
+        let is_greedy = max == lp["token_logprobs"][i].as_f64().unwrap();
+        assert_eq!(is_greedy, i == 3, "position {i}: {entry}");
+    }
+    assert_eq!(c["index"], 0);
+    assert_eq!(c["finish_reason"], "length");
+    assert_eq!(r["object"], "text_completion");
+    assert_eq!(
+        r["usage"],
+        json!({"prompt_tokens": 3, "completion_tokens": 1, "total_tokens": 4})
+    );
+}
+
+#[tokio::test]
+async fn completions_batches_text_prompts_in_order_without_bos() {
+    let app = app(Setup::default()).await;
+    let prompts = ["To be, or not", "to be", "that is the question"];
+    let r = completion(
+        &app,
+        json!({"prompt": prompts, "echo": true, "logprobs": 0, "max_tokens": 0}),
+    )
+    .await;
+    let tokenizer = TextTokenizer::load(&fixture()).unwrap();
+    for (i, p) in prompts.iter().enumerate() {
+        let c = &r["choices"][i];
+        assert_eq!(c["index"], i);
+        assert_eq!(c["text"], *p);
+        let ids = tokenizer.encode(p, false).unwrap();
+        let lps = c["logprobs"]["token_logprobs"].as_array().unwrap();
+        assert_eq!(lps.len(), ids.len(), "no BOS, no appended token");
+        assert!(lps[0].is_null());
+        for (lp, id) in lps.iter().zip(&ids).skip(1) {
+            assert_eq!(lp.as_f64().unwrap() as f32, FakeEngine::logprob(*id));
+        }
+    }
+}
+
+#[tokio::test]
+async fn completions_without_echo_or_logprobs() {
+    let app = app(Setup::default()).await;
+    let r = completion(
+        &app,
+        json!({"prompt": "Hello", "max_tokens": 1, "temperature": 0.0}),
+    )
+    .await;
+    assert!(r["choices"][0]["logprobs"].is_null());
+    assert_eq!(r["usage"]["completion_tokens"], 1);
+    let r = completion(
+        &app,
+        json!({"prompt": "Hello", "max_tokens": 0, "logprobs": 2}),
+    )
+    .await;
+    assert_eq!(r["choices"][0]["text"], "");
+    assert_eq!(r["choices"][0]["logprobs"]["tokens"], json!([]));
+}
+
+#[tokio::test]
+async fn completions_refuse_what_a_scoring_server_cannot_do() {
+    let app = app(Setup::default()).await;
+    let base = json!({"prompt": [1, 2], "max_tokens": 1, "temperature": 0});
+    let cases: Vec<(Value, &str, &str, Value)> = vec![
+        (
+            json!({"max_tokens": 2}),
+            "max_tokens",
+            "unsupported",
+            json!(2),
+        ),
+        (
+            json!({"max_tokens": null}),
+            "max_tokens",
+            "required",
+            Value::Null,
+        ),
+        (
+            json!({"temperature": 0.7}),
+            "temperature",
+            "unsupported",
+            json!(0.7),
+        ),
+        (
+            json!({"temperature": null}),
+            "temperature",
+            "required",
+            Value::Null,
+        ),
+        (json!({"n": 2}), "n", "unsupported", json!(2)),
+        (
+            json!({"stream": true}),
+            "stream",
+            "unsupported",
+            json!(true),
+        ),
+        (
+            json!({"stop": ["\n"]}),
+            "stop",
+            "unsupported",
+            json!(["\n"]),
+        ),
+        (json!({"logprobs": 21}), "logprobs", "range", json!(21)),
+        (
+            json!({"model": "other"}),
+            "model",
+            "served_model",
+            json!("other"),
+        ),
+        (
+            json!({"prompt": [1, 2000]}),
+            "prompt[1]",
+            "below_vocab_size",
+            json!(2000),
+        ),
+        (
+            json!({"prompt": [[1], [-3]]}),
+            "prompt[1][0]",
+            "non_negative",
+            json!(-3),
+        ),
+        (json!({"prompt": null}), "prompt", "required", Value::Null),
+    ];
+    for (patch, field, rule, value) in cases {
+        let mut body = base.clone();
+        for (k, v) in patch.as_object().unwrap() {
+            body[k] = v.clone();
+        }
+        let e = error(
+            &app,
+            post("/v1/completions", body.to_string()),
+            StatusCode::UNPROCESSABLE_ENTITY,
+        )
+        .await;
+        assert_eq!(e.field.as_deref(), Some(field), "{body}: {e:?}");
+        assert_eq!(e.rule.as_deref(), Some(rule), "{body}: {e:?}");
+        assert_eq!(
+            e.value.clone().unwrap_or(Value::Null),
+            value,
+            "{body}: {e:?}"
+        );
+    }
+    // Unknown parameters are refused, not ignored.
+    let mut body = base.clone();
+    body["best_of"] = json!(3);
+    let e = error(
+        &app,
+        post("/v1/completions", body.to_string()),
+        StatusCode::UNPROCESSABLE_ENTITY,
+    )
+    .await;
+    assert!(e.error.contains("best_of"), "{e:?}");
+}

@@ -1,6 +1,7 @@
 //! The HTTP API: one router built with utoipa-axum, so the OpenAPI document is generated from
 //! the routes actually served. Handlers are thin: validate, submit, shape the answer.
 
+pub mod completions;
 pub mod error;
 pub mod health;
 pub mod info;
@@ -118,6 +119,7 @@ fn api_router() -> OpenApiRouter<SharedState> {
     OpenApiRouter::with_openapi(ApiDoc::openapi())
         .routes(routes!(score::score))
         .routes(routes!(score::score_v1))
+        .routes(routes!(completions::completions))
         .routes(routes!(tokenize::tokenize))
         .routes(routes!(tokenize::detokenize))
         .routes(routes!(tokenize::tokenizer_info))

@@ -60,6 +60,20 @@ async fn handle(state: SharedState, req: ScoreRequest) -> Result<Json<ScoreRespo
         tokenizer: &state.tokenizer,
     };
     let valid = validate::score_request(req, &rules)?;
+    let scored = compute(&state, &valid.sequences, valid.top_k).await?;
+    let response = respond(&state, valid, scored)?;
+    metrics::counter!("exactscore_tokens_scored_total")
+        .increment(response.usage.scored_tokens as u64);
+    Ok(Json(response))
+}
+
+/// Queues every sequence and waits for all of them: bounded by the admission semaphore (429)
+/// and the request timeout (504). Shared by `/score` and `/v1/completions`.
+pub(crate) async fn compute(
+    state: &SharedState,
+    sequences: &[Vec<u32>],
+    top_k: usize,
+) -> Result<Vec<ScoredSequence>, ApiError> {
     // Held until the answer is built: bounds requests queued or computing.
     let _permit =
         state
@@ -69,10 +83,9 @@ async fn handle(state: SharedState, req: ScoreRequest) -> Result<Json<ScoreRespo
             .map_err(|_| ApiError::Overloaded {
                 max_queued: state.limits().max_queued_requests,
             })?;
-    let receivers: Vec<_> = valid
-        .sequences
+    let receivers: Vec<_> = sequences
         .iter()
-        .map(|ids| state.scheduler.submit(ids.clone(), valid.top_k))
+        .map(|ids| state.scheduler.submit(ids.clone(), top_k))
         .collect();
     // Dropping the receivers (timeout, or the client hanging up and this future being
     // dropped) cancels whatever has not been computed yet.
@@ -87,14 +100,10 @@ async fn handle(state: SharedState, req: ScoreRequest) -> Result<Json<ScoreRespo
     let results = tokio::time::timeout(timeout, wait)
         .await
         .map_err(|_| ApiError::Timeout(timeout.as_secs()))?;
-    let scored = results
+    results
         .into_iter()
         .collect::<Result<Vec<_>, _>>()
-        .map_err(|e| ApiError::Internal(e.to_string()))?;
-    let response = respond(&state, valid, scored)?;
-    metrics::counter!("exactscore_tokens_scored_total")
-        .increment(response.usage.scored_tokens as u64);
-    Ok(Json(response))
+        .map_err(|e| ApiError::Internal(e.to_string()))
 }
 
 fn respond(

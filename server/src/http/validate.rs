@@ -145,7 +145,7 @@ fn text_sequences(
         .collect()
 }
 
-fn check_batch_len(field: &str, n: usize) -> Result<(), ApiError> {
+pub(crate) fn check_batch_len(field: &str, n: usize) -> Result<(), ApiError> {
     if n == 0 {
         return Err(ApiError::validation(
             field,
@@ -165,7 +165,7 @@ fn check_batch_len(field: &str, n: usize) -> Result<(), ApiError> {
     Ok(())
 }
 
-fn check_length(field: &str, ids: &[u32], rules: &Rules<'_>) -> Result<(), ApiError> {
+pub(crate) fn check_length(field: &str, ids: &[u32], rules: &Rules<'_>) -> Result<(), ApiError> {
     if ids.len() > rules.max_input_tokens {
         return Err(ApiError::validation(
             field,
