@@ -2,23 +2,16 @@
 //! Scores must equal reference.json (≤ 1e-4 per token) for token and text input, single,
 //! batched and concurrent.
 
-use std::path::PathBuf;
 use std::time::Instant;
 
-use clap::Parser;
 use exactscore_api::ScoreResponse;
-use exactscore_server::app::Server;
-use exactscore_server::config::{Args, Config};
 use serde_json::{json, Value};
-use tokio::sync::oneshot;
+
+mod common;
+
+use common::{fixture, start};
 
 const TOLERANCE: f64 = 1e-4;
-
-fn fixture(variant: &str) -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-        .join("fixtures")
-        .join(variant)
-}
 
 struct Reference {
     texts: Vec<String>,
@@ -44,36 +37,6 @@ fn reference(variant: &str) -> Reference {
             .map(|s| serde_json::from_value(s["token_logprobs"].clone()).unwrap())
             .collect(),
     }
-}
-
-struct Running {
-    base: String,
-    stop: oneshot::Sender<()>,
-    done: tokio::task::JoinHandle<std::io::Result<()>>,
-}
-
-async fn start(variant: &str) -> Running {
-    let model = fixture(variant);
-    let args = Args::try_parse_from([
-        "exactscore-server",
-        "--model",
-        model.to_str().unwrap(),
-        "--max-input-tokens",
-        "512",
-        "--max-batch-tokens",
-        "2048",
-    ])
-    .unwrap();
-    let config = Config::from_args(args).unwrap();
-    let server = Server::load(&config).await.unwrap();
-    server.warm_up().await.unwrap();
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let base = format!("http://{}", listener.local_addr().unwrap());
-    let (stop, stopped) = oneshot::channel::<()>();
-    let done = tokio::spawn(server.serve(listener, async {
-        let _ = stopped.await;
-    }));
-    Running { base, stop, done }
 }
 
 async fn score(client: &reqwest::Client, base: &str, body: Value) -> ScoreResponse {
@@ -111,7 +74,7 @@ fn check(r: &ScoreResponse, reference: &Reference, which: &[usize]) {
 async fn real_server_matches_reference_logprobs() {
     let variant = "llama-w4a16-g128";
     let reference = reference(variant);
-    let server = start(variant).await;
+    let server = start(variant, &[]).await;
     let client = reqwest::Client::new();
     let base = server.base.as_str();
     let n = reference.ids.len();
@@ -175,7 +138,7 @@ async fn real_server_matches_reference_logprobs() {
 async fn second_variant_batched_matches_reference() {
     let variant = "llama-w8a16-channel";
     let reference = reference(variant);
-    let server = start(variant).await;
+    let server = start(variant, &[]).await;
     let client = reqwest::Client::new();
     let r = score(&client, &server.base, json!({ "text": reference.texts })).await;
     let all: Vec<usize> = (0..reference.ids.len()).collect();

@@ -1,0 +1,50 @@
+//! The real server in-process on 127.0.0.1:0, shared by the end-to-end tests.
+#![allow(dead_code)]
+
+use std::path::PathBuf;
+
+use clap::Parser;
+use exactscore_server::app::Server;
+use exactscore_server::config::{Args, Config};
+use tokio::sync::oneshot;
+
+pub fn fixture(variant: &str) -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("fixtures")
+        .join(variant)
+}
+
+pub struct Running {
+    pub base: String,
+    pub stop: oneshot::Sender<()>,
+    pub done: tokio::task::JoinHandle<std::io::Result<()>>,
+}
+
+/// The real server, loaded from a fixture (f32, CPU), serving on 127.0.0.1:0.
+pub async fn start(variant: &str, extra_args: &[&str]) -> Running {
+    let model = fixture(variant);
+    let args = Args::try_parse_from(
+        [
+            "exactscore-server",
+            "--model",
+            model.to_str().unwrap(),
+            "--max-input-tokens",
+            "512",
+            "--max-batch-tokens",
+            "2048",
+        ]
+        .into_iter()
+        .chain(extra_args.iter().copied()),
+    )
+    .unwrap();
+    let config = Config::from_args(args).unwrap();
+    let server = Server::load(&config).await.unwrap();
+    server.warm_up().await.unwrap();
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let base = format!("http://{}", listener.local_addr().unwrap());
+    let (stop, stopped) = oneshot::channel::<()>();
+    let done = tokio::spawn(server.serve(listener, async {
+        let _ = stopped.await;
+    }));
+    Running { base, stop, done }
+}
