@@ -31,6 +31,7 @@ struct Setup {
     max_body_bytes: usize,
     max_queued: usize,
     warm: bool,
+    request_timeout: Duration,
 }
 
 impl Default for Setup {
@@ -40,6 +41,7 @@ impl Default for Setup {
             max_body_bytes: 64 * 1024,
             max_queued: 8,
             warm: true,
+            request_timeout: Duration::from_secs(30),
         }
     }
 }
@@ -75,7 +77,7 @@ async fn app_with(engine: FakeEngine, setup: Setup) -> (Router, SharedState) {
         http: HttpConfig {
             api_key: setup.api_key.map(str::to_string),
             max_body_bytes: setup.max_body_bytes,
-            request_timeout: Duration::from_secs(30),
+            request_timeout: setup.request_timeout,
         },
         batch: BatchLimits {
             max_batch_tokens: 256,
@@ -428,6 +430,37 @@ async fn status_429_queue_full_with_retry_after() {
     assert_eq!(e.kind, "overloaded");
     gate.release();
     assert_eq!(first.await.unwrap().0, StatusCode::OK);
+}
+
+/// A request still waiting when the time limit passes gets 504 and is dropped; the engine then
+/// serves the next request normally.
+#[tokio::test]
+async fn status_504_request_timeout() {
+    let (engine, gate): (FakeEngine, GateHandle) = FakeEngine::gated();
+    let setup = Setup {
+        warm: false,
+        request_timeout: Duration::from_millis(300),
+        ..Setup::default()
+    };
+    let (app, state) = app_with(engine, setup).await;
+    state.readiness.set_warm();
+    let e = error(
+        &app,
+        post("/score", json!({"tokens": [1, 2]}).to_string()),
+        StatusCode::GATEWAY_TIMEOUT,
+    )
+    .await;
+    assert_eq!(e.kind, "timeout");
+    assert!(e.error.contains("300ms"), "{}", e.error);
+    // One release for the abandoned batch, one for the next request's.
+    gate.release();
+    gate.release();
+    assert_eq!(
+        send(&app, post("/score", json!({"tokens": [3, 4]}).to_string()))
+            .await
+            .0,
+        StatusCode::OK
+    );
 }
 
 #[tokio::test]

@@ -18,7 +18,7 @@ use super::error::{preview, ApiError};
 use super::json::ApiJson;
 use super::score::compute;
 use super::validate::{check_batch_len, check_length, token_ids, Rules, MAX_TOP_K};
-use super::SharedState;
+use super::{off_runtime, SharedState};
 use crate::model::SequenceScores;
 use crate::tokenizer::TextTokenizer;
 
@@ -54,12 +54,7 @@ pub async fn completions(
     ApiJson(req): ApiJson<CompletionRequest>,
 ) -> Result<Json<CompletionResponse>, ApiError> {
     state.readiness.check().map_err(ApiError::NotReady)?;
-    let rules = Rules {
-        vocab_size: state.info.vocab_size,
-        max_input_tokens: state.limits().max_input_tokens,
-        tokenizer: &state.tokenizer,
-    };
-    let valid = validate(req, &state.info.model, &rules)?;
+    let valid = off_runtime(&state, move |s| validate(req, &s.info.model, &s.rules())).await?;
     let sequences: Vec<Vec<u32>> = valid.prompts.iter().map(|p| p.ids.clone()).collect();
     let scored = compute(&state, &sequences, valid.logprobs.unwrap_or(0)).await?;
     let mut choices = Vec::with_capacity(scored.len());

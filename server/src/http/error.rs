@@ -29,8 +29,8 @@ pub enum ApiError {
     Overloaded { max_queued: usize },
     #[error("the server is {0}; retry later")]
     NotReady(&'static str),
-    #[error("request exceeded the server's time limit of {0} s")]
-    Timeout(u64),
+    #[error("request exceeded the server's time limit of {0:?}")]
+    Timeout(std::time::Duration),
     /// The message is logged; clients see a generic text.
     #[error("internal error")]
     Internal(String),

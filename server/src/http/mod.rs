@@ -53,9 +53,30 @@ impl AppState {
     pub fn limits(&self) -> &Limits {
         &self.info.limits
     }
+
+    /// The validation rules requests are checked against.
+    pub fn rules(&self) -> validate::Rules<'_> {
+        validate::Rules {
+            vocab_size: self.info.vocab_size,
+            max_input_tokens: self.limits().max_input_tokens,
+            tokenizer: &self.tokenizer,
+        }
+    }
 }
 
 pub type SharedState = Arc<AppState>;
+
+/// Runs request work that can take long on the CPU (tokenizing megabytes of text) on tokio's
+/// blocking pool, so it never stalls the async workers that serve health probes and metrics.
+pub async fn off_runtime<R: Send + 'static>(
+    state: &SharedState,
+    work: impl FnOnce(&AppState) -> Result<R, ApiError> + Send + 'static,
+) -> Result<R, ApiError> {
+    let state = state.clone();
+    tokio::task::spawn_blocking(move || work(&state))
+        .await
+        .map_err(|e| ApiError::Internal(format!("request worker failed: {e}")))?
+}
 
 /// Ready = weights loaded and a warm-up batch ran, and not draining.
 #[derive(Debug, Default)]

@@ -12,8 +12,8 @@ use exactscore_api::{
 
 use super::error::ApiError;
 use super::json::ApiJson;
-use super::validate::{self, Rules, ValidScore};
-use super::SharedState;
+use super::validate::{self, ValidScore};
+use super::{off_runtime, SharedState};
 use crate::engine::{EngineError, ScoredSequence};
 use crate::model::SequenceScores;
 use crate::tokenizer::TextTokenizer;
@@ -54,12 +54,7 @@ pub async fn score_v1(
 
 async fn handle(state: SharedState, req: ScoreRequest) -> Result<Json<ScoreResponse>, ApiError> {
     state.readiness.check().map_err(ApiError::NotReady)?;
-    let rules = Rules {
-        vocab_size: state.info.vocab_size,
-        max_input_tokens: state.limits().max_input_tokens,
-        tokenizer: &state.tokenizer,
-    };
-    let valid = validate::score_request(req, &rules)?;
+    let valid = off_runtime(&state, move |s| validate::score_request(req, &s.rules())).await?;
     let scored = compute(&state, &valid.sequences, valid.top_k).await?;
     let response = respond(&state, valid, scored)?;
     metrics::counter!("exactscore_tokens_scored_total")
@@ -99,7 +94,7 @@ pub(crate) async fn compute(
     let timeout = state.http.request_timeout;
     let results = tokio::time::timeout(timeout, wait)
         .await
-        .map_err(|_| ApiError::Timeout(timeout.as_secs()))?;
+        .map_err(|_| ApiError::Timeout(timeout))?;
     results
         .into_iter()
         .collect::<Result<Vec<_>, _>>()

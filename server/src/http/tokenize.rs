@@ -12,7 +12,7 @@ use exactscore_api::{
 use super::error::ApiError;
 use super::json::ApiJson;
 use super::validate;
-use super::SharedState;
+use super::{off_runtime, SharedState};
 
 #[utoipa::path(post, path = "/tokenize", tag = "tokenizer", request_body = TokenizeRequest,
     responses(
@@ -24,17 +24,19 @@ pub async fn tokenize(
     State(state): State<SharedState>,
     ApiJson(req): ApiJson<TokenizeRequest>,
 ) -> Result<Json<TokenizeResponse>, ApiError> {
-    let tokens = state
-        .tokenizer
-        .encode(&req.prompt, req.add_special_tokens.unwrap_or(true))
-        .map_err(|e| {
-            ApiError::validation(
-                "prompt",
-                "tokenizable",
-                serde_json::Value::Null,
-                e.to_string(),
-            )
-        })?;
+    let tokens = off_runtime(&state, move |s| {
+        s.tokenizer
+            .encode(&req.prompt, req.add_special_tokens.unwrap_or(true))
+            .map_err(|e| {
+                ApiError::validation(
+                    "prompt",
+                    "tokenizable",
+                    serde_json::Value::Null,
+                    e.to_string(),
+                )
+            })
+    })
+    .await?;
     Ok(Json(TokenizeResponse {
         count: tokens.len(),
         tokens,
