@@ -1,4 +1,4 @@
-//! Compiles server/kernels/*.cu to PTX with nvcc when the `cuda` feature is on.
+//! Compiles server/kernels/{exactscore,attention}.cu to PTX (one module each) with nvcc when the `cuda` feature is on.
 //! nvcc comes from $NVCC (set by ../shared/gpu/cuda-env.sh) or PATH; the target architecture
 //! from $CUDA_COMPUTE_CAP (default 90: H100/H200).
 
@@ -11,9 +11,9 @@ fn main() {
     let nvcc = std::env::var("NVCC").unwrap_or_else(|_| "nvcc".into());
     let cap = std::env::var("CUDA_COMPUTE_CAP").unwrap_or_else(|_| "90".into());
     let out = std::path::PathBuf::from(std::env::var("OUT_DIR").unwrap());
-    {
-        let src = "kernels/exactscore.cu";
-        let ptx = out.join("exactscore.ptx");
+    for name in ["exactscore", "attention"] {
+        let src = format!("kernels/{name}.cu");
+        let ptx = out.join(format!("{name}.ptx"));
         let status = std::process::Command::new(&nvcc)
             .args([
                 "--ptx",
@@ -23,7 +23,7 @@ fn main() {
                 "-o",
             ])
             .arg(&ptx)
-            .arg(src)
+            .arg(&src)
             .status()
             .unwrap_or_else(|e| {
                 panic!("cannot run nvcc ({nvcc}): {e}; source ../shared/gpu/cuda-env.sh")

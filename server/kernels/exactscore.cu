@@ -2,19 +2,7 @@
 // fused scoring (log-softmax + gather + argmax + top-k). Every kernel mirrors a CPU reference in
 // server/src/quant or server/src/model/scoring.rs; all arithmetic is IEEE f32 (no fast math), so
 // dequantization and QDQ are bit-identical to the CPU path.
-#include <cuda_bf16.h>
-#include <cuda_fp16.h>
-#include <stdint.h>
-
-template <typename T> __device__ __forceinline__ T from_f32(float v);
-template <> __device__ __forceinline__ float from_f32<float>(float v) { return v; }
-template <> __device__ __forceinline__ __nv_bfloat16 from_f32<__nv_bfloat16>(float v) { return __float2bfloat16_rn(v); }
-template <> __device__ __forceinline__ __half from_f32<__half>(float v) { return __float2half_rn(v); }
-
-template <typename T> __device__ __forceinline__ float to_f32(T v);
-template <> __device__ __forceinline__ float to_f32<float>(float v) { return v; }
-template <> __device__ __forceinline__ float to_f32<__nv_bfloat16>(__nv_bfloat16 v) { return __bfloat162float(v); }
-template <> __device__ __forceinline__ float to_f32<__half>(__half v) { return __half2float(v); }
+#include "common.cuh"
 
 __device__ __forceinline__ float fp8_e4m3_to_f32(uint8_t b) {
     int exp = (b >> 3) & 0xF;

@@ -151,6 +151,7 @@ fn load_model(config: &Config) -> Result<(Model, TextTokenizer, usize), AppError
             activation_quant: config.activation_quant,
         },
         max_seq_len: max_input_tokens,
+        attention: config.attention,
     };
     let model = Model::load(dir, &opts)?;
     let tokenizer = TextTokenizer::load(dir)?;

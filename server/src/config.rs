@@ -8,6 +8,7 @@ use candle_core::DType;
 use clap::{Parser, ValueEnum};
 
 use crate::engine::BatchLimits;
+use crate::model::AttentionKernel;
 use crate::quant::ActivationQuantMode;
 
 /// The tiny bundled checkpoint, so that `cargo run -p exactscore-server` serves at once.
@@ -32,6 +33,12 @@ pub enum DtypeArg {
 pub enum ActQuantArg {
     Emulate,
     Off,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum AttentionArg {
+    Materialized,
+    Flash,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -67,6 +74,15 @@ pub struct Args {
         default_value = "emulate"
     )]
     pub activation_quant: ActQuantArg,
+    /// Attention kernel: `materialized` (f32 scores, every path) or `flash` (fused, CUDA with
+    /// bf16/f16 only; not yet validated on a device, see docs/performance.md).
+    #[arg(
+        long,
+        env = "EXACTSCORE_ATTENTION",
+        value_enum,
+        default_value = "materialized"
+    )]
+    pub attention: AttentionArg,
     /// Require `Authorization: Bearer <key>` on every route but `/health/*`.
     #[arg(long, env = "EXACTSCORE_API_KEY", hide_env_values = true)]
     pub api_key: Option<String>,
@@ -146,6 +162,7 @@ pub struct Config {
     pub dtype: DType,
     pub device: DeviceSpec,
     pub activation_quant: ActivationQuantMode,
+    pub attention: AttentionKernel,
     pub http: HttpConfig,
     pub batch: BatchLimits,
     pub max_input_tokens: Option<usize>,
@@ -221,6 +238,10 @@ impl Config {
             activation_quant: match args.activation_quant {
                 ActQuantArg::Emulate => ActivationQuantMode::Emulate,
                 ActQuantArg::Off => ActivationQuantMode::Off,
+            },
+            attention: match args.attention {
+                AttentionArg::Materialized => AttentionKernel::Materialized,
+                AttentionArg::Flash => AttentionKernel::Flash,
             },
             http: HttpConfig {
                 api_key: args.api_key,

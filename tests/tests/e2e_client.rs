@@ -51,6 +51,7 @@ fn direct_perplexity(spec: &DatasetSpec, method: Method) -> f64 {
             activation_quant: ActivationQuantMode::Emulate,
         },
         max_seq_len: 512,
+        attention: Default::default(),
     };
     let model = Model::load(&fixture(VARIANT), &opts).unwrap();
     let params = WindowParams {

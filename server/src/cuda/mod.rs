@@ -1,5 +1,5 @@
-//! CUDA launches of the kernels in `server/kernels/exactscore.cu` (feature `cuda`). Each
-//! function mirrors a CPU reference and is checked against it on the device.
+//! CUDA launches of the kernels in `server/kernels/` (feature `cuda`). Each function mirrors a
+//! CPU reference and is checked against it on the device.
 // Kernel launches are FFI: the argument lists below must match the kernel signatures.
 #![allow(unsafe_code)]
 
@@ -34,6 +34,9 @@ macro_rules! with_float_type {
         }
     };
 }
+
+mod attention;
+pub use attention::{flash_attention, flash_attention_supported, rope_rotate_half};
 
 fn kernel_name(base: &str, dtype: DType) -> String {
     let suffix = match dtype {

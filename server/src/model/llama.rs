@@ -19,6 +19,17 @@ pub struct ModelOptions {
     pub linear: LinearOptions,
     /// Longest sequence that will be scored (sizes the RoPE tables).
     pub max_seq_len: usize,
+    pub attention: AttentionKernel,
+}
+
+/// How attention runs. `Materialized` (the default) computes the `[heads, T, T]` scores in f32
+/// and is what every figure in the README was measured with; `Flash` is the fused GPU kernel
+/// (CUDA, bf16/f16 compute, head_dim 64 or 128), refused at load anywhere else.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum AttentionKernel {
+    #[default]
+    Materialized,
+    Flash,
 }
 
 /// One sequence to score.
@@ -84,6 +95,7 @@ struct Attention {
     num_kv_heads: usize,
     head_dim: usize,
     sliding_window: Option<usize>,
+    flash: bool,
 }
 
 struct Mlp {
@@ -107,6 +119,54 @@ pub struct Model {
     norm: RmsNorm,
     lm_head: QuantLinear,
     rope: RopeTables,
+}
+
+/// Where the sequences of a batch lie on the concatenated token axis.
+struct BatchLayout {
+    lens: Vec<usize>,
+    /// For the flash kernel: prefix offsets `[sequences + 1]` and every token's position (i32,
+    /// on the device).
+    device_index: Option<(Tensor, Tensor)>,
+}
+
+impl BatchLayout {
+    fn new(lens: Vec<usize>, device: Option<&Device>) -> Result<Self> {
+        let device_index = match device {
+            Some(device) => {
+                let starts: Vec<i32> = std::iter::once(0)
+                    .chain(lens.iter().scan(0, |end, &len| {
+                        *end += len as i32;
+                        Some(*end)
+                    }))
+                    .collect();
+                let positions: Vec<i32> = lens.iter().flat_map(|&len| 0..len as i32).collect();
+                Some((
+                    Tensor::new(starts.as_slice(), device)?,
+                    Tensor::new(positions.as_slice(), device)?,
+                ))
+            }
+            None => None,
+        };
+        Ok(Self { lens, device_index })
+    }
+
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    fn max_len(&self) -> usize {
+        self.lens.iter().copied().max().unwrap_or(0)
+    }
+}
+
+/// Whether the fused flash-attention kernel exists for this device, head size and dtype.
+fn flash_attention_available(device: &Device, head_dim: usize, dtype: DType) -> bool {
+    #[cfg(feature = "cuda")]
+    {
+        device.is_cuda() && crate::cuda::flash_attention_supported(head_dim, dtype)
+    }
+    #[cfg(not(feature = "cuda"))]
+    {
+        let _ = (device, head_dim, dtype);
+        false
+    }
 }
 
 /// Loads the Linear modules of a checkpoint, resolving each one's quantization scheme.
@@ -215,6 +275,7 @@ impl Model {
                     num_kv_heads: c.num_kv_heads,
                     head_dim: c.head_dim,
                     sliding_window: c.sliding_window,
+                    flash: false,
                 },
                 post_attention_layernorm: RmsNorm::load(
                     ckpt,
@@ -254,7 +315,7 @@ impl Model {
         let embed_tokens = embed_tokens.to_dtype(lin.dtype)?;
         let freqs = inv_freq(c.head_dim, c.rope_theta, &c.rope_scaling);
         let rope = RopeTables::new(&freqs, opts.max_seq_len.max(1), lin.dtype, &lin.device)?;
-        Ok(Self {
+        let mut model = Self {
             config,
             opts: opts.clone(),
             embed_tokens,
@@ -262,7 +323,30 @@ impl Model {
             norm,
             lm_head,
             rope,
-        })
+        };
+        model.set_attention(opts.attention)?;
+        Ok(model)
+    }
+
+    /// Switches the attention kernel; `Flash` is refused where the kernel does not exist.
+    pub fn set_attention(&mut self, kernel: AttentionKernel) -> std::result::Result<(), LoadError> {
+        let flash = kernel == AttentionKernel::Flash;
+        let lin = &self.opts.linear;
+        if flash && !flash_attention_available(&lin.device, self.config.head_dim, lin.dtype) {
+            return Err(LoadError::Config {
+                field: "attention".into(),
+                reason: format!(
+                    "the flash kernel needs a CUDA device, bf16 or f16 compute and head_dim 64 \
+                     or 128 (have {:?}, {:?}, head_dim {})",
+                    lin.device, lin.dtype, self.config.head_dim
+                ),
+            });
+        }
+        self.opts.attention = kernel;
+        for layer in &mut self.layers {
+            layer.self_attn.flash = flash;
+        }
+        Ok(())
     }
 
     pub fn config(&self) -> &ModelConfig {
@@ -312,10 +396,13 @@ impl Model {
                 self.config.vocab_size
             );
         }
-        let ids = Tensor::new(ids.as_slice(), &self.opts.linear.device)?;
+        let device = &self.opts.linear.device;
+        let flash = self.opts.attention == AttentionKernel::Flash;
+        let batch = BatchLayout::new(lens, flash.then_some(device))?;
+        let ids = Tensor::new(ids.as_slice(), device)?;
         let mut x = self.embed_tokens.index_select(&ids, 0)?;
         for layer in &self.layers {
-            x = layer.forward(&x, &lens, &self.rope)?;
+            x = layer.forward(&x, &batch, &self.rope)?;
         }
         self.norm.forward(&x)
     }
@@ -346,10 +433,10 @@ impl Model {
 }
 
 impl DecoderLayer {
-    fn forward(&self, x: &Tensor, lens: &[usize], rope: &RopeTables) -> Result<Tensor> {
+    fn forward(&self, x: &Tensor, batch: &BatchLayout, rope: &RopeTables) -> Result<Tensor> {
         let attn = self
             .self_attn
-            .forward(&self.input_layernorm.forward(x)?, lens, rope)?;
+            .forward(&self.input_layernorm.forward(x)?, batch, rope)?;
         let x = (x + attn)?;
         let mlp = self
             .mlp
@@ -367,13 +454,18 @@ impl Mlp {
 
 impl Attention {
     /// `x`: `[tokens of all sequences, hidden]`; attention never crosses sequence boundaries.
-    fn forward(&self, x: &Tensor, lens: &[usize], rope: &RopeTables) -> Result<Tensor> {
+    fn forward(&self, x: &Tensor, batch: &BatchLayout, rope: &RopeTables) -> Result<Tensor> {
         let q = self.q_proj.forward(x)?;
         let k = self.k_proj.forward(x)?;
         let v = self.v_proj.forward(x)?;
-        let mut outputs = Vec::with_capacity(lens.len());
+        if self.flash {
+            return self
+                .o_proj
+                .forward(&self.flash_attend(&q, &k, &v, batch, rope)?);
+        }
+        let mut outputs = Vec::with_capacity(batch.lens.len());
         let mut offset = 0;
-        for &len in lens {
+        for &len in &batch.lens {
             let q = self.heads(
                 &q.narrow(0, offset, len)?,
                 self.num_heads,
@@ -410,6 +502,54 @@ impl Attention {
         match rope {
             Some(rope) => rope.apply(&x),
             None => Ok(x),
+        }
+    }
+
+    /// The whole batch through the fused GPU kernels, in the projections' `[tokens, heads, dim]`
+    /// layout: RoPE, then flash attention; returns `[tokens, heads * head_dim]`.
+    fn flash_attend(
+        &self,
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        batch: &BatchLayout,
+        rope: &RopeTables,
+    ) -> Result<Tensor> {
+        let Some((starts, positions)) = &batch.device_index else {
+            candle_core::bail!("flash attention without the batch's device index");
+        };
+        let tokens = q.dims()[0];
+        let split = |x: &Tensor, heads: usize, norm: Option<&RmsNorm>| -> Result<Tensor> {
+            let x = x.reshape((tokens, heads, self.head_dim))?;
+            match norm {
+                Some(norm) => norm.forward(&x),
+                None => Ok(x),
+            }
+        };
+        let (cos, sin) = rope.tables();
+        let q = split(q, self.num_heads, self.q_norm.as_ref())?;
+        let k = split(k, self.num_kv_heads, self.k_norm.as_ref())?;
+        let v = split(v, self.num_kv_heads, None)?;
+        let scale = 1.0 / (self.head_dim as f32).sqrt();
+        #[cfg(feature = "cuda")]
+        {
+            let q = crate::cuda::rope_rotate_half(&q, positions, cos, sin)?;
+            let k = crate::cuda::rope_rotate_half(&k, positions, cos, sin)?;
+            crate::cuda::flash_attention(
+                &q,
+                &k,
+                &v,
+                starts,
+                batch.max_len(),
+                scale,
+                self.sliding_window,
+            )
+        }
+        #[cfg(not(feature = "cuda"))]
+        {
+            // Unreachable: `Model::from_checkpoint` refuses `Flash` without CUDA.
+            let _ = (q, k, v, starts, positions, cos, sin, scale);
+            candle_core::bail!("flash attention needs the `cuda` feature")
         }
     }
 

@@ -8,5 +8,5 @@ pub mod scoring;
 
 pub use checkpoint::LoadError;
 pub use config::{Architecture, ModelConfig};
-pub use llama::{Model, ModelOptions, ScoreInput};
+pub use llama::{AttentionKernel, Model, ModelOptions, ScoreInput};
 pub use scoring::{RowScore, SequenceScores};

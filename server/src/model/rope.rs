@@ -64,6 +64,11 @@ impl RopeTables {
         Ok(Self { cos, sin })
     }
 
+    /// The `[max_len, head_dim / 2]` cos and sin tables, in the compute dtype.
+    pub fn tables(&self) -> (&Tensor, &Tensor) {
+        (&self.cos, &self.sin)
+    }
+
     /// Longest sequence the tables cover.
     pub fn max_len(&self) -> usize {
         self.cos.dims()[0]

@@ -30,6 +30,7 @@ pub fn options(dtype: DType, act: ActivationQuantMode) -> ModelOptions {
             activation_quant: act,
         },
         max_seq_len: 512,
+        attention: Default::default(),
     }
 }
 

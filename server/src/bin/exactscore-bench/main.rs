@@ -1,12 +1,13 @@
 //! `exactscore-bench`: the GPU path measured against the CPU reference and against the clock.
 //!
 //! * `check --fixtures DIR --device cuda:0`: every fixture variant scored on the device vs the
-//!   CPU f32 path (f32 and bf16 compute), batch invariance, dequantization and activation QDQ
-//!   bit-exactness. Prints one table.
+//!   CPU f32 path (f32 and bf16 compute, bf16 also with the flash-attention kernel), batch
+//!   invariance, dequantization and activation QDQ bit-exactness, and the flash kernel alone
+//!   against an f32 reference at head sizes 64 and 128. Prints tables; fails on any miss.
 //! * `speed --shape llama3-8b --formats w4a16,nvfp4,fp8,bf16 --batch 1,2,4`: scores 2048-token
 //!   windows of a random-weight model of that shape (built in memory, no file), through the same
 //!   `Model::score` the server uses, and prints ms/window, tokens/s, fraction of the measured
-//!   cuBLAS bf16 ceiling and peak GPU memory.
+//!   cuBLAS bf16 ceiling and peak GPU memory, for each `--attention` kernel.
 
 use std::path::{Path, PathBuf};
 use std::time::Instant;
@@ -14,10 +15,12 @@ use std::time::Instant;
 use anyhow::{bail, Context, Result};
 use candle_core::{DType, Device, Tensor};
 use clap::{Parser, Subcommand};
-use exactscore_server::model::{Model, ModelOptions, ScoreInput, SequenceScores};
+use exactscore_server::model::{AttentionKernel, Model, ModelOptions, ScoreInput, SequenceScores};
 use exactscore_server::quant::{ActivationQdq, ActivationQuantMode, LinearOptions};
 use serde_json::Value;
 
+#[cfg(feature = "cuda")]
+mod attention_check;
 mod random_model;
 
 #[derive(Parser)]
@@ -55,6 +58,9 @@ enum Command {
         dtype: String,
         #[arg(long, default_value = "cuda:0")]
         device: String,
+        /// Comma list of attention kernels to time: materialized, flash.
+        #[arg(long, value_delimiter = ',', default_value = "materialized")]
+        attention: Vec<String>,
     },
 }
 
@@ -69,6 +75,7 @@ fn main() -> Result<()> {
             iters,
             dtype,
             device,
+            attention,
         } => speed(
             &shape,
             &formats,
@@ -77,6 +84,10 @@ fn main() -> Result<()> {
             iters,
             parse_dtype(&dtype)?,
             &parse_device(&device)?,
+            &attention
+                .iter()
+                .map(|a| parse_attention(a))
+                .collect::<Result<Vec<_>>>()?,
         ),
     }
 }
@@ -100,11 +111,20 @@ fn parse_dtype(s: &str) -> Result<DType> {
     })
 }
 
+fn parse_attention(s: &str) -> Result<AttentionKernel> {
+    Ok(match s {
+        "materialized" => AttentionKernel::Materialized,
+        "flash" => AttentionKernel::Flash,
+        other => bail!("attention `{other}`: expected materialized or flash"),
+    })
+}
+
 fn options(
     device: &Device,
     dtype: DType,
     act: ActivationQuantMode,
     max_seq_len: usize,
+    attention: AttentionKernel,
 ) -> ModelOptions {
     ModelOptions {
         linear: LinearOptions {
@@ -113,6 +133,7 @@ fn options(
             activation_quant: act,
         },
         max_seq_len,
+        attention,
     }
 }
 
@@ -194,25 +215,33 @@ fn check(fixtures: &Path, device: &Device) -> Result<()> {
             &[ActivationQuantMode::Emulate]
         };
         for &act in modes {
-            let cpu = Model::load(&dir, &options(&Device::Cpu, DType::F32, act, 512))?;
-            let gpu32 = Model::load(&dir, &options(device, DType::F32, act, 512))?;
-            let gpu16 = Model::load(&dir, &options(device, DType::BF16, act, 512))?;
+            let load = |device: &Device, dtype, attention| {
+                Model::load(&dir, &options(device, dtype, act, 512, attention))
+            };
+            let cpu = load(&Device::Cpu, DType::F32, AttentionKernel::Materialized)?;
+            let gpu32 = load(device, DType::F32, AttentionKernel::Materialized)?;
+            let gpu16 = load(device, DType::BF16, AttentionKernel::Materialized)?;
+            let flash16 = load(device, DType::BF16, AttentionKernel::Flash)?;
             let cpu_scores = score(&cpu, &seqs)?;
             let g32 = score(&gpu32, &seqs)?;
             let g16 = score(&gpu16, &seqs)?;
+            let f16 = score(&flash16, &seqs)?;
             let (max32, mean32) = diff(&g32, &cpu_scores);
             let (max16, mean16) = diff(&g16, &cpu_scores);
+            let (max_flash, mean_flash) = diff(&f16, &cpu_scores);
             let ref_bf16_mean = reference["bf16_run"]["diff_stats_vs_f32"]["mean"]
                 .as_f64()
                 .unwrap_or(f64::NAN);
             // Batch invariance: each sequence alone vs inside the batch (bitwise, and max |Δ|).
             let (mut bitwise, mut inv32, mut inv16) = (true, 0f64, 0f64);
+            let mut flash_bitwise = true;
             for (i, s) in seqs.iter().enumerate() {
                 let (a32, a16) = (
                     score(&gpu32, std::slice::from_ref(s))?,
                     score(&gpu16, std::slice::from_ref(s))?,
                 );
                 bitwise &= a32[0] == g32[i] && a16[0] == g16[i];
+                flash_bitwise &= score(&flash16, std::slice::from_ref(s))?[0] == f16[i];
                 inv32 = inv32.max(diff(&a32, &g32[i..=i]).0);
                 inv16 = inv16.max(diff(&a16, &g16[i..=i]).0);
             }
@@ -239,10 +268,13 @@ fn check(fixtures: &Path, device: &Device) -> Result<()> {
             // are reported, not judged per token (rounding flips, see README).
             let ok = dequant_exact
                 && (!weights_only
-                    || (max32 <= 1e-4 && inv32 <= 1e-4 && mean16 <= 1.5 * ref_bf16_mean));
+                    || (max32 <= 1e-4
+                        && inv32 <= 1e-4
+                        && mean16 <= 1.5 * ref_bf16_mean
+                        && mean_flash <= 1.5 * ref_bf16_mean));
             failures += usize::from(!ok);
             rows.push(format!(
-                "| {label:<38} | {max32:9.2e} | {mean32:9.2e} | {max16:9.2e} | {mean16:9.2e} | {ref_bf16_mean:9.2e} | {inv32:8.1e} / {inv16:8.1e} | {bitwise:5} | {dequant_exact:5} | {} |",
+                "| {label:<38} | {max32:9.2e} | {mean32:9.2e} | {max16:9.2e} | {mean16:9.2e} | {max_flash:9.2e} | {mean_flash:9.2e} | {ref_bf16_mean:9.2e} | {inv32:8.1e} / {inv16:8.1e} | {bitwise:5} / {flash_bitwise:5} | {dequant_exact:5} | {} |",
                 if ok { "ok" } else { "FAIL" }
             ));
         }
@@ -251,10 +283,17 @@ fn check(fixtures: &Path, device: &Device) -> Result<()> {
         }
     }
     println!("All |Δ| are per-token log-prob differences against the CPU f32 path.");
-    println!("| variant | f32 max |Δ| | f32 mean | bf16 max |Δ| | bf16 mean | reference bf16 mean | alone vs batched max |Δ| f32 / bf16 | bitwise | dequant bitwise | |");
-    println!("|---|---|---|---|---|---|---|---|---|---|");
+    println!("| variant | f32 max |Δ| | f32 mean | bf16 max |Δ| | bf16 mean | bf16 flash max |Δ| | bf16 flash mean | reference bf16 mean | alone vs batched max |Δ| f32 / bf16 | bitwise (flash) | dequant bitwise | |");
+    println!("|---|---|---|---|---|---|---|---|---|---|---|---|");
     for r in rows {
         println!("{r}");
+    }
+    #[cfg(feature = "cuda")]
+    if device.is_cuda() {
+        if let Err(e) = attention_check::run(device) {
+            failures += 1;
+            println!("{e}");
+        }
     }
     if failures > 0 {
         bail!("{failures} check(s) failed");
@@ -322,20 +361,27 @@ fn speed(
     iters: usize,
     dtype: DType,
     device: &Device,
+    attention: &[AttentionKernel],
 ) -> Result<()> {
     let shape =
         random_model::Shape::named(shape).with_context(|| format!("unknown shape {shape}"))?;
     let ceiling = bf16_ceiling(device)?;
     println!("device {device:?}, cuBLAS bf16 8192^3 ceiling {ceiling:.0} TFLOP/s, shape {}, ctx {ctx}, compute {dtype:?}", shape.name);
-    println!("| format | bits/weight | batch | ms/window | tokens/s | % of ceiling | peak GPU GiB | dequant all ms | load s |");
-    println!("|---|---|---|---|---|---|---|---|---|");
+    println!("| format | attention | bits/weight | batch | ms/window | tokens/s | % of ceiling | peak GPU GiB | dequant all ms | load s |");
+    println!("|---|---|---|---|---|---|---|---|---|---|");
     for format in formats {
         let t_load = Instant::now();
         let (config, ckpt) = random_model::build(&shape, format)?;
-        let model = Model::from_checkpoint(
+        let mut model = Model::from_checkpoint(
             config,
             &ckpt,
-            &options(device, dtype, ActivationQuantMode::Emulate, ctx),
+            &options(
+                device,
+                dtype,
+                ActivationQuantMode::Emulate,
+                ctx,
+                AttentionKernel::Materialized,
+            ),
         )?;
         drop(ckpt);
         device.synchronize()?;
@@ -345,7 +391,11 @@ fn speed(
         let tokens: Vec<u32> = (0..ctx * batches.iter().max().unwrap_or(&1))
             .map(|i| ((i * 7919) % shape.vocab) as u32)
             .collect();
-        for &batch in batches {
+        for (&kernel, &batch) in attention
+            .iter()
+            .flat_map(|k| batches.iter().map(move |b| (k, b)))
+        {
+            model.set_attention(kernel)?;
             let windows: Vec<ScoreInput> = (0..batch)
                 .map(|b| ScoreInput {
                     tokens: &tokens[b * ctx..(b + 1) * ctx],
@@ -371,7 +421,7 @@ fn speed(
             device.synchronize()?;
             let dequant_ms = t.elapsed().as_secs_f64() * 1e3;
             println!(
-                "| {format} | {bpw:.3} | {batch} | {:.1} | {:.0} | {:.0}% | {:.1} | {dequant_ms:.1} | {load_s:.1} |",
+                "| {format} | {kernel:?} | {bpw:.3} | {batch} | {:.1} | {:.0} | {:.0}% | {:.1} | {dequant_ms:.1} | {load_s:.1} |",
                 secs * 1e3 / batch as f64,
                 tokens_per_s,
                 100.0 * flops / secs / 1e12 / ceiling,

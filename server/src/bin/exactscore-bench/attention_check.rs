@@ -1,0 +1,145 @@
+//! The flash-attention kernel against an f32 reference computed with plain tensor ops on the
+//! same (bf16/f16-rounded) inputs: head sizes 64 and 128, GQA, several sequences of different
+//! lengths in one launch (block edges, a 1-token sequence), with and without a sliding window.
+
+use anyhow::{bail, Result};
+use candle_core::{DType, Device, Tensor, D};
+use exactscore_server::cuda::{flash_attention, rope_rotate_half};
+
+/// f32 causal attention of one sequence `[len, heads, dim]` → `[len, heads * dim]`.
+fn reference(q: &Tensor, k: &Tensor, v: &Tensor, window: Option<usize>) -> Result<Tensor> {
+    let (len, hq, dim) = q.dims3()?;
+    let hkv = k.dims()[1];
+    let group = hq / hkv;
+    let expand = |t: &Tensor| -> Result<Tensor> {
+        Ok(t.transpose(0, 1)?
+            .unsqueeze(1)?
+            .expand((hkv, group, len, dim))?
+            .reshape((hq, len, dim))?)
+    };
+    let q = q.to_dtype(DType::F32)?.transpose(0, 1)?.contiguous()?;
+    let (k, v) = (
+        expand(&k.to_dtype(DType::F32)?)?,
+        expand(&v.to_dtype(DType::F32)?)?,
+    );
+    let scores = (q.matmul(&k.t()?)? / (dim as f64).sqrt())?;
+    let window = window.unwrap_or(usize::MAX);
+    let mask: Vec<f32> = (0..len)
+        .flat_map(|i| {
+            (0..len).map(move |j| {
+                if j <= i && i - j < window {
+                    0.0
+                } else {
+                    f32::NEG_INFINITY
+                }
+            })
+        })
+        .collect();
+    let mask = Tensor::from_vec(mask, (len, len), q.device())?;
+    let probs = candle_nn::ops::softmax_last_dim(&scores.broadcast_add(&mask)?)?;
+    Ok(probs
+        .matmul(&v)?
+        .transpose(0, 1)?
+        .reshape((len, hq * dim))?)
+}
+
+/// (max |Δ| / max |ref|, mean |Δ| / mean |ref|) of `got` against `want`.
+fn relative_error(got: &Tensor, want: &Tensor) -> Result<(f64, f64)> {
+    let d = (got.to_dtype(DType::F32)? - want)?.abs()?;
+    let w = want.abs()?;
+    let max = |t: &Tensor| -> Result<f64> {
+        Ok(t.flatten_all()?.max(D::Minus1)?.to_scalar::<f32>()? as f64)
+    };
+    let mean = |t: &Tensor| -> Result<f64> { Ok(t.mean_all()?.to_scalar::<f32>()? as f64) };
+    Ok((max(&d)? / max(&w)?, mean(&d)? / mean(&w)?))
+}
+
+/// Prints one table row per case; fails when any case is off by more than bf16/f16 rounding.
+pub fn run(device: &Device) -> Result<()> {
+    println!("| flash attention case | max |Δ| / max |ref| | mean |Δ| / mean |ref| | |");
+    println!("|---|---|---|---|");
+    let lens = [700usize, 2048, 1, 65];
+    let tokens: usize = lens.iter().sum();
+    let starts: Vec<i32> = std::iter::once(0)
+        .chain(lens.iter().scan(0i32, |e, &l| {
+            *e += l as i32;
+            Some(*e)
+        }))
+        .collect();
+    let starts_t = Tensor::new(starts.as_slice(), device)?;
+    let mut failures = 0;
+    for dtype in [DType::BF16, DType::F16] {
+        for dim in [64usize, 128] {
+            for window in [None, Some(256usize)] {
+                let (hq, hkv) = (8, 2);
+                // Peaked softmax (scores of a few units) like a trained model's.
+                let q = (Tensor::randn(0f32, 1.0, (tokens, hq, dim), device)? * 2.0)?
+                    .to_dtype(dtype)?;
+                let k = Tensor::randn(0f32, 1.0, (tokens, hkv, dim), device)?.to_dtype(dtype)?;
+                let v = Tensor::randn(0f32, 1.0, (tokens, hkv, dim), device)?.to_dtype(dtype)?;
+                let got = flash_attention(
+                    &q,
+                    &k,
+                    &v,
+                    &starts_t,
+                    2048,
+                    1.0 / (dim as f32).sqrt(),
+                    window,
+                )?;
+                let (mut worst_max, mut worst_mean) = (0f64, 0f64);
+                for (i, &len) in lens.iter().enumerate() {
+                    let s = starts[i] as usize;
+                    let want = reference(
+                        &q.narrow(0, s, len)?,
+                        &k.narrow(0, s, len)?,
+                        &v.narrow(0, s, len)?,
+                        window,
+                    )?;
+                    let (mx, mn) = relative_error(&got.narrow(0, s, len)?, &want)?;
+                    worst_max = worst_max.max(mx);
+                    worst_mean = worst_mean.max(mn);
+                }
+                // bf16 keeps 8 significant bits (f16 11): P and the output are rounded once each.
+                let ok = worst_max <= 0.02 && worst_mean <= 0.005;
+                failures += usize::from(!ok);
+                println!(
+                    "| {dtype:?} d{dim} window {window:?} lens {lens:?} GQA {hq}/{hkv} | {worst_max:.2e} | {worst_mean:.2e} | {} |",
+                    if ok { "ok" } else { "FAIL" }
+                );
+            }
+        }
+    }
+    // RoPE kernel vs candle's rope on the transposed layout (bitwise expected).
+    let (len, heads, dim) = (300usize, 4usize, 128usize);
+    let x = Tensor::randn(0f32, 1.0, (len, heads, dim), device)?.to_dtype(DType::BF16)?;
+    let angles: Vec<f32> = (0..len * dim / 2)
+        .map(|i| (i % 997) as f32 * 0.01)
+        .collect();
+    let angles = Tensor::from_vec(angles, (len, dim / 2), device)?;
+    let (cos, sin) = (
+        angles.cos()?.to_dtype(DType::BF16)?,
+        angles.sin()?.to_dtype(DType::BF16)?,
+    );
+    let positions = Tensor::new((0..len as i32).collect::<Vec<_>>().as_slice(), device)?;
+    let ours = rope_rotate_half(&x, &positions, &cos, &sin)?;
+    let theirs =
+        candle_nn::rotary_emb::rope(&x.transpose(0, 1)?.contiguous()?.unsqueeze(0)?, &cos, &sin)?
+            .squeeze(0)?
+            .transpose(0, 1)?
+            .contiguous()?;
+    let same = (ours.to_dtype(DType::F32)? - theirs.to_dtype(DType::F32)?)?
+        .abs()?
+        .flatten_all()?
+        .max(D::Minus1)?
+        .to_scalar::<f32>()?
+        == 0.0;
+    failures += usize::from(!same);
+    println!(
+        "| RoPE kernel vs candle rope, bf16 d128: bitwise = {same} | | | {} |",
+        if same { "ok" } else { "FAIL" }
+    );
+    if failures > 0 {
+        bail!("{failures} flash-attention check(s) failed");
+    }
+    Ok(())
+}
