@@ -160,4 +160,4 @@ if [ ${#failed[@]} -gt 0 ]; then
   log "FAILED (${#failed[@]}): ${failed[*]}   outputs: $OUT"
   exit 1
 fi
-log "PASS: $n lm-eval runs + openai check, all numbers match /score   outputs: $OUT"
+log "PASS: $n lm-eval runs + openai check, all numbers match /score, ${SECONDS}s   outputs: $OUT"
