@@ -97,7 +97,7 @@ pub fn dequant_int(
     let words_per_row = codes.dims()[1];
     let per = 32 / bits;
     // Fast kernel when each int32 word lies inside one group (every real model).
-    let words_kernel = group % per == 0 && cols % per == 0;
+    let words_kernel = group.is_multiple_of(per) && cols.is_multiple_of(per);
     let name = match (words_kernel, bits) {
         (true, 4) => kernel_name("dequant_int4_words", dtype),
         (true, _) => kernel_name("dequant_int8_words", dtype),
