@@ -129,6 +129,9 @@ impl Report {
         if let Some(i) = &self.server_info {
             add("model", i.model.clone());
             add("dtype", i.dtype.clone());
+            if !i.attention.is_empty() {
+                add("attention", i.attention.clone());
+            }
             add("bits per weight", format!("{:.4}", i.bits_per_weight));
             let mut fm: Vec<&str> = i.formats.values().map(String::as_str).collect();
             fm.sort_unstable();

@@ -212,6 +212,10 @@ pub struct ModelInfo {
     pub activation_quant_mode: String,
     /// Average stored bits per weight over the decoder Linear layers (scales included).
     pub bits_per_weight: f64,
+    /// Attention kernel: `materialized` (f32 scores) or `flash` (fused GPU kernel, bf16/f16).
+    /// Absent from servers older than this field.
+    #[serde(default)]
+    pub attention: String,
     /// Compute dtype: `f32`, `bf16` or `f16`.
     pub dtype: String,
     pub devices: Vec<String>,

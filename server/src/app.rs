@@ -207,6 +207,10 @@ pub fn model_info(model: &Model, config: &Config, limits: Limits) -> ModelInfo {
             crate::quant::ActivationQuantMode::Off => "off".into(),
         },
         bits_per_weight: if weights > 0.0 { bits / weights } else { 0.0 },
+        attention: match config.attention {
+            crate::model::AttentionKernel::Materialized => "materialized".into(),
+            crate::model::AttentionKernel::Flash => "flash".into(),
+        },
         dtype: dtype_name(config.dtype).into(),
         devices: config.device.names(),
         limits,

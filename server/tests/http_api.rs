@@ -56,6 +56,7 @@ fn info(max_queued: usize) -> ModelInfo {
         formats: BTreeMap::new(),
         activation_quant: BTreeMap::new(),
         activation_quant_mode: "emulate".into(),
+        attention: "materialized".into(),
         bits_per_weight: 4.25,
         dtype: "f32".into(),
         devices: vec!["cpu".into()],

@@ -103,6 +103,7 @@ pub fn model_info() -> ModelInfo {
         formats: BTreeMap::from([("q_proj".into(), "pack_quantized".into())]),
         activation_quant: BTreeMap::new(),
         activation_quant_mode: "off".into(),
+        attention: "materialized".into(),
         bits_per_weight: 4.25,
         dtype: "f32".into(),
         devices: vec!["cpu".into()],
