@@ -4,8 +4,9 @@
 #
 #   tests/lm-eval/run.sh                # from anywhere; builds + starts the server, runs the matrix
 #
-# Matrix: tokenized_requests {true,false} x batch_size {1,4} x num_concurrent {1,4}, each on the three local
-# tasks (tasks/*.yaml: 4-way MC, lambada-style next word (acc = is_greedy), rolling perplexity), --limit $LIMIT docs per task.
+# Matrix: tokenized_requests {true,false} x batch_size {1,4} x num_concurrent {1,4}, each on the four local
+# tasks (tasks/*.yaml: 4-way MC, lambada-style next word (acc = is_greedy), the same contexts with the
+# model's own greedy token as target (written once the server is up), rolling perplexity), --limit $LIMIT docs per task.
 # No hub access: datasets are local JSONL (json builder, offline); the tokenizer is the server's own
 # (tokenizer_backend=remote: GET /tokenizer_info, POST /tokenize, POST /detokenize).
 #
@@ -41,7 +42,7 @@ CONCURRENCY="${CONCURRENCY:-1 4}"
 READY_TIMEOUT="${READY_TIMEOUT:-600}"
 OUT="${OUT:-$(mktemp -d /tmp/exactscore-lmeval.XXXXXX)}"
 mkdir -p "$OUT"
-TASKS=exactscore_wikitext_mc,exactscore_wikitext_lastword,exactscore_wikitext_rolling
+TASKS=exactscore_wikitext_mc,exactscore_wikitext_lastword,exactscore_wikitext_greedy,exactscore_wikitext_rolling
 
 log() { printf '[run.sh] %s\n' "$*" >&2; }
 
@@ -97,6 +98,7 @@ until curl -fsS -o /dev/null "$URL/health/ready" 2>/dev/null; do
 done
 MODEL_NAME="${MODEL_NAME:-$(curl -fsS "$URL/v1/models" | "$PY" -c 'import json,sys; print(json.load(sys.stdin)["data"][0]["id"])' 2>/dev/null || basename "$MODEL_DIR")}"
 log "server ready at $URL, model id '$MODEL_NAME'"
+"$PY" "$HERE/make_greedy_data.py" "$URL" "$MODEL_NAME" >&2 || exit 2
 
 if [ "$TOKENIZER_BACKEND" = huggingface ]; then
   TOK_ARGS="tokenizer_backend=huggingface,tokenizer=$MODEL_DIR"
@@ -152,6 +154,12 @@ for n in names[1:]:
         if w is None or abs(v - w) > 1e-4 * max(abs(v), abs(w), 1e-6):
             print(f"[run.sh] cross-run mismatch {k}: {names[0]}={v} {n}={w}", file=sys.stderr); bad += 1
 print(f"[run.sh] cross-run ({len(names)} runs): {'identical' if not bad else 'DIFFER'}", file=sys.stderr)
+for n in names:  # the greedy task must produce hits, or is_greedy=True was never exercised
+    acc = vals[n].get("exactscore_wikitext_greedy/acc,none", 0.0)
+    if not acc > 0:
+        print(f"[run.sh] {n}: greedy-target task acc {acc}, expected hits", file=sys.stderr); bad += 1
+if names:
+    print(f"[run.sh] greedy-target task acc: {vals[names[0]].get('exactscore_wikitext_greedy/acc,none')}", file=sys.stderr)
 sys.exit(1 if bad else 0)
 EOF
 
