@@ -17,7 +17,7 @@ ATTENTION=${ATTENTION:-materialized,flash}   # attention kernels timed by `speed
 while [ $# -gt 0 ]; do
   case "$1" in
     check) /tmp/exactscore-bench check --fixtures tests/fixtures 2>&1 | tee "$OUT/check.txt"; shift ;;
-    speed) /tmp/exactscore-bench speed --shape "$SHAPE" --formats "$2" --batch "$3" --attention "$ATTENTION" 2>&1 | tee -a "$OUT/speed.txt"; shift 3 ;;
+    speed) /tmp/exactscore-bench speed --shape "$SHAPE" --formats "$2" --batch "$3" --attention "$ATTENTION" --profile 2>&1 | tee -a "$OUT/speed.txt"; shift 3 ;;
     baseline) python3 scripts/baseline_transformers.py --shape "$SHAPE" --batch "$2" 2>&1 | tee -a "$OUT/baseline.txt"; shift 2 ;;
     *) echo "unknown step $1"; exit 2 ;;
   esac

@@ -8,6 +8,7 @@ use candle_core::{DType, Device, Module, Result, Tensor, D};
 
 use super::checkpoint::{read_to_string, Checkpoint, LoadError};
 use super::config::{Architecture, ModelConfig};
+use super::profile::stage;
 use super::rope::{inv_freq, RopeTables};
 use super::scoring::{score_logits, SequenceScores};
 use crate::quant::dense::DenseWeight;
@@ -400,11 +401,11 @@ impl Model {
         let flash = self.opts.attention == AttentionKernel::Flash;
         let batch = BatchLayout::new(lens, flash.then_some(device))?;
         let ids = Tensor::new(ids.as_slice(), device)?;
-        let mut x = self.embed_tokens.index_select(&ids, 0)?;
+        let mut x = stage("embed", device, || self.embed_tokens.index_select(&ids, 0))?;
         for layer in &self.layers {
             x = layer.forward(&x, &batch, &self.rope)?;
         }
-        self.norm.forward(&x)
+        stage("norm", device, || self.norm.forward(&x))
     }
 
     /// Scores a batch. Results come back in input order.
@@ -419,11 +420,13 @@ impl Model {
             for start in (0..n).step_by(LM_HEAD_CHUNK) {
                 let len = LM_HEAD_CHUNK.min(n - start);
                 let h = hidden.narrow(0, offset + start, len)?;
-                let logits = self.lm_head.forward(&h)?;
+                let logits = stage("lm_head", h.device(), || self.lm_head.forward(&h))?;
                 let targets: Vec<Option<u32>> = (start..start + len)
                     .map(|i| input.tokens.get(i + 1).copied())
                     .collect();
-                rows.extend(score_logits(&logits, &targets, input.top_k)?);
+                rows.extend(stage("scoring", h.device(), || {
+                    score_logits(&logits, &targets, input.top_k)
+                })?);
             }
             offset += n;
             out.push(SequenceScores { rows });
@@ -434,35 +437,59 @@ impl Model {
 
 impl DecoderLayer {
     fn forward(&self, x: &Tensor, batch: &BatchLayout, rope: &RopeTables) -> Result<Tensor> {
-        let attn = self
-            .self_attn
-            .forward(&self.input_layernorm.forward(x)?, batch, rope)?;
-        let x = (x + attn)?;
-        let mlp = self
-            .mlp
-            .forward(&self.post_attention_layernorm.forward(&x)?)?;
-        x + mlp
+        let dev = x.device();
+        let normed = stage("norm", dev, || self.input_layernorm.forward(x))?;
+        let attn = self.self_attn.forward(&normed, batch, rope)?;
+        let x = stage("residual", dev, || x + attn)?;
+        let normed = stage("norm", dev, || self.post_attention_layernorm.forward(&x))?;
+        let mlp = self.mlp.forward(&normed)?;
+        stage("residual", dev, || x + mlp)
     }
 }
 
 impl Mlp {
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        let gate = candle_nn::Activation::Silu.forward(&self.gate_proj.forward(x)?)?;
-        self.down_proj.forward(&(gate * self.up_proj.forward(x)?)?)
+        let dev = x.device();
+        let (gate, up) = stage("gate_up_proj", dev, || {
+            Ok((self.gate_proj.forward(x)?, self.up_proj.forward(x)?))
+        })?;
+        let act = stage("silu_mul", dev, || {
+            candle_nn::Activation::Silu.forward(&gate)? * up
+        })?;
+        stage("down_proj", dev, || self.down_proj.forward(&act))
     }
 }
 
 impl Attention {
     /// `x`: `[tokens of all sequences, hidden]`; attention never crosses sequence boundaries.
     fn forward(&self, x: &Tensor, batch: &BatchLayout, rope: &RopeTables) -> Result<Tensor> {
-        let q = self.q_proj.forward(x)?;
-        let k = self.k_proj.forward(x)?;
-        let v = self.v_proj.forward(x)?;
-        if self.flash {
-            return self
-                .o_proj
-                .forward(&self.flash_attend(&q, &k, &v, batch, rope)?);
-        }
+        let dev = x.device();
+        let (q, k, v) = stage("qkv_proj", dev, || {
+            Ok((
+                self.q_proj.forward(x)?,
+                self.k_proj.forward(x)?,
+                self.v_proj.forward(x)?,
+            ))
+        })?;
+        let out = stage("attention", dev, || {
+            if self.flash {
+                self.flash_attend(&q, &k, &v, batch, rope)
+            } else {
+                self.attend_each_sequence(&q, &k, &v, batch, rope)
+            }
+        })?;
+        stage("o_proj", dev, || self.o_proj.forward(&out))
+    }
+
+    /// The materialised path, one sequence at a time; returns `[tokens, heads * head_dim]`.
+    fn attend_each_sequence(
+        &self,
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        batch: &BatchLayout,
+        rope: &RopeTables,
+    ) -> Result<Tensor> {
         let mut outputs = Vec::with_capacity(batch.lens.len());
         let mut offset = 0;
         for &len in &batch.lens {
@@ -482,7 +509,7 @@ impl Attention {
             outputs.push(self.attend(&q, &k, &v)?);
             offset += len;
         }
-        self.o_proj.forward(&Tensor::cat(&outputs, 0)?)
+        Tensor::cat(&outputs, 0)
     }
 
     /// `[len, heads * head_dim]` → `[1, heads, len, head_dim]`, with optional per-head norm and RoPE.

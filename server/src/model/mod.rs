@@ -3,6 +3,7 @@
 pub mod checkpoint;
 pub mod config;
 pub mod llama;
+pub mod profile;
 pub mod rope;
 pub mod scoring;
 

@@ -15,6 +15,7 @@ use std::time::Instant;
 use anyhow::{bail, Context, Result};
 use candle_core::{DType, Device, Tensor};
 use clap::{Parser, Subcommand};
+use exactscore_server::model::profile as stages;
 use exactscore_server::model::{AttentionKernel, Model, ModelOptions, ScoreInput, SequenceScores};
 use exactscore_server::quant::{ActivationQdq, ActivationQuantMode, LinearOptions};
 use serde_json::Value;
@@ -61,6 +62,10 @@ enum Command {
         /// Comma list of attention kernels to time: materialized, flash.
         #[arg(long, value_delimiter = ',', default_value = "materialized")]
         attention: Vec<String>,
+        /// After timing, one more forward with the device synchronized around every stage,
+        /// printed as a per-stage table (ms per window).
+        #[arg(long)]
+        profile: bool,
     },
 }
 
@@ -76,6 +81,7 @@ fn main() -> Result<()> {
             dtype,
             device,
             attention,
+            profile,
         } => speed(
             &shape,
             &formats,
@@ -88,6 +94,7 @@ fn main() -> Result<()> {
                 .iter()
                 .map(|a| parse_attention(a))
                 .collect::<Result<Vec<_>>>()?,
+            profile,
         ),
     }
 }
@@ -362,6 +369,7 @@ fn speed(
     dtype: DType,
     device: &Device,
     attention: &[AttentionKernel],
+    profile: bool,
 ) -> Result<()> {
     let shape =
         random_model::Shape::named(shape).with_context(|| format!("unknown shape {shape}"))?;
@@ -427,7 +435,42 @@ fn speed(
                 100.0 * flops / secs / 1e12 / ceiling,
                 peak as f64 / (1u64 << 30) as f64,
             );
+            if profile {
+                print_profile(&model, &windows, device)?;
+            }
         }
     }
+    Ok(())
+}
+
+/// One forward with every stage synchronized; prints ms per window of each stage.
+fn print_profile(model: &Model, windows: &[ScoreInput], device: &Device) -> Result<()> {
+    stages::set_enabled(true);
+    let _ = stages::take();
+    let t = Instant::now();
+    let scored = model.score(windows);
+    device.synchronize()?;
+    let total = t.elapsed().as_secs_f64() * 1e3 / windows.len() as f64;
+    stages::set_enabled(false);
+    scored?;
+    let rows = stages::take();
+    let covered: f64 = rows
+        .iter()
+        .map(|(_, d, _)| d.as_secs_f64() * 1e3)
+        .sum::<f64>()
+        / windows.len() as f64;
+    let line: Vec<String> = rows
+        .iter()
+        .map(|(name, d, calls)| {
+            format!(
+                "{name} {:.2} ({calls})",
+                d.as_secs_f64() * 1e3 / windows.len() as f64
+            )
+        })
+        .collect();
+    println!(
+        "|   profile, ms/window (calls): {} ; sum {covered:.1} of {total:.1} synchronized |",
+        line.join(", ")
+    );
     Ok(())
 }

@@ -1,0 +1,43 @@
+//! Opt-in wall time per stage of the forward pass (`exactscore-bench speed --profile`). Each
+//! stage synchronizes its device before and after, so asynchronous GPU work is charged to the
+//! stage that queued it. Off by default: then a stage costs one relaxed atomic load.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+use candle_core::{Device, Result};
+
+static ENABLED: AtomicBool = AtomicBool::new(false);
+/// (stage, total time, calls), in the order stages first ran.
+static TOTALS: Mutex<Vec<(&'static str, Duration, u64)>> = Mutex::new(Vec::new());
+
+pub fn set_enabled(on: bool) {
+    ENABLED.store(on, Ordering::Relaxed);
+}
+
+/// The totals since the last call, and a fresh start.
+pub fn take() -> Vec<(&'static str, Duration, u64)> {
+    std::mem::take(&mut *TOTALS.lock().unwrap_or_else(|e| e.into_inner()))
+}
+
+/// Runs `f` as the stage `name`. Stages must not nest (their times would be counted twice).
+pub fn stage<R>(name: &'static str, device: &Device, f: impl FnOnce() -> Result<R>) -> Result<R> {
+    if !ENABLED.load(Ordering::Relaxed) {
+        return f();
+    }
+    device.synchronize()?;
+    let start = Instant::now();
+    let out = f()?;
+    device.synchronize()?;
+    let elapsed = start.elapsed();
+    let mut totals = TOTALS.lock().unwrap_or_else(|e| e.into_inner());
+    match totals.iter_mut().find(|(n, _, _)| *n == name) {
+        Some((_, total, calls)) => {
+            *total += elapsed;
+            *calls += 1;
+        }
+        None => totals.push((name, elapsed, 1)),
+    }
+    Ok(out)
+}

@@ -1,0 +1,58 @@
+//! The opt-in stage profiler: every stage of the forward pass is recorded the expected number of
+//! times, and profiling does not change a single result. (Own test binary: the profiler is
+//! process-global.)
+
+mod common;
+
+use common::{load, reference, sequences};
+use exactscore_server::model::profile;
+use exactscore_server::model::ScoreInput;
+use exactscore_server::quant::ActivationQuantMode;
+
+#[test]
+fn profiling_records_every_stage_and_changes_nothing() {
+    let model = load("llama-w4a16-g128", ActivationQuantMode::Emulate);
+    let layers = model.config().num_layers as u64;
+    let seqs = sequences(&reference("llama-w4a16-g128"));
+    let batch: Vec<ScoreInput> = seqs
+        .iter()
+        .take(2)
+        .map(|s| ScoreInput {
+            tokens: s,
+            top_k: 3,
+        })
+        .collect();
+    let plain = model.score(&batch).unwrap();
+
+    profile::set_enabled(true);
+    let _ = profile::take();
+    let profiled = model.score(&batch).unwrap();
+    profile::set_enabled(false);
+    let stages = profile::take();
+
+    assert_eq!(plain, profiled, "profiling changed the scores");
+    let calls = |name: &str| {
+        stages
+            .iter()
+            .find(|(n, _, _)| *n == name)
+            .map(|(_, _, c)| *c)
+            .unwrap_or_else(|| panic!("stage {name} missing from {stages:?}"))
+    };
+    for name in [
+        "qkv_proj",
+        "attention",
+        "o_proj",
+        "gate_up_proj",
+        "silu_mul",
+        "down_proj",
+    ] {
+        assert_eq!(calls(name), layers, "{name}");
+    }
+    assert_eq!(calls("norm"), 2 * layers + 1);
+    assert_eq!(calls("residual"), 2 * layers);
+    assert_eq!(calls("embed"), 1);
+    // The lm_head runs per sequence (in row chunks); both sequences are shorter than a chunk.
+    assert_eq!(calls("lm_head"), 2);
+    assert_eq!(calls("scoring"), 2);
+    assert_eq!(stages.len(), 11, "{stages:?}");
+}
