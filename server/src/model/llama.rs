@@ -630,7 +630,7 @@ impl Attention {
 }
 
 /// `[len, len]` additive mask: 0 where key j is visible from query i, -inf elsewhere.
-fn causal_mask(len: usize, window: Option<usize>, device: &Device) -> Result<Tensor> {
+pub fn causal_mask(len: usize, window: Option<usize>, device: &Device) -> Result<Tensor> {
     let window = window.unwrap_or(usize::MAX);
     let mask: Vec<f32> = (0..len)
         .flat_map(|i| {

@@ -9,5 +9,5 @@ pub mod scoring;
 
 pub use checkpoint::LoadError;
 pub use config::{Architecture, ModelConfig};
-pub use llama::{AttentionKernel, Model, ModelOptions, ScoreInput};
+pub use llama::{causal_mask, AttentionKernel, Model, ModelOptions, ScoreInput};
 pub use scoring::{RowScore, SequenceScores};

@@ -5,6 +5,7 @@
 use anyhow::{bail, Result};
 use candle_core::{DType, Device, Tensor, D};
 use exactscore_server::cuda::{flash_attention, rope_rotate_half};
+use exactscore_server::model::causal_mask;
 
 /// f32 causal attention of one sequence `[len, heads, dim]` → `[len, heads * dim]`.
 fn reference(q: &Tensor, k: &Tensor, v: &Tensor, window: Option<usize>) -> Result<Tensor> {
@@ -23,19 +24,7 @@ fn reference(q: &Tensor, k: &Tensor, v: &Tensor, window: Option<usize>) -> Resul
         expand(&v.to_dtype(DType::F32)?)?,
     );
     let scores = (q.matmul(&k.t()?)? / (dim as f64).sqrt())?;
-    let window = window.unwrap_or(usize::MAX);
-    let mask: Vec<f32> = (0..len)
-        .flat_map(|i| {
-            (0..len).map(move |j| {
-                if j <= i && i - j < window {
-                    0.0
-                } else {
-                    f32::NEG_INFINITY
-                }
-            })
-        })
-        .collect();
-    let mask = Tensor::from_vec(mask, (len, len), q.device())?;
+    let mask = causal_mask(len, window, q.device())?;
     let probs = candle_nn::ops::softmax_last_dim(&scores.broadcast_add(&mask)?)?;
     Ok(probs
         .matmul(&v)?
