@@ -42,28 +42,6 @@ fn qdq_vectors(variant: &str) -> std::collections::HashMap<String, Tensor> {
     candle_core::safetensors::load(path, &Device::Cpu).unwrap()
 }
 
-fn assert_bit_exact(qdq: &ActivationQdq, input: &Tensor, expected: &Tensor, what: &str) {
-    let ours = qdq
-        .apply(input)
-        .unwrap()
-        .flatten_all()
-        .unwrap()
-        .to_vec1::<f32>()
-        .unwrap();
-    let want = expected.flatten_all().unwrap().to_vec1::<f32>().unwrap();
-    let mismatches = ours
-        .iter()
-        .zip(&want)
-        .filter(|(a, b)| a.to_bits() != b.to_bits())
-        .count();
-    assert_eq!(
-        mismatches,
-        0,
-        "{what}: {mismatches} of {} values differ",
-        want.len()
-    );
-}
-
 #[test]
 fn fp8_per_token_qdq_is_bit_exact() {
     let v = qdq_vectors("llama-fp8-dynamic");

@@ -7,9 +7,9 @@ mod common;
 use std::path::PathBuf;
 
 use candle_core::DType;
-use common::{options, reference_logprobs, sequences};
+use common::{assert_bit_exact, options, reference_logprobs, sequences};
 use exactscore_server::model::{Model, ScoreInput};
-use exactscore_server::quant::ActivationQuantMode;
+use exactscore_server::quant::{ActivationQdq, ActivationQuantMode};
 
 fn real_dir(variant: &str) -> PathBuf {
     let root = std::env::var("EXACTSCORE_REAL_MODELS")
@@ -77,5 +77,37 @@ fn smollm2_activation_quant_schemes() {
             (ours - theirs).abs() / theirs <= 0.01,
             "{variant}: mean NLL {ours} vs {theirs}"
         );
+    }
+}
+
+/// ExactScore's activation QDQ against compressed-tensors' on the real model's own activations
+/// (every quantized Linear, 64 tokens), captured by `scripts/capture_real_act_qdq.py`.
+#[test]
+#[ignore = "needs the real SmolLM2 checkpoints and scripts/capture_real_act_qdq.py output"]
+fn smollm2_activation_qdq_is_bit_exact_on_real_activations() {
+    for variant in ["smollm2-135m-nvfp4", "smollm2-135m-fp8-dynamic"] {
+        let path = real_dir(variant).join("act_qdq_real.safetensors");
+        let tensors = candle_core::safetensors::load(&path, &candle_core::Device::Cpu)
+            .unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+        let mut layers = 0;
+        for name in tensors.keys().filter(|k| k.ends_with(".input")) {
+            let layer = name.trim_end_matches(".input");
+            let qdq = match tensors.get(&format!("{layer}.input_global_scale")) {
+                Some(g) => ActivationQdq::Nvfp4 {
+                    global_scale: g.to_vec1::<f32>().unwrap()[0],
+                },
+                None => ActivationQdq::Fp8PerToken,
+            };
+            let expected = &tensors[&format!("{layer}.input_qdq")];
+            assert_bit_exact(
+                &qdq,
+                &tensors[name],
+                expected,
+                &format!("{variant} {layer}"),
+            );
+            layers += 1;
+        }
+        assert!(layers > 0, "{variant}: nothing captured");
+        println!("{variant}: QDQ bit-exact on {layers} layers");
     }
 }

@@ -3,9 +3,9 @@
 
 use std::path::PathBuf;
 
-use candle_core::{DType, Device};
+use candle_core::{DType, Device, Tensor};
 use exactscore_server::model::{Model, ModelOptions};
-use exactscore_server::quant::{ActivationQuantMode, LinearOptions};
+use exactscore_server::quant::{ActivationQdq, ActivationQuantMode, LinearOptions};
 use serde_json::Value;
 
 pub const VARIANTS: &[&str] = &[
@@ -74,4 +74,27 @@ pub fn reference_logprobs(block: &Value) -> Vec<Vec<f64>> {
                 .collect()
         })
         .collect()
+}
+
+/// Asserts that `qdq(input)` equals `expected` bit for bit.
+pub fn assert_bit_exact(qdq: &ActivationQdq, input: &Tensor, expected: &Tensor, what: &str) {
+    let ours = qdq
+        .apply(input)
+        .unwrap()
+        .flatten_all()
+        .unwrap()
+        .to_vec1::<f32>()
+        .unwrap();
+    let want = expected.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+    let mismatches = ours
+        .iter()
+        .zip(&want)
+        .filter(|(a, b)| a.to_bits() != b.to_bits())
+        .count();
+    assert_eq!(
+        mismatches,
+        0,
+        "{what}: {mismatches} of {} values differ",
+        want.len()
+    );
 }
