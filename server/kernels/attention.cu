@@ -39,32 +39,23 @@ __device__ void rope_rotate_half(const T* x, T* out, const int32_t* pos, const T
 #define FA_THREADS 128
 
 template <typename T> struct Mma;
-template <> struct Mma<__nv_bfloat16> {
-    static __device__ __forceinline__ void run(float* c, const uint32_t* a, uint32_t b0, uint32_t b1) {
-        asm volatile(
-            "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
-            "{%8,%9}, {%0,%1,%2,%3};\n"
-            : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-    }
-    static __device__ __forceinline__ uint32_t pack(float lo, float hi) {
-        __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
-        return *reinterpret_cast<uint32_t*>(&v);
-    }
-};
-template <> struct Mma<__half> {
-    static __device__ __forceinline__ void run(float* c, const uint32_t* a, uint32_t b0, uint32_t b1) {
-        asm volatile(
-            "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
-            "{%8,%9}, {%0,%1,%2,%3};\n"
-            : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-    }
-    static __device__ __forceinline__ uint32_t pack(float lo, float hi) {
-        __half2 v = __floats2half2_rn(lo, hi);
-        return *reinterpret_cast<uint32_t*>(&v);
-    }
-};
+// mma.sync for one 16-bit input type, and packing two f32 into that type's pair register.
+#define MMA_FOR(T, PTX_TYPE, PAIR, TO_PAIR)                                                           \
+    template <> struct Mma<T> {                                                                   \
+        static __device__ __forceinline__ void run(float* c, const uint32_t* a, uint32_t b0,      \
+                                                   uint32_t b1) {                                 \
+            asm volatile("mma.sync.aligned.m16n8k16.row.col.f32." PTX_TYPE "." PTX_TYPE          \
+                         ".f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"         \
+                         : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])                        \
+                         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));       \
+        }                                                                                         \
+        static __device__ __forceinline__ uint32_t pack(float lo, float hi) {                     \
+            PAIR v = TO_PAIR(lo, hi);                                                             \
+            return *reinterpret_cast<uint32_t*>(&v);                                              \
+        }                                                                                         \
+    };
+MMA_FOR(__nv_bfloat16, "bf16", __nv_bfloat162, __floats2bfloat162_rn)
+MMA_FOR(__half, "f16", __half2, __floats2half2_rn)
 
 // Four 8x8 b16 matrices from shared memory, transposed: the B operand of P·V from row-major V.
 __device__ __forceinline__ void ldmatrix_x4_trans(uint32_t* r, const void* smem) {

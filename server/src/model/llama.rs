@@ -96,7 +96,6 @@ struct Attention {
     num_kv_heads: usize,
     head_dim: usize,
     sliding_window: Option<usize>,
-    flash: bool,
 }
 
 struct Mlp {
@@ -125,35 +124,36 @@ pub struct Model {
 /// Where the sequences of a batch lie on the concatenated token axis.
 struct BatchLayout {
     lens: Vec<usize>,
-    /// For the flash kernel: prefix offsets `[sequences + 1]` and every token's position (i32,
-    /// on the device).
-    device_index: Option<(Tensor, Tensor)>,
+    /// Present when attention runs through the flash kernel, which reads the layout from the
+    /// device.
+    flash: Option<FlashIndex>,
 }
 
-impl BatchLayout {
-    fn new(lens: Vec<usize>, device: Option<&Device>) -> Result<Self> {
-        let device_index = match device {
-            Some(device) => {
-                let starts: Vec<i32> = std::iter::once(0)
-                    .chain(lens.iter().scan(0, |end, &len| {
-                        *end += len as i32;
-                        Some(*end)
-                    }))
-                    .collect();
-                let positions: Vec<i32> = lens.iter().flat_map(|&len| 0..len as i32).collect();
-                Some((
-                    Tensor::new(starts.as_slice(), device)?,
-                    Tensor::new(positions.as_slice(), device)?,
-                ))
-            }
-            None => None,
-        };
-        Ok(Self { lens, device_index })
-    }
+/// The batch layout as the flash kernel reads it (i32, on the device). Only a CUDA build reads
+/// it: without the feature `Flash` is refused at load.
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+struct FlashIndex {
+    /// Prefix offsets of the sequences, `[sequences + 1]`.
+    starts: Tensor,
+    /// Every token's position within its sequence (indexes the RoPE tables).
+    positions: Tensor,
+    max_len: usize,
+}
 
-    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
-    fn max_len(&self) -> usize {
-        self.lens.iter().copied().max().unwrap_or(0)
+impl FlashIndex {
+    fn new(lens: &[usize], device: &Device) -> Result<Self> {
+        let starts: Vec<i32> = std::iter::once(0)
+            .chain(lens.iter().scan(0, |end, &len| {
+                *end += len as i32;
+                Some(*end)
+            }))
+            .collect();
+        let positions: Vec<i32> = lens.iter().flat_map(|&len| 0..len as i32).collect();
+        Ok(Self {
+            starts: Tensor::new(starts.as_slice(), device)?,
+            positions: Tensor::new(positions.as_slice(), device)?,
+            max_len: lens.iter().copied().max().unwrap_or(0),
+        })
     }
 }
 
@@ -276,7 +276,6 @@ impl Model {
                     num_kv_heads: c.num_kv_heads,
                     head_dim: c.head_dim,
                     sliding_window: c.sliding_window,
-                    flash: false,
                 },
                 post_attention_layernorm: RmsNorm::load(
                     ckpt,
@@ -331,9 +330,10 @@ impl Model {
 
     /// Switches the attention kernel; `Flash` is refused where the kernel does not exist.
     pub fn set_attention(&mut self, kernel: AttentionKernel) -> std::result::Result<(), LoadError> {
-        let flash = kernel == AttentionKernel::Flash;
         let lin = &self.opts.linear;
-        if flash && !flash_attention_available(&lin.device, self.config.head_dim, lin.dtype) {
+        if kernel == AttentionKernel::Flash
+            && !flash_attention_available(&lin.device, self.config.head_dim, lin.dtype)
+        {
             return Err(LoadError::Config {
                 field: "attention".into(),
                 reason: format!(
@@ -344,9 +344,6 @@ impl Model {
             });
         }
         self.opts.attention = kernel;
-        for layer in &mut self.layers {
-            layer.self_attn.flash = flash;
-        }
         Ok(())
     }
 
@@ -398,8 +395,11 @@ impl Model {
             );
         }
         let device = &self.opts.linear.device;
-        let flash = self.opts.attention == AttentionKernel::Flash;
-        let batch = BatchLayout::new(lens, flash.then_some(device))?;
+        let flash = match self.opts.attention {
+            AttentionKernel::Flash => Some(FlashIndex::new(&lens, device)?),
+            AttentionKernel::Materialized => None,
+        };
+        let batch = BatchLayout { lens, flash };
         let ids = Tensor::new(ids.as_slice(), device)?;
         let mut x = stage("embed", device, || self.embed_tokens.index_select(&ids, 0))?;
         for layer in &self.layers {
@@ -471,12 +471,9 @@ impl Attention {
                 self.v_proj.forward(x)?,
             ))
         })?;
-        let out = stage("attention", dev, || {
-            if self.flash {
-                self.flash_attend(&q, &k, &v, batch, rope)
-            } else {
-                self.attend_each_sequence(&q, &k, &v, batch, rope)
-            }
+        let out = stage("attention", dev, || match &batch.flash {
+            Some(index) => self.flash_attend(&q, &k, &v, index, rope),
+            None => self.attend_each_sequence(&q, &k, &v, &batch.lens, rope),
         })?;
         stage("o_proj", dev, || self.o_proj.forward(&out))
     }
@@ -487,12 +484,12 @@ impl Attention {
         q: &Tensor,
         k: &Tensor,
         v: &Tensor,
-        batch: &BatchLayout,
+        lens: &[usize],
         rope: &RopeTables,
     ) -> Result<Tensor> {
-        let mut outputs = Vec::with_capacity(batch.lens.len());
+        let mut outputs = Vec::with_capacity(lens.len());
         let mut offset = 0;
-        for &len in &batch.lens {
+        for &len in lens {
             let q = self.heads(
                 &q.narrow(0, offset, len)?,
                 self.num_heads,
@@ -539,12 +536,9 @@ impl Attention {
         q: &Tensor,
         k: &Tensor,
         v: &Tensor,
-        batch: &BatchLayout,
+        index: &FlashIndex,
         rope: &RopeTables,
     ) -> Result<Tensor> {
-        let Some((starts, positions)) = &batch.device_index else {
-            candle_core::bail!("flash attention without the batch's device index");
-        };
         let tokens = q.dims()[0];
         let split = |x: &Tensor, heads: usize, norm: Option<&RmsNorm>| -> Result<Tensor> {
             let x = x.reshape((tokens, heads, self.head_dim))?;
@@ -560,14 +554,14 @@ impl Attention {
         let scale = 1.0 / (self.head_dim as f32).sqrt();
         #[cfg(feature = "cuda")]
         {
-            let q = crate::cuda::rope_rotate_half(&q, positions, cos, sin)?;
-            let k = crate::cuda::rope_rotate_half(&k, positions, cos, sin)?;
+            let q = crate::cuda::rope_rotate_half(&q, &index.positions, cos, sin)?;
+            let k = crate::cuda::rope_rotate_half(&k, &index.positions, cos, sin)?;
             crate::cuda::flash_attention(
                 &q,
                 &k,
                 &v,
-                starts,
-                batch.max_len(),
+                &index.starts,
+                index.max_len,
                 scale,
                 self.sliding_window,
             )
@@ -575,7 +569,7 @@ impl Attention {
         #[cfg(not(feature = "cuda"))]
         {
             // Unreachable: `Model::from_checkpoint` refuses `Flash` without CUDA.
-            let _ = (q, k, v, starts, positions, cos, sin, scale);
+            let _ = (q, k, v, index, cos, sin, scale);
             candle_core::bail!("flash attention needs the `cuda` feature")
         }
     }
