@@ -2,12 +2,10 @@
 
 mod common;
 
-use std::collections::HashMap;
 use std::path::Path;
 
 use common::*;
 use exactscore_server::model::Model;
-use safetensors::tensor::TensorView;
 use safetensors::Dtype;
 
 const BASE: &str = "llama-w4a16-g128";
@@ -15,29 +13,10 @@ const BASE: &str = "llama-w4a16-g128";
 /// A copy of the base fixture in a temp dir, with `edit` applied to its tensors
 /// (name → (dtype, shape, bytes)) and `config_edit` to its config.json.
 fn corrupted(
-    edit: impl FnOnce(&mut HashMap<String, (Dtype, Vec<usize>, Vec<u8>)>),
+    edit: impl FnOnce(&mut Tensors),
     config_edit: impl FnOnce(&mut serde_json::Value),
 ) -> tempfile::TempDir {
-    let dir = tempfile::tempdir().unwrap();
-    let src = fixtures().join(BASE);
-    let bytes = std::fs::read(src.join("model.safetensors")).unwrap();
-    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
-    let mut tensors: HashMap<String, (Dtype, Vec<usize>, Vec<u8>)> = st
-        .tensors()
-        .into_iter()
-        .map(|(n, v)| (n, (v.dtype(), v.shape().to_vec(), v.data().to_vec())))
-        .collect();
-    edit(&mut tensors);
-    let views: Vec<(String, TensorView)> = tensors
-        .iter()
-        .map(|(n, (d, s, b))| (n.clone(), TensorView::new(*d, s.clone(), b).unwrap()))
-        .collect();
-    safetensors::serialize_to_file(views, None, &dir.path().join("model.safetensors")).unwrap();
-    let mut config: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(src.join("config.json")).unwrap()).unwrap();
-    config_edit(&mut config);
-    std::fs::write(dir.path().join("config.json"), config.to_string()).unwrap();
-    dir
+    edited_copy(BASE, 1, edit, config_edit)
 }
 
 fn load_error(dir: &Path) -> String {

@@ -1,7 +1,8 @@
 //! Shared helpers for the fixture tests: paths, model loading, reference.json access.
 #![allow(dead_code)]
 
-use std::path::PathBuf;
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
 
 use candle_core::{DType, Device, Tensor};
 use exactscore_server::model::{Model, ModelOptions};
@@ -97,4 +98,69 @@ pub fn assert_bit_exact(qdq: &ActivationQdq, input: &Tensor, expected: &Tensor, 
         "{what}: {mismatches} of {} values differ",
         want.len()
     );
+}
+
+/// A checkpoint's tensors: name → (dtype, shape, bytes).
+pub type Tensors = BTreeMap<String, (safetensors::Dtype, Vec<usize>, Vec<u8>)>;
+
+/// A copy of fixture `variant` in a temp dir, with `edit` applied to its tensors and
+/// `config_edit` to its config.json, written as `shards` safetensors files (more than one: with
+/// a `model.safetensors.index.json`, tensors dealt out in name order).
+pub fn edited_copy(
+    variant: &str,
+    shards: usize,
+    edit: impl FnOnce(&mut Tensors),
+    config_edit: impl FnOnce(&mut serde_json::Value),
+) -> tempfile::TempDir {
+    let dir = tempfile::tempdir().unwrap();
+    let src = fixtures().join(variant);
+    let bytes = std::fs::read(src.join("model.safetensors")).unwrap();
+    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    let mut tensors: Tensors = st
+        .tensors()
+        .into_iter()
+        .map(|(n, v)| (n, (v.dtype(), v.shape().to_vec(), v.data().to_vec())))
+        .collect();
+    edit(&mut tensors);
+    write_shards(dir.path(), &tensors, shards);
+    let mut config: Value =
+        serde_json::from_str(&std::fs::read_to_string(src.join("config.json")).unwrap()).unwrap();
+    config_edit(&mut config);
+    std::fs::write(dir.path().join("config.json"), config.to_string()).unwrap();
+    dir
+}
+
+fn write_shards(dir: &Path, tensors: &Tensors, shards: usize) {
+    let per_shard = tensors.len().div_ceil(shards);
+    let names: Vec<&String> = tensors.keys().collect();
+    let mut weight_map = serde_json::Map::new();
+    for (i, chunk) in names.chunks(per_shard).enumerate() {
+        let file = if shards == 1 {
+            "model.safetensors".to_string()
+        } else {
+            format!("model-{:05}-of-{shards:05}.safetensors", i + 1)
+        };
+        let views: Vec<(String, safetensors::tensor::TensorView)> = chunk
+            .iter()
+            .map(|&n| {
+                let (d, s, b) = &tensors[n];
+                let view = safetensors::tensor::TensorView::new(*d, s.clone(), b).unwrap();
+                (n.clone(), view)
+            })
+            .collect();
+        safetensors::serialize_to_file(views, None, &dir.join(&file)).unwrap();
+        for &n in chunk {
+            weight_map.insert(n.clone(), Value::String(file.clone()));
+        }
+    }
+    if shards > 1 {
+        let index = serde_json::json!({"metadata": {}, "weight_map": weight_map});
+        std::fs::write(dir.join("model.safetensors.index.json"), index.to_string()).unwrap();
+    }
+}
+
+/// The parsed config.json of fixture `variant`.
+pub fn load_config(variant: &str) -> exactscore_server::model::ModelConfig {
+    let text = std::fs::read_to_string(fixtures().join(variant).join("config.json")).unwrap();
+    exactscore_server::model::ModelConfig::from_json(&text).unwrap()
 }

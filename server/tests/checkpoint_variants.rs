@@ -1,0 +1,121 @@
+//! Checkpoint shapes and architectures without their own Python reference, checked against the
+//! Llama fixture they must reduce to: a sharded copy, Qwen2 with zero q/k/v biases, Mistral with
+//! a sliding window longer than the text, and the window actually applied when shorter. Qwen3
+//! must find its q/k norms.
+
+mod common;
+
+use candle_core::DType;
+use common::*;
+use exactscore_server::model::{Model, ScoreInput, SequenceScores};
+use exactscore_server::quant::ActivationQuantMode;
+use safetensors::Dtype;
+
+const BASE: &str = "llama-w4a16-g128";
+
+fn score(dir: &std::path::Path, seqs: &[Vec<u32>]) -> Vec<SequenceScores> {
+    let model = Model::load(dir, &options(DType::F32, ActivationQuantMode::Emulate))
+        .unwrap_or_else(|e| panic!("{}: {e}", dir.display()));
+    let batch: Vec<ScoreInput> = seqs
+        .iter()
+        .map(|s| ScoreInput {
+            tokens: s,
+            top_k: 2,
+        })
+        .collect();
+    model.score(&batch).unwrap()
+}
+
+fn base_scores() -> (Vec<Vec<u32>>, Vec<SequenceScores>) {
+    let seqs = sequences(&reference(BASE));
+    let scores = score(&fixtures().join(BASE), &seqs);
+    (seqs, scores)
+}
+
+fn architecture(name: &'static str) -> impl FnOnce(&mut serde_json::Value) {
+    move |c| c["architectures"] = serde_json::json!([name])
+}
+
+#[test]
+fn sharded_checkpoint_scores_identically() {
+    let (seqs, want) = base_scores();
+    let dir = edited_copy(BASE, 3, |_| {}, |_| {});
+    assert!(dir.path().join("model.safetensors.index.json").exists());
+    assert!(!dir.path().join("model.safetensors").exists());
+    assert_eq!(score(dir.path(), &seqs), want);
+}
+
+#[test]
+fn qwen2_with_zero_biases_scores_like_llama() {
+    let (seqs, want) = base_scores();
+    let config = load_config(BASE);
+    let dims = [
+        ("q_proj", config.num_heads * config.head_dim),
+        ("k_proj", config.num_kv_heads * config.head_dim),
+        ("v_proj", config.num_kv_heads * config.head_dim),
+    ];
+    let dir = edited_copy(
+        BASE,
+        1,
+        |t| {
+            for layer in 0..config.num_layers {
+                for (proj, out) in dims {
+                    let name = format!("model.layers.{layer}.self_attn.{proj}.bias");
+                    t.insert(name, (Dtype::F32, vec![out], vec![0u8; out * 4]));
+                }
+            }
+        },
+        architecture("Qwen2ForCausalLM"),
+    );
+    assert_eq!(score(dir.path(), &seqs), want);
+    // And the biases are really read: without them the load names the first one.
+    let missing = edited_copy(BASE, 1, |_| {}, architecture("Qwen2ForCausalLM"));
+    let err = Model::load(missing.path(), &options(DType::F32, Default::default()))
+        .err()
+        .expect("Qwen2 without q/k/v biases loaded");
+    assert!(err.to_string().contains("self_attn.q_proj.bias"), "{err}");
+}
+
+#[test]
+fn mistral_sliding_window_longer_than_text_changes_nothing_shorter_one_does() {
+    let (seqs, want) = base_scores();
+    let longest = seqs.iter().map(Vec::len).max().unwrap();
+    let wide = edited_copy(
+        BASE,
+        1,
+        |_| {},
+        |c| {
+            architecture("MistralForCausalLM")(c);
+            c["sliding_window"] = serde_json::json!(longest);
+        },
+    );
+    assert_eq!(score(wide.path(), &seqs), want);
+
+    let window = 8;
+    let narrow = edited_copy(
+        BASE,
+        1,
+        |_| {},
+        |c| {
+            architecture("MistralForCausalLM")(c);
+            c["sliding_window"] = serde_json::json!(window);
+        },
+    );
+    let got = score(narrow.path(), &seqs);
+    for (g, w) in got.iter().zip(&want) {
+        // Positions that see at most `window` tokens are unchanged; later ones are not.
+        assert_eq!(g.rows[..window], w.rows[..window]);
+        if w.rows.len() > window + 1 {
+            assert_ne!(g.rows[window..], w.rows[window..]);
+        }
+    }
+}
+
+#[test]
+fn qwen3_reads_per_head_q_and_k_norms() {
+    let dir = edited_copy(BASE, 1, |_| {}, architecture("Qwen3ForCausalLM"));
+    let err = Model::load(dir.path(), &options(DType::F32, Default::default()))
+        .err()
+        .expect("Qwen3 without q_norm/k_norm loaded");
+    assert!(err.to_string().contains("self_attn.q_norm.weight"), "{err}");
+}
