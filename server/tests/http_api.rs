@@ -433,8 +433,8 @@ async fn status_429_queue_full_with_retry_after() {
     assert_eq!(first.await.unwrap().0, StatusCode::OK);
 }
 
-/// A request still waiting when the time limit passes gets 504 and is dropped; the engine then
-/// serves the next request normally.
+/// A request whose batch is still computing when the time limit passes gets 504; its result is
+/// discarded and the engine serves the next request normally.
 #[tokio::test]
 async fn status_504_request_timeout() {
     let (engine, gate): (FakeEngine, GateHandle) = FakeEngine::gated();
