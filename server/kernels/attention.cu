@@ -7,7 +7,9 @@
 // ---- RoPE ------------------------------------------------------------------------------------
 
 // transformers' `x * cos + rotate_half(x) * sin` with every product and the sum rounded to T,
-// as it runs in T (and as candle's rope kernel does): bitwise the same as the unfused path.
+// as PyTorch runs it in T (checked bitwise against a CPU transcription by `exactscore-bench
+// check`). candle's rope kernel lets the compiler contract `x1 * c - x2 * s` into one FMA and so
+// differs from PyTorch in the last bit of some values.
 // One thread per (token, head, i < half); `pos[token]` is the token's position in its sequence.
 template <typename T>
 __device__ void rope_rotate_half(const T* x, T* out, const int32_t* pos, const T* cos,
@@ -67,6 +69,18 @@ __device__ __forceinline__ void ldmatrix_x4_trans(uint32_t* r, const void* smem)
 
 __device__ __forceinline__ uint32_t lds32(const void* p) { return *reinterpret_cast<const uint32_t*>(p); }
 
+// 16-byte asynchronous copy global -> shared; `valid` false fills the 16 bytes with zeros.
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem, bool valid) {
+    uint32_t addr = (uint32_t)__cvta_generic_to_shared(smem);
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(addr), "l"(gmem),
+                 "r"(valid ? 16 : 0));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+// Waits until at most N of this thread's committed copy groups are still in flight.
+template <int N> __device__ __forceinline__ void cp_async_wait() {
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
+}
+
 // q: [tokens, hq, D], k and v: [tokens, hkv, D], out: [tokens, hq, D]; grid (query blocks of the
 // longest sequence, hq, sequences). `scale_log2` = softmax scale * log2(e); `window` 0 = none.
 template <typename T, int D>
@@ -86,20 +100,22 @@ __device__ void flash_attention(const T* __restrict__ q, const T* __restrict__ k
     const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g = lane / 4, t = lane % 4;
     const long q_stride = (long)hq * D, kv_stride = (long)hkv * D;
 
-    // rows [row0, row0 + 64) of one head into shared memory, zeros past the sequence end
+    // rows [row0, row0 + 64) of one head into shared memory, zeros past the sequence end; the
+    // copy runs asynchronously until the next cp_async_wait
     auto load_tile = [&](T* dst, const T* src, long stride, int row0) {
         constexpr int VECS = D / 8;  // 16-byte vectors per row
         for (int i = tid; i < FA_KEYS * VECS; i += FA_THREADS) {
             int r = i / VECS, c = (i % VECS) * 8;
-            uint4 val = make_uint4(0, 0, 0, 0);
-            if (row0 + r < len)
-                val = *reinterpret_cast<const uint4*>(src + (long)(start + row0 + r) * stride + c);
-            *reinterpret_cast<uint4*>(dst + r * LD + c) = val;
+            bool valid = row0 + r < len;
+            const T* from = src + (long)(start + (valid ? row0 + r : 0)) * stride + c;
+            cp_async16(dst + r * LD + c, from, valid);
         }
+        cp_async_commit();
     };
 
     const int wr = warp * 16 + g;  // this thread's rows in the tile: wr and wr + 8
     load_tile(ks, q + (long)head * D, q_stride, q0);
+    cp_async_wait<0>();
     __syncthreads();
     uint32_t qf[D / 16][4];
 #pragma unroll
@@ -121,10 +137,14 @@ __device__ void flash_attention(const T* __restrict__ q, const T* __restrict__ k
 
     const int last_key = min(q0 + FA_ROWS, len) - 1;
     const int first_tile = window > 0 ? max(0, q0 - window + 1) / FA_KEYS : 0;
-    for (int tile = first_tile; tile <= last_key / FA_KEYS; ++tile) {
+    // Software pipeline: V of this tile loads during Q·Kᵀ and the softmax, K of the next tile
+    // during P·V. One buffer each: the barriers below order every reuse.
+    const int last_tile = last_key / FA_KEYS;
+    load_tile(ks, k + (long)kv_head * D, kv_stride, first_tile * FA_KEYS);
+    for (int tile = first_tile; tile <= last_tile; ++tile) {
         const int k0 = tile * FA_KEYS;
-        load_tile(ks, k + (long)kv_head * D, kv_stride, k0);
         load_tile(vs, v + (long)kv_head * D, kv_stride, k0);
+        cp_async_wait<1>();  // K of this tile has landed (V may still be in flight)
         __syncthreads();
 
         float s[FA_KEYS / 8][4];
@@ -178,6 +198,10 @@ __device__ void flash_attention(const T* __restrict__ q, const T* __restrict__ k
                 l[e / 2] += p;
             }
         }
+
+        cp_async_wait<0>();  // V has landed
+        __syncthreads();     // ... for every thread, and every warp is done reading K
+        if (tile < last_tile) load_tile(ks, k + (long)kv_head * D, kv_stride, k0 + FA_KEYS);
 
         // O += P·V: the S accumulators are already in the A-operand layout, 16 keys per step
 #pragma unroll
