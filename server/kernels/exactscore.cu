@@ -4,20 +4,22 @@
 // dequantization and QDQ are bit-identical to the CPU path.
 #include "common.cuh"
 
+// Minifloat decoding by building the f32 bit pattern: every e4m3 and e2m1 value is exact in f32,
+// so this equals the CPU reference (quant/minifloat.rs) bit for bit, without table lookups
+// (a __constant__ table serialises a warp whose lanes read different entries) or ldexpf.
 __device__ __forceinline__ float fp8_e4m3_to_f32(uint8_t b) {
-    int exp = (b >> 3) & 0xF;
-    int man = b & 7;
+    uint32_t exp = (b >> 3) & 0xF, man = b & 7;
     float mag;
-    if (exp == 0) mag = ldexpf((float)man, -9);
+    if (exp == 0) mag = (float)man * 0.001953125f;  // man * 2^-9
     else if (exp == 15 && man == 7) mag = __int_as_float(0x7fc00000);
-    else mag = ldexpf(1.0f + man / 8.0f, exp - 7);
+    else mag = __uint_as_float(((exp + 120) << 23) | (man << 20));  // (1 + man / 8) * 2^(exp - 7)
     return (b & 0x80) ? -mag : mag;
 }
 
-__constant__ float FP4_VALUES[8] = {0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f};
-
-__device__ __forceinline__ float fp4_e2m1_to_f32(uint8_t nibble) {
-    float mag = FP4_VALUES[nibble & 7];
+__device__ __forceinline__ float fp4_e2m1_to_f32(uint32_t nibble) {
+    uint32_t exp = (nibble >> 1) & 3, man = nibble & 1;
+    // exp 0: 0 or 0.5; else (1 + man / 2) * 2^(exp - 1)
+    float mag = exp == 0 ? 0.5f * man : __uint_as_float(((exp + 126) << 23) | (man << 22));
     return (nibble & 8) ? -mag : mag;
 }
 
@@ -115,11 +117,15 @@ __device__ void dequant_fp8(const uint8_t* codes, const float* scales, T* out, i
     int c0 = e % cols;
     uint2 bytes = reinterpret_cast<const uint2*>(codes)[idx];
     const float* srow = scales + (long)(r / block_rows) * scale_cols;
+    // The 8 weights share one scale when scale blocks are whole multiples of 8 columns (channel,
+    // tensor and every real block size): one lookup instead of 8 divisions.
+    const bool one_scale = block_cols % 8 == 0;
+    const float s0 = srow[c0 / block_cols];
     Pack<T, 8> p;
 #pragma unroll
     for (int i = 0; i < 8; ++i) {
         uint8_t b = ((i < 4 ? bytes.x : bytes.y) >> ((i % 4) * 8)) & 0xFF;
-        p.v[i] = from_f32<T>(fp8_e4m3_to_f32(b) * srow[(c0 + i) / block_cols]);
+        p.v[i] = from_f32<T>(fp8_e4m3_to_f32(b) * (one_scale ? s0 : srow[(c0 + i) / block_cols]));
     }
     reinterpret_cast<Pack<T, 8>*>(out)[idx] = p;
 }
@@ -320,6 +326,62 @@ __device__ void causal_softmax(const float* scores, T* out, int t, float scale, 
         dst[j] = from_f32<T>((j >= lo && j <= i) ? expf(src[j] * scale - m) / sum : 0.0f);
 }
 
+// ---- RMSNorm with an optional residual add: one block (256 threads) per row ----------------
+
+// LlamaRMSNorm of `h = x + residual` (or `h = x`): h rounded to T as PyTorch rounds the residual
+// add (and written to `sum` when there is a residual), then normalised and scaled by the weight
+// in f32 with one rounding at the end. PyTorch rounds twice (after the normalisation, after the
+// weight); one rounding is closer to the f32 reference, and in f32 the two are the same. One pass
+// instead of an add kernel and a norm kernel.
+template <typename T>
+__device__ void rms_norm(const T* x, const T* residual, const T* weight, T* sum, T* out, int cols,
+                         float eps) {
+    __shared__ float s_red[SCORE_THREADS];
+    const long base = (long)blockIdx.x * cols;
+    const int tid = threadIdx.x;
+    float squares = 0.0f;
+    for (int i = tid; i < cols; i += SCORE_THREADS) {
+        float h = to_f32(x[base + i]);
+        if (residual) {
+            T rounded = from_f32<T>(h + to_f32(residual[base + i]));
+            sum[base + i] = rounded;
+            h = to_f32(rounded);
+        }
+        squares += h * h;
+    }
+    s_red[tid] = squares;
+    __syncthreads();
+    for (int s = SCORE_THREADS / 2; s > 0; s >>= 1) {
+        if (tid < s) s_red[tid] += s_red[tid + s];
+        __syncthreads();
+    }
+    const float inv = rsqrtf(s_red[0] / cols + eps);
+    const T* h = residual ? sum : x;  // each thread re-reads only what it wrote itself
+    for (int i = tid; i < cols; i += SCORE_THREADS) {
+        out[base + i] = from_f32<T>(to_f32(h[base + i]) * inv * to_f32(weight[i]));
+    }
+}
+
+// ---- SwiGLU: out = silu(gate) * up ---------------------------------------------------------
+
+// Rounded as PyTorch does in T: silu in f32 rounded to T once, then the product in f32 rounded
+// once. One thread per 8 elements (n % 8 == 0 and 16-byte aligned rows, checked by the caller).
+template <typename T>
+__device__ void silu_mul(const T* gate, const T* up, T* out, long n) {
+    long i = ((long)blockIdx.x * blockDim.x + threadIdx.x) * 8;
+    if (i >= n) return;
+    Pack<T, 8> g = *reinterpret_cast<const Pack<T, 8>*>(gate + i);
+    Pack<T, 8> u = *reinterpret_cast<const Pack<T, 8>*>(up + i);
+    Pack<T, 8> o;
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+        float x = to_f32(g.v[j]);
+        float s = to_f32(from_f32<T>(x / (1.0f + expf(-x))));
+        o.v[j] = from_f32<T>(s * to_f32(u.v[j]));
+    }
+    *reinterpret_cast<Pack<T, 8>*>(out + i) = o;
+}
+
 // ---- extern "C" entry points, one per dtype -------------------------------------------------
 
 #define DEQUANT_ENTRY(SUFFIX, T)                                                                     \
@@ -348,6 +410,13 @@ __device__ void causal_softmax(const float* scores, T* out, int t, float scale, 
     }                                                                                                \
     extern "C" __global__ void qdq_nvfp4_##SUFFIX(const T* x, T* o, long groups, float gs) {       \
         qdq_nvfp4<T>(x, o, groups, gs);                                                              \
+    }                                                                                                \
+    extern "C" __global__ void rms_norm_##SUFFIX(const T* x, const T* r, const T* w, T* sum, T* o,   \
+                                                 int cols, float eps) {                              \
+        rms_norm<T>(x, r, w, sum, o, cols, eps);                                                     \
+    }                                                                                                \
+    extern "C" __global__ void silu_mul_##SUFFIX(const T* g, const T* u, T* o, long n) {             \
+        silu_mul<T>(g, u, o, n);                                                                     \
     }                                                                                                \
     extern "C" __global__ void causal_softmax_##SUFFIX(const float* s, T* o, int t, float scale, int w) { \
         causal_softmax<T>(s, o, t, scale, w);                                                        \

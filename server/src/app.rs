@@ -138,7 +138,10 @@ fn load_model(config: &Config) -> Result<(Model, TextTokenizer, usize), AppError
         DeviceSpec::Cpu => Device::Cpu,
         DeviceSpec::Cuda(ids) => {
             let id = ids.first().copied().unwrap_or(0);
-            Device::new_cuda(id).map_err(|e| AppError::Device {
+            let device = Device::new_cuda(id);
+            #[cfg(feature = "cuda")]
+            let device = device.and_then(|d| crate::cuda::retain_freed_memory(&d).map(|()| d));
+            device.map_err(|e| AppError::Device {
                 device: format!("cuda:{id}"),
                 message: e.to_string(),
             })?
@@ -207,9 +210,9 @@ pub fn model_info(model: &Model, config: &Config, limits: Limits) -> ModelInfo {
             crate::quant::ActivationQuantMode::Off => "off".into(),
         },
         bits_per_weight: if weights > 0.0 { bits / weights } else { 0.0 },
-        attention: match config.attention {
-            crate::model::AttentionKernel::Materialized => "materialized".into(),
+        attention: match model.options().attention {
             crate::model::AttentionKernel::Flash => "flash".into(),
+            _ => "materialized".into(),
         },
         dtype: dtype_name(config.dtype).into(),
         devices: config.device.names(),

@@ -37,6 +37,7 @@ pub enum ActQuantArg {
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
 pub enum AttentionArg {
+    Auto,
     Materialized,
     Flash,
 }
@@ -74,14 +75,10 @@ pub struct Args {
         default_value = "emulate"
     )]
     pub activation_quant: ActQuantArg,
-    /// Attention kernel: `materialized` (f32 scores, every path) or `flash` (fused, CUDA with
-    /// bf16/f16 only; not yet validated on a device, see docs/performance.md).
-    #[arg(
-        long,
-        env = "EXACTSCORE_ATTENTION",
-        value_enum,
-        default_value = "materialized"
-    )]
+    /// Attention kernel: `materialized` (f32 scores, every device and dtype), `flash` (fused,
+    /// CUDA with bf16/f16 compute and head_dim 64/128; see docs/performance.md), or `auto`:
+    /// flash where it exists, materialized elsewhere.
+    #[arg(long, env = "EXACTSCORE_ATTENTION", value_enum, default_value = "auto")]
     pub attention: AttentionArg,
     /// Require `Authorization: Bearer <key>` on every route but `/health/*`.
     #[arg(long, env = "EXACTSCORE_API_KEY", hide_env_values = true)]
@@ -240,6 +237,7 @@ impl Config {
                 ActQuantArg::Off => ActivationQuantMode::Off,
             },
             attention: match args.attention {
+                AttentionArg::Auto => AttentionKernel::Auto,
                 AttentionArg::Materialized => AttentionKernel::Materialized,
                 AttentionArg::Flash => AttentionKernel::Flash,
             },

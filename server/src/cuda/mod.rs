@@ -83,6 +83,34 @@ fn wrap<T: CudaDType>(slice: CudaSlice<T>, dev: &CudaDevice, shape: impl Into<Sh
     Tensor::from_storage(storage, shape, BackpropOp::none(), false)
 }
 
+/// Keeps memory freed by stream-ordered deallocations in the device's default pool instead of
+/// handing it back to the driver at every synchronization (the pool's default threshold is 0).
+/// Without this, each forward pass maps its activations afresh after the scoring step syncs.
+pub fn retain_freed_memory(device: &candle_core::Device) -> Result<()> {
+    use candle_core::cuda_backend::cudarc::driver::sys;
+    let candle_core::Device::Cuda(dev) = device else {
+        return Ok(());
+    };
+    let cu_device = dev.cuda_stream().context().cu_device();
+    let mut pool: sys::CUmemoryPool = std::ptr::null_mut();
+    let mut threshold = u64::MAX;
+    // SAFETY: driver calls on a device the context was created for; both pointers outlive them.
+    let status = unsafe {
+        match sys::cuDeviceGetDefaultMemPool(&mut pool, cu_device) {
+            sys::CUresult::CUDA_SUCCESS => sys::cuMemPoolSetAttribute(
+                pool,
+                sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD,
+                (&mut threshold as *mut u64).cast(),
+            ),
+            error => error,
+        }
+    };
+    if status != sys::CUresult::CUDA_SUCCESS {
+        bail!("cannot set the CUDA memory pool's release threshold: {status:?}");
+    }
+    Ok(())
+}
+
 /// pack-quantized int4/int8 → `[rows, cols]` in `dtype`. `scales`: f32 `[rows, groups]`;
 /// `zero_points`: i32 `[rows, groups]` or `None` (symmetric).
 pub fn dequant_int(
@@ -238,6 +266,103 @@ pub fn qdq_nvfp4(x: &Tensor, global_scale: f32) -> Result<Tensor> {
         // SAFETY: arguments match `qdq_nvfp4_*`.
         unsafe { b.launch(grid_1d(groups as usize)) }.w()?;
         Ok(wrap(out, dev, (rows, k)))
+    }))
+}
+
+/// transformers' RMSNorm of `x + residual` (or of `x`) over the last dimension, in one pass.
+/// Returns the rounded sum (when there is a residual) and the normalised, weighted rows.
+pub fn rms_norm(
+    x: &Tensor,
+    residual: Option<&Tensor>,
+    weight: &Tensor,
+    eps: f32,
+) -> Result<(Option<Tensor>, Tensor)> {
+    let x = x.contiguous()?;
+    let residual = residual.map(|r| r.contiguous()).transpose()?;
+    let dims = x.dims().to_vec();
+    let cols = *dims.last().unwrap_or(&0);
+    let rows = x.elem_count() / cols.max(1);
+    if residual
+        .as_ref()
+        .is_some_and(|r| r.dims() != dims.as_slice())
+        || weight.dims() != [cols]
+        || weight.dtype() != x.dtype()
+    {
+        bail!(
+            "rms_norm: x {dims:?}, residual {:?}, weight {:?} {:?}",
+            residual.as_ref().map(|r| r.dims().to_vec()),
+            weight.dims(),
+            weight.dtype()
+        );
+    }
+    let name = kernel_name("rms_norm", x.dtype());
+    with_float_type!(x.dtype(), T => with_slice::<T, _>(&x, |xs, xo, dev| {
+        with_slice::<T, _>(weight, |ws, wo, _| {
+            let func = dev.get_or_load_custom_func(&name, MODULE, PTX)?;
+            // SAFETY: the kernel writes every element of `out`, and of `sum` when there is a
+            // residual (otherwise `sum` is a 1-element placeholder it never touches).
+            let (out, sum) = unsafe {
+                (dev.alloc::<T>(rows * cols)?, dev.alloc::<T>(if residual.is_some() { rows * cols } else { 1 })?)
+            };
+            let (xs, ws) = (xs.slice(xo..), ws.slice(wo..));
+            let (c32, null) = (cols as i32, 0u64);
+            let launch = |r: Option<&CudaSlice<T>>, ro: usize| -> Result<()> {
+                let r = r.map(|r| r.slice(ro..));
+                let mut b = func.builder();
+                b.arg(&xs);
+                match &r {
+                    Some(r) => b.arg(r),
+                    None => b.arg(&null),
+                };
+                b.arg(&ws).arg(&sum).arg(&out).arg(&c32).arg(&eps);
+                // SAFETY: arguments match `rms_norm_*` (one 256-thread block per row).
+                unsafe { b.launch(grid_rows(rows)) }.w()?;
+                Ok(())
+            };
+            match &residual {
+                Some(r) => with_slice::<T, _>(r, |rs, ro, _| launch(Some(rs), ro))?,
+                None => launch(None, 0)?,
+            }
+            let sum = residual.is_some().then(|| wrap(sum, dev, dims.clone()));
+            Ok((sum, wrap(out, dev, dims.clone())))
+        })
+    }))
+}
+
+/// `silu(gate) * up` in one pass (SwiGLU), rounded as PyTorch rounds it in the compute dtype.
+pub fn silu_mul(gate: &Tensor, up: &Tensor) -> Result<Tensor> {
+    let (gate, up) = (gate.contiguous()?, up.contiguous()?);
+    if gate.dims() != up.dims() || gate.dtype() != up.dtype() {
+        bail!(
+            "silu_mul: gate {:?} and up {:?} differ",
+            gate.dims(),
+            up.dims()
+        );
+    }
+    let n = gate.elem_count();
+    let row = *gate.dims().last().unwrap_or(&0);
+    if n % 8 != 0 || row % 8 != 0 {
+        bail!(
+            "silu_mul needs rows of a multiple of 8 elements, got {:?}",
+            gate.dims()
+        );
+    }
+    let name = kernel_name("silu_mul", gate.dtype());
+    with_float_type!(gate.dtype(), T => with_slice::<T, _>(&gate, |gs, go, dev| {
+        with_slice::<T, _>(&up, |us, uo, _| {
+            if go % 8 != 0 || uo % 8 != 0 {
+                bail!("silu_mul needs 16-byte aligned inputs");
+            }
+            let func = dev.get_or_load_custom_func(&name, MODULE, PTX)?;
+            // SAFETY: the kernel writes every element.
+            let out = unsafe { dev.alloc::<T>(n) }?;
+            let (gs, us, n64) = (gs.slice(go..), us.slice(uo..), n as i64);
+            let mut b = func.builder();
+            b.arg(&gs).arg(&us).arg(&out).arg(&n64);
+            // SAFETY: arguments match `silu_mul_*` (one thread per 8 elements).
+            unsafe { b.launch(grid_1d(n / 8)) }.w()?;
+            Ok(wrap(out, dev, gate.dims()))
+        })
     }))
 }
 

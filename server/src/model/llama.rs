@@ -23,12 +23,14 @@ pub struct ModelOptions {
     pub attention: AttentionKernel,
 }
 
-/// How attention runs. `Materialized` (the default) computes the `[heads, T, T]` scores in f32
-/// and is what every figure in the README was measured with; `Flash` is the fused GPU kernel
-/// (CUDA, bf16/f16 compute, head_dim 64 or 128), refused at load anywhere else.
+/// How attention runs. `Materialized` computes the `[heads, T, T]` scores in f32 (every device
+/// and dtype; the exact f32 path); `Flash` is the fused GPU kernel (CUDA, bf16/f16 compute,
+/// head_dim 64 or 128), refused at load anywhere else. `Auto` (the default) takes `Flash` where
+/// it exists and `Materialized` elsewhere; the model reports which one it resolved to.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub enum AttentionKernel {
     #[default]
+    Auto,
     Materialized,
     Flash,
 }
@@ -72,11 +74,29 @@ impl RmsNorm {
     }
 
     /// transformers' LlamaRMSNorm: normalise in f32, cast back, then scale by the weight.
-    /// On a GPU one fused kernel (f32 accumulation, a single rounding at the end instead of two).
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        Ok(self.add_and_forward(x, None)?.1)
+    }
+
+    /// `(x + residual, norm(x + residual))`, or `(x, norm(x))` without a residual: the residual
+    /// stream's next value and this norm's output. One kernel on a GPU, which rounds the norm
+    /// once instead of twice (identical in f32; closer to f32 in bf16/f16).
+    fn add_and_forward(&self, x: &Tensor, residual: Option<&Tensor>) -> Result<(Tensor, Tensor)> {
+        #[cfg(feature = "cuda")]
         if x.device().is_cuda() {
-            return candle_nn::ops::rms_norm(&x.contiguous()?, &self.weight, self.eps as f32);
+            let (sum, normed) = crate::cuda::rms_norm(x, residual, &self.weight, self.eps as f32)?;
+            return Ok((sum.unwrap_or_else(|| x.clone()), normed));
         }
+        let x = match residual {
+            Some(r) => (x + r)?,
+            None => x.clone(),
+        };
+        let normed = self.reference(&x)?;
+        Ok((x, normed))
+    }
+
+    /// The CPU path, op by op as transformers runs it.
+    fn reference(&self, x: &Tensor) -> Result<Tensor> {
         let dtype = x.dtype();
         let x32 = x.to_dtype(DType::F32)?;
         let variance = x32.sqr()?.mean_keepdim(D::Minus1)?;
@@ -328,12 +348,17 @@ impl Model {
         Ok(model)
     }
 
-    /// Switches the attention kernel; `Flash` is refused where the kernel does not exist.
+    /// Switches the attention kernel; `Flash` is refused where the kernel does not exist and
+    /// `Auto` resolves to the fastest one that does.
     pub fn set_attention(&mut self, kernel: AttentionKernel) -> std::result::Result<(), LoadError> {
         let lin = &self.opts.linear;
-        if kernel == AttentionKernel::Flash
-            && !flash_attention_available(&lin.device, self.config.head_dim, lin.dtype)
-        {
+        let flash = flash_attention_available(&lin.device, self.config.head_dim, lin.dtype);
+        let kernel = match kernel {
+            AttentionKernel::Auto if flash => AttentionKernel::Flash,
+            AttentionKernel::Auto => AttentionKernel::Materialized,
+            chosen => chosen,
+        };
+        if kernel == AttentionKernel::Flash && !flash {
             return Err(LoadError::Config {
                 field: "attention".into(),
                 reason: format!(
@@ -395,17 +420,22 @@ impl Model {
             );
         }
         let device = &self.opts.linear.device;
+        // `set_attention` never leaves `Auto` in the options.
         let flash = match self.opts.attention {
             AttentionKernel::Flash => Some(FlashIndex::new(&lens, device)?),
-            AttentionKernel::Materialized => None,
+            AttentionKernel::Materialized | AttentionKernel::Auto => None,
         };
         let batch = BatchLayout { lens, flash };
         let ids = Tensor::new(ids.as_slice(), device)?;
         let mut x = stage("embed", device, || self.embed_tokens.index_select(&ids, 0))?;
+        // Each layer's MLP output is added to the residual stream by the next norm (fused).
+        let mut pending = None;
         for layer in &self.layers {
-            x = layer.forward(&x, &batch, &self.rope)?;
+            (x, pending) = layer.forward(&x, pending.as_ref(), &batch, &self.rope)?;
         }
-        stage("norm", device, || self.norm.forward(&x))
+        stage("norm", device, || {
+            Ok(self.norm.add_and_forward(&x, pending.as_ref())?.1)
+        })
     }
 
     /// Scores a batch. Results come back in input order.
@@ -436,14 +466,27 @@ impl Model {
 }
 
 impl DecoderLayer {
-    fn forward(&self, x: &Tensor, batch: &BatchLayout, rope: &RopeTables) -> Result<Tensor> {
+    /// `x + pending` is the residual stream entering the layer (`pending`: the previous layer's
+    /// MLP output, not yet added). Returns the stream after attention and this layer's MLP
+    /// output, which the next norm adds.
+    fn forward(
+        &self,
+        x: &Tensor,
+        pending: Option<&Tensor>,
+        batch: &BatchLayout,
+        rope: &RopeTables,
+    ) -> Result<(Tensor, Option<Tensor>)> {
         let dev = x.device();
-        let normed = stage("norm", dev, || self.input_layernorm.forward(x))?;
+        let (x, normed) = stage("norm", dev, || {
+            self.input_layernorm.add_and_forward(x, pending)
+        })?;
         let attn = self.self_attn.forward(&normed, batch, rope)?;
-        let x = stage("residual", dev, || x + attn)?;
-        let normed = stage("norm", dev, || self.post_attention_layernorm.forward(&x))?;
+        let (x, normed) = stage("norm", dev, || {
+            self.post_attention_layernorm
+                .add_and_forward(&x, Some(&attn))
+        })?;
         let mlp = self.mlp.forward(&normed)?;
-        stage("residual", dev, || x + mlp)
+        Ok((x, Some(mlp)))
     }
 }
 
@@ -453,9 +496,7 @@ impl Mlp {
         let (gate, up) = stage("gate_up_proj", dev, || {
             Ok((self.gate_proj.forward(x)?, self.up_proj.forward(x)?))
         })?;
-        let act = stage("silu_mul", dev, || {
-            candle_nn::Activation::Silu.forward(&gate)? * up
-        })?;
+        let act = stage("silu_mul", dev, || silu_mul(&gate, &up))?;
         stage("down_proj", dev, || self.down_proj.forward(&act))
     }
 }
@@ -621,6 +662,15 @@ impl Attention {
             .reshape((len, heads * dim))?
             .to_dtype(dtype)
     }
+}
+
+/// SwiGLU `silu(gate) * up`: one fused kernel on a GPU.
+fn silu_mul(gate: &Tensor, up: &Tensor) -> Result<Tensor> {
+    #[cfg(feature = "cuda")]
+    if gate.device().is_cuda() {
+        return crate::cuda::silu_mul(gate, up);
+    }
+    candle_nn::Activation::Silu.forward(gate)? * up
 }
 
 /// `[len, len]` additive mask: 0 where key j is visible from query i, -inf elsewhere.
