@@ -1,8 +1,13 @@
 #!/usr/bin/env bash
 # Runs on the lent GPU machine (no Rust toolchain there): GPU-vs-CPU numerics on the fixtures,
-# the throughput table, and the transformers baseline on the same shape, in one command.
-#   bash scripts/device_bench.sh [check] [speed FORMATS BATCHES] [baseline BATCHES]
+# the throughput table, the transformers baseline on the same shape, and WikiText-2 through the
+# real HTTP server, in one command.
+#   bash scripts/device_bench.sh [check] [speed FORMATS BATCHES] [baseline BATCHES] [summary]
+#                                [wikitext FORMAT CONCURRENCY]
 # Binaries come gzipped in .device/ (see docs/performance.md); results go to $OUT.
+# Environment: SHAPE (llama3-8b), ATTENTION (kernels timed by `speed`), SERVER_ATTENTION (the
+# server's kernel in `wikitext`), TOKENIZER (a directory with tokenizer.json for `wikitext`; the
+# figures in docs/performance.md use SmolLM2's, made by scripts/smollm2_tokenizer.py).
 set -uo pipefail
 export LD_LIBRARY_PATH=/opt/torch/.venv/lib/python3.12/site-packages/nvidia/cu13/lib:${LD_LIBRARY_PATH:-}
 OUT=${OUT:-/tmp/exactscore-out}
@@ -13,12 +18,45 @@ for b in .device/*.gz; do
 done
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/device.txt"
 SHAPE=${SHAPE:-llama3-8b}
-ATTENTION=${ATTENTION:-materialized,flash}   # attention kernels timed by `speed`
+ATTENTION=${ATTENTION:-materialized,flash}
+TOKENIZER=${TOKENIZER:-tests/fixtures/llama-w4a16-g128}
+
+# WikiText-2 test split, exl3 windows (ctx 2048, stride 512), through exactscore-server on a
+# random-weight checkpoint of $SHAPE written to disk; prints the client's wall time.
+wikitext() {
+  local format=$1 concurrency=$2 dir=/tmp/ckpt-$SHAPE-$1 port=8765
+  [ -f "$dir/model.safetensors" ] || /tmp/exactscore-bench write-checkpoint --shape "$SHAPE" \
+    --format "$format" --out "$dir" --tokenizer "$TOKENIZER" || return 1
+  local t0=$(date +%s.%N)
+  /tmp/exactscore-server --model "$dir" --device cuda:0 --dtype bf16 \
+    --attention "${SERVER_ATTENTION:-auto}" --max-input-tokens 2048 --port $port \
+    > "$OUT/server-$format.log" 2>&1 &
+  local server=$!
+  python3 - "$port" <<'PY' || { kill $server; tail -20 "$OUT/server-$format.log"; return 1; }
+import sys, time, urllib.request
+for _ in range(600):
+    try:
+        urllib.request.urlopen(f"http://127.0.0.1:{sys.argv[1]}/health/ready", timeout=1); sys.exit(0)
+    except Exception:
+        time.sleep(0.5)
+sys.exit("server not ready after 300 s")
+PY
+  local t1=$(date +%s.%N)
+  /tmp/exactscore ppl --server http://127.0.0.1:$port --dataset wikitext2 \
+    --wikitext-path tests/fixtures/corpus/wikitext-2-raw-test.txt.gz --method exl3 --ctx 2048 \
+    --stride 512 --concurrency "$concurrency" --no-progress --json "$OUT/wikitext-$format.json"
+  local rc=$? t2=$(date +%s.%N)
+  kill -TERM $server; wait $server
+  echo "wikitext2 $SHAPE $format: server start to ready $(awk "BEGIN{print $t1 - $t0}") s, ppl run $(awk "BEGIN{print $t2 - $t1}") s (client exit $rc)" | tee -a "$OUT/wikitext.txt"
+}
+
 while [ $# -gt 0 ]; do
   case "$1" in
     check) /tmp/exactscore-bench check --fixtures tests/fixtures 2>&1 | tee "$OUT/check.txt"; shift ;;
     speed) /tmp/exactscore-bench speed --shape "$SHAPE" --formats "$2" --batch "$3" --attention "$ATTENTION" --profile 2>&1 | tee -a "$OUT/speed.txt"; shift 3 ;;
     baseline) python3 scripts/baseline_transformers.py --shape "$SHAPE" --batch "$2" 2>&1 | tee -a "$OUT/baseline.txt"; shift 2 ;;
+    wikitext) wikitext "$2" "$3" 2>&1 | tee -a "$OUT/wikitext-run.txt"; shift 3 ;;
+    summary) python3 scripts/bench_summary.py "$OUT/speed.txt" "$OUT/baseline.txt" | tee "$OUT/summary.txt"; shift ;;
     *) echo "unknown step $1"; exit 2 ;;
   esac
 done

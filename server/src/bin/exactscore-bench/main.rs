@@ -8,6 +8,8 @@
 //!   windows of a random-weight model of that shape (built in memory, no file), through the same
 //!   `Model::score` the server uses, and prints ms/window, tokens/s, fraction of the measured
 //!   cuBLAS bf16 ceiling and peak GPU memory, for each `--attention` kernel.
+//! * `write-checkpoint --shape llama3-8b --format w4a16 --out DIR --tokenizer TOKDIR`: the same
+//!   random model as a Hugging Face directory on disk, for end-to-end runs through the server.
 
 use std::path::{Path, PathBuf};
 use std::time::Instant;
@@ -67,6 +69,20 @@ enum Command {
         #[arg(long)]
         profile: bool,
     },
+    /// Writes a random-weight checkpoint of a real shape to disk (config.json, model.safetensors
+    /// and the tokenizer files copied from `--tokenizer`).
+    WriteCheckpoint {
+        #[arg(long, default_value = "llama3-8b")]
+        shape: String,
+        /// One of w4a16, nvfp4, nvfp4a16, fp8, bf16.
+        #[arg(long, default_value = "w4a16")]
+        format: String,
+        #[arg(long)]
+        out: PathBuf,
+        /// Directory holding tokenizer.json (and optionally tokenizer_config.json).
+        #[arg(long)]
+        tokenizer: PathBuf,
+    },
 }
 
 fn main() -> Result<()> {
@@ -96,14 +112,46 @@ fn main() -> Result<()> {
                 .collect::<Result<Vec<_>>>()?,
             profile,
         ),
+        Command::WriteCheckpoint {
+            shape,
+            format,
+            out,
+            tokenizer,
+        } => write_checkpoint(&shape, &format, &out, &tokenizer),
     }
+}
+
+fn write_checkpoint(shape: &str, format: &str, out: &Path, tokenizer: &Path) -> Result<()> {
+    let shape =
+        random_model::Shape::named(shape).with_context(|| format!("unknown shape {shape}"))?;
+    let t = Instant::now();
+    random_model::write(&shape, format, out)?;
+    for file in ["tokenizer.json", "tokenizer_config.json"] {
+        let src = tokenizer.join(file);
+        if src.exists() || file == "tokenizer.json" {
+            std::fs::copy(&src, out.join(file))
+                .with_context(|| format!("copying {}", src.display()))?;
+        }
+    }
+    println!(
+        "wrote {} ({format}) to {} in {:.1} s",
+        shape.name,
+        out.display(),
+        t.elapsed().as_secs_f64()
+    );
+    Ok(())
 }
 
 fn parse_device(s: &str) -> Result<Device> {
     Ok(match s {
         "cpu" => Device::Cpu,
         s => match s.strip_prefix("cuda:") {
-            Some(i) => Device::new_cuda(i.parse()?)?,
+            Some(i) => {
+                let device = Device::new_cuda(i.parse()?)?;
+                #[cfg(feature = "cuda")]
+                exactscore_server::cuda::retain_freed_memory(&device)?;
+                device
+            }
             None => bail!("device `{s}`: expected cpu or cuda:N"),
         },
     })

@@ -2,6 +2,7 @@
 //! so the benchmark exercises the same loader and engine as a real checkpoint.
 
 use std::collections::HashMap;
+use std::path::Path;
 
 use anyhow::{bail, Result};
 use exactscore_server::model::checkpoint::{Checkpoint, HostTensor};
@@ -168,8 +169,52 @@ fn quantization_config(format: &str) -> Result<Option<serde_json::Value>> {
     })))
 }
 
-/// A random checkpoint of `shape` in `format`, with its config.
+/// A random checkpoint of `shape` in `format`, with its config, in memory.
 pub fn build(shape: &Shape, format: &str) -> Result<(ModelConfig, Checkpoint)> {
+    let (config, tensors) = tensors(shape, format)?;
+    let config = ModelConfig::from_json(&config.to_string())?;
+    Ok((config, Checkpoint::from_memory(tensors)))
+}
+
+/// Writes a random checkpoint of `shape` in `format` to `dir` as a Hugging Face model directory
+/// (`config.json` + `model.safetensors`), so the real server can load it.
+pub fn write(shape: &Shape, format: &str, dir: &Path) -> Result<()> {
+    let (config, tensors) = tensors(shape, format)?;
+    std::fs::create_dir_all(dir)?;
+    std::fs::write(
+        dir.join("config.json"),
+        serde_json::to_string_pretty(&config)?,
+    )?;
+    let mut names: Vec<&String> = tensors.keys().collect();
+    names.sort();
+    let views = names.into_iter().map(|n| (n.as_str(), StView(&tensors[n])));
+    safetensors::serialize_to_file(views, None, &dir.join("model.safetensors"))?;
+    Ok(())
+}
+
+/// A [`HostTensor`] as safetensors serializes it.
+struct StView<'a>(&'a HostTensor);
+
+impl safetensors::View for StView<'_> {
+    fn dtype(&self) -> Dtype {
+        self.0.dtype
+    }
+    fn shape(&self) -> &[usize] {
+        &self.0.shape
+    }
+    fn data(&self) -> std::borrow::Cow<'_, [u8]> {
+        std::borrow::Cow::Borrowed(&self.0.data)
+    }
+    fn data_len(&self) -> usize {
+        self.0.data.len()
+    }
+}
+
+/// The config.json and the tensors of a random checkpoint of `shape` in `format`.
+fn tensors(
+    shape: &Shape,
+    format: &str,
+) -> Result<(serde_json::Value, HashMap<String, HostTensor>)> {
     let quant = quantization_config(format)?;
     let config = json!({
         "architectures": ["LlamaForCausalLM"], "vocab_size": shape.vocab, "hidden_size": shape.hidden,
@@ -179,7 +224,6 @@ pub fn build(shape: &Shape, format: &str) -> Result<(ModelConfig, Checkpoint)> {
             "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
         "max_position_embeddings": 131072, "dtype": "bfloat16", "quantization_config": quant,
     });
-    let config = ModelConfig::from_json(&config.to_string())?;
     let mut rng = Rng(0x9E37_79B9_7F4A_7C15);
     let mut t: HashMap<String, HostTensor> = HashMap::new();
     let f32_bytes = |v: f32| v.to_le_bytes().to_vec();
@@ -262,7 +306,7 @@ pub fn build(shape: &Shape, format: &str) -> Result<(ModelConfig, Checkpoint)> {
             }
         }
     }
-    Ok((config, Checkpoint::from_memory(t)))
+    Ok((config, t))
 }
 
 /// Average stored bits per weight over the decoder Linears (lm_head excluded).
