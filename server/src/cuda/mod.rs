@@ -4,7 +4,7 @@
 #![allow(unsafe_code)]
 
 use candle_core::cuda_backend::cudarc::driver::{
-    CudaSlice, DeviceRepr, LaunchConfig, PushKernelArg,
+    CudaSlice, CudaView, DeviceRepr, LaunchConfig, PinnedHostSlice, PushKernelArg,
 };
 use candle_core::cuda_backend::{CudaDType, CudaDevice, CudaStorage, WrapErr};
 use candle_core::op::BackpropOp;
@@ -377,38 +377,80 @@ pub struct RowScores {
 }
 
 /// Fused log-softmax + gather + argmax + top-k over `logits` `[rows, vocab]`.
-/// `targets[i] < 0` means row i has no target.
+/// `targets[i] < 0` means row i has no target. The kernel writes all five vectors into one
+/// device buffer, which comes back in one copy into a reused pinned host buffer.
 pub fn score_rows(logits: &Tensor, targets: &[i32], top_k: usize) -> Result<RowScores> {
     let logits = logits.contiguous()?;
     let (rows, vocab) = logits.dims2()?;
     if top_k > 20 {
         bail!("top_k {top_k} exceeds the kernel's maximum of 20");
     }
+    // Layout of the buffer, 4-byte words: target logprob, argmax id, argmax logprob (one per
+    // row each), then the top-k ids and logprobs (`rows * top_k` each).
+    let top_len = rows * top_k;
+    let words = 3 * rows + 2 * top_len;
     let name = kernel_name("score_rows", logits.dtype());
-    let (tl, ai, al, ti, tp) = with_float_type!(logits.dtype(), T => with_slice::<T, _>(&logits, |ls, lo, dev| {
+    let host = with_float_type!(logits.dtype(), T => with_slice::<T, _>(&logits, |ls, lo, dev| {
         let func = dev.get_or_load_custom_func(&name, MODULE, PTX)?;
         let targets = dev.clone_htod(targets)?;
-        let k_alloc = (rows * top_k).max(1);
-        // SAFETY: the kernel writes every element it is asked for (top-k only when k > 0).
-        let (tl, ai, al, ti, tp) = unsafe {
-            (dev.alloc::<f32>(rows)?, dev.alloc::<u32>(rows)?, dev.alloc::<f32>(rows)?,
-             dev.alloc::<u32>(k_alloc)?, dev.alloc::<f32>(k_alloc)?)
-        };
+        // SAFETY: the kernel writes every word: three per row, and the top-k when k > 0.
+        let out = unsafe { dev.alloc::<u32>(words.max(1)) }?;
+        let part = |at: usize| out.slice(at.min(words.saturating_sub(1))..);
+        let (tl, ai, al) = (part(0), part(rows), part(2 * rows));
+        let (ti, tp) = (part(3 * rows), part(3 * rows + top_len));
         let ls = ls.slice(lo..);
         let (v32, k32) = (vocab as i32, top_k as i32);
         let mut b = func.builder();
         b.arg(&ls).arg(&v32).arg(&targets).arg(&k32).arg(&tl).arg(&ai).arg(&al).arg(&ti).arg(&tp);
-        // SAFETY: arguments match `score_rows_*`.
+        // SAFETY: arguments match `score_rows_*` (f32 and i32 outputs are 4-byte words here).
         unsafe { b.launch(grid_rows(rows)) }.w()?;
-        Ok((wrap(tl, dev, rows), wrap(ai, dev, rows), wrap(al, dev, rows), wrap(ti, dev, k_alloc), wrap(tp, dev, k_alloc)))
+        copy_to_host(dev, &out.slice(0..words))
     }))?;
-    let top_len = rows * top_k;
+    let f32s =
+        |range: std::ops::Range<usize>| host[range].iter().map(|&w| f32::from_bits(w)).collect();
     Ok(RowScores {
-        target_logprob: tl.to_vec1()?,
-        argmax: ai.to_vec1()?,
-        argmax_logprob: al.to_vec1()?,
-        top_ids: ti.narrow(0, 0, top_len)?.to_vec1()?,
-        top_logprobs: tp.narrow(0, 0, top_len)?.to_vec1()?,
+        target_logprob: f32s(0..rows),
+        argmax: host[rows..2 * rows].to_vec(),
+        argmax_logprob: f32s(2 * rows..3 * rows),
+        top_ids: host[3 * rows..3 * rows + top_len].to_vec(),
+        top_logprobs: f32s(3 * rows + top_len..words),
+    })
+}
+
+thread_local! {
+    /// Page-locked host memory for [`copy_to_host`], grown on demand and reused: a pageable
+    /// destination would be staged by the driver at a fraction of the bandwidth.
+    static PINNED: std::cell::RefCell<Option<PinnedHostSlice<u32>>> = const { std::cell::RefCell::new(None) };
+}
+
+/// Copies `src` to the host through this thread's reused pinned buffer.
+fn copy_to_host(dev: &CudaDevice, src: &CudaView<u32>) -> Result<Vec<u32>> {
+    let stream = dev.cuda_stream();
+    PINNED.with_borrow_mut(|slot| {
+        let fits = slot.as_ref().is_some_and(|p| {
+            p.len() >= src.len() && std::sync::Arc::ptr_eq(p.context(), stream.context())
+        });
+        if !fits {
+            // Flags 0, not the write-combined default: the host reads this memory.
+            // SAFETY: only the prefix a copy has just written is read below.
+            *slot = Some(
+                unsafe {
+                    stream
+                        .context()
+                        .alloc_pinned_with_flags(src.len().max(1), 0)
+                }
+                .w()?,
+            );
+        }
+        let Some(pinned) = slot.as_mut() else {
+            bail!("pinned host buffer missing after allocation")
+        };
+        // The copy's size is the destination's: hand over exactly `src.len()` words. cudarc
+        // records no completion event for it (candle turns event tracking off), hence the sync.
+        let dst = &mut pinned.as_mut_slice().w()?[..src.len()];
+        stream.memcpy_dtoh(src, dst).w()?;
+        stream.synchronize().w()?;
+        Ok(dst.to_vec())
     })
 }
 

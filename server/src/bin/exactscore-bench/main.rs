@@ -241,6 +241,24 @@ fn diff(a: &[SequenceScores], b: &[SequenceScores]) -> (f64, f64) {
     )
 }
 
+/// Fraction of rows whose argmax id, and whose top-k id list, agree between two runs.
+fn ranking_agreement(a: &[SequenceScores], b: &[SequenceScores]) -> (f64, f64) {
+    let rows: Vec<_> = a
+        .iter()
+        .zip(b)
+        .flat_map(|(x, y)| x.rows.iter().zip(&y.rows))
+        .collect();
+    let share = |same: usize| same as f64 / rows.len().max(1) as f64;
+    let argmax = rows
+        .iter()
+        .filter(|(x, y)| x.argmax.0 == y.argmax.0)
+        .count();
+    let ids =
+        |r: &exactscore_server::model::RowScore| r.top_k.iter().map(|t| t.0).collect::<Vec<_>>();
+    let top_k = rows.iter().filter(|(x, y)| ids(x) == ids(y)).count();
+    (share(argmax), share(top_k))
+}
+
 fn bits_equal(a: &Tensor, b: &Tensor) -> Result<bool> {
     let a = a.to_device(&Device::Cpu)?.flatten_all()?.to_vec1::<f32>()?;
     let b = b.to_device(&Device::Cpu)?.flatten_all()?.to_vec1::<f32>()?;
@@ -284,6 +302,8 @@ fn check(fixtures: &Path, device: &Device) -> Result<()> {
             let (max32, mean32) = diff(&g32, &cpu_scores);
             let (max16, mean16) = diff(&g16, &cpu_scores);
             let (max_flash, mean_flash) = diff(&f16, &cpu_scores);
+            // Greedy flags and top-k come from the same GPU rows: their ids must match the CPU.
+            let (argmax_agree, top_k_agree) = ranking_agreement(&g32, &cpu_scores);
             let ref_bf16_mean = reference["bf16_run"]["diff_stats_vs_f32"]["mean"]
                 .as_f64()
                 .unwrap_or(f64::NAN);
@@ -325,11 +345,15 @@ fn check(fixtures: &Path, device: &Device) -> Result<()> {
                 && (!weights_only
                     || (max32 <= 1e-4
                         && inv32 <= 1e-4
+                        && argmax_agree >= 0.99
+                        && top_k_agree >= 0.99
                         && mean16 <= 1.5 * ref_bf16_mean
                         && mean_flash <= 1.5 * ref_bf16_mean));
             failures += usize::from(!ok);
             rows.push(format!(
-                "| {label:<38} | {max32:9.2e} | {mean32:9.2e} | {max16:9.2e} | {mean16:9.2e} | {max_flash:9.2e} | {mean_flash:9.2e} | {ref_bf16_mean:9.2e} | {inv32:8.1e} / {inv16:8.1e} | {bitwise:5} / {flash_bitwise:5} | {dequant_exact:5} | {} |",
+                "| {label:<38} | {max32:9.2e} | {mean32:9.2e} | {:5.1}% / {:5.1}% | {max16:9.2e} | {mean16:9.2e} | {max_flash:9.2e} | {mean_flash:9.2e} | {ref_bf16_mean:9.2e} | {inv32:8.1e} / {inv16:8.1e} | {bitwise:5} / {flash_bitwise:5} | {dequant_exact:5} | {} |",
+                100.0 * argmax_agree,
+                100.0 * top_k_agree,
                 if ok { "ok" } else { "FAIL" }
             ));
         }
@@ -338,8 +362,8 @@ fn check(fixtures: &Path, device: &Device) -> Result<()> {
         }
     }
     println!("All |Δ| are per-token log-prob differences against the CPU f32 path.");
-    println!("| variant | f32 max |Δ| | f32 mean | bf16 max |Δ| | bf16 mean | bf16 flash max |Δ| | bf16 flash mean | reference bf16 mean | alone vs batched max |Δ| f32 / bf16 | bitwise (flash) | dequant bitwise | |");
-    println!("|---|---|---|---|---|---|---|---|---|---|---|---|");
+    println!("| variant | f32 max |Δ| | f32 mean | f32 argmax / top-5 ids = CPU | bf16 max |Δ| | bf16 mean | bf16 flash max |Δ| | bf16 flash mean | reference bf16 mean | alone vs batched max |Δ| f32 / bf16 | bitwise (flash) | dequant bitwise | |");
+    println!("|---|---|---|---|---|---|---|---|---|---|---|---|---|");
     for r in rows {
         println!("{r}");
     }
