@@ -138,10 +138,7 @@ fn load_model(config: &Config) -> Result<(Model, TextTokenizer, usize), AppError
         DeviceSpec::Cpu => Device::Cpu,
         DeviceSpec::Cuda(ids) => {
             let id = ids.first().copied().unwrap_or(0);
-            let device = Device::new_cuda(id);
-            #[cfg(feature = "cuda")]
-            let device = device.and_then(|d| crate::cuda::retain_freed_memory(&d).map(|()| d));
-            device.map_err(|e| AppError::Device {
+            crate::device::cuda(id).map_err(|e| AppError::Device {
                 device: format!("cuda:{id}"),
                 message: e.to_string(),
             })?

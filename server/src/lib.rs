@@ -5,6 +5,7 @@ pub mod app;
 pub mod config;
 #[cfg(feature = "cuda")]
 pub mod cuda;
+pub mod device;
 pub mod engine;
 pub mod http;
 pub mod model;

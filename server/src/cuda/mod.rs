@@ -86,7 +86,7 @@ fn wrap<T: CudaDType>(slice: CudaSlice<T>, dev: &CudaDevice, shape: impl Into<Sh
 /// Keeps memory freed by stream-ordered deallocations in the device's default pool instead of
 /// handing it back to the driver at every synchronization (the pool's default threshold is 0).
 /// Without this, each forward pass maps its activations afresh after the scoring step syncs.
-pub fn retain_freed_memory(device: &candle_core::Device) -> Result<()> {
+pub(crate) fn retain_freed_memory(device: &candle_core::Device) -> Result<()> {
     use candle_core::cuda_backend::cudarc::driver::sys;
     let candle_core::Device::Cuda(dev) = device else {
         return Ok(());
@@ -299,10 +299,10 @@ pub fn rms_norm(
     with_float_type!(x.dtype(), T => with_slice::<T, _>(&x, |xs, xo, dev| {
         with_slice::<T, _>(weight, |ws, wo, _| {
             let func = dev.get_or_load_custom_func(&name, MODULE, PTX)?;
-            // SAFETY: the kernel writes every element of `out`, and of `sum` when there is a
-            // residual (otherwise `sum` is a 1-element placeholder it never touches).
+            // SAFETY: the kernel writes every element of `out`, and of `sum` (which exists only
+            // with a residual).
             let (out, sum) = unsafe {
-                (dev.alloc::<T>(rows * cols)?, dev.alloc::<T>(if residual.is_some() { rows * cols } else { 1 })?)
+                (dev.alloc::<T>(rows * cols)?, residual.as_ref().map(|_| dev.alloc::<T>(rows * cols)).transpose()?)
             };
             let (xs, ws) = (xs.slice(xo..), ws.slice(wo..));
             let (c32, null) = (cols as i32, 0u64);
@@ -314,7 +314,12 @@ pub fn rms_norm(
                     Some(r) => b.arg(r),
                     None => b.arg(&null),
                 };
-                b.arg(&ws).arg(&sum).arg(&out).arg(&c32).arg(&eps);
+                b.arg(&ws);
+                match &sum {
+                    Some(s) => b.arg(s),
+                    None => b.arg(&null),
+                };
+                b.arg(&out).arg(&c32).arg(&eps);
                 // SAFETY: arguments match `rms_norm_*` (one 256-thread block per row).
                 unsafe { b.launch(grid_rows(rows)) }.w()?;
                 Ok(())
@@ -323,7 +328,7 @@ pub fn rms_norm(
                 Some(r) => with_slice::<T, _>(r, |rs, ro, _| launch(Some(rs), ro))?,
                 None => launch(None, 0)?,
             }
-            let sum = residual.is_some().then(|| wrap(sum, dev, dims.clone()));
+            let sum = sum.map(|s| wrap(s, dev, dims.clone()));
             Ok((sum, wrap(out, dev, dims.clone())))
         })
     }))
@@ -395,7 +400,7 @@ pub fn score_rows(logits: &Tensor, targets: &[i32], top_k: usize) -> Result<RowS
         let targets = dev.clone_htod(targets)?;
         // SAFETY: the kernel writes every word: three per row, and the top-k when k > 0.
         let out = unsafe { dev.alloc::<u32>(words.max(1)) }?;
-        let part = |at: usize| out.slice(at.min(words.saturating_sub(1))..);
+        let part = |at: usize| out.slice(at..);
         let (tl, ai, al) = (part(0), part(rows), part(2 * rows));
         let (ti, tp) = (part(3 * rows), part(3 * rows + top_len));
         let ls = ls.slice(lo..);

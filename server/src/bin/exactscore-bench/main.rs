@@ -126,12 +126,13 @@ fn write_checkpoint(shape: &str, format: &str, out: &Path, tokenizer: &Path) -> 
         random_model::Shape::named(shape).with_context(|| format!("unknown shape {shape}"))?;
     let t = Instant::now();
     random_model::write(&shape, format, out)?;
-    for file in ["tokenizer.json", "tokenizer_config.json"] {
+    let copy = |file: &str| {
         let src = tokenizer.join(file);
-        if src.exists() || file == "tokenizer.json" {
-            std::fs::copy(&src, out.join(file))
-                .with_context(|| format!("copying {}", src.display()))?;
-        }
+        std::fs::copy(&src, out.join(file)).with_context(|| format!("copying {}", src.display()))
+    };
+    copy("tokenizer.json")?;
+    if tokenizer.join("tokenizer_config.json").exists() {
+        copy("tokenizer_config.json")?;
     }
     println!(
         "wrote {} ({format}) to {} in {:.1} s",
@@ -146,12 +147,7 @@ fn parse_device(s: &str) -> Result<Device> {
     Ok(match s {
         "cpu" => Device::Cpu,
         s => match s.strip_prefix("cuda:") {
-            Some(i) => {
-                let device = Device::new_cuda(i.parse()?)?;
-                #[cfg(feature = "cuda")]
-                exactscore_server::cuda::retain_freed_memory(&device)?;
-                device
-            }
+            Some(i) => exactscore_server::device::cuda(i.parse()?)?,
             None => bail!("device `{s}`: expected cpu or cuda:N"),
         },
     })

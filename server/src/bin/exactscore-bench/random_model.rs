@@ -7,6 +7,7 @@ use std::path::Path;
 use anyhow::{bail, Result};
 use exactscore_server::model::checkpoint::{Checkpoint, HostTensor};
 use exactscore_server::model::{Model, ModelConfig};
+use safetensors::tensor::TensorView;
 use safetensors::Dtype;
 use serde_json::json;
 
@@ -187,27 +188,18 @@ pub fn write(shape: &Shape, format: &str, dir: &Path) -> Result<()> {
     )?;
     let mut names: Vec<&String> = tensors.keys().collect();
     names.sort();
-    let views = names.into_iter().map(|n| (n.as_str(), StView(&tensors[n])));
+    let views = names
+        .into_iter()
+        .map(|n| {
+            let t = &tensors[n];
+            Ok((
+                n.as_str(),
+                TensorView::new(t.dtype, t.shape.clone(), &t.data)?,
+            ))
+        })
+        .collect::<Result<Vec<_>>>()?;
     safetensors::serialize_to_file(views, None, &dir.join("model.safetensors"))?;
     Ok(())
-}
-
-/// A [`HostTensor`] as safetensors serializes it.
-struct StView<'a>(&'a HostTensor);
-
-impl safetensors::View for StView<'_> {
-    fn dtype(&self) -> Dtype {
-        self.0.dtype
-    }
-    fn shape(&self) -> &[usize] {
-        &self.0.shape
-    }
-    fn data(&self) -> std::borrow::Cow<'_, [u8]> {
-        std::borrow::Cow::Borrowed(&self.0.data)
-    }
-    fn data_len(&self) -> usize {
-        self.0.data.len()
-    }
 }
 
 /// The config.json and the tensors of a random checkpoint of `shape` in `format`.
