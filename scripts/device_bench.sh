@@ -4,10 +4,12 @@
 # real HTTP server, in one command.
 #   bash scripts/device_bench.sh [check] [speed FORMATS BATCHES] [baseline BATCHES] [summary]
 #                                [wikitext FORMAT CONCURRENCY]
-# Binaries come gzipped in .device/ (see docs/performance.md); results go to $OUT.
+# Binaries come gzipped in .device/ (see docs/performance.md); results go to $OUT. Exits 1 when a
+# step failed (a numerics miss, a crash, a failed client run, a missed SUMMARY_GATE).
 # Environment: SHAPE (llama3-8b), ATTENTION (kernels timed by `speed`), SERVER_ATTENTION (the
 # server's kernel in `wikitext`), TOKENIZER (a directory with tokenizer.json for `wikitext`; the
-# figures in docs/performance.md use SmolLM2's, made by scripts/smollm2_tokenizer.py).
+# figures in docs/performance.md use SmolLM2's, made by scripts/smollm2_tokenizer.py),
+# SUMMARY_GATE (`summary`'s acceptance bound: FORMAT BATCH MIN_RATIO MAX_PEAK_GIB).
 set -uo pipefail
 export LD_LIBRARY_PATH=/opt/torch/.venv/lib/python3.12/site-packages/nvidia/cu13/lib:${LD_LIBRARY_PATH:-}
 OUT=${OUT:-/tmp/exactscore-out}
@@ -20,6 +22,8 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | 
 SHAPE=${SHAPE:-llama3-8b}
 ATTENTION=${ATTENTION:-materialized,flash}
 TOKENIZER=${TOKENIZER:-tests/fixtures/llama-w4a16-g128}
+SUMMARY_GATE=${SUMMARY_GATE:-w4a16 4 1.0 8}
+status=0
 
 # WikiText-2 test split, exl3 windows (ctx 2048, stride 512), through exactscore-server on a
 # random-weight checkpoint of $SHAPE written to disk; prints the client's wall time.
@@ -48,15 +52,25 @@ PY
   local rc=$? t2=$(date +%s.%N)
   kill -TERM $server; wait $server
   echo "wikitext2 $SHAPE $format: server start to ready $(awk "BEGIN{print $t1 - $t0}") s, ppl run $(awk "BEGIN{print $t2 - $t1}") s (client exit $rc)" | tee -a "$OUT/wikitext.txt"
+  return $rc
+}
+
+# Runs one step, its output also appended to $OUT/LOG; a failing step marks the run failed.
+step() {
+  local log=$1; shift
+  "$@" 2>&1 | tee -a "$OUT/$log"
+  [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 }
 
 while [ $# -gt 0 ]; do
   case "$1" in
-    check) /tmp/exactscore-bench check --fixtures tests/fixtures 2>&1 | tee "$OUT/check.txt"; shift ;;
-    speed) /tmp/exactscore-bench speed --shape "$SHAPE" --formats "$2" --batch "$3" --attention "$ATTENTION" --profile 2>&1 | tee -a "$OUT/speed.txt"; shift 3 ;;
-    baseline) python3 scripts/baseline_transformers.py --shape "$SHAPE" --batch "$2" 2>&1 | tee -a "$OUT/baseline.txt"; shift 2 ;;
-    wikitext) wikitext "$2" "$3" 2>&1 | tee -a "$OUT/wikitext-run.txt"; shift 3 ;;
-    summary) python3 scripts/bench_summary.py "$OUT/speed.txt" "$OUT/baseline.txt" | tee "$OUT/summary.txt"; shift ;;
+    check) step check.txt /tmp/exactscore-bench check --fixtures tests/fixtures; shift ;;
+    speed) step speed.txt /tmp/exactscore-bench speed --shape "$SHAPE" --formats "$2" --batch "$3" --attention "$ATTENTION" --profile; shift 3 ;;
+    baseline) step baseline.txt python3 scripts/baseline_transformers.py --shape "$SHAPE" --batch "$2"; shift 2 ;;
+    wikitext) step wikitext-run.txt wikitext "$2" "$3"; shift 3 ;;
+    # shellcheck disable=SC2086 # SUMMARY_GATE is four words
+    summary) step summary.txt python3 scripts/bench_summary.py "$OUT/speed.txt" "$OUT/baseline.txt" --gate $SUMMARY_GATE; shift ;;
     *) echo "unknown step $1"; exit 2 ;;
   esac
 done
+exit $status
