@@ -107,7 +107,7 @@ pub struct SequenceScore {
 }
 
 /// Work done for a request.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, ToSchema)]
+#[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize, ToSchema)]
 pub struct Usage {
     /// Tokens sent through the model.
     pub input_tokens: usize,
@@ -127,13 +127,78 @@ pub struct ScoreResponse {
     pub usage: Usage,
 }
 
+/// `POST /kld`: exactly one of `tokens` and `text`. Needs a server started with a reference
+/// model (`--reference-model`).
+#[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct KldRequest {
+    /// Token ids (one sequence or a batch). Ids are checked against the vocabulary.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tokens: Option<TokensInput>,
+    /// Text to tokenize with the model's tokenizer.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub text: Option<TextInput>,
+    /// With `text`: let the tokenizer add its special tokens (BOS). Default true.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub add_special_tokens: Option<bool>,
+    /// Return the per-token arrays; `false` returns only the per-sequence sums. Default true.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub per_token: Option<bool>,
+}
+
+/// How the served model's next-token distributions differ from the reference model's over one
+/// sequence. Position i refers to token i (the distribution after token i − 1); position 0 is
+/// `null` in every array.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, ToSchema)]
+pub struct SequenceDivergence {
+    /// Position of this sequence in the request.
+    pub index: usize,
+    pub tokens: Vec<u32>,
+    /// KL(reference ‖ model) in nats, from both models' full f32 log-softmax rows, summed in
+    /// f64.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub kld: Option<Vec<Option<f64>>>,
+    /// The served model's log p(token_i | tokens_<i), f32.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub logprobs: Option<Vec<Option<f32>>>,
+    /// The reference model's log p(token_i | tokens_<i), f32.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reference_logprobs: Option<Vec<Option<f32>>>,
+    /// Whether both models' most likely token (lowest id on ties) was the same.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub same_top: Option<Vec<Option<bool>>>,
+    /// p_model(token_i) − p_reference(token_i).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub delta_p: Option<Vec<Option<f64>>>,
+    /// Positions with a divergence (length − 1).
+    pub num_scored: usize,
+    pub sum_kld: f64,
+    /// Σ −log p of the served model.
+    pub sum_nll: f64,
+    /// Σ −log p of the reference model.
+    pub reference_sum_nll: f64,
+    pub same_top_count: usize,
+    pub sum_delta_p: f64,
+    /// Σ Δp², for the RMS of Δp.
+    pub sum_delta_p_squared: f64,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, ToSchema)]
+pub struct KldResponse {
+    pub model: String,
+    pub reference_model: String,
+    /// One entry per input sequence, in request order.
+    pub sequences: Vec<SequenceDivergence>,
+    pub usage: Usage,
+}
+
 /// Every error response: what went wrong, its category and, for validation errors, the
 /// offending field, the rule it broke and the value it had.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, ToSchema)]
 pub struct ErrorBody {
     pub error: String,
     /// `invalid_json`, `validation`, `unauthorized`, `payload_too_large`, `overloaded`,
-    /// `not_ready`, `timeout`, `internal`, `not_found`.
+    /// `not_ready`, `timeout`, `internal`, `not_found`, `no_reference_model`.
     pub kind: String,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub field: Option<String>,
@@ -221,6 +286,21 @@ pub struct ModelInfo {
     pub devices: Vec<String>,
     pub limits: Limits,
     pub version: String,
+    /// The reference model `/kld` compares against; absent when none is loaded.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reference: Option<ReferenceInfo>,
+}
+
+/// The reference model of `/kld`, as `/info` reports it.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, ToSchema)]
+pub struct ReferenceInfo {
+    pub model: String,
+    pub architecture: String,
+    /// Weight format of each projection type.
+    pub formats: BTreeMap<String, String>,
+    /// Average stored bits per weight over the decoder Linear layers (scales included).
+    pub bits_per_weight: f64,
+    pub devices: Vec<String>,
 }
 
 /// `GET /v1/models` entry.

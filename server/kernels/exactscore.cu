@@ -291,6 +291,87 @@ __device__ void score_rows(const T* logits, int vocab, const int32_t* targets, i
     }
 }
 
+// ---- KL-divergence: one block (256 threads) per row of both models' logits --------------------
+
+// Block-wide best (value, lowest index on ties), broadcast to every thread.
+__device__ void block_best(float& v, int& i, float* s_val, int* s_idx) {
+    int tid = threadIdx.x;
+    s_val[tid] = v;
+    s_idx[tid] = i;
+    __syncthreads();
+    for (int s = SCORE_THREADS / 2; s > 0; s >>= 1) {
+        if (tid < s && better(s_val[tid + s], s_idx[tid + s], s_val[tid], s_idx[tid])) {
+            s_val[tid] = s_val[tid + s];
+            s_idx[tid] = s_idx[tid + s];
+        }
+        __syncthreads();
+    }
+    v = s_val[0];
+    i = s_idx[0];
+    __syncthreads();
+}
+
+// Block-wide sum in f64, broadcast to every thread (fixed order: deterministic).
+__device__ double block_sum(double v, double* s_sum) {
+    int tid = threadIdx.x;
+    s_sum[tid] = v;
+    __syncthreads();
+    for (int s = SCORE_THREADS / 2; s > 0; s >>= 1) {
+        if (tid < s) s_sum[tid] += s_sum[tid + s];
+        __syncthreads();
+    }
+    double total = s_sum[0];
+    __syncthreads();
+    return total;
+}
+
+// Per row: KL(reference || model) = sum_v p_ref(v) (log p_ref(v) - log p_model(v)) from the f32
+// logits of both models, with the log-sum-exps and the sum in f64 (mirrors model/kld.rs: kld_row);
+// identical rows give exactly 0. Also both models' log p(target) and argmax ids.
+template <typename T>
+__device__ void kld_rows(const T* ref_logits, const T* logits, int vocab, const int32_t* targets,
+                         double* kld, float* lp, float* ref_lp, int32_t* top, int32_t* ref_top) {
+    __shared__ float s_val[SCORE_THREADS];
+    __shared__ int s_idx[SCORE_THREADS];
+    __shared__ double s_sum[SCORE_THREADS];
+    const T* r = ref_logits + (long)blockIdx.x * vocab;
+    const T* m = logits + (long)blockIdx.x * vocab;
+    int tid = threadIdx.x;
+
+    float best_r = -INFINITY, best_m = -INFINITY;
+    int top_r = 0x7fffffff, top_m = 0x7fffffff;
+    for (int i = tid; i < vocab; i += SCORE_THREADS) {
+        float vr = to_f32(r[i]), vm = to_f32(m[i]);
+        if (better(vr, i, best_r, top_r)) { best_r = vr; top_r = i; }
+        if (better(vm, i, best_m, top_m)) { best_m = vm; top_m = i; }
+    }
+    block_best(best_r, top_r, s_val, s_idx);
+    block_best(best_m, top_m, s_val, s_idx);
+
+    double sum_r = 0.0, sum_m = 0.0;
+    for (int i = tid; i < vocab; i += SCORE_THREADS) {
+        sum_r += exp((double)(to_f32(r[i]) - best_r));
+        sum_m += exp((double)(to_f32(m[i]) - best_m));
+    }
+    double lse_r = best_r + log(block_sum(sum_r, s_sum));
+    double lse_m = best_m + log(block_sum(sum_m, s_sum));
+
+    double kl = 0.0;
+    for (int i = tid; i < vocab; i += SCORE_THREADS) {
+        double log_p_ref = (double)to_f32(r[i]) - lse_r;
+        kl += exp(log_p_ref) * (log_p_ref - ((double)to_f32(m[i]) - lse_m));
+    }
+    kl = block_sum(kl, s_sum);
+    if (tid == 0) {
+        int row = blockIdx.x, t = targets[row];
+        kld[row] = kl;
+        lp[row] = (float)((double)to_f32(m[t]) - lse_m);
+        ref_lp[row] = (float)((double)to_f32(r[t]) - lse_r);
+        top[row] = top_m;
+        ref_top[row] = top_r;
+    }
+}
+
 // ---- attention: fused scale + causal (sliding-window) mask + softmax over f32 scores ----------
 
 // `scores` is [heads * t, t] (row = head * t + query). Out-of-window entries become 0.
@@ -425,6 +506,11 @@ __device__ void silu_mul(const T* gate, const T* up, T* out, long n) {
                                                    float* tl, int32_t* ai, float* al, int32_t* ti,   \
                                                    float* tlp) {                                     \
         score_rows<T>(l, vocab, t, k, tl, ai, al, ti, tlp);                                          \
+    }                                                                                                \
+    extern "C" __global__ void kld_rows_##SUFFIX(const T* r, const T* l, int vocab, const int32_t* t, \
+                                                 double* k, float* lp, float* rlp, int32_t* top,     \
+                                                 int32_t* rtop) {                                    \
+        kld_rows<T>(r, l, vocab, t, k, lp, rlp, top, rtop);                                          \
     }
 
 DEQUANT_ENTRY(f32, float)

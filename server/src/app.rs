@@ -8,7 +8,7 @@ use std::sync::Arc;
 use std::time::{SystemTime, UNIX_EPOCH};
 
 use candle_core::{DType, Device};
-use exactscore_api::{Limits, ModelInfo};
+use exactscore_api::{Limits, ModelInfo, ReferenceInfo};
 use tokio::net::TcpListener;
 use tokio::sync::Semaphore;
 
@@ -29,6 +29,8 @@ pub enum AppError {
     Tokenizer(#[from] TokenizerError),
     #[error("device {device}: {message}")]
     Device { device: String, message: String },
+    #[error("reference model {dir}: {message}")]
+    Reference { dir: String, message: String },
     #[error("warm-up batch failed: {0}")]
     WarmUp(#[from] EngineError),
     #[error("{0}")]
@@ -69,28 +71,32 @@ impl Server {
         Ok(Self { state, engine })
     }
 
-    /// Loads the model named by `config` and starts it (blocking work runs off the runtime).
+    /// Loads the model named by `config` (and its reference model, if any) and starts it
+    /// (blocking work runs off the runtime).
     pub async fn load(config: &Config) -> Result<Self, AppError> {
         let cfg = config.clone();
-        let (model, tokenizer, max_input_tokens) =
-            tokio::task::spawn_blocking(move || load_model(&cfg))
-                .await
-                .map_err(|e| AppError::Io(std::io::Error::other(e)))??;
+        let loaded = tokio::task::spawn_blocking(move || load_models(&cfg))
+            .await
+            .map_err(|e| AppError::Io(std::io::Error::other(e)))??;
         let limits = Limits {
-            max_input_tokens,
+            max_input_tokens: loaded.max_input_tokens,
             max_batch_tokens: config.batch.max_batch_tokens,
             max_batch_requests: config.batch.max_batch_requests,
             max_queued_requests: config.max_queued_requests,
             max_top_k: MAX_TOP_K,
         };
-        let info = model_info(&model, config, limits);
+        let info = model_info(&loaded.model, loaded.reference.as_ref(), config, limits);
         let parts = StateParts {
             info,
-            tokenizer: Arc::new(tokenizer),
+            tokenizer: Arc::new(loaded.tokenizer),
             http: config.http.clone(),
             batch: config.batch,
         };
-        Ok(Self::start(Box::new(ModelEngine(model)), parts)?)
+        let engine = ModelEngine {
+            model: loaded.model,
+            reference: loaded.reference,
+        };
+        Ok(Self::start(Box::new(engine), parts)?)
     }
 
     /// Runs one small batch through the whole path, then reports ready.
@@ -130,32 +136,84 @@ impl Server {
     }
 }
 
-fn load_model(config: &Config) -> Result<(Model, TextTokenizer, usize), AppError> {
+/// What start-up loads from disk.
+struct Loaded {
+    model: Model,
+    reference: Option<Model>,
+    tokenizer: TextTokenizer,
+    max_input_tokens: usize,
+}
+
+fn load_models(config: &Config) -> Result<Loaded, AppError> {
     let dir = &config.model_dir;
     let model_config = ModelConfig::from_json(&read(dir, "config.json")?)?;
     let max_input_tokens = config.resolve_max_input_tokens(model_config.max_position_embeddings);
-    let device = match &config.device {
-        DeviceSpec::Cpu => Device::Cpu,
+    let options = |device: &DeviceSpec| -> Result<ModelOptions, AppError> {
+        Ok(ModelOptions {
+            linear: LinearOptions {
+                device: open_device(device)?,
+                dtype: config.dtype,
+                activation_quant: config.activation_quant,
+            },
+            max_seq_len: max_input_tokens,
+            attention: config.attention,
+        })
+    };
+    let model = Model::load(dir, &options(&config.device)?)?;
+    let tokenizer = TextTokenizer::load(dir)?;
+    let reference = match &config.reference {
+        None => None,
+        Some(r) => {
+            let reference = Model::load(&r.model_dir, &options(&r.device)?)?;
+            check_same_vocabulary(&model, &tokenizer, &reference, &r.model_dir)?;
+            Some(reference)
+        }
+    };
+    Ok(Loaded {
+        model,
+        reference,
+        tokenizer,
+        max_input_tokens,
+    })
+}
+
+/// The first device of `spec` (a model on several GPUs is refused by the config).
+fn open_device(spec: &DeviceSpec) -> Result<Device, AppError> {
+    match spec {
+        DeviceSpec::Cpu => Ok(Device::Cpu),
         DeviceSpec::Cuda(ids) => {
             let id = ids.first().copied().unwrap_or(0);
             crate::device::cuda(id).map_err(|e| AppError::Device {
                 device: format!("cuda:{id}"),
                 message: e.to_string(),
-            })?
+            })
         }
+    }
+}
+
+/// A divergence is only meaningful between distributions over the same tokens.
+fn check_same_vocabulary(
+    model: &Model,
+    tokenizer: &TextTokenizer,
+    reference: &Model,
+    reference_dir: &Path,
+) -> Result<(), AppError> {
+    let (ours, theirs) = (model.config().vocab_size, reference.config().vocab_size);
+    let difference = if ours != theirs {
+        Some(format!("vocab_size {ours} vs {theirs} in config.json"))
+    } else {
+        tokenizer.difference(&TextTokenizer::load(reference_dir)?)
     };
-    let opts = ModelOptions {
-        linear: LinearOptions {
-            device,
-            dtype: config.dtype,
-            activation_quant: config.activation_quant,
-        },
-        max_seq_len: max_input_tokens,
-        attention: config.attention,
-    };
-    let model = Model::load(dir, &opts)?;
-    let tokenizer = TextTokenizer::load(dir)?;
-    Ok((model, tokenizer, max_input_tokens))
+    match difference {
+        None => Ok(()),
+        Some(difference) => Err(AppError::Reference {
+            dir: reference_dir.display().to_string(),
+            message: format!(
+                "its vocabulary differs from the served model's ({difference}); a \
+                 KL-divergence needs the same tokens on both sides"
+            ),
+        }),
+    }
 }
 
 fn read(dir: &Path, name: &str) -> Result<String, AppError> {
@@ -168,31 +226,15 @@ fn read(dir: &Path, name: &str) -> Result<String, AppError> {
     })
 }
 
-/// `/info`: formats and activation quantization per projection type, bits per weight.
-pub fn model_info(model: &Model, config: &Config, limits: Limits) -> ModelInfo {
-    let mut formats: BTreeMap<String, Vec<String>> = BTreeMap::new();
-    let mut activation: BTreeMap<String, Vec<String>> = BTreeMap::new();
-    let (mut bits, mut weights) = (0.0f64, 0.0f64);
-    for (name, linear) in model.linears() {
-        let kind = name.rsplit('.').next().unwrap_or(&name).to_string();
-        let w = linear.weight();
-        push_unique(formats.entry(kind.clone()).or_default(), w.describe());
-        if let Some(qdq) = linear.activation() {
-            push_unique(
-                activation.entry(kind.clone()).or_default(),
-                qdq.describe().into(),
-            );
-        }
-        if kind != "lm_head" {
-            let (out, inp) = w.shape();
-            let n = (out * inp) as f64;
-            bits += w.bits_per_weight() * n;
-            weights += n;
-        }
-    }
-    let join = |m: BTreeMap<String, Vec<String>>| -> BTreeMap<String, String> {
-        m.into_iter().map(|(k, v)| (k, v.join("; "))).collect()
-    };
+/// `/info`: formats and activation quantization per projection type, bits per weight, and the
+/// same of the reference model.
+pub fn model_info(
+    model: &Model,
+    reference: Option<&Model>,
+    config: &Config,
+    limits: Limits,
+) -> ModelInfo {
+    let weights = WeightSummary::of(model);
     let cfg = model.config();
     ModelInfo {
         model: config.served_model_name.clone(),
@@ -200,13 +242,13 @@ pub fn model_info(model: &Model, config: &Config, limits: Limits) -> ModelInfo {
         vocab_size: cfg.vocab_size,
         num_layers: cfg.num_layers,
         hidden_size: cfg.hidden_size,
-        formats: join(formats),
-        activation_quant: join(activation),
+        formats: weights.formats,
+        activation_quant: weights.activation_quant,
         activation_quant_mode: match config.activation_quant {
             crate::quant::ActivationQuantMode::Emulate => "emulate".into(),
             crate::quant::ActivationQuantMode::Off => "off".into(),
         },
-        bits_per_weight: if weights > 0.0 { bits / weights } else { 0.0 },
+        bits_per_weight: weights.bits_per_weight,
         attention: match model.options().attention {
             crate::model::AttentionKernel::Flash => "flash".into(),
             _ => "materialized".into(),
@@ -215,6 +257,57 @@ pub fn model_info(model: &Model, config: &Config, limits: Limits) -> ModelInfo {
         devices: config.device.names(),
         limits,
         version: env!("CARGO_PKG_VERSION").into(),
+        reference: reference.zip(config.reference.as_ref()).map(|(m, r)| {
+            let weights = WeightSummary::of(m);
+            ReferenceInfo {
+                model: r.name.clone(),
+                architecture: m.config().architecture.hf_name().to_string(),
+                formats: weights.formats,
+                bits_per_weight: weights.bits_per_weight,
+                devices: r.device.names(),
+            }
+        }),
+    }
+}
+
+/// Formats and activation quantization per projection type, and the average stored bits per
+/// weight of the decoder Linears.
+struct WeightSummary {
+    formats: BTreeMap<String, String>,
+    activation_quant: BTreeMap<String, String>,
+    bits_per_weight: f64,
+}
+
+impl WeightSummary {
+    fn of(model: &Model) -> Self {
+        let mut formats: BTreeMap<String, Vec<String>> = BTreeMap::new();
+        let mut activation: BTreeMap<String, Vec<String>> = BTreeMap::new();
+        let (mut bits, mut weights) = (0.0f64, 0.0f64);
+        for (name, linear) in model.linears() {
+            let kind = name.rsplit('.').next().unwrap_or(&name).to_string();
+            let w = linear.weight();
+            push_unique(formats.entry(kind.clone()).or_default(), w.describe());
+            if let Some(qdq) = linear.activation() {
+                push_unique(
+                    activation.entry(kind.clone()).or_default(),
+                    qdq.describe().into(),
+                );
+            }
+            if kind != "lm_head" {
+                let (out, inp) = w.shape();
+                let n = (out * inp) as f64;
+                bits += w.bits_per_weight() * n;
+                weights += n;
+            }
+        }
+        let join = |m: BTreeMap<String, Vec<String>>| -> BTreeMap<String, String> {
+            m.into_iter().map(|(k, v)| (k, v.join("; "))).collect()
+        };
+        Self {
+            formats: join(formats),
+            activation_quant: join(activation),
+            bits_per_weight: if weights > 0.0 { bits / weights } else { 0.0 },
+        }
     }
 }
 

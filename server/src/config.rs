@@ -109,6 +109,18 @@ pub struct Args {
         default_value = "text"
     )]
     pub log_format: LogFormat,
+    /// A second checkpoint, typically the unquantized original of `--model`, loaded beside it
+    /// for `/kld` (KL-divergence of the served model from it). Its vocabulary must match.
+    #[arg(long, env = "EXACTSCORE_REFERENCE_MODEL")]
+    pub reference_model: Option<PathBuf>,
+    /// Device of the reference model: `cpu` or one `cuda:N` (default: the served model's
+    /// first device). A CPU model needs a CPU reference, a GPU model a GPU one.
+    #[arg(
+        long,
+        env = "EXACTSCORE_REFERENCE_DEVICE",
+        requires = "reference_model"
+    )]
+    pub reference_device: Option<String>,
     /// Print the OpenAPI document of the served router and exit (no model is loaded).
     #[arg(long)]
     pub print_openapi: bool,
@@ -165,6 +177,16 @@ pub struct Config {
     pub max_input_tokens: Option<usize>,
     pub max_queued_requests: usize,
     pub log_format: LogFormat,
+    /// The model `/kld` compares against.
+    pub reference: Option<ReferenceConfig>,
+}
+
+/// `--reference-model` and where it runs (always one device).
+#[derive(Debug, Clone)]
+pub struct ReferenceConfig {
+    pub model_dir: PathBuf,
+    pub name: String,
+    pub device: DeviceSpec,
 }
 
 /// What the HTTP layer needs beyond the model.
@@ -212,6 +234,10 @@ impl Config {
                 return Err(invalid("api-key", "\"\"", "must not be empty"));
             }
         }
+        let reference = args
+            .reference_model
+            .map(|dir| reference_config(dir, args.reference_device.as_deref(), &device))
+            .transpose()?;
         let served_model_name = match args.served_model_name {
             Some(name) if !name.trim().is_empty() => name,
             Some(name) => return Err(invalid("served-model-name", name, "must not be blank")),
@@ -253,6 +279,7 @@ impl Config {
             max_input_tokens: args.max_input_tokens,
             max_queued_requests: args.max_queued_requests,
             log_format: args.log_format,
+            reference,
         })
     }
 
@@ -265,6 +292,51 @@ impl Config {
                 .max(1)
         })
     }
+}
+
+fn reference_config(
+    model_dir: PathBuf,
+    device: Option<&str>,
+    model_device: &DeviceSpec,
+) -> Result<ReferenceConfig, ConfigError> {
+    let device = match device {
+        None => match model_device {
+            DeviceSpec::Cpu => DeviceSpec::Cpu,
+            DeviceSpec::Cuda(ids) => DeviceSpec::Cuda(ids[..1].to_vec()),
+        },
+        Some(s) => {
+            let parsed = parse_device(s).map_err(|e| match e {
+                ConfigError::Invalid { value, rule, .. } => {
+                    invalid("reference-device", value, rule)
+                }
+            })?;
+            if matches!(&parsed, DeviceSpec::Cuda(ids) if ids.len() > 1) {
+                return Err(invalid("reference-device", s, "name one device"));
+            }
+            // The divergence is computed where the served model's logits are; a CPU/GPU mix
+            // would move whole vocabulary rows between host and device.
+            if (parsed == DeviceSpec::Cpu) != (*model_device == DeviceSpec::Cpu) {
+                return Err(invalid(
+                    "reference-device",
+                    s,
+                    format!(
+                        "must be a CPU with a CPU model and a GPU with a GPU model (--device is {})",
+                        model_device.names().join(",")
+                    ),
+                ));
+            }
+            parsed
+        }
+    };
+    let name = model_dir
+        .file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_else(|| "reference".into());
+    Ok(ReferenceConfig {
+        model_dir,
+        name,
+        device,
+    })
 }
 
 fn parse_device(s: &str) -> Result<DeviceSpec, ConfigError> {
@@ -353,10 +425,24 @@ mod tests {
                 "--max-input-tokens",
             ),
             (&["--api-key", ""][..], "--api-key"),
+            (
+                &["--reference-model", "x", "--reference-device", "gpu"][..],
+                "--reference-device",
+            ),
         ] {
             let msg = parse(argv).unwrap_err().to_string();
             assert!(msg.starts_with(flag), "{argv:?}: {msg}");
         }
+    }
+
+    #[test]
+    fn the_reference_defaults_to_the_model_device_and_needs_a_model() {
+        let c = parse(&["--reference-model", "/models/bf16"]).unwrap();
+        let r = c.reference.unwrap();
+        assert_eq!((r.name.as_str(), &r.device), ("bf16", &DeviceSpec::Cpu));
+        assert!(parse(&[]).unwrap().reference.is_none());
+        let argv = ["exactscore-server", "--reference-device", "cpu"];
+        assert!(Args::try_parse_from(argv).is_err());
     }
 
     #[test]

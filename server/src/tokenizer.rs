@@ -125,4 +125,42 @@ impl TextTokenizer {
     pub fn raw_json(&self) -> &[u8] {
         &self.raw
     }
+
+    /// The first way in which `other` would map text to different ids (vocabulary size, a
+    /// token's id, BOS or EOS), or `None` when both agree on every token.
+    pub fn difference(&self, other: &Self) -> Option<String> {
+        let (mine, theirs) = (self.inner.get_vocab(true), other.inner.get_vocab(true));
+        if mine.len() != theirs.len() {
+            return Some(format!(
+                "vocabulary of {} tokens vs {}",
+                mine.len(),
+                theirs.len()
+            ));
+        }
+        let mut tokens: Vec<(&String, &u32)> = mine.iter().collect();
+        tokens.sort_by_key(|&(_, id)| *id);
+        for (token, id) in tokens {
+            match theirs.get(token) {
+                Some(other_id) if other_id == id => {}
+                Some(other_id) => {
+                    return Some(format!("token {token:?} has id {id} vs {other_id}"))
+                }
+                None => return Some(format!("token {token:?} (id {id}) is missing")),
+            }
+        }
+        let (a, b) = (&self.info, &other.info);
+        if a.bos_token_id != b.bos_token_id || a.add_bos_token != b.add_bos_token {
+            return Some(format!(
+                "BOS id {:?} (added: {}) vs {:?} (added: {})",
+                a.bos_token_id, a.add_bos_token, b.bos_token_id, b.add_bos_token
+            ));
+        }
+        if a.eos_token_id != b.eos_token_id {
+            return Some(format!(
+                "EOS id {:?} vs {:?}",
+                a.eos_token_id, b.eos_token_id
+            ));
+        }
+        None
+    }
 }

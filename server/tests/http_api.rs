@@ -68,6 +68,7 @@ fn info(max_queued: usize) -> ModelInfo {
             max_top_k: 20,
         },
         version: "test".into(),
+        reference: None,
     }
 }
 

@@ -115,6 +115,7 @@ pub fn model_info() -> ModelInfo {
             max_top_k: 20,
         },
         version: "0.0.0-test".into(),
+        reference: None,
     }
 }
 

@@ -422,6 +422,76 @@ pub fn score_rows(logits: &Tensor, targets: &[i32], top_k: usize) -> Result<RowS
     })
 }
 
+/// Fused KL-divergence of `logits` from `reference_logits` (both `[rows, vocab]`, same dtype and
+/// device) per row, with both models' log p(target) and argmax; see `kld_rows` in the kernels.
+/// One buffer of per-row numbers comes back, never a vocabulary row.
+pub fn kld_rows(
+    reference_logits: &Tensor,
+    logits: &Tensor,
+    targets: &[u32],
+) -> Result<Vec<crate::model::TokenKld>> {
+    let (reference_logits, logits) = (reference_logits.contiguous()?, logits.contiguous()?);
+    let (rows, vocab) = logits.dims2()?;
+    if reference_logits.dtype() != logits.dtype() || targets.len() != rows {
+        bail!(
+            "kld_rows: {:?} reference logits, {:?} logits, {} targets for {rows} rows",
+            reference_logits.dtype(),
+            logits.dtype(),
+            targets.len()
+        );
+    }
+    // Layout, 4-byte words: the f64 divergences (two words each), then the model's and the
+    // reference's log p(target) and argmax ids, one word per row each.
+    let words = 6 * rows;
+    let name = kernel_name("kld_rows", logits.dtype());
+    let host = with_float_type!(logits.dtype(), T => with_slice::<T, _>(&reference_logits, |rs, ro, dev| {
+        with_slice::<T, _>(&logits, |ls, lo, _| {
+            let func = dev.get_or_load_custom_func(&name, MODULE, PTX)?;
+            let targets: Vec<i32> = targets.iter().map(|&t| t as i32).collect();
+            let targets = dev.clone_htod(&targets)?;
+            // SAFETY: the kernel writes every word (thread 0 of each row's block).
+            let out = unsafe { dev.alloc::<u32>(words.max(1)) }?;
+            let part = |at: usize| out.slice(at..);
+            let (kld, lp, rlp) = (part(0), part(2 * rows), part(3 * rows));
+            let (top, rtop) = (part(4 * rows), part(5 * rows));
+            let (rs, ls) = (rs.slice(ro..), ls.slice(lo..));
+            let v32 = vocab as i32;
+            let mut b = func.builder();
+            b.arg(&rs).arg(&ls).arg(&v32).arg(&targets);
+            b.arg(&kld).arg(&lp).arg(&rlp).arg(&top).arg(&rtop);
+            // SAFETY: arguments match `kld_rows_*`; the f64 part starts the (256-byte aligned)
+            // buffer, so its 8-byte values are aligned.
+            unsafe { b.launch(grid_rows(rows)) }.w()?;
+            copy_to_host(dev, &out.slice(0..words))
+        })
+    }))?;
+    Ok((0..rows)
+        .map(|i| crate::model::TokenKld {
+            kld: f64::from_bits(u64::from(host[2 * i]) | (u64::from(host[2 * i + 1]) << 32)),
+            logprob: f32::from_bits(host[2 * rows + i]),
+            reference_logprob: f32::from_bits(host[3 * rows + i]),
+            same_top: host[4 * rows + i] == host[5 * rows + i],
+        })
+        .collect())
+}
+
+/// `t` on `device`: the same tensor when it is there already, else a device-to-device copy
+/// (peer-to-peer between GPUs; never through the host).
+pub fn peer_copy(t: &Tensor, device: &candle_core::Device) -> Result<Tensor> {
+    if t.device().same_device(device) {
+        return Ok(t.clone());
+    }
+    let candle_core::Device::Cuda(dst) = device else {
+        bail!("peer_copy: {:?} is not a CUDA device", device)
+    };
+    let t = t.contiguous()?;
+    let n = t.elem_count();
+    with_float_type!(t.dtype(), T => with_slice::<T, _>(&t, |src, at, _| {
+        let copy = dst.cuda_stream().clone_dtod(&src.slice(at..at + n)).w()?;
+        Ok(wrap(copy, dst, t.shape()))
+    }))
+}
+
 thread_local! {
     /// Page-locked host memory for [`copy_to_host`], grown on demand and reused: a pageable
     /// destination would be staged by the driver at a fraction of the bandwidth.

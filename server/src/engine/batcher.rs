@@ -9,8 +9,9 @@ use std::time::Instant;
 
 use tokio::sync::{mpsc, oneshot, Notify};
 
-use super::queue::{BatchLimits, Entry, State};
-use super::{worker, Engine, EngineError, ScoredSequence};
+use super::queue::{BatchLimits, Entry, State, Task};
+use super::{worker, Computed, Engine, EngineError};
+use crate::model::{SequenceKld, SequenceScores};
 
 /// Cheap to clone; every clone talks to the same queue.
 #[derive(Clone)]
@@ -35,7 +36,7 @@ impl EngineThread {
     }
 }
 
-pub type ReplyReceiver = oneshot::Receiver<Result<ScoredSequence, EngineError>>;
+pub type ReplyReceiver<T = SequenceScores> = oneshot::Receiver<Result<Computed<T>, EngineError>>;
 
 impl Scheduler {
     /// Starts the engine thread and the batching task (needs a Tokio runtime).
@@ -54,20 +55,32 @@ impl Scheduler {
         Ok((Self { shared }, EngineThread(thread)))
     }
 
-    /// Queues one sequence; the receiver yields its scores. Dropping the receiver cancels it.
+    /// Queues one sequence for `/score`; the receiver yields its scores. Dropping the receiver
+    /// cancels it.
     pub fn submit(&self, tokens: Vec<u32>, top_k: usize) -> ReplyReceiver {
         let (reply, rx) = oneshot::channel();
+        self.push(tokens, Task::Score { top_k, reply });
+        rx
+    }
+
+    /// Queues one sequence for `/kld`; the receiver yields its divergences. Dropping the
+    /// receiver cancels it.
+    pub fn submit_kld(&self, tokens: Vec<u32>) -> ReplyReceiver<SequenceKld> {
+        let (reply, rx) = oneshot::channel();
+        self.push(tokens, Task::Kld { reply });
+        rx
+    }
+
+    fn push(&self, tokens: Vec<u32>, task: Task) {
         let mut state = self.shared.lock();
         state.push(Entry {
             tokens,
-            top_k,
             enqueued: Instant::now(),
-            reply,
+            task,
         });
         metrics::gauge!("exactscore_queue_depth").set(state.len() as f64);
         drop(state);
         self.shared.notify.notify_one();
-        rx
     }
 
     /// Sequences waiting for a batch.

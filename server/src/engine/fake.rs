@@ -4,7 +4,7 @@
 use std::sync::mpsc;
 
 use super::{Engine, EngineError};
-use crate::model::{RowScore, ScoreInput, SequenceScores};
+use crate::model::{RowScore, ScoreInput, SequenceKld, SequenceScores, TokenKld};
 
 #[derive(Default)]
 pub struct FakeEngine {
@@ -56,14 +56,29 @@ impl FakeEngine {
     pub fn logprob(token: u32) -> f32 {
         -((token + 1) as f32) / 1000.0
     }
-}
 
-impl Engine for FakeEngine {
-    fn score(&mut self, batch: &[ScoreInput<'_>]) -> Result<Vec<SequenceScores>, EngineError> {
+    /// The fake divergence before `token`: what the fake reference disagrees by.
+    pub fn token_kld(token: u32) -> TokenKld {
+        TokenKld {
+            kld: token as f64 / 1e4,
+            logprob: Self::logprob(token),
+            reference_logprob: 2.0 * Self::logprob(token),
+            same_top: token.is_multiple_of(2),
+        }
+    }
+
+    fn pass_gate(&self) -> Result<(), EngineError> {
         if let Some(gate) = &self.gate {
             let _ = gate.started.send(());
             gate.release.recv().map_err(|_| EngineError::Stopped)?;
         }
+        Ok(())
+    }
+}
+
+impl Engine for FakeEngine {
+    fn score(&mut self, batch: &[ScoreInput<'_>]) -> Result<Vec<SequenceScores>, EngineError> {
+        self.pass_gate()?;
         Ok(batch
             .iter()
             .map(|input| SequenceScores {
@@ -80,6 +95,16 @@ impl Engine for FakeEngine {
                         }
                     })
                     .collect(),
+            })
+            .collect())
+    }
+
+    fn kld(&mut self, sequences: &[&[u32]]) -> Result<Vec<SequenceKld>, EngineError> {
+        self.pass_gate()?;
+        Ok(sequences
+            .iter()
+            .map(|tokens| SequenceKld {
+                tokens: tokens.iter().skip(1).map(|&t| Self::token_kld(t)).collect(),
             })
             .collect())
     }

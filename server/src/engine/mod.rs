@@ -10,7 +10,7 @@ pub mod worker;
 
 use std::time::Duration;
 
-use crate::model::{Model, ScoreInput, SequenceScores};
+use crate::model::{kld_batch, Model, ScoreInput, SequenceKld, SequenceScores};
 
 pub use batcher::Scheduler;
 pub use queue::BatchLimits;
@@ -22,29 +22,47 @@ pub enum EngineError {
     Compute(String),
     #[error("the engine has stopped")]
     Stopped,
+    /// A divergence was asked of an engine that has no reference model.
+    #[error("no reference model is loaded")]
+    NoReference,
 }
 
 /// Runs one batch. Implemented by the model, and by a fake for tests.
 pub trait Engine: Send + 'static {
     /// Scores every input; results in input order.
     fn score(&mut self, batch: &[ScoreInput<'_>]) -> Result<Vec<SequenceScores>, EngineError>;
+
+    /// KL-divergence from the reference model at every position of every sequence; results
+    /// in input order.
+    fn kld(&mut self, sequences: &[&[u32]]) -> Result<Vec<SequenceKld>, EngineError>;
 }
 
-/// The real engine: a loaded [`Model`].
-pub struct ModelEngine(pub Model);
+/// The real engine: the served model and, for `/kld`, the reference model.
+pub struct ModelEngine {
+    pub model: Model,
+    pub reference: Option<Model>,
+}
 
 impl Engine for ModelEngine {
     fn score(&mut self, batch: &[ScoreInput<'_>]) -> Result<Vec<SequenceScores>, EngineError> {
-        self.0
-            .score(batch)
-            .map_err(|e| EngineError::Compute(e.to_string()))
+        self.model.score(batch).map_err(compute_error)
+    }
+
+    fn kld(&mut self, sequences: &[&[u32]]) -> Result<Vec<SequenceKld>, EngineError> {
+        let reference = self.reference.as_ref().ok_or(EngineError::NoReference)?;
+        kld_batch(&self.model, reference, sequences).map_err(compute_error)
     }
 }
 
-/// The outcome of one sequence, with the timings of the batch that computed it.
+fn compute_error(e: candle_core::Error) -> EngineError {
+    EngineError::Compute(e.to_string())
+}
+
+/// The outcome of one sequence (`T`: its scores or its divergences), with the timings of the
+/// batch that computed it.
 #[derive(Debug, Clone, PartialEq)]
-pub struct ScoredSequence {
-    pub scores: SequenceScores,
+pub struct Computed<T> {
+    pub output: T,
     /// Time from submission to the start of its batch.
     pub queue_time: Duration,
     /// Compute time of its whole batch.
@@ -52,3 +70,6 @@ pub struct ScoredSequence {
     /// Identifies the batch, so a request split over several batches counts each once.
     pub batch_id: u64,
 }
+
+/// A sequence scored by `/score`.
+pub type ScoredSequence = Computed<SequenceScores>;

@@ -7,24 +7,39 @@ use std::time::Instant;
 
 use tokio::sync::oneshot;
 
-use super::{EngineError, ScoredSequence};
+use super::{Computed, EngineError};
+use crate::model::{SequenceKld, SequenceScores};
 
 /// Where the engine sends the outcome of one sequence.
-pub type Reply = oneshot::Sender<Result<ScoredSequence, EngineError>>;
+pub type Reply<T> = oneshot::Sender<Result<Computed<T>, EngineError>>;
 
-/// One sequence waiting to be scored.
+/// One sequence waiting to be computed.
 #[derive(Debug)]
 pub struct Entry {
     pub tokens: Vec<u32>,
-    pub top_k: usize,
     pub enqueued: Instant,
-    pub reply: Reply,
+    pub task: Task,
+}
+
+/// What to compute for a sequence; `/score` and `/kld` share one queue and one batch budget.
+#[derive(Debug)]
+pub enum Task {
+    /// Log-probabilities under the served model, with the `top_k` best tokens per position.
+    Score {
+        top_k: usize,
+        reply: Reply<SequenceScores>,
+    },
+    /// Divergence of the served model from the reference model at every position.
+    Kld { reply: Reply<SequenceKld> },
 }
 
 impl Entry {
     /// The HTTP handler drops its receiver when the client goes away or the request times out.
     pub fn is_cancelled(&self) -> bool {
-        self.reply.is_closed()
+        match &self.task {
+            Task::Score { reply, .. } => reply.is_closed(),
+            Task::Kld { reply } => reply.is_closed(),
+        }
     }
 }
 
@@ -102,14 +117,16 @@ mod tests {
         len: usize,
     ) -> (
         Entry,
-        oneshot::Receiver<Result<ScoredSequence, EngineError>>,
+        oneshot::Receiver<Result<Computed<SequenceScores>, EngineError>>,
     ) {
         let (tx, rx) = oneshot::channel();
         let e = Entry {
             tokens: vec![len as u32; len],
-            top_k: 0,
             enqueued: Instant::now(),
-            reply: tx,
+            task: Task::Score {
+                top_k: 0,
+                reply: tx,
+            },
         };
         (e, rx)
     }

@@ -8,8 +8,8 @@ use std::time::Instant;
 
 use tokio::sync::mpsc;
 
-use super::queue::Entry;
-use super::{Engine, EngineError, ScoredSequence};
+use super::queue::{Entry, Reply, Task};
+use super::{Computed, Engine, EngineError};
 use crate::model::ScoreInput;
 
 /// Starts the engine thread. It ends when the sending side of `batches` is dropped.
@@ -31,21 +31,61 @@ pub fn spawn(
 
 fn run_batch(engine: &mut dyn Engine, batch: Vec<Entry>, batch_id: u64) {
     // The batch was formed before the previous one finished: clients may have left since.
-    let batch: Vec<Entry> = batch.into_iter().filter(|e| !e.is_cancelled()).collect();
-    if batch.is_empty() {
+    let mut scores = Vec::new();
+    let mut klds = Vec::new();
+    for entry in batch.into_iter().filter(|e| !e.is_cancelled()) {
+        let (tokens, enqueued) = (entry.tokens, entry.enqueued);
+        match entry.task {
+            Task::Score { top_k, reply } => scores.push((
+                Job {
+                    tokens,
+                    enqueued,
+                    reply,
+                },
+                top_k,
+            )),
+            Task::Kld { reply } => klds.push(Job {
+                tokens,
+                enqueued,
+                reply,
+            }),
+        }
+    }
+    // A batch mixing both tasks runs them one after the other, each as one forward pass.
+    let top_ks: Vec<usize> = scores.iter().map(|(_, k)| *k).collect();
+    let jobs = scores.into_iter().map(|(job, _)| job).collect();
+    run_jobs(jobs, batch_id, |sequences| {
+        let inputs: Vec<ScoreInput<'_>> = sequences
+            .iter()
+            .zip(&top_ks)
+            .map(|(&tokens, &top_k)| ScoreInput { tokens, top_k })
+            .collect();
+        engine.score(&inputs)
+    });
+    run_jobs(klds, batch_id, |sequences| engine.kld(sequences));
+}
+
+/// One sequence of a batch and where its answer goes.
+struct Job<T> {
+    tokens: Vec<u32>,
+    enqueued: std::time::Instant,
+    reply: Reply<T>,
+}
+
+/// Computes `jobs` in one call and answers each on its own channel.
+fn run_jobs<T>(
+    jobs: Vec<Job<T>>,
+    batch_id: u64,
+    compute: impl FnOnce(&[&[u32]]) -> Result<Vec<T>, EngineError>,
+) {
+    if jobs.is_empty() {
         return;
     }
-    let tokens: usize = batch.iter().map(|e| e.tokens.len()).sum();
-    let inputs: Vec<ScoreInput<'_>> = batch
-        .iter()
-        .map(|e| ScoreInput {
-            tokens: &e.tokens,
-            top_k: e.top_k,
-        })
-        .collect();
+    let sequences: Vec<&[u32]> = jobs.iter().map(|j| j.tokens.as_slice()).collect();
+    let tokens: usize = sequences.iter().map(|s| s.len()).sum();
     let start = Instant::now();
     // A panic in the model must fail this batch, not kill the thread every request waits on.
-    let result = catch_unwind(AssertUnwindSafe(|| engine.score(&inputs))).unwrap_or_else(|p| {
+    let result = catch_unwind(AssertUnwindSafe(|| compute(&sequences))).unwrap_or_else(|p| {
         let msg = p
             .downcast_ref::<String>()
             .cloned()
@@ -54,16 +94,16 @@ fn run_batch(engine: &mut dyn Engine, batch: Vec<Entry>, batch_id: u64) {
         Err(EngineError::Compute(msg))
     });
     let compute_time = start.elapsed();
-    drop(inputs);
-    record_batch(batch.len(), tokens, compute_time.as_secs_f64());
+    drop(sequences);
+    record_batch(jobs.len(), tokens, compute_time.as_secs_f64());
 
     match result {
-        Ok(scores) if scores.len() == batch.len() => {
-            for (entry, scores) in batch.into_iter().zip(scores) {
-                let queue_time = start.saturating_duration_since(entry.enqueued);
+        Ok(outputs) if outputs.len() == jobs.len() => {
+            for (job, output) in jobs.into_iter().zip(outputs) {
+                let queue_time = start.saturating_duration_since(job.enqueued);
                 metrics::histogram!("exactscore_queue_seconds").record(queue_time.as_secs_f64());
-                let _ = entry.reply.send(Ok(ScoredSequence {
-                    scores,
+                let _ = job.reply.send(Ok(Computed {
+                    output,
                     queue_time,
                     compute_time,
                     batch_id,
@@ -76,12 +116,12 @@ fn run_batch(engine: &mut dyn Engine, batch: Vec<Entry>, batch_id: u64) {
                 Ok(s) => EngineError::Compute(format!(
                     "engine returned {} results for {} inputs",
                     s.len(),
-                    batch.len()
+                    jobs.len()
                 )),
             };
             tracing::error!(batch_id, error = %err, "batch failed");
-            for entry in batch {
-                let _ = entry.reply.send(Err(err.clone()));
+            for job in jobs {
+                let _ = job.reply.send(Err(err.clone()));
             }
         }
     }

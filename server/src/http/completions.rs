@@ -56,7 +56,8 @@ pub async fn completions(
     state.readiness.check().map_err(ApiError::NotReady)?;
     let valid = off_runtime(&state, move |s| validate(req, &s.info.model, &s.rules())).await?;
     let sequences: Vec<Vec<u32>> = valid.prompts.iter().map(|p| p.ids.clone()).collect();
-    let scored = compute(&state, &sequences, valid.logprobs.unwrap_or(0)).await?;
+    let top_k = valid.logprobs.unwrap_or(0);
+    let scored = compute(&state, &sequences, |s, ids| s.submit(ids, top_k)).await?;
     let mut choices = Vec::with_capacity(scored.len());
     let mut usage = CompletionUsage {
         prompt_tokens: 0,
@@ -67,7 +68,7 @@ pub async fn completions(
         usage.prompt_tokens += prompt.ids.len();
         usage.completion_tokens += usize::from(valid.generate);
         choices.push(
-            choice(index, prompt, &s.scores, &valid, &state.tokenizer)
+            choice(index, prompt, &s.output, &valid, &state.tokenizer)
                 .map_err(|e| ApiError::Internal(e.to_string()))?,
         );
     }

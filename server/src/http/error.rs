@@ -15,6 +15,11 @@ pub enum ApiError {
     Unauthorized,
     #[error("no route for {0}")]
     NotFound(String),
+    #[error(
+        "this server has no reference model; start it with --reference-model DIR (the \
+         unquantized checkpoint) to compute KL-divergences"
+    )]
+    NoReferenceModel,
     #[error("request body exceeds the limit of {limit} bytes")]
     PayloadTooLarge { limit: usize },
     /// A request that parsed but breaks a rule: names the field, the rule and the value.
@@ -56,7 +61,7 @@ impl ApiError {
         match self {
             Self::InvalidJson(_) => StatusCode::BAD_REQUEST,
             Self::Unauthorized => StatusCode::UNAUTHORIZED,
-            Self::NotFound(_) => StatusCode::NOT_FOUND,
+            Self::NotFound(_) | Self::NoReferenceModel => StatusCode::NOT_FOUND,
             Self::PayloadTooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
             Self::Validation { .. } => StatusCode::UNPROCESSABLE_ENTITY,
             Self::Overloaded { .. } => StatusCode::TOO_MANY_REQUESTS,
@@ -71,6 +76,7 @@ impl ApiError {
             Self::InvalidJson(_) => "invalid_json",
             Self::Unauthorized => "unauthorized",
             Self::NotFound(_) => "not_found",
+            Self::NoReferenceModel => "no_reference_model",
             Self::PayloadTooLarge { .. } => "payload_too_large",
             Self::Validation { .. } => "validation",
             Self::Overloaded { .. } => "overloaded",

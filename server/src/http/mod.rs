@@ -6,6 +6,7 @@ pub mod error;
 pub mod health;
 pub mod info;
 pub mod json;
+pub mod kld;
 pub mod metrics;
 pub mod score;
 pub mod tokenize;
@@ -140,6 +141,7 @@ fn api_router() -> OpenApiRouter<SharedState> {
     OpenApiRouter::with_openapi(ApiDoc::openapi())
         .routes(routes!(score::score))
         .routes(routes!(score::score_v1))
+        .routes(routes!(kld::kld))
         .routes(routes!(completions::completions))
         .routes(routes!(tokenize::tokenize))
         .routes(routes!(tokenize::detokenize))

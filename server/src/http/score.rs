@@ -14,7 +14,8 @@ use super::error::ApiError;
 use super::json::ApiJson;
 use super::validate::{self, ValidScore};
 use super::{off_runtime, SharedState};
-use crate::engine::{EngineError, ScoredSequence};
+use crate::engine::batcher::ReplyReceiver;
+use crate::engine::{Computed, EngineError, Scheduler, ScoredSequence};
 use crate::model::SequenceScores;
 use crate::tokenizer::TextTokenizer;
 
@@ -55,20 +56,22 @@ pub async fn score_v1(
 async fn handle(state: SharedState, req: ScoreRequest) -> Result<Json<ScoreResponse>, ApiError> {
     state.readiness.check().map_err(ApiError::NotReady)?;
     let valid = off_runtime(&state, move |s| validate::score_request(req, &s.rules())).await?;
-    let scored = compute(&state, &valid.sequences, valid.top_k).await?;
+    let top_k = valid.top_k;
+    let scored = compute(&state, &valid.sequences, |s, ids| s.submit(ids, top_k)).await?;
     let response = respond(&state, valid, scored)?;
     metrics::counter!("exactscore_tokens_scored_total")
         .increment(response.usage.scored_tokens as u64);
     Ok(Json(response))
 }
 
-/// Queues every sequence and waits for all of them: bounded by the admission semaphore (429)
-/// and the request timeout (504). Shared by `/score` and `/v1/completions`.
-pub(crate) async fn compute(
+/// Queues every sequence with `submit` and waits for all of them: bounded by the admission
+/// semaphore (429) and the request timeout (504). Shared by `/score`, `/v1/completions` and
+/// `/kld`.
+pub(crate) async fn compute<T>(
     state: &SharedState,
     sequences: &[Vec<u32>],
-    top_k: usize,
-) -> Result<Vec<ScoredSequence>, ApiError> {
+    submit: impl Fn(&Scheduler, Vec<u32>) -> ReplyReceiver<T>,
+) -> Result<Vec<Computed<T>>, ApiError> {
     // Held until the answer is built: bounds requests queued or computing.
     let _permit =
         state
@@ -80,7 +83,7 @@ pub(crate) async fn compute(
             })?;
     let receivers: Vec<_> = sequences
         .iter()
-        .map(|ids| state.scheduler.submit(ids.clone(), top_k))
+        .map(|ids| submit(&state.scheduler, ids.clone()))
         .collect();
     // Dropping the receivers (timeout, or the client hanging up and this future being
     // dropped) cancels whatever has not been computed yet.
@@ -98,7 +101,33 @@ pub(crate) async fn compute(
     results
         .into_iter()
         .collect::<Result<Vec<_>, _>>()
-        .map_err(|e| ApiError::Internal(e.to_string()))
+        .map_err(|e| match e {
+            EngineError::NoReference => ApiError::NoReferenceModel,
+            e => ApiError::Internal(e.to_string()),
+        })
+}
+
+/// Sums the work of a request's sequences; a batch shared by several of them counts once.
+#[derive(Default)]
+pub(crate) struct UsageMeter {
+    usage: Usage,
+    batches: HashSet<u64>,
+}
+
+impl UsageMeter {
+    pub fn add<T>(&mut self, input_tokens: usize, scored_tokens: usize, done: &Computed<T>) {
+        let u = &mut self.usage;
+        u.input_tokens += input_tokens;
+        u.scored_tokens += scored_tokens;
+        u.queue_ms = u.queue_ms.max(ms(done.queue_time));
+        if self.batches.insert(done.batch_id) {
+            u.compute_ms += ms(done.compute_time);
+        }
+    }
+
+    pub fn usage(self) -> Usage {
+        self.usage
+    }
 }
 
 fn respond(
@@ -106,25 +135,14 @@ fn respond(
     valid: ValidScore,
     scored: Vec<ScoredSequence>,
 ) -> Result<ScoreResponse, ApiError> {
-    let mut usage = Usage {
-        input_tokens: 0,
-        scored_tokens: 0,
-        queue_ms: 0.0,
-        compute_ms: 0.0,
-    };
-    let mut batches = HashSet::new();
+    let mut usage = UsageMeter::default();
     let mut sequences = Vec::with_capacity(scored.len());
     for (index, (tokens, s)) in valid.sequences.into_iter().zip(scored).enumerate() {
-        usage.input_tokens += tokens.len();
-        usage.scored_tokens += s.scores.num_scored();
-        usage.queue_ms = usage.queue_ms.max(ms(s.queue_time));
-        if batches.insert(s.batch_id) {
-            usage.compute_ms += ms(s.compute_time);
-        }
+        usage.add(tokens.len(), s.output.num_scored(), &s);
         let seq = sequence_score(
             index,
             tokens,
-            &s.scores,
+            &s.output,
             valid.top_k,
             &valid.options,
             &state.tokenizer,
@@ -135,7 +153,7 @@ fn respond(
     Ok(ScoreResponse {
         model: state.info.model.clone(),
         sequences,
-        usage,
+        usage: usage.usage(),
     })
 }
 

@@ -1,7 +1,7 @@
 //! Request validation: turns a parsed body into checked model inputs, or a 422 that names the
 //! field (`tokens[1][7]`), the rule and the offending value. Pure functions, no I/O.
 
-use exactscore_api::{ReturnOptions, ScoreRequest, TextInput, TokensInput};
+use exactscore_api::{KldRequest, ReturnOptions, ScoreRequest, TextInput, TokensInput};
 use serde_json::{json, Value};
 
 use super::error::{preview, ApiError};
@@ -40,31 +40,50 @@ pub fn score_request(req: ScoreRequest, rules: &Rules<'_>) -> Result<ValidScore,
             ))
         }
     };
-    let sequences = match (req.tokens, req.text) {
-        (Some(_), Some(text)) => {
-            return Err(ApiError::validation(
-                "text",
-                "mutually_exclusive",
-                preview(&json!(text)),
-                "give either `tokens` or `text`, not both",
-            ))
-        }
-        (None, None) => {
-            return Err(ApiError::validation(
-                "tokens",
-                "required_one_of",
-                Value::Null,
-                "give one of `tokens` (token ids) or `text`",
-            ))
-        }
-        (Some(tokens), None) => token_sequences(tokens, rules)?,
-        (None, Some(text)) => text_sequences(text, req.add_special_tokens.unwrap_or(true), rules)?,
-    };
     Ok(ValidScore {
-        sequences,
+        sequences: sequences(req.tokens, req.text, req.add_special_tokens, rules)?,
         top_k,
         options: req.return_options.unwrap_or_default(),
     })
+}
+
+/// A `/kld` request ready for the queue.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ValidKld {
+    pub sequences: Vec<Vec<u32>>,
+    pub per_token: bool,
+}
+
+pub fn kld_request(req: KldRequest, rules: &Rules<'_>) -> Result<ValidKld, ApiError> {
+    Ok(ValidKld {
+        sequences: sequences(req.tokens, req.text, req.add_special_tokens, rules)?,
+        per_token: req.per_token.unwrap_or(true),
+    })
+}
+
+/// The token sequences of a request that gives exactly one of `tokens` and `text`.
+fn sequences(
+    tokens: Option<TokensInput>,
+    text: Option<TextInput>,
+    add_special_tokens: Option<bool>,
+    rules: &Rules<'_>,
+) -> Result<Vec<Vec<u32>>, ApiError> {
+    match (tokens, text) {
+        (Some(_), Some(text)) => Err(ApiError::validation(
+            "text",
+            "mutually_exclusive",
+            preview(&json!(text)),
+            "give either `tokens` or `text`, not both",
+        )),
+        (None, None) => Err(ApiError::validation(
+            "tokens",
+            "required_one_of",
+            Value::Null,
+            "give one of `tokens` (token ids) or `text`",
+        )),
+        (Some(tokens), None) => token_sequences(tokens, rules),
+        (None, Some(text)) => text_sequences(text, add_special_tokens.unwrap_or(true), rules),
+    }
 }
 
 fn token_sequences(tokens: TokensInput, rules: &Rules<'_>) -> Result<Vec<Vec<u32>>, ApiError> {

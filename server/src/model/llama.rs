@@ -43,7 +43,7 @@ pub struct ScoreInput<'a> {
 }
 
 /// Rows of the lm_head processed at once, so that `[rows, vocab]` f32 logits stay small.
-const LM_HEAD_CHUNK: usize = 1024;
+pub(crate) const LM_HEAD_CHUNK: usize = 1024;
 
 struct RmsNorm {
     weight: Tensor,
@@ -438,6 +438,11 @@ impl Model {
         })
     }
 
+    /// Logits `[rows, vocab]` (compute dtype) of final-norm hidden states `[rows, hidden]`.
+    pub fn logits(&self, hidden: &Tensor) -> Result<Tensor> {
+        stage("lm_head", hidden.device(), || self.lm_head.forward(hidden))
+    }
+
     /// Scores a batch. Results come back in input order.
     pub fn score(&self, batch: &[ScoreInput<'_>]) -> Result<Vec<SequenceScores>> {
         let sequences: Vec<&[u32]> = batch.iter().map(|b| b.tokens).collect();
@@ -450,7 +455,7 @@ impl Model {
             for start in (0..n).step_by(LM_HEAD_CHUNK) {
                 let len = LM_HEAD_CHUNK.min(n - start);
                 let h = hidden.narrow(0, offset + start, len)?;
-                let logits = stage("lm_head", h.device(), || self.lm_head.forward(&h))?;
+                let logits = self.logits(&h)?;
                 let targets: Vec<Option<u32>> = (start..start + len)
                     .map(|i| input.tokens.get(i + 1).copied())
                     .collect();

@@ -2,6 +2,7 @@
 
 pub mod checkpoint;
 pub mod config;
+pub mod kld;
 pub mod llama;
 pub mod profile;
 pub mod rope;
@@ -9,5 +10,6 @@ pub mod scoring;
 
 pub use checkpoint::LoadError;
 pub use config::{Architecture, ModelConfig};
+pub use kld::{kld_batch, SequenceKld, TokenKld};
 pub use llama::{causal_mask, AttentionKernel, Model, ModelOptions, ScoreInput};
 pub use scoring::{RowScore, SequenceScores};
