@@ -8,9 +8,9 @@
 use std::time::Duration;
 
 use exactscore_api::{
-    DetokenizeRequest, DetokenizeResponse, ErrorBody, Health, ModelInfo, ReturnOptions,
-    ScoreRequest, ScoreResponse, TextInput, TokenizeRequest, TokenizeResponse, TokenizerInfo,
-    TokensInput,
+    DetokenizeRequest, DetokenizeResponse, ErrorBody, Health, KldRequest, KldResponse, ModelInfo,
+    ReturnOptions, ScoreRequest, ScoreResponse, SequenceDivergence, TextInput, TokenizeRequest,
+    TokenizeResponse, TokenizerInfo, TokensInput,
 };
 use rand::Rng;
 use reqwest::{Method, StatusCode};
@@ -205,6 +205,27 @@ impl Client {
         };
         let url = self.url("/score");
         let mut resp = self.score(&req).await?;
+        if resp.sequences.len() != 1 {
+            return Err(ClientError::Decode {
+                url,
+                status: 200,
+                message: format!("expected 1 sequence, got {}", resp.sequences.len()),
+            });
+        }
+        Ok(resp.sequences.remove(0))
+    }
+
+    /// `POST /kld` for one token sequence: per-token divergences from the server's reference
+    /// model.
+    pub async fn kld_tokens(&self, tokens: &[u32]) -> Result<SequenceDivergence, ClientError> {
+        let req = KldRequest {
+            tokens: Some(TokensInput::Single(
+                tokens.iter().map(|&t| i64::from(t)).collect(),
+            )),
+            ..Default::default()
+        };
+        let url = self.url("/kld");
+        let mut resp: KldResponse = self.json(Method::POST, "/kld", Some(&req)).await?;
         if resp.sequences.len() != 1 {
             return Err(ClientError::Decode {
                 url,

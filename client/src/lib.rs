@@ -1,9 +1,11 @@
 //! ExactScore client: a typed async client of the ExactScore server ([`http`]), window arithmetic
 //! ([`windows`]), datasets ([`dataset`]), tokenization ([`tokenize`]), the perplexity runner
-//! ([`runner::run_ppl`]), reports ([`report`]) and plots ([`plot`]).
+//! ([`runner::run_ppl`], which also runs `exactscore kld`), KL-divergence statistics ([`kld`]),
+//! reports ([`report`]) and plots ([`plot`]).
 
 pub mod dataset;
 pub mod http;
+pub mod kld;
 pub mod plot;
 pub mod report;
 pub mod runner;
@@ -12,6 +14,7 @@ pub mod tokenize;
 pub mod windows;
 
 pub use http::{Client, ClientConfig, ClientError, RetryPolicy};
+pub use kld::{KldStats, KldWindow};
 pub use report::{Report, Stats, WindowResult};
-pub use runner::{run_ppl, PplConfig, PplError};
+pub use runner::{run_ppl, PplConfig, PplError, Task};
 pub use windows::{Method, Window, WindowParams};

@@ -12,7 +12,7 @@ use exactscore_client::dataset::{DatasetOptions, DatasetSpec};
 use exactscore_client::term::{self, ColorChoice};
 use exactscore_client::tokenize::TokenizeMode;
 use exactscore_client::{
-    plot, run_ppl, Client, ClientConfig, Method, PplConfig, PplError, Report, RetryPolicy,
+    plot, run_ppl, Client, ClientConfig, Method, PplConfig, PplError, Report, RetryPolicy, Task,
 };
 
 #[derive(Parser)]
@@ -26,7 +26,10 @@ struct Cli {
 enum Command {
     /// Perplexity of a dataset, windows spread over one or more servers.
     Ppl(PplArgs),
-    /// Compare reports of `exactscore ppl --json` (table, optional plot).
+    /// KL-divergence from the server's reference model (`--reference-model`) over a dataset,
+    /// with both perplexities: llama.cpp's `--kl-divergence` statistics. Same options as `ppl`.
+    Kld(PplArgs),
+    /// Compare reports of `exactscore ppl/kld --json` (table, optional plot).
     Compare(CompareArgs),
     /// Per-token log-probabilities of a text, as a table.
     Score(ScoreArgs),
@@ -143,8 +146,9 @@ fn client(conn: &ConnArgs) -> anyhow::Result<Client> {
     })?)
 }
 
-async fn ppl(args: PplArgs) -> anyhow::Result<()> {
+async fn ppl(args: PplArgs, task: Task) -> anyhow::Result<()> {
     let mut cfg = PplConfig::new(args.servers, DatasetSpec::parse(&args.dataset)?);
+    cfg.task = task;
     cfg.api_key = args.api_key;
     cfg.dataset_options = DatasetOptions {
         field: Some(args.field),
@@ -221,8 +225,10 @@ fn compare(args: CompareArgs) -> anyhow::Result<()> {
         "ppl",
         "± se",
         "bits/byte",
+        "mean KLD",
+        "same top %",
     ];
-    let rows: Vec<[String; 9]> = reports
+    let rows: Vec<[String; 11]> = reports
         .iter()
         .map(|(label, r)| {
             [
@@ -241,6 +247,12 @@ fn compare(args: CompareArgs) -> anyhow::Result<()> {
                     .map(|s| format!("{s:.4}"))
                     .unwrap_or_else(|| "n/a".into()),
                 format!("{:.4}", r.bits_per_byte),
+                r.kld
+                    .as_ref()
+                    .map_or("-".into(), |k| format!("{:.6}", k.mean_kld)),
+                r.kld
+                    .as_ref()
+                    .map_or("-".into(), |k| format!("{:.2}", 100.0 * k.same_top)),
             ]
         })
         .collect();
@@ -375,7 +387,8 @@ async fn score(args: ScoreArgs) -> anyhow::Result<()> {
 
 async fn run(cli: Cli) -> anyhow::Result<()> {
     match cli.command {
-        Command::Ppl(a) => ppl(a).await,
+        Command::Ppl(a) => ppl(a, Task::Ppl).await,
+        Command::Kld(a) => ppl(a, Task::Kld).await,
         Command::Compare(a) => compare(a),
         Command::Score(a) => score(a).await,
         Command::Info(a) => {

@@ -1,4 +1,5 @@
-//! `exactscore compare --plot`: perplexity vs bits per weight, and per-window mean NLL.
+//! `exactscore compare --plot`: perplexity (or mean KLD) vs bits per weight, and per-window
+//! mean NLL.
 //! `.svg` → SVG, anything else → PNG. Text uses a font compiled into the binary (Ubuntu Light from
 //! `epaint_default_fonts`), so no system fonts are needed.
 
@@ -73,18 +74,24 @@ where
     root.fill(&WHITE).map_err(e)?;
     let (left, right) = root.split_horizontally(560);
 
-    // Left: perplexity vs bits per weight.
+    // Left: perplexity (or, when every report is an `exactscore kld` one, the mean KLD from
+    // the reference) vs bits per weight.
+    let kld = reports.iter().all(|(_, r)| r.kld.is_some());
+    let (caption, y_desc) = if kld {
+        ("Mean KLD vs bits per weight", "mean KLD (nats/token)")
+    } else {
+        ("Perplexity vs bits per weight", "perplexity")
+    };
     let pts: Vec<(usize, f64, f64, f64)> = reports
         .iter()
         .enumerate()
         .filter_map(|(i, (_, r))| {
             let bpw = r.server_info.as_ref()?.bits_per_weight;
-            Some((
-                i,
-                bpw,
-                r.stats.perplexity,
-                r.stats.perplexity_stderr.unwrap_or(0.0),
-            ))
+            let (y, se) = match &r.kld {
+                Some(k) if kld => (k.mean_kld, k.mean_kld_stderr),
+                _ => (r.stats.perplexity, r.stats.perplexity_stderr),
+            };
+            Some((i, bpw, y, se.unwrap_or(0.0)))
         })
         .filter(|p| p.1.is_finite() && p.2.is_finite())
         .collect();
@@ -96,7 +103,7 @@ where
         0.05,
     );
     let mut chart = ChartBuilder::on(&left)
-        .caption("Perplexity vs bits per weight", ("sans-serif", 22))
+        .caption(caption, ("sans-serif", 22))
         .margin(12)
         .x_label_area_size(40)
         .y_label_area_size(60)
@@ -105,7 +112,7 @@ where
     chart
         .configure_mesh()
         .x_desc("bits per weight")
-        .y_desc("perplexity")
+        .y_desc(y_desc)
         .draw()
         .map_err(e)?;
     for &(i, x, y, se) in &pts {

@@ -21,15 +21,19 @@ use std::fmt::Write as _;
 use exactscore_api::ModelInfo;
 use serde::{Deserialize, Serialize};
 
+use crate::kld::{KldStats, KldWindow};
 use crate::windows::Method;
 
 /// One finished window (also one line of the partial file).
-#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct WindowResult {
     pub window: usize,
     /// Σ −log p over the window's scored positions, nats, f64 accumulation of f32 log-probs.
     pub sum_nll: f64,
     pub count: usize,
+    /// `exactscore kld`: the divergence from the reference model over the same positions.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub kld: Option<KldWindow>,
 }
 
 /// Summary statistics of a set of windows.
@@ -108,6 +112,9 @@ pub struct Report {
     pub tokens_per_s: f64,
     pub servers: Vec<String>,
     pub server_info: Option<ModelInfo>,
+    /// `exactscore kld`: divergence from the reference model (`server_info.reference`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub kld: Option<KldStats>,
     /// Every window, by index.
     pub per_window: Vec<WindowResult>,
 }
@@ -180,6 +187,9 @@ impl Report {
             format!("{:.6}", self.stats.bits_per_token),
         );
         add("bits per byte", format!("{:.6}", self.bits_per_byte));
+        if let Some(k) = &self.kld {
+            self.kld_rows(k, &mut add);
+        }
         add("windows", self.stats.windows.to_string());
         add("tokens scored", self.stats.tokens_scored.to_string());
         add(
@@ -199,6 +209,66 @@ impl Report {
     }
 }
 
+impl Report {
+    /// The rows llama.cpp's `--kl-divergence` prints, plus both models' bits per weight.
+    fn kld_rows(&self, k: &KldStats, add: &mut impl FnMut(&str, String)) {
+        let reference = self.server_info.as_ref().and_then(|i| i.reference.as_ref());
+        if let Some(r) = reference {
+            add("reference", r.model.clone());
+            add(
+                "reference bits per weight",
+                format!("{:.4}", r.bits_per_weight),
+            );
+        }
+        add(
+            "reference perplexity",
+            format!("{:.6}", k.reference_perplexity),
+        );
+        add(
+            "PPL ratio",
+            format!(
+                "{:.6} ± {}",
+                k.perplexity_ratio,
+                fmt_opt(k.perplexity_ratio_stderr, 6)
+            ),
+        );
+        add(
+            "ln(PPL ratio)",
+            format!(
+                "{:.6} ± {}",
+                k.ln_perplexity_ratio,
+                fmt_opt(k.ln_perplexity_ratio_stderr, 6)
+            ),
+        );
+        add(
+            "mean KLD",
+            format!("{:.6} ± {}", k.mean_kld, fmt_opt(k.mean_kld_stderr, 6)),
+        );
+        add("median KLD", format!("{:.6}", k.median_kld));
+        add("KLD p90", format!("{:.6}", k.p90_kld));
+        add("KLD p99", format!("{:.6}", k.p99_kld));
+        add("KLD p99.9", format!("{:.6}", k.p99_9_kld));
+        add("max KLD", format!("{:.6}", k.max_kld));
+        add(
+            "same top token",
+            format!(
+                "{:.3} ± {} %",
+                100.0 * k.same_top,
+                fmt_opt(k.same_top_stderr.map(|e| 100.0 * e), 3)
+            ),
+        );
+        add(
+            "mean Δp",
+            format!(
+                "{:.4} ± {} %",
+                100.0 * k.mean_delta_p,
+                fmt_opt(k.mean_delta_p_stderr.map(|e| 100.0 * e), 4)
+            ),
+        );
+        add("RMS Δp", format!("{:.4} %", 100.0 * k.rms_delta_p));
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -208,6 +278,7 @@ mod tests {
             window,
             sum_nll,
             count,
+            kld: None,
         }
     }
 

@@ -14,17 +14,31 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use exactscore_api::ModelInfo;
 use serde::{Deserialize, Serialize};
 
 use crate::dataset::{self, DatasetError, DatasetOptions, DatasetSpec};
 use crate::http::{Client, ClientConfig, ClientError, RetryPolicy};
+use crate::kld::{KldStats, KldWindow};
 use crate::report::{DatasetSummary, Report, Stats, WindowResult, STDERR_METHOD};
 use crate::tokenize::{self, TokenizeError, TokenizeMode};
 use crate::windows::{self, Method, Window, WindowError, WindowParams};
 
+/// What a run computes per window.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
+#[serde(rename_all = "lowercase")]
+pub enum Task {
+    /// Log-probabilities of the served model (`/score`): perplexity.
+    #[default]
+    Ppl,
+    /// Divergence from the server's reference model (`/kld`), with both perplexities.
+    Kld,
+}
+
 /// Everything a run needs. Build with [`PplConfig::new`] and adjust the fields.
 #[derive(Debug, Clone)]
 pub struct PplConfig {
+    pub task: Task,
     pub servers: Vec<String>,
     pub api_key: Option<String>,
     pub dataset: DatasetSpec,
@@ -52,6 +66,7 @@ pub struct PplConfig {
 impl PplConfig {
     pub fn new(servers: Vec<String>, dataset: DatasetSpec) -> Self {
         Self {
+            task: Task::Ppl,
             servers,
             api_key: None,
             dataset,
@@ -116,6 +131,9 @@ fn resume_hint(output: &Option<PathBuf>) -> String {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 struct PartialHeader {
     exactscore_partial: u32,
+    /// Absent from files written before `exactscore kld` existed: those are `ppl` runs.
+    #[serde(default)]
+    task: Task,
     method: Method,
     ctx: usize,
     stride: usize,
@@ -188,6 +206,7 @@ fn header_diff(a: &PartialHeader, b: &PartialHeader) -> Option<String> {
         };
     }
     cmp!(exactscore_partial);
+    cmp!(task);
     cmp!(method);
     cmp!(ctx);
     cmp!(stride);
@@ -230,6 +249,51 @@ impl Balancer {
     }
 }
 
+/// Checks that a response is about `seq` and that every per-token array covers it.
+fn check_response(
+    bad: &impl Fn(String) -> PplError,
+    tokens: &[u32],
+    seq: &[u32],
+    arrays: &[(&str, Option<usize>)],
+) -> Result<(), PplError> {
+    if tokens != seq {
+        return Err(bad("the server scored other tokens than were sent".into()));
+    }
+    for &(name, len) in arrays {
+        match len {
+            None => return Err(bad(format!("no {name}"))),
+            Some(n) if n != seq.len() => {
+                return Err(bad(format!("{n} {name} for {} tokens", seq.len())))
+            }
+            Some(_) => {}
+        }
+    }
+    Ok(())
+}
+
+/// −log p at `position`, refusing a missing, infinite or positive log-probability.
+fn nll_at(
+    bad: &impl Fn(String) -> PplError,
+    logprobs: &[Option<f32>],
+    position: usize,
+) -> Result<f64, PplError> {
+    match logprobs[position] {
+        Some(lp) if lp.is_finite() && lp <= 0.0 => Ok(-f64::from(lp)),
+        other => Err(bad(format!(
+            "position {position}: log-probability {other:?}"
+        ))),
+    }
+}
+
+fn bad_response(url: &str, w: &Window) -> impl Fn(String) -> PplError {
+    let (url, window) = (url.to_string(), w.index);
+    move |message| PplError::BadResponse {
+        url: url.clone(),
+        window,
+        message,
+    }
+}
+
 /// NLL sum of a window from a score response.
 fn window_nll(
     url: &str,
@@ -237,37 +301,91 @@ fn window_nll(
     seq: &[u32],
     score: &exactscore_api::SequenceScore,
 ) -> Result<WindowResult, PplError> {
-    let seq_len = seq.len();
-    let bad = |message: String| PplError::BadResponse {
-        url: url.to_string(),
-        window: w.index,
-        message,
-    };
-    let lps = score
-        .token_logprobs
-        .as_ref()
-        .ok_or_else(|| bad("no token_logprobs".into()))?;
-    if score.tokens != seq {
-        return Err(bad("the server scored other tokens than were sent".into()));
-    }
-    if lps.len() != seq_len {
-        return Err(bad(format!(
-            "{} log-probabilities for {} tokens",
-            lps.len(),
-            seq_len
-        )));
-    }
+    let bad = bad_response(url, w);
+    let lps = score.token_logprobs.as_deref();
+    check_response(
+        &bad,
+        &score.tokens,
+        seq,
+        &[("token_logprobs", lps.map(<[_]>::len))],
+    )?;
+    let lps = lps.unwrap_or_default();
     let mut sum = 0f64;
     for p in w.scored.clone() {
-        match lps[p] {
-            Some(lp) if lp.is_finite() && lp <= 0.0 => sum += -f64::from(lp),
-            other => return Err(bad(format!("position {p}: log-probability {other:?}"))),
-        }
+        sum += nll_at(&bad, lps, p)?;
     }
     Ok(WindowResult {
         window: w.index,
         sum_nll: sum,
         count: w.num_scored(),
+        kld: None,
+    })
+}
+
+/// A window's divergence from a `/kld` response, over the same positions as its NLL.
+fn window_kld(
+    url: &str,
+    w: &Window,
+    seq: &[u32],
+    d: &exactscore_api::SequenceDivergence,
+) -> Result<WindowResult, PplError> {
+    let bad = bad_response(url, w);
+    let len = |v: &Option<Vec<_>>| v.as_ref().map(Vec::len);
+    check_response(
+        &bad,
+        &d.tokens,
+        seq,
+        &[
+            ("kld", len(&d.kld)),
+            ("logprobs", d.logprobs.as_ref().map(Vec::len)),
+            (
+                "reference_logprobs",
+                d.reference_logprobs.as_ref().map(Vec::len),
+            ),
+            ("same_top", d.same_top.as_ref().map(Vec::len)),
+            ("delta_p", len(&d.delta_p)),
+        ],
+    )?;
+    let (kld, lps, ref_lps, same, dps) = (
+        d.kld.as_deref().unwrap_or_default(),
+        d.logprobs.as_deref().unwrap_or_default(),
+        d.reference_logprobs.as_deref().unwrap_or_default(),
+        d.same_top.as_deref().unwrap_or_default(),
+        d.delta_p.as_deref().unwrap_or_default(),
+    );
+    let mut part = KldWindow {
+        reference_sum_nll: 0.0,
+        same_top: 0,
+        sum_delta_p: 0.0,
+        sum_delta_p_squared: 0.0,
+        sum_ln_ratio_squared: 0.0,
+        kld: Vec::with_capacity(w.num_scored()),
+    };
+    let mut sum_nll = 0f64;
+    for p in w.scored.clone() {
+        let (nll, ref_nll) = (nll_at(&bad, lps, p)?, nll_at(&bad, ref_lps, p)?);
+        let (Some(k), Some(same), Some(dp)) = (kld[p], same[p], dps[p]) else {
+            return Err(bad(format!(
+                "position {p}: missing kld, same_top or delta_p"
+            )));
+        };
+        // A divergence is ≥ 0; rounding may leave it a hair below.
+        if !k.is_finite() || k < -1e-9 || !dp.is_finite() {
+            return Err(bad(format!("position {p}: kld {k}, delta_p {dp}")));
+        }
+        sum_nll += nll;
+        part.reference_sum_nll += ref_nll;
+        part.same_top += usize::from(same);
+        part.sum_delta_p += dp;
+        part.sum_delta_p_squared += dp * dp;
+        part.sum_ln_ratio_squared += (nll - ref_nll).powi(2);
+        part.kld.push(k);
+    }
+    Ok(WindowResult {
+        window: w.index,
+        sum_nll,
+        count: w.num_scored(),
+        kld: Some(part),
     })
 }
 
@@ -321,7 +439,12 @@ pub async fn run_ppl(config: PplConfig) -> Result<Report, PplError> {
     }
     let info = infos[0].clone();
     for (c, i) in clients.iter().zip(&infos).skip(1) {
-        if i.model != info.model || i.formats != info.formats || i.dtype != info.dtype {
+        let reference = |i: &ModelInfo| i.reference.as_ref().map(|r| r.model.clone());
+        if i.model != info.model
+            || i.formats != info.formats
+            || i.dtype != info.dtype
+            || reference(i) != reference(&info)
+        {
             return Err(PplError::ServerMismatch(format!(
                 "{} serves {} ({}), {} serves {} ({})",
                 clients[0].base_url(),
@@ -330,6 +453,20 @@ pub async fn run_ppl(config: PplConfig) -> Result<Report, PplError> {
                 c.base_url(),
                 i.model,
                 i.dtype
+            )));
+        }
+    }
+
+    if config.task == Task::Kld {
+        if let Some((c, _)) = clients
+            .iter()
+            .zip(&infos)
+            .find(|(_, i)| i.reference.is_none())
+        {
+            return Err(PplError::Config(format!(
+                "{} has no reference model: start it with --reference-model DIR (the \
+                 unquantized checkpoint) to compute KL-divergences",
+                c.base_url()
             )));
         }
     }
@@ -392,6 +529,7 @@ pub async fn run_ppl(config: PplConfig) -> Result<Report, PplError> {
     // Partial file.
     let header = PartialHeader {
         exactscore_partial: 1,
+        task: config.task,
         method: config.method,
         ctx: config.ctx,
         stride: if config.method == Method::Exl3 {
@@ -462,6 +600,7 @@ pub async fn run_ppl(config: PplConfig) -> Result<Report, PplError> {
         config.concurrency.saturating_mul(2).max(4),
     );
     let workers = config.concurrency.min(pending.max(1));
+    let task = config.task;
     for _ in 0..workers {
         let (queue, tokens, balancer, clients, tx, stop, cancel) = (
             queue.clone(),
@@ -482,11 +621,20 @@ pub async fn run_ppl(config: PplConfig) -> Result<Report, PplError> {
                 };
                 let seq = w.sequence(&tokens);
                 let s = balancer.acquire();
-                let res = clients[s].score_tokens(&seq).await;
+                let url = clients[s].base_url();
+                let out = match task {
+                    Task::Ppl => clients[s]
+                        .score_tokens(&seq)
+                        .await
+                        .map_err(PplError::from)
+                        .and_then(|score| window_nll(url, &w, &seq, &score)),
+                    Task::Kld => clients[s]
+                        .kld_tokens(&seq)
+                        .await
+                        .map_err(PplError::from)
+                        .and_then(|d| window_kld(url, &w, &seq, &d)),
+                };
                 balancer.release(s);
-                let out = res
-                    .map_err(PplError::from)
-                    .and_then(|score| window_nll(clients[s].base_url(), &w, &seq, &score));
                 if tx.send(out).await.is_err() {
                     break;
                 }
@@ -552,6 +700,13 @@ pub async fn run_ppl(config: PplConfig) -> Result<Report, PplError> {
 
     let per_window: Vec<WindowResult> = done.into_values().collect();
     let stats = Stats::from_windows(&per_window);
+    let kld = (config.task == Task::Kld).then(|| {
+        KldStats::from_windows(
+            per_window
+                .iter()
+                .filter_map(|r| r.kld.as_ref().map(|k| (k, r.sum_nll))),
+        )
+    });
     let bytes = ds.text.len();
     let wall = started.elapsed().as_secs_f64();
     Ok(Report {
@@ -576,6 +731,7 @@ pub async fn run_ppl(config: PplConfig) -> Result<Report, PplError> {
         tokens_per_s: new_tokens as f64 / run_start.elapsed().as_secs_f64().max(1e-9),
         servers: clients.iter().map(|c| c.base_url().to_string()).collect(),
         server_info: Some(info),
+        kld,
         per_window,
     })
 }

@@ -5,10 +5,8 @@
 
 mod common;
 
-use std::path::Path;
-
 use candle_core::{DType, Device};
-use common::{fixture, start, Running};
+use common::{dataset, fixture, start, Running};
 use exactscore_client::dataset::{DatasetOptions, DatasetSpec};
 use exactscore_client::runner::{run_ppl, PplConfig};
 use exactscore_client::windows::{windows, Method, WindowParams};
@@ -19,17 +17,6 @@ const VARIANT: &str = "llama-w4a16-g128";
 const CTX: usize = 64;
 const STRIDE: usize = 24;
 const MAX_WINDOWS: usize = 10;
-
-/// A few KiB of WikiText-2 as a `.txt` dataset.
-fn dataset(dir: &Path) -> DatasetSpec {
-    let gz = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-        .join("fixtures/corpus/wikitext-2-raw-test.txt.gz");
-    let text = exactscore_client::dataset::wikitext2_text(&gz).unwrap();
-    let cut = text.char_indices().nth(3000).unwrap().0;
-    let path = dir.join("sample.txt");
-    std::fs::write(&path, &text[..cut]).unwrap();
-    DatasetSpec::Txt(path)
-}
 
 /// Perplexity computed with the model library directly: same tokens, same windows.
 fn direct_perplexity(spec: &DatasetSpec, method: Method) -> f64 {

@@ -1,7 +1,7 @@
 //! The real server in-process on 127.0.0.1:0, shared by the end-to-end tests.
 #![allow(dead_code)]
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 use clap::Parser;
 use exactscore_server::app::Server;
@@ -12,6 +12,17 @@ pub fn fixture(variant: &str) -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR"))
         .join("fixtures")
         .join(variant)
+}
+
+/// A few KiB of WikiText-2 as a `.txt` dataset in `dir`.
+pub fn dataset(dir: &Path) -> exactscore_client::dataset::DatasetSpec {
+    let gz = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("fixtures/corpus/wikitext-2-raw-test.txt.gz");
+    let text = exactscore_client::dataset::wikitext2_text(&gz).unwrap();
+    let cut = text.char_indices().nth(3000).unwrap().0;
+    let path = dir.join("sample.txt");
+    std::fs::write(&path, &text[..cut]).unwrap();
+    exactscore_client::dataset::DatasetSpec::Txt(path)
 }
 
 pub struct Running {

@@ -1,0 +1,173 @@
+//! KL-divergence statistics of `exactscore kld`, as llama.cpp's `perplexity --kl-divergence`
+//! prints them, from the per-token numbers of the server's `/kld`.
+//!
+//! With `n` scored tokens, per-token divergences `k_i` (nats), top-1 agreement `a_i ∈ {0, 1}`,
+//! `Δp_i = p_model(t_i) − p_ref(t_i)` and NLLs `m_i` (served model) and `r_i` (reference):
+//! - mean KLD `k̄ = Σk_i / n`, standard error `sqrt((Σk_i²/n − k̄²) / (n − 1))`;
+//! - median, p90, p99, p99.9: linear interpolation between order statistics (numpy's default
+//!   and llama.cpp's); max;
+//! - same top `ā = Σa_i / n` ± `sqrt(ā(1 − ā) / (n − 1))`;
+//! - mean Δp ± its standard error, RMS Δp `sqrt(ΣΔp_i² / n)`;
+//! - PPL of each model `exp(Σm_i / n)`, `exp(Σr_i / n)`; `ln(PPL ratio) = Σ(m_i − r_i) / n` ±
+//!   its standard error from `Σ(m_i − r_i)²`; the ratio is its exponential (± ratio · SE).
+//!
+//! Tokens are treated as independent for these errors, as llama.cpp does (an overlapping `exl3`
+//! window scores a token more than once, which makes them optimistic).
+
+use serde::{Deserialize, Serialize};
+
+/// What one window contributes (kept per window in reports and partial files).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct KldWindow {
+    /// Σ −log p of the reference model over the window's scored positions.
+    pub reference_sum_nll: f64,
+    /// Positions where both models' most likely token agree.
+    pub same_top: usize,
+    pub sum_delta_p: f64,
+    pub sum_delta_p_squared: f64,
+    /// Σ (NLL_model − NLL_reference)².
+    pub sum_ln_ratio_squared: f64,
+    /// Per scored position, in order.
+    pub kld: Vec<f64>,
+}
+
+/// The statistics of a KLD run.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct KldStats {
+    pub tokens: usize,
+    pub mean_kld: f64,
+    pub mean_kld_stderr: Option<f64>,
+    pub median_kld: f64,
+    pub p90_kld: f64,
+    pub p99_kld: f64,
+    pub p99_9_kld: f64,
+    pub max_kld: f64,
+    /// Fraction of tokens whose top-1 token agrees, 0..=1.
+    pub same_top: f64,
+    pub same_top_stderr: Option<f64>,
+    pub mean_delta_p: f64,
+    pub mean_delta_p_stderr: Option<f64>,
+    pub rms_delta_p: f64,
+    pub perplexity: f64,
+    pub reference_perplexity: f64,
+    /// PPL(model) / PPL(reference).
+    pub perplexity_ratio: f64,
+    pub perplexity_ratio_stderr: Option<f64>,
+    pub ln_perplexity_ratio: f64,
+    pub ln_perplexity_ratio_stderr: Option<f64>,
+}
+
+/// Standard error of a mean from the sums of the values and of their squares.
+fn stderr_of_mean(sum: f64, sum_squares: f64, n: usize) -> Option<f64> {
+    (n >= 2).then(|| {
+        let mean = sum / n as f64;
+        ((sum_squares / n as f64 - mean * mean).max(0.0) / (n as f64 - 1.0)).sqrt()
+    })
+}
+
+/// The `q` quantile (0..=1) of sorted values, interpolating linearly between neighbours.
+pub fn quantile(sorted: &[f64], q: f64) -> f64 {
+    if sorted.is_empty() {
+        return f64::NAN;
+    }
+    let at = q.clamp(0.0, 1.0) * (sorted.len() - 1) as f64;
+    let (lo, frac) = (at.floor() as usize, at - at.floor());
+    let hi = (lo + 1).min(sorted.len() - 1);
+    sorted[lo] + frac * (sorted[hi] - sorted[lo])
+}
+
+impl KldStats {
+    /// `windows`: each window's KLD part with the served model's NLL sum over the same
+    /// positions.
+    pub fn from_windows<'a>(windows: impl IntoIterator<Item = (&'a KldWindow, f64)>) -> Self {
+        let mut kld: Vec<f64> = Vec::new();
+        let (mut same, mut dp, mut dp2, mut nll, mut ref_nll, mut lr2) =
+            (0usize, 0.0, 0.0, 0.0, 0.0, 0.0);
+        for (w, sum_nll) in windows {
+            kld.extend_from_slice(&w.kld);
+            same += w.same_top;
+            dp += w.sum_delta_p;
+            dp2 += w.sum_delta_p_squared;
+            nll += sum_nll;
+            ref_nll += w.reference_sum_nll;
+            lr2 += w.sum_ln_ratio_squared;
+        }
+        let n = kld.len();
+        let nf = n as f64;
+        let sum: f64 = kld.iter().sum();
+        let sum_squares: f64 = kld.iter().map(|k| k * k).sum();
+        kld.sort_by(f64::total_cmp);
+        let same_top = same as f64 / nf;
+        let ln_ratio = (nll - ref_nll) / nf;
+        let ln_ratio_stderr = stderr_of_mean(nll - ref_nll, lr2, n);
+        let ratio = ln_ratio.exp();
+        Self {
+            tokens: n,
+            mean_kld: sum / nf,
+            mean_kld_stderr: stderr_of_mean(sum, sum_squares, n),
+            median_kld: quantile(&kld, 0.5),
+            p90_kld: quantile(&kld, 0.9),
+            p99_kld: quantile(&kld, 0.99),
+            p99_9_kld: quantile(&kld, 0.999),
+            max_kld: kld.last().copied().unwrap_or(f64::NAN),
+            same_top,
+            same_top_stderr: (n >= 2).then(|| (same_top * (1.0 - same_top) / (nf - 1.0)).sqrt()),
+            mean_delta_p: dp / nf,
+            mean_delta_p_stderr: stderr_of_mean(dp, dp2, n),
+            rms_delta_p: (dp2 / nf).sqrt(),
+            perplexity: (nll / nf).exp(),
+            reference_perplexity: (ref_nll / nf).exp(),
+            perplexity_ratio: ratio,
+            perplexity_ratio_stderr: ln_ratio_stderr.map(|se| se * ratio),
+            ln_perplexity_ratio: ln_ratio,
+            ln_perplexity_ratio_stderr: ln_ratio_stderr,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn quantiles_interpolate_like_numpy() {
+        let v = [1.0, 2.0, 3.0, 4.0];
+        assert_eq!(quantile(&v, 0.5), 2.5);
+        assert_eq!(quantile(&v, 0.0), 1.0);
+        assert_eq!(quantile(&v, 1.0), 4.0);
+        assert!((quantile(&v, 0.9) - 3.7).abs() < 1e-12);
+        assert_eq!(quantile(&[7.0], 0.99), 7.0);
+    }
+
+    #[test]
+    fn statistics_pool_the_tokens_of_every_window() {
+        let a = KldWindow {
+            reference_sum_nll: 3.0,
+            same_top: 1,
+            sum_delta_p: 0.1,
+            sum_delta_p_squared: 0.01,
+            sum_ln_ratio_squared: 1.0,
+            kld: vec![0.0, 0.3],
+        };
+        let b = KldWindow {
+            reference_sum_nll: 1.0,
+            same_top: 2,
+            sum_delta_p: -0.3,
+            sum_delta_p_squared: 0.05,
+            sum_ln_ratio_squared: 2.0,
+            kld: vec![0.1, 0.2],
+        };
+        let s = KldStats::from_windows([(&a, 4.0), (&b, 2.0)]);
+        assert_eq!(s.tokens, 4);
+        assert!((s.mean_kld - 0.15).abs() < 1e-12);
+        // values 0, .1, .2, .3: sd² (population) = 0.0125, / 3
+        assert!((s.mean_kld_stderr.unwrap() - (0.0125f64 / 3.0).sqrt()).abs() < 1e-12);
+        assert!((s.median_kld - 0.15).abs() < 1e-12);
+        assert_eq!(s.max_kld, 0.3);
+        assert_eq!(s.same_top, 0.75);
+        assert!((s.mean_delta_p + 0.05).abs() < 1e-12);
+        assert!((s.rms_delta_p - (0.06f64 / 4.0).sqrt()).abs() < 1e-12);
+        assert!((s.ln_perplexity_ratio - 0.5).abs() < 1e-12);
+        assert!((s.perplexity / s.reference_perplexity - s.perplexity_ratio).abs() < 1e-12);
+    }
+}

@@ -1,0 +1,304 @@
+//! End to end: `POST /kld` on the real server (f32, CPU) with the W4A16 fixture served and its
+//! dense bf16 original as the reference: the HTTP numbers equal the model-level computation,
+//! which `server/tests/kld_numerics.rs` checks against an independent f64 one.
+
+use candle_core::{DType, Device};
+use clap::Parser;
+use exactscore_api::{ErrorBody, KldResponse, ModelInfo};
+use exactscore_server::app::Server;
+use exactscore_server::config::{Args, Config};
+use exactscore_server::model::{kld_batch, Model, ModelOptions};
+use exactscore_server::quant::{ActivationQuantMode, LinearOptions};
+use serde_json::{json, Value};
+
+mod common;
+
+use common::{fixture, start};
+
+const SERVED: &str = "llama-w4a16-g128";
+const REFERENCE: &str = "llama-dense-bf16";
+
+fn fixture_sequences() -> Vec<Vec<u32>> {
+    let text = std::fs::read_to_string(fixture(REFERENCE).join("reference.json")).unwrap();
+    let v: Value = serde_json::from_str(&text).unwrap();
+    v["sequences"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|s| serde_json::from_value(s["token_ids"].clone()).unwrap())
+        .collect()
+}
+
+fn load(variant: &str) -> Model {
+    let opts = ModelOptions {
+        linear: LinearOptions {
+            device: Device::Cpu,
+            dtype: DType::F32,
+            activation_quant: ActivationQuantMode::Emulate,
+        },
+        max_seq_len: 512,
+        attention: Default::default(),
+    };
+    Model::load(&fixture(variant), &opts).unwrap()
+}
+
+async fn post(base: &str, route: &str, body: Value) -> (u16, String) {
+    let res = reqwest::Client::new()
+        .post(format!("{base}{route}"))
+        .json(&body)
+        .send()
+        .await
+        .unwrap();
+    (res.status().as_u16(), res.text().await.unwrap())
+}
+
+#[tokio::test]
+async fn kld_over_http_equals_the_model_computation() {
+    let reference_dir = fixture(REFERENCE);
+    let server = start(
+        SERVED,
+        &["--reference-model", reference_dir.to_str().unwrap()],
+    )
+    .await;
+    let seqs = fixture_sequences();
+    let (status, text) = post(&server.base, "/kld", json!({ "tokens": seqs })).await;
+    assert_eq!(status, 200, "{text}");
+    let r: KldResponse = serde_json::from_str(&text).unwrap();
+    assert_eq!(
+        (r.model.as_str(), r.reference_model.as_str()),
+        (SERVED, REFERENCE)
+    );
+
+    let refs: Vec<&[u32]> = seqs.iter().map(Vec::as_slice).collect();
+    let direct = kld_batch(&load(SERVED), &load(REFERENCE), &refs).unwrap();
+    let mut scored = 0;
+    for ((seq, d), tokens) in r.sequences.iter().zip(&direct).zip(&seqs) {
+        assert_eq!(&seq.tokens, tokens);
+        let (kld, lp, rlp) = (
+            seq.kld.as_ref().unwrap(),
+            seq.logprobs.as_ref().unwrap(),
+            seq.reference_logprobs.as_ref().unwrap(),
+        );
+        let (same, dp) = (
+            seq.same_top.as_ref().unwrap(),
+            seq.delta_p.as_ref().unwrap(),
+        );
+        assert_eq!(kld.len(), tokens.len());
+        assert!(kld[0].is_none() && lp[0].is_none() && same[0].is_none() && dp[0].is_none());
+        for (i, t) in d.tokens.iter().enumerate() {
+            assert_eq!(kld[i + 1], Some(t.kld), "position {}", i + 1);
+            assert_eq!(lp[i + 1], Some(t.logprob));
+            assert_eq!(rlp[i + 1], Some(t.reference_logprob));
+            assert_eq!(same[i + 1], Some(t.same_top));
+            let expect = (t.logprob as f64).exp() - (t.reference_logprob as f64).exp();
+            assert_eq!(dp[i + 1], Some(expect));
+        }
+        assert_eq!(seq.num_scored, tokens.len() - 1);
+        assert!((seq.sum_kld - d.sum_kld()).abs() <= 1e-12 * d.sum_kld().max(1.0));
+        assert_eq!(seq.same_top_count, d.same_top_count());
+        assert!((seq.sum_nll - d.sum_nll()).abs() < 1e-9);
+        assert!((seq.reference_sum_nll - d.reference_sum_nll()).abs() < 1e-9);
+        let sum_dp: f64 = dp.iter().flatten().sum();
+        let sum_dp2: f64 = dp.iter().flatten().map(|d| d * d).sum();
+        assert!((seq.sum_delta_p - sum_dp).abs() < 1e-12);
+        assert!((seq.sum_delta_p_squared - sum_dp2).abs() < 1e-12);
+        scored += seq.num_scored;
+    }
+    assert_eq!(r.usage.scored_tokens, scored);
+
+    // Sums only: the same numbers without the arrays.
+    let body = json!({ "tokens": seqs[1], "per_token": false });
+    let (status, text) = post(&server.base, "/kld", body).await;
+    assert_eq!(status, 200, "{text}");
+    let short: KldResponse = serde_json::from_str(&text).unwrap();
+    assert!(short.sequences[0].kld.is_none() && short.sequences[0].delta_p.is_none());
+    assert_eq!(short.sequences[0].sum_kld, r.sequences[1].sum_kld);
+
+    // /info carries both models' bits per weight.
+    let info: ModelInfo = reqwest::get(format!("{}/info", server.base))
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    let reference = info.reference.expect("reference in /info");
+    assert_eq!(reference.model, REFERENCE);
+    assert_eq!(reference.bits_per_weight, 16.0);
+    assert!((info.bits_per_weight - 4.125).abs() < 1e-9);
+
+    // Bad input is named like /score's.
+    let (status, text) = post(&server.base, "/kld", json!({ "tokens": [1, 99999] })).await;
+    assert_eq!(status, 422, "{text}");
+    let e: ErrorBody = serde_json::from_str(&text).unwrap();
+    assert_eq!(
+        (e.field.as_deref(), e.rule.as_deref()),
+        (Some("tokens[1]"), Some("below_vocab_size"))
+    );
+    let _ = server.stop.send(());
+    server.done.await.unwrap().unwrap();
+}
+
+#[tokio::test]
+async fn kld_without_a_reference_is_a_named_404() {
+    let server = start(SERVED, &[]).await;
+    let (status, text) = post(&server.base, "/kld", json!({ "tokens": [1, 2, 3] })).await;
+    assert_eq!(status, 404, "{text}");
+    let e: ErrorBody = serde_json::from_str(&text).unwrap();
+    assert_eq!(e.kind, "no_reference_model");
+    assert!(e.error.contains("--reference-model"), "{}", e.error);
+    let _ = server.stop.send(());
+    server.done.await.unwrap().unwrap();
+}
+
+#[tokio::test]
+async fn a_reference_with_another_vocabulary_is_refused_at_start_up() {
+    // The dense fixture with two tokens' ids swapped in its tokenizer.
+    let dir = tempfile::tempdir().unwrap();
+    for entry in std::fs::read_dir(fixture(REFERENCE)).unwrap() {
+        let path = entry.unwrap().path();
+        std::fs::copy(&path, dir.path().join(path.file_name().unwrap())).unwrap();
+    }
+    let path = dir.path().join("tokenizer.json");
+    let mut tokenizer: Value =
+        serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+    let vocab = tokenizer["model"]["vocab"].as_object_mut().unwrap();
+    let (a, b) = (vocab["a"].clone(), vocab["b"].clone());
+    vocab.insert("a".into(), b.clone());
+    vocab.insert("b".into(), a.clone());
+    std::fs::write(&path, tokenizer.to_string()).unwrap();
+
+    let served = fixture(SERVED);
+    let args = Args::try_parse_from([
+        "exactscore-server",
+        "--model",
+        served.to_str().unwrap(),
+        "--reference-model",
+        dir.path().to_str().unwrap(),
+    ])
+    .unwrap();
+    let err = Server::load(&Config::from_args(args).unwrap())
+        .await
+        .err()
+        .expect("a reference with another vocabulary must be refused")
+        .to_string();
+    let first = if a.as_u64() < b.as_u64() { "a" } else { "b" };
+    assert!(err.contains("vocabulary differs"), "{err}");
+    assert!(err.contains(&format!("token \"{first}\"")), "{err}");
+}
+
+/// `exactscore kld` (the runner with `Task::Kld`) over two servers, interrupted and resumed:
+/// every aggregate equals the direct computation from per-token values of the model library.
+#[tokio::test]
+async fn kld_runner_aggregates_equal_a_direct_computation() {
+    use exactscore_client::dataset::DatasetOptions;
+    use exactscore_client::kld::quantile;
+    use exactscore_client::windows::{windows, Method, WindowParams};
+    use exactscore_client::{run_ppl, PplConfig, PplError, Task};
+
+    let reference_dir = fixture(REFERENCE);
+    let args = ["--reference-model", reference_dir.to_str().unwrap()];
+    let servers = [start(SERVED, &args).await, start(SERVED, &args).await];
+    let dir = tempfile::tempdir().unwrap();
+    let spec = common::dataset(dir.path());
+    let partial = dir.path().join("kld.partial.jsonl");
+    let config = || {
+        let mut c = PplConfig::new(
+            servers.iter().map(|s| s.base.clone()).collect(),
+            spec.clone(),
+        );
+        c.task = Task::Kld;
+        c.method = Method::Exl3;
+        (c.ctx, c.stride, c.max_windows, c.concurrency) = (64, 24, Some(10), 4);
+        c.output = Some(partial.clone());
+        c
+    };
+    let mut first = config();
+    first.stop_after = Some(3);
+    match run_ppl(first).await {
+        Err(PplError::Interrupted { done, .. }) => assert!(done >= 3),
+        other => panic!("expected an interruption, got {other:?}"),
+    }
+    let mut resumed = config();
+    resumed.resume = true;
+    let report = run_ppl(resumed).await.unwrap();
+    assert!(report.resumed_windows >= 3);
+    let k = report.kld.as_ref().expect("kld statistics");
+
+    // Direct: same tokens, same windows, the model library's per-token divergences.
+    let text = exactscore_client::dataset::load(&spec, &DatasetOptions::default())
+        .unwrap()
+        .text;
+    let tok = tokenizers::Tokenizer::from_file(fixture(SERVED).join("tokenizer.json")).unwrap();
+    let ids = tok.encode(text.as_str(), true).unwrap().get_ids().to_vec();
+    let params = WindowParams {
+        method: Method::Exl3,
+        ctx: 64,
+        stride: 24,
+        prefix_token: None,
+        max_windows: Some(10),
+    };
+    let (model, reference) = (load(SERVED), load(REFERENCE));
+    let (mut kld, mut same, mut dp, mut dp2, mut nll, mut ref_nll) =
+        (vec![], 0usize, 0f64, 0f64, 0f64, 0f64);
+    for w in windows(ids.len(), &params).unwrap() {
+        let seq = w.sequence(&ids);
+        let d = kld_batch(&model, &reference, &[&seq]).unwrap().remove(0);
+        for p in w.scored.clone() {
+            let t = d.tokens[p - 1];
+            kld.push(t.kld);
+            same += usize::from(t.same_top);
+            let delta = (t.logprob as f64).exp() - (t.reference_logprob as f64).exp();
+            dp += delta;
+            dp2 += delta * delta;
+            nll -= t.logprob as f64;
+            ref_nll -= t.reference_logprob as f64;
+        }
+    }
+    let n = kld.len() as f64;
+    assert_eq!(k.tokens, kld.len());
+    let close = |got: f64, want: f64, what: &str| {
+        assert!(
+            (got - want).abs() <= 1e-9 * want.abs().max(1e-3),
+            "{what}: {got} vs {want}"
+        )
+    };
+    close(k.mean_kld, kld.iter().sum::<f64>() / n, "mean KLD");
+    kld.sort_by(f64::total_cmp);
+    close(k.median_kld, quantile(&kld, 0.5), "median");
+    close(k.p99_kld, quantile(&kld, 0.99), "p99");
+    close(k.max_kld, *kld.last().unwrap(), "max");
+    close(k.same_top, same as f64 / n, "same top");
+    close(k.mean_delta_p, dp / n, "mean Δp");
+    close(k.rms_delta_p, (dp2 / n).sqrt(), "RMS Δp");
+    close(k.perplexity, (nll / n).exp(), "perplexity");
+    close(
+        k.reference_perplexity,
+        (ref_nll / n).exp(),
+        "reference perplexity",
+    );
+    close(
+        report.stats.perplexity,
+        (nll / n).exp(),
+        "report perplexity",
+    );
+    close(
+        k.perplexity_ratio,
+        k.perplexity / k.reference_perplexity,
+        "ratio",
+    );
+    assert!(k.mean_kld > 0.0 && k.same_top < 1.0);
+    let table = report.to_table();
+    for row in [
+        "mean KLD",
+        "KLD p99.9",
+        "same top token",
+        "RMS Δp",
+        "PPL ratio",
+    ] {
+        assert!(table.contains(row), "{row} missing from\n{table}");
+    }
+    assert!(
+        table.contains("reference bits per weight  16.0000"),
+        "{table}"
+    );
+}
