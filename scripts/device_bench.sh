@@ -3,7 +3,7 @@
 # the throughput table, the transformers baseline on the same shape, and WikiText-2 through the
 # real HTTP server, in one command.
 #   bash scripts/device_bench.sh [check] [speed FORMATS BATCHES] [baseline BATCHES] [summary]
-#                                [wikitext FORMAT CONCURRENCY]
+#                                [wikitext FORMAT CONCURRENCY] [kld BATCHES]
 # Binaries come gzipped in .device/ (see docs/performance.md); results go to $OUT. Exits 1 when a
 # step failed (a numerics miss, a crash, a failed client run, a missed SUMMARY_GATE).
 # Environment: SHAPE (llama3-8b), ATTENTION (kernels timed by `speed`), SERVER_ATTENTION (the
@@ -66,6 +66,7 @@ while [ $# -gt 0 ]; do
   case "$1" in
     check) step check.txt /tmp/exactscore-bench check --fixtures tests/fixtures; shift ;;
     speed) step speed.txt /tmp/exactscore-bench speed --shape "$SHAPE" --formats "$2" --batch "$3" --attention "$ATTENTION" --profile; shift 3 ;;
+    kld) step kld.txt /tmp/exactscore-bench kld --shape "$SHAPE" --format w4a16 --batch "$2" --min-ratio 0.45; shift 2 ;;
     baseline) step baseline.txt python3 scripts/baseline_transformers.py --shape "$SHAPE" --batch "$2"; shift 2 ;;
     wikitext) step wikitext-run.txt wikitext "$2" "$3"; shift 3 ;;
     # shellcheck disable=SC2086 # SUMMARY_GATE is four words

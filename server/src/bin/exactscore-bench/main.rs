@@ -8,6 +8,9 @@
 //!   windows of a random-weight model of that shape (built in memory, no file), through the same
 //!   `Model::score` the server uses, and prints ms/window, tokens/s, fraction of the measured
 //!   cuBLAS bf16 ceiling and peak GPU memory, for each `--attention` kernel.
+//! * `kld --shape llama3-8b --format w4a16 --batch 1,4`: `/kld` (served model + bf16 reference,
+//!   two forwards and the fused divergence) timed next to `/score` on the same windows; `check`
+//!   also judges the divergence kernel and the GPU `/kld` path on the fixtures.
 //! * `write-checkpoint --shape llama3-8b --format w4a16 --out DIR --tokenizer TOKDIR`: the same
 //!   random model as a Hugging Face directory on disk, for end-to-end runs through the server.
 
@@ -24,6 +27,7 @@ use serde_json::Value;
 
 #[cfg(feature = "cuda")]
 mod attention_check;
+mod kld_bench;
 mod random_model;
 
 #[derive(Parser)]
@@ -69,6 +73,27 @@ enum Command {
         #[arg(long)]
         profile: bool,
     },
+    /// `/kld` throughput next to `/score`: a random model of a real shape in `--format` and a
+    /// bf16 reference of the same shape, both on the device.
+    Kld {
+        #[arg(long, default_value = "llama3-8b")]
+        shape: String,
+        #[arg(long, default_value = "w4a16")]
+        format: String,
+        #[arg(long, value_delimiter = ',', default_value = "1,4")]
+        batch: Vec<usize>,
+        #[arg(long, default_value_t = 2048)]
+        ctx: usize,
+        #[arg(long, default_value_t = 5)]
+        iters: usize,
+        #[arg(long, default_value = "bf16")]
+        dtype: String,
+        #[arg(long, default_value = "cuda:0")]
+        device: String,
+        /// Fail when /kld tokens/s falls below this fraction of /score's at any batch.
+        #[arg(long, default_value_t = 0.0)]
+        min_ratio: f64,
+    },
     /// Writes a random-weight checkpoint of a real shape to disk (config.json, model.safetensors
     /// and the tokenizer files copied from `--tokenizer`).
     WriteCheckpoint {
@@ -111,6 +136,25 @@ fn main() -> Result<()> {
                 .map(|a| parse_attention(a))
                 .collect::<Result<Vec<_>>>()?,
             profile,
+        ),
+        Command::Kld {
+            shape,
+            format,
+            batch,
+            ctx,
+            iters,
+            dtype,
+            device,
+            min_ratio,
+        } => kld_bench::speed(
+            &shape,
+            &format,
+            &batch,
+            ctx,
+            iters,
+            parse_dtype(&dtype)?,
+            &parse_device(&device)?,
+            min_ratio,
         ),
         Command::WriteCheckpoint {
             shape,
@@ -363,6 +407,7 @@ fn check(fixtures: &Path, device: &Device) -> Result<()> {
     for r in rows {
         println!("{r}");
     }
+    failures += kld_bench::check(fixtures, device)?;
     #[cfg(feature = "cuda")]
     if device.is_cuda() {
         if let Err(e) = attention_check::run(device) {
