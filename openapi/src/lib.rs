@@ -65,8 +65,39 @@ pub struct ScoreRequest {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub top_k: Option<i64>,
     /// Which details to return.
-    #[serde(default, rename = "return", skip_serializing_if = "Option::is_none")]
+    #[serde(
+        default,
+        rename = "return",
+        skip_serializing_if = "Option::is_none",
+        deserialize_with = "object_only"
+    )]
     pub return_options: Option<ReturnOptions>,
+}
+
+/// `return` as a JSON object (or `null`) only: serde's derive would also take a list of
+/// positional values, so `"return": []` would silently mean the defaults.
+fn object_only<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Option<ReturnOptions>, D::Error> {
+    use serde::de::{value::MapAccessDeserializer, MapAccess, Visitor};
+    struct Object;
+    impl<'de> Visitor<'de> for Object {
+        type Value = Option<ReturnOptions>;
+        fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+            f.write_str("an object of booleans or null")
+        }
+        fn visit_unit<E>(self) -> Result<Self::Value, E> {
+            Ok(None)
+        }
+        fn visit_none<E>(self) -> Result<Self::Value, E> {
+            Ok(None)
+        }
+        fn visit_some<D: serde::Deserializer<'de>>(self, d: D) -> Result<Self::Value, D::Error> {
+            d.deserialize_map(self)
+        }
+        fn visit_map<A: MapAccess<'de>>(self, map: A) -> Result<Self::Value, A::Error> {
+            ReturnOptions::deserialize(MapAccessDeserializer::new(map)).map(Some)
+        }
+    }
+    d.deserialize_option(Object)
 }
 
 /// One of the most likely tokens at a position.

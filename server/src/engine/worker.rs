@@ -31,7 +31,9 @@ pub fn spawn(
 
 fn run_batch(engine: &mut dyn Engine, batch: Vec<Entry>, batch_id: u64) {
     // The batch was formed before the previous one finished: clients may have left since.
+    let formed = batch.len();
     let batch: Vec<Entry> = batch.into_iter().filter(|e| !e.is_cancelled()).collect();
+    super::queue::count_cancelled(formed - batch.len());
     if batch.is_empty() {
         return;
     }
