@@ -63,6 +63,7 @@ pub struct ScoreRequest {
     pub add_special_tokens: Option<bool>,
     /// Number of most likely tokens to return per position, 0..=20. Default 0.
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schema(minimum = 0, maximum = 20)]
     pub top_k: Option<i64>,
     /// Which details to return.
     #[serde(
@@ -302,9 +303,11 @@ pub struct CompletionRequest {
     pub echo: Option<bool>,
     /// Number of most likely tokens per position, 0..=20; `null`: no log-probabilities.
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schema(minimum = 0, maximum = 20)]
     pub logprobs: Option<i64>,
     /// 0 or 1. Required (OpenAI's default of 16 would mean generation).
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schema(minimum = 0, maximum = 1)]
     pub max_tokens: Option<i64>,
     /// Must be 0 when `max_tokens` is 1 (the appended token is the argmax).
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -314,6 +317,7 @@ pub struct CompletionRequest {
     pub seed: Option<i64>,
     /// Must be 1.
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schema(minimum = 1, maximum = 1)]
     pub n: Option<i64>,
     /// Must be false.
     #[serde(default, skip_serializing_if = "Option::is_none")]

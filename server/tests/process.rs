@@ -344,7 +344,7 @@ async fn logs_are_plain_and_never_hold_the_key() {
 // ---- disconnects -----------------------------------------------------------------------
 
 /// While a long request computes (one sequence per batch), 24 clients send a request each and
-/// hang up. None of their sequences is computed: the cancelled counter rises by 24 and the
+/// hang up 300 ms later. None of their sequences is computed: the cancelled counter rises by 24 and the
 /// processed-token counter by exactly the long request's tokens.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn disconnected_clients_cost_no_compute() {
@@ -387,7 +387,9 @@ async fn disconnected_clients_cost_no_compute() {
                 body.len()
             );
             s.write_all(req.as_bytes()).unwrap();
-            std::thread::sleep(Duration::from_millis(100));
+            // Long enough for the server to read the request and queue it, far shorter than
+            // the long request's computation.
+            std::thread::sleep(Duration::from_millis(300));
             drop(s); // hang up before the answer
         }));
     }
