@@ -824,10 +824,8 @@ async fn every_route_but_health_needs_the_key() {
         let right = format!("Bearer {KEY}");
         let (status, _, _) = send(&app, req(Some(&right))).await;
         assert_ne!(status, StatusCode::UNAUTHORIZED, "{path} with the key");
-        assert!(
-            status.is_success() || status == StatusCode::UNPROCESSABLE_ENTITY,
-            "{path}: {status}"
-        );
+        // 200, or a 4xx about the body or the server's set-up (e.g. no reference model).
+        assert!(!status.is_server_error(), "{path}: {status}");
         checked += 1;
     }
     println!("auth checks: {checked} over {} routes", paths.len());
