@@ -63,10 +63,42 @@ pub struct ScoreRequest {
     pub add_special_tokens: Option<bool>,
     /// Number of most likely tokens to return per position, 0..=20. Default 0.
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schema(minimum = 0, maximum = 20)]
     pub top_k: Option<i64>,
     /// Which details to return.
-    #[serde(default, rename = "return", skip_serializing_if = "Option::is_none")]
+    #[serde(
+        default,
+        rename = "return",
+        skip_serializing_if = "Option::is_none",
+        deserialize_with = "object_only"
+    )]
     pub return_options: Option<ReturnOptions>,
+}
+
+/// `return` as a JSON object (or `null`) only: serde's derive would also take a list of
+/// positional values, so `"return": []` would silently mean the defaults.
+fn object_only<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Option<ReturnOptions>, D::Error> {
+    use serde::de::{value::MapAccessDeserializer, MapAccess, Visitor};
+    struct Object;
+    impl<'de> Visitor<'de> for Object {
+        type Value = Option<ReturnOptions>;
+        fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+            f.write_str("an object of booleans or null")
+        }
+        fn visit_unit<E>(self) -> Result<Self::Value, E> {
+            Ok(None)
+        }
+        fn visit_none<E>(self) -> Result<Self::Value, E> {
+            Ok(None)
+        }
+        fn visit_some<D: serde::Deserializer<'de>>(self, d: D) -> Result<Self::Value, D::Error> {
+            d.deserialize_map(self)
+        }
+        fn visit_map<A: MapAccess<'de>>(self, map: A) -> Result<Self::Value, A::Error> {
+            ReturnOptions::deserialize(MapAccessDeserializer::new(map)).map(Some)
+        }
+    }
+    d.deserialize_option(Object)
 }
 
 /// One of the most likely tokens at a position.
@@ -198,7 +230,8 @@ pub struct KldResponse {
 pub struct ErrorBody {
     pub error: String,
     /// `invalid_json`, `validation`, `unauthorized`, `payload_too_large`, `overloaded`,
-    /// `not_ready`, `timeout`, `internal`, `not_found`, `no_reference_model`.
+    /// `not_ready`, `timeout`, `internal`, `not_found`, `method_not_allowed`,
+    /// `unsupported_media_type`, `no_reference_model`.
     pub kind: String,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub field: Option<String>,
@@ -351,9 +384,11 @@ pub struct CompletionRequest {
     pub echo: Option<bool>,
     /// Number of most likely tokens per position, 0..=20; `null`: no log-probabilities.
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schema(minimum = 0, maximum = 20)]
     pub logprobs: Option<i64>,
     /// 0 or 1. Required (OpenAI's default of 16 would mean generation).
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schema(minimum = 0, maximum = 1)]
     pub max_tokens: Option<i64>,
     /// Must be 0 when `max_tokens` is 1 (the appended token is the argmax).
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -363,6 +398,7 @@ pub struct CompletionRequest {
     pub seed: Option<i64>,
     /// Must be 1.
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schema(minimum = 1, maximum = 1)]
     pub n: Option<i64>,
     /// Must be false.
     #[serde(default, skip_serializing_if = "Option::is_none")]

@@ -5,7 +5,7 @@ use std::collections::BTreeMap;
 use std::future::Future;
 use std::path::Path;
 use std::sync::Arc;
-use std::time::{SystemTime, UNIX_EPOCH};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use candle_core::{DType, Device};
 use exactscore_api::{Limits, ModelInfo, ReferenceInfo};
@@ -109,8 +109,11 @@ impl Server {
         Ok(())
     }
 
-    /// Serves until `shutdown` resolves; then reports not ready, finishes every admitted
-    /// request, stops the engine after its last batch and returns.
+    /// Serves until `shutdown` resolves, then drains: readiness turns 503 `draining` at once
+    /// and new scoring requests are answered 503 while the listener stays open (so a load
+    /// balancer sees the probe fail instead of a refused connection); once every admitted
+    /// request has been answered, or `--drain-timeout-secs` has passed, the listener closes,
+    /// the engine stops after its last batch and this returns.
     pub async fn serve(
         self,
         listener: TcpListener,
@@ -118,14 +121,44 @@ impl Server {
     ) -> std::io::Result<()> {
         let readiness = self.state.readiness.clone();
         let scheduler = self.state.scheduler.clone();
+        let admission = self.state.admission.clone();
+        let all_permits = self.state.limits().max_queued_requests as u32;
+        let drain_timeout = self.state.http.drain_timeout;
+        let (signalled_tx, signalled_rx) = tokio::sync::oneshot::channel::<Instant>();
         let app = http::router(self.state);
-        axum::serve(listener, app)
-            .with_graceful_shutdown(async move {
-                shutdown.await;
-                tracing::info!("shutting down: draining admitted requests");
-                readiness.start_draining();
-            })
-            .await?;
+        let serve = axum::serve(listener, app).with_graceful_shutdown(async move {
+            shutdown.await;
+            let start = Instant::now();
+            readiness.start_draining();
+            let _ = signalled_tx.send(start);
+            tracing::info!("shutting down: draining admitted requests");
+            // Every admission permit back = no request queued or computing.
+            let drained =
+                tokio::time::timeout(drain_timeout, admission.acquire_many(all_permits)).await;
+            match drained {
+                Ok(_) => tracing::info!(
+                    seconds = start.elapsed().as_secs_f64(),
+                    "drained; closing the listener"
+                ),
+                Err(_) => tracing::warn!(?drain_timeout, "drain timeout passed; closing"),
+            }
+        });
+        // Connections that stay open after the drain (a slow reader) get one more second.
+        let deadline = async move {
+            match signalled_rx.await {
+                Ok(start) => {
+                    tokio::time::sleep_until(
+                        (start + drain_timeout + Duration::from_secs(1)).into(),
+                    )
+                    .await
+                }
+                Err(_) => std::future::pending().await,
+            }
+        };
+        tokio::select! {
+            served = serve => served?,
+            () = deadline => tracing::warn!("connections still open after the drain timeout; closing them"),
+        }
         scheduler.shutdown();
         let engine = self.engine;
         tokio::task::spawn_blocking(move || engine.join())

@@ -83,6 +83,14 @@ pub struct Args {
     /// Require `Authorization: Bearer <key>` on every route but `/health/*`.
     #[arg(long, env = "EXACTSCORE_API_KEY", hide_env_values = true)]
     pub api_key: Option<String>,
+    /// Serve `/metrics` without the API key (for a Prometheus scraper without credentials);
+    /// every other route still needs it.
+    #[arg(long, env = "EXACTSCORE_METRICS_WITHOUT_AUTH")]
+    pub metrics_without_auth: bool,
+    /// On SIGTERM or ctrl-c the server turns not-ready, answers new scoring requests 503 and
+    /// lets admitted ones finish for at most this long, then closes what is left and exits 0.
+    #[arg(long, env = "EXACTSCORE_DRAIN_TIMEOUT_SECS", default_value_t = 30)]
+    pub drain_timeout_secs: u64,
     /// Largest request body accepted (413 beyond).
     #[arg(long, env = "EXACTSCORE_MAX_BODY_BYTES", default_value_t = 8 * 1024 * 1024)]
     pub max_body_bytes: usize,
@@ -189,12 +197,28 @@ pub struct ReferenceConfig {
     pub device: DeviceSpec,
 }
 
-/// What the HTTP layer needs beyond the model.
-#[derive(Debug, Clone)]
+/// What the HTTP layer needs beyond the model. Its `Debug` never shows the key.
+#[derive(Clone)]
 pub struct HttpConfig {
     pub api_key: Option<String>,
+    /// `/metrics` is open like `/health/*`.
+    pub metrics_without_auth: bool,
     pub max_body_bytes: usize,
     pub request_timeout: Duration,
+    /// How long admitted requests may take to finish after a shutdown signal.
+    pub drain_timeout: Duration,
+}
+
+impl std::fmt::Debug for HttpConfig {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("HttpConfig")
+            .field("api_key", &self.api_key.as_ref().map(|_| "<redacted>"))
+            .field("metrics_without_auth", &self.metrics_without_auth)
+            .field("max_body_bytes", &self.max_body_bytes)
+            .field("request_timeout", &self.request_timeout)
+            .field("drain_timeout", &self.drain_timeout)
+            .finish()
+    }
 }
 
 impl Config {
@@ -213,6 +237,9 @@ impl Config {
         positive("max-body-bytes", args.max_body_bytes)?;
         if args.request_timeout_secs == 0 {
             return Err(invalid("request-timeout-secs", 0, "must be at least 1"));
+        }
+        if args.drain_timeout_secs == 0 {
+            return Err(invalid("drain-timeout-secs", 0, "must be at least 1"));
         }
         if let Some(max) = args.max_input_tokens {
             positive("max-input-tokens", max)?;
@@ -269,8 +296,10 @@ impl Config {
             },
             http: HttpConfig {
                 api_key: args.api_key,
+                metrics_without_auth: args.metrics_without_auth,
                 max_body_bytes: args.max_body_bytes,
                 request_timeout: Duration::from_secs(args.request_timeout_secs),
+                drain_timeout: Duration::from_secs(args.drain_timeout_secs),
             },
             batch: BatchLimits {
                 max_batch_tokens: args.max_batch_tokens,

@@ -1,5 +1,13 @@
 //! `exactscore-server`: parse flags into a Config, set up logging, load the model, warm it up
 //! and serve until SIGTERM or ctrl-c, then drain and exit 0.
+//!
+//! Logs go to stderr, with ANSI colours only when stderr is a terminal. A start-up failure is
+//! one line on stderr (`exactscore-server: error: ...: cause`) and exit status 1; a backtrace
+//! follows only when asked with `RUST_LIB_BACKTRACE=1` (`RUST_BACKTRACE` alone governs panics:
+//! a wrong `--model` path is not a bug, and many shells export `RUST_BACKTRACE=1`).
+
+use std::io::IsTerminal;
+use std::process::ExitCode;
 
 use anyhow::Context;
 use clap::Parser;
@@ -7,15 +15,66 @@ use exactscore_server::app::Server;
 use exactscore_server::config::{Args, Config, LogFormat};
 use tracing_subscriber::EnvFilter;
 
-#[tokio::main]
-async fn main() -> anyhow::Result<()> {
-    let args = Args::parse();
+fn main() -> ExitCode {
+    let args = match Args::try_parse() {
+        Ok(args) => args,
+        Err(e) if !e.use_stderr() => {
+            // --help and --version: clap's own output, exit 0.
+            let _ = e.print();
+            return ExitCode::SUCCESS;
+        }
+        Err(e) => {
+            // clap's message without its usage block, on one line.
+            let text = e.render().to_string();
+            let first = text.lines().next().unwrap_or("invalid arguments");
+            let first = first.strip_prefix("error: ").unwrap_or(first);
+            eprintln!("exactscore-server: error: {first} (see --help)");
+            return ExitCode::from(2);
+        }
+    };
+    let runtime = match tokio::runtime::Runtime::new() {
+        Ok(rt) => rt,
+        Err(e) => return fail(&anyhow::Error::new(e).context("starting the async runtime")),
+    };
+    match runtime.block_on(run(args)) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => fail(&e),
+    }
+}
+
+/// One line: the context chain joined by `: `. The backtrace anyhow captured only on request.
+fn fail(err: &anyhow::Error) -> ExitCode {
+    // The context chain, skipping a cause whose text its parent already quotes (thiserror
+    // variants such as `loading the model: {0}` are both the message and the source).
+    let mut line = String::new();
+    for cause in err.chain() {
+        let text = cause.to_string();
+        if !line.contains(&text) {
+            if !line.is_empty() {
+                line.push_str(": ");
+            }
+            line.push_str(&text);
+        }
+    }
+    let line = line.replace(['\n', '\r'], " ");
+    eprintln!("exactscore-server: error: {line}");
+    if backtrace_asked() {
+        eprintln!("{}", err.backtrace());
+    }
+    ExitCode::FAILURE
+}
+
+fn backtrace_asked() -> bool {
+    std::env::var("RUST_LIB_BACKTRACE").is_ok_and(|v| v != "0")
+}
+
+async fn run(args: Args) -> anyhow::Result<()> {
     if args.print_openapi {
         let doc = exactscore_server::http::openapi();
         println!("{}", doc.to_pretty_json().context("serializing OpenAPI")?);
         return Ok(());
     }
-    let config = Config::from_args(args)?;
+    let config = Config::from_args(args).context("invalid configuration")?;
     init_logging(config.log_format);
     tracing::info!(model = %config.model_dir.display(), device = ?config.device, "loading");
 
@@ -44,7 +103,10 @@ async fn main() -> anyhow::Result<()> {
 
 fn init_logging(format: LogFormat) {
     let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info"));
-    let builder = tracing_subscriber::fmt().with_env_filter(filter);
+    let builder = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .with_ansi(std::io::stderr().is_terminal());
     match format {
         LogFormat::Json => builder.json().init(),
         LogFormat::Text => builder.init(),

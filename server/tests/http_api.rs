@@ -78,8 +78,10 @@ async fn app_with(engine: FakeEngine, setup: Setup) -> (Router, SharedState) {
         tokenizer: Arc::new(TextTokenizer::load(&fixture()).unwrap()),
         http: HttpConfig {
             api_key: setup.api_key.map(str::to_string),
+            metrics_without_auth: false,
             max_body_bytes: setup.max_body_bytes,
             request_timeout: setup.request_timeout,
+            drain_timeout: Duration::from_secs(5),
         },
         batch: BatchLimits {
             max_batch_tokens: 256,

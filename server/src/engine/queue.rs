@@ -43,6 +43,14 @@ impl Entry {
     }
 }
 
+/// Counts sequences dropped uncomputed because their client went away (or timed out):
+/// `exactscore_sequences_cancelled_total`.
+pub fn count_cancelled(n: usize) {
+    if n > 0 {
+        metrics::counter!("exactscore_sequences_cancelled_total").increment(n as u64);
+    }
+}
+
 /// How much one batch may hold.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct BatchLimits {
@@ -83,7 +91,9 @@ impl State {
     pub fn drop_cancelled(&mut self) -> usize {
         let before = self.entries.len();
         self.entries.retain(|e| !e.is_cancelled());
-        before - self.entries.len()
+        let dropped = before - self.entries.len();
+        count_cancelled(dropped);
+        dropped
     }
 
     /// Takes the next batch: entries in arrival order while both budgets hold. Stops at the

@@ -31,6 +31,7 @@ pub fn spawn(
 
 fn run_batch(engine: &mut dyn Engine, batch: Vec<Entry>, batch_id: u64) {
     // The batch was formed before the previous one finished: clients may have left since.
+    let formed = batch.len();
     let mut scores = Vec::new();
     let mut klds = Vec::new();
     for entry in batch.into_iter().filter(|e| !e.is_cancelled()) {
@@ -51,6 +52,7 @@ fn run_batch(engine: &mut dyn Engine, batch: Vec<Entry>, batch_id: u64) {
             }),
         }
     }
+    super::queue::count_cancelled(formed - scores.len() - klds.len());
     // A batch mixing both tasks runs them one after the other, each as one forward pass.
     let top_ks: Vec<usize> = scores.iter().map(|(_, k)| *k).collect();
     let jobs = scores.into_iter().map(|(job, _)| job).collect();

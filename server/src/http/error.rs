@@ -9,8 +9,10 @@ use serde_json::Value;
 
 #[derive(Debug, thiserror::Error)]
 pub enum ApiError {
-    #[error("malformed JSON body: {0}")]
-    InvalidJson(String),
+    /// Not JSON. `field` is where the parser stopped (`body` at the top level, else the path
+    /// of the member being read, e.g. `text` for invalid UTF-8 inside it).
+    #[error("malformed JSON body: {message}")]
+    InvalidJson { field: String, message: String },
     #[error("missing or wrong API key")]
     Unauthorized,
     #[error("no route for {0}")]
@@ -20,6 +22,10 @@ pub enum ApiError {
          unquantized checkpoint) to compute KL-divergences"
     )]
     NoReferenceModel,
+    #[error("method {0} is not allowed on this route")]
+    MethodNotAllowed(String),
+    #[error("content type `{0}` is not JSON; send `Content-Type: application/json`")]
+    UnsupportedMediaType(String),
     #[error("request body exceeds the limit of {limit} bytes")]
     PayloadTooLarge { limit: usize },
     /// A request that parsed but breaks a rule: names the field, the rule and the value.
@@ -59,9 +65,11 @@ impl ApiError {
     /// The status table: the one place that maps errors to HTTP.
     pub fn status(&self) -> StatusCode {
         match self {
-            Self::InvalidJson(_) => StatusCode::BAD_REQUEST,
+            Self::InvalidJson { .. } => StatusCode::BAD_REQUEST,
             Self::Unauthorized => StatusCode::UNAUTHORIZED,
             Self::NotFound(_) | Self::NoReferenceModel => StatusCode::NOT_FOUND,
+            Self::MethodNotAllowed(_) => StatusCode::METHOD_NOT_ALLOWED,
+            Self::UnsupportedMediaType(_) => StatusCode::UNSUPPORTED_MEDIA_TYPE,
             Self::PayloadTooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
             Self::Validation { .. } => StatusCode::UNPROCESSABLE_ENTITY,
             Self::Overloaded { .. } => StatusCode::TOO_MANY_REQUESTS,
@@ -73,10 +81,12 @@ impl ApiError {
 
     pub fn kind(&self) -> &'static str {
         match self {
-            Self::InvalidJson(_) => "invalid_json",
+            Self::InvalidJson { .. } => "invalid_json",
             Self::Unauthorized => "unauthorized",
             Self::NotFound(_) => "not_found",
             Self::NoReferenceModel => "no_reference_model",
+            Self::MethodNotAllowed(_) => "method_not_allowed",
+            Self::UnsupportedMediaType(_) => "unsupported_media_type",
             Self::PayloadTooLarge { .. } => "payload_too_large",
             Self::Validation { .. } => "validation",
             Self::Overloaded { .. } => "overloaded",
@@ -93,7 +103,20 @@ impl ApiError {
             } => (
                 Some(field.clone()),
                 Some(rule.to_string()),
-                Some(value.clone()),
+                Some(preview(value)),
+            ),
+            Self::InvalidJson { field, .. } => {
+                (Some(field.clone()), Some("json_syntax".into()), None)
+            }
+            Self::MethodNotAllowed(method) => (
+                Some("method".into()),
+                Some("allowed_method".into()),
+                Some(Value::from(method.as_str())),
+            ),
+            Self::UnsupportedMediaType(content_type) => (
+                Some("content-type".into()),
+                Some("json_content_type".into()),
+                Some(preview(&Value::from(content_type.as_str()))),
             ),
             Self::Unauthorized => (
                 Some("authorization".into()),
@@ -108,7 +131,7 @@ impl ApiError {
             _ => (None, None, None),
         };
         ErrorBody {
-            error: self.to_string(),
+            error: clip(self.to_string()),
             kind: self.kind().into(),
             field,
             rule,
@@ -135,6 +158,16 @@ impl IntoResponse for ApiError {
         }
         response
     }
+}
+
+/// Error messages quote what they reject (serde: `invalid type: string "…"`); a long value
+/// must not come back in full.
+fn clip(message: String) -> String {
+    const MAX_CHARS: usize = 300;
+    if message.chars().count() <= MAX_CHARS {
+        return message;
+    }
+    message.chars().take(MAX_CHARS).collect::<String>() + "…"
 }
 
 /// Shortens a value for an error body: long strings and arrays are cut, so a 4 MB text is

@@ -82,6 +82,12 @@ fn describe() {
         "Tokens run through the model"
     );
     describe_counter!(
+        "exactscore_sequences_cancelled_total",
+        "Sequences dropped before compute because their client went away or timed out"
+    );
+    // Rendered as 0 from the start, so a scraper sees the series before the first drop.
+    metrics::counter!("exactscore_sequences_cancelled_total").increment(0);
+    describe_counter!(
         "exactscore_tokens_scored_total",
         "Tokens returned with a logprob"
     );

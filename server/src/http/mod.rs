@@ -173,6 +173,9 @@ pub fn router(state: SharedState) -> Router {
             }),
         )
         .fallback(|req: Request| async move { ApiError::NotFound(req.uri().path().to_string()) })
+        .method_not_allowed_fallback(|req: Request| async move {
+            ApiError::MethodNotAllowed(req.method().to_string())
+        })
         .layer(middleware::from_fn_with_state(
             state.clone(),
             require_api_key,
@@ -192,10 +195,20 @@ pub(crate) fn body_limit(req: &Request) -> usize {
     req.extensions().get::<BodyLimit>().map_or(0, |b| b.0)
 }
 
-/// Bearer check on every route but `/health/*` (probes carry no credentials).
+/// Routes served without the key: the probes (which carry no credentials), and `/metrics`
+/// with `--metrics-without-auth`. Exact paths: `/health/live/`, `//health/live` or
+/// `/health/../score` are not open (and match no route).
+pub fn is_open_path(path: &str, http: &HttpConfig) -> bool {
+    matches!(path, "/health/live" | "/health/ready")
+        || (http.metrics_without_auth && path == "/metrics")
+}
+
+/// Bearer check on every route but the open ones (see [`is_open_path`]), unmatched paths
+/// included, so that a path variant (`/score/`, `//score`, `/%73core`, `/SCORE`) is a 401
+/// before it is a 404.
 async fn require_api_key(State(state): State<SharedState>, req: Request, next: Next) -> Response {
     if let Some(key) = &state.http.api_key {
-        let open = req.uri().path().starts_with("/health/");
+        let open = is_open_path(req.uri().path(), &state.http);
         let given = req
             .headers()
             .get(AUTHORIZATION)

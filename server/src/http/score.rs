@@ -78,8 +78,13 @@ pub(crate) async fn compute<T>(
             .admission
             .clone()
             .try_acquire_owned()
-            .map_err(|_| ApiError::Overloaded {
-                max_queued: state.limits().max_queued_requests,
+            .map_err(|_| match state.readiness.check() {
+                // Draining holds every permit: a request that passed the readiness check
+                // just before the signal is refused like the ones after it.
+                Err(why) => ApiError::NotReady(why),
+                Ok(()) => ApiError::Overloaded {
+                    max_queued: state.limits().max_queued_requests,
+                },
             })?;
     let receivers: Vec<_> = sequences
         .iter()

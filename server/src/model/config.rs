@@ -111,6 +111,19 @@ fn required<T>(value: Option<T>, field: &str) -> Result<T, LoadError> {
     value.ok_or_else(|| LoadError::config(field, "missing"))
 }
 
+/// A size from config.json, checked before anything is allocated from it: a corrupt or
+/// hostile file must fail here, not ask for 10^15 layers. The bounds are far above any real
+/// model (Llama 3.1 405B: 126 layers, hidden 16384, intermediate 53248, vocab 128256).
+fn size(value: usize, field: &str, max: usize) -> Result<usize, LoadError> {
+    if value == 0 || value > max {
+        return Err(LoadError::config(
+            field,
+            format!("{value} is out of range (1..={max})"),
+        ));
+    }
+    Ok(value)
+}
+
 fn token_ids(value: Option<&Value>) -> Vec<u32> {
     match value {
         Some(Value::Number(n)) => n.as_u64().map(|v| vec![v as u32]).unwrap_or_default(),
@@ -146,8 +159,16 @@ impl ModelConfig {
                 format!("`{act}` is not supported (only silu)"),
             ));
         }
-        let hidden_size = required(raw.hidden_size, "hidden_size")?;
-        let num_heads = required(raw.num_attention_heads, "num_attention_heads")?;
+        let hidden_size = size(
+            required(raw.hidden_size, "hidden_size")?,
+            "hidden_size",
+            1 << 17,
+        )?;
+        let num_heads = size(
+            required(raw.num_attention_heads, "num_attention_heads")?,
+            "num_attention_heads",
+            1 << 12,
+        )?;
         let num_kv_heads = raw.num_key_value_heads.unwrap_or(num_heads);
         if num_heads == 0 || num_kv_heads == 0 || num_heads % num_kv_heads != 0 {
             return Err(LoadError::config(
@@ -155,7 +176,11 @@ impl ModelConfig {
                 format!("{num_kv_heads} must divide num_attention_heads = {num_heads}"),
             ));
         }
-        let head_dim = raw.head_dim.unwrap_or(hidden_size / num_heads);
+        let head_dim = size(
+            raw.head_dim.unwrap_or(hidden_size / num_heads),
+            "head_dim",
+            1 << 12,
+        )?;
         if !head_dim.is_multiple_of(2) {
             return Err(LoadError::config(
                 "head_dim",
@@ -172,10 +197,22 @@ impl ModelConfig {
         };
         Ok(Self {
             architecture,
-            vocab_size: required(raw.vocab_size, "vocab_size")?,
+            vocab_size: size(
+                required(raw.vocab_size, "vocab_size")?,
+                "vocab_size",
+                1 << 24,
+            )?,
             hidden_size,
-            intermediate_size: required(raw.intermediate_size, "intermediate_size")?,
-            num_layers: required(raw.num_hidden_layers, "num_hidden_layers")?,
+            intermediate_size: size(
+                required(raw.intermediate_size, "intermediate_size")?,
+                "intermediate_size",
+                1 << 20,
+            )?,
+            num_layers: size(
+                required(raw.num_hidden_layers, "num_hidden_layers")?,
+                "num_hidden_layers",
+                1 << 12,
+            )?,
             num_heads,
             num_kv_heads,
             head_dim,
