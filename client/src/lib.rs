@@ -1,11 +1,13 @@
 //! ExactScore client: a typed async client of the ExactScore server ([`http`]), window arithmetic
 //! ([`windows`]), datasets ([`dataset`]), tokenization ([`tokenize`]), the perplexity runner
-//! ([`runner::run_ppl`]), reports ([`report`]) and plots ([`plot`]).
+//! ([`runner::run_ppl`]), one endpoint per address of a server name ([`resolve`]), reports
+//! ([`report`]) and plots ([`plot`]).
 
 pub mod dataset;
 pub mod http;
 pub mod plot;
 pub mod report;
+pub mod resolve;
 pub mod runner;
 pub mod term;
 pub mod tokenize;
@@ -13,5 +15,6 @@ pub mod windows;
 
 pub use http::{Client, ClientConfig, ClientError, RetryPolicy};
 pub use report::{Report, Stats, WindowResult};
+pub use resolve::{Endpoint, Resolve, StaticResolver, SystemResolver};
 pub use runner::{run_ppl, PplConfig, PplError};
 pub use windows::{Method, Window, WindowParams};
