@@ -22,7 +22,8 @@
 #          link-time stand-in for the driver library, generated here from cuda.h (every driver
 #          entry point returns CUDA_ERROR_STUB_LIBRARY; SONAME libcuda.so.1, so at run time the
 #          real driver's libcuda.so.1 is loaded; the stub is never shipped);
-#   then exports CUDA_ROOT/CUDA_HOME/CUDA_PATH, NVCC, PATH, LIBRARY_PATH, CUDARC_CUDA_VERSION.
+#   then exports CUDA_ROOT/CUDA_HOME/CUDA_PATH, NVCC, PATH, LIBRARY_PATH, CUDARC_CUDA_VERSION,
+#   CUDAFORGE_THREADS.
 #
 # The toolkit stays at 13.0 on purpose: the binary must run on driver 580 (CUDA 13.0). A newer
 # nvcc writes PTX that an older driver cannot JIT, and cudarc chooses its driver-API bindings by
@@ -133,6 +134,9 @@ PY
     export CUDA_ROOT=$root CUDA_HOME=$root CUDA_PATH=$root
     export NVCC=$root/bin/nvcc
     export CUDARC_CUDA_VERSION=13000
+    # candle-kernels compiles its .cu files in parallel through cudaforge: one job per core.
+    : "${CUDAFORGE_THREADS:=$(nproc)}"
+    export CUDAFORGE_THREADS
     case ":$PATH:" in *":$root/bin:"*) ;; *) export PATH=$root/bin:$PATH ;; esac
     case ":${LIBRARY_PATH:-}:" in
         *":$root/lib64:"*) ;;
