@@ -91,9 +91,11 @@ def main(rendered, readme_path):
             p = ports.get(get["port"], get["port"])
             check(p == port, f"Deployment {name}: {probe} port {get['port']} is not the server's {port}")
 
-        # Drain: after SIGTERM the server answers every admitted request, each bounded by the
-        # request timeout; a preStop pause comes first.
-        drain = int(env.get("EXACTSCORE_REQUEST_TIMEOUT_SECS", 600))
+        # Drain: after SIGTERM the server lets admitted requests finish for at most the drain
+        # timeout (server default 30 s), and none outlives the request timeout (default 600 s);
+        # a preStop pause comes first.
+        drain = min(int(env.get("EXACTSCORE_REQUEST_TIMEOUT_SECS", 600)),
+                    int(env.get("EXACTSCORE_DRAIN_TIMEOUT_SECS", 30)))
         pause = 0
         cmd = c.get("lifecycle", {}).get("preStop", {}).get("exec", {}).get("command", [])
         if len(cmd) == 2 and cmd[0] == "sleep":
@@ -101,7 +103,7 @@ def main(rendered, readme_path):
         grace = spec.get("terminationGracePeriodSeconds", 30)
         check(grace > pause + drain,
               f"Deployment {name}: terminationGracePeriodSeconds {grace} <= preStop {pause} s "
-              f"+ request timeout {drain} s")
+              f"+ drain {drain} s")
 
         limits = c.get("resources", {}).get("limits", {})
         check(str(limits.get("nvidia.com/gpu", "0")) not in ("0", ""),

@@ -13,6 +13,7 @@ const PENDING: &[&str] = &[
     "--reference-model",
     "--reference-device",
     "--metrics-without-auth",
+    "--drain-timeout-secs",
 ];
 
 struct Row {
