@@ -7,7 +7,7 @@ into MODEL_DIR/act_qdq_real.safetensors (`{layer}.input`, `{layer}.input_qdq`, N
 ExactScore's QDQ against it.
 
     python3 scripts/capture_real_act_qdq.py MODEL_DIR [--tokens 64]
-Needs the package versions of ../shared/fixtures/make_fixtures.py (it imports its loader).
+Needs the package versions of tests/fixtures/make_fixtures.py (it imports its loader).
 """
 import argparse
 import json
@@ -21,7 +21,7 @@ from safetensors.torch import save_file
 ap = argparse.ArgumentParser()
 ap.add_argument("model_dir")
 ap.add_argument("--tokens", type=int, default=64)
-ap.add_argument("--fixtures", default=str(pathlib.Path(__file__).resolve().parents[2] / "shared" / "fixtures"))
+ap.add_argument("--fixtures", default=str(pathlib.Path(__file__).resolve().parents[1] / "tests" / "fixtures"))
 args = ap.parse_args()
 sys.path.insert(0, args.fixtures)
 import make_fixtures as mf  # noqa: E402  (load_model: decompression and the NVFP4 bf16 upcast)

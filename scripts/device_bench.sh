@@ -9,9 +9,11 @@
 # Environment: SHAPE (llama3-8b), ATTENTION (kernels timed by `speed`), SERVER_ATTENTION (the
 # server's kernel in `wikitext`), TOKENIZER (a directory with tokenizer.json for `wikitext`; the
 # figures in docs/performance.md use SmolLM2's, made by scripts/smollm2_tokenizer.py),
-# SUMMARY_GATE (`summary`'s acceptance bound: FORMAT BATCH MIN_RATIO MAX_PEAK_GIB).
+# SUMMARY_GATE (`summary`'s acceptance bound: FORMAT BATCH MIN_RATIO MAX_PEAK_GIB), CUDA_LIB_DIR
+# (where the CUDA 13 runtime libraries are: a toolkit's lib64 or the wheels' nvidia/cu13/lib;
+# default: the torch venv of the machine the figures were measured on).
 set -uo pipefail
-export LD_LIBRARY_PATH=/opt/torch/.venv/lib/python3.12/site-packages/nvidia/cu13/lib:${LD_LIBRARY_PATH:-}
+export LD_LIBRARY_PATH=${CUDA_LIB_DIR:-/opt/torch/.venv/lib/python3.12/site-packages/nvidia/cu13/lib}:${LD_LIBRARY_PATH:-}
 OUT=${OUT:-/tmp/exactscore-out}
 mkdir -p "$OUT"
 for b in .device/*.gz; do

@@ -5,6 +5,7 @@
 //! validation error — is returned at once as [`ClientError::Api`] carrying the server's
 //! [`ErrorBody`]; 401/403 become [`ClientError::Unauthorized`].
 
+use std::net::SocketAddr;
 use std::time::Duration;
 
 use exactscore_api::{
@@ -130,6 +131,9 @@ pub struct ClientConfig {
     pub timeout: Duration,
     pub connect_timeout: Duration,
     pub retry: RetryPolicy,
+    /// Connect to this address instead of looking up the URL's host (the URL, its port and
+    /// the `Host` header stay as they are). See [`crate::resolve`].
+    pub connect_to: Option<SocketAddr>,
 }
 
 impl ClientConfig {
@@ -140,6 +144,7 @@ impl ClientConfig {
             timeout: Duration::from_secs(600),
             connect_timeout: Duration::from_secs(10),
             retry: RetryPolicy::default(),
+            connect_to: None,
         }
     }
 }
@@ -164,20 +169,35 @@ impl Client {
         if !(base.starts_with("http://") || base.starts_with("https://")) {
             return Err(ClientError::BadUrl(config.base_url.clone()));
         }
-        let http = reqwest::Client::builder()
+        let mut builder = reqwest::Client::builder()
             .timeout(config.timeout)
-            .connect_timeout(config.connect_timeout)
-            .build()
-            .map_err(|e| ClientError::Transport {
-                url: base.clone(),
-                message: e.to_string(),
-            })?;
+            .connect_timeout(config.connect_timeout);
+        if let Some(addr) = config.connect_to {
+            let url = reqwest::Url::parse(&base).map_err(|_| ClientError::BadUrl(base.clone()))?;
+            let host = url
+                .host_str()
+                .ok_or_else(|| ClientError::BadUrl(base.clone()))?;
+            builder = builder.resolve(host, addr);
+        }
+        let http = builder.build().map_err(|e| ClientError::Transport {
+            url: base.clone(),
+            message: e.to_string(),
+        })?;
         Ok(Self { http, base, config })
     }
 
     /// Base URL without a trailing slash.
     pub fn base_url(&self) -> &str {
         &self.base
+    }
+
+    /// The base URL, and the address it connects to when pinned (`http://name:8000 via
+    /// 10.0.0.7:8000`): what reports and error messages call this server.
+    pub fn label(&self) -> String {
+        match self.config.connect_to {
+            Some(addr) => format!("{} via {addr}", self.base),
+            None => self.base.clone(),
+        }
     }
 
     /// `POST /score` with any request.
@@ -203,7 +223,7 @@ impl Client {
             }),
             ..Default::default()
         };
-        let url = self.url("/score");
+        let url = self.shown("/score");
         let mut resp = self.score(&req).await?;
         if resp.sequences.len() != 1 {
             return Err(ClientError::Decode {
@@ -296,6 +316,14 @@ impl Client {
         format!("{}{}", self.base, path)
     }
 
+    /// The URL as error messages show it: with the pinned address, if any.
+    fn shown(&self, path: &str) -> String {
+        match self.config.connect_to {
+            Some(addr) => format!("{}{} via {addr}", self.base, path),
+            None => self.url(path),
+        }
+    }
+
     async fn json<B: Serialize, T: DeserializeOwned>(
         &self,
         method: Method,
@@ -320,9 +348,10 @@ impl Client {
         parse: impl Fn(&str, &[u8]) -> Result<T, ClientError>,
     ) -> Result<T, ClientError> {
         let url = self.url(path);
+        let shown = self.shown(path);
         let payload = match body {
             Some(b) => Some(serde_json::to_vec(b).map_err(|e| ClientError::Transport {
-                url: url.clone(),
+                url: shown.clone(),
                 message: e.to_string(),
             })?),
             None => None,
@@ -331,7 +360,7 @@ impl Client {
         let mut attempt = 0u32;
         loop {
             match self
-                .attempt(&method, &url, payload.as_deref(), &parse)
+                .attempt(&method, &url, &shown, payload.as_deref(), &parse)
                 .await
             {
                 Attempt::Done(v) => return Ok(v),
@@ -358,10 +387,12 @@ impl Client {
         &self,
         method: &Method,
         url: &str,
+        shown: &str,
         payload: Option<&[u8]>,
         parse: &impl Fn(&str, &[u8]) -> Result<T, ClientError>,
     ) -> Attempt<T> {
         let mut rb = self.http.request(method.clone(), url);
+        let url = shown;
         if let Some(key) = &self.config.api_key {
             rb = rb.bearer_auth(key);
         }

@@ -1,13 +1,15 @@
 //! ExactScore client: a typed async client of the ExactScore server ([`http`]), window arithmetic
 //! ([`windows`]), datasets ([`dataset`]), tokenization ([`tokenize`]), the perplexity runner
 //! ([`runner::run_ppl`], which also runs `exactscore kld`), KL-divergence statistics ([`kld`]),
-//! reports ([`report`]) and plots ([`plot`]).
+//! one endpoint per address of a server name ([`resolve`]), reports ([`report`]) and plots
+//! ([`plot`]).
 
 pub mod dataset;
 pub mod http;
 pub mod kld;
 pub mod plot;
 pub mod report;
+pub mod resolve;
 pub mod runner;
 pub mod term;
 pub mod tokenize;
@@ -16,5 +18,6 @@ pub mod windows;
 pub use http::{Client, ClientConfig, ClientError, RetryPolicy};
 pub use kld::{KldStats, KldWindow};
 pub use report::{Report, Stats, WindowResult};
+pub use resolve::{Endpoint, Resolve, StaticResolver, SystemResolver};
 pub use runner::{run_ppl, PplConfig, PplError, Task};
 pub use windows::{Method, Window, WindowParams};

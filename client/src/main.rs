@@ -52,7 +52,8 @@ struct ConnArgs {
 
 #[derive(Args)]
 struct PplArgs {
-    /// Server base URL; repeat to spread requests over several servers.
+    /// Server base URL; repeat to spread requests over several servers. A host name stands for
+    /// every address it resolves to (e.g. a Kubernetes headless Service: one per pod).
     #[arg(
         long = "server",
         required = true,
@@ -143,6 +144,7 @@ fn client(conn: &ConnArgs) -> anyhow::Result<Client> {
         timeout: Duration::from_secs(conn.timeout),
         connect_timeout: Duration::from_secs(10),
         retry: RetryPolicy::default(),
+        connect_to: None,
     })?)
 }
 

@@ -21,6 +21,7 @@ use crate::dataset::{self, DatasetError, DatasetOptions, DatasetSpec};
 use crate::http::{Client, ClientConfig, ClientError, RetryPolicy};
 use crate::kld::{KldStats, KldWindow};
 use crate::report::{DatasetSummary, Report, Stats, WindowResult, STDERR_METHOD};
+use crate::resolve::{self, Resolve, SystemResolver};
 use crate::tokenize::{self, TokenizeError, TokenizeMode};
 use crate::windows::{self, Method, Window, WindowError, WindowParams};
 
@@ -39,7 +40,10 @@ pub enum Task {
 #[derive(Debug, Clone)]
 pub struct PplConfig {
     pub task: Task,
+    /// Server URLs; a host name stands for every address it resolves to (see [`resolve`]).
     pub servers: Vec<String>,
+    /// How host names in `servers` are looked up (the system resolver by default).
+    pub resolver: Arc<dyn Resolve>,
     pub api_key: Option<String>,
     pub dataset: DatasetSpec,
     pub dataset_options: DatasetOptions,
@@ -68,6 +72,7 @@ impl PplConfig {
         Self {
             task: Task::Ppl,
             servers,
+            resolver: Arc::new(SystemResolver),
             api_key: None,
             dataset,
             dataset_options: DatasetOptions::default(),
@@ -417,19 +422,13 @@ pub async fn run_ppl(config: PplConfig) -> Result<Report, PplError> {
     if config.resume && config.output.is_none() {
         return Err(PplError::Config("--resume needs --output".into()));
     }
-    let clients = config
-        .servers
-        .iter()
-        .map(|s| {
-            Client::new(ClientConfig {
-                base_url: s.clone(),
-                api_key: config.api_key.clone(),
-                timeout: config.timeout,
-                connect_timeout: Duration::from_secs(10),
-                retry: config.retry.clone(),
-            })
-        })
-        .collect::<Result<Vec<_>, _>>()?;
+    let base = ClientConfig {
+        api_key: config.api_key.clone(),
+        timeout: config.timeout,
+        retry: config.retry.clone(),
+        ..ClientConfig::new("")
+    };
+    let clients = resolve::clients(&config.servers, &base, config.resolver.as_ref()).await?;
 
     // Servers: ready, and all serving the same model.
     let mut infos = vec![];
@@ -447,10 +446,10 @@ pub async fn run_ppl(config: PplConfig) -> Result<Report, PplError> {
         {
             return Err(PplError::ServerMismatch(format!(
                 "{} serves {} ({}), {} serves {} ({})",
-                clients[0].base_url(),
+                clients[0].label(),
                 info.model,
                 info.dtype,
-                c.base_url(),
+                c.label(),
                 i.model,
                 i.dtype
             )));
@@ -621,7 +620,7 @@ pub async fn run_ppl(config: PplConfig) -> Result<Report, PplError> {
                 };
                 let seq = w.sequence(&tokens);
                 let s = balancer.acquire();
-                let url = clients[s].base_url();
+                let url = &clients[s].label();
                 let out = match task {
                     Task::Ppl => clients[s]
                         .score_tokens(&seq)
@@ -729,7 +728,7 @@ pub async fn run_ppl(config: PplConfig) -> Result<Report, PplError> {
         resumed_windows: resumed,
         wall_time_s: wall,
         tokens_per_s: new_tokens as f64 / run_start.elapsed().as_secs_f64().max(1e-9),
-        servers: clients.iter().map(|c| c.base_url().to_string()).collect(),
+        servers: clients.iter().map(Client::label).collect(),
         server_info: Some(info),
         kld,
         per_window,

@@ -132,6 +132,10 @@ pub struct Args {
     /// Print the OpenAPI document of the served router and exit (no model is loaded).
     #[arg(long)]
     pub print_openapi: bool,
+    /// Ask the server at --host/--port for `/health/ready` and exit 0 if it answers 200, else 1
+    /// (a container health check without curl; no model is loaded).
+    #[arg(long, conflicts_with = "print_openapi")]
+    pub healthcheck: bool,
 }
 
 /// Where the model runs.
@@ -479,7 +483,7 @@ mod tests {
         use clap::CommandFactory;
         for arg in Args::command().get_arguments() {
             let id = arg.get_id().as_str();
-            if ["help", "version", "print_openapi"].contains(&id) {
+            if ["help", "version", "print_openapi", "healthcheck"].contains(&id) {
                 continue;
             }
             let env = arg.get_env().map(|e| e.to_string_lossy().into_owned());

@@ -74,6 +74,9 @@ async fn run(args: Args) -> anyhow::Result<()> {
         println!("{}", doc.to_pretty_json().context("serializing OpenAPI")?);
         return Ok(());
     }
+    if args.healthcheck {
+        return healthcheck(&args.host, args.port);
+    }
     let config = Config::from_args(args).context("invalid configuration")?;
     init_logging(config.log_format);
     tracing::info!(model = %config.model_dir.display(), device = ?config.device, "loading");
@@ -132,4 +135,43 @@ async fn shutdown_signal() {
         () = ctrl_c => {},
         () = term => {},
     }
+}
+
+/// `--healthcheck`: one HTTP/1.0 `GET /health/ready` to this host and port, 3 s at most.
+fn healthcheck(host: &str, port: u16) -> anyhow::Result<()> {
+    use std::io::{Read, Write};
+    use std::net::{TcpStream, ToSocketAddrs};
+    let timeout = std::time::Duration::from_secs(3);
+    // A server listening on every address answers on loopback.
+    let host = match host.trim_matches(['[', ']']) {
+        "0.0.0.0" => "127.0.0.1",
+        "::" => "::1",
+        h => h,
+    };
+    let addr = (host, port)
+        .to_socket_addrs()
+        .with_context(|| format!("resolving {host}"))?
+        .next()
+        .with_context(|| format!("{host} has no address"))?;
+    let mut stream = TcpStream::connect_timeout(&addr, timeout)
+        .with_context(|| format!("connecting to {addr}"))?;
+    stream.set_read_timeout(Some(timeout))?;
+    stream.set_write_timeout(Some(timeout))?;
+    let request = format!("GET /health/ready HTTP/1.0\r\nHost: {addr}\r\n\r\n");
+    stream.write_all(request.as_bytes())?;
+    let mut head = Vec::new();
+    stream.take(4096).read_to_end(&mut head)?;
+    let head = String::from_utf8_lossy(&head);
+    let status = head.lines().next().unwrap_or_default();
+    anyhow::ensure!(
+        status.split_whitespace().nth(1) == Some("200"),
+        "{addr}/health/ready: {}",
+        if status.is_empty() {
+            "no answer"
+        } else {
+            status
+        }
+    );
+    println!("{status}");
+    Ok(())
 }

@@ -1,4 +1,4 @@
-//! Opt-in: a real 135M model (SmolLM2-135M, built by ../shared/fixtures/make_real_smollm2.py,
+//! Opt-in: a real 135M model (SmolLM2-135M, built by tests/fixtures/make_real_smollm2.py,
 //! too big to ship). Run with
 //! `EXACTSCORE_REAL_MODELS=/path/to/out cargo test --release -p exactscore-server --test real_model -- --ignored --nocapture`.
 
