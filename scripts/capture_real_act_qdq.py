@@ -7,7 +7,9 @@ into MODEL_DIR/act_qdq_real.safetensors (`{layer}.input`, `{layer}.input_qdq`, N
 ExactScore's QDQ against it.
 
     python3 scripts/capture_real_act_qdq.py MODEL_DIR [--tokens 64]
-Needs the package versions of tests/fixtures/make_fixtures.py (it imports its loader).
+Needs the Python stack the fixtures were made with (transformers 5.17, compressed-tensors 0.19)
+and, with --generator, the directory of that fixture generator (make_fixtures.py, not part of
+this repository), whose load_model decompresses checkpoints as the reference did.
 """
 import argparse
 import json
@@ -21,9 +23,9 @@ from safetensors.torch import save_file
 ap = argparse.ArgumentParser()
 ap.add_argument("model_dir")
 ap.add_argument("--tokens", type=int, default=64)
-ap.add_argument("--fixtures", default=str(pathlib.Path(__file__).resolve().parents[1] / "tests" / "fixtures"))
+ap.add_argument("--generator", required=True, help="directory holding make_fixtures.py")
 args = ap.parse_args()
-sys.path.insert(0, args.fixtures)
+sys.path.insert(0, args.generator)
 import make_fixtures as mf  # noqa: E402  (load_model: decompression and the NVFP4 bf16 upcast)
 
 path = pathlib.Path(args.model_dir)

