@@ -48,6 +48,7 @@ pub fn check(fixtures: &Path, device: &Device) -> Result<usize> {
     println!("| variant | CPU f32 mean KLD | GPU f32 max abs Δ | GPU bf16 mean KLD | kernel vs CPU on bf16 logits: max abs Δ KLD / logprob, same-top equal | self-KLD = 0 | |");
     println!("|---|---|---|---|---|---|---|");
     let mut failures = 0;
+    let mut same_device = None;
     for variant in QUANTIZED {
         let cpu = kld_batch(
             &load(variant, &Device::Cpu, DType::F32)?,
@@ -87,6 +88,7 @@ pub fn check(fixtures: &Path, device: &Device) -> Result<usize> {
                 same_equal &= g.same_top == h.same_top;
             }
         }
+        same_device.get_or_insert_with(|| g32.clone());
         let (cpu, g32) = (flat(&cpu), flat(&g32));
         let max32 = max_kld_diff(&g32, &cpu);
         // f32 logits on the GPU differ from the CPU's by ~1e-5 (cuBLAS summation order); the
@@ -99,6 +101,25 @@ pub fn check(fixtures: &Path, device: &Device) -> Result<usize> {
             mean_kld(&cpu),
             mean_kld(&g16),
             if ok { "ok" } else { "FAIL" }
+        );
+    }
+    // With a second GPU: the reference there, its logits brought over by a peer copy, must give
+    // the same bits as on one GPU.
+    if let (Ok(second), Some(expected)) = (
+        exactscore_server::device::cuda(1),
+        same_device.filter(|_| device.is_cuda()),
+    ) {
+        let split = kld_batch(
+            &load(QUANTIZED[0], device, DType::F32)?,
+            &load(REFERENCE, &second, DType::F32)?,
+            &refs,
+        )?;
+        let bitwise = split == expected;
+        failures += usize::from(!bitwise);
+        println!(
+            "| {} with the reference on {second:?}: bitwise equal to one GPU = {bitwise} | | | | | {} |",
+            QUANTIZED[0],
+            if bitwise { "ok" } else { "FAIL" }
         );
     }
     Ok(failures)
