@@ -29,12 +29,23 @@ status=0
 
 # WikiText-2 test split, exl3 windows (ctx 2048, stride 512), through exactscore-server on a
 # random-weight checkpoint of $SHAPE written to disk; prints the client's wall time.
-wikitext() {
-  local format=$1 concurrency=$2 dir=/tmp/ckpt-$SHAPE-$1 port=8765
+checkpoint() {
+  local dir=/tmp/ckpt-$SHAPE-$1
   [ -f "$dir/model.safetensors" ] || /tmp/exactscore-bench write-checkpoint --shape "$SHAPE" \
-    --format "$format" --out "$dir" --tokenizer "$TOKENIZER" || return 1
+    --format "$1" --out "$dir" --tokenizer "$TOKENIZER" >&2 || return 1
+  echo "$dir"
+}
+
+# TASK=kld: `exactscore kld` against the same server given a bf16 reference of the same shape.
+wikitext() {
+  local format=$1 concurrency=$2 task=${TASK:-ppl} port=8765 dir refdir reference=()
+  dir=$(checkpoint "$format") || return 1
+  if [ "$task" = kld ]; then
+    refdir=$(checkpoint bf16) || return 1
+    reference=(--reference-model "$refdir")
+  fi
   local t0=$(date +%s.%N)
-  /tmp/exactscore-server --model "$dir" --device cuda:0 --dtype bf16 \
+  /tmp/exactscore-server --model "$dir" "${reference[@]}" --device cuda:0 --dtype bf16 \
     --attention "${SERVER_ATTENTION:-auto}" --max-input-tokens 2048 --port $port \
     > "$OUT/server-$format.log" 2>&1 &
   local server=$!
@@ -48,12 +59,14 @@ for _ in range(600):
 sys.exit("server not ready after 300 s")
 PY
   local t1=$(date +%s.%N)
-  /tmp/exactscore ppl --server http://127.0.0.1:$port --dataset wikitext2 \
+  # shellcheck disable=SC2086 # MAX_WINDOWS is empty or two words
+  /tmp/exactscore "$task" --server http://127.0.0.1:$port --dataset wikitext2 \
     --wikitext-path tests/fixtures/corpus/wikitext-2-raw-test.txt.gz --method exl3 --ctx 2048 \
-    --stride 512 --concurrency "$concurrency" --no-progress --json "$OUT/wikitext-$format.json"
+    --stride 512 --concurrency "$concurrency" ${MAX_WINDOWS:+--max-windows $MAX_WINDOWS} \
+    --no-progress --json "$OUT/wikitext-$task-$format.json"
   local rc=$? t2=$(date +%s.%N)
   kill -TERM $server; wait $server
-  echo "wikitext2 $SHAPE $format: server start to ready $(awk "BEGIN{print $t1 - $t0}") s, ppl run $(awk "BEGIN{print $t2 - $t1}") s (client exit $rc)" | tee -a "$OUT/wikitext.txt"
+  echo "wikitext2 $task $SHAPE $format: server start to ready $(awk "BEGIN{print $t1 - $t0}") s, $task run $(awk "BEGIN{print $t2 - $t1}") s (client exit $rc)" | tee -a "$OUT/wikitext.txt"
   return $rc
 }
 
