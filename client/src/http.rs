@@ -223,16 +223,8 @@ impl Client {
             }),
             ..Default::default()
         };
-        let url = self.shown("/score");
-        let mut resp = self.score(&req).await?;
-        if resp.sequences.len() != 1 {
-            return Err(ClientError::Decode {
-                url,
-                status: 200,
-                message: format!("expected 1 sequence, got {}", resp.sequences.len()),
-            });
-        }
-        Ok(resp.sequences.remove(0))
+        let resp = self.score(&req).await?;
+        self.only_sequence("/score", resp.sequences)
     }
 
     /// `POST /kld` for one token sequence: per-token divergences from the server's reference
@@ -244,16 +236,20 @@ impl Client {
             )),
             ..Default::default()
         };
-        let url = self.url("/kld");
-        let mut resp: KldResponse = self.json(Method::POST, "/kld", Some(&req)).await?;
-        if resp.sequences.len() != 1 {
+        let resp: KldResponse = self.json(Method::POST, "/kld", Some(&req)).await?;
+        self.only_sequence("/kld", resp.sequences)
+    }
+
+    /// The answer to a one-sequence request, refusing any other count.
+    fn only_sequence<T>(&self, route: &str, mut sequences: Vec<T>) -> Result<T, ClientError> {
+        if sequences.len() != 1 {
             return Err(ClientError::Decode {
-                url,
+                url: self.shown(route),
                 status: 200,
-                message: format!("expected 1 sequence, got {}", resp.sequences.len()),
+                message: format!("expected 1 sequence, got {}", sequences.len()),
             });
         }
-        Ok(resp.sequences.remove(0))
+        Ok(sequences.remove(0))
     }
 
     /// Score one text (tokenized by the server).

@@ -5,13 +5,11 @@
 
 mod common;
 
-use candle_core::{DType, Device};
-use common::{dataset, fixture, start, Running};
+use common::{dataset, fixture, load_model, start, Running};
 use exactscore_client::dataset::{DatasetOptions, DatasetSpec};
 use exactscore_client::runner::{run_ppl, PplConfig};
 use exactscore_client::windows::{windows, Method, WindowParams};
-use exactscore_server::model::{Model, ModelOptions, ScoreInput};
-use exactscore_server::quant::{ActivationQuantMode, LinearOptions};
+use exactscore_server::model::ScoreInput;
 
 const VARIANT: &str = "llama-w4a16-g128";
 const CTX: usize = 64;
@@ -31,16 +29,7 @@ fn direct_perplexity(spec: &DatasetSpec, method: Method) -> f64 {
         .unwrap()
         .get_ids()
         .to_vec();
-    let opts = ModelOptions {
-        linear: LinearOptions {
-            device: Device::Cpu,
-            dtype: DType::F32,
-            activation_quant: ActivationQuantMode::Emulate,
-        },
-        max_seq_len: 512,
-        attention: Default::default(),
-    };
-    let model = Model::load(&fixture(VARIANT), &opts).unwrap();
+    let model = load_model(VARIANT);
     let params = WindowParams {
         method,
         ctx: CTX,

@@ -2,18 +2,16 @@
 //! dense bf16 original as the reference: the HTTP numbers equal the model-level computation,
 //! which `server/tests/kld_numerics.rs` checks against an independent f64 one.
 
-use candle_core::{DType, Device};
 use clap::Parser;
 use exactscore_api::{ErrorBody, KldResponse, ModelInfo};
 use exactscore_server::app::Server;
 use exactscore_server::config::{Args, Config};
-use exactscore_server::model::{kld_batch, Model, ModelOptions};
-use exactscore_server::quant::{ActivationQuantMode, LinearOptions};
+use exactscore_server::model::kld_batch;
 use serde_json::{json, Value};
 
 mod common;
 
-use common::{fixture, start};
+use common::{fixture, load_model, start};
 
 const SERVED: &str = "llama-w4a16-g128";
 const REFERENCE: &str = "llama-dense-bf16";
@@ -27,19 +25,6 @@ fn fixture_sequences() -> Vec<Vec<u32>> {
         .iter()
         .map(|s| serde_json::from_value(s["token_ids"].clone()).unwrap())
         .collect()
-}
-
-fn load(variant: &str) -> Model {
-    let opts = ModelOptions {
-        linear: LinearOptions {
-            device: Device::Cpu,
-            dtype: DType::F32,
-            activation_quant: ActivationQuantMode::Emulate,
-        },
-        max_seq_len: 512,
-        attention: Default::default(),
-    };
-    Model::load(&fixture(variant), &opts).unwrap()
 }
 
 async fn post(base: &str, route: &str, body: Value) -> (u16, String) {
@@ -70,7 +55,7 @@ async fn kld_over_http_equals_the_model_computation() {
     );
 
     let refs: Vec<&[u32]> = seqs.iter().map(Vec::as_slice).collect();
-    let direct = kld_batch(&load(SERVED), &load(REFERENCE), &refs).unwrap();
+    let direct = kld_batch(&load_model(SERVED), &load_model(REFERENCE), &refs).unwrap();
     let mut scored = 0;
     for ((seq, d), tokens) in r.sequences.iter().zip(&direct).zip(&seqs) {
         assert_eq!(&seq.tokens, tokens);
@@ -237,7 +222,7 @@ async fn kld_runner_aggregates_equal_a_direct_computation() {
         prefix_token: None,
         max_windows: Some(10),
     };
-    let (model, reference) = (load(SERVED), load(REFERENCE));
+    let (model, reference) = (load_model(SERVED), load_model(REFERENCE));
     let (mut kld, mut same, mut dp, mut dp2, mut nll, mut ref_nll) =
         (vec![], 0usize, 0f64, 0f64, 0f64, 0f64);
     for w in windows(ids.len(), &params).unwrap() {

@@ -25,6 +25,22 @@ pub fn dataset(dir: &Path) -> exactscore_client::dataset::DatasetSpec {
     exactscore_client::dataset::DatasetSpec::Txt(path)
 }
 
+/// A fixture model as the server loads it by default (f32, CPU, activation QDQ emulated).
+pub fn load_model(variant: &str) -> exactscore_server::model::Model {
+    use exactscore_server::model::{Model, ModelOptions};
+    use exactscore_server::quant::{ActivationQuantMode, LinearOptions};
+    let opts = ModelOptions {
+        linear: LinearOptions {
+            device: candle_core::Device::Cpu,
+            dtype: candle_core::DType::F32,
+            activation_quant: ActivationQuantMode::Emulate,
+        },
+        max_seq_len: 512,
+        attention: Default::default(),
+    };
+    Model::load(&fixture(variant), &opts).unwrap()
+}
+
 pub struct Running {
     pub base: String,
     pub stop: oneshot::Sender<()>,
