@@ -198,6 +198,24 @@ __device__ __forceinline__ bool better(float a, int ia, float b, int ib) {
     return a > b || (a == b && ia < ib);
 }
 
+// Block-wide best (value, lowest index on ties), broadcast to every thread.
+__device__ void block_best(float& v, int& i, float* s_val, int* s_idx) {
+    int tid = threadIdx.x;
+    s_val[tid] = v;
+    s_idx[tid] = i;
+    __syncthreads();
+    for (int s = SCORE_THREADS / 2; s > 0; s >>= 1) {
+        if (tid < s && better(s_val[tid + s], s_idx[tid + s], s_val[tid], s_idx[tid])) {
+            s_val[tid] = s_val[tid + s];
+            s_idx[tid] = s_idx[tid + s];
+        }
+        __syncthreads();
+    }
+    v = s_val[0];
+    i = s_idx[0];
+    __syncthreads();
+}
+
 // Per row: log-softmax over the vocabulary (f32), log p(target), argmax (lowest id on ties) and
 // the top-k. `targets[row] < 0` means no target. Only these small vectors leave the GPU.
 template <typename T>
@@ -216,19 +234,9 @@ __device__ void score_rows(const T* logits, int vocab, const int32_t* targets, i
         float v = to_f32(row[i]);
         if (better(v, i, best, best_i)) { best = v; best_i = i; }
     }
-    s_val[tid] = best;
-    s_idx[tid] = best_i;
-    __syncthreads();
-    for (int s = SCORE_THREADS / 2; s > 0; s >>= 1) {
-        if (tid < s && better(s_val[tid + s], s_idx[tid + s], s_val[tid], s_idx[tid])) {
-            s_val[tid] = s_val[tid + s];
-            s_idx[tid] = s_idx[tid + s];
-        }
-        __syncthreads();
-    }
-    float max_v = s_val[0];
-    int max_i = s_idx[0];
-    __syncthreads();
+    block_best(best, best_i, s_val, s_idx);
+    float max_v = best;
+    int max_i = best_i;
 
     float sum = 0.0f;
     for (int i = tid; i < vocab; i += SCORE_THREADS) sum += expf(to_f32(row[i]) - max_v);
@@ -292,24 +300,6 @@ __device__ void score_rows(const T* logits, int vocab, const int32_t* targets, i
 }
 
 // ---- KL-divergence: one block (256 threads) per row of both models' logits --------------------
-
-// Block-wide best (value, lowest index on ties), broadcast to every thread.
-__device__ void block_best(float& v, int& i, float* s_val, int* s_idx) {
-    int tid = threadIdx.x;
-    s_val[tid] = v;
-    s_idx[tid] = i;
-    __syncthreads();
-    for (int s = SCORE_THREADS / 2; s > 0; s >>= 1) {
-        if (tid < s && better(s_val[tid + s], s_idx[tid + s], s_val[tid], s_idx[tid])) {
-            s_val[tid] = s_val[tid + s];
-            s_idx[tid] = s_idx[tid + s];
-        }
-        __syncthreads();
-    }
-    v = s_val[0];
-    i = s_idx[0];
-    __syncthreads();
-}
 
 // Block-wide sum in f64, broadcast to every thread (fixed order: deterministic).
 __device__ double block_sum(double v, double* s_sum) {
