@@ -9,14 +9,13 @@
 //!   needs it, whatever the spelling of the path.
 
 use std::collections::BTreeMap;
-use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use axum::body::Body;
 use axum::http::{header, Method, Request, StatusCode};
 use axum::Router;
-use exactscore_api::{ErrorBody, Limits, ModelInfo, ReferenceInfo};
+use exactscore_api::{ErrorBody, ModelInfo, ReferenceInfo};
 use exactscore_server::app::{Server, StateParts};
 use exactscore_server::config::HttpConfig;
 use exactscore_server::engine::fake::FakeEngine;
@@ -26,37 +25,15 @@ use exactscore_server::tokenizer::TextTokenizer;
 use serde_json::{json, Value};
 use tower::ServiceExt;
 
-const VOCAB: usize = 2000;
-const MAX_INPUT: usize = 64;
+mod fake_app;
+
+use fake_app::{fixture, MAX_INPUT, VOCAB};
+
 /// Large enough that 10^6 token ids (about 7 MB of JSON) reach validation.
 const BIG_BODY: usize = 16 * 1024 * 1024;
 
-fn fixture() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/llama-w4a16-g128")
-}
-
 async fn app(api_key: Option<&str>, metrics_without_auth: bool, max_body_bytes: usize) -> Router {
     let info = ModelInfo {
-        model: "fake".into(),
-        architecture: "LlamaForCausalLM".into(),
-        vocab_size: VOCAB,
-        num_layers: 2,
-        hidden_size: 256,
-        formats: BTreeMap::new(),
-        activation_quant: BTreeMap::new(),
-        activation_quant_mode: "emulate".into(),
-        attention: "materialized".into(),
-        bits_per_weight: 4.25,
-        dtype: "f32".into(),
-        devices: vec!["cpu".into()],
-        limits: Limits {
-            max_input_tokens: MAX_INPUT,
-            max_batch_tokens: 256,
-            max_batch_requests: 4,
-            max_queued_requests: 8,
-            max_top_k: 20,
-        },
-        version: "test".into(),
         // With a reference, `/kld` validates its body like every other route.
         reference: Some(ReferenceInfo {
             model: "fake-reference".into(),
@@ -65,6 +42,7 @@ async fn app(api_key: Option<&str>, metrics_without_auth: bool, max_body_bytes: 
             bits_per_weight: 16.0,
             devices: vec!["cpu".into()],
         }),
+        ..fake_app::info(8)
     };
     let parts = StateParts {
         info,

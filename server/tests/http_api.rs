@@ -1,15 +1,13 @@
 //! HTTP tests: the real router, queue and batcher over a fake engine, driven with `oneshot`.
 //! One test per status code, and every error body checked for its field, rule and value.
 
-use std::collections::BTreeMap;
-use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
 use axum::body::Body;
 use axum::http::{header, Request, StatusCode};
 use axum::Router;
-use exactscore_api::{ErrorBody, Limits, ModelInfo, ScoreResponse};
+use exactscore_api::{ErrorBody, ScoreResponse};
 use exactscore_server::app::{Server, StateParts};
 use exactscore_server::config::HttpConfig;
 use exactscore_server::engine::fake::{FakeEngine, GateHandle};
@@ -19,12 +17,9 @@ use exactscore_server::tokenizer::TextTokenizer;
 use serde_json::{json, Value};
 use tower::ServiceExt;
 
-const VOCAB: usize = 2000;
-const MAX_INPUT: usize = 64;
+mod fake_app;
 
-fn fixture() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/llama-w4a16-g128")
-}
+use fake_app::{fixture, info, MAX_INPUT};
 
 struct Setup {
     api_key: Option<&'static str>,
@@ -43,32 +38,6 @@ impl Default for Setup {
             warm: true,
             request_timeout: Duration::from_secs(30),
         }
-    }
-}
-
-fn info(max_queued: usize) -> ModelInfo {
-    ModelInfo {
-        model: "fake".into(),
-        architecture: "LlamaForCausalLM".into(),
-        vocab_size: VOCAB,
-        num_layers: 2,
-        hidden_size: 256,
-        formats: BTreeMap::new(),
-        activation_quant: BTreeMap::new(),
-        activation_quant_mode: "emulate".into(),
-        attention: "materialized".into(),
-        bits_per_weight: 4.25,
-        dtype: "f32".into(),
-        devices: vec!["cpu".into()],
-        limits: Limits {
-            max_input_tokens: MAX_INPUT,
-            max_batch_tokens: 256,
-            max_batch_requests: 4,
-            max_queued_requests: max_queued,
-            max_top_k: 20,
-        },
-        version: "test".into(),
-        reference: None,
     }
 }
 
