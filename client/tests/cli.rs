@@ -5,7 +5,7 @@ mod common;
 use std::process::Output;
 
 use common::{fake_app, spawn, Fake};
-use exactscore_client::Report;
+use exactscore_client::{KldStats, Report};
 
 async fn exactscore(args: Vec<String>) -> Output {
     tokio::task::spawn_blocking(move || {
@@ -97,6 +97,58 @@ async fn ppl_compare_plot_and_score() {
             assert!(svg.contains("<svg") && svg.contains("Perplexity vs bits per weight"));
         }
     }
+
+    // `exactscore kld` reports: the table gains their mean KLD and same-top, the plot's left
+    // panel shows mean KLD against bits per weight.
+    let mut kld_reports = vec![];
+    for (i, path) in reports.iter().enumerate() {
+        let mut r: Report = serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
+        let mean_kld = 0.125 * (i + 1) as f64;
+        r.kld = Some(KldStats {
+            tokens: r.stats.tokens_scored,
+            mean_kld,
+            mean_kld_stderr: Some(0.01),
+            median_kld: mean_kld,
+            p90_kld: mean_kld,
+            p99_kld: mean_kld,
+            p99_9_kld: mean_kld,
+            max_kld: mean_kld,
+            same_top: 0.5,
+            same_top_stderr: Some(0.01),
+            mean_delta_p: 0.0,
+            mean_delta_p_stderr: Some(0.0),
+            rms_delta_p: 0.1,
+            perplexity: r.stats.perplexity,
+            reference_perplexity: r.stats.perplexity,
+            perplexity_ratio: 1.0,
+            perplexity_ratio_stderr: Some(0.0),
+            ln_perplexity_ratio: 0.0,
+            ln_perplexity_ratio_stderr: Some(0.0),
+        });
+        let kld_path = dir.path().join(format!("kld{i}.json"));
+        std::fs::write(&kld_path, serde_json::to_string(&r).unwrap()).unwrap();
+        kld_reports.push(kld_path.to_str().unwrap().to_string());
+    }
+    let plot = dir.path().join("kld.svg");
+    let mut args = s(&["compare"]);
+    args.extend(kld_reports);
+    args.extend(s(&["--plot", plot.to_str().unwrap()]));
+    let out = exactscore(args).await;
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let table = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        table.contains("mean KLD") && table.contains("0.125000") && table.contains("50.00"),
+        "{table}"
+    );
+    let svg = std::fs::read_to_string(&plot).unwrap();
+    assert!(
+        svg.contains("Mean KLD vs bits per weight"),
+        "kld plot title"
+    );
 
     let out = exactscore(s(&[
         "score",
