@@ -5,6 +5,7 @@
 use candle_core::{DType, Result, Tensor};
 
 use super::llama::{Model, LM_HEAD_CHUNK};
+use super::scoring::log_sum_exp;
 
 /// One position that has a next token: how the served model's distribution differs from the
 /// reference's there.
@@ -118,13 +119,7 @@ fn argmax_and_lse(logits: &[f32]) -> (usize, f64) {
             top = i;
         }
     }
-    let max = logits[top] as f64;
-    // As `scoring::score_row` does it, so both report the same f32 log-probabilities.
-    let sum: f64 = logits
-        .iter()
-        .map(|&l| ((l - logits[top]) as f64).exp())
-        .sum();
-    (top, max + sum.ln())
+    (top, log_sum_exp(logits, logits[top]))
 }
 
 impl SequenceKld {

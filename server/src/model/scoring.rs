@@ -78,8 +78,7 @@ pub fn score_logits(
 /// rounded f32 of the exact log-probability for all practical purposes.
 pub fn score_row(logits: &[f32], target: Option<u32>, top_k: usize) -> RowScore {
     let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-    let sum: f64 = logits.iter().map(|&l| ((l - max) as f64).exp()).sum();
-    let lse = max as f64 + sum.ln();
+    let lse = log_sum_exp(logits, max);
     let logprob = |id: usize| (logits[id] as f64 - lse) as f32;
     let best = top_indices(logits, top_k.max(1));
     RowScore {
@@ -91,6 +90,13 @@ pub fn score_row(logits: &[f32], target: Option<u32>, top_k: usize) -> RowScore 
             .map(|&i| (i as u32, logprob(i)))
             .collect(),
     }
+}
+
+/// log Σ exp(logits) given their maximum, accumulated in f64 (the one formula every CPU path
+/// uses, so `/score` and `/kld` report the same f32 log-probabilities).
+pub fn log_sum_exp(logits: &[f32], max: f32) -> f64 {
+    let sum: f64 = logits.iter().map(|&l| ((l - max) as f64).exp()).sum();
+    max as f64 + sum.ln()
 }
 
 /// Indices of the `k` largest values, best first; ties broken by the lower index.
