@@ -3,7 +3,8 @@
 # the throughput table, the transformers baseline on the same shape, and WikiText-2 through the
 # real HTTP server, in one command.
 #   bash scripts/device_bench.sh [check] [speed FORMATS BATCHES] [baseline BATCHES] [summary]
-#                                [wikitext FORMAT CONCURRENCY] [kld BATCHES]
+#                                [wikitext FORMAT CONCURRENCY] [kld BATCHES] [coldstart MODEL]
+#                                [jit MODEL_DIR]
 # Binaries come gzipped in .device/ (see docs/performance.md); results go to $OUT. Exits 1 when a
 # step failed (a numerics miss, a crash, a failed client run, a missed SUMMARY_GATE).
 # Environment: SHAPE (llama3-8b), ATTENTION (kernels timed by `speed`), SERVER_ATTENTION (the
@@ -36,6 +37,39 @@ checkpoint() {
   echo "$dir"
 }
 
+# Polls /health/ready on port $1 every 20 ms, for at most 300 s.
+wait_ready() {
+  python3 - "$1" <<'PY'
+import sys, time, urllib.request
+deadline = time.time() + 300
+while time.time() < deadline:
+    try:
+        urllib.request.urlopen(f"http://127.0.0.1:{sys.argv[1]}/health/ready", timeout=1); sys.exit(0)
+    except Exception:
+        time.sleep(0.02)
+sys.exit("server not ready after 300 s")
+PY
+}
+
+# Process start to /health/ready for the model directory $1 (a fixture, or FORMAT of $SHAPE
+# when $1 is a format name): first with an empty driver JIT cache (what a fresh machine has),
+# then again with the cache that run left; the difference is the JIT start-up still does.
+coldstart() {
+  local model=$1 port=8766 cache server t0 t1
+  [ -d "$model" ] || model=$(checkpoint "$model") || return 1
+  cache=$(mktemp -d)
+  for run in empty-jit-cache warm-jit-cache; do
+    t0=$(date +%s.%N)
+    CUDA_CACHE_PATH=$cache /tmp/exactscore-server --model "$model" --device cuda:0 --dtype bf16 \
+      --port $port > "$OUT/coldstart-server.log" 2>&1 &
+    server=$!
+    wait_ready $port || { kill $server; tail -20 "$OUT/coldstart-server.log"; return 1; }
+    t1=$(date +%s.%N)
+    kill -TERM $server; wait $server
+    echo "coldstart $(basename "$model") ($run): process start to ready $(awk "BEGIN{printf \"%.2f\", $t1 - $t0}") s" | tee -a "$OUT/coldstart.txt"
+  done
+}
+
 # TASK=kld: `exactscore kld` against the same server given a bf16 reference of the same shape.
 wikitext() {
   local format=$1 concurrency=$2 task=${TASK:-ppl} port=8765 dir refdir reference=()
@@ -49,15 +83,7 @@ wikitext() {
     --attention "${SERVER_ATTENTION:-auto}" --max-input-tokens 2048 --port $port \
     > "$OUT/server-$format.log" 2>&1 &
   local server=$!
-  python3 - "$port" <<'PY' || { kill $server; tail -20 "$OUT/server-$format.log"; return 1; }
-import sys, time, urllib.request
-for _ in range(600):
-    try:
-        urllib.request.urlopen(f"http://127.0.0.1:{sys.argv[1]}/health/ready", timeout=1); sys.exit(0)
-    except Exception:
-        time.sleep(0.5)
-sys.exit("server not ready after 300 s")
-PY
+  wait_ready $port || { kill $server; tail -20 "$OUT/server-$format.log"; return 1; }
   local t1=$(date +%s.%N)
   # shellcheck disable=SC2086 # MAX_WINDOWS is empty or two words
   /tmp/exactscore "$task" --server http://127.0.0.1:$port --dataset wikitext2 \
@@ -81,6 +107,8 @@ while [ $# -gt 0 ]; do
   case "$1" in
     check) step check.txt /tmp/exactscore-bench check --fixtures tests/fixtures; shift ;;
     speed) step speed.txt /tmp/exactscore-bench speed --shape "$SHAPE" --formats "$2" --batch "$3" --attention "$ATTENTION" --profile; shift 3 ;;
+    coldstart) step coldstart-run.txt coldstart "$2"; shift 2 ;;
+    jit) step jit.txt env CUDA_CACHE_PATH="$(mktemp -d)" /tmp/exactscore-bench jit --model "$2"; shift 2 ;;
     kld) step kld.txt /tmp/exactscore-bench kld --shape "$SHAPE" --format w4a16 --batch "$2" --min-ratio 0.45; shift 2 ;;
     baseline) step baseline.txt python3 scripts/baseline_transformers.py --shape "$SHAPE" --batch "$2"; shift 2 ;;
     wikitext) step wikitext-run.txt wikitext "$2" "$3"; shift 3 ;;

@@ -1,29 +1,37 @@
-//! Compiles server/kernels/{exactscore,attention}.cu to PTX (one module each) with nvcc when the `cuda` feature is on.
-//! nvcc comes from $NVCC or PATH (a CUDA toolkit, or `scripts/cuda-env.sh` without one); the
-//! target architecture from $CUDA_COMPUTE_CAP (default 90: H100/H200).
+//! Compiles server/kernels/{exactscore,attention}.cu with nvcc when the `cuda` feature is on,
+//! each into one fatbin: machine code (SASS) for every architecture in $EXACTSCORE_CUDA_ARCHS
+//! (default `80,89,90`: A100, L40S/RTX 4090, H100/H200) and $CUDA_COMPUTE_CAP, plus PTX of the
+//! newest one so that later GPUs can still JIT it. Machine code loads without the driver's PTX
+//! JIT, which costs seconds on a fresh machine.
+//! nvcc comes from $NVCC or PATH (a CUDA toolkit, or `scripts/cuda-env.sh` without one).
 
 fn main() {
     println!("cargo:rerun-if-changed=kernels");
     println!("cargo:rerun-if-env-changed=CUDA_COMPUTE_CAP");
+    println!("cargo:rerun-if-env-changed=EXACTSCORE_CUDA_ARCHS");
     println!("cargo:rerun-if-env-changed=NVCC");
     if std::env::var_os("CARGO_FEATURE_CUDA").is_none() {
         return;
     }
     let nvcc = std::env::var("NVCC").unwrap_or_else(|_| "nvcc".into());
-    let cap = std::env::var("CUDA_COMPUTE_CAP").unwrap_or_else(|_| "90".into());
+    let archs = architectures();
+    let newest = *archs.last().expect("at least one architecture");
+    let mut gencode: Vec<String> = archs
+        .iter()
+        .map(|a| format!("-gencode=arch=compute_{a},code=sm_{a}"))
+        .collect();
+    gencode.push(format!(
+        "-gencode=arch=compute_{newest},code=compute_{newest}"
+    ));
     let out = std::path::PathBuf::from(std::env::var("OUT_DIR").unwrap());
     for name in ["exactscore", "attention"] {
         let src = format!("kernels/{name}.cu");
-        let ptx = out.join(format!("{name}.ptx"));
+        let fatbin = out.join(format!("{name}.fatbin"));
         let status = std::process::Command::new(&nvcc)
-            .args([
-                "--ptx",
-                "-O3",
-                "-std=c++17",
-                &format!("-arch=compute_{cap}"),
-                "-o",
-            ])
-            .arg(&ptx)
+            .args(["--fatbin", "-O3", "-std=c++17"])
+            .args(&gencode)
+            .arg("-o")
+            .arg(&fatbin)
             .arg(&src)
             .status()
             .unwrap_or_else(|e| {
@@ -36,4 +44,28 @@ fn main() {
             });
         assert!(status.success(), "nvcc failed on {src}");
     }
+}
+
+/// Sorted, deduplicated compute capabilities (`90`, `89`, ...) to build machine code for.
+fn architectures() -> Vec<u32> {
+    // `90a`-style suffixes (arch-specific features, which these kernels do not use) are dropped.
+    let parse = |var: &str, value: &str| -> u32 {
+        value
+            .trim()
+            .trim_end_matches(|c: char| c.is_ascii_alphabetic())
+            .parse()
+            .unwrap_or_else(|_| panic!("{var}: `{value}` is not a compute capability like 90"))
+    };
+    let list = std::env::var("EXACTSCORE_CUDA_ARCHS").unwrap_or_else(|_| "80,89,90".into());
+    let mut archs: Vec<u32> = list
+        .split(',')
+        .filter(|a| !a.trim().is_empty())
+        .map(|a| parse("EXACTSCORE_CUDA_ARCHS", a))
+        .collect();
+    if let Ok(cap) = std::env::var("CUDA_COMPUTE_CAP") {
+        archs.push(parse("CUDA_COMPUTE_CAP", &cap));
+    }
+    archs.sort_unstable();
+    archs.dedup();
+    archs
 }

@@ -453,6 +453,15 @@ __device__ void silu_mul(const T* gate, const T* up, T* out, long n) {
     *reinterpret_cast<Pack<T, 8>*>(out + i) = o;
 }
 
+// ---- embedding lookup: out[i] = table[ids[i]], rows of `cols` values; one thread per value ---
+
+template <typename T>
+__device__ void gather_rows(const T* table, const uint32_t* ids, T* out, int cols, long n) {
+    long idx = (long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (idx >= n) return;
+    out[idx] = table[(long)ids[idx / cols] * cols + idx % cols];
+}
+
 // ---- extern "C" entry points, one per dtype -------------------------------------------------
 
 #define DEQUANT_ENTRY(SUFFIX, T)                                                                     \
@@ -485,6 +494,10 @@ __device__ void silu_mul(const T* gate, const T* up, T* out, long n) {
     extern "C" __global__ void rms_norm_##SUFFIX(const T* x, const T* r, const T* w, T* sum, T* o,   \
                                                  int cols, float eps) {                              \
         rms_norm<T>(x, r, w, sum, o, cols, eps);                                                     \
+    }                                                                                                \
+    extern "C" __global__ void gather_rows_##SUFFIX(const T* table, const uint32_t* ids, T* o,        \
+                                                    int cols, long n) {                              \
+        gather_rows<T>(table, ids, o, cols, n);                                                      \
     }                                                                                                \
     extern "C" __global__ void silu_mul_##SUFFIX(const T* g, const T* u, T* o, long n) {             \
         silu_mul<T>(g, u, o, n);                                                                     \

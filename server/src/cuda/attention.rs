@@ -5,10 +5,9 @@ use candle_core::cuda_backend::cudarc::driver::{LaunchConfig, PushKernelArg};
 use candle_core::cuda_backend::WrapErr;
 use candle_core::{bail, DType, Result, Tensor};
 
+use super::module::{kernel, ATTENTION};
 use super::{grid_1d, kernel_name, with_slice, wrap};
 
-const PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/attention.ptx"));
-const MODULE: &str = "exactscore_attention";
 /// Query rows per block and threads per block of `flash_attention_*` (attention.cu).
 const ROWS_PER_BLOCK: usize = 64;
 const THREADS: u32 = 128;
@@ -34,7 +33,7 @@ pub fn rope_rotate_half(
         with_slice::<i32, _>(positions, |ps, po, _| {
             with_slice::<T, _>(cos, |cs, co, _| {
                 with_slice::<T, _>(sin, |ss, so, _| {
-                    let func = dev.get_or_load_custom_func(&name, MODULE, PTX)?;
+                    let func = kernel(dev, &ATTENTION, &name)?;
                     // SAFETY: the kernel writes every element.
                     let out = unsafe { dev.alloc::<T>(x.elem_count()) }?;
                     let (xs, ps, cs, ss) = (xs.slice(xo..), ps.slice(po..), cs.slice(co..), ss.slice(so..));
@@ -89,7 +88,7 @@ pub fn flash_attention(
         with_slice::<T, _>(k, |ks, ko, _| {
             with_slice::<T, _>(v, |vs, vo, _| {
                 with_slice::<i32, _>(starts, |ss, so, _| {
-                    let func = dev.get_or_load_custom_func(&name, MODULE, PTX)?;
+                    let func = kernel(dev, &ATTENTION, &name)?;
                     // SAFETY: every row of every sequence is written by exactly one block.
                     let out = unsafe { dev.alloc::<T>(tokens * hq * dim) }?;
                     let (qs, ks, vs, ss) = (qs.slice(qo..), ks.slice(ko..), vs.slice(vo..), ss.slice(so..));

@@ -10,8 +10,6 @@ use candle_core::cuda_backend::{CudaDType, CudaDevice, CudaStorage, WrapErr};
 use candle_core::op::BackpropOp;
 use candle_core::{bail, DType, Result, Shape, Storage, Tensor};
 
-const PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/exactscore.ptx"));
-const MODULE: &str = "exactscore";
 const THREADS: u32 = 256;
 
 /// Runs `$body` with `$T` bound to the Rust type of a float dtype.
@@ -36,7 +34,9 @@ macro_rules! with_float_type {
 }
 
 mod attention;
+mod module;
 pub use attention::{flash_attention, flash_attention_supported, rope_rotate_half};
+use module::{kernel, EXACTSCORE};
 
 fn kernel_name(base: &str, dtype: DType) -> String {
     let suffix = match dtype {
@@ -135,7 +135,7 @@ pub fn dequant_int(
         with_slice::<i32, _>(codes, |codes, co, dev| {
             with_slice::<f32, _>(scales, |scales, so, _| {
                 with_float_type!(dtype, T => {
-                    let func = dev.get_or_load_custom_func(&name, MODULE, PTX)?;
+                    let func = kernel(dev, &EXACTSCORE, &name)?;
                     // SAFETY: the kernel writes every element.
                     let out = unsafe { dev.alloc::<T>(rows * cols) }?;
                     let (codes, scales) = (codes.slice(co..), scales.slice(so..));
@@ -180,7 +180,7 @@ pub fn dequant_nvfp4(
     with_slice::<u8, _>(packed, |packed, po, dev| {
         with_slice::<u8, _>(scales, |scales, so, _| {
             with_float_type!(dtype, T => {
-                let func = dev.get_or_load_custom_func(&name, MODULE, PTX)?;
+                let func = kernel(dev, &EXACTSCORE, &name)?;
                 // SAFETY: the kernel writes every element.
                 let out = unsafe { dev.alloc::<T>(rows * cols) }?;
                 let (packed, scales) = (packed.slice(po..), scales.slice(so..));
@@ -210,7 +210,7 @@ pub fn dequant_fp8(
     with_slice::<u8, _>(codes, |codes, co, dev| {
         with_slice::<f32, _>(scales, |scales, so, _| {
             with_float_type!(dtype, T => {
-                let func = dev.get_or_load_custom_func(&name, MODULE, PTX)?;
+                let func = kernel(dev, &EXACTSCORE, &name)?;
                 // SAFETY: the kernel writes every element.
                 let out = unsafe { dev.alloc::<T>(rows * cols) }?;
                 let (codes, scales) = (codes.slice(co..), scales.slice(so..));
@@ -234,7 +234,7 @@ pub fn qdq_fp8(x: &Tensor, static_scale: Option<f32>) -> Result<Tensor> {
     let (rows, k) = x.dims2()?;
     let name = kernel_name("qdq_fp8_token", x.dtype());
     with_float_type!(x.dtype(), T => with_slice::<T, _>(&x, |xs, xo, dev| {
-        let func = dev.get_or_load_custom_func(&name, MODULE, PTX)?;
+        let func = kernel(dev, &EXACTSCORE, &name)?;
         // SAFETY: the kernel writes every element.
         let out = unsafe { dev.alloc::<T>(rows * k) }?;
         let xs = xs.slice(xo..);
@@ -256,7 +256,7 @@ pub fn qdq_nvfp4(x: &Tensor, global_scale: f32) -> Result<Tensor> {
     }
     let name = kernel_name("qdq_nvfp4", x.dtype());
     with_float_type!(x.dtype(), T => with_slice::<T, _>(&x, |xs, xo, dev| {
-        let func = dev.get_or_load_custom_func(&name, MODULE, PTX)?;
+        let func = kernel(dev, &EXACTSCORE, &name)?;
         // SAFETY: the kernel writes every element.
         let out = unsafe { dev.alloc::<T>(rows * k) }?;
         let xs = xs.slice(xo..);
@@ -298,7 +298,7 @@ pub fn rms_norm(
     let name = kernel_name("rms_norm", x.dtype());
     with_float_type!(x.dtype(), T => with_slice::<T, _>(&x, |xs, xo, dev| {
         with_slice::<T, _>(weight, |ws, wo, _| {
-            let func = dev.get_or_load_custom_func(&name, MODULE, PTX)?;
+            let func = kernel(dev, &EXACTSCORE, &name)?;
             // SAFETY: the kernel writes every element of `out`, and of `sum` (which exists only
             // with a residual).
             let (out, sum) = unsafe {
@@ -334,6 +334,28 @@ pub fn rms_norm(
     }))
 }
 
+/// Rows `ids` (u32, every id < rows of `table`) of `table` `[rows, cols]`: the embedding lookup
+/// without candle's `index_select`, whose module is PTX the driver would JIT-compile at start-up.
+pub fn gather_rows(table: &Tensor, ids: &Tensor) -> Result<Tensor> {
+    let (_, cols) = table.dims2()?;
+    let n = ids.elem_count();
+    let name = kernel_name("gather_rows", table.dtype());
+    with_float_type!(table.dtype(), T => with_slice::<T, _>(table, |ts, to, dev| {
+        with_slice::<u32, _>(ids, |is, io, _| {
+            let func = kernel(dev, &EXACTSCORE, &name)?;
+            // SAFETY: the kernel writes every element.
+            let out = unsafe { dev.alloc::<T>(n * cols) }?;
+            let (ts, is) = (ts.slice(to..), is.slice(io..));
+            let (c32, total) = (cols as i32, (n * cols) as i64);
+            let mut b = func.builder();
+            b.arg(&ts).arg(&is).arg(&out).arg(&c32).arg(&total);
+            // SAFETY: arguments match `gather_rows_*`; the caller checked every id.
+            unsafe { b.launch(grid_1d(n * cols)) }.w()?;
+            Ok(wrap(out, dev, (n, cols)))
+        })
+    }))
+}
+
 /// `silu(gate) * up` in one pass (SwiGLU), rounded as PyTorch rounds it in the compute dtype.
 pub fn silu_mul(gate: &Tensor, up: &Tensor) -> Result<Tensor> {
     let (gate, up) = (gate.contiguous()?, up.contiguous()?);
@@ -358,7 +380,7 @@ pub fn silu_mul(gate: &Tensor, up: &Tensor) -> Result<Tensor> {
             if go % 8 != 0 || uo % 8 != 0 {
                 bail!("silu_mul needs 16-byte aligned inputs");
             }
-            let func = dev.get_or_load_custom_func(&name, MODULE, PTX)?;
+            let func = kernel(dev, &EXACTSCORE, &name)?;
             // SAFETY: the kernel writes every element.
             let out = unsafe { dev.alloc::<T>(n) }?;
             let (gs, us, n64) = (gs.slice(go..), us.slice(uo..), n as i64);
@@ -396,7 +418,7 @@ pub fn score_rows(logits: &Tensor, targets: &[i32], top_k: usize) -> Result<RowS
     let words = 3 * rows + 2 * top_len;
     let name = kernel_name("score_rows", logits.dtype());
     let host = with_float_type!(logits.dtype(), T => with_slice::<T, _>(&logits, |ls, lo, dev| {
-        let func = dev.get_or_load_custom_func(&name, MODULE, PTX)?;
+        let func = kernel(dev, &EXACTSCORE, &name)?;
         let targets = dev.clone_htod(targets)?;
         // SAFETY: the kernel writes every word: three per row, and the top-k when k > 0.
         let out = unsafe { dev.alloc::<u32>(words.max(1)) }?;
@@ -446,7 +468,7 @@ pub fn kld_rows(
     let name = kernel_name("kld_rows", logits.dtype());
     let host = with_float_type!(logits.dtype(), T => with_slice::<T, _>(&reference_logits, |rs, ro, dev| {
         with_slice::<T, _>(&logits, |ls, lo, _| {
-            let func = dev.get_or_load_custom_func(&name, MODULE, PTX)?;
+            let func = kernel(dev, &EXACTSCORE, &name)?;
             let targets: Vec<i32> = targets.iter().map(|&t| t as i32).collect();
             let targets = dev.clone_htod(&targets)?;
             // SAFETY: the kernel writes every word (thread 0 of each row's block).
@@ -545,7 +567,7 @@ pub fn causal_softmax(
     let name = kernel_name("causal_softmax", dtype);
     with_slice::<f32, _>(&scores, |s, so, dev| {
         with_float_type!(dtype, T => {
-            let func = dev.get_or_load_custom_func(&name, MODULE, PTX)?;
+            let func = kernel(dev, &EXACTSCORE, &name)?;
             // SAFETY: the kernel writes every element.
             let out = unsafe { dev.alloc::<T>(rows * t) }?;
             let s = s.slice(so..);

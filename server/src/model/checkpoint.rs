@@ -187,6 +187,20 @@ impl Checkpoint {
         )?)
     }
 
+    /// [`Self::tensor`] converted to `dtype` on the CPU, then placed on `device`: no conversion
+    /// kernel runs on a GPU (candle's are PTX that the driver JIT-compiles, seconds at first use).
+    pub fn tensor_as(
+        &self,
+        name: &str,
+        dtypes: &[StDtype],
+        shape: Option<&[usize]>,
+        dtype: DType,
+        device: &Device,
+    ) -> Result<Tensor, LoadError> {
+        let t = self.tensor(name, dtypes, shape, &Device::Cpu)?;
+        Ok(t.to_dtype(dtype)?.to_device(device)?)
+    }
+
     /// Every tensor name that starts with `prefix` (used to reject tensors we would ignore).
     pub fn names_with_prefix<'a>(&'a self, prefix: &'a str) -> impl Iterator<Item = &'a str> {
         self.names

@@ -57,14 +57,13 @@ impl RmsNorm {
         dim: usize,
         opts: &LinearOptions,
     ) -> std::result::Result<Self, LoadError> {
-        let weight = ckpt
-            .tensor(
-                &format!("{name}.weight"),
-                SCALE_DTYPES,
-                Some(&[dim]),
-                &opts.device,
-            )?
-            .to_dtype(opts.dtype)?;
+        let weight = ckpt.tensor_as(
+            &format!("{name}.weight"),
+            SCALE_DTYPES,
+            Some(&[dim]),
+            opts.dtype,
+            &opts.device,
+        )?;
         Ok(Self { weight, eps: 0.0 })
     }
 
@@ -251,12 +250,14 @@ impl Model {
             c.num_kv_heads * c.head_dim,
             c.num_heads * c.head_dim,
         );
-        let embed_tokens = ckpt.tensor(
+        // On the CPU first: converted there to the compute dtype (no GPU conversion kernel).
+        let stored_embed = ckpt.tensor(
             "model.embed_tokens.weight",
             SCALE_DTYPES,
             Some(&[c.vocab_size, h]),
-            &lin.device,
+            &Device::Cpu,
         )?;
+        let embed_tokens = stored_embed.to_dtype(lin.dtype)?.to_device(&lin.device)?;
         let o_bias = c.attention_bias
             && matches!(c.architecture, Architecture::Llama | Architecture::Mistral);
         let mut layers = Vec::with_capacity(c.num_layers);
@@ -325,14 +326,16 @@ impl Model {
         }
         let norm = RmsNorm::load(ckpt, "model.norm", h, lin)?.with_eps(c.rms_norm_eps);
         let lm_head = if c.tie_word_embeddings && !ckpt.contains("lm_head.weight") {
-            QuantLinear::new(
-                Box::new(DenseWeight::from_tensor(embed_tokens.clone())),
-                None,
-            )
+            // The tied head keeps the stored dtype, as an untied dense head does.
+            let weight = if stored_embed.dtype() == lin.dtype {
+                embed_tokens.clone()
+            } else {
+                stored_embed.to_device(&lin.device)?
+            };
+            QuantLinear::new(Box::new(DenseWeight::from_tensor(weight)), None)
         } else {
             loader.load("lm_head", (c.vocab_size, h), false)?
         };
-        let embed_tokens = embed_tokens.to_dtype(lin.dtype)?;
         let freqs = inv_freq(c.head_dim, c.rope_theta, &c.rope_scaling);
         let rope = RopeTables::new(&freqs, opts.max_seq_len.max(1), lin.dtype, &lin.device)?;
         let mut model = Self {
@@ -427,7 +430,7 @@ impl Model {
         };
         let batch = BatchLayout { lens, flash };
         let ids = Tensor::new(ids.as_slice(), device)?;
-        let mut x = stage("embed", device, || self.embed_tokens.index_select(&ids, 0))?;
+        let mut x = stage("embed", device, || embed(&self.embed_tokens, &ids))?;
         // Each layer's MLP output is added to the residual stream by the next norm (fused).
         let mut pending = None;
         for layer in &self.layers {
@@ -667,6 +670,15 @@ impl Attention {
             .reshape((len, heads * dim))?
             .to_dtype(dtype)
     }
+}
+
+/// Rows `ids` of the embedding table (ids already checked against the vocabulary).
+fn embed(table: &Tensor, ids: &Tensor) -> Result<Tensor> {
+    #[cfg(feature = "cuda")]
+    if table.device().is_cuda() {
+        return crate::cuda::gather_rows(table, ids);
+    }
+    table.index_select(ids, 0)
 }
 
 /// SwiGLU `silu(gate) * up`: one fused kernel on a GPU.

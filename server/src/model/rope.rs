@@ -59,8 +59,13 @@ impl RopeTables {
                 sin.push(angle.sin());
             }
         }
-        let cos = Tensor::from_vec(cos, (len, half), device)?.to_dtype(dtype)?;
-        let sin = Tensor::from_vec(sin, (len, half), device)?.to_dtype(dtype)?;
+        // Rounded on the CPU, then uploaded: no GPU conversion kernel.
+        let table = |v: Vec<f32>| -> Result<Tensor> {
+            Tensor::from_vec(v, (len, half), &Device::Cpu)?
+                .to_dtype(dtype)?
+                .to_device(device)
+        };
+        let (cos, sin) = (table(cos)?, table(sin)?);
         Ok(Self { cos, sin })
     }
 

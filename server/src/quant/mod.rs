@@ -138,15 +138,13 @@ pub fn load_linear(
     };
     let bias = if bias {
         used.push("bias");
-        Some(
-            ckpt.tensor(
-                &format!("{name}.bias"),
-                &[StDtype::BF16, StDtype::F16, StDtype::F32],
-                Some(&[out]),
-                dev,
-            )?
-            .to_dtype(opts.dtype)?,
-        )
+        Some(ckpt.tensor_as(
+            &format!("{name}.bias"),
+            &[StDtype::BF16, StDtype::F16, StDtype::F32],
+            Some(&[out]),
+            opts.dtype,
+            dev,
+        )?)
     } else {
         None
     };

@@ -11,6 +11,8 @@
 //! * `kld --shape llama3-8b --format w4a16 --batch 1,4`: `/kld` (served model + bf16 reference,
 //!   two forwards and the fused divergence) timed next to `/score` on the same windows; `check`
 //!   also judges the divergence kernel and the GPU `/kld` path on the fixtures.
+//! * `jit --model DIR` (run with an empty `CUDA_CACHE_PATH`): which of candle's PTX modules the
+//!   first forward JIT-compiles and what each module costs; the rest of start-up is SASS.
 //! * `write-checkpoint --shape llama3-8b --format w4a16 --out DIR --tokenizer TOKDIR`: the same
 //!   random model as a Hugging Face directory on disk, for end-to-end runs through the server.
 
@@ -27,6 +29,8 @@ use serde_json::Value;
 
 #[cfg(feature = "cuda")]
 mod attention_check;
+#[cfg(feature = "cuda")]
+mod jit_report;
 mod kld_bench;
 mod random_model;
 
@@ -39,6 +43,15 @@ struct Args {
 
 #[derive(Subcommand)]
 enum Command {
+    /// Which of candle's PTX modules a first forward JIT-compiles (run with an empty
+    /// CUDA_CACHE_PATH), and what each module's JIT costs.
+    #[cfg(feature = "cuda")]
+    Jit {
+        #[arg(long, default_value = "tests/fixtures/llama-w4a16-g128")]
+        model: PathBuf,
+        #[arg(long, default_value = "cuda:0")]
+        device: String,
+    },
     /// GPU vs CPU numerics on the fixture checkpoints.
     Check {
         #[arg(long, default_value = "tests/fixtures")]
@@ -113,6 +126,8 @@ enum Command {
 fn main() -> Result<()> {
     match Args::parse().command {
         Command::Check { fixtures, device } => check(&fixtures, &parse_device(&device)?),
+        #[cfg(feature = "cuda")]
+        Command::Jit { model, device } => jit_report::report(&model, &parse_device(&device)?),
         Command::Speed {
             shape,
             formats,

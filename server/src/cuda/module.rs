@@ -1,0 +1,65 @@
+//! The compiled kernel modules (fatbins built by `build.rs`) and their loading. Machine code for
+//! the GPU's architecture loads in milliseconds; only a GPU newer than every built architecture
+//! falls back to JIT-compiling the embedded PTX.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, OnceLock};
+
+use candle_core::cuda_backend::cudarc::driver::{CudaFunction, CudaModule, CudaStream, LaunchArgs};
+use candle_core::cuda_backend::cudarc::nvrtc::Ptx;
+use candle_core::cuda_backend::{CudaDevice, WrapErr};
+use candle_core::Result;
+
+/// One fatbin of `server/kernels/`.
+pub(crate) struct KernelModule {
+    name: &'static str,
+    image: &'static [u8],
+}
+
+pub(crate) const EXACTSCORE: KernelModule = KernelModule {
+    name: "exactscore",
+    image: include_bytes!(concat!(env!("OUT_DIR"), "/exactscore.fatbin")),
+};
+
+pub(crate) const ATTENTION: KernelModule = KernelModule {
+    name: "attention",
+    image: include_bytes!(concat!(env!("OUT_DIR"), "/attention.fatbin")),
+};
+
+/// A kernel ready to launch on the device's stream.
+pub(crate) struct Kernel {
+    func: CudaFunction,
+    stream: Arc<CudaStream>,
+}
+
+impl Kernel {
+    pub(crate) fn builder(&self) -> LaunchArgs<'_> {
+        self.stream.launch_builder(&self.func)
+    }
+}
+
+/// Modules loaded so far, per CUDA context (keyed by its handle) and module name.
+type Loaded = HashMap<(usize, &'static str), Arc<CudaModule>>;
+
+/// The kernel `name` of `module` on `dev`; the module is loaded on first use.
+pub(crate) fn kernel(dev: &CudaDevice, module: &KernelModule, name: &str) -> Result<Kernel> {
+    static LOADED: OnceLock<Mutex<Loaded>> = OnceLock::new();
+    let stream = dev.cuda_stream();
+    let context = stream.context();
+    let key = (context.cu_ctx() as usize, module.name);
+    let loaded = {
+        let mut map = LOADED.get_or_init(Default::default).lock().unwrap();
+        match map.get(&key) {
+            Some(m) => m.clone(),
+            None => {
+                let m = context
+                    .load_module(Ptx::from_binary(module.image.to_vec()))
+                    .w()?;
+                map.insert(key, m.clone());
+                m
+            }
+        }
+    };
+    let func = loaded.load_function(name).w()?;
+    Ok(Kernel { func, stream })
+}
