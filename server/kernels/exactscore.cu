@@ -24,12 +24,16 @@ __device__ __forceinline__ float fp4_e2m1_to_f32(uint32_t nibble) {
 }
 
 // Round to nearest even on a float grid with `mant` explicit bits and smallest normal exponent
-// `min_exp` (see quant/minifloat.rs: round_to_grid).
+// `min_exp` (see quant/minifloat.rs: round_to_grid). The grid step is 2^e with -9 <= e <= 124
+// here, so 2^e and 2^-e are normal floats built from exponent bits and x * 2^-e equals x / 2^e
+// exactly: no division and no ldexpf, which made the activation QDQ compute-bound.
 __device__ __forceinline__ float round_to_grid(float x, int min_exp, int mant) {
     if (x == 0.0f || !isfinite(x)) return x;
-    int binade = (int)((__float_as_uint(fabsf(x)) >> 23) & 0xFF) - 127;
-    float ulp = ldexpf(1.0f, max(binade, min_exp) - mant);
-    return copysignf(rintf(x / ulp) * ulp, x);
+    int binade = (int)((__float_as_uint(x) >> 23) & 0xFF) - 127;
+    int e = max(binade, min_exp) - mant;
+    float step = __uint_as_float((uint32_t)(e + 127) << 23);
+    float inv_step = __uint_as_float((uint32_t)(127 - e) << 23);
+    return copysignf(rintf(x * inv_step) * step, x);
 }
 
 __device__ __forceinline__ float bf16_round(float v) { return __bfloat162float(__float2bfloat16_rn(v)); }
@@ -132,50 +136,66 @@ __device__ void dequant_fp8(const uint8_t* codes, const float* scales, T* out, i
 
 // ---- activation QDQ (x -> out) ------------------------------------------------------------
 
-// fp8 per-token dynamic: one block per row.
-template <typename T>
+// fp8 per-token dynamic (or static, when static_scale > 0): one block (256 threads) per row;
+// VEC values per load and store as in rms_norm. The row's min and max do not depend on the
+// order they are reduced in, so every VEC gives the same result.
+template <typename T, int VEC>
 __device__ void qdq_fp8_token(const T* x, T* out, int k, float static_scale) {
-    __shared__ float s_lo[256];
-    __shared__ float s_hi[256];
+    using V = Pack<T, VEC>;
+    __shared__ float s_lo[32];
+    __shared__ float s_hi[32];
     const T* row = x + (long)blockIdx.x * k;
     T* dst = out + (long)blockIdx.x * k;
+    const int tid = threadIdx.x;
     float scale = static_scale;
     if (scale <= 0.0f) {
         float lo = 0.0f, hi = 0.0f;
-        for (int i = threadIdx.x; i < k; i += blockDim.x) {
-            float v = to_f32(row[i]);
-            lo = fminf(lo, v);
-            hi = fmaxf(hi, v);
-        }
-        s_lo[threadIdx.x] = lo;
-        s_hi[threadIdx.x] = hi;
-        __syncthreads();
-        for (int s = blockDim.x / 2; s > 0; s >>= 1) {
-            if (threadIdx.x < s) {
-                s_lo[threadIdx.x] = fminf(s_lo[threadIdx.x], s_lo[threadIdx.x + s]);
-                s_hi[threadIdx.x] = fmaxf(s_hi[threadIdx.x], s_hi[threadIdx.x + s]);
+        for (int i = tid * VEC; i < k; i += blockDim.x * VEC) {
+            const V v = *reinterpret_cast<const V*>(row + i);
+#pragma unroll
+            for (int j = 0; j < VEC; ++j) {
+                lo = fminf(lo, to_f32(v.v[j]));
+                hi = fmaxf(hi, to_f32(v.v[j]));
             }
-            __syncthreads();
         }
-        scale = fmaxf(fabsf(s_lo[0]), fabsf(s_hi[0])) / 448.0f;
+        for (int o = 16; o > 0; o >>= 1) {
+            lo = fminf(lo, __shfl_xor_sync(0xffffffff, lo, o));
+            hi = fmaxf(hi, __shfl_xor_sync(0xffffffff, hi, o));
+        }
+        if (tid % 32 == 0) {
+            s_lo[tid / 32] = lo;
+            s_hi[tid / 32] = hi;
+        }
+        __syncthreads();
+        for (int w = 0; w < (int)blockDim.x / 32; ++w) {
+            lo = fminf(lo, s_lo[w]);
+            hi = fmaxf(hi, s_hi[w]);
+        }
+        scale = fmaxf(fabsf(lo), fabsf(hi)) / 448.0f;
         if (scale == 0.0f) scale = 1.1920929e-07f;
     }
-    for (int i = threadIdx.x; i < k; i += blockDim.x) {
-        float q = fminf(fmaxf(to_f32(row[i]) / scale + 0.0f, -448.0f), 448.0f);
-        dst[i] = from_f32<T>(round_to_grid(q, -6, 3) * scale);
+    for (int i = tid * VEC; i < k; i += blockDim.x * VEC) {
+        V v = *reinterpret_cast<const V*>(row + i);
+#pragma unroll
+        for (int j = 0; j < VEC; ++j) {
+            float q = fminf(fmaxf(to_f32(v.v[j]) / scale + 0.0f, -448.0f), 448.0f);
+            v.v[j] = from_f32<T>(round_to_grid(q, -6, 3) * scale);
+        }
+        *reinterpret_cast<V*>(dst + i) = v;
     }
 }
 
-// nvfp4: one thread per group of 16 values.
+// nvfp4: one thread per group of 16 values, read and written as vectors (x and out 16-byte
+// aligned, checked by the caller).
 template <typename T>
 __device__ void qdq_nvfp4(const T* x, T* out, long groups, float global_scale) {
     long g = (long)blockIdx.x * blockDim.x + threadIdx.x;
     if (g >= groups) return;
-    const T* v = x + g * 16;
-    T* dst = out + g * 16;
+    Pack<T, 16> v = reinterpret_cast<const Pack<T, 16>*>(x)[g];
     float lo = 0.0f, hi = 0.0f;
+#pragma unroll
     for (int i = 0; i < 16; ++i) {
-        float f = to_f32(v[i]);
+        float f = to_f32(v.v[i]);
         lo = fminf(lo, f);
         hi = fmaxf(hi, f);
     }
@@ -183,10 +203,12 @@ __device__ void qdq_nvfp4(const T* x, T* out, long groups, float global_scale) {
     s = round_to_grid(fminf(fmaxf(s, -448.0f), 448.0f), -6, 3);
     if (s == 0.0f) s = 0.125f;
     float eff = s / global_scale;
+#pragma unroll
     for (int i = 0; i < 16; ++i) {
-        float q = fminf(fmaxf(to_f32(v[i]) / eff + 0.0f, -6.0f), 6.0f);
-        dst[i] = from_f32<T>(round_to_grid(q, 0, 1) * eff);
+        float q = fminf(fmaxf(to_f32(v.v[i]) / eff + 0.0f, -6.0f), 6.0f);
+        v.v[i] = from_f32<T>(round_to_grid(q, 0, 1) * eff);
     }
+    reinterpret_cast<Pack<T, 16>*>(out)[g] = v;
 }
 
 // ---- fused scoring: one block (256 threads) per row -----------------------------------------
@@ -404,21 +426,26 @@ __device__ void causal_softmax(const float* scores, T* out, int t, float scale, 
 // in f32 with one rounding at the end. PyTorch rounds twice (after the normalisation, after the
 // weight); one rounding is closer to the f32 reference, and in f32 the two are the same. One pass
 // instead of an add kernel and a norm kernel.
-template <typename T>
+// VEC values per load and store: 8 (16-byte vectors) when cols % 8 == 0 and every row start is
+// 16-byte aligned (checked by the caller), else 1.
+template <typename T, int VEC>
 __device__ void rms_norm(const T* x, const T* residual, const T* weight, T* sum, T* out, int cols,
                          float eps) {
+    using V = Pack<T, VEC>;
     __shared__ float s_red[SCORE_THREADS];
     const long base = (long)blockIdx.x * cols;
     const int tid = threadIdx.x;
     float squares = 0.0f;
-    for (int i = tid; i < cols; i += SCORE_THREADS) {
-        float h = to_f32(x[base + i]);
+    for (int i = tid * VEC; i < cols; i += SCORE_THREADS * VEC) {
+        V h = *reinterpret_cast<const V*>(x + base + i);
         if (residual) {
-            T rounded = from_f32<T>(h + to_f32(residual[base + i]));
-            sum[base + i] = rounded;
-            h = to_f32(rounded);
+            const V r = *reinterpret_cast<const V*>(residual + base + i);
+#pragma unroll
+            for (int j = 0; j < VEC; ++j) h.v[j] = from_f32<T>(to_f32(h.v[j]) + to_f32(r.v[j]));
+            *reinterpret_cast<V*>(sum + base + i) = h;
         }
-        squares += h * h;
+#pragma unroll
+        for (int j = 0; j < VEC; ++j) squares += to_f32(h.v[j]) * to_f32(h.v[j]);
     }
     s_red[tid] = squares;
     __syncthreads();
@@ -428,8 +455,13 @@ __device__ void rms_norm(const T* x, const T* residual, const T* weight, T* sum,
     }
     const float inv = rsqrtf(s_red[0] / cols + eps);
     const T* h = residual ? sum : x;  // each thread re-reads only what it wrote itself
-    for (int i = tid; i < cols; i += SCORE_THREADS) {
-        out[base + i] = from_f32<T>(to_f32(h[base + i]) * inv * to_f32(weight[i]));
+    for (int i = tid * VEC; i < cols; i += SCORE_THREADS * VEC) {
+        const V hv = *reinterpret_cast<const V*>(h + base + i);
+        const V w = *reinterpret_cast<const V*>(weight + i);
+        V o;
+#pragma unroll
+        for (int j = 0; j < VEC; ++j) o.v[j] = from_f32<T>(to_f32(hv.v[j]) * inv * to_f32(w.v[j]));
+        *reinterpret_cast<V*>(out + base + i) = o;
     }
 }
 
@@ -486,14 +518,22 @@ __device__ void gather_rows(const T* table, const uint32_t* ids, T* out, int col
         dequant_fp8<T>(c, s, o, rows, cols, br, bc, sc);                                             \
     }                                                                                                \
     extern "C" __global__ void qdq_fp8_token_##SUFFIX(const T* x, T* o, int k, float static_scale) { \
-        qdq_fp8_token<T>(x, o, k, static_scale);                                                     \
+        qdq_fp8_token<T, 1>(x, o, k, static_scale);                                                  \
+    }                                                                                                \
+    extern "C" __global__ void qdq_fp8_token_v8_##SUFFIX(const T* x, T* o, int k,                    \
+                                                         float static_scale) {                       \
+        qdq_fp8_token<T, 8>(x, o, k, static_scale);                                                  \
     }                                                                                                \
     extern "C" __global__ void qdq_nvfp4_##SUFFIX(const T* x, T* o, long groups, float gs) {       \
         qdq_nvfp4<T>(x, o, groups, gs);                                                              \
     }                                                                                                \
     extern "C" __global__ void rms_norm_##SUFFIX(const T* x, const T* r, const T* w, T* sum, T* o,   \
                                                  int cols, float eps) {                              \
-        rms_norm<T>(x, r, w, sum, o, cols, eps);                                                     \
+        rms_norm<T, 1>(x, r, w, sum, o, cols, eps);                                                  \
+    }                                                                                                \
+    extern "C" __global__ void rms_norm_v8_##SUFFIX(const T* x, const T* r, const T* w, T* sum,      \
+                                                    T* o, int cols, float eps) {                     \
+        rms_norm<T, 8>(x, r, w, sum, o, cols, eps);                                                  \
     }                                                                                                \
     extern "C" __global__ void gather_rows_##SUFFIX(const T* table, const uint32_t* ids, T* o,        \
                                                     int cols, long n) {                              \

@@ -50,9 +50,11 @@ fn profiling_records_every_stage_and_changes_nothing() {
     }
     // Each norm also adds the residual before it (fused), so there is no separate residual stage.
     assert_eq!(calls("norm"), 2 * layers + 1);
+    // The inputs of q/k/v, o_proj, gate/up and down_proj (a no-op for this weights-only model).
+    assert_eq!(calls("act_qdq"), 4 * layers);
     assert_eq!(calls("embed"), 1);
     // The lm_head runs per sequence (in row chunks); both sequences are shorter than a chunk.
     assert_eq!(calls("lm_head"), 2);
     assert_eq!(calls("scoring"), 2);
-    assert_eq!(stages.len(), 10, "{stages:?}");
+    assert_eq!(stages.len(), 11, "{stages:?}");
 }

@@ -232,7 +232,16 @@ pub fn dequant_fp8(
 pub fn qdq_fp8(x: &Tensor, static_scale: Option<f32>) -> Result<Tensor> {
     let x = x.contiguous()?;
     let (rows, k) = x.dims2()?;
-    let name = kernel_name("qdq_fp8_token", x.dtype());
+    // 16-byte vectors when every row starts on a multiple of 8 values.
+    let vectors = k % 8 == 0 && x.layout().start_offset() % 8 == 0;
+    let name = kernel_name(
+        if vectors {
+            "qdq_fp8_token_v8"
+        } else {
+            "qdq_fp8_token"
+        },
+        x.dtype(),
+    );
     with_float_type!(x.dtype(), T => with_slice::<T, _>(&x, |xs, xo, dev| {
         let func = kernel(dev, &EXACTSCORE, &name)?;
         // SAFETY: the kernel writes every element.
@@ -241,7 +250,8 @@ pub fn qdq_fp8(x: &Tensor, static_scale: Option<f32>) -> Result<Tensor> {
         let (k32, scale) = (k as i32, static_scale.unwrap_or(0.0));
         let mut b = func.builder();
         b.arg(&xs).arg(&out).arg(&k32).arg(&scale);
-        // SAFETY: arguments match `qdq_fp8_token_*`.
+        // SAFETY: arguments match `qdq_fp8_token_*` / `qdq_fp8_token_v8_*` (256-thread blocks,
+        // aligned vectors checked above).
         unsafe { b.launch(grid_rows(rows)) }.w()?;
         Ok(wrap(out, dev, (rows, k)))
     }))
@@ -254,6 +264,12 @@ pub fn qdq_nvfp4(x: &Tensor, global_scale: f32) -> Result<Tensor> {
     if k % 16 != 0 {
         bail!("NVFP4 activations need a multiple of 16 features, got {k}");
     }
+    // The kernel reads 16-value vectors: a view that starts mid-vector is copied first.
+    let x = if (x.layout().start_offset() * x.dtype().size_in_bytes()) % 16 != 0 {
+        x.copy()?
+    } else {
+        x
+    };
     let name = kernel_name("qdq_nvfp4", x.dtype());
     with_float_type!(x.dtype(), T => with_slice::<T, _>(&x, |xs, xo, dev| {
         let func = kernel(dev, &EXACTSCORE, &name)?;
@@ -295,7 +311,13 @@ pub fn rms_norm(
             weight.dtype()
         );
     }
-    let name = kernel_name("rms_norm", x.dtype());
+    // 16-byte vectors when every row of x, residual and weight starts on a multiple of 8 values.
+    let vectors = cols % 8 == 0
+        && [Some(&x), residual.as_ref(), Some(weight)]
+            .into_iter()
+            .flatten()
+            .all(|t| t.layout().start_offset() % 8 == 0);
+    let name = kernel_name(if vectors { "rms_norm_v8" } else { "rms_norm" }, x.dtype());
     with_float_type!(x.dtype(), T => with_slice::<T, _>(&x, |xs, xo, dev| {
         with_slice::<T, _>(weight, |ws, wo, _| {
             let func = kernel(dev, &EXACTSCORE, &name)?;
@@ -320,7 +342,8 @@ pub fn rms_norm(
                     None => b.arg(&null),
                 };
                 b.arg(&out).arg(&c32).arg(&eps);
-                // SAFETY: arguments match `rms_norm_*` (one 256-thread block per row).
+                // SAFETY: arguments match `rms_norm_*` and `rms_norm_v8_*` (one 256-thread block
+                // per row; aligned vectors checked above).
                 unsafe { b.launch(grid_rows(rows)) }.w()?;
                 Ok(())
             };

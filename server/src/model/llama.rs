@@ -12,7 +12,9 @@ use super::profile::stage;
 use super::rope::{inv_freq, RopeTables};
 use super::scoring::{score_logits, SequenceScores};
 use crate::quant::dense::DenseWeight;
-use crate::quant::{load_linear, LinearOptions, QuantLinear, QuantizationConfig, SCALE_DTYPES};
+use crate::quant::{
+    load_linear, quantized_inputs, LinearOptions, QuantLinear, QuantizationConfig, SCALE_DTYPES,
+};
 
 /// How to materialise a model.
 #[derive(Debug, Clone)]
@@ -501,11 +503,20 @@ impl DecoderLayer {
 impl Mlp {
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
         let dev = x.device();
+        let [gate_in, up_in] = stage("act_qdq", dev, || {
+            quantized_inputs([&self.gate_proj, &self.up_proj], x)
+        })?;
         let (gate, up) = stage("gate_up_proj", dev, || {
-            Ok((self.gate_proj.forward(x)?, self.up_proj.forward(x)?))
+            Ok((
+                self.gate_proj.forward_quantized(&gate_in)?,
+                self.up_proj.forward_quantized(&up_in)?,
+            ))
         })?;
         let act = stage("silu_mul", dev, || silu_mul(&gate, &up))?;
-        stage("down_proj", dev, || self.down_proj.forward(&act))
+        let [down_in] = stage("act_qdq", dev, || quantized_inputs([&self.down_proj], &act))?;
+        stage("down_proj", dev, || {
+            self.down_proj.forward_quantized(&down_in)
+        })
     }
 }
 
@@ -513,18 +524,22 @@ impl Attention {
     /// `x`: `[tokens of all sequences, hidden]`; attention never crosses sequence boundaries.
     fn forward(&self, x: &Tensor, batch: &BatchLayout, rope: &RopeTables) -> Result<Tensor> {
         let dev = x.device();
+        let [q_in, k_in, v_in] = stage("act_qdq", dev, || {
+            quantized_inputs([&self.q_proj, &self.k_proj, &self.v_proj], x)
+        })?;
         let (q, k, v) = stage("qkv_proj", dev, || {
             Ok((
-                self.q_proj.forward(x)?,
-                self.k_proj.forward(x)?,
-                self.v_proj.forward(x)?,
+                self.q_proj.forward_quantized(&q_in)?,
+                self.k_proj.forward_quantized(&k_in)?,
+                self.v_proj.forward_quantized(&v_in)?,
             ))
         })?;
         let out = stage("attention", dev, || match &batch.flash {
             Some(index) => self.flash_attend(&q, &k, &v, index, rope),
             None => self.attend_each_sequence(&q, &k, &v, &batch.lens, rope),
         })?;
-        stage("o_proj", dev, || self.o_proj.forward(&out))
+        let [o_in] = stage("act_qdq", dev, || quantized_inputs([&self.o_proj], &out))?;
+        stage("o_proj", dev, || self.o_proj.forward_quantized(&o_in))
     }
 
     /// The materialised path, one sequence at a time; returns `[tokens, heads * head_dim]`.

@@ -59,10 +59,15 @@ impl QuantLinear {
 
     /// `x`: `[tokens, in]` in the compute dtype.
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        let x = match &self.activation {
-            Some(qdq) => qdq.apply(x)?,
-            None => x.clone(),
-        };
+        match &self.activation {
+            Some(qdq) => self.forward_quantized(&qdq.apply(x)?),
+            None => self.forward_quantized(x),
+        }
+    }
+
+    /// `x · Wᵀ (+ b)` of an input that has been through this layer's activation QDQ already
+    /// (see [`quantized_inputs`]).
+    pub fn forward_quantized(&self, x: &Tensor) -> Result<Tensor> {
         let w = self.weight.dequantize(x.dtype(), x.device())?;
         let y = x.matmul(&w.t()?)?;
         match &self.bias {
@@ -78,6 +83,37 @@ impl QuantLinear {
     pub fn activation(&self) -> Option<&ActivationQdq> {
         self.activation.as_ref()
     }
+}
+
+/// The inputs of several layers that read the same `x` (q/k/v, gate/up), each through its own
+/// activation QDQ (or `x` itself for a weights-only layer), for
+/// [`QuantLinear::forward_quantized`]. A layer whose QDQ equals the previous layer's (same
+/// scheme and scale: every per-token dynamic fp8 scheme, and static scales that calibration
+/// made equal) shares that quantized input instead of computing it again, so the results are
+/// identical to separate [`QuantLinear::forward`]s.
+pub fn quantized_inputs<const N: usize>(
+    linears: [&QuantLinear; N],
+    x: &Tensor,
+) -> Result<[Tensor; N]> {
+    let mut last: Option<(&ActivationQdq, Tensor)> = None;
+    let mut inputs = Vec::with_capacity(N);
+    for linear in linears {
+        let input = match &linear.activation {
+            None => x.clone(),
+            Some(qdq) => {
+                let input = match last.take() {
+                    Some((prev, input)) if prev == qdq => input,
+                    _ => qdq.apply(x)?,
+                };
+                last = Some((qdq, input.clone()));
+                input
+            }
+        };
+        inputs.push(input);
+    }
+    Ok(inputs
+        .try_into()
+        .unwrap_or_else(|_| unreachable!("one input per layer")))
 }
 
 /// Where and how layers are materialised.
@@ -202,4 +238,51 @@ pub(crate) fn load_scalar(ckpt: &Checkpoint, name: &str) -> std::result::Result<
         });
     }
     Ok(v)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn linear(seed: u64, activation: Option<ActivationQdq>) -> Result<QuantLinear> {
+        let w = Tensor::rand(-1f32, 1f32, (8, 32), &Device::Cpu)?;
+        let w = (w + seed as f64)?.affine(0.5, 0.0)?;
+        Ok(QuantLinear {
+            weight: Box::new(dense::DenseWeight::from_tensor(w)),
+            bias: None,
+            activation,
+        })
+    }
+
+    #[test]
+    fn sharing_the_input_gives_each_layer_its_own_qdq() -> Result<()> {
+        let x = Tensor::randn(0f32, 3f32, (5, 32), &Device::Cpu)?;
+        let nvfp4 = |global_scale| Some(ActivationQdq::Nvfp4 { global_scale });
+        // Two global scales whose QDQs differ: reusing the first for the second would show.
+        assert_ne!(
+            nvfp4(448.0).unwrap().apply(&x)?.to_vec2::<f32>()?,
+            nvfp4(5.0).unwrap().apply(&x)?.to_vec2::<f32>()?
+        );
+        let layers = [
+            linear(0, nvfp4(448.0))?,
+            linear(1, nvfp4(448.0))?,
+            linear(2, nvfp4(5.0))?,
+            linear(3, None)?,
+            linear(4, Some(ActivationQdq::Fp8PerToken))?,
+            linear(5, Some(ActivationQdq::Fp8PerToken))?,
+        ];
+        let inputs = quantized_inputs(
+            [
+                &layers[0], &layers[1], &layers[2], &layers[3], &layers[4], &layers[5],
+            ],
+            &x,
+        )?;
+        for (layer, input) in layers.iter().zip(&inputs) {
+            assert_eq!(
+                layer.forward_quantized(input)?.to_vec2::<f32>()?,
+                layer.forward(&x)?.to_vec2::<f32>()?
+            );
+        }
+        Ok(())
+    }
 }
