@@ -185,6 +185,31 @@ __device__ void qdq_fp8_token(const T* x, T* out, int k, float static_scale) {
     }
 }
 
+// The per-token fp8 QDQ of qdq_fp8_token, fused at the end of a kernel that has just written
+// the row `row` (k values) with one block of 256 threads, each thread VEC values per step at
+// tid * VEC + n * 256 * VEC: each thread re-reads only what it wrote itself. `amax` is the
+// thread's largest |value| written (the same max qdq_fp8_token finds, so the same bits).
+template <typename T, int VEC>
+__device__ void fp8_token_qdq_written_row(T* row, int k, float amax) {
+    using V = Pack<T, VEC>;
+    __shared__ float s_max[32];
+    for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffff, amax, o));
+    if (threadIdx.x % 32 == 0) s_max[threadIdx.x / 32] = amax;
+    __syncthreads();
+    for (int w = 0; w < 256 / 32; ++w) amax = fmaxf(amax, s_max[w]);
+    float scale = amax / 448.0f;
+    if (scale == 0.0f) scale = 1.1920929e-07f;
+    for (int i = threadIdx.x * VEC; i < k; i += 256 * VEC) {
+        V v = *reinterpret_cast<const V*>(row + i);
+#pragma unroll
+        for (int j = 0; j < VEC; ++j) {
+            float q = fminf(fmaxf(to_f32(v.v[j]) / scale + 0.0f, -448.0f), 448.0f);
+            v.v[j] = from_f32<T>(round_to_grid(q, -6, 3) * scale);
+        }
+        *reinterpret_cast<V*>(row + i) = v;
+    }
+}
+
 // nvfp4: one thread per group of 16 values, read and written as vectors (x and out 16-byte
 // aligned, checked by the caller).
 template <typename T>
@@ -428,7 +453,7 @@ __device__ void causal_softmax(const float* scores, T* out, int t, float scale, 
 // instead of an add kernel and a norm kernel.
 // VEC values per load and store: 8 (16-byte vectors) when cols % 8 == 0 and every row start is
 // 16-byte aligned (checked by the caller), else 1.
-template <typename T, int VEC>
+template <typename T, int VEC, bool FP8_QDQ>
 __device__ void rms_norm(const T* x, const T* residual, const T* weight, T* sum, T* out, int cols,
                          float eps) {
     using V = Pack<T, VEC>;
@@ -455,26 +480,28 @@ __device__ void rms_norm(const T* x, const T* residual, const T* weight, T* sum,
     }
     const float inv = rsqrtf(s_red[0] / cols + eps);
     const T* h = residual ? sum : x;  // each thread re-reads only what it wrote itself
+    float amax = 0.0f;
     for (int i = tid * VEC; i < cols; i += SCORE_THREADS * VEC) {
         const V hv = *reinterpret_cast<const V*>(h + base + i);
         const V w = *reinterpret_cast<const V*>(weight + i);
         V o;
 #pragma unroll
-        for (int j = 0; j < VEC; ++j) o.v[j] = from_f32<T>(to_f32(hv.v[j]) * inv * to_f32(w.v[j]));
+        for (int j = 0; j < VEC; ++j) {
+            o.v[j] = from_f32<T>(to_f32(hv.v[j]) * inv * to_f32(w.v[j]));
+            if (FP8_QDQ) amax = fmaxf(amax, fabsf(to_f32(o.v[j])));
+        }
         *reinterpret_cast<V*>(out + base + i) = o;
     }
+    // the input of the Linears that read this norm, when they all quantize it per token to fp8
+    if (FP8_QDQ) fp8_token_qdq_written_row<T, VEC>(out + base, cols, amax);
 }
 
 // ---- SwiGLU: out = silu(gate) * up ---------------------------------------------------------
 
 // Rounded as PyTorch does in T: silu in f32 rounded to T once, then the product in f32 rounded
-// once. One thread per 8 elements (n % 8 == 0 and 16-byte aligned rows, checked by the caller).
+// once.
 template <typename T>
-__device__ void silu_mul(const T* gate, const T* up, T* out, long n) {
-    long i = ((long)blockIdx.x * blockDim.x + threadIdx.x) * 8;
-    if (i >= n) return;
-    Pack<T, 8> g = *reinterpret_cast<const Pack<T, 8>*>(gate + i);
-    Pack<T, 8> u = *reinterpret_cast<const Pack<T, 8>*>(up + i);
+__device__ __forceinline__ Pack<T, 8> silu_mul8(const Pack<T, 8>& g, const Pack<T, 8>& u) {
     Pack<T, 8> o;
 #pragma unroll
     for (int j = 0; j < 8; ++j) {
@@ -482,7 +509,32 @@ __device__ void silu_mul(const T* gate, const T* up, T* out, long n) {
         float s = to_f32(from_f32<T>(x / (1.0f + expf(-x))));
         o.v[j] = from_f32<T>(s * to_f32(u.v[j]));
     }
-    *reinterpret_cast<Pack<T, 8>*>(out + i) = o;
+    return o;
+}
+
+// One thread per 8 elements (n % 8 == 0 and 16-byte aligned rows, checked by the caller).
+template <typename T>
+__device__ void silu_mul(const T* gate, const T* up, T* out, long n) {
+    long i = ((long)blockIdx.x * blockDim.x + threadIdx.x) * 8;
+    if (i >= n) return;
+    *reinterpret_cast<Pack<T, 8>*>(out + i) = silu_mul8(*reinterpret_cast<const Pack<T, 8>*>(gate + i),
+                                                        *reinterpret_cast<const Pack<T, 8>*>(up + i));
+}
+
+// The same, one block (256 threads) per row of k values, followed by the per-token fp8 QDQ of the
+// down projection's input.
+template <typename T>
+__device__ void silu_mul_fp8_qdq(const T* gate, const T* up, T* out, int k) {
+    const long base = (long)blockIdx.x * k;
+    float amax = 0.0f;
+    for (int i = threadIdx.x * 8; i < k; i += 256 * 8) {
+        Pack<T, 8> o = silu_mul8(*reinterpret_cast<const Pack<T, 8>*>(gate + base + i),
+                                 *reinterpret_cast<const Pack<T, 8>*>(up + base + i));
+#pragma unroll
+        for (int j = 0; j < 8; ++j) amax = fmaxf(amax, fabsf(to_f32(o.v[j])));
+        *reinterpret_cast<Pack<T, 8>*>(out + base + i) = o;
+    }
+    fp8_token_qdq_written_row<T, 8>(out + base, k, amax);
 }
 
 // ---- embedding lookup: out[i] = table[ids[i]], rows of `cols` values; one thread per value ---
@@ -529,11 +581,15 @@ __device__ void gather_rows(const T* table, const uint32_t* ids, T* out, int col
     }                                                                                                \
     extern "C" __global__ void rms_norm_##SUFFIX(const T* x, const T* r, const T* w, T* sum, T* o,   \
                                                  int cols, float eps) {                              \
-        rms_norm<T, 1>(x, r, w, sum, o, cols, eps);                                                  \
+        rms_norm<T, 1, false>(x, r, w, sum, o, cols, eps);                                           \
     }                                                                                                \
     extern "C" __global__ void rms_norm_v8_##SUFFIX(const T* x, const T* r, const T* w, T* sum,      \
                                                     T* o, int cols, float eps) {                     \
-        rms_norm<T, 8>(x, r, w, sum, o, cols, eps);                                                  \
+        rms_norm<T, 8, false>(x, r, w, sum, o, cols, eps);                                           \
+    }                                                                                                \
+    extern "C" __global__ void rms_norm_v8_fp8_qdq_##SUFFIX(const T* x, const T* r, const T* w,      \
+                                                            T* sum, T* o, int cols, float eps) {     \
+        rms_norm<T, 8, true>(x, r, w, sum, o, cols, eps);                                            \
     }                                                                                                \
     extern "C" __global__ void gather_rows_##SUFFIX(const T* table, const uint32_t* ids, T* o,        \
                                                     int cols, long n) {                              \
@@ -541,6 +597,9 @@ __device__ void gather_rows(const T* table, const uint32_t* ids, T* out, int col
     }                                                                                                \
     extern "C" __global__ void silu_mul_##SUFFIX(const T* g, const T* u, T* o, long n) {             \
         silu_mul<T>(g, u, o, n);                                                                     \
+    }                                                                                                \
+    extern "C" __global__ void silu_mul_fp8_qdq_##SUFFIX(const T* g, const T* u, T* o, int k) {      \
+        silu_mul_fp8_qdq<T>(g, u, o, k);                                                             \
     }                                                                                                \
     extern "C" __global__ void causal_softmax_##SUFFIX(const float* s, T* o, int t, float scale, int w) { \
         causal_softmax<T>(s, o, t, scale, w);                                                        \

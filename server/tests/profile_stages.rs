@@ -50,8 +50,9 @@ fn profiling_records_every_stage_and_changes_nothing() {
     }
     // Each norm also adds the residual before it (fused), so there is no separate residual stage.
     assert_eq!(calls("norm"), 2 * layers + 1);
-    // The inputs of q/k/v, o_proj, gate/up and down_proj (a no-op for this weights-only model).
-    assert_eq!(calls("act_qdq"), 4 * layers);
+    // Only o_proj's input: the norms and SwiGLU apply the QDQ of the layers they feed (none
+    // for this weights-only model).
+    assert_eq!(calls("act_qdq"), layers);
     assert_eq!(calls("embed"), 1);
     // The lm_head runs per sequence (in row chunks); both sequences are shorter than a chunk.
     assert_eq!(calls("lm_head"), 2);

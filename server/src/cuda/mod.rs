@@ -287,11 +287,14 @@ pub fn qdq_nvfp4(x: &Tensor, global_scale: f32) -> Result<Tensor> {
 
 /// transformers' RMSNorm of `x + residual` (or of `x`) over the last dimension, in one pass.
 /// Returns the rounded sum (when there is a residual) and the normalised, weighted rows.
+/// With `fp8_qdq`, the normalised rows then go through the per-token fp8 QDQ (as
+/// [`qdq_fp8`] without a static scale), in the same kernel when the rows allow vectors.
 pub fn rms_norm(
     x: &Tensor,
     residual: Option<&Tensor>,
     weight: &Tensor,
     eps: f32,
+    fp8_qdq: bool,
 ) -> Result<(Option<Tensor>, Tensor)> {
     let x = x.contiguous()?;
     let residual = residual.map(|r| r.contiguous()).transpose()?;
@@ -317,7 +320,12 @@ pub fn rms_norm(
             .into_iter()
             .flatten()
             .all(|t| t.layout().start_offset() % 8 == 0);
-    let name = kernel_name(if vectors { "rms_norm_v8" } else { "rms_norm" }, x.dtype());
+    let variant = match (vectors, fp8_qdq) {
+        (true, true) => "rms_norm_v8_fp8_qdq",
+        (true, false) => "rms_norm_v8",
+        (false, _) => "rms_norm",
+    };
+    let name = kernel_name(variant, x.dtype());
     with_float_type!(x.dtype(), T => with_slice::<T, _>(&x, |xs, xo, dev| {
         with_slice::<T, _>(weight, |ws, wo, _| {
             let func = kernel(dev, &EXACTSCORE, &name)?;
@@ -342,8 +350,8 @@ pub fn rms_norm(
                     None => b.arg(&null),
                 };
                 b.arg(&out).arg(&c32).arg(&eps);
-                // SAFETY: arguments match `rms_norm_*` and `rms_norm_v8_*` (one 256-thread block
-                // per row; aligned vectors checked above).
+                // SAFETY: arguments match `rms_norm{,_v8,_v8_fp8_qdq}_*` (one 256-thread block per
+                // row; aligned vectors checked above).
                 unsafe { b.launch(grid_rows(rows)) }.w()?;
                 Ok(())
             };
@@ -352,7 +360,9 @@ pub fn rms_norm(
                 None => launch(None, 0)?,
             }
             let sum = sum.map(|s| wrap(s, dev, dims.clone()));
-            Ok((sum, wrap(out, dev, dims.clone())))
+            let out = wrap(out, dev, dims.clone());
+            let out = if fp8_qdq && !vectors { qdq_fp8(&out, None)? } else { out };
+            Ok((sum, out))
         })
     }))
 }
@@ -379,8 +389,10 @@ pub fn gather_rows(table: &Tensor, ids: &Tensor) -> Result<Tensor> {
     }))
 }
 
-/// `silu(gate) * up` in one pass (SwiGLU), rounded as PyTorch rounds it in the compute dtype.
-pub fn silu_mul(gate: &Tensor, up: &Tensor) -> Result<Tensor> {
+/// `silu(gate) * up` in one pass (SwiGLU), rounded as PyTorch rounds it in the compute dtype;
+/// with `fp8_qdq` followed in the same kernel by the per-token fp8 QDQ (as [`qdq_fp8`] without a
+/// static scale).
+pub fn silu_mul(gate: &Tensor, up: &Tensor, fp8_qdq: bool) -> Result<Tensor> {
     let (gate, up) = (gate.contiguous()?, up.contiguous()?);
     if gate.dims() != up.dims() || gate.dtype() != up.dtype() {
         bail!(
@@ -397,7 +409,14 @@ pub fn silu_mul(gate: &Tensor, up: &Tensor) -> Result<Tensor> {
             gate.dims()
         );
     }
-    let name = kernel_name("silu_mul", gate.dtype());
+    let name = kernel_name(
+        if fp8_qdq {
+            "silu_mul_fp8_qdq"
+        } else {
+            "silu_mul"
+        },
+        gate.dtype(),
+    );
     with_float_type!(gate.dtype(), T => with_slice::<T, _>(&gate, |gs, go, dev| {
         with_slice::<T, _>(&up, |us, uo, _| {
             if go % 8 != 0 || uo % 8 != 0 {
@@ -406,11 +425,19 @@ pub fn silu_mul(gate: &Tensor, up: &Tensor) -> Result<Tensor> {
             let func = kernel(dev, &EXACTSCORE, &name)?;
             // SAFETY: the kernel writes every element.
             let out = unsafe { dev.alloc::<T>(n) }?;
-            let (gs, us, n64) = (gs.slice(go..), us.slice(uo..), n as i64);
+            let (gs, us) = (gs.slice(go..), us.slice(uo..));
             let mut b = func.builder();
-            b.arg(&gs).arg(&us).arg(&out).arg(&n64);
-            // SAFETY: arguments match `silu_mul_*` (one thread per 8 elements).
-            unsafe { b.launch(grid_1d(n / 8)) }.w()?;
+            b.arg(&gs).arg(&us).arg(&out);
+            let (n64, row32) = (n as i64, row as i32);
+            if fp8_qdq {
+                b.arg(&row32);
+                // SAFETY: arguments match `silu_mul_fp8_qdq_*` (one 256-thread block per row).
+                unsafe { b.launch(grid_rows(n / row.max(1))) }.w()?;
+            } else {
+                b.arg(&n64);
+                // SAFETY: arguments match `silu_mul_*` (one thread per 8 elements).
+                unsafe { b.launch(grid_1d(n / 8)) }.w()?;
+            }
             Ok(wrap(out, dev, gate.dims()))
         })
     }))

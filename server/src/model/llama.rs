@@ -13,7 +13,8 @@ use super::rope::{inv_freq, RopeTables};
 use super::scoring::{score_logits, SequenceScores};
 use crate::quant::dense::DenseWeight;
 use crate::quant::{
-    load_linear, quantized_inputs, LinearOptions, QuantLinear, QuantizationConfig, SCALE_DTYPES,
+    common_qdq, load_linear, quantized_inputs, ActivationQdq, LinearOptions, QuantLinear,
+    QuantizationConfig, SCALE_DTYPES,
 };
 
 /// How to materialise a model.
@@ -76,16 +77,29 @@ impl RmsNorm {
 
     /// transformers' LlamaRMSNorm: normalise in f32, cast back, then scale by the weight.
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        Ok(self.add_and_forward(x, None)?.1)
+        Ok(self.add_and_forward(x, None, None)?.1)
     }
 
     /// `(x + residual, norm(x + residual))`, or `(x, norm(x))` without a residual: the residual
-    /// stream's next value and this norm's output. One kernel on a GPU, which rounds the norm
-    /// once instead of twice (identical in f32; closer to f32 in bf16/f16).
-    fn add_and_forward(&self, x: &Tensor, residual: Option<&Tensor>) -> Result<(Tensor, Tensor)> {
+    /// stream's next value and this norm's output, put through `qdq` (the activation QDQ of the
+    /// Linears that read it) when there is one. One kernel on a GPU, which rounds the norm once
+    /// instead of twice (identical in f32; closer to f32 in bf16/f16) and applies a per-token
+    /// fp8 QDQ in the same pass.
+    fn add_and_forward(
+        &self,
+        x: &Tensor,
+        residual: Option<&Tensor>,
+        qdq: Option<&ActivationQdq>,
+    ) -> Result<(Tensor, Tensor)> {
         #[cfg(feature = "cuda")]
         if x.device().is_cuda() {
-            let (sum, normed) = crate::cuda::rms_norm(x, residual, &self.weight, self.eps as f32)?;
+            let fused = qdq == Some(&ActivationQdq::Fp8PerToken);
+            let eps = self.eps as f32;
+            let (sum, normed) = crate::cuda::rms_norm(x, residual, &self.weight, eps, fused)?;
+            let normed = match qdq {
+                Some(qdq) if !fused => qdq.apply(&normed)?,
+                _ => normed,
+            };
             return Ok((sum.unwrap_or_else(|| x.clone()), normed));
         }
         let x = match residual {
@@ -93,6 +107,10 @@ impl RmsNorm {
             None => x.clone(),
         };
         let normed = self.reference(&x)?;
+        let normed = match qdq {
+            Some(qdq) => qdq.apply(&normed)?,
+            None => normed,
+        };
         Ok((x, normed))
     }
 
@@ -439,7 +457,7 @@ impl Model {
             (x, pending) = layer.forward(&x, pending.as_ref(), &batch, &self.rope)?;
         }
         stage("norm", device, || {
-            Ok(self.norm.add_and_forward(&x, pending.as_ref())?.1)
+            Ok(self.norm.add_and_forward(&x, pending.as_ref(), None)?.1)
         })
     }
 
@@ -487,33 +505,53 @@ impl DecoderLayer {
         rope: &RopeTables,
     ) -> Result<(Tensor, Option<Tensor>)> {
         let dev = x.device();
+        // A QDQ that q/k/v (gate/up) share is applied by the norm that feeds them.
+        let a = &self.self_attn;
+        let attn_qdq = common_qdq(&[&a.q_proj, &a.k_proj, &a.v_proj]);
         let (x, normed) = stage("norm", dev, || {
-            self.input_layernorm.add_and_forward(x, pending)
+            self.input_layernorm
+                .add_and_forward(x, pending, attn_qdq.flatten())
         })?;
-        let attn = self.self_attn.forward(&normed, batch, rope)?;
+        let attn = a.forward(&normed, attn_qdq.is_some(), batch, rope)?;
+        let m = &self.mlp;
+        let mlp_qdq = common_qdq(&[&m.gate_proj, &m.up_proj]);
         let (x, normed) = stage("norm", dev, || {
             self.post_attention_layernorm
-                .add_and_forward(&x, Some(&attn))
+                .add_and_forward(&x, Some(&attn), mlp_qdq.flatten())
         })?;
-        let mlp = self.mlp.forward(&normed)?;
+        let mlp = m.forward(&normed, mlp_qdq.is_some())?;
         Ok((x, Some(mlp)))
     }
 }
 
+/// The inputs of `linears` from `x`: `x` itself when it has been through their common
+/// activation QDQ already (`prequantized`: applied by the kernel that produced it), else each
+/// layer's own QDQ.
+fn layer_inputs<const N: usize>(
+    linears: [&QuantLinear; N],
+    x: &Tensor,
+    prequantized: bool,
+) -> Result<[Tensor; N]> {
+    if prequantized {
+        return Ok(std::array::from_fn(|_| x.clone()));
+    }
+    stage("act_qdq", x.device(), || quantized_inputs(linears, x))
+}
+
 impl Mlp {
-    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+    /// `prequantized`: `x` has been through gate/up's common activation QDQ.
+    fn forward(&self, x: &Tensor, prequantized: bool) -> Result<Tensor> {
         let dev = x.device();
-        let [gate_in, up_in] = stage("act_qdq", dev, || {
-            quantized_inputs([&self.gate_proj, &self.up_proj], x)
-        })?;
+        let [gate_in, up_in] = layer_inputs([&self.gate_proj, &self.up_proj], x, prequantized)?;
         let (gate, up) = stage("gate_up_proj", dev, || {
             Ok((
                 self.gate_proj.forward_quantized(&gate_in)?,
                 self.up_proj.forward_quantized(&up_in)?,
             ))
         })?;
-        let act = stage("silu_mul", dev, || silu_mul(&gate, &up))?;
-        let [down_in] = stage("act_qdq", dev, || quantized_inputs([&self.down_proj], &act))?;
+        let down_in = stage("silu_mul", dev, || {
+            silu_mul(&gate, &up, self.down_proj.activation())
+        })?;
         stage("down_proj", dev, || {
             self.down_proj.forward_quantized(&down_in)
         })
@@ -522,11 +560,17 @@ impl Mlp {
 
 impl Attention {
     /// `x`: `[tokens of all sequences, hidden]`; attention never crosses sequence boundaries.
-    fn forward(&self, x: &Tensor, batch: &BatchLayout, rope: &RopeTables) -> Result<Tensor> {
+    /// `prequantized`: `x` has been through q/k/v's common activation QDQ.
+    fn forward(
+        &self,
+        x: &Tensor,
+        prequantized: bool,
+        batch: &BatchLayout,
+        rope: &RopeTables,
+    ) -> Result<Tensor> {
         let dev = x.device();
-        let [q_in, k_in, v_in] = stage("act_qdq", dev, || {
-            quantized_inputs([&self.q_proj, &self.k_proj, &self.v_proj], x)
-        })?;
+        let qkv = [&self.q_proj, &self.k_proj, &self.v_proj];
+        let [q_in, k_in, v_in] = layer_inputs(qkv, x, prequantized)?;
         let (q, k, v) = stage("qkv_proj", dev, || {
             Ok((
                 self.q_proj.forward_quantized(&q_in)?,
@@ -538,7 +582,7 @@ impl Attention {
             Some(index) => self.flash_attend(&q, &k, &v, index, rope),
             None => self.attend_each_sequence(&q, &k, &v, &batch.lens, rope),
         })?;
-        let [o_in] = stage("act_qdq", dev, || quantized_inputs([&self.o_proj], &out))?;
+        let [o_in] = layer_inputs([&self.o_proj], &out, false)?;
         stage("o_proj", dev, || self.o_proj.forward_quantized(&o_in))
     }
 
@@ -696,13 +740,23 @@ fn embed(table: &Tensor, ids: &Tensor) -> Result<Tensor> {
     table.index_select(ids, 0)
 }
 
-/// SwiGLU `silu(gate) * up`: one fused kernel on a GPU.
-fn silu_mul(gate: &Tensor, up: &Tensor) -> Result<Tensor> {
+/// SwiGLU `silu(gate) * up`, put through `qdq` (the down projection's activation QDQ) when there
+/// is one: one kernel on a GPU, which applies a per-token fp8 QDQ in the same pass.
+fn silu_mul(gate: &Tensor, up: &Tensor, qdq: Option<&ActivationQdq>) -> Result<Tensor> {
     #[cfg(feature = "cuda")]
     if gate.device().is_cuda() {
-        return crate::cuda::silu_mul(gate, up);
+        let fused = qdq == Some(&ActivationQdq::Fp8PerToken);
+        let act = crate::cuda::silu_mul(gate, up, fused)?;
+        return match qdq {
+            Some(qdq) if !fused => qdq.apply(&act),
+            _ => Ok(act),
+        };
     }
-    candle_nn::Activation::Silu.forward(gate)? * up
+    let act = (candle_nn::Activation::Silu.forward(gate)? * up)?;
+    match qdq {
+        Some(qdq) => qdq.apply(&act),
+        None => Ok(act),
+    }
 }
 
 /// `[len, len]` additive mask: 0 where key j is visible from query i, -inf elsewhere.

@@ -85,6 +85,18 @@ impl QuantLinear {
     }
 }
 
+/// The activation QDQ that every layer of `linears` applies to its input, when they all apply
+/// the same one (`Some(None)`: none of them quantizes its input); `None` when they differ.
+/// Where it is `Some`, whatever produces the shared input may apply it once (fused into its own
+/// kernel), and each layer then runs [`QuantLinear::forward_quantized`].
+pub fn common_qdq<'a>(linears: &[&'a QuantLinear]) -> Option<Option<&'a ActivationQdq>> {
+    let first = linears.first()?.activation.as_ref();
+    linears[1..]
+        .iter()
+        .all(|l| l.activation.as_ref() == first)
+        .then_some(first)
+}
+
 /// The inputs of several layers that read the same `x` (q/k/v, gate/up), each through its own
 /// activation QDQ (or `x` itself for a weights-only layer), for
 /// [`QuantLinear::forward_quantized`]. A layer whose QDQ equals the previous layer's (same
