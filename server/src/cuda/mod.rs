@@ -111,6 +111,30 @@ pub(crate) fn retain_freed_memory(device: &candle_core::Device) -> Result<()> {
     Ok(())
 }
 
+/// Hands the memory that [`retain_freed_memory`] kept in the pool back to the driver, so that
+/// the device's used memory is again what live tensors hold (the benchmark measures each
+/// model's peak this way after dropping the previous one).
+pub fn release_freed_memory(device: &candle_core::Device) -> Result<()> {
+    use candle_core::cuda_backend::cudarc::driver::sys;
+    let candle_core::Device::Cuda(dev) = device else {
+        return Ok(());
+    };
+    dev.cuda_stream().synchronize().w()?;
+    let cu_device = dev.cuda_stream().context().cu_device();
+    let mut pool: sys::CUmemoryPool = std::ptr::null_mut();
+    // SAFETY: driver calls on a device the context was created for; the pool pointer outlives them.
+    let status = unsafe {
+        match sys::cuDeviceGetDefaultMemPool(&mut pool, cu_device) {
+            sys::CUresult::CUDA_SUCCESS => sys::cuMemPoolTrimTo(pool, 0),
+            error => error,
+        }
+    };
+    if status != sys::CUresult::CUDA_SUCCESS {
+        bail!("cannot trim the CUDA memory pool: {status:?}");
+    }
+    Ok(())
+}
+
 /// pack-quantized int4/int8 → `[rows, cols]` in `dtype`. `scales`: f32 `[rows, groups]`;
 /// `zero_points`: i32 `[rows, groups]` or `None` (symmetric).
 pub fn dequant_int(
