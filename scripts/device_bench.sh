@@ -10,7 +10,8 @@
 # Environment: SHAPE (llama3-8b), ATTENTION (kernels timed by `speed`), SERVER_ATTENTION (the
 # server's kernel in `wikitext`), TOKENIZER (a directory with tokenizer.json for `wikitext`; the
 # figures in docs/performance.md use SmolLM2's, made by scripts/smollm2_tokenizer.py),
-# SUMMARY_GATE (`summary`'s acceptance bound: FORMAT BATCH MIN_RATIO MAX_PEAK_GIB), CUDA_LIB_DIR
+# SUMMARY_GATE (`summary`'s acceptance bounds, `;`-separated: FORMAT BATCH MIN_RATIO
+# MAX_PEAK_GIB each; issue 13's are in docs/performance.md), COLDSTART_MAX_S, CUDA_LIB_DIR
 # (where the CUDA 13 runtime libraries are: a toolkit's lib64 or the wheels' nvidia/cu13/lib;
 # default: the torch venv of the machine the figures were measured on).
 set -uo pipefail
@@ -53,9 +54,10 @@ PY
 
 # Process start to /health/ready for the model directory $1 (a fixture, or FORMAT of $SHAPE
 # when $1 is a format name): first with an empty driver JIT cache (what a fresh machine has),
-# then again with the cache that run left; the difference is the JIT start-up still does.
+# then again with the cache that run left; the difference is the JIT start-up still does. The
+# step fails when the empty-cache start takes longer than COLDSTART_MAX_S (default 3).
 coldstart() {
-  local model=$1 port=8766 cache server t0 t1
+  local model=$1 port=8766 max=${COLDSTART_MAX_S:-3} rc=0 cache server t0 t1 secs
   [ -d "$model" ] || model=$(checkpoint "$model") || return 1
   cache=$(mktemp -d)
   for run in empty-jit-cache warm-jit-cache; do
@@ -66,8 +68,13 @@ coldstart() {
     wait_ready $port || { kill $server; tail -20 "$OUT/coldstart-server.log"; return 1; }
     t1=$(date +%s.%N)
     kill -TERM $server; wait $server
-    echo "coldstart $(basename "$model") ($run): process start to ready $(awk "BEGIN{printf \"%.2f\", $t1 - $t0}") s" | tee -a "$OUT/coldstart.txt"
+    secs=$(awk "BEGIN{printf \"%.2f\", $t1 - $t0}")
+    echo "coldstart $(basename "$model") ($run): process start to ready $secs s" | tee -a "$OUT/coldstart.txt"
+    if [ $run = empty-jit-cache ] && awk "BEGIN{exit !($secs > $max)}"; then
+      echo "coldstart: $secs s is over COLDSTART_MAX_S=$max"; rc=1
+    fi
   done
+  return $rc
 }
 
 # TASK=kld: `exactscore kld` against the same server given a bf16 reference of the same shape.
@@ -112,8 +119,12 @@ while [ $# -gt 0 ]; do
     kld) step kld.txt /tmp/exactscore-bench kld --shape "$SHAPE" --format w4a16 --batch "$2" --min-ratio 0.45; shift 2 ;;
     baseline) step baseline.txt python3 scripts/baseline_transformers.py --shape "$SHAPE" --batch "$2"; shift 2 ;;
     wikitext) step wikitext-run.txt wikitext "$2" "$3"; shift 3 ;;
-    # shellcheck disable=SC2086 # SUMMARY_GATE is four words
-    summary) step summary.txt python3 scripts/bench_summary.py "$OUT/speed.txt" "$OUT/baseline.txt" --gate $SUMMARY_GATE; shift ;;
+    summary)
+      gates=()
+      IFS=';' read -ra bounds <<< "$SUMMARY_GATE"
+      # shellcheck disable=SC2206 # each bound is four words
+      for bound in "${bounds[@]}"; do gates+=(--gate $bound); done
+      step summary.txt python3 scripts/bench_summary.py "$OUT/speed.txt" "$OUT/baseline.txt" "${gates[@]}"; shift ;;
     *) echo "unknown step $1"; exit 2 ;;
   esac
 done

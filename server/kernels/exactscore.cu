@@ -136,46 +136,28 @@ __device__ void dequant_fp8(const uint8_t* codes, const float* scales, T* out, i
 
 // ---- activation QDQ (x -> out) ------------------------------------------------------------
 
-// fp8 per-token dynamic (or static, when static_scale > 0): one block (256 threads) per row;
-// VEC values per load and store as in rms_norm. The row's min and max do not depend on the
-// order they are reduced in, so every VEC gives the same result.
+// ---- per-token fp8 QDQ, as a kernel and as the last step of the RMSNorm and SwiGLU kernels ----
+// One block of 256 threads per row of k values; each thread handles VEC values per step at
+// tid * VEC + n * 256 * VEC.
+
+// The row's scale from each thread's largest |value| (block-wide max / 448; the max does not
+// depend on the order it is reduced in, so every VEC and every caller gets the same bits).
+__device__ __forceinline__ float fp8_token_scale(float amax) {
+    __shared__ float s_max[32];
+    for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffff, amax, o));
+    if (threadIdx.x % 32 == 0) s_max[threadIdx.x / 32] = amax;
+    __syncthreads();
+    for (int w = 0; w < 256 / 32; ++w) amax = fmaxf(amax, s_max[w]);
+    float scale = amax / 448.0f;
+    return scale == 0.0f ? 1.1920929e-07f : scale;
+}
+
+// src -> dst (may be the same row: each thread reads only the values it then writes).
 template <typename T, int VEC>
-__device__ void qdq_fp8_token(const T* x, T* out, int k, float static_scale) {
+__device__ void fp8_qdq_row(const T* src, T* dst, int k, float scale) {
     using V = Pack<T, VEC>;
-    __shared__ float s_lo[32];
-    __shared__ float s_hi[32];
-    const T* row = x + (long)blockIdx.x * k;
-    T* dst = out + (long)blockIdx.x * k;
-    const int tid = threadIdx.x;
-    float scale = static_scale;
-    if (scale <= 0.0f) {
-        float lo = 0.0f, hi = 0.0f;
-        for (int i = tid * VEC; i < k; i += blockDim.x * VEC) {
-            const V v = *reinterpret_cast<const V*>(row + i);
-#pragma unroll
-            for (int j = 0; j < VEC; ++j) {
-                lo = fminf(lo, to_f32(v.v[j]));
-                hi = fmaxf(hi, to_f32(v.v[j]));
-            }
-        }
-        for (int o = 16; o > 0; o >>= 1) {
-            lo = fminf(lo, __shfl_xor_sync(0xffffffff, lo, o));
-            hi = fmaxf(hi, __shfl_xor_sync(0xffffffff, hi, o));
-        }
-        if (tid % 32 == 0) {
-            s_lo[tid / 32] = lo;
-            s_hi[tid / 32] = hi;
-        }
-        __syncthreads();
-        for (int w = 0; w < (int)blockDim.x / 32; ++w) {
-            lo = fminf(lo, s_lo[w]);
-            hi = fmaxf(hi, s_hi[w]);
-        }
-        scale = fmaxf(fabsf(lo), fabsf(hi)) / 448.0f;
-        if (scale == 0.0f) scale = 1.1920929e-07f;
-    }
-    for (int i = tid * VEC; i < k; i += blockDim.x * VEC) {
-        V v = *reinterpret_cast<const V*>(row + i);
+    for (int i = threadIdx.x * VEC; i < k; i += 256 * VEC) {
+        V v = *reinterpret_cast<const V*>(src + i);
 #pragma unroll
         for (int j = 0; j < VEC; ++j) {
             float q = fminf(fmaxf(to_f32(v.v[j]) / scale + 0.0f, -448.0f), 448.0f);
@@ -185,29 +167,22 @@ __device__ void qdq_fp8_token(const T* x, T* out, int k, float static_scale) {
     }
 }
 
-// The per-token fp8 QDQ of qdq_fp8_token, fused at the end of a kernel that has just written
-// the row `row` (k values) with one block of 256 threads, each thread VEC values per step at
-// tid * VEC + n * 256 * VEC: each thread re-reads only what it wrote itself. `amax` is the
-// thread's largest |value| written (the same max qdq_fp8_token finds, so the same bits).
+// Dynamic per-token scale, or `static_scale` when it is > 0.
 template <typename T, int VEC>
-__device__ void fp8_token_qdq_written_row(T* row, int k, float amax) {
+__device__ void qdq_fp8_token(const T* x, T* out, int k, float static_scale) {
     using V = Pack<T, VEC>;
-    __shared__ float s_max[32];
-    for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffff, amax, o));
-    if (threadIdx.x % 32 == 0) s_max[threadIdx.x / 32] = amax;
-    __syncthreads();
-    for (int w = 0; w < 256 / 32; ++w) amax = fmaxf(amax, s_max[w]);
-    float scale = amax / 448.0f;
-    if (scale == 0.0f) scale = 1.1920929e-07f;
-    for (int i = threadIdx.x * VEC; i < k; i += 256 * VEC) {
-        V v = *reinterpret_cast<const V*>(row + i);
+    const T* row = x + (long)blockIdx.x * k;
+    float scale = static_scale;
+    if (scale <= 0.0f) {
+        float amax = 0.0f;
+        for (int i = threadIdx.x * VEC; i < k; i += 256 * VEC) {
+            const V v = *reinterpret_cast<const V*>(row + i);
 #pragma unroll
-        for (int j = 0; j < VEC; ++j) {
-            float q = fminf(fmaxf(to_f32(v.v[j]) / scale + 0.0f, -448.0f), 448.0f);
-            v.v[j] = from_f32<T>(round_to_grid(q, -6, 3) * scale);
+            for (int j = 0; j < VEC; ++j) amax = fmaxf(amax, fabsf(to_f32(v.v[j])));
         }
-        *reinterpret_cast<V*>(row + i) = v;
+        scale = fp8_token_scale(amax);
     }
+    fp8_qdq_row<T, VEC>(row, out + (long)blockIdx.x * k, k, scale);
 }
 
 // nvfp4: one thread per group of 16 values, read and written as vectors (x and out 16-byte
@@ -493,7 +468,7 @@ __device__ void rms_norm(const T* x, const T* residual, const T* weight, T* sum,
         *reinterpret_cast<V*>(out + base + i) = o;
     }
     // the input of the Linears that read this norm, when they all quantize it per token to fp8
-    if (FP8_QDQ) fp8_token_qdq_written_row<T, VEC>(out + base, cols, amax);
+    if (FP8_QDQ) fp8_qdq_row<T, VEC>(out + base, out + base, cols, fp8_token_scale(amax));
 }
 
 // ---- SwiGLU: out = silu(gate) * up ---------------------------------------------------------
@@ -534,7 +509,7 @@ __device__ void silu_mul_fp8_qdq(const T* gate, const T* up, T* out, int k) {
         for (int j = 0; j < 8; ++j) amax = fmaxf(amax, fabsf(to_f32(o.v[j])));
         *reinterpret_cast<Pack<T, 8>*>(out + base + i) = o;
     }
-    fp8_token_qdq_written_row<T, 8>(out + base, k, amax);
+    fp8_qdq_row<T, 8>(out + base, out + base, k, fp8_token_scale(amax));
 }
 
 // ---- embedding lookup: out[i] = table[ids[i]], rows of `cols` values; one thread per value ---

@@ -4,7 +4,7 @@
 #![allow(unsafe_code)]
 
 use candle_core::cuda_backend::cudarc::driver::{
-    CudaSlice, CudaView, DeviceRepr, LaunchConfig, PinnedHostSlice, PushKernelArg,
+    sys, CudaSlice, CudaView, DeviceRepr, LaunchConfig, PinnedHostSlice, PushKernelArg,
 };
 use candle_core::cuda_backend::{CudaDType, CudaDevice, CudaStorage, WrapErr};
 use candle_core::op::BackpropOp;
@@ -63,6 +63,15 @@ fn grid_rows(rows: usize) -> LaunchConfig {
     }
 }
 
+/// Whether rows of `cols` values of every tensor can be read as 16-byte vectors of 8 values:
+/// `cols` and every start offset a multiple of 8 (allocations themselves are aligned).
+fn rows_of_vectors(cols: usize, tensors: &[&Tensor]) -> bool {
+    cols.is_multiple_of(8)
+        && tensors
+            .iter()
+            .all(|t| t.layout().start_offset().is_multiple_of(8))
+}
+
 /// Runs `f` with the CUDA slice of a contiguous tensor, its start offset and its device.
 fn with_slice<T: CudaDType + DeviceRepr, R>(
     t: &Tensor,
@@ -83,56 +92,59 @@ fn wrap<T: CudaDType>(slice: CudaSlice<T>, dev: &CudaDevice, shape: impl Into<Sh
     Tensor::from_storage(storage, shape, BackpropOp::none(), false)
 }
 
-/// Keeps memory freed by stream-ordered deallocations in the device's default pool instead of
-/// handing it back to the driver at every synchronization (the pool's default threshold is 0).
-/// Without this, each forward pass maps its activations afresh after the scoring step syncs.
-pub(crate) fn retain_freed_memory(device: &candle_core::Device) -> Result<()> {
-    use candle_core::cuda_backend::cudarc::driver::sys;
+/// Runs `f` on the default memory pool of `device`'s GPU (nothing on the CPU); `what` names
+/// the operation in the error.
+fn with_default_pool(
+    device: &candle_core::Device,
+    what: &str,
+    f: impl FnOnce(sys::CUmemoryPool) -> sys::CUresult,
+) -> Result<()> {
     let candle_core::Device::Cuda(dev) = device else {
         return Ok(());
     };
     let cu_device = dev.cuda_stream().context().cu_device();
     let mut pool: sys::CUmemoryPool = std::ptr::null_mut();
-    let mut threshold = u64::MAX;
-    // SAFETY: driver calls on a device the context was created for; both pointers outlive them.
-    let status = unsafe {
-        match sys::cuDeviceGetDefaultMemPool(&mut pool, cu_device) {
-            sys::CUresult::CUDA_SUCCESS => sys::cuMemPoolSetAttribute(
-                pool,
-                sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD,
-                (&mut threshold as *mut u64).cast(),
-            ),
-            error => error,
-        }
+    // SAFETY: a driver call on a device the context was created for; `pool` outlives it.
+    let status = match unsafe { sys::cuDeviceGetDefaultMemPool(&mut pool, cu_device) } {
+        sys::CUresult::CUDA_SUCCESS => f(pool),
+        error => error,
     };
     if status != sys::CUresult::CUDA_SUCCESS {
-        bail!("cannot set the CUDA memory pool's release threshold: {status:?}");
+        bail!("cannot {what}: {status:?}");
     }
     Ok(())
+}
+
+/// Keeps memory freed by stream-ordered deallocations in the device's default pool instead of
+/// handing it back to the driver at every synchronization (the pool's default threshold is 0).
+/// Without this, each forward pass maps its activations afresh after the scoring step syncs.
+pub(crate) fn retain_freed_memory(device: &candle_core::Device) -> Result<()> {
+    let mut threshold = u64::MAX;
+    with_default_pool(
+        device,
+        "set the CUDA memory pool's release threshold",
+        |pool| {
+            // SAFETY: `pool` is the device's default pool; `threshold` outlives the call.
+            unsafe {
+                sys::cuMemPoolSetAttribute(
+                    pool,
+                    sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD,
+                    (&mut threshold as *mut u64).cast(),
+                )
+            }
+        },
+    )
 }
 
 /// Hands the memory that [`retain_freed_memory`] kept in the pool back to the driver, so that
 /// the device's used memory is again what live tensors hold (the benchmark measures each
 /// model's peak this way after dropping the previous one).
 pub fn release_freed_memory(device: &candle_core::Device) -> Result<()> {
-    use candle_core::cuda_backend::cudarc::driver::sys;
-    let candle_core::Device::Cuda(dev) = device else {
-        return Ok(());
-    };
-    dev.cuda_stream().synchronize().w()?;
-    let cu_device = dev.cuda_stream().context().cu_device();
-    let mut pool: sys::CUmemoryPool = std::ptr::null_mut();
-    // SAFETY: driver calls on a device the context was created for; the pool pointer outlives them.
-    let status = unsafe {
-        match sys::cuDeviceGetDefaultMemPool(&mut pool, cu_device) {
-            sys::CUresult::CUDA_SUCCESS => sys::cuMemPoolTrimTo(pool, 0),
-            error => error,
-        }
-    };
-    if status != sys::CUresult::CUDA_SUCCESS {
-        bail!("cannot trim the CUDA memory pool: {status:?}");
-    }
-    Ok(())
+    device.synchronize()?;
+    // SAFETY: `pool` is the device's default pool.
+    with_default_pool(device, "trim the CUDA memory pool", |pool| unsafe {
+        sys::cuMemPoolTrimTo(pool, 0)
+    })
 }
 
 /// pack-quantized int4/int8 → `[rows, cols]` in `dtype`. `scales`: f32 `[rows, groups]`;
@@ -256,8 +268,7 @@ pub fn dequant_fp8(
 pub fn qdq_fp8(x: &Tensor, static_scale: Option<f32>) -> Result<Tensor> {
     let x = x.contiguous()?;
     let (rows, k) = x.dims2()?;
-    // 16-byte vectors when every row starts on a multiple of 8 values.
-    let vectors = k % 8 == 0 && x.layout().start_offset() % 8 == 0;
+    let vectors = rows_of_vectors(k, &[&x]);
     let name = kernel_name(
         if vectors {
             "qdq_fp8_token_v8"
@@ -338,12 +349,13 @@ pub fn rms_norm(
             weight.dtype()
         );
     }
-    // 16-byte vectors when every row of x, residual and weight starts on a multiple of 8 values.
-    let vectors = cols % 8 == 0
-        && [Some(&x), residual.as_ref(), Some(weight)]
+    let vectors = rows_of_vectors(
+        cols,
+        &[Some(&x), residual.as_ref(), Some(weight)]
             .into_iter()
             .flatten()
-            .all(|t| t.layout().start_offset() % 8 == 0);
+            .collect::<Vec<_>>(),
+    );
     let variant = match (vectors, fp8_qdq) {
         (true, true) => "rms_norm_v8_fp8_qdq",
         (true, false) => "rms_norm_v8",

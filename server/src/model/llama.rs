@@ -91,27 +91,22 @@ impl RmsNorm {
         residual: Option<&Tensor>,
         qdq: Option<&ActivationQdq>,
     ) -> Result<(Tensor, Tensor)> {
+        let fused = qdq_fused_in_kernel(qdq, x.device());
         #[cfg(feature = "cuda")]
         if x.device().is_cuda() {
-            let fused = qdq == Some(&ActivationQdq::Fp8PerToken);
             let eps = self.eps as f32;
             let (sum, normed) = crate::cuda::rms_norm(x, residual, &self.weight, eps, fused)?;
-            let normed = match qdq {
-                Some(qdq) if !fused => qdq.apply(&normed)?,
-                _ => normed,
-            };
-            return Ok((sum.unwrap_or_else(|| x.clone()), normed));
+            return Ok((
+                sum.unwrap_or_else(|| x.clone()),
+                finish_qdq(normed, qdq, fused)?,
+            ));
         }
         let x = match residual {
             Some(r) => (x + r)?,
             None => x.clone(),
         };
         let normed = self.reference(&x)?;
-        let normed = match qdq {
-            Some(qdq) => qdq.apply(&normed)?,
-            None => normed,
-        };
-        Ok((x, normed))
+        Ok((x, finish_qdq(normed, qdq, fused)?))
     }
 
     /// The CPU path, op by op as transformers runs it.
@@ -743,19 +738,26 @@ fn embed(table: &Tensor, ids: &Tensor) -> Result<Tensor> {
 /// SwiGLU `silu(gate) * up`, put through `qdq` (the down projection's activation QDQ) when there
 /// is one: one kernel on a GPU, which applies a per-token fp8 QDQ in the same pass.
 fn silu_mul(gate: &Tensor, up: &Tensor, qdq: Option<&ActivationQdq>) -> Result<Tensor> {
+    let fused = qdq_fused_in_kernel(qdq, gate.device());
     #[cfg(feature = "cuda")]
     if gate.device().is_cuda() {
-        let fused = qdq == Some(&ActivationQdq::Fp8PerToken);
-        let act = crate::cuda::silu_mul(gate, up, fused)?;
-        return match qdq {
-            Some(qdq) if !fused => qdq.apply(&act),
-            _ => Ok(act),
-        };
+        return finish_qdq(crate::cuda::silu_mul(gate, up, fused)?, qdq, fused);
     }
     let act = (candle_nn::Activation::Silu.forward(gate)? * up)?;
+    finish_qdq(act, qdq, fused)
+}
+
+/// Whether the GPU kernel that produces a Linear input (RMSNorm, SwiGLU) applies `qdq` in its
+/// own pass: the per-token fp8 QDQ, which needs nothing but the row the kernel already holds.
+fn qdq_fused_in_kernel(qdq: Option<&ActivationQdq>, device: &Device) -> bool {
+    device.is_cuda() && qdq == Some(&ActivationQdq::Fp8PerToken)
+}
+
+/// `x` through `qdq`, unless the kernel that produced it applied it already (`fused`).
+fn finish_qdq(x: Tensor, qdq: Option<&ActivationQdq>, fused: bool) -> Result<Tensor> {
     match qdq {
-        Some(qdq) => qdq.apply(&act),
-        None => Ok(act),
+        Some(qdq) if !fused => qdq.apply(&x),
+        _ => Ok(x),
     }
 }
 
