@@ -4,7 +4,7 @@
 # real HTTP server, in one command.
 #   bash scripts/device_bench.sh [check] [speed FORMATS BATCHES] [baseline BATCHES] [summary]
 #                                [wikitext FORMAT CONCURRENCY] [kld BATCHES] [coldstart MODEL]
-#                                [jit MODEL_DIR]
+#                                [jit MODEL_DIR] [attention WINDOWS]
 # Binaries come gzipped in .device/ (see docs/performance.md); results go to $OUT. Exits 1 when a
 # step failed (a numerics miss, a crash, a failed client run, a missed SUMMARY_GATE).
 # Environment: SHAPE (llama3-8b), ATTENTION (kernels timed by `speed`), SERVER_ATTENTION (the
@@ -115,6 +115,7 @@ while [ $# -gt 0 ]; do
     check) step check.txt /tmp/exactscore-bench check --fixtures tests/fixtures; shift ;;
     speed) step speed.txt /tmp/exactscore-bench speed --shape "$SHAPE" --formats "$2" --batch "$3" --attention "$ATTENTION" --profile; shift 3 ;;
     coldstart) step coldstart-run.txt coldstart "$2"; shift 2 ;;
+    attention) step attention.txt /tmp/exactscore-bench attention --windows "$2"; shift 2 ;;
     jit) step jit.txt env CUDA_CACHE_PATH="$(mktemp -d)" /tmp/exactscore-bench jit --model "$2"; shift 2 ;;
     kld) step kld.txt /tmp/exactscore-bench kld --shape "$SHAPE" --format w4a16 --batch "$2" --min-ratio 0.45; shift 2 ;;
     baseline) step baseline.txt python3 scripts/baseline_transformers.py --shape "$SHAPE" --batch "$2"; shift 2 ;;

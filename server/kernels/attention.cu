@@ -10,35 +10,50 @@
 // as PyTorch runs it in T (checked bitwise against a CPU transcription by `exactscore-bench
 // check`). candle's rope kernel lets the compiler contract `x1 * c - x2 * s` into one FMA and so
 // differs from PyTorch in the last bit of some values.
-// One thread per (token, head, i < half); `pos[token]` is the token's position in its sequence.
-template <typename T>
+// One thread per (token, head, VEC consecutive i < half), read and written as VEC-value vectors
+// (VEC 8: `half` and every start offset a multiple of 8); `pos[token]` is the token's position
+// in its sequence.
+template <typename T, int VEC>
 __device__ void rope_rotate_half(const T* x, T* out, const int32_t* pos, const T* cos,
-                                 const T* sin, int heads, int half, long pairs) {
+                                 const T* sin, int heads, int half, long groups) {
+    using V = Pack<T, VEC>;
     long idx = (long)blockIdx.x * blockDim.x + threadIdx.x;
-    if (idx >= pairs) return;
-    int i = idx % half;
-    long row = idx / half;  // token * heads + head
+    if (idx >= groups) return;
+    const int per_row = half / VEC;
+    int i = (int)(idx % per_row) * VEC;
+    long row = idx / per_row;  // token * heads + head
     long token = row / heads;
     const T* src = x + row * 2 * half;
     T* dst = out + row * 2 * half;
     long t = (long)pos[token] * half + i;
-    float c = to_f32(cos[t]), s = to_f32(sin[t]);
-    float x1 = to_f32(src[i]), x2 = to_f32(src[i + half]);
+    const V c = *reinterpret_cast<const V*>(cos + t), s = *reinterpret_cast<const V*>(sin + t);
+    const V x1 = *reinterpret_cast<const V*>(src + i), x2 = *reinterpret_cast<const V*>(src + i + half);
+    V o1, o2;
     auto r = [](float v) { return to_f32(from_f32<T>(v)); };
-    dst[i] = from_f32<T>(r(x1 * c) - r(x2 * s));
-    dst[i + half] = from_f32<T>(r(x2 * c) + r(x1 * s));
+#pragma unroll
+    for (int j = 0; j < VEC; ++j) {
+        float cj = to_f32(c.v[j]), sj = to_f32(s.v[j]), a = to_f32(x1.v[j]), b = to_f32(x2.v[j]);
+        o1.v[j] = from_f32<T>(r(a * cj) - r(b * sj));
+        o2.v[j] = from_f32<T>(r(b * cj) + r(a * sj));
+    }
+    *reinterpret_cast<V*>(dst + i) = o1;
+    *reinterpret_cast<V*>(dst + i + half) = o2;
 }
 
 // ---- flash attention ---------------------------------------------------------------------------
 //
-// One block = 64 query rows of one head of one sequence, 4 warps of 16 rows. Keys are processed
-// in tiles of 64 with the online softmax (running max and sum in f32, base-2 exponentials).
-// Q·Kᵀ and P·V run on tensor cores (mma.sync m16n8k16, f32 accumulation); P is rounded to T
-// before P·V, the row sums use the unrounded f32 values (as FlashAttention-2 does).
+// One block = 4 warps of MT 16-row MMA tiles each (64 * MT query rows of one head of one
+// sequence): with MT = 2 every K and V fragment read from shared memory feeds two MMAs. Keys
+// are processed in tiles of KEYS with the online softmax (running max and sum in f32, base-2
+// exponentials). Q·Kᵀ and P·V run on tensor cores (mma.sync m16n8k16, f32 accumulation); P is
+// rounded to T before P·V, the row sums use the unrounded f32 values (as FlashAttention-2
+// does). Each row's arithmetic, and its order, does not depend on the tiling of the rows, so a
+// row gives the same bits in any block and any batch.
 
-#define FA_ROWS 64
-#define FA_KEYS 64
 #define FA_THREADS 128
+// Dynamic shared memory of one block: the Q tile, one K tile and one V tile, rows padded by 8
+// values (conflict-free ldmatrix): (64 * MT + 2 * KEYS) * (D + 8) values; the launcher
+// (cuda/attention.rs) computes the same size.
 
 template <typename T> struct Mma;
 // mma.sync for one 16-bit input type, and packing two f32 into that type's pair register.
@@ -59,15 +74,20 @@ template <typename T> struct Mma;
 MMA_FOR(__nv_bfloat16, "bf16", __nv_bfloat162, __floats2bfloat162_rn)
 MMA_FOR(__half, "f16", __half2, __floats2half2_rn)
 
-// Four 8x8 b16 matrices from shared memory, transposed: the B operand of P·V from row-major V.
+// Four 8x8 b16 matrices from shared memory (lane i gives the address of row i % 8 of matrix
+// i / 8): as stored, or transposed (the B operand of P·V from row-major V).
+__device__ __forceinline__ void ldmatrix_x4(uint32_t* r, const void* smem) {
+    uint32_t addr = (uint32_t)__cvta_generic_to_shared(smem);
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(addr));
+}
 __device__ __forceinline__ void ldmatrix_x4_trans(uint32_t* r, const void* smem) {
     uint32_t addr = (uint32_t)__cvta_generic_to_shared(smem);
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
                  : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
                  : "r"(addr));
 }
-
-__device__ __forceinline__ uint32_t lds32(const void* p) { return *reinterpret_cast<const uint32_t*>(p); }
 
 // 16-byte asynchronous copy global -> shared; `valid` false fills the 16 bytes with zeros.
 __device__ __forceinline__ void cp_async16(void* smem, const void* gmem, bool valid) {
@@ -83,14 +103,17 @@ template <int N> __device__ __forceinline__ void cp_async_wait() {
 
 // q: [tokens, hq, D], k and v: [tokens, hkv, D], out: [tokens, hq, D]; grid (query blocks of the
 // longest sequence, hq, sequences). `scale_log2` = softmax scale * log2(e); `window` 0 = none.
-template <typename T, int D>
+template <typename T, int D, int MT, int KEYS>
 __device__ void flash_attention(const T* __restrict__ q, const T* __restrict__ k,
                                 const T* __restrict__ v, T* __restrict__ out,
                                 const int32_t* __restrict__ starts, int hq, int hkv,
                                 float scale_log2, int window) {
-    constexpr int LD = D + 8;  // padded rows: conflict-free fragment loads and ldmatrix
-    __shared__ __align__(16) T ks[FA_KEYS * LD];  // holds the Q tile first
-    __shared__ __align__(16) T vs[FA_KEYS * LD];
+    constexpr int LD = D + 8;
+    constexpr int FA_ROWS = 64 * MT, FA_KEYS = KEYS;
+    extern __shared__ __align__(16) unsigned char fa_smem[];
+    T* qs = reinterpret_cast<T*>(fa_smem);
+    T* ks = qs + FA_ROWS * LD;
+    T* vs = ks + FA_KEYS * LD;
 
     const int seq = blockIdx.z, head = blockIdx.y;
     const int start = starts[seq], len = starts[seq + 1] - start;
@@ -100,11 +123,11 @@ __device__ void flash_attention(const T* __restrict__ q, const T* __restrict__ k
     const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g = lane / 4, t = lane % 4;
     const long q_stride = (long)hq * D, kv_stride = (long)hkv * D;
 
-    // rows [row0, row0 + 64) of one head into shared memory, zeros past the sequence end; the
+    // `rows` rows from row0 of one head into shared memory, zeros past the sequence end; the
     // copy runs asynchronously until the next cp_async_wait
-    auto load_tile = [&](T* dst, const T* src, long stride, int row0) {
+    auto load_tile = [&](T* dst, const T* src, long stride, int row0, int rows) {
         constexpr int VECS = D / 8;  // 16-byte vectors per row
-        for (int i = tid; i < FA_KEYS * VECS; i += FA_THREADS) {
+        for (int i = tid; i < rows * VECS; i += FA_THREADS) {
             int r = i / VECS, c = (i % VECS) * 8;
             bool valid = row0 + r < len;
             const T* from = src + (long)(start + (valid ? row0 + r : 0)) * stride + c;
@@ -113,145 +136,189 @@ __device__ void flash_attention(const T* __restrict__ q, const T* __restrict__ k
         cp_async_commit();
     };
 
-    const int wr = warp * 16 + g;  // this thread's rows in the tile: wr and wr + 8
-    load_tile(ks, q + (long)head * D, q_stride, q0);
-    cp_async_wait<0>();
-    __syncthreads();
-    uint32_t qf[D / 16][4];
+    // This warp's rows in the block: warp_row0 + 16 * mt + {g, g + 8} for mt < MT.
+    const int warp_row0 = warp * 16 * MT;
+    float acc[MT][D / 8][4];
+    float m[MT][2], l[MT][2];
+    // the query row (within its sequence) of the values acc[mt][.][2 * r ..] of this thread
+    auto row = [&](int mt, int r) { return q0 + warp_row0 + 16 * mt + g + 8 * r; };
 #pragma unroll
-    for (int kk = 0; kk < D / 16; ++kk) {
-        const T* r0 = ks + wr * LD + kk * 16 + 2 * t;
-        const T* r1 = r0 + 8 * LD;
-        qf[kk][0] = lds32(r0);
-        qf[kk][1] = lds32(r1);
-        qf[kk][2] = lds32(r0 + 8);
-        qf[kk][3] = lds32(r1 + 8);
+    for (int mt = 0; mt < MT; ++mt) {
+#pragma unroll
+        for (int d = 0; d < D / 8; ++d) acc[mt][d][0] = acc[mt][d][1] = acc[mt][d][2] = acc[mt][d][3] = 0.0f;
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            m[mt][r] = -INFINITY;
+            l[mt][r] = 0.0f;
+        }
     }
-    __syncthreads();
-
-    float acc[D / 8][4];
-#pragma unroll
-    for (int d = 0; d < D / 8; ++d) acc[d][0] = acc[d][1] = acc[d][2] = acc[d][3] = 0.0f;
-    float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};
-    const int row[2] = {q0 + wr, q0 + wr + 8};
 
     const int last_key = min(q0 + FA_ROWS, len) - 1;
     const int first_tile = window > 0 ? max(0, q0 - window + 1) / FA_KEYS : 0;
+    const int last_tile = last_key / FA_KEYS;
+    // the last key any of this warp's rows sees
+    const int warp_last_key = q0 + warp_row0 + 16 * MT - 1;
     // Software pipeline: V of this tile loads during Q·Kᵀ and the softmax, K of the next tile
     // during P·V. One buffer each: the barriers below order every reuse.
-    const int last_tile = last_key / FA_KEYS;
-    load_tile(ks, k + (long)kv_head * D, kv_stride, first_tile * FA_KEYS);
+    load_tile(qs, q + (long)head * D, q_stride, q0, FA_ROWS);
+    load_tile(ks, k + (long)kv_head * D, kv_stride, first_tile * FA_KEYS, FA_KEYS);
     for (int tile = first_tile; tile <= last_tile; ++tile) {
         const int k0 = tile * FA_KEYS;
-        load_tile(vs, v + (long)kv_head * D, kv_stride, k0);
-        cp_async_wait<1>();  // K of this tile has landed (V may still be in flight)
+        load_tile(vs, v + (long)kv_head * D, kv_stride, k0, FA_KEYS);
+        cp_async_wait<1>();  // Q and K of this tile have landed (V may still be in flight)
         __syncthreads();
 
-        float s[FA_KEYS / 8][4];
+        // Causal: a tile whose every key lies after all of this warp's rows changes nothing
+        // for it (every p would be exactly 0), so the warp skips its arithmetic; it still
+        // takes part in every barrier.
+        const bool visible = k0 <= warp_last_key;
+        float s[MT][FA_KEYS / 8][4];
+        if (visible) {
 #pragma unroll
-        for (int n = 0; n < FA_KEYS / 8; ++n) s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.0f;
+            for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
-        for (int kk = 0; kk < D / 16; ++kk) {
+                for (int n = 0; n < FA_KEYS / 8; ++n) s[mt][n][0] = s[mt][n][1] = s[mt][n][2] = s[mt][n][3] = 0.0f;
 #pragma unroll
-            for (int n = 0; n < FA_KEYS / 8; ++n) {
-                const T* kr = ks + (n * 8 + g) * LD + kk * 16 + 2 * t;
-                Mma<T>::run(s[n], qf[kk], lds32(kr), lds32(kr + 8));
+            for (int kk = 0; kk < D / 16; ++kk) {
+                uint32_t a[MT][4];
+#pragma unroll
+                for (int mt = 0; mt < MT; ++mt)
+                    ldmatrix_x4(a[mt], qs + (warp_row0 + 16 * mt + (lane & 15)) * LD + kk * 16 + (lane >> 4) * 8);
+#pragma unroll
+                for (int np = 0; np < FA_KEYS / 16; ++np) {
+                    // b[0], b[1]: keys np*16 + 0..7; b[2], b[3]: keys np*16 + 8..15
+                    uint32_t b[4];
+                    const int key = np * 16 + (lane & 7) + (lane >> 4) * 8;
+                    ldmatrix_x4(b, ks + key * LD + kk * 16 + ((lane >> 3) & 1) * 8);
+#pragma unroll
+                    for (int mt = 0; mt < MT; ++mt) {
+                        Mma<T>::run(s[mt][2 * np], a[mt], b[0], b[1]);
+                        Mma<T>::run(s[mt][2 * np + 1], a[mt], b[2], b[3]);
+                    }
+                }
             }
-        }
 
-        // mask (diagonal tile, sliding window, keys past the end) and the running max
-        const bool edge = k0 + FA_KEYS - 1 > q0 || window > 0;
-        float tile_max[2] = {-INFINITY, -INFINITY};
+            // mask (diagonal tiles, sliding window, keys past the end) and the running max
+            const bool edge = k0 + FA_KEYS - 1 > q0 + warp_row0 || window > 0;
 #pragma unroll
-        for (int n = 0; n < FA_KEYS / 8; ++n) {
+            for (int mt = 0; mt < MT; ++mt) {
+                float tile_max[2] = {-INFINITY, -INFINITY};
 #pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                const int r = e / 2, key = k0 + n * 8 + 2 * t + (e & 1);
-                float x = s[n][e] * scale_log2;
-                if (edge && (key > row[r] || (window > 0 && row[r] - key >= window))) x = -INFINITY;
-                s[n][e] = x;
-                tile_max[r] = fmaxf(tile_max[r], x);
-            }
-        }
-        float base[2];
+                for (int n = 0; n < FA_KEYS / 8; ++n) {
 #pragma unroll
-        for (int r = 0; r < 2; ++r) {
-            tile_max[r] = fmaxf(tile_max[r], __shfl_xor_sync(0xffffffff, tile_max[r], 1));
-            tile_max[r] = fmaxf(tile_max[r], __shfl_xor_sync(0xffffffff, tile_max[r], 2));
-            const float m_new = fmaxf(m[r], tile_max[r]);
-            base[r] = m_new == -INFINITY ? 0.0f : m_new;  // a row with nothing visible yet
-            const float alpha = exp2f(m[r] - base[r]);
-            m[r] = m_new;
-            l[r] *= alpha;
+                    for (int e = 0; e < 4; ++e) {
+                        const int r = e / 2, key = k0 + n * 8 + 2 * t + (e & 1);
+                        float x = s[mt][n][e] * scale_log2;
+                        if (edge && (key > row(mt, r) || (window > 0 && row(mt, r) - key >= window))) x = -INFINITY;
+                        s[mt][n][e] = x;
+                        tile_max[r] = fmaxf(tile_max[r], x);
+                    }
+                }
+                float base[2];
 #pragma unroll
-            for (int d = 0; d < D / 8; ++d) {
-                acc[d][2 * r] *= alpha;
-                acc[d][2 * r + 1] *= alpha;
-            }
-        }
+                for (int r = 0; r < 2; ++r) {
+                    tile_max[r] = fmaxf(tile_max[r], __shfl_xor_sync(0xffffffff, tile_max[r], 1));
+                    tile_max[r] = fmaxf(tile_max[r], __shfl_xor_sync(0xffffffff, tile_max[r], 2));
+                    const float m_new = fmaxf(m[mt][r], tile_max[r]);
+                    base[r] = m_new == -INFINITY ? 0.0f : m_new;  // a row with nothing visible yet
+                    const float alpha = exp2f(m[mt][r] - base[r]);
+                    m[mt][r] = m_new;
+                    l[mt][r] *= alpha;
 #pragma unroll
-        for (int n = 0; n < FA_KEYS / 8; ++n) {
+                    for (int d = 0; d < D / 8; ++d) {
+                        acc[mt][d][2 * r] *= alpha;
+                        acc[mt][d][2 * r + 1] *= alpha;
+                    }
+                }
 #pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                const float p = exp2f(s[n][e] - base[e / 2]);
-                s[n][e] = p;
-                l[e / 2] += p;
+                for (int n = 0; n < FA_KEYS / 8; ++n) {
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) {
+                        const float p = exp2f(s[mt][n][e] - base[e / 2]);
+                        s[mt][n][e] = p;
+                        l[mt][e / 2] += p;
+                    }
+                }
             }
         }
 
         cp_async_wait<0>();  // V has landed
         __syncthreads();     // ... for every thread, and every warp is done reading K
-        if (tile < last_tile) load_tile(ks, k + (long)kv_head * D, kv_stride, k0 + FA_KEYS);
+        if (tile < last_tile) load_tile(ks, k + (long)kv_head * D, kv_stride, k0 + FA_KEYS, FA_KEYS);
 
         // O += P·V: the S accumulators are already in the A-operand layout, 16 keys per step
+        if (visible) {
 #pragma unroll
-        for (int j = 0; j < FA_KEYS / 16; ++j) {
-            const uint32_t a[4] = {Mma<T>::pack(s[2 * j][0], s[2 * j][1]),
-                                   Mma<T>::pack(s[2 * j][2], s[2 * j][3]),
-                                   Mma<T>::pack(s[2 * j + 1][0], s[2 * j + 1][1]),
-                                   Mma<T>::pack(s[2 * j + 1][2], s[2 * j + 1][3])};
-            const int key = j * 16 + (lane & 7) + ((lane >> 3) & 1) * 8;
+            for (int j = 0; j < FA_KEYS / 16; ++j) {
+                uint32_t a[MT][4];
 #pragma unroll
-            for (int dp = 0; dp < D / 16; ++dp) {
-                uint32_t b[4];
-                ldmatrix_x4_trans(b, vs + key * LD + dp * 16 + (lane >> 4) * 8);
-                Mma<T>::run(acc[2 * dp], a, b[0], b[1]);
-                Mma<T>::run(acc[2 * dp + 1], a, b[2], b[3]);
+                for (int mt = 0; mt < MT; ++mt) {
+                    a[mt][0] = Mma<T>::pack(s[mt][2 * j][0], s[mt][2 * j][1]);
+                    a[mt][1] = Mma<T>::pack(s[mt][2 * j][2], s[mt][2 * j][3]);
+                    a[mt][2] = Mma<T>::pack(s[mt][2 * j + 1][0], s[mt][2 * j + 1][1]);
+                    a[mt][3] = Mma<T>::pack(s[mt][2 * j + 1][2], s[mt][2 * j + 1][3]);
+                }
+                const int key = j * 16 + (lane & 7) + ((lane >> 3) & 1) * 8;
+#pragma unroll
+                for (int dp = 0; dp < D / 16; ++dp) {
+                    uint32_t b[4];
+                    ldmatrix_x4_trans(b, vs + key * LD + dp * 16 + (lane >> 4) * 8);
+#pragma unroll
+                    for (int mt = 0; mt < MT; ++mt) {
+                        Mma<T>::run(acc[mt][2 * dp], a[mt], b[0], b[1]);
+                        Mma<T>::run(acc[mt][2 * dp + 1], a[mt], b[2], b[3]);
+                    }
+                }
             }
         }
         __syncthreads();
     }
 
 #pragma unroll
-    for (int r = 0; r < 2; ++r) {
-        l[r] += __shfl_xor_sync(0xffffffff, l[r], 1);
-        l[r] += __shfl_xor_sync(0xffffffff, l[r], 2);
-        if (row[r] >= len) continue;
-        const float inv = 1.0f / l[r];
-        T* dst = out + (long)(start + row[r]) * q_stride + (long)head * D + 2 * t;
+    for (int mt = 0; mt < MT; ++mt) {
 #pragma unroll
-        for (int d = 0; d < D / 8; ++d)
-            *reinterpret_cast<uint32_t*>(dst + d * 8) =
-                Mma<T>::pack(acc[d][2 * r] * inv, acc[d][2 * r + 1] * inv);
+        for (int r = 0; r < 2; ++r) {
+            float sum = l[mt][r];
+            sum += __shfl_xor_sync(0xffffffff, sum, 1);
+            sum += __shfl_xor_sync(0xffffffff, sum, 2);
+            if (row(mt, r) >= len) continue;
+            const float inv = 1.0f / sum;
+            T* dst = out + (long)(start + row(mt, r)) * q_stride + (long)head * D + 2 * t;
+#pragma unroll
+            for (int d = 0; d < D / 8; ++d)
+                *reinterpret_cast<uint32_t*>(dst + d * 8) =
+                    Mma<T>::pack(acc[mt][d][2 * r] * inv, acc[mt][d][2 * r + 1] * inv);
+        }
     }
 }
 
-#define ATTENTION_ENTRY(SUFFIX, T)                                                                    \
+// flash_attention_d{D}_r{ROWS}_k{KEYS}_{SUFFIX}: the tilings cuda/attention.rs lists
+#define FLASH_ENTRY(SUFFIX, T, D, ROWS, KEYS)                                                        \
+    extern "C" __global__ void __launch_bounds__(FA_THREADS, 2)                                     \
+        flash_attention_d##D##_r##ROWS##_k##KEYS##_##SUFFIX(                                       \
+            const T* q, const T* k, const T* v, T* o, const int32_t* st, int hq, int hkv, float sl2, \
+            int w) {                                                                                 \
+        flash_attention<T, D, ROWS / 64, KEYS>(q, k, v, o, st, hq, hkv, sl2, w);                    \
+    }
+#define FLASH_ENTRIES(SUFFIX, T)                                                                     \
+    FLASH_ENTRY(SUFFIX, T, 64, 128, 64)                                                              \
+    FLASH_ENTRY(SUFFIX, T, 128, 128, 64)                                                             \
+    FLASH_ENTRY(SUFFIX, T, 128, 64, 64)
+
+// rope_rotate_half_{SUFFIX} (one pair per thread) and rope_rotate_half_v8_{SUFFIX}
+#define ROPE_ENTRY(SUFFIX, T)                                                                         \
     extern "C" __global__ void rope_rotate_half_##SUFFIX(const T* x, T* o, const int32_t* pos,       \
                                                          const T* c, const T* s, int heads,          \
-                                                         int half, long pairs) {                     \
-        rope_rotate_half<T>(x, o, pos, c, s, heads, half, pairs);                                    \
+                                                         int half, long groups) {                    \
+        rope_rotate_half<T, 1>(x, o, pos, c, s, heads, half, groups);                                \
     }                                                                                                 \
-    extern "C" __global__ void __launch_bounds__(FA_THREADS) flash_attention_d64_##SUFFIX(           \
-        const T* q, const T* k, const T* v, T* o, const int32_t* st, int hq, int hkv, float sl2,     \
-        int w) {                                                                                      \
-        flash_attention<T, 64>(q, k, v, o, st, hq, hkv, sl2, w);                                     \
-    }                                                                                                 \
-    extern "C" __global__ void __launch_bounds__(FA_THREADS) flash_attention_d128_##SUFFIX(          \
-        const T* q, const T* k, const T* v, T* o, const int32_t* st, int hq, int hkv, float sl2,     \
-        int w) {                                                                                      \
-        flash_attention<T, 128>(q, k, v, o, st, hq, hkv, sl2, w);                                    \
+    extern "C" __global__ void rope_rotate_half_v8_##SUFFIX(const T* x, T* o, const int32_t* pos,    \
+                                                            const T* c, const T* s, int heads,       \
+                                                            int half, long groups) {                 \
+        rope_rotate_half<T, 8>(x, o, pos, c, s, heads, half, groups);                                \
     }
 
-ATTENTION_ENTRY(bf16, __nv_bfloat16)
-ATTENTION_ENTRY(f16, __half)
+ROPE_ENTRY(bf16, __nv_bfloat16)
+ROPE_ENTRY(f16, __half)
+FLASH_ENTRIES(bf16, __nv_bfloat16)
+FLASH_ENTRIES(f16, __half)

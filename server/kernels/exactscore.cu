@@ -63,9 +63,6 @@ __device__ void dequant_int(const int32_t* packed, const float* scales, const in
     }
 }
 
-// N values written with one vector store (the output rows are 16-byte aligned).
-template <typename T, int N> struct alignas(sizeof(T) * N >= 16 ? 16 : sizeof(T) * N) Pack { T v[N]; };
-
 // Fast path of dequant_int when every word lies inside one group (group % (32 / BITS) == 0 and
 // cols % (32 / BITS) == 0, true for real models): one scale lookup and vector stores per word.
 template <typename T, int BITS>

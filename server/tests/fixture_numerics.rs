@@ -187,7 +187,26 @@ fn batch_invariance_is_bitwise() {
         let mixed_scores = score_all(&model, &mixed, 3);
         assert_eq!(mixed_scores[4], batched[1]);
         assert_eq!(mixed_scores[0], batched[3]);
+        // Over 4096 tokens: the MLP runs the batch in 2048-row chunks whose edges cut through
+        // sequences (and quantizes each chunk's activations on its own).
+        let long = repeated_past(&seqs, 4096);
+        for (i, scores) in score_all(&model, &long, 3).iter().enumerate() {
+            assert_eq!(
+                *scores,
+                batched[i % seqs.len()],
+                "{variant}: sequence {i} of the long batch differs"
+            );
+        }
     }
+}
+
+/// `seqs` repeated, whole, until they hold more than `tokens` tokens.
+fn repeated_past(seqs: &[Vec<u32>], tokens: usize) -> Vec<Vec<u32>> {
+    let mut out = Vec::new();
+    while out.iter().map(Vec::len).sum::<usize>() <= tokens {
+        out.extend(seqs.iter().cloned());
+    }
+    out
 }
 
 #[test]

@@ -6,11 +6,44 @@ use candle_core::cuda_backend::WrapErr;
 use candle_core::{bail, DType, Result, Tensor};
 
 use super::module::{kernel, ATTENTION};
-use super::{grid_1d, kernel_name, with_slice, wrap};
+use super::{grid_1d, kernel_name, rows_of_vectors, with_slice, wrap};
 
-/// Query rows per block and threads per block of `flash_attention_*` (attention.cu).
-const ROWS_PER_BLOCK: usize = 64;
+/// Threads per block of `flash_attention_*` (attention.cu).
 const THREADS: u32 = 128;
+
+/// How the flash kernel tiles the work: query rows per block (64 per 16-row MMA tile of each of
+/// its 4 warps) and keys per step of the online softmax. Every tiling gives a row the same
+/// arithmetic in the same order except for where the key steps fall.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct FlashTiling {
+    pub rows: usize,
+    pub keys: usize,
+}
+
+impl FlashTiling {
+    /// What the model runs: two MMA row tiles per warp (each K/V fragment feeds two MMAs).
+    pub const DEFAULT: Self = Self {
+        rows: 128,
+        keys: 64,
+    };
+
+    /// The tilings compiled for head size `head_dim` (attention.cu's `FLASH_ENTRIES`).
+    pub fn compiled(head_dim: usize) -> &'static [FlashTiling] {
+        // 64 x 64 (one MMA row tile per warp) for comparison: 13 % slower on an H100 at 4
+        // windows of Llama-3-8B (and 128 x 32 7 %, no longer built); docs/performance.md.
+        const D128: &[FlashTiling] = &[FlashTiling::DEFAULT, FlashTiling { rows: 64, keys: 64 }];
+        match head_dim {
+            64 => &[FlashTiling::DEFAULT],
+            128 => D128,
+            _ => &[],
+        }
+    }
+
+    /// Dynamic shared memory of one block: the Q tile and one K and one V tile, rows padded by 8.
+    fn shared_bytes(self, head_dim: usize, elem: usize) -> usize {
+        (self.rows + 2 * self.keys) * (head_dim + 8) * elem
+    }
+}
 
 /// Whether [`flash_attention`] has a kernel for this head size and compute dtype.
 pub fn flash_attention_supported(head_dim: usize, dtype: DType) -> bool {
@@ -27,8 +60,21 @@ pub fn rope_rotate_half(
 ) -> Result<Tensor> {
     let (tokens, heads, dim) = x.dims3()?;
     let half = dim / 2;
-    let pairs = tokens * heads * half;
-    let name = kernel_name("rope_rotate_half", x.dtype());
+    // 16-byte vectors of 8 pairs when the halves and the tables' rows allow them.
+    let per_thread = if rows_of_vectors(half, &[x, cos, sin]) {
+        8
+    } else {
+        1
+    };
+    let groups = tokens * heads * half / per_thread;
+    let name = kernel_name(
+        if per_thread == 8 {
+            "rope_rotate_half_v8"
+        } else {
+            "rope_rotate_half"
+        },
+        x.dtype(),
+    );
     with_float_type!(x.dtype(), T => with_slice::<T, _>(x, |xs, xo, dev| {
         with_slice::<i32, _>(positions, |ps, po, _| {
             with_slice::<T, _>(cos, |cs, co, _| {
@@ -37,16 +83,37 @@ pub fn rope_rotate_half(
                     // SAFETY: the kernel writes every element.
                     let out = unsafe { dev.alloc::<T>(x.elem_count()) }?;
                     let (xs, ps, cs, ss) = (xs.slice(xo..), ps.slice(po..), cs.slice(co..), ss.slice(so..));
-                    let (h32, half32, pairs64) = (heads as i32, half as i32, pairs as i64);
+                    let (h32, half32, groups64) = (heads as i32, half as i32, groups as i64);
                     let mut b = func.builder();
-                    b.arg(&xs).arg(&out).arg(&ps).arg(&cs).arg(&ss).arg(&h32).arg(&half32).arg(&pairs64);
+                    b.arg(&xs).arg(&out).arg(&ps).arg(&cs).arg(&ss).arg(&h32).arg(&half32).arg(&groups64);
                     // SAFETY: arguments match `rope_rotate_half_*`.
-                    unsafe { b.launch(grid_1d(pairs)) }.w()?;
+                    unsafe { b.launch(grid_1d(groups)) }.w()?;
                     Ok(wrap(out, dev, (tokens, heads, dim)))
                 })
             })
         })
     }))
+}
+
+/// How [`flash_attention`] runs.
+#[derive(Debug, Clone, Copy)]
+pub struct FlashOptions {
+    /// Softmax scale (usually `1 / sqrt(head_dim)`).
+    pub scale: f32,
+    /// Sliding window: a query sees at most this many keys (itself included).
+    pub window: Option<usize>,
+    pub tiling: FlashTiling,
+}
+
+impl FlashOptions {
+    /// Scale `1 / sqrt(head_dim)`, no window, the default tiling.
+    pub fn plain(head_dim: usize) -> Self {
+        Self {
+            scale: 1.0 / (head_dim as f32).sqrt(),
+            window: None,
+            tiling: FlashTiling::DEFAULT,
+        }
+    }
 }
 
 /// Causal softmax attention of `q` `[tokens, hq, d]` over `k`, `v` `[tokens, hkv, d]` for the
@@ -59,8 +126,7 @@ pub fn flash_attention(
     v: &Tensor,
     starts: &Tensor,
     max_len: usize,
-    scale: f32,
-    window: Option<usize>,
+    opts: &FlashOptions,
 ) -> Result<Tensor> {
     let (tokens, hq, dim) = q.dims3()?;
     let (_, hkv, _) = k.dims3()?;
@@ -73,31 +139,41 @@ pub fn flash_attention(
             q.dtype()
         );
     }
+    let tiling = opts.tiling;
+    if !FlashTiling::compiled(dim).contains(&tiling) {
+        bail!("flash attention: no kernel for {tiling:?} at head_dim {dim}");
+    }
     let sequences = starts.elem_count() - 1;
-    let name = kernel_name(&format!("flash_attention_d{dim}"), q.dtype());
+    let name = kernel_name(
+        &format!("flash_attention_d{dim}_r{}_k{}", tiling.rows, tiling.keys),
+        q.dtype(),
+    );
+    let shared = tiling.shared_bytes(dim, q.dtype().size_in_bytes());
     let config = LaunchConfig {
         grid_dim: (
-            max_len.div_ceil(ROWS_PER_BLOCK) as u32,
+            max_len.div_ceil(tiling.rows) as u32,
             hq as u32,
             sequences as u32,
         ),
         block_dim: (THREADS, 1, 1),
-        shared_mem_bytes: 0,
+        shared_mem_bytes: shared as u32,
     };
+    let (hq32, hkv32) = (hq as i32, hkv as i32);
+    let scale_log2 = opts.scale * std::f32::consts::LOG2_E;
+    let w32 = opts.window.map_or(0, |w| w as i32);
     with_float_type!(q.dtype(), T => with_slice::<T, _>(q, |qs, qo, dev| {
         with_slice::<T, _>(k, |ks, ko, _| {
             with_slice::<T, _>(v, |vs, vo, _| {
                 with_slice::<i32, _>(starts, |ss, so, _| {
                     let func = kernel(dev, &ATTENTION, &name)?;
+                    // Over 48 KiB of dynamic shared memory must be allowed explicitly.
+                    func.allow_shared_bytes(shared)?;
                     // SAFETY: every row of every sequence is written by exactly one block.
                     let out = unsafe { dev.alloc::<T>(tokens * hq * dim) }?;
                     let (qs, ks, vs, ss) = (qs.slice(qo..), ks.slice(ko..), vs.slice(vo..), ss.slice(so..));
-                    let (hq32, hkv32) = (hq as i32, hkv as i32);
-                    let scale_log2 = scale * std::f32::consts::LOG2_E;
-                    let w32 = window.map_or(0, |w| w as i32);
                     let mut b = func.builder();
                     b.arg(&qs).arg(&ks).arg(&vs).arg(&out).arg(&ss).arg(&hq32).arg(&hkv32).arg(&scale_log2).arg(&w32);
-                    // SAFETY: arguments match `flash_attention_d{64,128}_*`.
+                    // SAFETY: arguments match `flash_attention_d*_r*_k*_*`.
                     unsafe { b.launch(config) }.w()?;
                     Ok(wrap(out, dev, (tokens, hq * dim)))
                 })

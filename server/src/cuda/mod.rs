@@ -34,8 +34,12 @@ macro_rules! with_float_type {
 }
 
 mod attention;
+mod gemm;
 mod module;
-pub use attention::{flash_attention, flash_attention_supported, rope_rotate_half};
+pub use attention::{
+    flash_attention, flash_attention_supported, rope_rotate_half, FlashOptions, FlashTiling,
+};
+pub use gemm::{matmul_t_into_rows, uninit_rows};
 use module::{kernel, EXACTSCORE};
 
 fn kernel_name(base: &str, dtype: DType) -> String {

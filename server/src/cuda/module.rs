@@ -5,6 +5,7 @@
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, OnceLock};
 
+use candle_core::cuda_backend::cudarc::driver::sys::CUfunction_attribute;
 use candle_core::cuda_backend::cudarc::driver::{CudaFunction, CudaModule, CudaStream, LaunchArgs};
 use candle_core::cuda_backend::cudarc::nvrtc::Ptx;
 use candle_core::cuda_backend::{CudaDevice, WrapErr};
@@ -35,6 +36,16 @@ pub(crate) struct Kernel {
 impl Kernel {
     pub(crate) fn builder(&self) -> LaunchArgs<'_> {
         self.stream.launch_builder(&self.func)
+    }
+
+    /// Lets a launch use `bytes` of dynamic shared memory (beyond the default 48 KiB).
+    pub(crate) fn allow_shared_bytes(&self, bytes: usize) -> Result<()> {
+        self.func
+            .set_attribute(
+                CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                bytes as i32,
+            )
+            .w()
     }
 }
 

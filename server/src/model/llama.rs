@@ -449,7 +449,7 @@ impl Model {
         // Each layer's MLP output is added to the residual stream by the next norm (fused).
         let mut pending = None;
         for layer in &self.layers {
-            (x, pending) = layer.forward(&x, pending.as_ref(), &batch, &self.rope)?;
+            (x, pending) = layer.forward(x, pending, &batch, &self.rope)?;
         }
         stage("norm", device, || {
             Ok(self.norm.add_and_forward(&x, pending.as_ref(), None)?.1)
@@ -491,29 +491,32 @@ impl Model {
 impl DecoderLayer {
     /// `x + pending` is the residual stream entering the layer (`pending`: the previous layer's
     /// MLP output, not yet added). Returns the stream after attention and this layer's MLP
-    /// output, which the next norm adds.
+    /// output, which the next norm adds. Every tensor is dropped as soon as it is consumed:
+    /// the forward's peak memory is what is alive at once.
     fn forward(
         &self,
-        x: &Tensor,
-        pending: Option<&Tensor>,
+        x: Tensor,
+        pending: Option<Tensor>,
         batch: &BatchLayout,
         rope: &RopeTables,
     ) -> Result<(Tensor, Option<Tensor>)> {
-        let dev = x.device();
+        let dev = x.device().clone();
+        let dev = &dev;
         // A QDQ that q/k/v (gate/up) share is applied by the norm that feeds them.
         let a = &self.self_attn;
         let attn_qdq = common_qdq(&[&a.q_proj, &a.k_proj, &a.v_proj]);
         let (x, normed) = stage("norm", dev, || {
             self.input_layernorm
-                .add_and_forward(x, pending, attn_qdq.flatten())
+                .add_and_forward(&x, pending.as_ref(), attn_qdq.flatten())
         })?;
-        let attn = a.forward(&normed, attn_qdq.is_some(), batch, rope)?;
+        let attn = a.forward(normed, attn_qdq.is_some(), batch, rope)?;
         let m = &self.mlp;
         let mlp_qdq = common_qdq(&[&m.gate_proj, &m.up_proj]);
         let (x, normed) = stage("norm", dev, || {
             self.post_attention_layernorm
                 .add_and_forward(&x, Some(&attn), mlp_qdq.flatten())
         })?;
+        drop(attn);
         let mlp = m.forward(&normed, mlp_qdq.is_some())?;
         Ok((x, Some(mlp)))
     }
@@ -533,23 +536,50 @@ fn layer_inputs<const N: usize>(
     stage("act_qdq", x.device(), || quantized_inputs(linears, x))
 }
 
+/// Rows of the MLP input processed at once. The `[rows, intermediate]` activations (gate, up
+/// and their product) are the largest tensors of a forward pass (3.5 residual streams each for
+/// Llama-3-8B); chunks bound them, while each weight is still dequantized once per forward.
+const MLP_CHUNK: usize = 2048;
+
 impl Mlp {
     /// `prequantized`: `x` has been through gate/up's common activation QDQ.
     fn forward(&self, x: &Tensor, prequantized: bool) -> Result<Tensor> {
         let dev = x.device();
-        let [gate_in, up_in] = layer_inputs([&self.gate_proj, &self.up_proj], x, prequantized)?;
-        let (gate, up) = stage("gate_up_proj", dev, || {
+        let rows = x.dims()[0];
+        let (w_gate, w_up) = stage("gate_up_proj", dev, || {
             Ok((
-                self.gate_proj.forward_quantized(&gate_in)?,
-                self.up_proj.forward_quantized(&up_in)?,
+                self.gate_proj.dequantized_like(x)?,
+                self.up_proj.dequantized_like(x)?,
             ))
         })?;
-        let down_in = stage("silu_mul", dev, || {
-            silu_mul(&gate, &up, self.down_proj.activation())
-        })?;
-        stage("down_proj", dev, || {
-            self.down_proj.forward_quantized(&down_in)
-        })
+        let mut w_down = None;
+        let mut out = self.down_proj.row_chunks(rows, x)?;
+        for start in (0..rows).step_by(MLP_CHUNK) {
+            let x = x.narrow(0, start, MLP_CHUNK.min(rows - start))?;
+            let [gate_in, up_in] =
+                layer_inputs([&self.gate_proj, &self.up_proj], &x, prequantized)?;
+            let (gate, up) = stage("gate_up_proj", dev, || {
+                Ok((
+                    self.gate_proj.forward_dequantized(&gate_in, &w_gate)?,
+                    self.up_proj.forward_dequantized(&up_in, &w_up)?,
+                ))
+            })?;
+            drop((gate_in, up_in));
+            let down_in = stage("silu_mul", dev, || {
+                silu_mul(&gate, &up, self.down_proj.activation())
+            })?;
+            drop((gate, up));
+            // Dequantized once gate/up of the first chunk are gone (one weight fewer alive).
+            let w = match w_down.take() {
+                Some(w) => w,
+                None => stage("down_proj", dev, || {
+                    self.down_proj.dequantized_like(&down_in)
+                })?,
+            };
+            stage("down_proj", dev, || out.push(&down_in, &w))?;
+            w_down = Some(w);
+        }
+        stage("down_proj", dev, || out.finish())
     }
 }
 
@@ -558,14 +588,16 @@ impl Attention {
     /// `prequantized`: `x` has been through q/k/v's common activation QDQ.
     fn forward(
         &self,
-        x: &Tensor,
+        x: Tensor,
         prequantized: bool,
         batch: &BatchLayout,
         rope: &RopeTables,
     ) -> Result<Tensor> {
-        let dev = x.device();
+        let dev = x.device().clone();
+        let dev = &dev;
         let qkv = [&self.q_proj, &self.k_proj, &self.v_proj];
-        let [q_in, k_in, v_in] = layer_inputs(qkv, x, prequantized)?;
+        let [q_in, k_in, v_in] = layer_inputs(qkv, &x, prequantized)?;
+        drop(x);
         let (q, k, v) = stage("qkv_proj", dev, || {
             Ok((
                 self.q_proj.forward_quantized(&q_in)?,
@@ -573,8 +605,9 @@ impl Attention {
                 self.v_proj.forward_quantized(&v_in)?,
             ))
         })?;
+        drop((q_in, k_in, v_in));
         let out = stage("attention", dev, || match &batch.flash {
-            Some(index) => self.flash_attend(&q, &k, &v, index, rope),
+            Some(index) => self.flash_attend(q, k, v, index, rope),
             None => self.attend_each_sequence(&q, &k, &v, &batch.lens, rope),
         })?;
         let [o_in] = layer_inputs([&self.o_proj], &out, false)?;
@@ -634,16 +667,17 @@ impl Attention {
 
     /// The whole batch through the fused GPU kernels, in the projections' `[tokens, heads, dim]`
     /// layout: RoPE, then flash attention; returns `[tokens, heads * head_dim]`.
+    /// Takes q, k and v by value: the unrotated q and k are freed once rotated.
     fn flash_attend(
         &self,
-        q: &Tensor,
-        k: &Tensor,
-        v: &Tensor,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
         index: &FlashIndex,
         rope: &RopeTables,
     ) -> Result<Tensor> {
         let tokens = q.dims()[0];
-        let split = |x: &Tensor, heads: usize, norm: Option<&RmsNorm>| -> Result<Tensor> {
+        let split = |x: Tensor, heads: usize, norm: Option<&RmsNorm>| -> Result<Tensor> {
             let x = x.reshape((tokens, heads, self.head_dim))?;
             match norm {
                 Some(norm) => norm.forward(&x),
@@ -657,17 +691,14 @@ impl Attention {
         let scale = 1.0 / (self.head_dim as f32).sqrt();
         #[cfg(feature = "cuda")]
         {
-            let q = crate::cuda::rope_rotate_half(&q, &index.positions, cos, sin)?;
-            let k = crate::cuda::rope_rotate_half(&k, &index.positions, cos, sin)?;
-            crate::cuda::flash_attention(
-                &q,
-                &k,
-                &v,
-                &index.starts,
-                index.max_len,
+            let rotate = |x: Tensor| crate::cuda::rope_rotate_half(&x, &index.positions, cos, sin);
+            let (q, k) = (rotate(q)?, rotate(k)?);
+            let opts = crate::cuda::FlashOptions {
                 scale,
-                self.sliding_window,
-            )
+                window: self.sliding_window,
+                tiling: crate::cuda::FlashTiling::DEFAULT,
+            };
+            crate::cuda::flash_attention(&q, &k, &v, &index.starts, index.max_len, &opts)
         }
         #[cfg(not(feature = "cuda"))]
         {

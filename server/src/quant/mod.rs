@@ -68,8 +68,34 @@ impl QuantLinear {
     /// `x · Wᵀ (+ b)` of an input that has been through this layer's activation QDQ already
     /// (see [`quantized_inputs`]).
     pub fn forward_quantized(&self, x: &Tensor) -> Result<Tensor> {
-        let w = self.weight.dequantize(x.dtype(), x.device())?;
-        let y = x.matmul(&w.t()?)?;
+        self.forward_dequantized(x, &self.dequantized_like(x)?)
+    }
+
+    /// The weight dequantized to `x`'s dtype and device, for several
+    /// [`Self::forward_dequantized`] calls (row chunks of one input) that share it.
+    pub fn dequantized_like(&self, x: &Tensor) -> Result<Tensor> {
+        self.weight.dequantize(x.dtype(), x.device())
+    }
+
+    /// [`Self::forward_quantized`] with the weight [`Self::dequantized_like`] gave.
+    pub fn forward_dequantized(&self, x: &Tensor, w: &Tensor) -> Result<Tensor> {
+        self.add_bias(x.matmul(&w.t()?)?)
+    }
+
+    /// Collects this layer's output over an input of `rows` rows (dtype and device of `like`)
+    /// that arrives in row chunks: see [`RowChunks`].
+    pub fn row_chunks(&self, rows: usize, like: &Tensor) -> Result<RowChunks<'_>> {
+        let (out_features, _) = self.weight.shape();
+        Ok(RowChunks {
+            linear: self,
+            rows,
+            filled: 0,
+            output: in_place_output(rows, out_features, like)?,
+            parts: Vec::new(),
+        })
+    }
+
+    fn add_bias(&self, y: Tensor) -> Result<Tensor> {
         match &self.bias {
             Some(b) => y.broadcast_add(b),
             None => Ok(y),
@@ -83,6 +109,63 @@ impl QuantLinear {
     pub fn activation(&self) -> Option<&ActivationQdq> {
         self.activation.as_ref()
     }
+}
+
+/// One Linear's output over an input that arrives in row chunks, each multiplied by the same
+/// dequantized weight. On a GPU in bf16/f16 each chunk's product goes straight into its rows of
+/// the output (no concatenation pass; the same bits as a plain matmul); elsewhere the chunks'
+/// products are concatenated at the end.
+pub struct RowChunks<'a> {
+    linear: &'a QuantLinear,
+    rows: usize,
+    filled: usize,
+    output: Option<Tensor>,
+    parts: Vec<Tensor>,
+}
+
+impl RowChunks<'_> {
+    /// `x · wᵀ` for the next `x.dims()[0]` rows; `w` from [`QuantLinear::dequantized_like`].
+    pub fn push(&mut self, x: &Tensor, w: &Tensor) -> Result<()> {
+        let n = x.dims()[0];
+        if self.filled + n > self.rows {
+            candle_core::bail!(
+                "{} rows pushed into an output of {}",
+                self.filled + n,
+                self.rows
+            );
+        }
+        match &self.output {
+            #[cfg(feature = "cuda")]
+            Some(out) => crate::cuda::matmul_t_into_rows(out, self.filled, x, w)?,
+            _ => self.parts.push(x.matmul(&w.t()?)?),
+        }
+        self.filled += n;
+        Ok(())
+    }
+
+    /// The whole output, bias added.
+    pub fn finish(mut self) -> Result<Tensor> {
+        if self.filled != self.rows {
+            candle_core::bail!("{} of {} output rows were computed", self.filled, self.rows);
+        }
+        let y = match self.output.take() {
+            Some(out) => out,
+            None if self.parts.len() == 1 => self.parts.remove(0),
+            None => Tensor::cat(&self.parts, 0)?,
+        };
+        self.linear.add_bias(y)
+    }
+}
+
+/// The output [`RowChunks`] writes chunks into, where that exists: `[rows, cols]` on a CUDA
+/// device in bf16/f16 (`like`'s), not initialised.
+fn in_place_output(rows: usize, cols: usize, like: &Tensor) -> Result<Option<Tensor>> {
+    #[cfg(feature = "cuda")]
+    if like.device().is_cuda() && matches!(like.dtype(), DType::BF16 | DType::F16) {
+        return crate::cuda::uninit_rows(rows, cols, like.dtype(), like.device()).map(Some);
+    }
+    let _ = (rows, cols, like);
+    Ok(None)
 }
 
 /// The activation QDQ that every layer of `linears` applies to its input, when they all apply

@@ -1,10 +1,12 @@
 //! The flash-attention kernel against an f32 reference computed with plain tensor ops on the
 //! same (bf16/f16-rounded) inputs: head sizes 64 and 128, GQA, several sequences of different
-//! lengths in one launch (block edges, a 1-token sequence), with and without a sliding window.
+//! lengths in one launch (block edges, a 1-token sequence), with and without a sliding window;
+//! every compiled tiling, which must give the default's bits wherever its key steps are the
+//! same. Then each tiling's time on the Llama-3-8B attention shape.
 
 use anyhow::{bail, Result};
 use candle_core::{DType, Device, Tensor, D};
-use exactscore_server::cuda::{flash_attention, rope_rotate_half};
+use exactscore_server::cuda::{flash_attention, rope_rotate_half, FlashOptions, FlashTiling};
 use exactscore_server::model::causal_mask;
 use half::bf16;
 
@@ -67,35 +69,45 @@ pub fn run(device: &Device) -> Result<()> {
                     .to_dtype(dtype)?;
                 let k = Tensor::randn(0f32, 1.0, (tokens, hkv, dim), device)?.to_dtype(dtype)?;
                 let v = Tensor::randn(0f32, 1.0, (tokens, hkv, dim), device)?.to_dtype(dtype)?;
-                let got = flash_attention(
-                    &q,
-                    &k,
-                    &v,
-                    &starts_t,
-                    2048,
-                    1.0 / (dim as f32).sqrt(),
+                let plain = FlashOptions {
                     window,
-                )?;
-                let (mut worst_max, mut worst_mean) = (0f64, 0f64);
-                for (i, &len) in lens.iter().enumerate() {
-                    let s = starts[i] as usize;
-                    let want = reference(
-                        &q.narrow(0, s, len)?,
-                        &k.narrow(0, s, len)?,
-                        &v.narrow(0, s, len)?,
-                        window,
-                    )?;
-                    let (mx, mn) = relative_error(&got.narrow(0, s, len)?, &want)?;
-                    worst_max = worst_max.max(mx);
-                    worst_mean = worst_mean.max(mn);
+                    ..FlashOptions::plain(dim)
+                };
+                let run = |tiling| {
+                    let opts = FlashOptions { tiling, ..plain };
+                    flash_attention(&q, &k, &v, &starts_t, 2048, &opts)
+                };
+                let default = run(FlashTiling::DEFAULT)?;
+                for &tiling in FlashTiling::compiled(dim) {
+                    let got = run(tiling)?;
+                    let (mut worst_max, mut worst_mean) = (0f64, 0f64);
+                    for (i, &len) in lens.iter().enumerate() {
+                        let s = starts[i] as usize;
+                        let want = reference(
+                            &q.narrow(0, s, len)?,
+                            &k.narrow(0, s, len)?,
+                            &v.narrow(0, s, len)?,
+                            window,
+                        )?;
+                        let (mx, mn) = relative_error(&got.narrow(0, s, len)?, &want)?;
+                        worst_max = worst_max.max(mx);
+                        worst_mean = worst_mean.max(mn);
+                    }
+                    // bf16 keeps 8 significant bits (f16 11): P and the output are rounded once
+                    // each. A row's arithmetic does not depend on the rows tiling.
+                    let same_bits = host_f32(&got)? == host_f32(&default)?;
+                    let ok = worst_max <= 0.02
+                        && worst_mean <= 0.005
+                        && (same_bits || tiling.keys != FlashTiling::DEFAULT.keys);
+                    failures += usize::from(!ok);
+                    println!(
+                        "| {dtype:?} d{dim} {}x{} window {window:?} lens {lens:?} GQA {hq}/{hkv} | {worst_max:.2e} | {worst_mean:.2e} | {}{} |",
+                        tiling.rows,
+                        tiling.keys,
+                        if ok { "ok" } else { "FAIL" },
+                        if same_bits { ", default's bits" } else { "" }
+                    );
                 }
-                // bf16 keeps 8 significant bits (f16 11): P and the output are rounded once each.
-                let ok = worst_max <= 0.02 && worst_mean <= 0.005;
-                failures += usize::from(!ok);
-                println!(
-                    "| {dtype:?} d{dim} window {window:?} lens {lens:?} GQA {hq}/{hkv} | {worst_max:.2e} | {worst_mean:.2e} | {} |",
-                    if ok { "ok" } else { "FAIL" }
-                );
             }
         }
     }
@@ -104,15 +116,10 @@ pub fn run(device: &Device) -> Result<()> {
     let (len, heads, dim) = (300usize, 4usize, 128usize);
     let half = dim / 2;
     let x = Tensor::randn(0f32, 1.0, (len, heads, dim), device)?.to_dtype(DType::BF16)?;
-    let angles: Vec<f32> = (0..len * half).map(|i| (i % 997) as f32 * 0.01).collect();
-    let angles = Tensor::from_vec(angles, (len, half), device)?;
-    let (cos, sin) = (
-        angles.cos()?.to_dtype(DType::BF16)?,
-        angles.sin()?.to_dtype(DType::BF16)?,
-    );
+    let (cos, sin) = rope_tables(len, half, DType::BF16, device)?;
     let positions = Tensor::new((0..len as i32).collect::<Vec<_>>().as_slice(), device)?;
-    let ours = host_bf16(&rope_rotate_half(&x, &positions, &cos, &sin)?)?;
-    let (xs, cs, ss) = (host_bf16(&x)?, host_bf16(&cos)?, host_bf16(&sin)?);
+    let ours = host_f32(&rope_rotate_half(&x, &positions, &cos, &sin)?)?;
+    let (xs, cs, ss) = (host_f32(&x)?, host_f32(&cos)?, host_f32(&sin)?);
     let round = |v: f32| bf16::from_f32(v).to_f32();
     let mut reference = vec![0f32; len * heads * dim];
     for (row, out) in reference.chunks_mut(dim).enumerate() {
@@ -127,7 +134,7 @@ pub fn run(device: &Device) -> Result<()> {
         .iter()
         .zip(&reference)
         .all(|(a, b)| a.to_bits() == b.to_bits());
-    let candle = host_bf16(
+    let candle = host_f32(
         &candle_nn::rotary_emb::rope(&x.transpose(0, 1)?.contiguous()?.unsqueeze(0)?, &cos, &sin)?
             .squeeze(0)?
             .transpose(0, 1)?
@@ -150,7 +157,70 @@ pub fn run(device: &Device) -> Result<()> {
     Ok(())
 }
 
-/// A bf16 tensor's values as f32 on the host, flattened.
-fn host_bf16(t: &Tensor) -> Result<Vec<f32>> {
+/// RoPE-like `(cos, sin)` tables `[positions, half]` in `dtype` (angles spread over [0, 10)).
+fn rope_tables(
+    positions: usize,
+    half: usize,
+    dtype: DType,
+    device: &Device,
+) -> Result<(Tensor, Tensor)> {
+    let angles: Vec<f32> = (0..positions * half)
+        .map(|i| (i % 997) as f32 * 0.01)
+        .collect();
+    let angles = Tensor::from_vec(angles, (positions, half), device)?;
+    Ok((
+        angles.cos()?.to_dtype(dtype)?,
+        angles.sin()?.to_dtype(dtype)?,
+    ))
+}
+
+/// Any float tensor's values as f32 on the host, flattened (exact for bf16/f16).
+fn host_f32(t: &Tensor) -> Result<Vec<f32>> {
     Ok(t.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?)
+}
+
+/// Each compiled tiling's time on the attention of `windows` 2048-token windows of the
+/// Llama-3-8B shape (32 query heads, 8 KV heads, head_dim 128, bf16): the median of 20
+/// launches, each synchronized, and the rate on the causal half (2·2·T²/2·d per head).
+pub fn timing(device: &Device, windows: usize) -> Result<()> {
+    let (len, hq, hkv, dim) = (2048usize, 32usize, 8usize, 128usize);
+    let tokens = windows * len;
+    let starts: Vec<i32> = (0..=windows as i32).map(|i| i * len as i32).collect();
+    let starts = Tensor::new(starts.as_slice(), device)?;
+    let q = Tensor::randn(0f32, 2.0, (tokens, hq, dim), device)?.to_dtype(DType::BF16)?;
+    let k = Tensor::randn(0f32, 1.0, (tokens, hkv, dim), device)?.to_dtype(DType::BF16)?;
+    let v = Tensor::randn(0f32, 1.0, (tokens, hkv, dim), device)?.to_dtype(DType::BF16)?;
+    let flops = (4 * len * len * dim * hq * windows) as f64 / 2.0;
+    println!("| flash tiling (rows x keys), {windows} windows | ms per layer | ms per window (32 layers) | TFLOP/s on the causal half |");
+    println!("|---|---|---|---|");
+    for &tiling in FlashTiling::compiled(dim) {
+        let opts = FlashOptions {
+            tiling,
+            ..FlashOptions::plain(dim)
+        };
+        let run = || {
+            flash_attention(&q, &k, &v, &starts, len, &opts).and_then(|o| {
+                device.synchronize()?;
+                Ok(o)
+            })
+        };
+        run()?;
+        let mut times: Vec<f64> = (0..20)
+            .map(|_| {
+                let t = std::time::Instant::now();
+                run().map(|_| t.elapsed().as_secs_f64())
+            })
+            .collect::<candle_core::Result<_>>()?;
+        times.sort_by(f64::total_cmp);
+        let median = times[times.len() / 2];
+        println!(
+            "| {}x{} | {:.3} | {:.2} | {:.0} |",
+            tiling.rows,
+            tiling.keys,
+            median * 1e3,
+            median * 1e3 * 32.0 / windows as f64,
+            flops / median / 1e12
+        );
+    }
+    Ok(())
 }

@@ -1,0 +1,166 @@
+//! `x · wᵀ` written straight into a row range of a larger output, so that row chunks of one
+//! input fill one output with no concatenation pass. cuBLAS is called exactly as candle's
+//! `x.matmul(&w.t())` calls it for bf16/f16 (same operand order, leading dimensions, compute
+//! type and algorithm), so a row gets the bits it would get from candle.
+
+use candle_core::cuda_backend::cudarc::cublas::{result::gemm_strided_batched_ex, sys, CudaBlas};
+use candle_core::cuda_backend::cudarc::driver::{
+    CudaSlice, CudaView, DevicePtr, DevicePtrMut, DeviceRepr,
+};
+use candle_core::cuda_backend::{
+    gemm_reduced_precision_bf16, gemm_reduced_precision_f16, CudaStorageSlice, WrapErr,
+};
+use candle_core::{
+    bail, CpuStorage, CudaStorage, DType, Device, InplaceOp3, Layout, Result, Tensor,
+};
+
+use super::wrap;
+
+/// A `[rows, cols]` tensor of `dtype` on `device` whose values are not initialised: for
+/// [`matmul_t_into_rows`] calls that write every row.
+pub fn uninit_rows(rows: usize, cols: usize, dtype: DType, device: &Device) -> Result<Tensor> {
+    let Device::Cuda(dev) = device else {
+        bail!("uninit_rows needs a CUDA device, not {device:?}")
+    };
+    with_float_type!(dtype, T => {
+        // SAFETY: the caller writes every element before reading any.
+        let data = unsafe { dev.alloc::<T>(rows * cols) }?;
+        Ok(wrap(data, dev, (rows, cols)))
+    })
+}
+
+/// Writes `x · wᵀ` (`x`: `[m, k]`, `w`: `[n, k]`, both contiguous, bf16 or f16) into rows
+/// `row0..row0 + m` of `out` (`[rows, n]`, contiguous, same dtype).
+pub fn matmul_t_into_rows(out: &Tensor, row0: usize, x: &Tensor, w: &Tensor) -> Result<()> {
+    out.inplace_op3(x, w, &MatmulTIntoRows { row0 })
+}
+
+struct MatmulTIntoRows {
+    row0: usize,
+}
+
+impl InplaceOp3 for MatmulTIntoRows {
+    fn name(&self) -> &'static str {
+        "matmul-t-into-rows"
+    }
+
+    fn cpu_fwd(
+        &self,
+        _: &mut CpuStorage,
+        _: &Layout,
+        _: &CpuStorage,
+        _: &Layout,
+        _: &CpuStorage,
+        _: &Layout,
+    ) -> Result<()> {
+        bail!("matmul_t_into_rows runs on CUDA devices only")
+    }
+
+    fn cuda_fwd(
+        &self,
+        out: &mut CudaStorage,
+        out_l: &Layout,
+        x: &CudaStorage,
+        x_l: &Layout,
+        w: &CudaStorage,
+        w_l: &Layout,
+    ) -> Result<()> {
+        let (m, k) = x_l.shape().dims2()?;
+        let (n, w_k) = w_l.shape().dims2()?;
+        let (rows, out_n) = out_l.shape().dims2()?;
+        let contiguous = [out_l, x_l, w_l].iter().all(|l| l.is_contiguous());
+        if w_k != k || out_n != n || self.row0 + m > rows || !contiguous {
+            bail!(
+                "matmul_t_into_rows: x {:?} w {:?} into rows {}.. of {:?} (all contiguous)",
+                x_l.dims(),
+                w_l.dims(),
+                self.row0,
+                out_l.dims()
+            );
+        }
+        let shape = Gemm {
+            m,
+            n,
+            k,
+            out_offset: out_l.start_offset() + self.row0 * n,
+        };
+        let blas = out.device.cublas_handle();
+        let (x_o, w_o) = (x_l.start_offset(), w_l.start_offset());
+        match (&mut out.slice, &x.slice, &w.slice) {
+            (CudaStorageSlice::BF16(o), CudaStorageSlice::BF16(x), CudaStorageSlice::BF16(w)) => {
+                if gemm_reduced_precision_bf16() {
+                    bail!("matmul_t_into_rows: reduced-precision bf16 GEMMs are not mirrored");
+                }
+                let t = sys::cudaDataType_t::CUDA_R_16BF;
+                // SAFETY: the shapes were checked against the three buffers above.
+                unsafe { shape.run(&blas, o, x.slice(x_o..), w.slice(w_o..), t) }
+            }
+            (CudaStorageSlice::F16(o), CudaStorageSlice::F16(x), CudaStorageSlice::F16(w)) => {
+                if gemm_reduced_precision_f16() {
+                    bail!("matmul_t_into_rows: reduced-precision f16 GEMMs are not mirrored");
+                }
+                let t = sys::cudaDataType_t::CUDA_R_16F;
+                // SAFETY: as above.
+                unsafe { shape.run(&blas, o, x.slice(x_o..), w.slice(w_o..), t) }
+            }
+            _ => bail!("matmul_t_into_rows: bf16 or f16 operands of one dtype"),
+        }
+    }
+}
+
+struct Gemm {
+    m: usize,
+    n: usize,
+    k: usize,
+    out_offset: usize,
+}
+
+impl Gemm {
+    /// candle's call for `x.matmul(&w.t())`: cuBLAS sees the column-major product
+    /// `out[n, m] = op(w)[n, k] · x[k, m]` with `w` transposed, f32 accumulation.
+    ///
+    /// # Safety
+    /// `x` holds `m * k` values, `w` `n * k`, `out` `out_offset + m * n`.
+    unsafe fn run<T: DeviceRepr>(
+        &self,
+        blas: &CudaBlas,
+        out: &mut CudaSlice<T>,
+        x: CudaView<'_, T>,
+        w: CudaView<'_, T>,
+        data_type: sys::cudaDataType_t,
+    ) -> Result<()> {
+        let Self { m, n, k, .. } = *self;
+        let stream = out.stream().clone();
+        let mut c = out.slice_mut(self.out_offset..self.out_offset + m * n);
+        let (a, _a) = w.device_ptr(&stream);
+        let (b, _b) = x.device_ptr(&stream);
+        let (c, _c) = c.device_ptr_mut(&stream);
+        let (alpha, beta) = (1f32, 0f32);
+        gemm_strided_batched_ex(
+            *blas.handle(),
+            sys::cublasOperation_t::CUBLAS_OP_T,
+            sys::cublasOperation_t::CUBLAS_OP_N,
+            n as i32,
+            m as i32,
+            k as i32,
+            (&alpha as *const f32).cast(),
+            a as *const _,
+            data_type,
+            k as i32,
+            (n * k) as i64,
+            b as *const _,
+            data_type,
+            k as i32,
+            (m * k) as i64,
+            (&beta as *const f32).cast(),
+            c as *mut _,
+            data_type,
+            n as i32,
+            (m * n) as i64,
+            1,
+            sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
+            sys::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT_TENSOR_OP,
+        )
+        .w()
+    }
+}
