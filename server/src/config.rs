@@ -97,10 +97,10 @@ pub struct Args {
     /// Time limit of one request, queueing included (504 beyond).
     #[arg(long, env = "EXACTSCORE_REQUEST_TIMEOUT_SECS", default_value_t = 600)]
     pub request_timeout_secs: u64,
-    /// Sum of sequence lengths computed in one batch. 8192 is the measured optimum on an H100
-    /// (Llama-3-8B shape, W4A16, 2048-token windows: 51.6 ms/window at 4 windows per forward,
-    /// 52.8 ms and 1.2 GiB more at 8; docs/performance.md).
-    #[arg(long, env = "EXACTSCORE_MAX_BATCH_TOKENS", default_value_t = 8192)]
+    /// Sum of sequence lengths computed in one batch. 16384 is the measured optimum on an H100
+    /// (Llama-3-8B shape, W4A16, 2048-token windows: 48.8 ms/window at 8 windows per forward,
+    /// 49.7 at 4, peak 7.3 vs 7.0 GiB; docs/performance.md).
+    #[arg(long, env = "EXACTSCORE_MAX_BATCH_TOKENS", default_value_t = 16384)]
     pub max_batch_tokens: usize,
     /// Sequences computed in one batch.
     #[arg(long, env = "EXACTSCORE_MAX_BATCH_REQUESTS", default_value_t = 64)]
