@@ -65,19 +65,21 @@ __device__ void dequant_int(const int32_t* packed, const float* scales, const in
 
 // Fast path of dequant_int when every word lies inside one group (group % (32 / BITS) == 0 and
 // cols % (32 / BITS) == 0, true for real models): one scale lookup and vector stores per word.
+// Grid (rows, word blocks): one thread per word of row blockIdx.x, so no thread divides a
+// 64-bit index to find its row.
 template <typename T, int BITS>
 __device__ void dequant_int_words(const int32_t* packed, const float* scales, const int32_t* zps, T* out,
                                   int rows, int cols, int group) {
     constexpr int PER = 32 / BITS;
-    long idx = (long)blockIdx.x * blockDim.x + threadIdx.x;
-    int words_per_row = cols / PER;
-    if (idx >= (long)rows * words_per_row) return;
-    int r = idx / words_per_row;
-    int c0 = (idx % words_per_row) * PER;
-    int g = r * (cols / group) + c0 / group;
+    const int words_per_row = cols / PER;
+    const int r = blockIdx.x;
+    const int w = blockIdx.y * blockDim.x + threadIdx.x;
+    if (w >= words_per_row) return;
+    const int c0 = w * PER;
+    const long g = (long)r * (cols / group) + c0 / group;
     float s = scales[g];
     int zp = zps ? zps[g] : 0;
-    uint32_t word = (uint32_t)packed[idx];
+    uint32_t word = (uint32_t)packed[(long)r * words_per_row + w];
     Pack<T, PER> p;
 #pragma unroll
     for (int i = 0; i < PER; ++i) {
@@ -107,16 +109,16 @@ __device__ void dequant_nvfp4(const uint8_t* packed, const uint8_t* scales, floa
 }
 
 // float-quantized fp8: w = fp8(code) * scale[r / block_rows, c / block_cols].
-// One thread per 8 weights (cols % 8 == 0, checked by the caller).
+// Grid (rows, column blocks): one thread per 8 weights of row blockIdx.x (cols % 8 == 0, checked
+// by the caller), so no thread divides a 64-bit index to find its row.
 template <typename T>
 __device__ void dequant_fp8(const uint8_t* codes, const float* scales, T* out, int rows, int cols,
                             int block_rows, int block_cols, int scale_cols) {
-    long idx = (long)blockIdx.x * blockDim.x + threadIdx.x;
-    if (idx >= (long)rows * cols / 8) return;
-    long e = idx * 8;
-    int r = e / cols;
-    int c0 = e % cols;
-    uint2 bytes = reinterpret_cast<const uint2*>(codes)[idx];
+    const int r = blockIdx.x;
+    const int c0 = (blockIdx.y * blockDim.x + threadIdx.x) * 8;
+    if (c0 >= cols) return;
+    const long e = (long)r * cols + c0;
+    uint2 bytes = *reinterpret_cast<const uint2*>(codes + e);
     const float* srow = scales + (long)(r / block_rows) * scale_cols;
     // The 8 weights share one scale when scale blocks are whole multiples of 8 columns (channel,
     // tensor and every real block size): one lookup instead of 8 divisions.
@@ -128,7 +130,7 @@ __device__ void dequant_fp8(const uint8_t* codes, const float* scales, T* out, i
         uint8_t b = ((i < 4 ? bytes.x : bytes.y) >> ((i % 4) * 8)) & 0xFF;
         p.v[i] = from_f32<T>(fp8_e4m3_to_f32(b) * (one_scale ? s0 : srow[(c0 + i) / block_cols]));
     }
-    reinterpret_cast<Pack<T, 8>*>(out)[idx] = p;
+    *reinterpret_cast<Pack<T, 8>*>(out + e) = p;
 }
 
 // ---- activation QDQ (x -> out) ------------------------------------------------------------

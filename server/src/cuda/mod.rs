@@ -195,8 +195,18 @@ pub fn dequant_int(
                         b.arg(&w).arg(&bi);
                     }
                     b.arg(&g);
+                    // The words kernels: one block per row and group of THREADS words.
+                    let config = if words_kernel {
+                        LaunchConfig {
+                            grid_dim: (rows as u32, words_per_row.div_ceil(THREADS as usize) as u32, 1),
+                            block_dim: (THREADS, 1, 1),
+                            shared_mem_bytes: 0,
+                        }
+                    } else {
+                        grid_1d(rows * words_per_row)
+                    };
                     // SAFETY: arguments match `dequant_int_*` / `dequant_int{4,8}_words_*`.
-                    unsafe { b.launch(grid_1d(rows * words_per_row)) }.w()?;
+                    unsafe { b.launch(config) }.w()?;
                     Ok(wrap(out, dev, (rows, cols)))
                 })
             })
@@ -260,8 +270,14 @@ pub fn dequant_fp8(
                 for a in &args {
                     b.arg(a);
                 }
+                // One block per row and column group of THREADS * 8 weights.
+                let config = LaunchConfig {
+                    grid_dim: (rows as u32, (cols / 8).div_ceil(THREADS as usize) as u32, 1),
+                    block_dim: (THREADS, 1, 1),
+                    shared_mem_bytes: 0,
+                };
                 // SAFETY: arguments match `dequant_fp8_*` (one thread per 8 weights).
-                unsafe { b.launch(grid_1d(rows * cols / 8)) }.w()?;
+                unsafe { b.launch(config) }.w()?;
                 Ok(wrap(out, dev, (rows, cols)))
             })
         })
