@@ -98,8 +98,8 @@ pub struct Args {
     #[arg(long, env = "EXACTSCORE_REQUEST_TIMEOUT_SECS", default_value_t = 600)]
     pub request_timeout_secs: u64,
     /// Sum of sequence lengths computed in one batch. 16384 is the measured optimum on an H100
-    /// (Llama-3-8B shape, W4A16, 2048-token windows: 48.8 ms/window at 8 windows per forward,
-    /// 49.7 at 4, peak 7.3 vs 7.0 GiB; docs/performance.md).
+    /// (Llama-3-8B shape, W4A16, 2048-token windows: 48.2 ms/window at 8 windows per forward,
+    /// 49.1 at 4, peak 7.5 vs 6.9 GiB; docs/performance.md).
     #[arg(long, env = "EXACTSCORE_MAX_BATCH_TOKENS", default_value_t = 16384)]
     pub max_batch_tokens: usize,
     /// Sequences computed in one batch.
