@@ -505,10 +505,14 @@ impl DecoderLayer {
         // A QDQ that q/k/v (gate/up) share is applied by the norm that feeds them.
         let a = &self.self_attn;
         let attn_qdq = common_qdq(&[&a.q_proj, &a.k_proj, &a.v_proj]);
-        let (x, normed) = stage("norm", dev, || {
-            self.input_layernorm
-                .add_and_forward(&x, pending.as_ref(), attn_qdq.flatten())
-        })?;
+        // The block owns the incoming stream and `pending`, so both are freed after the norm.
+        let (x, normed) = {
+            let (input, pending) = (x, pending);
+            stage("norm", dev, || {
+                self.input_layernorm
+                    .add_and_forward(&input, pending.as_ref(), attn_qdq.flatten())
+            })?
+        };
         let attn = a.forward(normed, attn_qdq.is_some(), batch, rope)?;
         let m = &self.mlp;
         let mlp_qdq = common_qdq(&[&m.gate_proj, &m.up_proj]);
