@@ -84,25 +84,36 @@ impl InplaceOp3 for MatmulTIntoRows {
             k,
             out_offset: out_l.start_offset() + self.row0 * n,
         };
+        // Only candle's default (f32-accumulating) GEMM is mirrored.
+        let reduced = match out.slice {
+            CudaStorageSlice::BF16(_) => gemm_reduced_precision_bf16(),
+            _ => gemm_reduced_precision_f16(),
+        };
+        if reduced {
+            bail!("matmul_t_into_rows: reduced-precision bf16/f16 GEMMs are not mirrored");
+        }
         let blas = out.device.cublas_handle();
         let (x_o, w_o) = (x_l.start_offset(), w_l.start_offset());
+        // SAFETY (both arms): the shapes were checked against the three buffers above.
         match (&mut out.slice, &x.slice, &w.slice) {
-            (CudaStorageSlice::BF16(o), CudaStorageSlice::BF16(x), CudaStorageSlice::BF16(w)) => {
-                if gemm_reduced_precision_bf16() {
-                    bail!("matmul_t_into_rows: reduced-precision bf16 GEMMs are not mirrored");
-                }
-                let t = sys::cudaDataType_t::CUDA_R_16BF;
-                // SAFETY: the shapes were checked against the three buffers above.
-                unsafe { shape.run(&blas, o, x.slice(x_o..), w.slice(w_o..), t) }
-            }
-            (CudaStorageSlice::F16(o), CudaStorageSlice::F16(x), CudaStorageSlice::F16(w)) => {
-                if gemm_reduced_precision_f16() {
-                    bail!("matmul_t_into_rows: reduced-precision f16 GEMMs are not mirrored");
-                }
-                let t = sys::cudaDataType_t::CUDA_R_16F;
-                // SAFETY: as above.
-                unsafe { shape.run(&blas, o, x.slice(x_o..), w.slice(w_o..), t) }
-            }
+            (CudaStorageSlice::BF16(o), CudaStorageSlice::BF16(x), CudaStorageSlice::BF16(w)) => unsafe {
+                shape.run(
+                    &blas,
+                    o,
+                    x.slice(x_o..),
+                    w.slice(w_o..),
+                    sys::cudaDataType_t::CUDA_R_16BF,
+                )
+            },
+            (CudaStorageSlice::F16(o), CudaStorageSlice::F16(x), CudaStorageSlice::F16(w)) => unsafe {
+                shape.run(
+                    &blas,
+                    o,
+                    x.slice(x_o..),
+                    w.slice(w_o..),
+                    sys::cudaDataType_t::CUDA_R_16F,
+                )
+            },
             _ => bail!("matmul_t_into_rows: bf16 or f16 operands of one dtype"),
         }
     }
