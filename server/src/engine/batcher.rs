@@ -1,6 +1,7 @@
 //! The scheduler: the async face of the queue. Handlers `submit` sequences; one task forms a
-//! batch whenever the engine thread can take one, as late as possible so that sequences that
-//! arrive during a computation join the next batch.
+//! batch whenever the engine thread can take one: at once when it is full, else only once the
+//! engine waits, so that the sequences that arrive during a computation all join the next
+//! batch (see [`State::take_batch`]).
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -21,8 +22,11 @@ pub struct Scheduler {
 
 struct Shared {
     state: Mutex<State>,
+    /// Wakes the batching task: a sequence queued, the engine waiting, or the shutdown.
     notify: Notify,
     closed: AtomicBool,
+    /// The engine thread waits for a batch (none is formed ahead).
+    engine_idle: AtomicBool,
 }
 
 /// Joins the engine thread once the scheduler is shut down and the queue has drained.
@@ -45,12 +49,19 @@ impl Scheduler {
         limits: BatchLimits,
     ) -> std::io::Result<(Self, EngineThread)> {
         let (tx, rx) = mpsc::channel(1);
-        let thread = worker::spawn(engine, rx)?;
         let shared = Arc::new(Shared {
             state: Mutex::new(State::new(limits)),
             notify: Notify::new(),
             closed: AtomicBool::new(false),
+            engine_idle: AtomicBool::new(false),
         });
+        let signal = shared.clone();
+        let thread = worker::spawn(engine, rx, move |idle| {
+            signal.engine_idle.store(idle, Ordering::SeqCst);
+            if idle {
+                signal.notify.notify_one();
+            }
+        })?;
         tokio::spawn(batch_loop(shared.clone(), tx));
         Ok((Self { shared }, EngineThread(thread)))
     }
@@ -111,7 +122,7 @@ async fn batch_loop(shared: Arc<Shared>, tx: mpsc::Sender<Vec<Entry>>) {
         loop {
             let (batch, depth) = {
                 let mut state = shared.lock();
-                let batch = state.next_batch();
+                let batch = state.take_batch(shared.engine_idle.load(Ordering::SeqCst));
                 (batch, state.len())
             };
             metrics::gauge!("exactscore_queue_depth").set(depth as f64);
@@ -119,10 +130,64 @@ async fn batch_loop(shared: Arc<Shared>, tx: mpsc::Sender<Vec<Entry>>) {
                 permit.send(batch);
                 break;
             }
-            if shared.closed.load(Ordering::SeqCst) {
+            if depth == 0 && shared.closed.load(Ordering::SeqCst) {
                 return; // drops `tx`: the engine thread finishes
             }
             shared.notify.notified().await;
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use super::*;
+    use crate::engine::fake::FakeEngine;
+
+    async fn batch_id(rx: ReplyReceiver) -> u64 {
+        rx.await
+            .expect("engine gone")
+            .expect("batch failed")
+            .batch_id
+    }
+
+    /// Sequences that arrive while a batch computes join one batch: a full one leaves at once,
+    /// the rest wait for the engine instead of leaving with the first arrival.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn arrivals_during_a_computation_share_the_next_batch() {
+        let (engine, gate) = FakeEngine::gated();
+        let limits = BatchLimits {
+            max_batch_tokens: 100,
+            max_batch_requests: 2,
+        };
+        let (scheduler, thread) = Scheduler::start(Box::new(engine), limits).unwrap();
+        let a = scheduler.submit(vec![1, 2], 0);
+        let gate = tokio::task::spawn_blocking(move || {
+            gate.wait_started();
+            gate
+        })
+        .await
+        .unwrap();
+        let pause = || tokio::time::sleep(Duration::from_millis(50));
+        let b = scheduler.submit(vec![3, 4], 0);
+        pause().await;
+        let c = scheduler.submit(vec![5, 6], 0);
+        let d = scheduler.submit(vec![7, 8], 0);
+        pause().await;
+        for _ in 0..3 {
+            gate.release();
+        }
+        let ids = [
+            batch_id(a).await,
+            batch_id(b).await,
+            batch_id(c).await,
+            batch_id(d).await,
+        ];
+        assert_eq!(ids, [1, 2, 2, 3]);
+        scheduler.shutdown();
+        tokio::task::spawn_blocking(move || thread.join())
+            .await
+            .unwrap();
     }
 }

@@ -96,6 +96,28 @@ impl State {
         dropped
     }
 
+    /// The batch to hand the engine now: a full one as soon as the queue holds it, a partial
+    /// one only when the engine waits for work (`engine_idle`). A partial batch formed while
+    /// the engine computes would run next with fewer sequences than arrive before the engine
+    /// is free, and a forward over fewer windows costs more per window on a GPU.
+    pub fn take_batch(&mut self, engine_idle: bool) -> Vec<Entry> {
+        self.drop_cancelled();
+        if engine_idle || self.holds_full_batch() {
+            self.next_batch()
+        } else {
+            Vec::new()
+        }
+    }
+
+    /// Whether [`Self::next_batch`] would end at a budget rather than at the end of the queue.
+    fn holds_full_batch(&self) -> bool {
+        let mut tokens = 0;
+        self.entries.iter().enumerate().any(|(n, e)| {
+            tokens += e.tokens.len();
+            n + 1 >= self.limits.max_batch_requests || tokens >= self.limits.max_batch_tokens
+        })
+    }
+
     /// Takes the next batch: entries in arrival order while both budgets hold. Stops at the
     /// first entry that does not fit (no overtaking, so a long sequence is never starved).
     /// A head entry longer than the token budget is taken alone rather than left stuck.
@@ -123,12 +145,9 @@ impl State {
 mod tests {
     use super::*;
 
-    fn entry(
-        len: usize,
-    ) -> (
-        Entry,
-        oneshot::Receiver<Result<Computed<SequenceScores>, EngineError>>,
-    ) {
+    type ScoreReceiver = oneshot::Receiver<Result<Computed<SequenceScores>, EngineError>>;
+
+    fn entry(len: usize) -> (Entry, ScoreReceiver) {
         let (tx, rx) = oneshot::channel();
         let e = Entry {
             tokens: vec![len as u32; len],
@@ -232,6 +251,56 @@ mod tests {
         }
         assert_eq!(lens(&s.next_batch()), vec![25]);
         assert_eq!(lens(&s.next_batch()), vec![2, 2]);
+    }
+
+    fn push_all(s: &mut State, lens: &[usize]) -> Vec<ScoreReceiver> {
+        lens.iter()
+            .map(|&len| {
+                let (e, rx) = entry(len);
+                s.push(e);
+                rx
+            })
+            .collect()
+    }
+
+    #[test]
+    fn partial_batch_waits_for_an_idle_engine() {
+        let mut s = state(10, 4);
+        let _keep = push_all(&mut s, &[3, 4]);
+        assert!(s.take_batch(false).is_empty());
+        assert_eq!(s.len(), 2);
+        assert_eq!(lens(&s.take_batch(true)), vec![3, 4]);
+    }
+
+    #[test]
+    fn full_batch_goes_while_the_engine_computes() {
+        // The token budget reached exactly, then exceeded by the next entry.
+        let mut s = state(10, 4);
+        let _keep = push_all(&mut s, &[4, 6, 5, 1]);
+        assert_eq!(lens(&s.take_batch(false)), vec![4, 6]);
+        assert!(s.take_batch(false).is_empty());
+        // The request budget.
+        let mut s = state(100, 2);
+        let _keep = push_all(&mut s, &[1, 1, 1]);
+        assert_eq!(lens(&s.take_batch(false)), vec![1, 1]);
+        assert!(s.take_batch(false).is_empty());
+        assert_eq!(lens(&s.take_batch(true)), vec![1]);
+        // An oversize head is a full batch on its own.
+        let mut s = state(10, 4);
+        let _keep = push_all(&mut s, &[25, 2]);
+        assert_eq!(lens(&s.take_batch(false)), vec![25]);
+    }
+
+    #[test]
+    fn cancelled_entries_do_not_count_towards_a_full_batch() {
+        let mut s = state(10, 4);
+        let (a, rx_a) = entry(8);
+        let (b, _rx_b) = entry(3);
+        s.push(a);
+        s.push(b);
+        drop(rx_a);
+        assert!(s.take_batch(false).is_empty());
+        assert_eq!(s.len(), 1);
     }
 
     #[test]

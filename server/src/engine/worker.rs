@@ -13,15 +13,31 @@ use super::{Computed, Engine, EngineError};
 use crate::model::ScoreInput;
 
 /// Starts the engine thread. It ends when the sending side of `batches` is dropped.
+/// `set_idle(true)` tells the batcher that the thread waits with no batch formed ahead,
+/// `set_idle(false)` that it has one again.
 pub fn spawn(
     mut engine: Box<dyn Engine>,
     mut batches: mpsc::Receiver<Vec<Entry>>,
+    set_idle: impl Fn(bool) + Send + 'static,
 ) -> std::io::Result<JoinHandle<()>> {
     std::thread::Builder::new()
         .name("exactscore-engine".into())
         .spawn(move || {
             let mut batch_id = 0u64;
-            while let Some(batch) = batches.blocking_recv() {
+            loop {
+                let batch = match batches.try_recv() {
+                    Ok(batch) => batch,
+                    Err(mpsc::error::TryRecvError::Disconnected) => break,
+                    Err(mpsc::error::TryRecvError::Empty) => {
+                        set_idle(true);
+                        let batch = batches.blocking_recv();
+                        set_idle(false);
+                        match batch {
+                            Some(batch) => batch,
+                            None => break,
+                        }
+                    }
+                };
                 batch_id += 1;
                 run_batch(engine.as_mut(), batch, batch_id);
             }
