@@ -521,7 +521,7 @@ impl DecoderLayer {
                 .add_and_forward(&x, Some(&attn), mlp_qdq.flatten())
         })?;
         drop(attn);
-        let mlp = m.forward(&normed, mlp_qdq.is_some())?;
+        let mlp = m.forward(normed, mlp_qdq.is_some())?;
         Ok((x, Some(mlp)))
     }
 }
@@ -546,18 +546,19 @@ fn layer_inputs<const N: usize>(
 const MLP_CHUNK: usize = 2048;
 
 impl Mlp {
-    /// `prequantized`: `x` has been through gate/up's common activation QDQ.
-    fn forward(&self, x: &Tensor, prequantized: bool) -> Result<Tensor> {
+    /// `prequantized`: `x` has been through gate/up's common activation QDQ. On a GPU the
+    /// output is written over `x`, chunk by chunk, once each chunk has been read.
+    fn forward(&self, x: Tensor, prequantized: bool) -> Result<Tensor> {
         let dev = x.device();
         let rows = x.dims()[0];
         let (w_gate, w_up) = stage("gate_up_proj", dev, || {
             Ok((
-                self.gate_proj.dequantized_like(x)?,
-                self.up_proj.dequantized_like(x)?,
+                self.gate_proj.dequantized_like(&x)?,
+                self.up_proj.dequantized_like(&x)?,
             ))
         })?;
         let mut w_down = None;
-        let mut out = self.down_proj.row_chunks(rows, x)?;
+        let mut out = self.down_proj.row_chunks_over(x.clone())?;
         for start in (0..rows).step_by(MLP_CHUNK) {
             let x = x.narrow(0, start, MLP_CHUNK.min(rows - start))?;
             let [gate_in, up_in] =

@@ -82,15 +82,26 @@ impl QuantLinear {
         self.add_bias(x.matmul(&w.t()?)?)
     }
 
-    /// Collects this layer's output over an input of `rows` rows (dtype and device of `like`)
-    /// that arrives in row chunks: see [`RowChunks`].
-    pub fn row_chunks(&self, rows: usize, like: &Tensor) -> Result<RowChunks<'_>> {
+    /// Collects this layer's output over `input` (`[rows, in_features]`), whose row chunks
+    /// reach [`RowChunks::push`] in order, each once it has been read: see [`RowChunks`]. When
+    /// `input` has the output's shape, the GPU path writes each chunk's product over the rows
+    /// it came from (read before they are overwritten, on one stream), so one `[rows, hidden]`
+    /// buffer fewer is alive; the caller gives `input` up.
+    pub fn row_chunks_over(&self, input: Tensor) -> Result<RowChunks<'_>> {
         let (out_features, _) = self.weight.shape();
+        let rows = input.dims()[0];
+        let output = if !writes_in_place(&input) {
+            None
+        } else if input.dims() == [rows, out_features] && input.is_contiguous() {
+            Some(input)
+        } else {
+            Some(uninit_output(rows, out_features, &input)?)
+        };
         Ok(RowChunks {
             linear: self,
             rows,
             filled: 0,
-            output: in_place_output(rows, out_features, like)?,
+            output,
             parts: Vec::new(),
         })
     }
@@ -159,13 +170,20 @@ impl RowChunks<'_> {
 
 /// The output [`RowChunks`] writes chunks into, where that exists: `[rows, cols]` on a CUDA
 /// device in bf16/f16 (`like`'s), not initialised.
-fn in_place_output(rows: usize, cols: usize, like: &Tensor) -> Result<Option<Tensor>> {
+/// A `[rows, cols]` GPU tensor like `like` whose every row [`RowChunks`] writes.
+fn uninit_output(rows: usize, cols: usize, like: &Tensor) -> Result<Tensor> {
     #[cfg(feature = "cuda")]
-    if like.device().is_cuda() && matches!(like.dtype(), DType::BF16 | DType::F16) {
-        return crate::cuda::uninit_rows(rows, cols, like.dtype(), like.device()).map(Some);
-    }
-    let _ = (rows, cols, like);
-    Ok(None)
+    return crate::cuda::uninit_rows(rows, cols, like.dtype(), like.device());
+    #[cfg(not(feature = "cuda"))]
+    candle_core::bail!("a {rows}x{cols} output in place on {:?}", like.device())
+}
+
+/// Whether [`RowChunks`] writes each chunk's product into its rows of one output (a GPU in
+/// bf16/f16) rather than concatenating the products.
+fn writes_in_place(like: &Tensor) -> bool {
+    cfg!(feature = "cuda")
+        && like.device().is_cuda()
+        && matches!(like.dtype(), DType::BF16 | DType::F16)
 }
 
 /// The activation QDQ that every layer of `linears` applies to its input, when they all apply
