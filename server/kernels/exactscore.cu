@@ -65,28 +65,39 @@ __device__ void dequant_int(const int32_t* packed, const float* scales, const in
 
 // Fast path of dequant_int when every word lies inside one group (group % (32 / BITS) == 0 and
 // cols % (32 / BITS) == 0, true for real models): one scale lookup and vector stores per word.
-// Grid (rows, word blocks): one thread per word of row blockIdx.x, so no thread divides a
-// 64-bit index to find its row.
+// Grid (rows, word blocks of DEQUANT_ITEMS * blockDim): thread i of a block takes the words
+// i + j * blockDim, so no thread divides a 64-bit index to find its row, all its loads are in
+// flight before the first is decoded, and every store stays coalesced across the warp.
+#define DEQUANT_ITEMS 2
 template <typename T, int BITS>
 __device__ void dequant_int_words(const int32_t* packed, const float* scales, const int32_t* zps, T* out,
                                   int rows, int cols, int group) {
     constexpr int PER = 32 / BITS;
     const int words_per_row = cols / PER;
     const int r = blockIdx.x;
-    const int w = blockIdx.y * blockDim.x + threadIdx.x;
-    if (w >= words_per_row) return;
-    const int c0 = w * PER;
-    const long g = (long)r * (cols / group) + c0 / group;
-    float s = scales[g];
-    int zp = zps ? zps[g] : 0;
-    uint32_t word = (uint32_t)packed[(long)r * words_per_row + w];
-    Pack<T, PER> p;
+    const int w0 = blockIdx.y * blockDim.x * DEQUANT_ITEMS + threadIdx.x;
+    uint32_t words[DEQUANT_ITEMS];
 #pragma unroll
-    for (int i = 0; i < PER; ++i) {
-        int q = (int)((word >> (i * BITS)) & ((1u << BITS) - 1)) - (1 << (BITS - 1));
-        p.v[i] = from_f32<T>((float)(q - zp) * s);
+    for (int j = 0; j < DEQUANT_ITEMS; ++j) {
+        const int w = w0 + j * blockDim.x;
+        if (w < words_per_row) words[j] = (uint32_t)packed[(long)r * words_per_row + w];
     }
-    *reinterpret_cast<Pack<T, PER>*>(out + (long)r * cols + c0) = p;
+#pragma unroll
+    for (int j = 0; j < DEQUANT_ITEMS; ++j) {
+        const int w = w0 + j * blockDim.x;
+        if (w >= words_per_row) return;
+        const int c0 = w * PER;
+        const long g = (long)r * (cols / group) + c0 / group;
+        float s = scales[g];
+        int zp = zps ? zps[g] : 0;
+        Pack<T, PER> p;
+#pragma unroll
+        for (int i = 0; i < PER; ++i) {
+            int q = (int)((words[j] >> (i * BITS)) & ((1u << BITS) - 1)) - (1 << (BITS - 1));
+            p.v[i] = from_f32<T>((float)(q - zp) * s);
+        }
+        *reinterpret_cast<Pack<T, PER>*>(out + (long)r * cols + c0) = p;
+    }
 }
 
 // nvfp4: w = bf16(fp4(code) * (fp8(scale) / global)), two codes per byte, low nibble first.
@@ -109,28 +120,37 @@ __device__ void dequant_nvfp4(const uint8_t* packed, const uint8_t* scales, floa
 }
 
 // float-quantized fp8: w = fp8(code) * scale[r / block_rows, c / block_cols].
-// Grid (rows, column blocks): one thread per 8 weights of row blockIdx.x (cols % 8 == 0, checked
-// by the caller), so no thread divides a 64-bit index to find its row.
+// Grid (rows, column blocks of DEQUANT_ITEMS * blockDim * 8): thread i of a block takes the
+// groups of 8 weights i + j * blockDim, as in dequant_int_words (cols % 8 == 0, checked by the
+// caller).
 template <typename T>
 __device__ void dequant_fp8(const uint8_t* codes, const float* scales, T* out, int rows, int cols,
                             int block_rows, int block_cols, int scale_cols) {
     const int r = blockIdx.x;
-    const int c0 = (blockIdx.y * blockDim.x + threadIdx.x) * 8;
-    if (c0 >= cols) return;
-    const long e = (long)r * cols + c0;
-    uint2 bytes = *reinterpret_cast<const uint2*>(codes + e);
+    const int v0 = blockIdx.y * blockDim.x * DEQUANT_ITEMS + threadIdx.x;
+    uint2 bytes[DEQUANT_ITEMS];
+#pragma unroll
+    for (int j = 0; j < DEQUANT_ITEMS; ++j) {
+        const int c0 = (v0 + j * blockDim.x) * 8;
+        if (c0 < cols) bytes[j] = *reinterpret_cast<const uint2*>(codes + (long)r * cols + c0);
+    }
     const float* srow = scales + (long)(r / block_rows) * scale_cols;
     // The 8 weights share one scale when scale blocks are whole multiples of 8 columns (channel,
     // tensor and every real block size): one lookup instead of 8 divisions.
     const bool one_scale = block_cols % 8 == 0;
-    const float s0 = srow[c0 / block_cols];
-    Pack<T, 8> p;
 #pragma unroll
-    for (int i = 0; i < 8; ++i) {
-        uint8_t b = ((i < 4 ? bytes.x : bytes.y) >> ((i % 4) * 8)) & 0xFF;
-        p.v[i] = from_f32<T>(fp8_e4m3_to_f32(b) * (one_scale ? s0 : srow[(c0 + i) / block_cols]));
+    for (int j = 0; j < DEQUANT_ITEMS; ++j) {
+        const int c0 = (v0 + j * blockDim.x) * 8;
+        if (c0 >= cols) return;
+        const float s0 = srow[c0 / block_cols];
+        Pack<T, 8> p;
+#pragma unroll
+        for (int i = 0; i < 8; ++i) {
+            uint8_t b = ((i < 4 ? bytes[j].x : bytes[j].y) >> ((i % 4) * 8)) & 0xFF;
+            p.v[i] = from_f32<T>(fp8_e4m3_to_f32(b) * (one_scale ? s0 : srow[(c0 + i) / block_cols]));
+        }
+        *reinterpret_cast<Pack<T, 8>*>(out + (long)r * cols + c0) = p;
     }
-    *reinterpret_cast<Pack<T, 8>*>(out + e) = p;
 }
 
 // ---- activation QDQ (x -> out) ------------------------------------------------------------

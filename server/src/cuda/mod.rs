@@ -59,6 +59,24 @@ fn grid_1d(n: usize) -> LaunchConfig {
     }
 }
 
+/// Items (int words, groups of 8 fp8 codes) each thread of the dequantization kernels takes:
+/// `DEQUANT_ITEMS` in exactscore.cu.
+const DEQUANT_ITEMS: usize = 2;
+
+/// The dequantization kernels' grid: one block per row and run of `THREADS * DEQUANT_ITEMS` of
+/// the row's `items`.
+fn grid_row_items(rows: usize, items: usize) -> LaunchConfig {
+    LaunchConfig {
+        grid_dim: (
+            rows as u32,
+            items.div_ceil(THREADS as usize * DEQUANT_ITEMS) as u32,
+            1,
+        ),
+        block_dim: (THREADS, 1, 1),
+        shared_mem_bytes: 0,
+    }
+}
+
 fn grid_rows(rows: usize) -> LaunchConfig {
     LaunchConfig {
         grid_dim: (rows as u32, 1, 1),
@@ -195,13 +213,8 @@ pub fn dequant_int(
                         b.arg(&w).arg(&bi);
                     }
                     b.arg(&g);
-                    // The words kernels: one block per row and group of THREADS words.
                     let config = if words_kernel {
-                        LaunchConfig {
-                            grid_dim: (rows as u32, words_per_row.div_ceil(THREADS as usize) as u32, 1),
-                            block_dim: (THREADS, 1, 1),
-                            shared_mem_bytes: 0,
-                        }
+                        grid_row_items(rows, words_per_row)
                     } else {
                         grid_1d(rows * words_per_row)
                     };
@@ -270,14 +283,8 @@ pub fn dequant_fp8(
                 for a in &args {
                     b.arg(a);
                 }
-                // One block per row and column group of THREADS * 8 weights.
-                let config = LaunchConfig {
-                    grid_dim: (rows as u32, (cols / 8).div_ceil(THREADS as usize) as u32, 1),
-                    block_dim: (THREADS, 1, 1),
-                    shared_mem_bytes: 0,
-                };
-                // SAFETY: arguments match `dequant_fp8_*` (one thread per 8 weights).
-                unsafe { b.launch(config) }.w()?;
+                // SAFETY: arguments match `dequant_fp8_*` (items: groups of 8 weights).
+                unsafe { b.launch(grid_row_items(rows, cols / 8)) }.w()?;
                 Ok(wrap(out, dev, (rows, cols)))
             })
         })
