@@ -257,43 +257,74 @@ __device__ void block_best(float& v, int& i, float* s_val, int* s_idx) {
     __syncthreads();
 }
 
+// A running log-sum-exp: the largest value seen and the sum of exp(v - max) over the values.
+struct Lse {
+    float max, sum;
+};
+
+__device__ __forceinline__ void lse_add(Lse& a, float v) {
+    if (v > a.max) {
+        a.sum = a.sum * expf(a.max - v) + 1.0f;
+        a.max = v;
+    } else if (v != -INFINITY) {
+        a.sum += expf(v - a.max);
+    }
+}
+
+__device__ __forceinline__ Lse lse_merge(Lse a, Lse b) {
+    const float m = fmaxf(a.max, b.max);
+    if (m == -INFINITY) return a;
+    return {m, a.sum * expf(a.max - m) + b.sum * expf(b.max - m)};
+}
+
 // Per row: log-softmax over the vocabulary (f32), log p(target), argmax (lowest id on ties) and
 // the top-k. `targets[row] < 0` means no target. Only these small vectors leave the GPU.
-template <typename T>
+// One pass over the row gives the argmax and the log-sum-exp (online, as flash attention
+// rescales its sums), read as VEC-value vectors (VEC 8: vocab and the row start multiples of
+// 8); the top-k, when asked for, takes a second pass.
+template <typename T, int VEC>
 __device__ void score_rows(const T* logits, int vocab, const int32_t* targets, int top_k,
                            float* target_lp, int32_t* argmax_id, float* argmax_lp,
                            int32_t* topk_id, float* topk_lp) {
+    using V = Pack<T, VEC>;
     __shared__ float s_val[SCORE_THREADS];
     __shared__ int s_idx[SCORE_THREADS];
+    __shared__ Lse s_part[SCORE_THREADS / 32];
     __shared__ float s_lse;
     const T* row = logits + (long)blockIdx.x * vocab;
     int tid = threadIdx.x;
 
     float best = -INFINITY;
     int best_i = 0x7fffffff;
-    for (int i = tid; i < vocab; i += SCORE_THREADS) {
-        float v = to_f32(row[i]);
-        if (better(v, i, best, best_i)) { best = v; best_i = i; }
+    Lse lse = {-INFINITY, 0.0f};
+    for (int i = tid * VEC; i < vocab; i += SCORE_THREADS * VEC) {
+        const V x = *reinterpret_cast<const V*>(row + i);
+#pragma unroll
+        for (int j = 0; j < VEC; ++j) {
+            const float v = to_f32(x.v[j]);
+            if (better(v, i + j, best, best_i)) {
+                best = v;
+                best_i = i + j;
+            }
+            lse_add(lse, v);
+        }
     }
-    block_best(best, best_i, s_val, s_idx);
-    float max_v = best;
-    int max_i = best_i;
+    for (int o = 16; o > 0; o >>= 1)
+        lse = lse_merge(lse, {__shfl_xor_sync(0xffffffff, lse.max, o), __shfl_xor_sync(0xffffffff, lse.sum, o)});
+    if (tid % 32 == 0) s_part[tid / 32] = lse;
+    block_best(best, best_i, s_val, s_idx);  // its barriers also publish s_part
+    const float max_v = best;
+    const int max_i = best_i;
 
-    float sum = 0.0f;
-    for (int i = tid; i < vocab; i += SCORE_THREADS) sum += expf(to_f32(row[i]) - max_v);
-    s_val[tid] = sum;
-    __syncthreads();
-    for (int s = SCORE_THREADS / 2; s > 0; s >>= 1) {
-        if (tid < s) s_val[tid] += s_val[tid + s];
-        __syncthreads();
-    }
     if (tid == 0) {
-        float lse = max_v + logf(s_val[0]);
-        s_lse = lse;
+        Lse total = s_part[0];
+        for (int w = 1; w < SCORE_THREADS / 32; ++w) total = lse_merge(total, s_part[w]);
+        const float lse_v = total.max + logf(total.sum);
+        s_lse = lse_v;
         int t = targets[blockIdx.x];
-        target_lp[blockIdx.x] = t >= 0 ? to_f32(row[t]) - lse : NAN;
+        target_lp[blockIdx.x] = t >= 0 ? to_f32(row[t]) - lse_v : NAN;
         argmax_id[blockIdx.x] = max_i;
-        argmax_lp[blockIdx.x] = max_v - lse;
+        argmax_lp[blockIdx.x] = max_v - lse_v;
     }
     if (top_k <= 0) return;
     __syncthreads();
@@ -601,7 +632,12 @@ __device__ void gather_rows(const T* table, const uint32_t* ids, T* out, int col
     extern "C" __global__ void score_rows_##SUFFIX(const T* l, int vocab, const int32_t* t, int k,  \
                                                    float* tl, int32_t* ai, float* al, int32_t* ti,   \
                                                    float* tlp) {                                     \
-        score_rows<T>(l, vocab, t, k, tl, ai, al, ti, tlp);                                          \
+        score_rows<T, 1>(l, vocab, t, k, tl, ai, al, ti, tlp);                                       \
+    }                                                                                                \
+    extern "C" __global__ void score_rows_v8_##SUFFIX(const T* l, int vocab, const int32_t* t, int k, \
+                                                      float* tl, int32_t* ai, float* al, int32_t* ti, \
+                                                      float* tlp) {                                  \
+        score_rows<T, 8>(l, vocab, t, k, tl, ai, al, ti, tlp);                                       \
     }                                                                                                \
     extern "C" __global__ void kld_rows_##SUFFIX(const T* r, const T* l, int vocab, const int32_t* t, \
                                                  double* k, float* lp, float* rlp, int32_t* top,     \

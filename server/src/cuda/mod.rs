@@ -529,7 +529,11 @@ pub fn score_rows(logits: &Tensor, targets: &[i32], top_k: usize) -> Result<RowS
     // row each), then the top-k ids and logprobs (`rows * top_k` each).
     let top_len = rows * top_k;
     let words = 3 * rows + 2 * top_len;
-    let name = kernel_name("score_rows", logits.dtype());
+    let vectors = rows_of_vectors(vocab, &[&logits]);
+    let name = kernel_name(
+        if vectors { "score_rows_v8" } else { "score_rows" },
+        logits.dtype(),
+    );
     let host = with_float_type!(logits.dtype(), T => with_slice::<T, _>(&logits, |ls, lo, dev| {
         let func = kernel(dev, &EXACTSCORE, &name)?;
         let targets = dev.clone_htod(targets)?;
