@@ -2,7 +2,8 @@
 //! each into one fatbin: machine code (SASS) for every architecture in $EXACTSCORE_CUDA_ARCHS
 //! (default `80,89,90`: A100, L40S/RTX 4090, H100/H200) and $CUDA_COMPUTE_CAP, plus PTX of the
 //! newest one so that later GPUs can still JIT it. Machine code loads without the driver's PTX
-//! JIT, which costs seconds on a fresh machine.
+//! JIT, which costs seconds on a fresh machine. kernels/attention_sm90.cu (Hopper's wgmma) is
+//! built for sm_90a alone, when 90 is among the architectures.
 //! nvcc comes from $NVCC or PATH (a CUDA toolkit, or `scripts/cuda-env.sh` without one).
 
 fn main() {
@@ -43,6 +44,21 @@ fn main() {
                 )
             });
         assert!(status.success(), "nvcc failed on {src}");
+    }
+    // The wgmma kernels exist for sm_90 alone (arch-specific sm_90a machine code, no PTX).
+    let sm90 = out.join("attention_sm90.fatbin");
+    if archs.contains(&90) {
+        let status = std::process::Command::new(&nvcc)
+            .args(["--fatbin", "-O3", "-std=c++17"])
+            .arg("-gencode=arch=compute_90a,code=sm_90a")
+            .arg("-o")
+            .arg(&sm90)
+            .arg("kernels/attention_sm90.cu")
+            .status()
+            .expect("nvcc ran a moment ago");
+        assert!(status.success(), "nvcc failed on kernels/attention_sm90.cu");
+    } else {
+        std::fs::write(&sm90, []).expect("OUT_DIR is writable");
     }
 }
 

@@ -2,7 +2,7 @@
 // forward (causal, optional sliding window) that never materialises the [heads, T, T] scores.
 // Both work on the projections' natural layout [tokens, heads, head_dim] for a whole batch of
 // sequences at once (`starts`: prefix offsets of the sequences), so no transposes or GQA copies.
-#include "common.cuh"
+#include "flash.cuh"
 
 // ---- RoPE ------------------------------------------------------------------------------------
 
@@ -55,25 +55,6 @@ __device__ void rope_rotate_half(const T* x, T* out, const int32_t* pos, const T
 // values (conflict-free ldmatrix): (64 * MT + 2 * KEYS) * (D + 8) values; the launcher
 // (cuda/attention.rs) computes the same size.
 
-template <typename T> struct Mma;
-// mma.sync for one 16-bit input type, and packing two f32 into that type's pair register.
-#define MMA_FOR(T, PTX_TYPE, PAIR, TO_PAIR)                                                           \
-    template <> struct Mma<T> {                                                                   \
-        static __device__ __forceinline__ void run(float* c, const uint32_t* a, uint32_t b0,      \
-                                                   uint32_t b1) {                                 \
-            asm volatile("mma.sync.aligned.m16n8k16.row.col.f32." PTX_TYPE "." PTX_TYPE          \
-                         ".f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"         \
-                         : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])                        \
-                         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));       \
-        }                                                                                         \
-        static __device__ __forceinline__ uint32_t pack(float lo, float hi) {                     \
-            PAIR v = TO_PAIR(lo, hi);                                                             \
-            return *reinterpret_cast<uint32_t*>(&v);                                              \
-        }                                                                                         \
-    };
-MMA_FOR(__nv_bfloat16, "bf16", __nv_bfloat162, __floats2bfloat162_rn)
-MMA_FOR(__half, "f16", __half2, __floats2half2_rn)
-
 // Four 8x8 b16 matrices from shared memory (lane i gives the address of row i % 8 of matrix
 // i / 8): as stored, or transposed (the B operand of P·V from row-major V).
 __device__ __forceinline__ void ldmatrix_x4(uint32_t* r, const void* smem) {
@@ -87,18 +68,6 @@ __device__ __forceinline__ void ldmatrix_x4_trans(uint32_t* r, const void* smem)
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
                  : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
                  : "r"(addr));
-}
-
-// 16-byte asynchronous copy global -> shared; `valid` false fills the 16 bytes with zeros.
-__device__ __forceinline__ void cp_async16(void* smem, const void* gmem, bool valid) {
-    uint32_t addr = (uint32_t)__cvta_generic_to_shared(smem);
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(addr), "l"(gmem),
-                 "r"(valid ? 16 : 0));
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
-// Waits until at most N of this thread's committed copy groups are still in flight.
-template <int N> __device__ __forceinline__ void cp_async_wait() {
-    asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
 }
 
 // q: [tokens, hq, D], k and v: [tokens, hkv, D], out: [tokens, hq, D]; grid (query blocks of the
@@ -198,48 +167,9 @@ __device__ void flash_attention(const T* __restrict__ q, const T* __restrict__ k
                 }
             }
 
-            // mask (diagonal tiles, sliding window, keys past the end) and the running max
+            // Diagonal tiles, sliding window, keys past the end: masked per element.
             const bool edge = k0 + FA_KEYS - 1 > q0 + warp_row0 || window > 0;
-#pragma unroll
-            for (int mt = 0; mt < MT; ++mt) {
-                float tile_max[2] = {-INFINITY, -INFINITY};
-#pragma unroll
-                for (int n = 0; n < FA_KEYS / 8; ++n) {
-#pragma unroll
-                    for (int e = 0; e < 4; ++e) {
-                        const int r = e / 2, key = k0 + n * 8 + 2 * t + (e & 1);
-                        float x = s[mt][n][e] * scale_log2;
-                        if (edge && (key > row(mt, r) || (window > 0 && row(mt, r) - key >= window))) x = -INFINITY;
-                        s[mt][n][e] = x;
-                        tile_max[r] = fmaxf(tile_max[r], x);
-                    }
-                }
-                float base[2];
-#pragma unroll
-                for (int r = 0; r < 2; ++r) {
-                    tile_max[r] = fmaxf(tile_max[r], __shfl_xor_sync(0xffffffff, tile_max[r], 1));
-                    tile_max[r] = fmaxf(tile_max[r], __shfl_xor_sync(0xffffffff, tile_max[r], 2));
-                    const float m_new = fmaxf(m[mt][r], tile_max[r]);
-                    base[r] = m_new == -INFINITY ? 0.0f : m_new;  // a row with nothing visible yet
-                    const float alpha = exp2f(m[mt][r] - base[r]);
-                    m[mt][r] = m_new;
-                    l[mt][r] *= alpha;
-#pragma unroll
-                    for (int d = 0; d < D / 8; ++d) {
-                        acc[mt][d][2 * r] *= alpha;
-                        acc[mt][d][2 * r + 1] *= alpha;
-                    }
-                }
-#pragma unroll
-                for (int n = 0; n < FA_KEYS / 8; ++n) {
-#pragma unroll
-                    for (int e = 0; e < 4; ++e) {
-                        const float p = exp2f(s[mt][n][e] - base[e / 2]);
-                        s[mt][n][e] = p;
-                        l[mt][e / 2] += p;
-                    }
-                }
-            }
+            online_softmax<MT, FA_KEYS, D>(s, m, l, acc, k0, edge, window, scale_log2, t, row);
         }
 
         cp_async_wait<0>();  // V has landed
@@ -274,22 +204,7 @@ __device__ void flash_attention(const T* __restrict__ q, const T* __restrict__ k
         __syncthreads();
     }
 
-#pragma unroll
-    for (int mt = 0; mt < MT; ++mt) {
-#pragma unroll
-        for (int r = 0; r < 2; ++r) {
-            float sum = l[mt][r];
-            sum += __shfl_xor_sync(0xffffffff, sum, 1);
-            sum += __shfl_xor_sync(0xffffffff, sum, 2);
-            if (row(mt, r) >= len) continue;
-            const float inv = 1.0f / sum;
-            T* dst = out + (long)(start + row(mt, r)) * q_stride + (long)head * D + 2 * t;
-#pragma unroll
-            for (int d = 0; d < D / 8; ++d)
-                *reinterpret_cast<uint32_t*>(dst + d * 8) =
-                    Mma<T>::pack(acc[mt][d][2 * r] * inv, acc[mt][d][2 * r + 1] * inv);
-        }
-    }
+    store_rows<T, MT, D>(acc, l, out, start, len, q_stride, head, t, row);
 }
 
 // flash_attention_d{D}_r{ROWS}_k{KEYS}_{SUFFIX}: the tilings cuda/attention.rs lists

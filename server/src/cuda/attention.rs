@@ -3,21 +3,33 @@
 
 use candle_core::cuda_backend::cudarc::driver::{LaunchConfig, PushKernelArg};
 use candle_core::cuda_backend::WrapErr;
-use candle_core::{bail, DType, Result, Tensor};
+use candle_core::{bail, DType, Device, Result, Tensor};
 
-use super::module::{kernel, ATTENTION};
+use super::module::{kernel, KernelModule, ATTENTION, ATTENTION_SM90};
 use super::{grid_1d, kernel_name, rows_of_vectors, with_slice, wrap};
 
 /// Threads per block of `flash_attention_*` (attention.cu).
 const THREADS: u32 = 128;
 
+/// The tensor-core instructions of a flash kernel.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FlashMma {
+    /// `mma.sync` (attention.cu): every architecture from sm_80.
+    Sync,
+    /// Hopper's warpgroup MMA (attention_sm90.cu): sm_90 only, head_dim 128, 128 x 64, two
+    /// K/V buffers.
+    Wgmma,
+}
+
 /// How the flash kernel tiles the work: query rows per block (64 per 16-row MMA tile of each of
-/// its 4 warps) and keys per step of the online softmax. Every tiling gives a row the same
-/// arithmetic in the same order except for where the key steps fall.
+/// its 4 warps) and keys per step of the online softmax, and its MMA instructions. Every tiling
+/// gives a row the same arithmetic in the same order except for where the key steps fall (the
+/// two MMA kinds accumulate in the same order: `exactscore-bench check` compares their bits).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct FlashTiling {
     pub rows: usize,
     pub keys: usize,
+    pub mma: FlashMma,
 }
 
 impl FlashTiling {
@@ -25,13 +37,25 @@ impl FlashTiling {
     pub const DEFAULT: Self = Self {
         rows: 128,
         keys: 64,
+        mma: FlashMma::Sync,
     };
 
-    /// The tilings compiled for head size `head_dim` (attention.cu's `FLASH_ENTRIES`).
+    /// The tilings compiled for head size `head_dim` (attention.cu's `FLASH_ENTRIES`,
+    /// attention_sm90.cu's `WG_ENTRY`).
     pub fn compiled(head_dim: usize) -> &'static [FlashTiling] {
         // 64 x 64 (one MMA row tile per warp) for comparison: 13 % slower on an H100 at 4
         // windows of Llama-3-8B (and 128 x 32 7 %, no longer built); docs/performance.md.
-        const D128: &[FlashTiling] = &[FlashTiling::DEFAULT, FlashTiling { rows: 64, keys: 64 }];
+        const D128: &[FlashTiling] = &[
+            FlashTiling::DEFAULT,
+            FlashTiling {
+                rows: 64,
+                ..FlashTiling::DEFAULT
+            },
+            FlashTiling {
+                mma: FlashMma::Wgmma,
+                ..FlashTiling::DEFAULT
+            },
+        ];
         match head_dim {
             64 => &[FlashTiling::DEFAULT],
             128 => D128,
@@ -39,9 +63,61 @@ impl FlashTiling {
         }
     }
 
-    /// Dynamic shared memory of one block: the Q tile and one K and one V tile, rows padded by 8.
+    /// What the model runs for `head_dim` on `device`: the wgmma kernel where it is compiled
+    /// and runs, else [`Self::DEFAULT`]. Both give the same bits (`exactscore-bench check`).
+    pub fn for_device(head_dim: usize, device: &Device) -> Result<Self> {
+        let wgmma = Self {
+            mma: FlashMma::Wgmma,
+            ..Self::DEFAULT
+        };
+        Ok(
+            if Self::compiled(head_dim).contains(&wgmma) && wgmma.runs_on(device)? {
+                wgmma
+            } else {
+                Self::DEFAULT
+            },
+        )
+    }
+
+    /// Whether this tiling's kernel runs on `device`: wgmma needs a Hopper GPU (sm_90) and a
+    /// build that included sm_90.
+    pub fn runs_on(self, device: &Device) -> Result<bool> {
+        let Device::Cuda(dev) = device else {
+            return Ok(false);
+        };
+        Ok(match self.mma {
+            FlashMma::Sync => true,
+            FlashMma::Wgmma => {
+                ATTENTION_SM90.is_built()
+                    && dev.cuda_stream().context().compute_capability().w()? == (9, 0)
+            }
+        })
+    }
+
+    /// The kernel's name (without the dtype suffix) and its module.
+    fn kernel(self, head_dim: usize) -> (String, &'static KernelModule) {
+        let (rows, keys) = (self.rows, self.keys);
+        match self.mma {
+            FlashMma::Sync => (
+                format!("flash_attention_d{head_dim}_r{rows}_k{keys}"),
+                &ATTENTION,
+            ),
+            FlashMma::Wgmma => (
+                format!("flash_attention_wgmma_d{head_dim}_r{rows}_k{keys}"),
+                &ATTENTION_SM90,
+            ),
+        }
+    }
+
+    /// Dynamic shared memory of one block. `Sync`: the Q tile and one K and one V tile, rows
+    /// padded by 8 for a conflict-free `ldmatrix`. `Wgmma`: the Q tile and two K and two V
+    /// tiles, swizzled instead of padded, plus room to align them to 1024 bytes.
     fn shared_bytes(self, head_dim: usize, elem: usize) -> usize {
-        (self.rows + 2 * self.keys) * (head_dim + 8) * elem
+        let (rows, keys) = (self.rows, self.keys);
+        match self.mma {
+            FlashMma::Sync => (rows + 2 * keys) * (head_dim + 8) * elem,
+            FlashMma::Wgmma => (rows + 4 * keys) * head_dim * elem + 1024,
+        }
     }
 }
 
@@ -144,10 +220,8 @@ pub fn flash_attention(
         bail!("flash attention: no kernel for {tiling:?} at head_dim {dim}");
     }
     let sequences = starts.elem_count() - 1;
-    let name = kernel_name(
-        &format!("flash_attention_d{dim}_r{}_k{}", tiling.rows, tiling.keys),
-        q.dtype(),
-    );
+    let (base, module) = tiling.kernel(dim);
+    let name = kernel_name(&base, q.dtype());
     let shared = tiling.shared_bytes(dim, q.dtype().size_in_bytes());
     let config = LaunchConfig {
         grid_dim: (
@@ -165,7 +239,7 @@ pub fn flash_attention(
         with_slice::<T, _>(k, |ks, ko, _| {
             with_slice::<T, _>(v, |vs, vo, _| {
                 with_slice::<i32, _>(starts, |ss, so, _| {
-                    let func = kernel(dev, &ATTENTION, &name)?;
+                    let func = kernel(dev, module, &name)?;
                     // Over 48 KiB of dynamic shared memory must be allowed explicitly.
                     func.allow_shared_bytes(shared)?;
                     // SAFETY: every row of every sequence is written by exactly one block.

@@ -37,7 +37,8 @@ mod attention;
 mod gemm;
 mod module;
 pub use attention::{
-    flash_attention, flash_attention_supported, rope_rotate_half, FlashOptions, FlashTiling,
+    flash_attention, flash_attention_supported, rope_rotate_half, FlashMma, FlashOptions,
+    FlashTiling,
 };
 pub use gemm::{matmul_t_into_rows, uninit_rows};
 use module::{kernel, EXACTSCORE};
@@ -531,7 +532,11 @@ pub fn score_rows(logits: &Tensor, targets: &[i32], top_k: usize) -> Result<RowS
     let words = 3 * rows + 2 * top_len;
     let vectors = rows_of_vectors(vocab, &[&logits]);
     let name = kernel_name(
-        if vectors { "score_rows_v8" } else { "score_rows" },
+        if vectors {
+            "score_rows_v8"
+        } else {
+            "score_rows"
+        },
         logits.dtype(),
     );
     let host = with_float_type!(logits.dtype(), T => with_slice::<T, _>(&logits, |ls, lo, dev| {

@@ -27,6 +27,20 @@ pub(crate) const ATTENTION: KernelModule = KernelModule {
     image: include_bytes!(concat!(env!("OUT_DIR"), "/attention.fatbin")),
 };
 
+/// Hopper-only kernels (wgmma): machine code for sm_90a, empty where build.rs did not build
+/// for sm_90 (loading it then fails, and its kernels are reported missing).
+pub(crate) const ATTENTION_SM90: KernelModule = KernelModule {
+    name: "attention_sm90",
+    image: include_bytes!(concat!(env!("OUT_DIR"), "/attention_sm90.fatbin")),
+};
+
+impl KernelModule {
+    /// Whether build.rs built machine code into this module (see [`ATTENTION_SM90`]).
+    pub(crate) fn is_built(&self) -> bool {
+        !self.image.is_empty()
+    }
+}
+
 /// A kernel ready to launch on the device's stream.
 pub(crate) struct Kernel {
     func: CudaFunction,

@@ -701,7 +701,7 @@ impl Attention {
             let opts = crate::cuda::FlashOptions {
                 scale,
                 window: self.sliding_window,
-                tiling: crate::cuda::FlashTiling::DEFAULT,
+                tiling: crate::cuda::FlashTiling::for_device(self.head_dim, q.device())?,
             };
             crate::cuda::flash_attention(&q, &k, &v, &index.starts, index.max_len, &opts)
         }
