@@ -98,6 +98,14 @@ wikitext() {
     --stride 512 --concurrency "$concurrency" ${MAX_WINDOWS:+--max-windows $MAX_WINDOWS} \
     --no-progress --json "$OUT/wikitext-$task-$format.json"
   local rc=$? t2=$(date +%s.%N)
+  # How the server batched the run, and the model's share of the wall time.
+  python3 - $port <<'PY' | tee -a "$OUT/wikitext.txt"
+import sys, urllib.request
+text = urllib.request.urlopen(f"http://127.0.0.1:{sys.argv[1]}/metrics", timeout=5).read().decode()
+keep = ("exactscore_batch_sequences_sum", "exactscore_batch_sequences_count",
+        "exactscore_compute_seconds_sum", "exactscore_compute_seconds_count")
+print("server metrics:", ", ".join(l for l in text.splitlines() if l.startswith(keep)))
+PY
   kill -TERM $server; wait $server
   echo "wikitext2 $task $SHAPE $format: server start to ready $(awk "BEGIN{print $t1 - $t0}") s, $task run $(awk "BEGIN{print $t2 - $t1}") s (client exit $rc)" | tee -a "$OUT/wikitext.txt"
   return $rc
