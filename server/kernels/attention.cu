@@ -111,20 +111,10 @@ __device__ void flash_attention(const T* __restrict__ q, const T* __restrict__ k
     float m[MT][2], l[MT][2];
     // the query row (within its sequence) of the values acc[mt][.][2 * r ..] of this thread
     auto row = [&](int mt, int r) { return q0 + warp_row0 + 16 * mt + g + 8 * r; };
-#pragma unroll
-    for (int mt = 0; mt < MT; ++mt) {
-#pragma unroll
-        for (int d = 0; d < D / 8; ++d) acc[mt][d][0] = acc[mt][d][1] = acc[mt][d][2] = acc[mt][d][3] = 0.0f;
-#pragma unroll
-        for (int r = 0; r < 2; ++r) {
-            m[mt][r] = -INFINITY;
-            l[mt][r] = 0.0f;
-        }
-    }
+    softmax_start<MT, D>(acc, m, l);
 
-    const int last_key = min(q0 + FA_ROWS, len) - 1;
-    const int first_tile = window > 0 ? max(0, q0 - window + 1) / FA_KEYS : 0;
-    const int last_tile = last_key / FA_KEYS;
+    const KeyTiles tiles = key_tiles(q0, FA_ROWS, len, window, FA_KEYS);
+    const int first_tile = tiles.first, last_tile = tiles.last;
     // the last key any of this warp's rows sees
     const int warp_last_key = q0 + warp_row0 + 16 * MT - 1;
     // Software pipeline: V of this tile loads during Q·Kᵀ and the softmax, K of the next tile

@@ -124,20 +124,10 @@ __device__ void flash_attention_wgmma(const T* __restrict__ q, const T* __restri
     float m[MT][2], l[MT][2];
     // warp w holds rows 16w + {g, g + 8} of each 64-row tile
     auto row = [&](int mt, int r) { return q0 + 64 * mt + 16 * warp + g + 8 * r; };
-#pragma unroll
-    for (int mt = 0; mt < MT; ++mt) {
-#pragma unroll
-        for (int d = 0; d < D / 8; ++d) acc[mt][d][0] = acc[mt][d][1] = acc[mt][d][2] = acc[mt][d][3] = 0.0f;
-#pragma unroll
-        for (int r = 0; r < 2; ++r) {
-            m[mt][r] = -INFINITY;
-            l[mt][r] = 0.0f;
-        }
-    }
+    softmax_start<MT, D>(acc, m, l);
 
-    const int last_key = min(q0 + ROWS, len) - 1;
-    const int first_tile = window > 0 ? max(0, q0 - window + 1) / KEYS : 0;
-    const int last_tile = last_key / KEYS;
+    const KeyTiles tiles = key_tiles(q0, ROWS, len, window, KEYS);
+    const int first_tile = tiles.first, last_tile = tiles.last;
     // One copy group per tile (empty past the last), so that "all but the newest group" is
     // always this tile's.
     auto load_kv = [&](int tile) {

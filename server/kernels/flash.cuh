@@ -35,6 +35,32 @@ template <int N> __device__ __forceinline__ void cp_async_wait() {
     asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
 }
 
+// A thread's softmax state before the first key tile: O = 0, running max -inf, sum 0.
+template <int MT, int D>
+__device__ __forceinline__ void softmax_start(float (&acc)[MT][D / 8][4], float (&m)[MT][2],
+                                              float (&l)[MT][2]) {
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) {
+#pragma unroll
+        for (int d = 0; d < D / 8; ++d) acc[mt][d][0] = acc[mt][d][1] = acc[mt][d][2] = acc[mt][d][3] = 0.0f;
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            m[mt][r] = -INFINITY;
+            l[mt][r] = 0.0f;
+        }
+    }
+}
+
+// The key tiles (of `keys` keys) that query rows q0 .. q0 + rows - 1 of a sequence of `len`
+// tokens see: causal, and within the sliding window when `window` > 0.
+struct KeyTiles {
+    int first, last;
+};
+__device__ __forceinline__ KeyTiles key_tiles(int q0, int rows, int len, int window, int keys) {
+    const int last_key = min(q0 + rows, len) - 1;
+    return {window > 0 ? max(0, q0 - window + 1) / keys : 0, last_key / keys};
+}
+
 // 2^x with subnormal results flushed to zero (one MUFU.EX2, no subnormal fix-up): a weight
 // under 2^-126 next to the row's largest, which weighs 1, changes no f32 sum.
 __device__ __forceinline__ float exp2_ftz(float x) {
@@ -47,14 +73,14 @@ __device__ __forceinline__ float exp2_ftz(float x) {
 // scores `s` in the m16n8 accumulator layout (value e of column block n: row g + 8 * (e / 2),
 // key k0 + 8 * n + 2 * t + e % 2): masks (only where `edge`: the causal diagonal, the sliding
 // window, keys past the end), updates the running max `m` (in base-2 units: score *
-// `scale_log2`) and sum `l`, rescales `acc` where a max moved, and turns `s` into
-// p = 2^(s * scale_log2 - max) with one rounding (FFMA). `row(mt, r)` is the query row (within
-// its sequence) of the values s[mt][.][2 * r ..].
-template <int MT, int KEYS, int D, typename RowFn>
-__device__ __forceinline__ void online_softmax(float (&s)[MT][KEYS / 8][4], float (&m)[MT][2],
-                                               float (&l)[MT][2], float (&acc)[MT][D / 8][4],
-                                               int k0, bool edge, int window, float scale_log2,
-                                               int t, RowFn row) {
+// `scale_log2`) and sum `l`, turns `s` into p = 2^(s * scale_log2 - max) with one rounding
+// (FFMA), and gives the factor `alpha` by which the output so far must be rescaled
+// (`rescale_output`). `row(mt, r)` is the query row (within its sequence) of s[mt][.][2 * r ..].
+template <int MT, int KEYS, typename RowFn>
+__device__ __forceinline__ void softmax_tile(float (&s)[MT][KEYS / 8][4], float (&m)[MT][2],
+                                             float (&l)[MT][2], float (&alpha)[MT][2], int k0,
+                                             bool edge, int window, float scale_log2, int t,
+                                             RowFn row) {
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt) {
         float tile_max[2] = {-INFINITY, -INFINITY};
@@ -68,7 +94,7 @@ __device__ __forceinline__ void online_softmax(float (&s)[MT][KEYS / 8][4], floa
                 tile_max[r] = fmaxf(tile_max[r], s[mt][n][e]);
             }
         }
-        float base[2], alpha[2];
+        float base[2];
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
             tile_max[r] = fmaxf(tile_max[r], __shfl_xor_sync(0xffffffff, tile_max[r], 1));
@@ -76,20 +102,9 @@ __device__ __forceinline__ void online_softmax(float (&s)[MT][KEYS / 8][4], floa
             // scaling is monotonic, so this is the largest of the rounded scaled scores
             const float m_new = fmaxf(m[mt][r], tile_max[r] * scale_log2);
             base[r] = m_new == -INFINITY ? 0.0f : m_new;  // a row with nothing visible yet
-            alpha[r] = exp2_ftz(m[mt][r] - base[r]);
+            alpha[mt][r] = exp2_ftz(m[mt][r] - base[r]);
             m[mt][r] = m_new;
-            l[mt][r] *= alpha[r];
-        }
-        // Multiplying by 1 changes nothing: most tiles after the first few move no max, so the
-        // warp skips the rescale unless one of its rows needs it.
-        if (__any_sync(0xffffffff, alpha[0] != 1.0f || alpha[1] != 1.0f)) {
-#pragma unroll
-            for (int d = 0; d < D / 8; ++d) {
-                acc[mt][d][0] *= alpha[0];
-                acc[mt][d][1] *= alpha[0];
-                acc[mt][d][2] *= alpha[1];
-                acc[mt][d][3] *= alpha[1];
-            }
+            l[mt][r] *= alpha[mt][r];
         }
 #pragma unroll
         for (int n = 0; n < KEYS / 8; ++n) {
@@ -101,6 +116,36 @@ __device__ __forceinline__ void online_softmax(float (&s)[MT][KEYS / 8][4], floa
             }
         }
     }
+}
+
+// acc *= alpha row by row. Multiplying by 1 changes nothing: most tiles after the first few
+// move no max, so a warp skips the rescale unless one of its rows needs it.
+template <int MT, int D>
+__device__ __forceinline__ void rescale_output(float (&acc)[MT][D / 8][4], const float (&alpha)[MT][2]) {
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) {
+        if (__any_sync(0xffffffff, alpha[mt][0] != 1.0f || alpha[mt][1] != 1.0f)) {
+#pragma unroll
+            for (int d = 0; d < D / 8; ++d) {
+                acc[mt][d][0] *= alpha[mt][0];
+                acc[mt][d][1] *= alpha[mt][0];
+                acc[mt][d][2] *= alpha[mt][1];
+                acc[mt][d][3] *= alpha[mt][1];
+            }
+        }
+    }
+}
+
+// softmax_tile, then the output rescaled at once (for kernels whose P·V of the previous tile has
+// completed by now).
+template <int MT, int KEYS, int D, typename RowFn>
+__device__ __forceinline__ void online_softmax(float (&s)[MT][KEYS / 8][4], float (&m)[MT][2],
+                                               float (&l)[MT][2], float (&acc)[MT][D / 8][4],
+                                               int k0, bool edge, int window, float scale_log2,
+                                               int t, RowFn row) {
+    float alpha[MT][2];
+    softmax_tile<MT, KEYS>(s, m, l, alpha, k0, edge, window, scale_log2, t, row);
+    rescale_output<MT, D>(acc, alpha);
 }
 
 // Each thread's rows of O = acc / l, rounded once to T, into `out` ([tokens, hq, D] rows of
