@@ -168,9 +168,7 @@ impl RowChunks<'_> {
     }
 }
 
-/// The output [`RowChunks`] writes chunks into, where that exists: `[rows, cols]` on a CUDA
-/// device in bf16/f16 (`like`'s), not initialised.
-/// A `[rows, cols]` GPU tensor like `like` whose every row [`RowChunks`] writes.
+/// A `[rows, cols]` GPU tensor of `like`'s dtype, not initialised: [`RowChunks`] writes every row.
 fn uninit_output(rows: usize, cols: usize, like: &Tensor) -> Result<Tensor> {
     #[cfg(feature = "cuda")]
     return crate::cuda::uninit_rows(rows, cols, like.dtype(), like.device());
