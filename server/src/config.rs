@@ -99,7 +99,7 @@ pub struct Args {
     pub request_timeout_secs: u64,
     /// Sum of sequence lengths computed in one batch. 16384 is the measured optimum on an H100
     /// (Llama-3-8B shape, W4A16, 2048-token windows: 48.2 ms/window at 8 windows per forward,
-    /// 49.1 at 4, peak 7.1 vs 6.9 GiB; docs/performance.md).
+    /// 49.1 at 4, peak 6.9 vs 6.8 GiB; docs/performance.md).
     #[arg(long, env = "EXACTSCORE_MAX_BATCH_TOKENS", default_value_t = 16384)]
     pub max_batch_tokens: usize,
     /// Sequences computed in one batch.
