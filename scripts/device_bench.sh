@@ -11,7 +11,8 @@
 # server's kernel in `wikitext`), TOKENIZER (a directory with tokenizer.json for `wikitext`; the
 # figures in docs/performance.md use SmolLM2's, made by scripts/smollm2_tokenizer.py),
 # SUMMARY_GATE (`summary`'s acceptance bounds, `;`-separated: FORMAT BATCH MIN_RATIO
-# MAX_PEAK_GIB each; issue 13's are in docs/performance.md), COLDSTART_MAX_S, CUDA_LIB_DIR
+# MAX_PEAK_GIB each; issue 13's are in docs/performance.md), COLDSTART_MAX_S, WIKITEXT_MAX_S
+# (`wikitext` fails over it; unset: no bound), CUDA_LIB_DIR
 # (where the CUDA 13 runtime libraries are: a toolkit's lib64 or the wheels' nvidia/cu13/lib;
 # default: the torch venv of the machine the figures were measured on).
 set -uo pipefail
@@ -107,7 +108,11 @@ keep = ("exactscore_batch_sequences_sum", "exactscore_batch_sequences_count",
 print("server metrics:", ", ".join(l for l in text.splitlines() if l.startswith(keep)))
 PY
   kill -TERM $server; wait $server
-  echo "wikitext2 $task $SHAPE $format: server start to ready $(awk "BEGIN{print $t1 - $t0}") s, $task run $(awk "BEGIN{print $t2 - $t1}") s (client exit $rc)" | tee -a "$OUT/wikitext.txt"
+  local secs=$(awk "BEGIN{print $t2 - $t1}")
+  echo "wikitext2 $task $SHAPE $format: server start to ready $(awk "BEGIN{print $t1 - $t0}") s, $task run $secs s (client exit $rc)" | tee -a "$OUT/wikitext.txt"
+  if [ -n "${WIKITEXT_MAX_S:-}" ] && awk "BEGIN{exit !($secs > $WIKITEXT_MAX_S)}"; then
+    echo "wikitext: $secs s is over WIKITEXT_MAX_S=$WIKITEXT_MAX_S" | tee -a "$OUT/wikitext.txt"; rc=1
+  fi
   return $rc
 }
 

@@ -84,24 +84,15 @@ __device__ void flash_attention(const T* __restrict__ q, const T* __restrict__ k
     T* ks = qs + FA_ROWS * LD;
     T* vs = ks + FA_KEYS * LD;
 
-    const int seq = blockIdx.z, head = blockIdx.y;
-    const int start = starts[seq], len = starts[seq + 1] - start;
-    const int q0 = (gridDim.x - 1 - blockIdx.x) * FA_ROWS;  // the longest rows start first
+    const FlashBlock b = flash_block<D>(starts, hq, hkv, FA_ROWS);
+    const int head = b.head, kv_head = b.kv_head, start = b.start, len = b.len, q0 = b.q0;
     if (q0 >= len) return;
-    const int kv_head = head / (hq / hkv);
+    const long q_stride = b.q_stride, kv_stride = b.kv_stride;
     const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g = lane / 4, t = lane % 4;
-    const long q_stride = (long)hq * D, kv_stride = (long)hkv * D;
 
-    // `rows` rows from row0 of one head into shared memory, zeros past the sequence end; the
-    // copy runs asynchronously until the next cp_async_wait
+    // one tile into padded rows, as one copy group
     auto load_tile = [&](T* dst, const T* src, long stride, int row0, int rows) {
-        constexpr int VECS = D / 8;  // 16-byte vectors per row
-        for (int i = tid; i < rows * VECS; i += FA_THREADS) {
-            int r = i / VECS, c = (i % VECS) * 8;
-            bool valid = row0 + r < len;
-            const T* from = src + (long)(start + (valid ? row0 + r : 0)) * stride + c;
-            cp_async16(dst + r * LD + c, from, valid);
-        }
+        load_rows<D, FA_THREADS>([&](int r, int c) { return dst + r * LD + c * 8; }, src, stride, b, row0, rows);
         cp_async_commit();
     };
 

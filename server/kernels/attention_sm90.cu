@@ -99,25 +99,17 @@ __device__ void flash_attention_wgmma(const T* __restrict__ q, const T* __restri
     auto k_buf = [&](int tile) { return kv + (tile & 1) * 2 * TILE; };
     auto v_buf = [&](int tile) { return k_buf(tile) + TILE; };
 
-    const int seq = blockIdx.z, head = blockIdx.y;
-    const int start = starts[seq], len = starts[seq + 1] - start;
-    const int q0 = (gridDim.x - 1 - blockIdx.x) * ROWS;  // the longest rows start first
+    const FlashBlock b = flash_block<D>(starts, hq, hkv, ROWS);
+    const int head = b.head, start = b.start, len = b.len, q0 = b.q0;
     if (q0 >= len) return;
-    const int kv_head = head / (hq / hkv);
+    const long q_stride = b.q_stride, kv_stride = b.kv_stride;
     const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g = lane / 4, t = lane % 4;
-    const long q_stride = (long)hq * D, kv_stride = (long)hkv * D;
-    const T* k_head = k + (long)kv_head * D;
-    const T* v_head = v + (long)kv_head * D;
+    const T* k_head = k + (long)b.kv_head * D;
+    const T* v_head = v + (long)b.kv_head * D;
 
-    // `rows` rows from row0 into a swizzled tile, zeros past the sequence end; asynchronous
-    // until the cp_async_wait after the caller's commit
+    // a tile into the swizzled layout (the caller commits the copy group)
     auto load_tile = [&](unsigned char* dst, const T* src, long stride, int row0, int rows) {
-        for (int i = tid; i < rows * (D / 8); i += WG_THREADS) {
-            const int r = i / (D / 8), c = i % (D / 8);
-            const bool valid = row0 + r < len;
-            const T* from = src + (long)(start + (valid ? row0 + r : 0)) * stride + c * 8;
-            cp_async16(dst + swizzled(rows, r, c), from, valid);
-        }
+        load_rows<D, WG_THREADS>([&](int r, int c) { return dst + swizzled(rows, r, c); }, src, stride, b, row0, rows);
     };
 
     float acc[MT][D / 8][4];

@@ -35,6 +35,33 @@ template <int N> __device__ __forceinline__ void cp_async_wait() {
     asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
 }
 
+// Where a flash block works, from its grid position (query blocks of the longest sequence, hq,
+// sequences): the longest rows start first. A block whose q0 lies past its sequence's end has
+// nothing to do.
+struct FlashBlock {
+    int head, kv_head, start, len, q0;
+    long q_stride, kv_stride;  // between tokens of q (and out), of k and v
+};
+template <int D>
+__device__ __forceinline__ FlashBlock flash_block(const int32_t* starts, int hq, int hkv, int rows) {
+    const int seq = blockIdx.z, head = blockIdx.y, start = starts[seq];
+    return {head,  head / (hq / hkv), start, starts[seq + 1] - start,
+            (int)(gridDim.x - 1 - blockIdx.x) * rows, (long)hq * D, (long)hkv * D};
+}
+
+// `rows` rows of D values of one head from row0 on (`src`: the head's first value, tokens
+// `stride` apart) into shared memory at `at(row, 16-byte chunk)`, zeros past the sequence's
+// end; the copies run asynchronously until the caller commits and waits for them.
+template <int D, int THREADS, typename T, typename At>
+__device__ __forceinline__ void load_rows(At at, const T* src, long stride, const FlashBlock& b,
+                                          int row0, int rows) {
+    for (int i = threadIdx.x; i < rows * (D / 8); i += THREADS) {
+        const int r = i / (D / 8), c = i % (D / 8);
+        const bool valid = row0 + r < b.len;
+        cp_async16(at(r, c), src + (long)(b.start + (valid ? row0 + r : 0)) * stride + c * 8, valid);
+    }
+}
+
 // A thread's softmax state before the first key tile: O = 0, running max -inf, sum 0.
 template <int MT, int D>
 __device__ __forceinline__ void softmax_start(float (&acc)[MT][D / 8][4], float (&m)[MT][2],

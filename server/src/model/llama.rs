@@ -172,10 +172,15 @@ struct FlashIndex {
     /// Every token's position within its sequence (indexes the RoPE tables).
     positions: Tensor,
     max_len: usize,
+    /// The kernel variant for this device, resolved once per forward rather than per layer.
+    #[cfg(feature = "cuda")]
+    tiling: crate::cuda::FlashTiling,
 }
 
 impl FlashIndex {
-    fn new(lens: &[usize], device: &Device) -> Result<Self> {
+    fn new(lens: &[usize], head_dim: usize, device: &Device) -> Result<Self> {
+        #[cfg(not(feature = "cuda"))]
+        let _ = head_dim; // only the GPU kernels have variants
         let starts: Vec<i32> = std::iter::once(0)
             .chain(lens.iter().scan(0, |end, &len| {
                 *end += len as i32;
@@ -187,6 +192,8 @@ impl FlashIndex {
             starts: Tensor::new(starts.as_slice(), device)?,
             positions: Tensor::new(positions.as_slice(), device)?,
             max_len: lens.iter().copied().max().unwrap_or(0),
+            #[cfg(feature = "cuda")]
+            tiling: crate::cuda::FlashTiling::for_device(head_dim, device)?,
         })
     }
 }
@@ -440,7 +447,7 @@ impl Model {
         let device = &self.opts.linear.device;
         // `set_attention` never leaves `Auto` in the options.
         let flash = match self.opts.attention {
-            AttentionKernel::Flash => Some(FlashIndex::new(&lens, device)?),
+            AttentionKernel::Flash => Some(FlashIndex::new(&lens, self.config.head_dim, device)?),
             AttentionKernel::Materialized | AttentionKernel::Auto => None,
         };
         let batch = BatchLayout { lens, flash };
@@ -701,7 +708,7 @@ impl Attention {
             let opts = crate::cuda::FlashOptions {
                 scale,
                 window: self.sliding_window,
-                tiling: crate::cuda::FlashTiling::for_device(self.head_dim, q.device())?,
+                tiling: index.tiling,
             };
             crate::cuda::flash_attention(&q, &k, &v, &index.starts, index.max_len, &opts)
         }

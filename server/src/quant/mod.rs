@@ -82,11 +82,12 @@ impl QuantLinear {
         self.add_bias(x.matmul(&w.t()?)?)
     }
 
-    /// Collects this layer's output over `input` (`[rows, in_features]`), whose row chunks
-    /// reach [`RowChunks::push`] in order, each once it has been read: see [`RowChunks`]. When
-    /// `input` has the output's shape, the GPU path writes each chunk's product over the rows
-    /// it came from (read before they are overwritten, on one stream), so one `[rows, hidden]`
-    /// buffer fewer is alive; the caller gives `input` up.
+    /// Collects this layer's output over `rows` = `input.dims()[0]` rows arriving in order as
+    /// chunks through [`RowChunks::push`]: see [`RowChunks`]. `input` is the tensor those chunks
+    /// derive from row by row (the MLP's input for `down_proj`): when it has the output's shape,
+    /// the GPU path writes each chunk's product over the rows it came from, which the caller
+    /// has read by then (one stream orders it), so one `[rows, hidden]` buffer fewer is alive.
+    /// The caller does not read `input` afterwards.
     pub fn row_chunks_over(&self, input: Tensor) -> Result<RowChunks<'_>> {
         let (out_features, _) = self.weight.shape();
         let rows = input.dims()[0];
