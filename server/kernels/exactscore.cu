@@ -542,8 +542,10 @@ template <typename T>
 __device__ void silu_mul(const T* gate, const T* up, T* out, long n) {
     long i = ((long)blockIdx.x * blockDim.x + threadIdx.x) * 8;
     if (i >= n) return;
-    *reinterpret_cast<Pack<T, 8>*>(out + i) = silu_mul8(*reinterpret_cast<const Pack<T, 8>*>(gate + i),
-                                                        *reinterpret_cast<const Pack<T, 8>*>(up + i));
+    // Loaded into registers first: passed straight through, the packs were read as 16 two-byte loads.
+    const Pack<T, 8> g = *reinterpret_cast<const Pack<T, 8>*>(gate + i);
+    const Pack<T, 8> u = *reinterpret_cast<const Pack<T, 8>*>(up + i);
+    *reinterpret_cast<Pack<T, 8>*>(out + i) = silu_mul8(g, u);
 }
 
 // The same, one block (256 threads) per row of k values, followed by the per-token fp8 QDQ of the
@@ -553,8 +555,9 @@ __device__ void silu_mul_fp8_qdq(const T* gate, const T* up, T* out, int k) {
     const long base = (long)blockIdx.x * k;
     float amax = 0.0f;
     for (int i = threadIdx.x * 8; i < k; i += 256 * 8) {
-        Pack<T, 8> o = silu_mul8(*reinterpret_cast<const Pack<T, 8>*>(gate + base + i),
-                                 *reinterpret_cast<const Pack<T, 8>*>(up + base + i));
+        const Pack<T, 8> g = *reinterpret_cast<const Pack<T, 8>*>(gate + base + i);
+        const Pack<T, 8> u = *reinterpret_cast<const Pack<T, 8>*>(up + base + i);
+        Pack<T, 8> o = silu_mul8(g, u);
 #pragma unroll
         for (int j = 0; j < 8; ++j) amax = fmaxf(amax, fabsf(to_f32(o.v[j])));
         *reinterpret_cast<Pack<T, 8>*>(out + base + i) = o;
