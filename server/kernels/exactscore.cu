@@ -478,6 +478,27 @@ __device__ void causal_softmax(const float* scores, T* out, int t, float scale, 
 // instead of an add kernel and a norm kernel.
 // VEC values per load and store: 8 (16-byte vectors) when cols % 8 == 0 and every row start is
 // 16-byte aligned (checked by the caller), else 1.
+// The sum of every thread's `v` (SCORE_THREADS threads), broadcast: a tree that adds value
+// tid + s to value tid for s = 128, 64, ..., 1. The last five levels run inside warp 0 through
+// shuffles, which pair the same values in the same order as shared memory did (same bits), with
+// four barriers instead of nine.
+__device__ float tree_sum(float v, float* s_red) {
+    const int tid = threadIdx.x;
+    s_red[tid] = v;
+    __syncthreads();
+    for (int s = SCORE_THREADS / 2; s >= 32; s >>= 1) {
+        if (tid < s) s_red[tid] += s_red[tid + s];
+        __syncthreads();
+    }
+    if (tid < 32) {
+        v = s_red[tid];
+        for (int s = 16; s > 0; s >>= 1) v += __shfl_down_sync(0xffffffff, v, s);
+        if (tid == 0) s_red[0] = v;
+    }
+    __syncthreads();
+    return s_red[0];
+}
+
 template <typename T, int VEC, bool FP8_QDQ>
 __device__ void rms_norm(const T* x, const T* residual, const T* weight, T* sum, T* out, int cols,
                          float eps) {
@@ -497,13 +518,7 @@ __device__ void rms_norm(const T* x, const T* residual, const T* weight, T* sum,
 #pragma unroll
         for (int j = 0; j < VEC; ++j) squares += to_f32(h.v[j]) * to_f32(h.v[j]);
     }
-    s_red[tid] = squares;
-    __syncthreads();
-    for (int s = SCORE_THREADS / 2; s > 0; s >>= 1) {
-        if (tid < s) s_red[tid] += s_red[tid + s];
-        __syncthreads();
-    }
-    const float inv = rsqrtf(s_red[0] / cols + eps);
+    const float inv = rsqrtf(tree_sum(squares, s_red) / cols + eps);
     const T* h = residual ? sum : x;  // each thread re-reads only what it wrote itself
     float amax = 0.0f;
     for (int i = tid * VEC; i < cols; i += SCORE_THREADS * VEC) {
