@@ -262,13 +262,28 @@ struct Lse {
     float max, sum;
 };
 
-__device__ __forceinline__ void lse_add(Lse& a, float v) {
-    if (v > a.max) {
-        a.sum = a.sum * expf(a.max - v) + 1.0f;
-        a.max = v;
-    } else if (v != -INFINITY) {
-        a.sum += expf(v - a.max);
+// Adds N values: one rescale per call at most, and N independent exponentials (one per value,
+// each against one running max, as a serial per-value update would have chained them).
+template <int N>
+__device__ __forceinline__ void lse_add(Lse& a, const float (&v)[N]) {
+    float m = v[0];
+#pragma unroll
+    for (int j = 1; j < N; ++j) m = fmaxf(m, v[j]);
+    if (m == -INFINITY) return;  // nothing to add (also keeps exp(-inf - -inf) out)
+    if (m > a.max) {
+        a.sum *= expf(a.max - m);
+        a.max = m;
     }
+    float e[N];
+#pragma unroll
+    for (int j = 0; j < N; ++j) e[j] = expf(v[j] - a.max);
+    // pairwise, so that the additions do not wait on each other either
+#pragma unroll
+    for (int w = 1; w < N; w *= 2) {
+#pragma unroll
+        for (int j = 0; j + w < N; j += 2 * w) e[j] += e[j + w];
+    }
+    a.sum += e[0];
 }
 
 __device__ __forceinline__ Lse lse_merge(Lse a, Lse b) {
@@ -299,15 +314,26 @@ __device__ void score_rows(const T* logits, int vocab, const int32_t* targets, i
     Lse lse = {-INFINITY, 0.0f};
     for (int i = tid * VEC; i < vocab; i += SCORE_THREADS * VEC) {
         const V x = *reinterpret_cast<const V*>(row + i);
+        float v[VEC];
+        float m = -INFINITY;
 #pragma unroll
         for (int j = 0; j < VEC; ++j) {
-            const float v = to_f32(x.v[j]);
-            if (better(v, i + j, best, best_i)) {
-                best = v;
-                best_i = i + j;
-            }
-            lse_add(lse, v);
+            v[j] = to_f32(x.v[j]);
+            m = fmaxf(m, v[j]);
         }
+        // A thread's indices only grow, so a vector can only hold a better value when its max is
+        // at least the best so far (fmaxf skips NaN, as `better` never picks one); rare after
+        // the first vectors, so the exact per-value comparison runs only then.
+        if (m >= best) {
+#pragma unroll
+            for (int j = 0; j < VEC; ++j) {
+                if (better(v[j], i + j, best, best_i)) {
+                    best = v[j];
+                    best_i = i + j;
+                }
+            }
+        }
+        lse_add(lse, v);
     }
     for (int o = 16; o > 0; o >>= 1)
         lse = lse_merge(lse, {__shfl_xor_sync(0xffffffff, lse.max, o), __shfl_xor_sync(0xffffffff, lse.sum, o)});
