@@ -70,8 +70,8 @@ __device__ __forceinline__ void ldmatrix_x4_trans(uint32_t* r, const void* smem)
                  : "r"(addr));
 }
 
-// q: [tokens, hq, D], k and v: [tokens, hkv, D], out: [tokens, hq, D]; grid (query blocks of the
-// longest sequence, hq, sequences). `scale_log2` = softmax scale * log2(e); `window` 0 = none.
+// q: [tokens, hq, D], k and v: [tokens, hkv, D], out: [tokens, hq, D]; grid (hq, query blocks of
+// the longest sequence, sequences). `scale_log2` = softmax scale * log2(e); `window` 0 = none.
 template <typename T, int D, int MT, int KEYS>
 __device__ void flash_attention(const T* __restrict__ q, const T* __restrict__ k,
                                 const T* __restrict__ v, T* __restrict__ out,

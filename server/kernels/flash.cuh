@@ -35,8 +35,10 @@ template <int N> __device__ __forceinline__ void cp_async_wait() {
     asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
 }
 
-// Where a flash block works, from its grid position (query blocks of the longest sequence, hq,
-// sequences): the longest rows start first. A block whose q0 lies past its sequence's end has
+// Where a flash block works, from its grid position (hq, query blocks of the longest sequence,
+// sequences). Blocks start in grid order, x fastest: every head's last (longest) query block of a
+// sequence starts before any head's next one, so the short blocks fill the tail of the grid
+// instead of a long block starting last. A block whose q0 lies past its sequence's end has
 // nothing to do.
 struct FlashBlock {
     int head, kv_head, start, len, q0;
@@ -44,9 +46,9 @@ struct FlashBlock {
 };
 template <int D>
 __device__ __forceinline__ FlashBlock flash_block(const int32_t* starts, int hq, int hkv, int rows) {
-    const int seq = blockIdx.z, head = blockIdx.y, start = starts[seq];
+    const int seq = blockIdx.z, head = blockIdx.x, start = starts[seq];
     return {head,  head / (hq / hkv), start, starts[seq + 1] - start,
-            (int)(gridDim.x - 1 - blockIdx.x) * rows, (long)hq * D, (long)hkv * D};
+            (int)(gridDim.y - 1 - blockIdx.y) * rows, (long)hq * D, (long)hkv * D};
 }
 
 // `rows` rows of D values of one head from row0 on (`src`: the head's first value, tokens

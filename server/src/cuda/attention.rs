@@ -224,9 +224,10 @@ pub fn flash_attention(
     let name = kernel_name(&base, q.dtype());
     let shared = tiling.shared_bytes(dim, q.dtype().size_in_bytes());
     let config = LaunchConfig {
+        // Heads fastest, so that the longest query blocks of all heads start first (flash.cuh).
         grid_dim: (
-            max_len.div_ceil(tiling.rows) as u32,
             hq as u32,
+            max_len.div_ceil(tiling.rows) as u32,
             sequences as u32,
         ),
         block_dim: (THREADS, 1, 1),
