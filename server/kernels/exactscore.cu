@@ -495,15 +495,8 @@ __device__ void causal_softmax(const float* scores, T* out, int t, float scale, 
         dst[j] = from_f32<T>((j >= lo && j <= i) ? expf(src[j] * scale - m) / sum : 0.0f);
 }
 
-// ---- RMSNorm with an optional residual add: one block (256 threads) per row ----------------
+// ---- RMSNorm: one block (256 threads) per row ---------------------------------------------
 
-// LlamaRMSNorm of `h = x + residual` (or `h = x`): h rounded to T as PyTorch rounds the residual
-// add (and written to `sum` when there is a residual), then normalised and scaled by the weight
-// in f32 with one rounding at the end. PyTorch rounds twice (after the normalisation, after the
-// weight); one rounding is closer to the f32 reference, and in f32 the two are the same. One pass
-// instead of an add kernel and a norm kernel.
-// VEC values per load and store: 8 (16-byte vectors) when cols % 8 == 0 and every row start is
-// 16-byte aligned (checked by the caller), else 1.
 // The sum of every thread's `v` (SCORE_THREADS threads), broadcast: a tree that adds value
 // tid + s to value tid for s = 128, 64, ..., 1. The last five levels run inside warp 0 through
 // shuffles, which pair the same values in the same order as shared memory did (same bits), with
@@ -525,30 +518,28 @@ __device__ float tree_sum(float v, float* s_red) {
     return s_red[0];
 }
 
+// LlamaRMSNorm of x, normalised and scaled by the weight in f32 with one rounding at the end.
+// PyTorch rounds twice (after the normalisation, after the weight); one rounding is closer to
+// the f32 reference, and in f32 the two are the same. (The residual add before it happens in the
+// epilogue of the GEMM that produced the addend: cuda/gemm.rs.)
+// VEC values per load and store: 8 (16-byte vectors) when cols % 8 == 0 and every row start is
+// 16-byte aligned (checked by the caller), else 1.
 template <typename T, int VEC, bool FP8_QDQ>
-__device__ void rms_norm(const T* x, const T* residual, const T* weight, T* sum, T* out, int cols,
-                         float eps) {
+__device__ void rms_norm(const T* x, const T* weight, T* out, int cols, float eps) {
     using V = Pack<T, VEC>;
     __shared__ float s_red[SCORE_THREADS];
     const long base = (long)blockIdx.x * cols;
     const int tid = threadIdx.x;
     float squares = 0.0f;
     for (int i = tid * VEC; i < cols; i += SCORE_THREADS * VEC) {
-        V h = *reinterpret_cast<const V*>(x + base + i);
-        if (residual) {
-            const V r = *reinterpret_cast<const V*>(residual + base + i);
-#pragma unroll
-            for (int j = 0; j < VEC; ++j) h.v[j] = from_f32<T>(to_f32(h.v[j]) + to_f32(r.v[j]));
-            *reinterpret_cast<V*>(sum + base + i) = h;
-        }
+        const V h = *reinterpret_cast<const V*>(x + base + i);
 #pragma unroll
         for (int j = 0; j < VEC; ++j) squares += to_f32(h.v[j]) * to_f32(h.v[j]);
     }
     const float inv = rsqrtf(tree_sum(squares, s_red) / cols + eps);
-    const T* h = residual ? sum : x;  // each thread re-reads only what it wrote itself
     float amax = 0.0f;
     for (int i = tid * VEC; i < cols; i += SCORE_THREADS * VEC) {
-        const V hv = *reinterpret_cast<const V*>(h + base + i);
+        const V hv = *reinterpret_cast<const V*>(x + base + i);
         const V w = *reinterpret_cast<const V*>(weight + i);
         V o;
 #pragma unroll
@@ -648,17 +639,16 @@ __device__ void gather_rows(const T* table, const uint32_t* ids, T* out, int col
     extern "C" __global__ void qdq_nvfp4_##SUFFIX(const T* x, T* o, long groups, float gs) {       \
         qdq_nvfp4<T>(x, o, groups, gs);                                                              \
     }                                                                                                \
-    extern "C" __global__ void rms_norm_##SUFFIX(const T* x, const T* r, const T* w, T* sum, T* o,   \
-                                                 int cols, float eps) {                              \
-        rms_norm<T, 1, false>(x, r, w, sum, o, cols, eps);                                           \
+    extern "C" __global__ void rms_norm_##SUFFIX(const T* x, const T* w, T* o, int cols, float eps) { \
+        rms_norm<T, 1, false>(x, w, o, cols, eps);                                                   \
     }                                                                                                \
-    extern "C" __global__ void rms_norm_v8_##SUFFIX(const T* x, const T* r, const T* w, T* sum,      \
-                                                    T* o, int cols, float eps) {                     \
-        rms_norm<T, 8, false>(x, r, w, sum, o, cols, eps);                                           \
+    extern "C" __global__ void rms_norm_v8_##SUFFIX(const T* x, const T* w, T* o, int cols,          \
+                                                    float eps) {                                     \
+        rms_norm<T, 8, false>(x, w, o, cols, eps);                                                   \
     }                                                                                                \
-    extern "C" __global__ void rms_norm_v8_fp8_qdq_##SUFFIX(const T* x, const T* r, const T* w,      \
-                                                            T* sum, T* o, int cols, float eps) {     \
-        rms_norm<T, 8, true>(x, r, w, sum, o, cols, eps);                                            \
+    extern "C" __global__ void rms_norm_v8_fp8_qdq_##SUFFIX(const T* x, const T* w, T* o, int cols,  \
+                                                            float eps) {                             \
+        rms_norm<T, 8, true>(x, w, o, cols, eps);                                                    \
     }                                                                                                \
     extern "C" __global__ void gather_rows_##SUFFIX(const T* table, const uint32_t* ids, T* o,        \
                                                     int cols, long n) {                              \

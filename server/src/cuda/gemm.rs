@@ -1,7 +1,8 @@
-//! `x · wᵀ` written straight into a row range of a larger output, so that row chunks of one
-//! input fill one output with no concatenation pass. cuBLAS is called exactly as candle's
-//! `x.matmul(&w.t())` calls it for bf16/f16 (same operand order, leading dimensions, compute
-//! type and algorithm), so a row gets the bits it would get from candle.
+//! `out[rows] += x · wᵀ` in the GEMM itself, for a Linear whose output is added to the residual
+//! stream: cuBLAS adds the product to what the rows hold in its epilogue (beta = 1), in f32, and
+//! rounds the sum once; no output buffer and no separate pass over the stream. Row chunks of one
+//! input fill one output this way. cuBLAS is called as candle's `x.matmul(&w.t())` calls it for
+//! bf16/f16 (same operand order, leading dimensions, compute type and algorithm), beta aside.
 
 use candle_core::cuda_backend::cudarc::cublas::{result::gemm_strided_batched_ex, sys, CudaBlas};
 use candle_core::cuda_backend::cudarc::driver::{
@@ -10,38 +11,21 @@ use candle_core::cuda_backend::cudarc::driver::{
 use candle_core::cuda_backend::{
     gemm_reduced_precision_bf16, gemm_reduced_precision_f16, CudaStorageSlice, WrapErr,
 };
-use candle_core::{
-    bail, CpuStorage, CudaStorage, DType, Device, InplaceOp3, Layout, Result, Tensor,
-};
+use candle_core::{bail, CpuStorage, CudaStorage, InplaceOp3, Layout, Result, Tensor};
 
-use super::wrap;
-
-/// A `[rows, cols]` tensor of `dtype` on `device` whose values are not initialised: for
-/// [`matmul_t_into_rows`] calls that write every row.
-pub fn uninit_rows(rows: usize, cols: usize, dtype: DType, device: &Device) -> Result<Tensor> {
-    let Device::Cuda(dev) = device else {
-        bail!("uninit_rows needs a CUDA device, not {device:?}")
-    };
-    with_float_type!(dtype, T => {
-        // SAFETY: the caller writes every element before reading any.
-        let data = unsafe { dev.alloc::<T>(rows * cols) }?;
-        Ok(wrap(data, dev, (rows, cols)))
-    })
+/// Adds `x · wᵀ` (`x`: `[m, k]`, `w`: `[n, k]`, both contiguous, bf16 or f16) to rows
+/// `row0..row0 + m` of `out` (`[rows, n]`, contiguous, same dtype), in place.
+pub fn matmul_t_add_into_rows(out: &Tensor, row0: usize, x: &Tensor, w: &Tensor) -> Result<()> {
+    out.inplace_op3(x, w, &MatmulTAddIntoRows { row0 })
 }
 
-/// Writes `x · wᵀ` (`x`: `[m, k]`, `w`: `[n, k]`, both contiguous, bf16 or f16) into rows
-/// `row0..row0 + m` of `out` (`[rows, n]`, contiguous, same dtype).
-pub fn matmul_t_into_rows(out: &Tensor, row0: usize, x: &Tensor, w: &Tensor) -> Result<()> {
-    out.inplace_op3(x, w, &MatmulTIntoRows { row0 })
-}
-
-struct MatmulTIntoRows {
+struct MatmulTAddIntoRows {
     row0: usize,
 }
 
-impl InplaceOp3 for MatmulTIntoRows {
+impl InplaceOp3 for MatmulTAddIntoRows {
     fn name(&self) -> &'static str {
-        "matmul-t-into-rows"
+        "matmul-t-add-into-rows"
     }
 
     fn cpu_fwd(
@@ -53,7 +37,7 @@ impl InplaceOp3 for MatmulTIntoRows {
         _: &CpuStorage,
         _: &Layout,
     ) -> Result<()> {
-        bail!("matmul_t_into_rows runs on CUDA devices only")
+        bail!("matmul_t_add_into_rows runs on CUDA devices only")
     }
 
     fn cuda_fwd(
@@ -71,7 +55,7 @@ impl InplaceOp3 for MatmulTIntoRows {
         let contiguous = [out_l, x_l, w_l].iter().all(|l| l.is_contiguous());
         if w_k != k || out_n != n || self.row0 + m > rows || !contiguous {
             bail!(
-                "matmul_t_into_rows: x {:?} w {:?} into rows {}.. of {:?} (all contiguous)",
+                "matmul_t_add_into_rows: x {:?} w {:?} into rows {}.. of {:?} (all contiguous)",
                 x_l.dims(),
                 w_l.dims(),
                 self.row0,
@@ -90,7 +74,7 @@ impl InplaceOp3 for MatmulTIntoRows {
             _ => gemm_reduced_precision_f16(),
         };
         if reduced {
-            bail!("matmul_t_into_rows: reduced-precision bf16/f16 GEMMs are not mirrored");
+            bail!("matmul_t_add_into_rows: reduced-precision bf16/f16 GEMMs are not mirrored");
         }
         let blas = out.device.cublas_handle();
         let (x_o, w_o) = (x_l.start_offset(), w_l.start_offset());
@@ -114,7 +98,7 @@ impl InplaceOp3 for MatmulTIntoRows {
                     sys::cudaDataType_t::CUDA_R_16F,
                 )
             },
-            _ => bail!("matmul_t_into_rows: bf16 or f16 operands of one dtype"),
+            _ => bail!("matmul_t_add_into_rows: bf16 or f16 operands of one dtype"),
         }
     }
 }
@@ -127,8 +111,8 @@ struct Gemm {
 }
 
 impl Gemm {
-    /// candle's call for `x.matmul(&w.t())`: cuBLAS sees the column-major product
-    /// `out[n, m] = op(w)[n, k] · x[k, m]` with `w` transposed, f32 accumulation.
+    /// candle's call for `x.matmul(&w.t())` with beta = 1: cuBLAS sees the column-major
+    /// product `out[n, m] += op(w)[n, k] · x[k, m]` with `w` transposed, f32 accumulation.
     ///
     /// # Safety
     /// `x` holds `m * k` values, `w` `n * k`, `out` `out_offset + m * n`.
@@ -146,7 +130,7 @@ impl Gemm {
         let (a, _a) = w.device_ptr(&stream);
         let (b, _b) = x.device_ptr(&stream);
         let (c, _c) = c.device_ptr_mut(&stream);
-        let (alpha, beta) = (1f32, 0f32);
+        let (alpha, beta) = (1f32, 1f32);
         gemm_strided_batched_ex(
             *blas.handle(),
             sys::cublasOperation_t::CUBLAS_OP_T,

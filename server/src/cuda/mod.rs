@@ -40,7 +40,7 @@ pub use attention::{
     flash_attention, flash_attention_supported, rope_rotate_half, FlashMma, FlashOptions,
     FlashTiling,
 };
-pub use gemm::{matmul_t_into_rows, uninit_rows};
+pub use gemm::matmul_t_add_into_rows;
 use module::{kernel, EXACTSCORE};
 
 fn kernel_name(base: &str, dtype: DType) -> String {
@@ -348,42 +348,22 @@ pub fn qdq_nvfp4(x: &Tensor, global_scale: f32) -> Result<Tensor> {
     }))
 }
 
-/// transformers' RMSNorm of `x + residual` (or of `x`) over the last dimension, in one pass.
-/// Returns the rounded sum (when there is a residual) and the normalised, weighted rows.
-/// With `fp8_qdq`, the normalised rows then go through the per-token fp8 QDQ (as
-/// [`qdq_fp8`] without a static scale), in the same kernel when the rows allow vectors.
-pub fn rms_norm(
-    x: &Tensor,
-    residual: Option<&Tensor>,
-    weight: &Tensor,
-    eps: f32,
-    fp8_qdq: bool,
-) -> Result<(Option<Tensor>, Tensor)> {
+/// transformers' RMSNorm of `x` over the last dimension, in one pass: the normalised,
+/// weighted rows. With `fp8_qdq`, they then go through the per-token fp8 QDQ (as [`qdq_fp8`]
+/// without a static scale), in the same kernel when the rows allow vectors.
+pub fn rms_norm(x: &Tensor, weight: &Tensor, eps: f32, fp8_qdq: bool) -> Result<Tensor> {
     let x = x.contiguous()?;
-    let residual = residual.map(|r| r.contiguous()).transpose()?;
     let dims = x.dims().to_vec();
     let cols = *dims.last().unwrap_or(&0);
     let rows = x.elem_count() / cols.max(1);
-    if residual
-        .as_ref()
-        .is_some_and(|r| r.dims() != dims.as_slice())
-        || weight.dims() != [cols]
-        || weight.dtype() != x.dtype()
-    {
+    if weight.dims() != [cols] || weight.dtype() != x.dtype() {
         bail!(
-            "rms_norm: x {dims:?}, residual {:?}, weight {:?} {:?}",
-            residual.as_ref().map(|r| r.dims().to_vec()),
+            "rms_norm: x {dims:?}, weight {:?} {:?}",
             weight.dims(),
             weight.dtype()
         );
     }
-    let vectors = rows_of_vectors(
-        cols,
-        &[Some(&x), residual.as_ref(), Some(weight)]
-            .into_iter()
-            .flatten()
-            .collect::<Vec<_>>(),
-    );
+    let vectors = rows_of_vectors(cols, &[&x, weight]);
     let variant = match (vectors, fp8_qdq) {
         (true, true) => "rms_norm_v8_fp8_qdq",
         (true, false) => "rms_norm_v8",
@@ -393,40 +373,17 @@ pub fn rms_norm(
     with_float_type!(x.dtype(), T => with_slice::<T, _>(&x, |xs, xo, dev| {
         with_slice::<T, _>(weight, |ws, wo, _| {
             let func = kernel(dev, &EXACTSCORE, &name)?;
-            // SAFETY: the kernel writes every element of `out`, and of `sum` (which exists only
-            // with a residual).
-            let (out, sum) = unsafe {
-                (dev.alloc::<T>(rows * cols)?, residual.as_ref().map(|_| dev.alloc::<T>(rows * cols)).transpose()?)
-            };
+            // SAFETY: the kernel writes every element of `out`.
+            let out = unsafe { dev.alloc::<T>(rows * cols) }?;
             let (xs, ws) = (xs.slice(xo..), ws.slice(wo..));
-            let (c32, null) = (cols as i32, 0u64);
-            let launch = |r: Option<&CudaSlice<T>>, ro: usize| -> Result<()> {
-                let r = r.map(|r| r.slice(ro..));
-                let mut b = func.builder();
-                b.arg(&xs);
-                match &r {
-                    Some(r) => b.arg(r),
-                    None => b.arg(&null),
-                };
-                b.arg(&ws);
-                match &sum {
-                    Some(s) => b.arg(s),
-                    None => b.arg(&null),
-                };
-                b.arg(&out).arg(&c32).arg(&eps);
-                // SAFETY: arguments match `rms_norm{,_v8,_v8_fp8_qdq}_*` (one 256-thread block per
-                // row; aligned vectors checked above).
-                unsafe { b.launch(grid_rows(rows)) }.w()?;
-                Ok(())
-            };
-            match &residual {
-                Some(r) => with_slice::<T, _>(r, |rs, ro, _| launch(Some(rs), ro))?,
-                None => launch(None, 0)?,
-            }
-            let sum = sum.map(|s| wrap(s, dev, dims.clone()));
+            let c32 = cols as i32;
+            let mut b = func.builder();
+            b.arg(&xs).arg(&ws).arg(&out).arg(&c32).arg(&eps);
+            // SAFETY: arguments match `rms_norm{,_v8,_v8_fp8_qdq}_*` (one 256-thread block per
+            // row; aligned vectors checked above).
+            unsafe { b.launch(grid_rows(rows)) }.w()?;
             let out = wrap(out, dev, dims.clone());
-            let out = if fp8_qdq && !vectors { qdq_fp8(&out, None)? } else { out };
-            Ok((sum, out))
+            if fp8_qdq && !vectors { qdq_fp8(&out, None) } else { Ok(out) }
         })
     }))
 }

@@ -75,38 +75,18 @@ impl RmsNorm {
         self
     }
 
-    /// transformers' LlamaRMSNorm: normalise in f32, cast back, then scale by the weight.
-    fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        Ok(self.add_and_forward(x, None, None)?.1)
-    }
-
-    /// `(x + residual, norm(x + residual))`, or `(x, norm(x))` without a residual: the residual
-    /// stream's next value and this norm's output, put through `qdq` (the activation QDQ of the
-    /// Linears that read it) when there is one. One kernel on a GPU, which rounds the norm once
-    /// instead of twice (identical in f32; closer to f32 in bf16/f16) and applies a per-token
-    /// fp8 QDQ in the same pass.
-    fn add_and_forward(
-        &self,
-        x: &Tensor,
-        residual: Option<&Tensor>,
-        qdq: Option<&ActivationQdq>,
-    ) -> Result<(Tensor, Tensor)> {
+    /// transformers' LlamaRMSNorm (normalise in f32, cast back, then scale by the weight),
+    /// put through `qdq` (the activation QDQ of the Linears that read it) when there is one.
+    /// One kernel on a GPU, which rounds the norm once instead of twice (identical in f32;
+    /// closer to f32 in bf16/f16) and applies a per-token fp8 QDQ in the same pass.
+    fn forward(&self, x: &Tensor, qdq: Option<&ActivationQdq>) -> Result<Tensor> {
         let fused = qdq_fused_in_kernel(qdq, x.device());
         #[cfg(feature = "cuda")]
         if x.device().is_cuda() {
-            let eps = self.eps as f32;
-            let (sum, normed) = crate::cuda::rms_norm(x, residual, &self.weight, eps, fused)?;
-            return Ok((
-                sum.unwrap_or_else(|| x.clone()),
-                finish_qdq(normed, qdq, fused)?,
-            ));
+            let normed = crate::cuda::rms_norm(x, &self.weight, self.eps as f32, fused)?;
+            return finish_qdq(normed, qdq, fused);
         }
-        let x = match residual {
-            Some(r) => (x + r)?,
-            None => x.clone(),
-        };
-        let normed = self.reference(&x)?;
-        Ok((x, finish_qdq(normed, qdq, fused)?))
+        finish_qdq(self.reference(x)?, qdq, fused)
     }
 
     /// The CPU path, op by op as transformers runs it.
@@ -453,14 +433,10 @@ impl Model {
         let batch = BatchLayout { lens, flash };
         let ids = Tensor::new(ids.as_slice(), device)?;
         let mut x = stage("embed", device, || embed(&self.embed_tokens, &ids))?;
-        // Each layer's MLP output is added to the residual stream by the next norm (fused).
-        let mut pending = None;
         for layer in &self.layers {
-            (x, pending) = layer.forward(x, pending, &batch, &self.rope)?;
+            x = layer.forward(x, &batch, &self.rope)?;
         }
-        stage("norm", device, || {
-            Ok(self.norm.add_and_forward(&x, pending.as_ref(), None)?.1)
-        })
+        stage("norm", device, || self.norm.forward(&x, None))
     }
 
     /// Logits `[rows, vocab]` (compute dtype) of final-norm hidden states `[rows, hidden]`.
@@ -496,40 +472,25 @@ impl Model {
 }
 
 impl DecoderLayer {
-    /// `x + pending` is the residual stream entering the layer (`pending`: the previous layer's
-    /// MLP output, not yet added). Returns the stream after attention and this layer's MLP
-    /// output, which the next norm adds. Every tensor is dropped as soon as it is consumed:
-    /// the forward's peak memory is what is alive at once.
-    fn forward(
-        &self,
-        x: Tensor,
-        pending: Option<Tensor>,
-        batch: &BatchLayout,
-        rope: &RopeTables,
-    ) -> Result<(Tensor, Option<Tensor>)> {
+    /// The residual stream `x` after this layer. The attention's and the MLP's last Linears add
+    /// their outputs into the stream (see [`crate::quant::RowChunks`]); every other tensor is
+    /// dropped as soon as it is consumed: the forward's peak memory is what is alive at once.
+    fn forward(&self, x: Tensor, batch: &BatchLayout, rope: &RopeTables) -> Result<Tensor> {
         let dev = x.device().clone();
         let dev = &dev;
         // A QDQ that q/k/v (gate/up) share is applied by the norm that feeds them.
         let a = &self.self_attn;
         let attn_qdq = common_qdq(&[&a.q_proj, &a.k_proj, &a.v_proj]);
-        // The block owns the incoming stream and `pending`, so both are freed after the norm.
-        let (x, normed) = {
-            let (input, pending) = (x, pending);
-            stage("norm", dev, || {
-                self.input_layernorm
-                    .add_and_forward(&input, pending.as_ref(), attn_qdq.flatten())
-            })?
-        };
-        let attn = a.forward(normed, attn_qdq.is_some(), batch, rope)?;
+        let normed = stage("norm", dev, || {
+            self.input_layernorm.forward(&x, attn_qdq.flatten())
+        })?;
+        let x = a.forward(normed, x, attn_qdq.is_some(), batch, rope)?;
         let m = &self.mlp;
         let mlp_qdq = common_qdq(&[&m.gate_proj, &m.up_proj]);
-        let (x, normed) = stage("norm", dev, || {
-            self.post_attention_layernorm
-                .add_and_forward(&x, Some(&attn), mlp_qdq.flatten())
+        let normed = stage("norm", dev, || {
+            self.post_attention_layernorm.forward(&x, mlp_qdq.flatten())
         })?;
-        drop(attn);
-        let mlp = m.forward(normed, mlp_qdq.is_some())?;
-        Ok((x, Some(mlp)))
+        m.forward(normed, x, mlp_qdq.is_some())
     }
 }
 
@@ -553,9 +514,9 @@ fn layer_inputs<const N: usize>(
 const MLP_CHUNK: usize = 2048;
 
 impl Mlp {
-    /// `prequantized`: `x` has been through gate/up's common activation QDQ. On a GPU the
-    /// output is written over `x`, chunk by chunk, once each chunk has been read.
-    fn forward(&self, x: Tensor, prequantized: bool) -> Result<Tensor> {
+    /// `residual` plus the MLP of `x`. `prequantized`: `x` has been through gate/up's common
+    /// activation QDQ.
+    fn forward(&self, x: Tensor, residual: Tensor, prequantized: bool) -> Result<Tensor> {
         let dev = x.device();
         let rows = x.dims()[0];
         let (w_gate, w_up) = stage("gate_up_proj", dev, || {
@@ -565,7 +526,7 @@ impl Mlp {
             ))
         })?;
         let mut w_down = None;
-        let mut out = self.down_proj.row_chunks_over(x.clone())?;
+        let mut out = self.down_proj.row_chunks_added_to(residual)?;
         for start in (0..rows).step_by(MLP_CHUNK) {
             let x = x.narrow(0, start, MLP_CHUNK.min(rows - start))?;
             let [gate_in, up_in] =
@@ -596,11 +557,13 @@ impl Mlp {
 }
 
 impl Attention {
-    /// `x`: `[tokens of all sequences, hidden]`; attention never crosses sequence boundaries.
-    /// `prequantized`: `x` has been through q/k/v's common activation QDQ.
+    /// `residual` plus the attention of `x` (`[tokens of all sequences, hidden]`); attention
+    /// never crosses sequence boundaries. `prequantized`: `x` has been through q/k/v's common
+    /// activation QDQ.
     fn forward(
         &self,
         x: Tensor,
+        residual: Tensor,
         prequantized: bool,
         batch: &BatchLayout,
         rope: &RopeTables,
@@ -623,7 +586,9 @@ impl Attention {
             None => self.attend_each_sequence(&q, &k, &v, &batch.lens, rope),
         })?;
         let [o_in] = layer_inputs([&self.o_proj], &out, false)?;
-        stage("o_proj", dev, || self.o_proj.forward_quantized(&o_in))
+        stage("o_proj", dev, || {
+            self.o_proj.add_to_residual(residual, &o_in)
+        })
     }
 
     /// The materialised path, one sequence at a time; returns `[tokens, heads * head_dim]`.
@@ -668,7 +633,7 @@ impl Attention {
         let len = x.dims()[0];
         let mut x = x.reshape((len, heads, self.head_dim))?;
         if let Some(norm) = norm {
-            x = norm.forward(&x)?;
+            x = norm.forward(&x, None)?;
         }
         let x = x.transpose(0, 1)?.contiguous()?.unsqueeze(0)?;
         match rope {
@@ -692,7 +657,7 @@ impl Attention {
         let split = |x: Tensor, heads: usize, norm: Option<&RmsNorm>| -> Result<Tensor> {
             let x = x.reshape((tokens, heads, self.head_dim))?;
             match norm {
-                Some(norm) => norm.forward(&x),
+                Some(norm) => norm.forward(&x, None),
                 None => Ok(x),
             }
         };

@@ -82,27 +82,32 @@ impl QuantLinear {
         self.add_bias(x.matmul(&w.t()?)?)
     }
 
-    /// Collects this layer's output over `rows` = `input.dims()[0]` rows arriving in order as
-    /// chunks through [`RowChunks::push`]: see [`RowChunks`]. `input` is the tensor those chunks
-    /// derive from row by row (the MLP's input for `down_proj`): when it has the output's shape,
-    /// the GPU path writes each chunk's product over the rows it came from, which the caller
-    /// has read by then (one stream orders it), so one `[rows, hidden]` buffer fewer is alive.
-    /// The caller does not read `input` afterwards.
-    pub fn row_chunks_over(&self, input: Tensor) -> Result<RowChunks<'_>> {
+    /// `residual + x · Wᵀ (+ b)` of an input that has been through this layer's activation QDQ
+    /// already: this layer's output added to the residual stream. See [`RowChunks`].
+    pub fn add_to_residual(&self, residual: Tensor, x: &Tensor) -> Result<Tensor> {
+        let mut out = self.row_chunks_added_to(residual)?;
+        out.push(x, &self.dequantized_like(x)?)?;
+        out.finish()
+    }
+
+    /// [`Self::add_to_residual`] over an input whose `residual.dims()[0]` rows arrive in order
+    /// as chunks through [`RowChunks::push`], each multiplied by the same dequantized weight.
+    pub fn row_chunks_added_to(&self, residual: Tensor) -> Result<RowChunks<'_>> {
         let (out_features, _) = self.weight.shape();
-        let rows = input.dims()[0];
-        let output = if !writes_in_place(&input) {
-            None
-        } else if input.dims() == [rows, out_features] && input.is_contiguous() {
-            Some(input)
-        } else {
-            Some(uninit_output(rows, out_features, &input)?)
-        };
+        let rows = residual.dims()[0];
+        if residual.dims() != [rows, out_features] {
+            candle_core::bail!(
+                "a residual stream {:?} for a layer of {out_features} outputs",
+                residual.dims()
+            );
+        }
+        let in_place = self.bias.is_none() && adds_in_place(&residual);
         Ok(RowChunks {
             linear: self,
             rows,
             filled: 0,
-            output,
+            residual,
+            in_place,
             parts: Vec::new(),
         })
     }
@@ -123,15 +128,18 @@ impl QuantLinear {
     }
 }
 
-/// One Linear's output over an input that arrives in row chunks, each multiplied by the same
-/// dequantized weight. On a GPU in bf16/f16 each chunk's product goes straight into its rows of
-/// the output (no concatenation pass; the same bits as a plain matmul); elsewhere the chunks'
-/// products are concatenated at the end.
+/// A Linear's output added to the residual stream, over an input that arrives in row chunks.
+/// It owns the stream: on a GPU in bf16/f16 without a bias, each chunk's GEMM adds its product
+/// into the stream's own rows (cuBLAS's epilogue, beta = 1), so the sum is rounded once and
+/// there is neither an output buffer nor a separate pass over the stream. Elsewhere the chunks'
+/// products are rounded to the compute dtype, concatenated, and added (as PyTorch adds them; in
+/// f32 the two ways give the same bits).
 pub struct RowChunks<'a> {
     linear: &'a QuantLinear,
     rows: usize,
     filled: usize,
-    output: Option<Tensor>,
+    residual: Tensor,
+    in_place: bool,
     parts: Vec<Tensor>,
 }
 
@@ -146,43 +154,39 @@ impl RowChunks<'_> {
                 self.rows
             );
         }
-        match &self.output {
+        if self.in_place {
             #[cfg(feature = "cuda")]
-            Some(out) => crate::cuda::matmul_t_into_rows(out, self.filled, x, w)?,
-            _ => self.parts.push(x.matmul(&w.t()?)?),
+            crate::cuda::matmul_t_add_into_rows(&self.residual, self.filled, x, w)?;
+        } else {
+            self.parts.push(x.matmul(&w.t()?)?);
         }
         self.filled += n;
         Ok(())
     }
 
-    /// The whole output, bias added.
+    /// The residual stream with the whole output added.
     pub fn finish(mut self) -> Result<Tensor> {
         if self.filled != self.rows {
             candle_core::bail!("{} of {} output rows were computed", self.filled, self.rows);
         }
-        let y = match self.output.take() {
-            Some(out) => out,
-            None if self.parts.len() == 1 => self.parts.remove(0),
-            None => Tensor::cat(&self.parts, 0)?,
+        if self.in_place {
+            return Ok(self.residual);
+        }
+        let y = match self.parts.len() {
+            1 => self.parts.remove(0),
+            _ => Tensor::cat(&self.parts, 0)?,
         };
-        self.linear.add_bias(y)
+        self.residual + self.linear.add_bias(y)?
     }
 }
 
-/// A `[rows, cols]` GPU tensor of `like`'s dtype, not initialised: [`RowChunks`] writes every row.
-fn uninit_output(rows: usize, cols: usize, like: &Tensor) -> Result<Tensor> {
-    #[cfg(feature = "cuda")]
-    return crate::cuda::uninit_rows(rows, cols, like.dtype(), like.device());
-    #[cfg(not(feature = "cuda"))]
-    candle_core::bail!("a {rows}x{cols} output in place on {:?}", like.device())
-}
-
-/// Whether [`RowChunks`] writes each chunk's product into its rows of one output (a GPU in
-/// bf16/f16) rather than concatenating the products.
-fn writes_in_place(like: &Tensor) -> bool {
+/// Whether [`RowChunks`] adds each chunk's product into the residual stream in place (a
+/// contiguous GPU tensor in bf16/f16).
+fn adds_in_place(residual: &Tensor) -> bool {
     cfg!(feature = "cuda")
-        && like.device().is_cuda()
-        && matches!(like.dtype(), DType::BF16 | DType::F16)
+        && residual.device().is_cuda()
+        && residual.is_contiguous()
+        && matches!(residual.dtype(), DType::BF16 | DType::F16)
 }
 
 /// The activation QDQ that every layer of `linears` applies to its input, when they all apply
