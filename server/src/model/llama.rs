@@ -581,10 +581,12 @@ impl Attention {
             ))
         })?;
         drop((q_in, k_in, v_in));
-        let out = stage("attention", dev, || match &batch.flash {
-            Some(index) => self.flash_attend(q, k, v, index, rope),
-            None => self.attend_each_sequence(&q, &k, &v, &batch.lens, rope),
-        })?;
+        let out = match &batch.flash {
+            Some(index) => self.flash_attend(q, k, v, index, rope)?,
+            None => stage("attention", dev, || {
+                self.attend_each_sequence(&q, &k, &v, &batch.lens, rope)
+            })?,
+        };
         let [o_in] = layer_inputs([&self.o_proj], &out, false)?;
         stage("o_proj", dev, || {
             self.o_proj.add_to_residual(residual, &o_in)
@@ -643,7 +645,8 @@ impl Attention {
     }
 
     /// The whole batch through the fused GPU kernels, in the projections' `[tokens, heads, dim]`
-    /// layout: RoPE, then flash attention; returns `[tokens, heads * head_dim]`.
+    /// layout: the per-head norms and RoPE (profiled as the stage `rope`), then flash attention;
+    /// returns `[tokens, heads * head_dim]`.
     /// Takes q, k and v by value: the unrotated q and k are freed once rotated.
     fn flash_attend(
         &self,
@@ -662,25 +665,39 @@ impl Attention {
             }
         };
         let (cos, sin) = rope.tables();
-        let q = split(q, self.num_heads, self.q_norm.as_ref())?;
-        let k = split(k, self.num_kv_heads, self.k_norm.as_ref())?;
         let v = split(v, self.num_kv_heads, None)?;
         let scale = 1.0 / (self.head_dim as f32).sqrt();
         #[cfg(feature = "cuda")]
         {
-            let rotate = |x: Tensor| crate::cuda::rope_rotate_half(&x, &index.positions, cos, sin);
-            let (q, k) = (rotate(q)?, rotate(k)?);
+            let dev = q.device().clone();
+            // the per-head norms, where the model has them, and RoPE
+            let (q, k) = stage("rope", &dev, || {
+                let rotate = |x: Tensor, heads, norm| {
+                    crate::cuda::rope_rotate_half(
+                        &split(x, heads, norm)?,
+                        &index.positions,
+                        cos,
+                        sin,
+                    )
+                };
+                Ok((
+                    rotate(q, self.num_heads, self.q_norm.as_ref())?,
+                    rotate(k, self.num_kv_heads, self.k_norm.as_ref())?,
+                ))
+            })?;
             let opts = crate::cuda::FlashOptions {
                 scale,
                 window: self.sliding_window,
                 tiling: index.tiling,
             };
-            crate::cuda::flash_attention(&q, &k, &v, &index.starts, index.max_len, &opts)
+            stage("attention", &dev, || {
+                crate::cuda::flash_attention(&q, &k, &v, &index.starts, index.max_len, &opts)
+            })
         }
         #[cfg(not(feature = "cuda"))]
         {
             // Unreachable: `Model::from_checkpoint` refuses `Flash` without CUDA.
-            let _ = (q, k, v, index, cos, sin, scale);
+            let _ = (q, k, v, index, cos, sin, scale, split);
             candle_core::bail!("flash attention needs the `cuda` feature")
         }
     }
