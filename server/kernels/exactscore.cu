@@ -262,13 +262,21 @@ struct Lse {
     float max, sum;
 };
 
-// Adds N values: one rescale per call at most, and N independent exponentials (one per value,
-// each against one running max, as a serial per-value update would have chained them).
+// The largest of N values as lse_add and the argmax need it: fmaxf from v[0] on, so NaN is
+// skipped unless every value is NaN.
 template <int N>
-__device__ __forceinline__ void lse_add(Lse& a, const float (&v)[N]) {
+__device__ __forceinline__ float vector_max(const float (&v)[N]) {
     float m = v[0];
 #pragma unroll
     for (int j = 1; j < N; ++j) m = fmaxf(m, v[j]);
+    return m;
+}
+
+// Adds N values whose vector_max is `m`: one rescale per call at most, and N independent
+// exponentials (one per value, each against one running max, as a serial per-value update
+// would have chained them).
+template <int N>
+__device__ __forceinline__ void lse_add(Lse& a, const float (&v)[N], float m) {
     if (m == -INFINITY) return;  // nothing to add (also keeps exp(-inf - -inf) out)
     if (m > a.max) {
         a.sum *= expf(a.max - m);
@@ -315,15 +323,12 @@ __device__ void score_rows(const T* logits, int vocab, const int32_t* targets, i
     for (int i = tid * VEC; i < vocab; i += SCORE_THREADS * VEC) {
         const V x = *reinterpret_cast<const V*>(row + i);
         float v[VEC];
-        float m = -INFINITY;
 #pragma unroll
-        for (int j = 0; j < VEC; ++j) {
-            v[j] = to_f32(x.v[j]);
-            m = fmaxf(m, v[j]);
-        }
+        for (int j = 0; j < VEC; ++j) v[j] = to_f32(x.v[j]);
+        const float m = vector_max(v);
         // A thread's indices only grow, so a vector can only hold a better value when its max is
-        // at least the best so far (fmaxf skips NaN, as `better` never picks one); rare after
-        // the first vectors, so the exact per-value comparison runs only then.
+        // at least the best so far (NaN compares false, and `better` never picks one); rare
+        // after the first vectors, so the exact per-value comparison runs only then.
         if (m >= best) {
 #pragma unroll
             for (int j = 0; j < VEC; ++j) {
@@ -333,7 +338,7 @@ __device__ void score_rows(const T* logits, int vocab, const int32_t* targets, i
                 }
             }
         }
-        lse_add(lse, v);
+        lse_add(lse, v, m);
     }
     for (int o = 16; o > 0; o >>= 1)
         lse = lse_merge(lse, {__shfl_xor_sync(0xffffffff, lse.max, o), __shfl_xor_sync(0xffffffff, lse.sum, o)});

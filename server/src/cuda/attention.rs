@@ -6,7 +6,7 @@ use candle_core::cuda_backend::WrapErr;
 use candle_core::{bail, DType, Device, Result, Tensor};
 
 use super::module::{kernel, KernelModule, ATTENTION, ATTENTION_SM90};
-use super::{grid_1d, kernel_name, rows_of_vectors, with_slice, wrap};
+use super::{grid_1d, kernel_name, rows_of_vectors, vector_kernel_name, with_slice, wrap};
 
 /// Threads per block of `flash_attention_*` (attention.cu).
 const THREADS: u32 = 128;
@@ -143,14 +143,7 @@ pub fn rope_rotate_half(
         1
     };
     let groups = tokens * heads * half / per_thread;
-    let name = kernel_name(
-        if per_thread == 8 {
-            "rope_rotate_half_v8"
-        } else {
-            "rope_rotate_half"
-        },
-        x.dtype(),
-    );
+    let name = vector_kernel_name("rope_rotate_half", per_thread == 8, x.dtype());
     with_float_type!(x.dtype(), T => with_slice::<T, _>(x, |xs, xo, dev| {
         with_slice::<i32, _>(positions, |ps, po, _| {
             with_slice::<T, _>(cos, |cs, co, _| {

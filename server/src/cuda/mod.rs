@@ -52,6 +52,15 @@ fn kernel_name(base: &str, dtype: DType) -> String {
     format!("{base}_{suffix}")
 }
 
+/// [`kernel_name`] of the `{base}_v8` variant (16-byte vectors, see [`rows_of_vectors`]) when
+/// `vectors`, else of `base`.
+fn vector_kernel_name(base: &str, vectors: bool, dtype: DType) -> String {
+    kernel_name(
+        &format!("{base}{}", if vectors { "_v8" } else { "" }),
+        dtype,
+    )
+}
+
 fn grid_1d(n: usize) -> LaunchConfig {
     LaunchConfig {
         grid_dim: ((n as u32).div_ceil(THREADS).max(1), 1, 1),
@@ -297,14 +306,7 @@ pub fn qdq_fp8(x: &Tensor, static_scale: Option<f32>) -> Result<Tensor> {
     let x = x.contiguous()?;
     let (rows, k) = x.dims2()?;
     let vectors = rows_of_vectors(k, &[&x]);
-    let name = kernel_name(
-        if vectors {
-            "qdq_fp8_token_v8"
-        } else {
-            "qdq_fp8_token"
-        },
-        x.dtype(),
-    );
+    let name = vector_kernel_name("qdq_fp8_token", vectors, x.dtype());
     with_float_type!(x.dtype(), T => with_slice::<T, _>(&x, |xs, xo, dev| {
         let func = kernel(dev, &EXACTSCORE, &name)?;
         // SAFETY: the kernel writes every element.
@@ -488,14 +490,7 @@ pub fn score_rows(logits: &Tensor, targets: &[i32], top_k: usize) -> Result<RowS
     let top_len = rows * top_k;
     let words = 3 * rows + 2 * top_len;
     let vectors = rows_of_vectors(vocab, &[&logits]);
-    let name = kernel_name(
-        if vectors {
-            "score_rows_v8"
-        } else {
-            "score_rows"
-        },
-        logits.dtype(),
-    );
+    let name = vector_kernel_name("score_rows", vectors, logits.dtype());
     let host = with_float_type!(logits.dtype(), T => with_slice::<T, _>(&logits, |ls, lo, dev| {
         let func = kernel(dev, &EXACTSCORE, &name)?;
         let targets = dev.clone_htod(targets)?;
