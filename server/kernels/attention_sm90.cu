@@ -59,7 +59,44 @@ __device__ __forceinline__ uint64_t descriptor(const unsigned char* p, uint32_t 
            ((uint64_t)((sbo >> 4) & 0x3FFF) << 32) | (1ull << 62);
 }
 
+// The descriptor of the operand `bytes` (a multiple of 16) after the one `d` describes: only
+// the address field (the low 14 bits, in 16-byte units) moves, and an address inside shared
+// memory never carries out of it. One 32-bit add instead of building the descriptor anew.
+__device__ __forceinline__ uint64_t descriptor_plus(uint64_t d, uint32_t bytes) {
+    const uint32_t lo = (uint32_t)d + (bytes >> 4), hi = (uint32_t)(d >> 32);
+    return ((uint64_t)hi << 32) | lo;
+}
+
 #define WG_THREADS 128
+
+// Rows row0 .. row0 + ROWS - 1 of one head (D = 128 values; `src`: the head's first value, tokens
+// `stride` apart) into the swizzled tile at `dst`, zeros past the sequence's end, with
+// asynchronous copies (the caller commits them). load_rows unrolled: a thread copies one 16-byte
+// column of every eighth row, so its swizzle (which depends on the row modulo 8) and its steps
+// stay the same. ~3 instructions per copy of a tile inside the sequence instead of ~25: the
+// latency-bound loop issues every one of them between two tiles' MMAs.
+template <int ROWS, typename T>
+__device__ __forceinline__ void load_tile_swizzled(unsigned char* dst, const T* src, long stride,
+                                                   const FlashBlock& b, int row0) {
+    constexpr int CHUNKS = 128 / 8, STEP = WG_THREADS / CHUNKS;
+    static_assert(STEP % 8 == 0 && ROWS % STEP == 0, "a thread's rows share their swizzle");
+    const int c = threadIdx.x % CHUNKS, r = threadIdx.x / CHUNKS;
+    unsigned char* d = dst + swizzled(ROWS, r, c);
+    const T* first = src + (long)b.start * stride + c * 8;  // a valid address where no row is
+    const T* s = first + (long)(row0 + r) * stride;
+    const long step = (long)STEP * stride;
+    const int rows_left = b.len - row0 - r;
+    if (rows_left >= ROWS) {  // all rows inside the sequence: every tile but a sequence's last
+#pragma unroll
+        for (int j = 0; j < ROWS / STEP; ++j, s += step) cp_async16(d + j * STEP * 128, s, true);
+        return;
+    }
+#pragma unroll
+    for (int j = 0; j < ROWS / STEP; ++j, s += step) {
+        const bool valid = j * STEP < rows_left;
+        cp_async16(d + j * STEP * 128, valid ? s : first, valid);
+    }
+}
 
 // Grid and arguments as attention.cu's flash_attention; D = 128, 128 query rows per block,
 // KEYS keys per step. Two K and two V buffers: the next tile's K and V load during the whole of
@@ -86,11 +123,6 @@ __device__ void flash_attention_wgmma(const T* __restrict__ q, const T* __restri
     const T* k_head = k + (long)b.kv_head * D;
     const T* v_head = v + (long)b.kv_head * D;
 
-    // a tile into the swizzled layout (the caller commits the copy group)
-    auto load_tile = [&](unsigned char* dst, const T* src, long stride, int row0, int rows) {
-        load_rows<D, WG_THREADS>([&](int r, int c) { return dst + swizzled(rows, r, c); }, src, stride, b, row0, rows);
-    };
-
     float acc[MT][D / 8][4];
     float m[MT][2], l[MT][2];
     // warp w holds rows 16w + {g, g + 8} of each 64-row tile
@@ -103,15 +135,20 @@ __device__ void flash_attention_wgmma(const T* __restrict__ q, const T* __restri
     // always this tile's.
     auto load_kv = [&](int tile) {
         if (tile <= last_tile) {
-            load_tile(k_buf(tile), k_head, kv_stride, tile * KEYS, KEYS);
-            load_tile(v_buf(tile), v_head, kv_stride, tile * KEYS, KEYS);
+            load_tile_swizzled<KEYS>(k_buf(tile), k_head, kv_stride, b, tile * KEYS);
+            load_tile_swizzled<KEYS>(v_buf(tile), v_head, kv_stride, b, tile * KEYS);
         }
         cp_async_commit();
     };
-    load_tile(qs, q + (long)head * D, q_stride, q0, ROWS);
+    load_tile_swizzled<ROWS>(qs, q + (long)head * D, q_stride, b, q0);
     load_kv(first_tile);
     load_kv(first_tile + 1);
+    // The operands' descriptors, built once: each MMA's is one of these plus an offset.
+    const uint64_t q_desc = descriptor(qs, 16, 1024);
+    const uint64_t k_desc0 = descriptor(k_buf(0), 16, 1024), k_desc1 = descriptor(k_buf(1), 16, 1024);
+    const uint64_t v_desc0 = descriptor(v_buf(0), KEYS * 128, 1024), v_desc1 = descriptor(v_buf(1), KEYS * 128, 1024);
     for (int tile = first_tile; tile <= last_tile; ++tile) {
+        const uint64_t k_desc = tile & 1 ? k_desc1 : k_desc0, v_desc = tile & 1 ? v_desc1 : v_desc0;
         const int k0 = tile * KEYS;
         cp_async_wait<1>();  // Q, K and V of this tile have landed
         fence_proxy_async();
@@ -124,8 +161,8 @@ __device__ void flash_attention_wgmma(const T* __restrict__ q, const T* __restri
         for (int mt = 0; mt < MT; ++mt) {
 #pragma unroll
             for (int kk = 0; kk < D / 16; ++kk) {
-                const uint64_t a = descriptor(qs + (kk / 4) * ROWS * 128 + 64 * mt * 128 + (kk % 4) * 32, 16, 1024);
-                const uint64_t b = descriptor(k_buf(tile) + (kk / 4) * KEYS * 128 + (kk % 4) * 32, 16, 1024);
+                const uint64_t a = descriptor_plus(q_desc, (kk / 4) * ROWS * 128 + 64 * mt * 128 + (kk % 4) * 32);
+                const uint64_t b = descriptor_plus(k_desc, (kk / 4) * KEYS * 128 + (kk % 4) * 32);
                 Wgmma<T>::qk(reinterpret_cast<float(&)[KEYS / 2]>(s[mt]), a, b, kk > 0);
             }
         }
@@ -156,7 +193,7 @@ __device__ void flash_attention_wgmma(const T* __restrict__ q, const T* __restri
 #pragma unroll
             for (int j = 0; j < KEYS / 16; ++j) {
                 // V is the transposed B operand: its two 64-value column halves TILE / 2 apart
-                const uint64_t b = descriptor(v_buf(tile) + 16 * j * 128, KEYS * 128, 1024);
+                const uint64_t b = descriptor_plus(v_desc, 16 * j * 128);
                 Wgmma<T>::pv(reinterpret_cast<float(&)[D / 2]>(acc[mt]), p[mt][j], b);
             }
         }
