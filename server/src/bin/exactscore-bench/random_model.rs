@@ -2,6 +2,7 @@
 //! so the benchmark exercises the same loader and engine as a real checkpoint.
 
 use std::collections::HashMap;
+use std::ops::Range;
 use std::path::Path;
 
 use anyhow::{bail, Result};
@@ -103,12 +104,21 @@ impl Rng {
         HostTensor { dtype, shape, data }
     }
 
-    /// bf16 values of magnitude 2^-7..2^-5 with random sign and mantissa (never NaN/inf).
+    /// bf16 values of magnitude 2^-7..2^-4 with random sign and mantissa (never NaN/inf).
     fn bf16(&mut self, shape: Vec<usize>) -> HostTensor {
+        self.bf16_in(shape, 120..123, true)
+    }
+
+    /// bf16 values with a random mantissa, a biased exponent in `exponents` (2^(e - 127)) and a
+    /// random sign where `signed`.
+    fn bf16_in(&mut self, shape: Vec<usize>, exponents: Range<u16>, signed: bool) -> HostTensor {
         let mut t = self.tensor(Dtype::BF16, shape, |b| b);
+        let sign_mask = if signed { 0x8000 } else { 0 };
+        let spread = exponents.end - exponents.start;
         for v in t.data.chunks_mut(2) {
             let bits = u16::from_le_bytes([v[0], v[1]]);
-            let bits = (bits & 0x807F) | ((120 + (bits >> 7) % 3) << 7);
+            let exponent = exponents.start + (bits >> 7) % spread;
+            let bits = (bits & (sign_mask | 0x7F)) | (exponent << 7);
             v.copy_from_slice(&bits.to_le_bytes());
         }
         t
@@ -132,6 +142,13 @@ fn constant<T: Copy>(
 /// fp8 e4m3 bytes with exponent 1..=14 (finite, never NaN).
 fn fp8_byte(b: u8) -> u8 {
     (b & 0x87) | ((1 + (b >> 3) % 14) << 3)
+}
+
+/// Positive fp8 e4m3 block scales in 16..240 (biased exponent 11..=14), the range that
+/// llm-compressor's NVFP4 scales of a trained layer span (block maximum / 6 times the global
+/// scale), with random mantissas.
+fn fp8_scale_byte(b: u8) -> u8 {
+    (b & 0x07) | ((11 + (b >> 3) % 4) << 3)
 }
 
 fn quantization_config(format: &str) -> Result<Option<serde_json::Value>> {
@@ -250,14 +267,13 @@ fn tensors(
                         format!("{n}.weight_packed"),
                         rng.tensor(Dtype::I32, vec![out, inp / 8], |b| b),
                     );
+                    // Group scales as a trained layer's (absmax / 7 of its groups: 2^-8..2^-6),
+                    // each its own: one constant scale would leave the dequantized weights 16
+                    // values, whose few toggling bits let the GEMMs draw less power (and run
+                    // faster) than a real checkpoint's.
                     t.insert(
                         format!("{n}.weight_scale"),
-                        constant(
-                            Dtype::BF16,
-                            vec![out, inp / 128],
-                            half::bf16::from_f32(0.002),
-                            |v| v.to_le_bytes().to_vec(),
-                        ),
+                        rng.bf16_in(vec![out, inp / 128], 119..121, false),
                     );
                 }
                 "nvfp4" | "nvfp4a16" => {
@@ -267,7 +283,7 @@ fn tensors(
                     );
                     t.insert(
                         format!("{n}.weight_scale"),
-                        rng.tensor(Dtype::F8_E4M3, vec![out, inp / 16], fp8_byte),
+                        rng.tensor(Dtype::F8_E4M3, vec![out, inp / 16], fp8_scale_byte),
                     );
                     t.insert(
                         format!("{n}.weight_global_scale"),
