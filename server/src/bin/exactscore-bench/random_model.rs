@@ -301,14 +301,11 @@ fn tensors(
                         format!("{n}.weight"),
                         rng.tensor(Dtype::F8_E4M3, vec![out, inp], fp8_byte),
                     );
+                    // Channel scales as a trained layer's (absmax / 448: 2^-12..2^-10), each its
+                    // own, like the W4A16 group scales above.
                     t.insert(
                         format!("{n}.weight_scale"),
-                        constant(
-                            Dtype::BF16,
-                            vec![out, 1],
-                            half::bf16::from_f32(0.0005),
-                            |v| v.to_le_bytes().to_vec(),
-                        ),
+                        rng.bf16_in(vec![out, 1], 115..117, false),
                     );
                 }
             }
