@@ -90,9 +90,10 @@ __device__ void flash_attention(const T* __restrict__ q, const T* __restrict__ k
     const long q_stride = b.q_stride, kv_stride = b.kv_stride;
     const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g = lane / 4, t = lane % 4;
 
-    // one tile into padded rows, as one copy group
-    auto load_tile = [&](T* dst, const T* src, long stride, int row0, int rows) {
-        load_rows<D, FA_THREADS>([&](int r, int c) { return dst + r * LD + c * 8; }, src, stride, b, row0, rows);
+    // one tile of ROWS rows into padded rows, as one copy group
+    auto padded = [&](T* dst) { return [=](int r, int c) { return dst + r * LD + c * 8; }; };
+    auto load_keys = [&](T* dst, const T* src, int row0) {
+        load_rows<D, FA_THREADS, FA_KEYS, LD * sizeof(T)>(padded(dst), src, kv_stride, b, row0);
         cp_async_commit();
     };
 
@@ -110,11 +111,12 @@ __device__ void flash_attention(const T* __restrict__ q, const T* __restrict__ k
     const int warp_last_key = q0 + warp_row0 + 16 * MT - 1;
     // Software pipeline: V of this tile loads during Q·Kᵀ and the softmax, K of the next tile
     // during P·V. One buffer each: the barriers below order every reuse.
-    load_tile(qs, q + (long)head * D, q_stride, q0, FA_ROWS);
-    load_tile(ks, k + (long)kv_head * D, kv_stride, first_tile * FA_KEYS, FA_KEYS);
+    load_rows<D, FA_THREADS, FA_ROWS, LD * sizeof(T)>(padded(qs), q + (long)head * D, q_stride, b, q0);
+    cp_async_commit();
+    load_keys(ks, k + (long)kv_head * D, first_tile * FA_KEYS);
     for (int tile = first_tile; tile <= last_tile; ++tile) {
         const int k0 = tile * FA_KEYS;
-        load_tile(vs, v + (long)kv_head * D, kv_stride, k0, FA_KEYS);
+        load_keys(vs, v + (long)kv_head * D, k0);
         cp_async_wait<1>();  // Q and K of this tile have landed (V may still be in flight)
         __syncthreads();
 
@@ -155,7 +157,7 @@ __device__ void flash_attention(const T* __restrict__ q, const T* __restrict__ k
 
         cp_async_wait<0>();  // V has landed
         __syncthreads();     // ... for every thread, and every warp is done reading K
-        if (tile < last_tile) load_tile(ks, k + (long)kv_head * D, kv_stride, k0 + FA_KEYS, FA_KEYS);
+        if (tile < last_tile) load_keys(ks, k + (long)kv_head * D, k0 + FA_KEYS);
 
         // O += P·V: the S accumulators are already in the A-operand layout, 16 keys per step
         if (visible) {

@@ -69,33 +69,12 @@ __device__ __forceinline__ uint64_t descriptor_plus(uint64_t d, uint32_t bytes) 
 
 #define WG_THREADS 128
 
-// Rows row0 .. row0 + ROWS - 1 of one head (D = 128 values; `src`: the head's first value, tokens
-// `stride` apart) into the swizzled tile at `dst`, zeros past the sequence's end, with
-// asynchronous copies (the caller commits them). load_rows unrolled: a thread copies one 16-byte
-// column of every eighth row, so its swizzle (which depends on the row modulo 8) and its steps
-// stay the same. ~3 instructions per copy of a tile inside the sequence instead of ~25: the
-// latency-bound loop issues every one of them between two tiles' MMAs.
+// ROWS rows into a tile of the 128-byte-swizzled layout at `dst` (load_rows; the caller commits).
 template <int ROWS, typename T>
 __device__ __forceinline__ void load_tile_swizzled(unsigned char* dst, const T* src, long stride,
                                                    const FlashBlock& b, int row0) {
-    constexpr int CHUNKS = 128 / 8, STEP = WG_THREADS / CHUNKS;
-    static_assert(STEP % 8 == 0 && ROWS % STEP == 0, "a thread's rows share their swizzle");
-    const int c = threadIdx.x % CHUNKS, r = threadIdx.x / CHUNKS;
-    unsigned char* d = dst + swizzled(ROWS, r, c);
-    const T* first = src + (long)b.start * stride + c * 8;  // a valid address where no row is
-    const T* s = first + (long)(row0 + r) * stride;
-    const long step = (long)STEP * stride;
-    const int rows_left = b.len - row0 - r;
-    if (rows_left >= ROWS) {  // all rows inside the sequence: every tile but a sequence's last
-#pragma unroll
-        for (int j = 0; j < ROWS / STEP; ++j, s += step) cp_async16(d + j * STEP * 128, s, true);
-        return;
-    }
-#pragma unroll
-    for (int j = 0; j < ROWS / STEP; ++j, s += step) {
-        const bool valid = j * STEP < rows_left;
-        cp_async16(d + j * STEP * 128, valid ? s : first, valid);
-    }
+    load_rows<128, WG_THREADS, ROWS, 128>([=](int r, int c) { return dst + swizzled(ROWS, r, c); }, src,
+                                     stride, b, row0);
 }
 
 // Grid and arguments as attention.cu's flash_attention; D = 128, 128 query rows per block,
