@@ -139,16 +139,12 @@ fn constant<T: Copy>(
     }
 }
 
-/// fp8 e4m3 bytes with exponent 1..=14 (finite, never NaN).
-fn fp8_byte(b: u8) -> u8 {
-    (b & 0x87) | ((1 + (b >> 3) % 14) << 3)
-}
-
-/// Positive fp8 e4m3 block scales in 16..240 (biased exponent 11..=14), the range that
-/// llm-compressor's NVFP4 scales of a trained layer span (block maximum / 6 times the global
-/// scale), with random mantissas.
-fn fp8_scale_byte(b: u8) -> u8 {
-    (b & 0x07) | ((11 + (b >> 3) % 4) << 3)
+/// An fp8 e4m3 byte from the random byte `b`: its mantissa, a biased exponent in `exponents`
+/// (at most 14: finite, never NaN) and its sign where `signed`; as
+/// [`Rng::bf16_in`] for bf16.
+fn fp8_in(b: u8, exponents: Range<u8>, signed: bool) -> u8 {
+    let sign = if signed { b & 0x80 } else { 0 };
+    sign | (b & 0x07) | ((exponents.start + (b >> 3) % (exponents.end - exponents.start)) << 3)
 }
 
 fn quantization_config(format: &str) -> Result<Option<serde_json::Value>> {
@@ -283,7 +279,11 @@ fn tensors(
                     );
                     t.insert(
                         format!("{n}.weight_scale"),
-                        rng.tensor(Dtype::F8_E4M3, vec![out, inp / 16], fp8_scale_byte),
+                        // Block scales in 16..240 (biased exponent 11..=14): llm-compressor's
+                        // NVFP4 scales of a trained layer (block max / 6 times the global scale).
+                        rng.tensor(Dtype::F8_E4M3, vec![out, inp / 16], |b| {
+                            fp8_in(b, 11..15, false)
+                        }),
                     );
                     t.insert(
                         format!("{n}.weight_global_scale"),
@@ -299,7 +299,7 @@ fn tensors(
                 _ => {
                     t.insert(
                         format!("{n}.weight"),
-                        rng.tensor(Dtype::F8_E4M3, vec![out, inp], fp8_byte),
+                        rng.tensor(Dtype::F8_E4M3, vec![out, inp], |b| fp8_in(b, 1..15, true)),
                     );
                     // Channel scales as a trained layer's (absmax / 448: 2^-12..2^-10), each its
                     // own, like the W4A16 group scales above.
