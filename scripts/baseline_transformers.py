@@ -2,8 +2,11 @@
 """Baseline for exactscore-bench: HF transformers scoring 2048-token windows of a random-weight
 model of the same shape (bf16, sdpa), log_softmax + gather of the targets on the GPU, the way
 an evaluation script using transformers does it. Prints one table row per batch size.
+`--weights FORMAT` gives the decoder Linears the dequantized values of a random FORMAT
+checkpoint: transformers decompresses a quantized model to such bf16 weights, and their bit
+patterns change the GEMMs' power draw and so their speed under the power cap (H100: 4-6 %).
 
-    python3 scripts/baseline_transformers.py --shape llama3-8b --batch 1,4 --ctx 2048
+    python3 scripts/baseline_transformers.py --shape llama3-8b --batch 1,4 --weights w4a16
 """
 import argparse
 import time
@@ -23,6 +26,10 @@ ap.add_argument("--shape", default="llama3-8b")
 ap.add_argument("--batch", default="1,4")
 ap.add_argument("--ctx", type=int, default=2048)
 ap.add_argument("--iters", type=int, default=5)
+ap.add_argument("--weights", choices=["init", "w4a16", "nvfp4", "fp8"], default="init",
+                help="decoder Linear weights: transformers' random init (normal, std 0.02), or "
+                     "the dequantized values of a random checkpoint of that format drawn as "
+                     "exactscore-bench draws its own: what transformers runs for such a model")
 args = ap.parse_args()
 
 cfg = LlamaConfig(**SHAPES[args.shape], rms_norm_eps=1e-5, max_position_embeddings=131072,
@@ -31,7 +38,49 @@ torch.manual_seed(0)
 with torch.device("cuda"):
     model = LlamaForCausalLM(cfg).to(torch.bfloat16).eval()
 model.config._attn_implementation = "sdpa"
-print(f"| transformers {torch.__version__} bf16 sdpa | batch | ms/window | tokens/s | peak GPU GiB |")
+
+
+def random_scale(shape, exponents):
+    """bf16 values 2^e * (1 + m/128), e uniform in `exponents`, m a random 7-bit mantissa."""
+    e = torch.randint(exponents[0], exponents[1], shape, device="cuda").float()
+    m = torch.randint(0, 128, shape, device="cuda")
+    return ((1 + m / 128) * torch.exp2(e)).bfloat16().float()
+
+
+FP4_E2M1 = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0]
+
+
+def dequantized(kind, out_features, in_features):
+    """A decoder Linear's weight as transformers holds it after decompressing a random
+    checkpoint of `kind`, with exactscore-bench's distributions (random_model.rs): the bit
+    patterns, not only the shapes, set how much power (and so clock) the GEMMs get."""
+    shape = (out_features, in_features)
+    if kind == "w4a16":  # int4 codes, one scale per 128 inputs in 2^-8..2^-6
+        codes = torch.randint(-8, 8, (out_features, in_features // 128, 128), device="cuda")
+        scale = random_scale((out_features, in_features // 128, 1), (-8, -6))
+        w = codes * scale
+    elif kind == "nvfp4":  # e2m1 codes, e4m3 block scales in 16..240 per 16, global 20000
+        codes = torch.tensor(FP4_E2M1, device="cuda")[
+            torch.randint(0, 16, (out_features, in_features // 16, 16), device="cuda")]
+        e = torch.randint(4, 8, (out_features, in_features // 16, 1), device="cuda").float()
+        m = torch.randint(0, 8, e.shape, device="cuda")
+        w = codes * ((1 + m / 8) * torch.exp2(e) / 20000)
+    else:  # fp8: e4m3 codes (exponents 2^-6..2^7), one scale per output in 2^-12..2^-10
+        e = torch.randint(-6, 8, shape, device="cuda").float()
+        m = torch.randint(0, 8, shape, device="cuda")
+        sign = torch.randint(0, 2, shape, device="cuda") * 2 - 1
+        w = sign * (1 + m / 8) * torch.exp2(e) * random_scale((out_features, 1), (-12, -10))
+    return w.reshape(shape).bfloat16()
+
+
+if args.weights != "init":
+    with torch.no_grad():
+        for layer in model.model.layers:
+            for linear in [layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj,
+                           layer.self_attn.o_proj, layer.mlp.gate_proj, layer.mlp.up_proj,
+                           layer.mlp.down_proj]:
+                linear.weight.copy_(dequantized(args.weights, *linear.weight.shape))
+print(f"| transformers {torch.__version__} bf16 sdpa, {args.weights} weights | batch | ms/window | tokens/s | peak GPU GiB |")
 print("|---|---|---|---|---|")
 for batch in [int(b) for b in args.batch.split(",")]:
     ids = torch.randint(0, cfg.vocab_size, (batch, args.ctx), device="cuda")
@@ -52,5 +101,5 @@ for batch in [int(b) for b in args.batch.split(",")]:
     end.record()
     torch.cuda.synchronize()
     ms = start.elapsed_time(end) / args.iters
-    print(f"| baseline | {batch} | {ms / batch:.1f} | {batch * args.ctx / ms * 1e3:.0f} | "
+    print(f"| baseline {args.weights} | {batch} | {ms / batch:.1f} | {batch * args.ctx / ms * 1e3:.0f} | "
           f"{torch.cuda.max_memory_allocated() / 2**30:.1f} |")

@@ -1,8 +1,11 @@
 #!/usr/bin/env python3
 """Joins the tables that scripts/device_bench.sh wrote (exactscore-bench speed, transformers
 baseline) into one: tokens/s of every exactscore row over the baseline's at the same batch.
+Each format is compared with the baseline run on the same kind of weights (`--weights` of
+baseline_transformers.py: w4a16 for W4A16, nvfp4 for NVFP4A16 and NVFP4, fp8 for FP8).
 Each `--gate FORMAT BATCH MIN_RATIO MAX_PEAK_GIB` is an acceptance bound: the exit status is 1
-when that row is missing, slower than MIN_RATIO × transformers, or above MAX_PEAK_GIB.
+when that row or its baseline is missing, slower than MIN_RATIO × transformers, or above
+MAX_PEAK_GIB.
 
     python3 scripts/bench_summary.py $OUT/speed.txt $OUT/baseline.txt --gate w4a16 4 1.0 8
 """
@@ -27,20 +30,30 @@ ap.add_argument("--gate", nargs=4, action="append", default=[],
                 metavar=("FORMAT", "BATCH", "MIN_RATIO", "MAX_PEAK_GIB"))
 args = ap.parse_args()
 
-# baseline rows: baseline | batch | ms/window | tokens/s | peak GiB
-base = {int(r[1]): (r[2], float(r[3])) for r in rows(args.baseline) if r[0] == "baseline"}
+# baseline rows: baseline WEIGHTS | batch | ms/window | tokens/s | peak GiB (WEIGHTS: the
+# decoder weights transformers ran; "baseline" alone in older logs: its random init)
+base = {}
+for r in rows(args.baseline):
+    if r[0].split()[0] == "baseline":
+        weights = (r[0].split() + ["init"])[1]
+        base[(weights, int(r[1]))] = (r[2], float(r[3]))
+# Each format is compared with transformers running the same kind of weights, dequantized.
+SAME_WEIGHTS = {"w4a16": "w4a16", "nvfp4a16": "nvfp4", "nvfp4": "nvfp4", "fp8": "fp8"}
 ratios = {}
-print("| format | attention | batch | ms/window | tokens/s | × transformers bf16 | % of ceiling | peak GiB |")
-print("|---|---|---|---|---|---|---|---|")
+print("| format | attention | batch | ms/window | tokens/s | × transformers | transformers' weights "
+      "| % of ceiling | peak GiB |")
+print("|---|---|---|---|---|---|---|---|---|")
 for r in rows(args.speed):
     fmt, kernel, _, batch, ms, tps, ceil, peak = r[:8]
-    b = base.get(int(batch))
+    weights = SAME_WEIGHTS.get(fmt, "init")
+    b = base.get((weights, int(batch)))
     ratio = float(tps) / b[1] if b else None
     ratios.setdefault((fmt, int(batch)), (ratio, float(peak)))  # the first run of a shape
     shown = f"{ratio:.2f}" if ratio else "—"
-    print(f"| {fmt} | {kernel} | {batch} | {ms} | {tps} | {shown} | {ceil} | {peak} |")
-for batch, (ms, tps) in sorted(base.items()):
-    print(f"| transformers bf16 sdpa | — | {batch} | {ms} | {tps:.0f} | 1.00 | | |")
+    print(f"| {fmt} | {kernel} | {batch} | {ms} | {tps} | {shown} | {weights if b else 'none'} "
+          f"| {ceil} | {peak} |")
+for (weights, batch), (ms, tps) in sorted(base.items()):
+    print(f"| transformers bf16 sdpa | — | {batch} | {ms} | {tps:.0f} | 1.00 | {weights} | | |")
 
 failed = 0
 for fmt, batch, min_ratio, max_peak in args.gate:

@@ -2,7 +2,7 @@
 # Runs on the lent GPU machine (no Rust toolchain there): GPU-vs-CPU numerics on the fixtures,
 # the throughput table, the transformers baseline on the same shape, and WikiText-2 through the
 # real HTTP server, in one command.
-#   bash scripts/device_bench.sh [check] [speed FORMATS BATCHES] [baseline BATCHES] [summary]
+#   bash scripts/device_bench.sh [check] [speed FORMATS BATCHES] [baseline WEIGHTS BATCHES] [summary]
 #                                [wikitext FORMAT CONCURRENCY] [kld BATCHES] [coldstart MODEL]
 #                                [jit MODEL_DIR] [attention WINDOWS]
 # Binaries come gzipped in .device/ (see docs/performance.md); results go to $OUT. Exits 1 when a
@@ -131,7 +131,7 @@ while [ $# -gt 0 ]; do
     attention) step attention.txt /tmp/exactscore-bench attention --windows "$2"; shift 2 ;;
     jit) step jit.txt env CUDA_CACHE_PATH="$(mktemp -d)" /tmp/exactscore-bench jit --model "$2"; shift 2 ;;
     kld) step kld.txt /tmp/exactscore-bench kld --shape "$SHAPE" --format w4a16 --batch "$2" --min-ratio 0.45; shift 2 ;;
-    baseline) step baseline.txt python3 scripts/baseline_transformers.py --shape "$SHAPE" --batch "$2"; shift 2 ;;
+    baseline) step baseline.txt python3 scripts/baseline_transformers.py --shape "$SHAPE" --weights "$2" --batch "$3"; shift 3 ;;
     wikitext) step wikitext-run.txt wikitext "$2" "$3"; shift 3 ;;
     summary)
       gates=()
