@@ -30,6 +30,11 @@ ap.add_argument("--weights", choices=["init", "w4a16", "nvfp4", "fp8"], default=
                 help="decoder Linear weights: transformers' random init (normal, std 0.02), or "
                      "the dequantized values of a random checkpoint of that format drawn as "
                      "exactscore-bench draws its own: what transformers runs for such a model")
+ap.add_argument("--linears-only", action="store_true",
+                help="time only the GEMMs of the decoder Linears and lm_head (F.linear on the "
+                     "weights above, batch x ctx rows, each layer's inputs those of layer 0 in "
+                     "one forward): the floor of any implementation running them as bf16 "
+                     "cuBLAS GEMMs on these weights")
 args = ap.parse_args()
 
 cfg = LlamaConfig(**SHAPES[args.shape], rms_norm_eps=1e-5, max_position_embeddings=131072,
@@ -80,7 +85,41 @@ if args.weights != "init":
                            layer.self_attn.o_proj, layer.mlp.gate_proj, layer.mlp.up_proj,
                            layer.mlp.down_proj]:
                 linear.weight.copy_(dequantized(args.weights, *linear.weight.shape))
-print(f"| transformers {torch.__version__} bf16 sdpa, {args.weights} weights | batch | ms/window | tokens/s | peak GPU GiB |")
+
+
+def linears_step(ids):
+    """One pass of every Linear GEMM of a forward over `ids`, on layer 0's inputs."""
+    first = model.model.layers[0]
+    inputs = {}
+
+    def keep(name):
+        def hook(_, args):  # returns None: the forward's own input is left alone
+            inputs.setdefault(name, args[0].reshape(-1, args[0].shape[-1]))
+        return hook
+
+    hooks = [linear.register_forward_pre_hook(keep(name))
+             for name, linear in [("attn", first.self_attn.q_proj), ("o", first.self_attn.o_proj),
+                                  ("mlp", first.mlp.gate_proj), ("down", first.mlp.down_proj)]]
+    with torch.inference_mode():
+        model.model(ids)
+    for hook in hooks:
+        hook.remove()
+
+    def step():
+        with torch.inference_mode():
+            for layer in model.model.layers:
+                a, m = layer.self_attn, layer.mlp
+                for linear, name in [(a.q_proj, "attn"), (a.k_proj, "attn"), (a.v_proj, "attn"),
+                                     (a.o_proj, "o"), (m.gate_proj, "mlp"), (m.up_proj, "mlp"),
+                                     (m.down_proj, "down")]:
+                    torch.nn.functional.linear(inputs[name], linear.weight)
+            model.lm_head(inputs["attn"])
+    return step
+
+
+what = "Linear GEMMs only" if args.linears_only else "sdpa"
+label = f"{'linears' if args.linears_only else 'baseline'} {args.weights}"
+print(f"| transformers {torch.__version__} bf16 {what}, {args.weights} weights | batch | ms/window | tokens/s | peak GPU GiB |")
 print("|---|---|---|---|---|")
 for batch in [int(b) for b in args.batch.split(",")]:
     ids = torch.randint(0, cfg.vocab_size, (batch, args.ctx), device="cuda")
@@ -90,6 +129,9 @@ for batch in [int(b) for b in args.batch.split(",")]:
             logits = model(ids).logits.float()
             lp = torch.log_softmax(logits[:, :-1], dim=-1)
             return lp.gather(-1, ids[:, 1:, None]).squeeze(-1).cpu()
+
+    if args.linears_only:
+        step = linears_step(ids)
 
     step()
     torch.cuda.synchronize()
@@ -101,5 +143,5 @@ for batch in [int(b) for b in args.batch.split(",")]:
     end.record()
     torch.cuda.synchronize()
     ms = start.elapsed_time(end) / args.iters
-    print(f"| baseline {args.weights} | {batch} | {ms / batch:.1f} | {batch * args.ctx / ms * 1e3:.0f} | "
+    print(f"| {label} | {batch} | {ms / batch:.1f} | {batch * args.ctx / ms * 1e3:.0f} | "
           f"{torch.cuda.max_memory_allocated() / 2**30:.1f} |")
