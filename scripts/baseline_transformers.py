@@ -3,8 +3,9 @@
 model of the same shape (bf16, sdpa), log_softmax + gather of the targets on the GPU, the way
 an evaluation script using transformers does it. Prints one table row per batch size.
 `--weights FORMAT` gives the decoder Linears the dequantized values of a random FORMAT
-checkpoint: transformers decompresses a quantized model to such bf16 weights, and their bit
-patterns change the GEMMs' power draw and so their speed under the power cap (H100: 4-6 %).
+checkpoint: transformers decompresses a quantized model to such bf16 weights, and they (through
+the activations they produce) change the GEMMs' power draw and so their speed under the power
+cap (H100: 4-6 %). `--linears-only` times the Linears' GEMMs alone.
 
     python3 scripts/baseline_transformers.py --shape llama3-8b --batch 1,4 --weights w4a16
 """
@@ -32,9 +33,9 @@ ap.add_argument("--weights", choices=["init", "w4a16", "nvfp4", "fp8"], default=
                      "exactscore-bench draws its own: what transformers runs for such a model")
 ap.add_argument("--linears-only", action="store_true",
                 help="time only the GEMMs of the decoder Linears and lm_head (F.linear on the "
-                     "weights above, batch x ctx rows, each layer's inputs those of layer 0 in "
-                     "one forward): the floor of any implementation running them as bf16 "
-                     "cuBLAS GEMMs on these weights")
+                     "weights above, batch x ctx rows, each on its input in one real forward): "
+                     "the floor of any implementation running them as bf16 cuBLAS GEMMs on "
+                     "these weights")
 args = ap.parse_args()
 
 cfg = LlamaConfig(**SHAPES[args.shape], rms_norm_eps=1e-5, max_position_embeddings=131072,
@@ -57,8 +58,8 @@ FP4_E2M1 = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0
 
 def dequantized(kind, out_features, in_features):
     """A decoder Linear's weight as transformers holds it after decompressing a random
-    checkpoint of `kind`, with exactscore-bench's distributions (random_model.rs): the bit
-    patterns, not only the shapes, set how much power (and so clock) the GEMMs get."""
+    checkpoint of `kind`, with exactscore-bench's distributions (random_model.rs): the values,
+    and the activations they lead to, set how much power (and so clock) the GEMMs get."""
     shape = (out_features, in_features)
     if kind == "w4a16":  # int4 codes, one scale per 128 inputs in 2^-8..2^-6
         codes = torch.randint(-8, 8, (out_features, in_features // 128, 128), device="cuda")
@@ -88,32 +89,31 @@ if args.weights != "init":
 
 
 def linears_step(ids):
-    """One pass of every Linear GEMM of a forward over `ids`, on layer 0's inputs."""
-    first = model.model.layers[0]
+    """One pass of every Linear GEMM of a forward over `ids`, each on the input it had in one
+    real forward (activations set the GEMMs' power too)."""
     inputs = {}
 
-    def keep(name):
+    def keep(linear):
         def hook(_, args):  # returns None: the forward's own input is left alone
-            inputs.setdefault(name, args[0].reshape(-1, args[0].shape[-1]))
+            inputs[linear] = args[0].reshape(-1, args[0].shape[-1])
         return hook
 
-    hooks = [linear.register_forward_pre_hook(keep(name))
-             for name, linear in [("attn", first.self_attn.q_proj), ("o", first.self_attn.o_proj),
-                                  ("mlp", first.mlp.gate_proj), ("down", first.mlp.down_proj)]]
+    linears = [linear for layer in model.model.layers
+               for linear in [layer.self_attn.q_proj, layer.self_attn.k_proj,
+                              layer.self_attn.v_proj, layer.self_attn.o_proj,
+                              layer.mlp.gate_proj, layer.mlp.up_proj, layer.mlp.down_proj]]
+    hooks = [linear.register_forward_pre_hook(keep(linear)) for linear in linears]
     with torch.inference_mode():
-        model.model(ids)
+        hidden = model.model(ids).last_hidden_state  # after the final norm: lm_head's input
     for hook in hooks:
         hook.remove()
+    inputs[model.lm_head] = hidden.reshape(-1, hidden.shape[-1])
+    linears.append(model.lm_head)
 
     def step():
         with torch.inference_mode():
-            for layer in model.model.layers:
-                a, m = layer.self_attn, layer.mlp
-                for linear, name in [(a.q_proj, "attn"), (a.k_proj, "attn"), (a.v_proj, "attn"),
-                                     (a.o_proj, "o"), (m.gate_proj, "mlp"), (m.up_proj, "mlp"),
-                                     (m.down_proj, "down")]:
-                    torch.nn.functional.linear(inputs[name], linear.weight)
-            model.lm_head(inputs["attn"])
+            for linear in linears:
+                torch.nn.functional.linear(inputs[linear], linear.weight)
     return step
 
 
