@@ -46,11 +46,12 @@ with torch.device("cuda"):
 model.config._attn_implementation = "sdpa"
 
 
-def random_scale(shape, exponents):
-    """bf16 values 2^e * (1 + m/128), e uniform in `exponents`, m a random 7-bit mantissa."""
+def random_float(shape, exponents, mantissa_bits):
+    """2^e * (1 + m / 2^mantissa_bits), e uniform in `exponents`, m a random mantissa: the
+    bench's bf16 (7 bits) and e4m3 (3 bits) values."""
     e = torch.randint(exponents[0], exponents[1], shape, device="cuda").float()
-    m = torch.randint(0, 128, shape, device="cuda")
-    return ((1 + m / 128) * torch.exp2(e)).bfloat16().float()
+    m = torch.randint(0, 2 ** mantissa_bits, shape, device="cuda")
+    return (1 + m / 2 ** mantissa_bits) * torch.exp2(e)
 
 
 FP4_E2M1 = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0]
@@ -63,29 +64,38 @@ def dequantized(kind, out_features, in_features):
     shape = (out_features, in_features)
     if kind == "w4a16":  # int4 codes, one scale per 128 inputs in 2^-8..2^-6
         codes = torch.randint(-8, 8, (out_features, in_features // 128, 128), device="cuda")
-        scale = random_scale((out_features, in_features // 128, 1), (-8, -6))
-        w = codes * scale
+        w = codes * random_float((out_features, in_features // 128, 1), (-8, -6), 7)
     elif kind == "nvfp4":  # e2m1 codes, e4m3 block scales in 16..240 per 16, global 20000
         codes = torch.tensor(FP4_E2M1, device="cuda")[
             torch.randint(0, 16, (out_features, in_features // 16, 16), device="cuda")]
-        e = torch.randint(4, 8, (out_features, in_features // 16, 1), device="cuda").float()
-        m = torch.randint(0, 8, e.shape, device="cuda")
-        w = codes * ((1 + m / 8) * torch.exp2(e) / 20000)
-    else:  # fp8: e4m3 codes (exponents 2^-6..2^7), one scale per output in 2^-12..2^-10
-        e = torch.randint(-6, 8, shape, device="cuda").float()
-        m = torch.randint(0, 8, shape, device="cuda")
+        w = codes * (random_float((out_features, in_features // 16, 1), (4, 8), 3) / 20000)
+    else:  # fp8: e4m3 codes (exponents 2^-6..2^7), one bf16 scale per output in 2^-12..2^-10
+        codes = random_float(shape, (-6, 8), 3)
         sign = torch.randint(0, 2, shape, device="cuda") * 2 - 1
-        w = sign * (1 + m / 8) * torch.exp2(e) * random_scale((out_features, 1), (-12, -10))
+        w = sign * codes * random_float((out_features, 1), (-12, -10), 7)
     return w.reshape(shape).bfloat16()
+
+
+def decoder_linears(layer):
+    a, m = layer.self_attn, layer.mlp
+    return [a.q_proj, a.k_proj, a.v_proj, a.o_proj, m.gate_proj, m.up_proj, m.down_proj]
 
 
 if args.weights != "init":
     with torch.no_grad():
         for layer in model.model.layers:
-            for linear in [layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj,
-                           layer.self_attn.o_proj, layer.mlp.gate_proj, layer.mlp.up_proj,
-                           layer.mlp.down_proj]:
+            for linear in decoder_linears(layer):
                 linear.weight.copy_(dequantized(args.weights, *linear.weight.shape))
+
+
+def forward_step(ids):
+    """One scoring forward over `ids`: logits, log-softmax and the targets' gather on the GPU."""
+    def step():
+        with torch.inference_mode():
+            logits = model(ids).logits.float()
+            lp = torch.log_softmax(logits[:, :-1], dim=-1)
+            return lp.gather(-1, ids[:, 1:, None]).squeeze(-1).cpu()
+    return step
 
 
 def linears_step(ids):
@@ -98,10 +108,7 @@ def linears_step(ids):
             inputs[linear] = args[0].reshape(-1, args[0].shape[-1])
         return hook
 
-    linears = [linear for layer in model.model.layers
-               for linear in [layer.self_attn.q_proj, layer.self_attn.k_proj,
-                              layer.self_attn.v_proj, layer.self_attn.o_proj,
-                              layer.mlp.gate_proj, layer.mlp.up_proj, layer.mlp.down_proj]]
+    linears = [linear for layer in model.model.layers for linear in decoder_linears(layer)]
     hooks = [linear.register_forward_pre_hook(keep(linear)) for linear in linears]
     with torch.inference_mode():
         hidden = model.model(ids).last_hidden_state  # after the final norm: lm_head's input
@@ -124,14 +131,7 @@ print("|---|---|---|---|---|")
 for batch in [int(b) for b in args.batch.split(",")]:
     ids = torch.randint(0, cfg.vocab_size, (batch, args.ctx), device="cuda")
 
-    def step():
-        with torch.inference_mode():
-            logits = model(ids).logits.float()
-            lp = torch.log_softmax(logits[:, :-1], dim=-1)
-            return lp.gather(-1, ids[:, 1:, None]).squeeze(-1).cpu()
-
-    if args.linears_only:
-        step = linears_step(ids)
+    step = linears_step(ids) if args.linears_only else forward_step(ids)
 
     step()
     torch.cuda.synchronize()
