@@ -317,6 +317,10 @@ pub struct ModelInfo {
     /// Compute dtype: `f32`, `bf16` or `f16`.
     pub dtype: String,
     pub devices: Vec<String>,
+    /// Where the model's layers are: per replica, its pipeline stages. Absent from servers
+    /// older than this field.
+    #[serde(default)]
+    pub placement: Vec<ReplicaPlacement>,
     pub limits: Limits,
     pub version: String,
     /// The reference model `/kld` compares against; absent when none is loaded.
@@ -334,6 +338,31 @@ pub struct ReferenceInfo {
     /// Average stored bits per weight over the decoder Linear layers (scales included).
     pub bits_per_weight: f64,
     pub devices: Vec<String>,
+    /// Per replica, the reference's pipeline stages.
+    #[serde(default)]
+    pub placement: Vec<ReplicaPlacement>,
+}
+
+/// One copy of a model: a chain of pipeline stages.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, ToSchema)]
+pub struct ReplicaPlacement {
+    pub replica: usize,
+    pub stages: Vec<StagePlacement>,
+}
+
+/// A pipeline stage: a run of decoder layers on one device (the first stage also holds the
+/// embedding, the last the final norm and the lm_head).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, ToSchema)]
+pub struct StagePlacement {
+    pub device: String,
+    /// First decoder layer of the stage.
+    pub first_layer: usize,
+    /// Decoder layers the stage holds.
+    pub layers: usize,
+    /// Stored bytes of the weights it holds.
+    pub weight_bytes: u64,
+    /// `weight_bytes` plus the expected activation peak at `--max-batch-tokens` (an estimate).
+    pub expected_peak_bytes: u64,
 }
 
 /// `GET /v1/models` entry.
@@ -355,7 +384,18 @@ pub struct ModelList {
 /// `GET /health/*`.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, ToSchema)]
 pub struct Health {
+    /// `live`, `ready`, `starting`, `draining`, `device_lost` or `no_replica_in_rotation`.
     pub status: String,
+    /// Replicas taken out of rotation, and why (absent while every replica serves).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub replicas_out_of_rotation: Vec<ReplicaHealth>,
+}
+
+/// A replica taken out of rotation.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, ToSchema)]
+pub struct ReplicaHealth {
+    pub replica: usize,
+    pub reason: String,
 }
 
 /// `prompt` of `/v1/completions`: text, texts, token ids, or lists of token ids.

@@ -1,4 +1,4 @@
-//! Assembly: model + tokenizer + engine + HTTP state from a [`Config`], warm-up, and serving
+//! Assembly: models + tokenizer + engine + HTTP state from a [`Config`], warm-up, and serving
 //! with graceful shutdown. Shared by `main` and the end-to-end tests.
 
 use std::collections::BTreeMap;
@@ -8,16 +8,19 @@ use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use candle_core::{DType, Device};
-use exactscore_api::{Limits, ModelInfo, ReferenceInfo};
+use exactscore_api::{Limits, ModelInfo, ReferenceInfo, ReplicaPlacement, StagePlacement};
 use tokio::net::TcpListener;
 use tokio::sync::Semaphore;
 
-use crate::config::{Config, DeviceSpec, HttpConfig};
+use crate::config::{Config, DeviceName, HttpConfig};
 use crate::engine::batcher::EngineThread;
-use crate::engine::{BatchLimits, Engine, EngineError, ModelEngine, Scheduler};
+use crate::engine::fault::FaultInjecting;
+use crate::engine::{BatchLimits, Engine, EngineError, MicroBatching, ModelEngine, Scheduler};
 use crate::http::validate::MAX_TOP_K;
 use crate::http::{self, AppState, Readiness, SharedState};
-use crate::model::{checkpoint::LoadError, Model, ModelConfig, ModelOptions};
+use crate::model::checkpoint::{read_to_string, Checkpoint, LoadError};
+use crate::model::placement::{self, ActivationBytes, PartBytes, StagePlan};
+use crate::model::{AttentionKernel, Model, ModelConfig, ModelOptions, ScoreInput};
 use crate::quant::LinearOptions;
 use crate::tokenizer::{TextTokenizer, TokenizerError};
 
@@ -31,6 +34,12 @@ pub enum AppError {
     Device { device: String, message: String },
     #[error("reference model {dir}: {message}")]
     Reference { dir: String, message: String },
+    #[error("placing the layers of {model} on {devices}: {message}")]
+    Placement {
+        model: String,
+        devices: String,
+        message: String,
+    },
     #[error("warm-up batch failed: {0}")]
     WarmUp(#[from] EngineError),
     #[error("{0}")]
@@ -51,11 +60,30 @@ pub struct StateParts {
     pub batch: BatchLimits,
 }
 
+/// How serving ended.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Shutdown {
+    /// A signal, then the drain (admitted requests finished, or abandoned at the timeout).
+    Drained,
+    /// A sticky device error: the process must exit non-zero for its orchestrator to restart
+    /// it. The message is the device's error.
+    DeviceLost(String),
+}
+
 impl Server {
-    /// Starts the engine thread and batcher over any [`Engine`] (the fake one in HTTP tests).
-    /// Not ready until [`Server::warm_up`].
+    /// Starts the engine of one replica and the batcher over any [`Engine`] (the fake one in
+    /// HTTP tests). Not ready until [`Server::warm_up`].
     pub fn start(engine: Box<dyn Engine>, parts: StateParts) -> std::io::Result<Self> {
-        let (scheduler, engine) = Scheduler::start(engine, parts.batch)?;
+        Self::start_replicas(vec![Arc::from(engine)], parts)
+    }
+
+    /// Starts the workers of every replica and the batcher. Not ready until
+    /// [`Server::warm_up`].
+    pub fn start_replicas(
+        engines: Vec<Arc<dyn Engine>>,
+        parts: StateParts,
+    ) -> std::io::Result<Self> {
+        let (scheduler, engine) = Scheduler::start(engines, parts.batch)?;
         let state = Arc::new(AppState {
             scheduler,
             admission: Arc::new(Semaphore::new(parts.info.limits.max_queued_requests)),
@@ -71,8 +99,8 @@ impl Server {
         Ok(Self { state, engine })
     }
 
-    /// Loads the model named by `config` (and its reference model, if any) and starts it
-    /// (blocking work runs off the runtime).
+    /// Loads the model named by `config` (and its reference model, if any), once per replica,
+    /// and starts them (blocking work runs off the runtime).
     pub async fn load(config: &Config) -> Result<Self, AppError> {
         let cfg = config.clone();
         let loaded = tokio::task::spawn_blocking(move || load_models(&cfg))
@@ -85,40 +113,77 @@ impl Server {
             max_queued_requests: config.max_queued_requests,
             max_top_k: MAX_TOP_K,
         };
-        let info = model_info(&loaded.model, loaded.reference.as_ref(), config, limits);
+        let info = model_info(&loaded, config, limits);
         let parts = StateParts {
             info,
             tokenizer: Arc::new(loaded.tokenizer),
             http: config.http.clone(),
             batch: config.batch,
         };
-        let engine = ModelEngine {
-            model: loaded.model,
-            reference: loaded.reference,
+        let micro_batching = match config.micro_batch_sequences {
+            Some(n) => MicroBatching::Sequences(n),
+            None => MicroBatching::PerDevice,
         };
-        Ok(Self::start(Box::new(engine), parts)?)
+        let mut engines: Vec<Arc<dyn Engine>> = Vec::new();
+        for replica in loaded.replicas {
+            let engine: Arc<dyn Engine> = Arc::new(ModelEngine::new(
+                replica.model.model,
+                replica.reference.map(|r| r.model),
+                micro_batching,
+            )?);
+            engines.push(match config.inject_fault {
+                Some(fault) => Arc::new(FaultInjecting::new(engine, fault)),
+                None => engine,
+            });
+        }
+        Ok(Self::start_replicas(engines, parts)?)
     }
 
-    /// Runs one small batch through the whole path, then reports ready.
+    /// Runs one small batch through every replica's engine (all stages, the reference too),
+    /// the replicas side by side, then reports ready.
     pub async fn warm_up(&self) -> Result<(), AppError> {
         let bos = self.state.tokenizer.info().bos_token_id.unwrap_or(0);
-        let tokens = vec![bos.min(self.state.info.vocab_size.saturating_sub(1) as u32); 2];
-        let rx = self.state.scheduler.submit(tokens, 1);
-        rx.await.unwrap_or(Err(EngineError::Stopped))?;
+        let token = bos.min(self.state.info.vocab_size.saturating_sub(1) as u32);
+        let with_reference = self.state.info.reference.is_some();
+        let runs: Vec<_> = self
+            .state
+            .scheduler
+            .engines()
+            .into_iter()
+            .map(|engine| {
+                tokio::task::spawn_blocking(move || -> Result<(), EngineError> {
+                    let tokens = [token; 2];
+                    engine.score(&[ScoreInput {
+                        tokens: &tokens,
+                        top_k: 1,
+                    }])?;
+                    if with_reference {
+                        engine.kld(&[&tokens])?;
+                    }
+                    Ok(())
+                })
+            })
+            .collect();
+        for run in runs {
+            run.await
+                .map_err(|e| AppError::Io(std::io::Error::other(e)))??;
+        }
         self.state.readiness.set_warm();
         Ok(())
     }
 
-    /// Serves until `shutdown` resolves, then drains: readiness turns 503 `draining` at once
-    /// and new scoring requests are answered 503 while the listener stays open (so a load
-    /// balancer sees the probe fail instead of a refused connection); once every admitted
-    /// request has been answered, or `--drain-timeout-secs` has passed, the listener closes,
-    /// the engine stops after its last batch and this returns.
+    /// Serves until `shutdown` resolves or a device is lost, then drains: readiness turns 503
+    /// at once and new scoring requests are answered 503 while the listener stays open (so a
+    /// load balancer sees the probe fail instead of a refused connection). Once every admitted
+    /// request has been answered the listener closes. If `--drain-timeout-secs` passes first,
+    /// the requests still waiting are answered 503 `shutting_down` and compute stops at the
+    /// next batch boundary; a worker still in the middle of a batch is left behind (the
+    /// process exits). Returns how serving ended.
     pub async fn serve(
         self,
         listener: TcpListener,
         shutdown: impl Future<Output = ()> + Send + 'static,
-    ) -> std::io::Result<()> {
+    ) -> std::io::Result<Shutdown> {
         let readiness = self.state.readiness.clone();
         let scheduler = self.state.scheduler.clone();
         let admission = self.state.admission.clone();
@@ -126,8 +191,16 @@ impl Server {
         let drain_timeout = self.state.http.drain_timeout;
         let (signalled_tx, signalled_rx) = tokio::sync::oneshot::channel::<Instant>();
         let app = http::router(self.state);
+        let lost = scheduler.device_lost();
+        let drain_scheduler = scheduler.clone();
         let serve = axum::serve(listener, app).with_graceful_shutdown(async move {
-            shutdown.await;
+            tokio::select! {
+                () = shutdown => {}
+                message = lost => {
+                    readiness.set_device_lost();
+                    tracing::error!(%message, "device lost: not ready; draining, then exiting non-zero");
+                }
+            }
             let start = Instant::now();
             readiness.start_draining();
             let _ = signalled_tx.send(start);
@@ -140,7 +213,13 @@ impl Server {
                     seconds = start.elapsed().as_secs_f64(),
                     "drained; closing the listener"
                 ),
-                Err(_) => tracing::warn!(?drain_timeout, "drain timeout passed; closing"),
+                Err(_) => {
+                    tracing::warn!(
+                        ?drain_timeout,
+                        "drain timeout passed; answering what is left 503 and closing"
+                    );
+                    drain_scheduler.abandon();
+                }
             }
         });
         // Connections that stay open after the drain (a slow reader) get one more second.
@@ -160,67 +239,209 @@ impl Server {
             () = deadline => tracing::warn!("connections still open after the drain timeout; closing them"),
         }
         scheduler.shutdown();
-        let engine = self.engine;
-        tokio::task::spawn_blocking(move || engine.join())
-            .await
-            .map_err(std::io::Error::other)?;
-        tracing::info!("engine stopped");
-        Ok(())
+        // A worker in the middle of a long batch after an abandoned drain, or one stuck on a
+        // lost device, is not waited for.
+        if self.engine.join_within(Duration::from_millis(500)).await {
+            tracing::info!("engine stopped");
+        } else {
+            tracing::warn!("engine still computing; exiting without it");
+        }
+        Ok(match scheduler.lost_device() {
+            Some(message) => {
+                // Tearing down a context after a sticky error can block forever: the models
+                // are left to the process exit.
+                std::mem::forget(scheduler);
+                Shutdown::DeviceLost(message)
+            }
+            None => Shutdown::Drained,
+        })
     }
 }
 
+/// One replica's model (or reference model) and where its stages are.
+pub struct Placed {
+    pub model: Model,
+    pub stages: Vec<(DeviceName, StagePlan)>,
+}
+
+/// One replica: the served model and, for `/kld`, the reference.
+pub struct LoadedReplica {
+    pub model: Placed,
+    pub reference: Option<Placed>,
+}
+
 /// What start-up loads from disk.
-struct Loaded {
-    model: Model,
-    reference: Option<Model>,
-    tokenizer: TextTokenizer,
-    max_input_tokens: usize,
+pub struct Loaded {
+    pub replicas: Vec<LoadedReplica>,
+    pub tokenizer: TextTokenizer,
+    pub max_input_tokens: usize,
 }
 
 fn load_models(config: &Config) -> Result<Loaded, AppError> {
     let dir = &config.model_dir;
-    let model_config = ModelConfig::from_json(&read(dir, "config.json")?)?;
+    let model_config = ModelConfig::from_json(&read_to_string(&dir.join("config.json"))?)?;
     let max_input_tokens = config.resolve_max_input_tokens(model_config.max_position_embeddings);
-    let options = |device: &DeviceSpec| -> Result<ModelOptions, AppError> {
-        Ok(ModelOptions {
-            linear: LinearOptions {
-                device: open_device(device)?,
-                dtype: config.dtype,
-                activation_quant: config.activation_quant,
-            },
-            max_seq_len: max_input_tokens,
-            attention: config.attention,
-        })
+    let options = ModelOptions {
+        linear: LinearOptions {
+            device: Device::Cpu,
+            dtype: config.dtype,
+            activation_quant: config.activation_quant,
+        },
+        max_seq_len: max_input_tokens,
+        attention: config.attention,
     };
-    let model = Model::load(dir, &options(&config.device)?)?;
     let tokenizer = TextTokenizer::load(dir)?;
+    let served = Source::open(dir, model_config)?;
     let reference = match &config.reference {
         None => None,
         Some(r) => {
-            let reference = Model::load(&r.model_dir, &options(&r.device)?)?;
-            check_same_vocabulary(&model, &tokenizer, &reference, &r.model_dir)?;
-            Some(reference)
+            let dir = &r.model_dir;
+            let reference_config =
+                ModelConfig::from_json(&read_to_string(&dir.join("config.json"))?)?;
+            Some((Source::open(dir, reference_config)?, r))
         }
     };
+    let mut replicas = Vec::new();
+    for (index, devices) in config.device.replicas.iter().enumerate() {
+        let model = served.load(devices, config.layer_split.as_deref(), &options, config)?;
+        let reference = match &reference {
+            None => None,
+            Some((source, r)) => {
+                let placed = source.load(
+                    &r.device.replicas[index],
+                    r.layer_split.as_deref(),
+                    &options,
+                    config,
+                )?;
+                check_same_vocabulary(&model.model, &tokenizer, &placed.model, &r.model_dir)?;
+                Some(placed)
+            }
+        };
+        log_placement(index, "model", &model);
+        if let Some(r) = &reference {
+            log_placement(index, "reference", r);
+        }
+        replicas.push(LoadedReplica { model, reference });
+    }
+    enable_peer_access(&replicas)?;
     Ok(Loaded {
-        model,
-        reference,
+        replicas,
         tokenizer,
         max_input_tokens,
     })
 }
 
-/// The first device of `spec` (a model on several GPUs is refused by the config).
-fn open_device(spec: &DeviceSpec) -> Result<Device, AppError> {
-    match spec {
-        DeviceSpec::Cpu => Ok(Device::Cpu),
-        DeviceSpec::Cuda(ids) => {
-            let id = ids.first().copied().unwrap_or(0);
-            crate::device::cuda(id).map_err(|e| AppError::Device {
-                device: format!("cuda:{id}"),
-                message: e.to_string(),
-            })
+/// An opened checkpoint and its config, loaded once per replica.
+struct Source {
+    dir: std::path::PathBuf,
+    config: ModelConfig,
+    ckpt: Checkpoint,
+}
+
+impl Source {
+    fn open(dir: &Path, config: ModelConfig) -> Result<Self, AppError> {
+        Ok(Self {
+            dir: dir.to_path_buf(),
+            config,
+            ckpt: Checkpoint::open(dir)?,
+        })
+    }
+
+    /// The model as pipeline stages on `devices` (one stage each): `split` layers per stage,
+    /// or the split that balances each device's weights and expected activation peak.
+    fn load(
+        &self,
+        devices: &[DeviceName],
+        split: Option<&[usize]>,
+        options: &ModelOptions,
+        config: &Config,
+    ) -> Result<Placed, AppError> {
+        let opened: Vec<Device> = devices.iter().map(open_device).collect::<Result<_, _>>()?;
+        let flash = config.attention != AttentionKernel::Materialized
+            && opened.iter().all(|d| {
+                crate::model::llama::flash_attention_available(
+                    d,
+                    self.config.head_dim,
+                    config.dtype,
+                )
+            });
+        let parts = PartBytes::of(&self.config, &self.ckpt);
+        let activation = ActivationBytes::estimate(
+            &self.config,
+            config.dtype,
+            config.batch.max_batch_tokens,
+            options.max_seq_len,
+            flash,
+        );
+        let plans = match split {
+            Some(counts) => placement::from_split(&parts, &activation, counts),
+            None => placement::balance(&parts, &activation, devices.len()),
         }
+        .map_err(|e| AppError::Placement {
+            model: self.dir.display().to_string(),
+            devices: devices
+                .iter()
+                .map(ToString::to_string)
+                .collect::<Vec<_>>()
+                .join(","),
+            message: e.to_string(),
+        })?;
+        let stages = opened
+            .into_iter()
+            .zip(&plans)
+            .map(|(device, plan)| (device, plan.layers.clone()))
+            .collect();
+        let model =
+            Model::from_checkpoint_placed(self.config.clone(), &self.ckpt, options, stages)?;
+        Ok(Placed {
+            model,
+            stages: devices.iter().copied().zip(plans).collect(),
+        })
+    }
+}
+
+fn log_placement(replica: usize, which: &str, placed: &Placed) {
+    for (k, (device, plan)) in placed.stages.iter().enumerate() {
+        tracing::info!(
+            replica,
+            which,
+            stage = k,
+            %device,
+            layers = ?plan.layers,
+            weight_gib = plan.weight_bytes as f64 / GIB,
+            expected_peak_gib = plan.expected_peak as f64 / GIB,
+            "placement"
+        );
+    }
+}
+
+const GIB: f64 = (1u64 << 30) as f64;
+
+/// Direct peer-to-peer copies between the GPUs the models run on, where the hardware allows.
+fn enable_peer_access(replicas: &[LoadedReplica]) -> Result<(), AppError> {
+    let mut devices = Vec::new();
+    for r in replicas {
+        for placed in std::iter::once(&r.model).chain(&r.reference) {
+            devices.extend((0..placed.model.stage_count()).map(|k| placed.model.stage_device(k)));
+        }
+    }
+    let pairs = crate::device::enable_peer_access(&devices).map_err(|e| AppError::Device {
+        device: "peer access".into(),
+        message: e.to_string(),
+    })?;
+    if !pairs.is_empty() {
+        tracing::info!(?pairs, "peer-to-peer access between GPUs");
+    }
+    Ok(())
+}
+
+fn open_device(name: &DeviceName) -> Result<Device, AppError> {
+    match *name {
+        DeviceName::Cpu => Ok(Device::Cpu),
+        DeviceName::Cuda(id) => crate::device::cuda(id).map_err(|e| AppError::Device {
+            device: name.to_string(),
+            message: e.to_string(),
+        }),
     }
 }
 
@@ -249,26 +470,36 @@ fn check_same_vocabulary(
     }
 }
 
-fn read(dir: &Path, name: &str) -> Result<String, AppError> {
-    let path = dir.join(name);
-    std::fs::read_to_string(&path).map_err(|e| {
-        AppError::Io(std::io::Error::new(
-            e.kind(),
-            format!("{}: {e}", path.display()),
-        ))
-    })
-}
-
-/// `/info`: formats and activation quantization per projection type, bits per weight, and the
-/// same of the reference model.
-pub fn model_info(
-    model: &Model,
-    reference: Option<&Model>,
-    config: &Config,
-    limits: Limits,
-) -> ModelInfo {
+/// `/info`: formats and activation quantization per projection type, bits per weight, where
+/// the layers are, and the same of the reference model.
+pub fn model_info(loaded: &Loaded, config: &Config, limits: Limits) -> ModelInfo {
+    let first = &loaded.replicas[0];
+    let model = &first.model.model;
     let weights = WeightSummary::of(model);
     let cfg = model.config();
+    let placement = |which: fn(&LoadedReplica) -> Option<&Placed>| -> Vec<ReplicaPlacement> {
+        loaded
+            .replicas
+            .iter()
+            .enumerate()
+            .filter_map(|(replica, r)| {
+                which(r).map(|placed| ReplicaPlacement {
+                    replica,
+                    stages: placed
+                        .stages
+                        .iter()
+                        .map(|(device, plan)| StagePlacement {
+                            device: device.to_string(),
+                            first_layer: plan.layers.start,
+                            layers: plan.layers.len(),
+                            weight_bytes: plan.weight_bytes,
+                            expected_peak_bytes: plan.expected_peak,
+                        })
+                        .collect(),
+                })
+            })
+            .collect()
+    };
     ModelInfo {
         model: config.served_model_name.clone(),
         architecture: cfg.architecture.hf_name().to_string(),
@@ -283,23 +514,29 @@ pub fn model_info(
         },
         bits_per_weight: weights.bits_per_weight,
         attention: match model.options().attention {
-            crate::model::AttentionKernel::Flash => "flash".into(),
+            AttentionKernel::Flash => "flash".into(),
             _ => "materialized".into(),
         },
         dtype: dtype_name(config.dtype).into(),
         devices: config.device.names(),
+        placement: placement(|r| Some(&r.model)),
         limits,
         version: env!("CARGO_PKG_VERSION").into(),
-        reference: reference.zip(config.reference.as_ref()).map(|(m, r)| {
-            let weights = WeightSummary::of(m);
-            ReferenceInfo {
-                model: r.name.clone(),
-                architecture: m.config().architecture.hf_name().to_string(),
-                formats: weights.formats,
-                bits_per_weight: weights.bits_per_weight,
-                devices: r.device.names(),
-            }
-        }),
+        reference: first
+            .reference
+            .as_ref()
+            .zip(config.reference.as_ref())
+            .map(|(placed, r)| {
+                let weights = WeightSummary::of(&placed.model);
+                ReferenceInfo {
+                    model: r.name.clone(),
+                    architecture: placed.model.config().architecture.hf_name().to_string(),
+                    formats: weights.formats,
+                    bits_per_weight: weights.bits_per_weight,
+                    devices: r.device.names(),
+                    placement: placement(|r| r.reference.as_ref()),
+                }
+            }),
     }
 }
 

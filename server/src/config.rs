@@ -7,6 +7,7 @@ use std::time::Duration;
 use candle_core::DType;
 use clap::{Parser, ValueEnum};
 
+use crate::engine::fault::InjectedFault;
 use crate::engine::BatchLimits;
 use crate::model::AttentionKernel;
 use crate::quant::ActivationQuantMode;
@@ -64,9 +65,26 @@ pub struct Args {
     /// Compute dtype.
     #[arg(long, env = "EXACTSCORE_DTYPE", value_enum, default_value = "f32")]
     pub dtype: DtypeArg,
-    /// `cpu`, or CUDA devices such as `cuda:0` (needs a build with `--features cuda`).
+    /// `cpu`, or CUDA devices such as `cuda:0` (needs a build with `--features cuda`). A list
+    /// (`cuda:0,cuda:1`) splits the model into pipeline stages, one per device, each with its
+    /// own thread and stream; a device may be listed more than once (`cpu,cpu`).
     #[arg(long, env = "EXACTSCORE_DEVICE", default_value = "cpu")]
     pub device: String,
+    /// Copies of the model: the `--device` list is cut into this many equal groups of
+    /// consecutive devices, one replica (a chain of pipeline stages) per group.
+    #[arg(long, env = "EXACTSCORE_REPLICAS", default_value_t = 1)]
+    pub replicas: usize,
+    /// Decoder layers per pipeline stage, e.g. `30,50` (one number per device of a replica,
+    /// summing to the model's layer count). Default: balance each device's weight bytes plus its
+    /// expected activation peak at `--max-batch-tokens`.
+    #[arg(long, env = "EXACTSCORE_LAYER_SPLIT", value_delimiter = ',')]
+    pub layer_split: Option<Vec<usize>>,
+    /// Sequences per pipeline micro-batch: a batch is cut into micro-batches of whole
+    /// sequences so that stage k works on one while stage k+1 works on the one before. Default:
+    /// a batch is cut into as many micro-batches as its replica has distinct GPUs (one on a
+    /// single device, where cutting only costs GEMM efficiency).
+    #[arg(long, env = "EXACTSCORE_MICRO_BATCH_SEQUENCES")]
+    pub micro_batch_sequences: Option<usize>,
     /// Apply the activation quantization the checkpoint declares (`emulate`) or not (`off`).
     #[arg(
         long,
@@ -123,14 +141,27 @@ pub struct Args {
     /// for `/kld` (KL-divergence of the served model from it). Its vocabulary must match.
     #[arg(long, env = "EXACTSCORE_REFERENCE_MODEL")]
     pub reference_model: Option<PathBuf>,
-    /// Device of the reference model: `cpu` or one `cuda:N` (default: the served model's
-    /// first device). A CPU model needs a CPU reference, a GPU model a GPU one.
+    /// Devices of the reference model, in `--device`'s syntax; cut into `--replicas` groups like
+    /// `--device` (default: the first device of each served replica). A CPU model needs a CPU
+    /// reference, a GPU model a GPU one.
     #[arg(
         long,
         env = "EXACTSCORE_REFERENCE_DEVICE",
         requires = "reference_model"
     )]
     pub reference_device: Option<String>,
+    /// `--layer-split` of the reference model.
+    #[arg(
+        long,
+        env = "EXACTSCORE_REFERENCE_LAYER_SPLIT",
+        value_delimiter = ',',
+        requires = "reference_model"
+    )]
+    pub reference_layer_split: Option<Vec<usize>>,
+    /// Testing only: inject a fault into the engine (`device-lost-after:N` batches,
+    /// `out-of-memory-above:N` tokens) to drive the failure paths of the real binary.
+    #[arg(long, env = "EXACTSCORE_INJECT_FAULT", hide = true)]
+    pub inject_fault: Option<InjectedFault>,
     /// Print the OpenAPI document of the served router and exit (no model is loaded).
     #[arg(long)]
     pub print_openapi: bool,
@@ -140,20 +171,52 @@ pub struct Args {
     pub healthcheck: bool,
 }
 
-/// Where the model runs.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum DeviceSpec {
+/// One device of a `--device` list. Listing a device more than once (`cpu,cpu`,
+/// `cuda:0,cuda:0`) makes that many pipeline stages on it, each with its own thread (and on a GPU
+/// its own stream): the code path of several GPUs, testable on one.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum DeviceName {
     Cpu,
-    Cuda(Vec<usize>),
+    Cuda(usize),
+}
+
+impl std::fmt::Display for DeviceName {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::Cpu => f.write_str("cpu"),
+            Self::Cuda(id) => write!(f, "cuda:{id}"),
+        }
+    }
+}
+
+/// Where a model runs: its replicas, each a list of devices (one pipeline stage per device).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DeviceSpec {
+    pub replicas: Vec<Vec<DeviceName>>,
 }
 
 impl DeviceSpec {
-    /// Names as reported by `/info`.
-    pub fn names(&self) -> Vec<String> {
-        match self {
-            Self::Cpu => vec!["cpu".into()],
-            Self::Cuda(ids) => ids.iter().map(|i| format!("cuda:{i}")).collect(),
+    /// One replica of one stage on the CPU.
+    pub fn cpu() -> Self {
+        Self {
+            replicas: vec![vec![DeviceName::Cpu]],
         }
+    }
+
+    /// Every device, replica after replica, as `/info` reports them.
+    pub fn names(&self) -> Vec<String> {
+        self.replicas
+            .iter()
+            .flatten()
+            .map(|d| d.to_string())
+            .collect()
+    }
+
+    pub fn is_cpu(&self) -> bool {
+        self.replicas
+            .iter()
+            .flatten()
+            .all(|d| *d == DeviceName::Cpu)
     }
 }
 
@@ -184,6 +247,10 @@ pub struct Config {
     pub port: u16,
     pub dtype: DType,
     pub device: DeviceSpec,
+    /// `--layer-split`: decoder layers per stage, or `None` to balance them.
+    pub layer_split: Option<Vec<usize>>,
+    /// `--micro-batch-sequences`, or `None` for the default.
+    pub micro_batch_sequences: Option<usize>,
     pub activation_quant: ActivationQuantMode,
     pub attention: AttentionKernel,
     pub http: HttpConfig,
@@ -193,14 +260,18 @@ pub struct Config {
     pub log_format: LogFormat,
     /// The model `/kld` compares against.
     pub reference: Option<ReferenceConfig>,
+    /// `--inject-fault` (testing only).
+    pub inject_fault: Option<InjectedFault>,
 }
 
-/// `--reference-model` and where it runs (always one device).
+/// `--reference-model` and where it runs: as many replicas as the served model, replica `i`
+/// paired with the served model's replica `i`.
 #[derive(Debug, Clone)]
 pub struct ReferenceConfig {
     pub model_dir: PathBuf,
     pub name: String,
     pub device: DeviceSpec,
+    pub layer_split: Option<Vec<usize>>,
 }
 
 /// What the HTTP layer needs beyond the model. Its `Debug` never shows the key.
@@ -229,7 +300,6 @@ impl std::fmt::Debug for HttpConfig {
 
 impl Config {
     pub fn from_args(args: Args) -> Result<Self, ConfigError> {
-        let device = parse_device(&args.device)?;
         let positive = |flag, v: usize| {
             if v == 0 {
                 Err(invalid(flag, v, "must be at least 1"))
@@ -237,6 +307,14 @@ impl Config {
                 Ok(v)
             }
         };
+        positive("replicas", args.replicas)?;
+        let device = device_spec("device", &args.device, args.replicas)?;
+        if let Some(split) = &args.layer_split {
+            check_layer_split("layer-split", split, &device)?;
+        }
+        if let Some(n) = args.micro_batch_sequences {
+            positive("micro-batch-sequences", n)?;
+        }
         positive("max-batch-tokens", args.max_batch_tokens)?;
         positive("max-batch-requests", args.max_batch_requests)?;
         positive("max-queued-requests", args.max_queued_requests)?;
@@ -269,7 +347,14 @@ impl Config {
         }
         let reference = args
             .reference_model
-            .map(|dir| reference_config(dir, args.reference_device.as_deref(), &device))
+            .map(|dir| {
+                reference_config(
+                    dir,
+                    args.reference_device.as_deref(),
+                    args.reference_layer_split,
+                    &device,
+                )
+            })
             .transpose()?;
         let served_model_name = match args.served_model_name {
             Some(name) if !name.trim().is_empty() => name,
@@ -291,6 +376,8 @@ impl Config {
                 DtypeArg::F16 => DType::F16,
             },
             device,
+            layer_split: args.layer_split,
+            micro_batch_sequences: args.micro_batch_sequences,
             activation_quant: match args.activation_quant {
                 ActQuantArg::Emulate => ActivationQuantMode::Emulate,
                 ActQuantArg::Off => ActivationQuantMode::Off,
@@ -315,6 +402,7 @@ impl Config {
             max_queued_requests: args.max_queued_requests,
             log_format: args.log_format,
             reference,
+            inject_fault: args.inject_fault,
         })
     }
 
@@ -332,25 +420,23 @@ impl Config {
 fn reference_config(
     model_dir: PathBuf,
     device: Option<&str>,
+    layer_split: Option<Vec<usize>>,
     model_device: &DeviceSpec,
 ) -> Result<ReferenceConfig, ConfigError> {
+    let replicas = model_device.replicas.len();
     let device = match device {
-        None => match model_device {
-            DeviceSpec::Cpu => DeviceSpec::Cpu,
-            DeviceSpec::Cuda(ids) => DeviceSpec::Cuda(ids[..1].to_vec()),
+        None => DeviceSpec {
+            replicas: model_device
+                .replicas
+                .iter()
+                .map(|r| r[..1].to_vec())
+                .collect(),
         },
         Some(s) => {
-            let parsed = parse_device(s).map_err(|e| match e {
-                ConfigError::Invalid { value, rule, .. } => {
-                    invalid("reference-device", value, rule)
-                }
-            })?;
-            if matches!(&parsed, DeviceSpec::Cuda(ids) if ids.len() > 1) {
-                return Err(invalid("reference-device", s, "name one device"));
-            }
+            let parsed = device_spec("reference-device", s, replicas)?;
             // The divergence is computed where the served model's logits are; a CPU/GPU mix
             // would move whole vocabulary rows between host and device.
-            if (parsed == DeviceSpec::Cpu) != (*model_device == DeviceSpec::Cpu) {
+            if parsed.is_cpu() != model_device.is_cpu() {
                 return Err(invalid(
                     "reference-device",
                     s,
@@ -363,6 +449,9 @@ fn reference_config(
             parsed
         }
     };
+    if let Some(split) = &layer_split {
+        check_layer_split("reference-layer-split", split, &device)?;
+    }
     let name = model_dir
         .file_name()
         .map(|n| n.to_string_lossy().into_owned())
@@ -371,47 +460,99 @@ fn reference_config(
         model_dir,
         name,
         device,
+        layer_split,
     })
 }
 
-fn parse_device(s: &str) -> Result<DeviceSpec, ConfigError> {
-    let s = s.trim();
-    if s == "cpu" {
-        return Ok(DeviceSpec::Cpu);
+/// `--device` (or `--reference-device`, named by `flag`) cut into `replicas` groups.
+fn device_spec(flag: &'static str, s: &str, replicas: usize) -> Result<DeviceSpec, ConfigError> {
+    let devices = parse_devices(flag, s)?;
+    if !devices.len().is_multiple_of(replicas) {
+        return Err(invalid(
+            flag,
+            s,
+            format!(
+                "{} devices cannot be cut into --replicas {replicas} equal groups",
+                devices.len()
+            ),
+        ));
     }
-    // `cuda`, `cuda:0`, `cuda:0,1` or `cuda:0,cuda:1`.
-    let mut ids = Vec::new();
+    let per_replica = devices.len() / replicas;
+    Ok(DeviceSpec {
+        replicas: devices.chunks(per_replica).map(<[_]>::to_vec).collect(),
+    })
+}
+
+/// A layer split names one count per device of a replica, each at least 1 (the sum is checked
+/// against the model's layer count at load).
+fn check_layer_split(
+    flag: &'static str,
+    split: &[usize],
+    device: &DeviceSpec,
+) -> Result<(), ConfigError> {
+    let value = || {
+        split
+            .iter()
+            .map(ToString::to_string)
+            .collect::<Vec<_>>()
+            .join(",")
+    };
+    let stages = device.replicas[0].len();
+    if split.len() != stages {
+        return Err(invalid(
+            flag,
+            value(),
+            format!("needs one layer count per device of a replica ({stages})"),
+        ));
+    }
+    if split.contains(&0) {
+        return Err(invalid(
+            flag,
+            value(),
+            "every stage needs at least one layer",
+        ));
+    }
+    Ok(())
+}
+
+/// `cpu`, `cuda`, `cuda:0`, `cuda:0,1`, `cuda:0,cuda:1`, `cpu,cpu`, ...
+fn parse_devices(flag: &'static str, s: &str) -> Result<Vec<DeviceName>, ConfigError> {
+    const EXPECTED: &str = "expected `cpu` or `cuda:N`, or a comma-separated list of them";
+    let mut devices = Vec::new();
     for part in s.split(',') {
         let part = part.trim();
-        let id = part.strip_prefix("cuda:").unwrap_or(part);
-        let id = if id == "cuda" { "0" } else { id };
-        let id: usize = id
-            .parse()
-            .map_err(|_| invalid("device", s, "expected `cpu` or `cuda:N[,M...]`"))?;
-        if ids.contains(&id) {
-            return Err(invalid("device", s, "a device is listed twice"));
-        }
-        ids.push(id);
+        let device = match part {
+            "cpu" => DeviceName::Cpu,
+            "cuda" => DeviceName::Cuda(0),
+            _ => {
+                // A bare number continues a CUDA list (`cuda:0,1`).
+                let id = match part.strip_prefix("cuda:") {
+                    Some(id) => id,
+                    None if matches!(devices.last(), Some(DeviceName::Cuda(_))) => part,
+                    None => return Err(invalid(flag, s, EXPECTED)),
+                };
+                DeviceName::Cuda(id.parse().map_err(|_| invalid(flag, s, EXPECTED))?)
+            }
+        };
+        devices.push(device);
     }
-    if !s.starts_with("cuda") {
-        return Err(invalid("device", s, "expected `cpu` or `cuda:N[,M...]`"));
-    }
-    if !cfg!(feature = "cuda") {
+    let cpu = devices.iter().filter(|d| **d == DeviceName::Cpu).count();
+    if cpu > 0 && cpu < devices.len() {
         return Err(invalid(
-            "device",
+            flag,
+            s,
+            "a model runs on the CPU or on GPUs, not on both",
+        ));
+    }
+    if cpu == 0 && !cfg!(feature = "cuda") {
+        return Err(invalid(
+            flag,
             s,
             "this binary was built without CUDA support; rebuild with \
              `cargo build --release -p exactscore-server --features cuda` or use `--device cpu`",
         ));
     }
-    if ids.len() > 1 {
-        return Err(invalid(
-            "device",
-            s,
-            "splitting a model over several GPUs is not implemented yet; use one device",
-        ));
-    }
-    Ok(DeviceSpec::Cuda(ids))
+    Ok(devices)
 }
 
 #[cfg(test)]
@@ -429,7 +570,7 @@ mod tests {
         let c = parse(&[]).unwrap();
         assert!(c.model_dir.join("config.json").is_file());
         assert_eq!(c.served_model_name, "llama-w4a16-g128");
-        assert_eq!(c.device, DeviceSpec::Cpu);
+        assert_eq!(c.device, DeviceSpec::cpu());
         assert_eq!(c.dtype, DType::F32);
         assert_eq!((c.host.as_str(), c.port), ("127.0.0.1", 8000));
         assert_eq!(
@@ -464,6 +605,38 @@ mod tests {
                 &["--reference-model", "x", "--reference-device", "gpu"][..],
                 "--reference-device",
             ),
+            (&["--device", "cpu,cuda:0"][..], "--device"),
+            (&["--device", "7"][..], "--device"),
+            (
+                &["--device", "cpu,cpu,cpu", "--replicas", "2"][..],
+                "--device",
+            ),
+            (&["--replicas", "0"][..], "--replicas"),
+            (
+                &["--device", "cpu,cpu", "--layer-split", "1"][..],
+                "--layer-split",
+            ),
+            (
+                &["--device", "cpu,cpu", "--layer-split", "2,0"][..],
+                "--layer-split",
+            ),
+            (
+                &["--micro-batch-sequences", "0"][..],
+                "--micro-batch-sequences",
+            ),
+            (
+                &[
+                    "--device",
+                    "cpu,cpu",
+                    "--replicas",
+                    "2",
+                    "--reference-model",
+                    "x",
+                    "--reference-device",
+                    "cpu,cpu,cpu",
+                ][..],
+                "--reference-device",
+            ),
         ] {
             let msg = parse(argv).unwrap_err().to_string();
             assert!(msg.starts_with(flag), "{argv:?}: {msg}");
@@ -474,10 +647,39 @@ mod tests {
     fn the_reference_defaults_to_the_model_device_and_needs_a_model() {
         let c = parse(&["--reference-model", "/models/bf16"]).unwrap();
         let r = c.reference.unwrap();
-        assert_eq!((r.name.as_str(), &r.device), ("bf16", &DeviceSpec::Cpu));
+        assert_eq!((r.name.as_str(), &r.device), ("bf16", &DeviceSpec::cpu()));
         assert!(parse(&[]).unwrap().reference.is_none());
         let argv = ["exactscore-server", "--reference-device", "cpu"];
         assert!(Args::try_parse_from(argv).is_err());
+    }
+
+    #[test]
+    fn device_lists_make_stages_and_replicas() {
+        use DeviceName::Cpu;
+        let c = parse(&["--device", "cpu,cpu,cpu,cpu", "--replicas", "2"]).unwrap();
+        assert_eq!(c.device.replicas, vec![vec![Cpu, Cpu], vec![Cpu, Cpu]]);
+        assert_eq!(c.device.names(), ["cpu"; 4]);
+        // The reference defaults to the first device of each replica.
+        let c = parse(&[
+            "--device",
+            "cpu,cpu,cpu,cpu",
+            "--replicas",
+            "2",
+            "--reference-model",
+            "/r",
+        ])
+        .unwrap();
+        assert_eq!(
+            c.reference.unwrap().device.replicas,
+            vec![vec![Cpu], vec![Cpu]]
+        );
+        let c = parse(&["--device", "cpu,cpu,cpu", "--layer-split", "1,3,2"]).unwrap();
+        assert_eq!(c.layer_split, Some(vec![1, 3, 2]));
+        if cfg!(feature = "cuda") {
+            let c = parse(&["--device", "cuda:0,1,cuda:0"]).unwrap();
+            use DeviceName::Cuda;
+            assert_eq!(c.device.replicas, vec![vec![Cuda(0), Cuda(1), Cuda(0)]]);
+        }
     }
 
     #[test]

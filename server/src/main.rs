@@ -1,5 +1,6 @@
 //! `exactscore-server`: parse flags into a Config, set up logging, load the model, warm it up
-//! and serve until SIGTERM or ctrl-c, then drain and exit 0.
+//! and serve until SIGTERM or ctrl-c, then drain and exit 0 (or, after a sticky device error,
+//! drain and exit 1 so that the orchestrator restarts it).
 //!
 //! Logs go to stderr, with ANSI colours only when stderr is a terminal. A start-up failure is
 //! one line on stderr (`exactscore-server: error: ...: cause`) and exit status 1; a backtrace
@@ -11,7 +12,7 @@ use std::process::ExitCode;
 
 use anyhow::Context;
 use clap::Parser;
-use exactscore_server::app::Server;
+use exactscore_server::app::{Server, Shutdown};
 use exactscore_server::config::{Args, Config, LogFormat};
 use tracing_subscriber::EnvFilter;
 
@@ -36,7 +37,11 @@ fn main() -> ExitCode {
         Ok(rt) => rt,
         Err(e) => return fail(&anyhow::Error::new(e).context("starting the async runtime")),
     };
-    match runtime.block_on(run(args)) {
+    let outcome = runtime.block_on(run(args));
+    // A worker left in the middle of a batch (an abandoned drain, a lost device) is not waited
+    // for.
+    runtime.shutdown_timeout(std::time::Duration::from_millis(500));
+    match outcome {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => fail(&e),
     }
@@ -99,9 +104,15 @@ async fn run(args: Args) -> anyhow::Result<()> {
             }
         });
     }
-    server.serve(listener, shutdown_signal()).await?;
-    tracing::info!("bye");
-    Ok(())
+    match server.serve(listener, shutdown_signal()).await? {
+        Shutdown::Drained => {
+            tracing::info!("bye");
+            Ok(())
+        }
+        Shutdown::DeviceLost(message) => {
+            anyhow::bail!("a device failed for good ({message}); exiting for a restart")
+        }
+    }
 }
 
 fn init_logging(format: LogFormat) {

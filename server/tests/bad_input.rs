@@ -41,6 +41,7 @@ async fn app(api_key: Option<&str>, metrics_without_auth: bool, max_body_bytes: 
             formats: BTreeMap::new(),
             bits_per_weight: 16.0,
             devices: vec!["cpu".into()],
+            placement: Vec::new(),
         }),
         ..fake_app::info(8)
     };

@@ -755,3 +755,129 @@ async fn load_64_connections_bitwise_answers_bounded_memory() {
     );
     assert!(r.ok > 0);
 }
+
+// ---- bounded shutdown ----------------------------------------------------------------------
+
+/// `--drain-timeout-secs` bounds the shutdown even when the admitted work would take much
+/// longer: 12 requests of 4096 tokens (several seconds of compute each on the CPU) are in
+/// flight at SIGTERM; once the timeout passes, every one not yet answered gets a 503
+/// `shutting_down` JSON error, compute stops at the next batch boundary, and the process exits
+/// 0 shortly after the timeout instead of after the work.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_drain_timeout_bounds_the_shutdown() {
+    let drain = 1;
+    let mut server = Server::start(
+        &[
+            "--drain-timeout-secs",
+            &drain.to_string(),
+            "--max-input-tokens",
+            "4096",
+        ],
+        &[],
+    );
+    let addr = server.addr.clone();
+    let requests: Vec<_> = (0..12u32)
+        .map(|r| {
+            let ids: Vec<u32> = (0..4096).map(|i| (i * 7 + r * 131) % 2000).collect();
+            let addr = addr.clone();
+            tokio::spawn(async move {
+                let body = json!({ "tokens": ids }).to_string();
+                http(&addr, "POST", "/score", None, body.as_bytes()).await
+            })
+        })
+        .collect();
+    // Admitted and computing.
+    tokio::time::sleep(Duration::from_millis(800)).await;
+    let signalled = Instant::now();
+    server.sigterm();
+    let (status, _) = server.wait_exit(Duration::from_secs(30));
+    let exited_after = signalled.elapsed();
+    let (mut answered, mut abandoned) = (0, 0);
+    for request in requests {
+        match request.await.unwrap() {
+            Outcome::Response { status: 200, .. } => answered += 1,
+            Outcome::Response { status: 503, body } => {
+                let e: Value = serde_json::from_slice(&body).unwrap();
+                assert_eq!(e["kind"], "shutting_down", "{e}");
+                abandoned += 1;
+            }
+            other => panic!("{other:?}"),
+        }
+    }
+    println!(
+        "drain timeout {drain} s with 12 × 4096-token requests in flight: exit {:?} {:.2} s after \
+         SIGTERM; {answered} answered 200 before the timeout, {abandoned} answered 503 \
+         shutting_down",
+        status.code(),
+        exited_after.as_secs_f64()
+    );
+    assert!(status.success(), "exit {status:?}: {}", server.stderr());
+    assert!(
+        abandoned > 0,
+        "all 12 finished within {drain} s: make them longer"
+    );
+    assert_eq!(answered + abandoned, 12);
+    assert!(
+        exited_after < Duration::from_secs(drain + 2),
+        "exited {exited_after:?} after the signal: {}",
+        server.stderr()
+    );
+}
+
+/// A sticky device error (injected: the real binary, the real model, the engine told to fail
+/// every batch after the warm-up with CUDA_ERROR_LAUNCH_FAILED): the request is answered 503
+/// `device_lost`, readiness is 503 `device_lost` at once, and the process exits 1 on its own
+/// within the drain timeout, for its orchestrator to restart it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lost_device_exits_1_within_the_drain_timeout() {
+    let drain = 2;
+    let mut server = Server::start(
+        &[
+            "--drain-timeout-secs",
+            &drain.to_string(),
+            "--inject-fault",
+            "device-lost-after:1",
+        ],
+        &[],
+    );
+    let addr = server.addr.clone();
+    let failed = Instant::now();
+    match http(
+        &addr,
+        "POST",
+        "/score",
+        None,
+        br#"{"tokens": [1992, 51, 78]}"#,
+    )
+    .await
+    {
+        Outcome::Response { status: 503, body } => {
+            let e: Value = serde_json::from_slice(&body).unwrap();
+            assert_eq!(e["kind"], "device_lost", "{e}");
+        }
+        other => panic!("{other:?}"),
+    }
+    match http(&addr, "GET", "/health/ready", None, b"").await {
+        Outcome::Response { status: 503, body } => {
+            let health: Value = serde_json::from_slice(&body).unwrap();
+            assert_eq!(health["status"], "device_lost", "{health}");
+        }
+        // Already gone: the listener closed once nothing was left to drain.
+        Outcome::Refused | Outcome::Broken(_) => {}
+        other => panic!("{other:?}"),
+    }
+    let (status, _) = server.wait_exit(Duration::from_secs(drain + 10));
+    let exited_after = failed.elapsed();
+    println!(
+        "device lost: exit {:?} {:.2} s after the failing request (drain timeout {drain} s)",
+        status.code(),
+        exited_after.as_secs_f64()
+    );
+    assert_eq!(status.code(), Some(1), "{}", server.stderr());
+    assert!(exited_after < Duration::from_secs(drain + 1));
+    let log = server.stderr();
+    assert!(
+        log.contains("exactscore-server: error: a device failed"),
+        "{log}"
+    );
+}

@@ -107,6 +107,7 @@ pub fn model_info() -> ModelInfo {
         bits_per_weight: 4.25,
         dtype: "f32".into(),
         devices: vec!["cpu".into()],
+        placement: Vec::new(),
         limits: Limits {
             max_input_tokens: 8192,
             max_batch_tokens: 8192,
@@ -253,6 +254,7 @@ pub fn fake_app(f: Arc<Fake>) -> Router {
             get(|| async {
                 Json(Health {
                     status: "ready".into(),
+                    replicas_out_of_rotation: Vec::new(),
                 })
             }),
         )

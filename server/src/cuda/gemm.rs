@@ -76,6 +76,8 @@ impl InplaceOp3 for MatmulTAddIntoRows {
         if reduced {
             bail!("matmul_t_add_into_rows: reduced-precision bf16/f16 GEMMs are not mirrored");
         }
+        // cuBLAS resolves candle's per-thread stream against the current context.
+        out.device.cuda_stream().context().bind_to_thread().w()?;
         let blas = out.device.cublas_handle();
         let (x_o, w_o) = (x_l.start_offset(), w_l.start_offset());
         // SAFETY (both arms): the shapes were checked against the three buffers above.

@@ -571,21 +571,112 @@ pub fn kld_rows(
         .collect())
 }
 
-/// `t` on `device`: the same tensor when it is there already, else a device-to-device copy
-/// (peer-to-peer between GPUs; never through the host).
-pub fn peer_copy(t: &Tensor, device: &candle_core::Device) -> Result<Tensor> {
-    if t.device().same_device(device) {
-        return Ok(t.clone());
-    }
+/// `t` copied onto `device`: another GPU, or another logical device (stream) of the same GPU.
+/// Hands a tensor from one pipeline stage's thread to the next. Candle's streams are per
+/// thread (`CU_STREAM_PER_THREAD` resolves against the calling thread and its current context),
+/// so nothing is left to stream order here: the source's stream is synchronized before the
+/// copy (its producer may still be writing it), the copy is issued in the destination's
+/// context on its stream, and that stream is synchronized after it, so the source may be freed
+/// and the copy used from any thread. Between GPUs the driver copies peer to peer where peer
+/// access is enabled ([`enable_peer_access`]) and through host memory where it is missing.
+pub fn transfer(t: &Tensor, device: &candle_core::Device) -> Result<Tensor> {
+    use candle_core::cuda_backend::cudarc::driver::result;
     let candle_core::Device::Cuda(dst) = device else {
-        bail!("peer_copy: {:?} is not a CUDA device", device)
+        bail!("transfer: {device:?} is not a CUDA device")
     };
     let t = t.contiguous()?;
+    t.device().synchronize()?;
     let n = t.elem_count();
-    with_float_type!(t.dtype(), T => with_slice::<T, _>(&t, |src, at, _| {
-        let copy = dst.cuda_stream().clone_dtod(&src.slice(at..at + n)).w()?;
-        Ok(wrap(copy, dst, t.shape()))
+    with_float_type!(t.dtype(), T => with_slice::<T, _>(&t, |src, at, src_dev| {
+        let (src_stream, dst_stream) = (src_dev.cuda_stream(), dst.cuda_stream());
+        let (src_ctx, dst_ctx) = (src_stream.context(), dst_stream.context());
+        // SAFETY: the copy below writes all `n` elements before anything reads them.
+        let mut out = unsafe { dst_stream.alloc::<T>(n) }.w()?;
+        let bytes = n * std::mem::size_of::<T>();
+        {
+            let src_view = src.slice(at..at + n);
+            let (src_ptr, _src) = src_view.device_ptr(&src_stream);
+            let (dst_ptr, _dst) = out.device_ptr_mut(&dst_stream);
+            dst_ctx.bind_to_thread().w()?;
+            // SAFETY: both ranges hold `bytes` bytes; the source is complete (synchronized
+            // above) and stays alive until the destination stream is synchronized below.
+            unsafe {
+                if src_ctx.cu_ctx() == dst_ctx.cu_ctx() {
+                    result::memcpy_dtod_async(dst_ptr, src_ptr, bytes, dst_stream.cu_stream())
+                } else {
+                    result::memcpy_peer_async(
+                        dst_ctx.cu_ctx(),
+                        dst_ptr,
+                        src_ctx.cu_ctx(),
+                        src_ptr,
+                        bytes,
+                        dst_stream.cu_stream(),
+                    )
+                }
+            }
+            .w()?;
+        }
+        dst_stream.synchronize().w()?;
+        Ok(wrap(out, dst, t.shape()))
     }))
+}
+
+/// Lets each GPU of `devices` read the others' memory directly (NVLink/PCIe peer to peer),
+/// where the hardware allows it; returns the ordered pairs (from, to) that have it. Copies
+/// between devices without it still work ([`transfer`]), staged through host memory.
+pub fn enable_peer_access(devices: &[&candle_core::Device]) -> Result<Vec<(usize, usize)>> {
+    let mut contexts = Vec::new();
+    for device in devices {
+        if let candle_core::Device::Cuda(d) = device {
+            let ctx = d.cuda_stream().context().clone();
+            if !contexts
+                .iter()
+                .any(|c: &std::sync::Arc<_>| c.cu_ctx() == ctx.cu_ctx())
+            {
+                contexts.push(ctx);
+            }
+        }
+    }
+    let mut enabled = Vec::new();
+    for from in &contexts {
+        for to in &contexts {
+            if from.cu_ctx() == to.cu_ctx() {
+                continue;
+            }
+            let mut can = 0;
+            // SAFETY: plain driver queries and settings on live contexts.
+            unsafe {
+                sys::cuDeviceCanAccessPeer(&mut can, from.cu_device(), to.cu_device())
+                    .result()
+                    .w()?;
+                if can == 0 {
+                    continue;
+                }
+                from.bind_to_thread().w()?;
+                match sys::cuCtxEnablePeerAccess(to.cu_ctx(), 0) {
+                    sys::CUresult::CUDA_SUCCESS
+                    | sys::CUresult::CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED => {}
+                    error => bail!(
+                        "enabling peer access {} -> {}: {error:?}",
+                        from.ordinal(),
+                        to.ordinal()
+                    ),
+                }
+            }
+            enabled.push((from.ordinal(), to.ordinal()));
+        }
+    }
+    Ok(enabled)
+}
+
+/// Makes `device`'s context current on this thread. cuBLAS calls and candle's per-thread
+/// stream resolve against the current context, which the previous operation on this thread,
+/// possibly on another device, left behind.
+pub fn bind(device: &candle_core::Device) -> Result<()> {
+    if let candle_core::Device::Cuda(d) = device {
+        d.cuda_stream().context().bind_to_thread().w()?;
+    }
+    Ok(())
 }
 
 thread_local! {

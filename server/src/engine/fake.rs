@@ -1,14 +1,27 @@
-//! A deterministic stand-in for the model, for HTTP tests: no weights, instant answers, and an
-//! optional gate that holds a batch until the test releases it (to fill the queue).
+//! A deterministic stand-in for the model, for HTTP tests: no weights, instant answers, an
+//! optional gate that holds a batch until the test releases it (to fill the queue), and
+//! optional faults (a device that runs out of memory above some batch size, or fails always).
 
-use std::sync::mpsc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{mpsc, Mutex};
 
 use super::{Engine, EngineError};
 use crate::model::{RowScore, ScoreInput, SequenceKld, SequenceScores, TokenKld};
 
 #[derive(Default)]
 pub struct FakeEngine {
-    gate: Option<Gate>,
+    gate: Option<Mutex<Gate>>,
+    fault: Option<FakeFault>,
+    batches: AtomicUsize,
+}
+
+/// How a fake engine fails.
+#[derive(Debug, Clone, PartialEq)]
+pub enum FakeFault {
+    /// Out of memory for any batch of more than this many tokens in total.
+    OutOfMemoryAbove(usize),
+    /// Every batch after the first `after` (the warm-up) fails with `error`.
+    FailAfter { after: usize, error: EngineError },
 }
 
 struct Gate {
@@ -40,10 +53,11 @@ impl FakeEngine {
         let (started_tx, started_rx) = mpsc::channel();
         let (release_tx, release_rx) = mpsc::channel();
         let engine = Self {
-            gate: Some(Gate {
+            gate: Some(Mutex::new(Gate {
                 started: started_tx,
                 release: release_rx,
-            }),
+            })),
+            ..Self::default()
         };
         let handle = GateHandle {
             started: started_rx,
@@ -67,18 +81,41 @@ impl FakeEngine {
         }
     }
 
-    fn pass_gate(&self) -> Result<(), EngineError> {
+    /// An engine that fails as `fault` says.
+    pub fn faulty(fault: FakeFault) -> Self {
+        Self {
+            fault: Some(fault),
+            ..Self::default()
+        }
+    }
+
+    /// This engine with `fault` as well.
+    pub fn with_fault(mut self, fault: FakeFault) -> Self {
+        self.fault = Some(fault);
+        self
+    }
+
+    /// Waits at the gate, then fails the batch of `tokens` tokens if the fault says so.
+    fn pass_gate(&self, tokens: usize) -> Result<(), EngineError> {
         if let Some(gate) = &self.gate {
+            let gate = gate.lock().unwrap_or_else(|p| p.into_inner());
             let _ = gate.started.send(());
             gate.release.recv().map_err(|_| EngineError::Stopped)?;
         }
-        Ok(())
+        let batch = self.batches.fetch_add(1, Ordering::SeqCst);
+        match &self.fault {
+            Some(FakeFault::OutOfMemoryAbove(limit)) if tokens > *limit => Err(
+                EngineError::OutOfMemory(format!("fake: {tokens} tokens > {limit}")),
+            ),
+            Some(FakeFault::FailAfter { after, error }) if batch >= *after => Err(error.clone()),
+            _ => Ok(()),
+        }
     }
 }
 
 impl Engine for FakeEngine {
-    fn score(&mut self, batch: &[ScoreInput<'_>]) -> Result<Vec<SequenceScores>, EngineError> {
-        self.pass_gate()?;
+    fn score(&self, batch: &[ScoreInput<'_>]) -> Result<Vec<SequenceScores>, EngineError> {
+        self.pass_gate(batch.iter().map(|b| b.tokens.len()).sum())?;
         Ok(batch
             .iter()
             .map(|input| SequenceScores {
@@ -99,8 +136,8 @@ impl Engine for FakeEngine {
             .collect())
     }
 
-    fn kld(&mut self, sequences: &[&[u32]]) -> Result<Vec<SequenceKld>, EngineError> {
-        self.pass_gate()?;
+    fn kld(&self, sequences: &[&[u32]]) -> Result<Vec<SequenceKld>, EngineError> {
+        self.pass_gate(sequences.iter().map(|s| s.len()).sum())?;
         Ok(sequences
             .iter()
             .map(|tokens| SequenceKld {

@@ -5,15 +5,20 @@
 
 pub mod batcher;
 pub mod fake;
+pub mod fault;
+pub mod pipeline;
 pub mod queue;
+pub mod stage_thread;
 pub mod worker;
 
 use std::time::Duration;
 
-use crate::model::{kld_batch, Model, ScoreInput, SequenceKld, SequenceScores};
+use crate::model::{ScoreInput, SequenceKld, SequenceScores};
 
 pub use batcher::Scheduler;
+pub use pipeline::{MicroBatching, ModelEngine};
 pub use queue::BatchLimits;
+pub use stage_thread::IdleHook;
 
 #[derive(Debug, Clone, thiserror::Error, PartialEq)]
 pub enum EngineError {
@@ -25,37 +30,49 @@ pub enum EngineError {
     /// A divergence was asked of an engine that has no reference model.
     #[error("no reference model is loaded")]
     NoReference,
+    /// The device ran out of memory, even for the sequence alone (batches are retried in
+    /// halves first; see [`fault::with_halving`]).
+    #[error("out of device memory: {0}")]
+    OutOfMemory(String),
+    /// A sticky device error: the device accepts no more work and the server must restart.
+    #[error("device lost: {0}")]
+    DeviceLost(String),
+    /// The drain timeout passed during a shutdown before this sequence was computed.
+    #[error("the server shut down before this sequence was computed")]
+    Abandoned,
+    /// Every replica has been taken out of rotation after failing.
+    #[error("no replica is in rotation")]
+    NoReplica,
 }
 
-/// Runs one batch. Implemented by the model, and by a fake for tests.
-pub trait Engine: Send + 'static {
+/// Runs one batch. Implemented by the model ([`ModelEngine`]), and by a fake for tests.
+/// Called from the worker threads of one replica ([`Engine::concurrency`] of them).
+pub trait Engine: Send + Sync + 'static {
     /// Scores every input; results in input order.
-    fn score(&mut self, batch: &[ScoreInput<'_>]) -> Result<Vec<SequenceScores>, EngineError>;
+    fn score(&self, batch: &[ScoreInput<'_>]) -> Result<Vec<SequenceScores>, EngineError>;
 
     /// KL-divergence from the reference model at every position of every sequence; results
     /// in input order.
-    fn kld(&mut self, sequences: &[&[u32]]) -> Result<Vec<SequenceKld>, EngineError>;
-}
+    fn kld(&self, sequences: &[&[u32]]) -> Result<Vec<SequenceKld>, EngineError>;
 
-/// The real engine: the served model and, for `/kld`, the reference model.
-pub struct ModelEngine {
-    pub model: Model,
-    pub reference: Option<Model>,
-}
-
-impl Engine for ModelEngine {
-    fn score(&mut self, batch: &[ScoreInput<'_>]) -> Result<Vec<SequenceScores>, EngineError> {
-        self.model.score(batch).map_err(compute_error)
+    /// Batches computed at once: a pipeline of several stages overlaps consecutive batches.
+    fn concurrency(&self) -> usize {
+        1
     }
 
-    fn kld(&mut self, sequences: &[&[u32]]) -> Result<Vec<SequenceKld>, EngineError> {
-        let reference = self.reference.as_ref().ok_or(EngineError::NoReference)?;
-        kld_batch(&self.model, reference, sequences).map_err(compute_error)
+    /// Whether a batch handed over now would start at once (the first stage is free), so the
+    /// batcher may send a partial batch instead of waiting for it to fill.
+    fn first_stage_free(&self) -> bool {
+        true
     }
-}
 
-fn compute_error(e: candle_core::Error) -> EngineError {
-    EngineError::Compute(e.to_string())
+    /// `hook` runs whenever the first stage becomes free.
+    fn on_first_stage_free(&self, hook: IdleHook) {
+        let _ = hook;
+    }
+
+    /// The drain timeout passed: work not yet started fails with [`EngineError::Abandoned`].
+    fn abandon(&self) {}
 }
 
 /// The outcome of one sequence (`T`: its scores or its divergences), with the timings of the

@@ -43,6 +43,20 @@ impl Entry {
     }
 }
 
+impl Entry {
+    /// Answers the entry with `error` instead of computing it.
+    pub fn fail(self, error: EngineError) {
+        match self.task {
+            Task::Score { reply, .. } => {
+                let _ = reply.send(Err(error));
+            }
+            Task::Kld { reply } => {
+                let _ = reply.send(Err(error));
+            }
+        }
+    }
+}
+
 /// Counts sequences dropped uncomputed because their client went away (or timed out):
 /// `exactscore_sequences_cancelled_total`.
 pub fn count_cancelled(n: usize) {
@@ -85,6 +99,11 @@ impl State {
 
     pub fn is_empty(&self) -> bool {
         self.entries.is_empty()
+    }
+
+    /// Takes every waiting entry out of the queue (to answer them with an error).
+    pub fn take_all(&mut self) -> Vec<Entry> {
+        self.entries.drain(..).collect()
     }
 
     /// Removes entries whose client is gone, so they are never computed. Returns how many.

@@ -1,51 +1,156 @@
-//! The engine thread: owns the model, takes one batch at a time from a channel of capacity 1
-//! (so exactly one batch is formed ahead while the current one computes) and answers every
-//! sequence of the batch on its own oneshot.
+//! The worker threads of one replica. Each takes a formed batch from the replica's channel
+//! (capacity 1: one batch formed ahead), computes it on the replica's engine, retrying in
+//! halves when the device runs out of memory, answers every sequence on its own oneshot, and
+//! keeps the replica's health: a sticky device error stops the server, a replica that keeps
+//! failing leaves the rotation. A pipelined engine gets two workers, so that the next batch
+//! enters the first stage while the last stages finish the previous one.
 
 use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::Instant;
 
 use tokio::sync::mpsc;
 
+use super::fault::with_halving;
 use super::queue::{Entry, Reply, Task};
 use super::{Computed, Engine, EngineError};
 use crate::model::ScoreInput;
 
-/// Starts the engine thread. It ends when the sending side of `batches` is dropped.
-/// `set_idle(true)` tells the batcher that the thread waits with no batch formed ahead,
-/// `set_idle(false)` that it has one again.
-pub fn spawn(
-    mut engine: Box<dyn Engine>,
-    mut batches: mpsc::Receiver<Vec<Entry>>,
-    set_idle: impl Fn(bool) + Send + 'static,
-) -> std::io::Result<JoinHandle<()>> {
-    std::thread::Builder::new()
-        .name("exactscore-engine".into())
-        .spawn(move || {
-            let mut batch_id = 0u64;
-            loop {
-                let batch = match batches.try_recv() {
-                    Ok(batch) => batch,
-                    Err(mpsc::error::TryRecvError::Disconnected) => break,
-                    Err(mpsc::error::TryRecvError::Empty) => {
-                        set_idle(true);
-                        let batch = batches.blocking_recv();
-                        set_idle(false);
-                        match batch {
-                            Some(batch) => batch,
-                            None => break,
-                        }
-                    }
-                };
-                batch_id += 1;
-                run_batch(engine.as_mut(), batch, batch_id);
-            }
-            tracing::info!("engine thread stopped");
-        })
+/// Consecutive failed batches after which a replica leaves the rotation.
+pub const FAILURES_OUT_OF_ROTATION: usize = 3;
+
+/// The health of one replica, shared by its workers and the scheduler.
+#[derive(Debug)]
+pub struct ReplicaState {
+    pub index: usize,
+    in_rotation: AtomicBool,
+    consecutive_failures: AtomicUsize,
+    /// Workers waiting for a batch.
+    idle_workers: AtomicUsize,
+    out_of_rotation: Mutex<Option<String>>,
 }
 
-fn run_batch(engine: &mut dyn Engine, batch: Vec<Entry>, batch_id: u64) {
+impl ReplicaState {
+    pub fn new(index: usize) -> Self {
+        metrics::gauge!("exactscore_replica_in_rotation", "replica" => index.to_string()).set(1.0);
+        Self {
+            index,
+            in_rotation: AtomicBool::new(true),
+            consecutive_failures: AtomicUsize::new(0),
+            idle_workers: AtomicUsize::new(0),
+            out_of_rotation: Mutex::new(None),
+        }
+    }
+
+    pub fn in_rotation(&self) -> bool {
+        self.in_rotation.load(Ordering::SeqCst)
+    }
+
+    /// Some worker waits for a batch.
+    pub fn has_idle_worker(&self) -> bool {
+        self.idle_workers.load(Ordering::SeqCst) > 0
+    }
+
+    /// Why the replica left the rotation, if it has.
+    pub fn out_of_rotation_reason(&self) -> Option<String> {
+        self.out_of_rotation
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
+    }
+
+    fn take_out_of_rotation(&self, reason: String) {
+        tracing::error!(replica = self.index, %reason, "replica taken out of rotation");
+        *self
+            .out_of_rotation
+            .lock()
+            .unwrap_or_else(|p| p.into_inner()) = Some(reason);
+        self.in_rotation.store(false, Ordering::SeqCst);
+        metrics::gauge!("exactscore_replica_in_rotation", "replica" => self.index.to_string())
+            .set(0.0);
+    }
+}
+
+/// What the workers tell the scheduler.
+#[derive(Clone)]
+pub struct Hooks {
+    /// A worker waits, or has taken a batch (room in its channel), or a replica's health
+    /// changed: the batcher looks again.
+    pub wake: Arc<dyn Fn() + Send + Sync>,
+    /// A sticky device error: the server must stop (its message).
+    pub fatal: Arc<dyn Fn(&str) + Send + Sync>,
+    /// Set once the drain timeout has passed: batches not yet started are abandoned.
+    pub abandoned: Arc<AtomicBool>,
+    /// Batch ids, unique across replicas.
+    pub batch_ids: Arc<AtomicU64>,
+}
+
+/// Starts the replica's workers ([`Engine::concurrency`] of them). They end once the sending
+/// side of `batches` is dropped and the channel is empty.
+pub fn spawn(
+    engine: Arc<dyn Engine>,
+    state: Arc<ReplicaState>,
+    batches: mpsc::Receiver<Vec<Entry>>,
+    hooks: Hooks,
+) -> std::io::Result<Vec<JoinHandle<()>>> {
+    let batches = Arc::new(Mutex::new(batches));
+    (0..engine.concurrency().max(1))
+        .map(|worker| {
+            let (engine, state, batches, hooks) = (
+                engine.clone(),
+                state.clone(),
+                batches.clone(),
+                hooks.clone(),
+            );
+            std::thread::Builder::new()
+                .name(format!(
+                    "exactscore-replica-{}-worker-{worker}",
+                    state.index
+                ))
+                .spawn(move || {
+                    while let Some(batch) = next_batch(&batches, &state, &hooks) {
+                        let batch_id = hooks.batch_ids.fetch_add(1, Ordering::SeqCst) + 1;
+                        run_batch(engine.as_ref(), batch, batch_id, &state, &hooks);
+                    }
+                    tracing::info!(replica = state.index, worker, "engine worker stopped");
+                })
+        })
+        .collect()
+}
+
+/// The next batch, counting this worker idle while it waits for one; `None` once the batcher
+/// has stopped.
+fn next_batch(
+    batches: &Mutex<mpsc::Receiver<Vec<Entry>>>,
+    state: &ReplicaState,
+    hooks: &Hooks,
+) -> Option<Vec<Entry>> {
+    let mut batches = batches.lock().unwrap_or_else(|p| p.into_inner());
+    let batch = match batches.try_recv() {
+        Ok(batch) => Some(batch),
+        Err(mpsc::error::TryRecvError::Disconnected) => None,
+        Err(mpsc::error::TryRecvError::Empty) => {
+            state.idle_workers.fetch_add(1, Ordering::SeqCst);
+            (hooks.wake)();
+            let batch = batches.blocking_recv();
+            state.idle_workers.fetch_sub(1, Ordering::SeqCst);
+            batch
+        }
+    };
+    // Room in the channel: the batcher may form the next batch ahead.
+    (hooks.wake)();
+    batch
+}
+
+fn run_batch(
+    engine: &dyn Engine,
+    batch: Vec<Entry>,
+    batch_id: u64,
+    state: &ReplicaState,
+    hooks: &Hooks,
+) {
     // The batch was formed before the previous one finished: clients may have left since.
     let formed = batch.len();
     let mut scores = Vec::new();
@@ -69,88 +174,154 @@ fn run_batch(engine: &mut dyn Engine, batch: Vec<Entry>, batch_id: u64) {
         }
     }
     super::queue::count_cancelled(formed - scores.len() - klds.len());
+    let run = BatchRun {
+        batch_id,
+        state,
+        hooks,
+    };
     // A batch mixing both tasks runs them one after the other, each as one forward pass.
     let top_ks: Vec<usize> = scores.iter().map(|(_, k)| *k).collect();
     let jobs = scores.into_iter().map(|(job, _)| job).collect();
-    run_jobs(jobs, batch_id, |sequences| {
+    run.jobs(jobs, |sequences| {
         let inputs: Vec<ScoreInput<'_>> = sequences
             .iter()
             .zip(&top_ks)
             .map(|(&tokens, &top_k)| ScoreInput { tokens, top_k })
             .collect();
-        engine.score(&inputs)
+        with_halving(&inputs, &mut |part| engine.score(part))
     });
-    run_jobs(klds, batch_id, |sequences| engine.kld(sequences));
+    run.jobs(klds, |sequences| {
+        with_halving(sequences, &mut |part| engine.kld(part))
+    });
 }
 
 /// One sequence of a batch and where its answer goes.
 struct Job<T> {
     tokens: Vec<u32>,
-    enqueued: std::time::Instant,
+    enqueued: Instant,
     reply: Reply<T>,
 }
 
-/// Computes `jobs` in one call and answers each on its own channel.
-fn run_jobs<T>(
-    jobs: Vec<Job<T>>,
+struct BatchRun<'a> {
     batch_id: u64,
-    compute: impl FnOnce(&[&[u32]]) -> Result<Vec<T>, EngineError>,
-) {
-    if jobs.is_empty() {
-        return;
-    }
-    let sequences: Vec<&[u32]> = jobs.iter().map(|j| j.tokens.as_slice()).collect();
-    let tokens: usize = sequences.iter().map(|s| s.len()).sum();
-    let start = Instant::now();
-    // A panic in the model must fail this batch, not kill the thread every request waits on.
-    let result = catch_unwind(AssertUnwindSafe(|| compute(&sequences))).unwrap_or_else(|p| {
-        let msg = p
-            .downcast_ref::<String>()
-            .cloned()
-            .or_else(|| p.downcast_ref::<&str>().map(|s| s.to_string()))
-            .unwrap_or_else(|| "panic".into());
-        Err(EngineError::Compute(msg))
-    });
-    let compute_time = start.elapsed();
-    drop(sequences);
-    record_batch(jobs.len(), tokens, compute_time.as_secs_f64());
-
-    match result {
-        Ok(outputs) if outputs.len() == jobs.len() => {
-            for (job, output) in jobs.into_iter().zip(outputs) {
-                let queue_time = start.saturating_duration_since(job.enqueued);
-                metrics::histogram!("exactscore_queue_seconds").record(queue_time.as_secs_f64());
-                let _ = job.reply.send(Ok(Computed {
-                    output,
-                    queue_time,
-                    compute_time,
-                    batch_id,
-                }));
-            }
-        }
-        other => {
-            let err = match other {
-                Err(e) => e,
-                Ok(s) => EngineError::Compute(format!(
-                    "engine returned {} results for {} inputs",
-                    s.len(),
-                    jobs.len()
-                )),
-            };
-            tracing::error!(batch_id, error = %err, "batch failed");
-            for job in jobs {
-                let _ = job.reply.send(Err(err.clone()));
-            }
-        }
-    }
+    state: &'a ReplicaState,
+    hooks: &'a Hooks,
 }
 
-fn record_batch(sequences: usize, tokens: usize, seconds: f64) {
-    metrics::histogram!("exactscore_batch_sequences").record(sequences as f64);
-    metrics::histogram!("exactscore_batch_tokens").record(tokens as f64);
-    metrics::histogram!("exactscore_compute_seconds").record(seconds);
-    metrics::counter!("exactscore_tokens_processed_total").increment(tokens as u64);
-    if seconds > 0.0 {
-        metrics::gauge!("exactscore_throughput_tokens_per_second").set(tokens as f64 / seconds);
+impl BatchRun<'_> {
+    /// Computes `jobs` in one call and answers each on its own channel.
+    fn jobs<T>(
+        &self,
+        jobs: Vec<Job<T>>,
+        compute: impl FnOnce(&[&[u32]]) -> Result<Vec<T>, EngineError>,
+    ) {
+        if jobs.is_empty() {
+            return;
+        }
+        let sequences: Vec<&[u32]> = jobs.iter().map(|j| j.tokens.as_slice()).collect();
+        let tokens: usize = sequences.iter().map(|s| s.len()).sum();
+        let start = Instant::now();
+        let result = if self.hooks.abandoned.load(Ordering::SeqCst) {
+            Err(EngineError::Abandoned)
+        } else {
+            // A panic in the model must fail this batch, not kill the worker.
+            catch_unwind(AssertUnwindSafe(|| compute(&sequences))).unwrap_or_else(|p| {
+                let msg = p
+                    .downcast_ref::<String>()
+                    .cloned()
+                    .or_else(|| p.downcast_ref::<&str>().map(|s| s.to_string()))
+                    .unwrap_or_else(|| "panic".into());
+                Err(EngineError::Compute(msg))
+            })
+        };
+        let compute_time = start.elapsed();
+        drop(sequences);
+        let result = match result {
+            Ok(outputs) if outputs.len() != jobs.len() => Err(EngineError::Compute(format!(
+                "engine returned {} results for {} inputs",
+                outputs.len(),
+                jobs.len()
+            ))),
+            other => other,
+        };
+        self.record(jobs.len(), tokens, compute_time.as_secs_f64(), &result);
+        match result {
+            Ok(outputs) => {
+                for (job, output) in jobs.into_iter().zip(outputs) {
+                    let queue_time = start.saturating_duration_since(job.enqueued);
+                    metrics::histogram!("exactscore_queue_seconds")
+                        .record(queue_time.as_secs_f64());
+                    let _ = job.reply.send(Ok(Computed {
+                        output,
+                        queue_time,
+                        compute_time,
+                        batch_id: self.batch_id,
+                    }));
+                }
+            }
+            Err(err) => {
+                tracing::error!(
+                    batch_id = self.batch_id,
+                    replica = self.state.index,
+                    error = %err,
+                    "batch failed"
+                );
+                for job in jobs {
+                    let _ = job.reply.send(Err(err.clone()));
+                }
+            }
+        }
+    }
+
+    /// Metrics of the batch, and the replica's health after it.
+    fn record<T>(
+        &self,
+        sequences: usize,
+        tokens: usize,
+        seconds: f64,
+        result: &Result<T, EngineError>,
+    ) {
+        let replica = self.state.index.to_string();
+        metrics::histogram!("exactscore_batch_sequences").record(sequences as f64);
+        metrics::histogram!("exactscore_batch_tokens").record(tokens as f64);
+        metrics::histogram!("exactscore_compute_seconds").record(seconds);
+        metrics::counter!("exactscore_replica_batches_total", "replica" => replica.clone())
+            .increment(1);
+        let state = self.state;
+        match result {
+            Ok(_) => {
+                metrics::counter!("exactscore_tokens_processed_total").increment(tokens as u64);
+                metrics::counter!("exactscore_replica_tokens_total", "replica" => replica)
+                    .increment(tokens as u64);
+                if seconds > 0.0 {
+                    metrics::gauge!("exactscore_throughput_tokens_per_second")
+                        .set(tokens as f64 / seconds);
+                }
+                state.consecutive_failures.store(0, Ordering::SeqCst);
+            }
+            Err(err) => {
+                metrics::counter!("exactscore_replica_failed_batches_total", "replica" => replica)
+                    .increment(1);
+                match err {
+                    EngineError::DeviceLost(message) => {
+                        state.take_out_of_rotation(format!("device lost: {message}"));
+                        (self.hooks.fatal)(message);
+                        (self.hooks.wake)();
+                    }
+                    EngineError::Compute(message) => {
+                        let failures =
+                            state.consecutive_failures.fetch_add(1, Ordering::SeqCst) + 1;
+                        if failures >= FAILURES_OUT_OF_ROTATION && state.in_rotation() {
+                            state.take_out_of_rotation(format!(
+                                "{failures} consecutive batches failed, the last with: {message}"
+                            ));
+                            (self.hooks.wake)();
+                        }
+                    }
+                    // The request's size, a shutdown or a missing reference: not the replica.
+                    _ => {}
+                }
+            }
+        }
     }
 }

@@ -53,7 +53,7 @@ pub async fn completions(
     State(state): State<SharedState>,
     ApiJson(req): ApiJson<CompletionRequest>,
 ) -> Result<Json<CompletionResponse>, ApiError> {
-    state.readiness.check().map_err(ApiError::NotReady)?;
+    state.ready().map_err(ApiError::NotReady)?;
     let valid = off_runtime(&state, move |s| validate(req, &s.info.model, &s.rules())).await?;
     let sequences: Vec<Vec<u32>> = valid.prompts.iter().map(|p| p.ids.clone()).collect();
     let top_k = valid.logprobs.unwrap_or(0);

@@ -42,9 +42,53 @@ pub enum ApiError {
     NotReady(&'static str),
     #[error("request exceeded the server's time limit of {0:?}")]
     Timeout(std::time::Duration),
+    /// The device could not compute the request; retrying later (or elsewhere) may work.
+    #[error("{message}")]
+    Unavailable { kind: &'static str, message: String },
     /// The message is logged; clients see a generic text.
     #[error("internal error")]
     Internal(String),
+}
+
+impl From<crate::engine::EngineError> for ApiError {
+    fn from(e: crate::engine::EngineError) -> Self {
+        use crate::engine::EngineError as E;
+        let unavailable = |kind, message: String| Self::Unavailable { kind, message };
+        match e {
+            E::NoReference => Self::NoReferenceModel,
+            E::OutOfMemory(cause) => unavailable(
+                "out_of_memory",
+                format!(
+                    "the device ran out of memory for this sequence even in a batch of its own \
+                     ({cause}); send a shorter sequence or use a device with more memory"
+                ),
+            ),
+            E::DeviceLost(_) => unavailable(
+                "device_lost",
+                "the device failed and the server is restarting; retry later".into(),
+            ),
+            E::Abandoned => unavailable(
+                "shutting_down",
+                "the server shut down (its drain timeout passed) before this request was \
+                 computed; retry on another instance"
+                    .into(),
+            ),
+            E::NoReplica => unavailable(
+                "no_replica_in_rotation",
+                "every replica of the model has failed and left the rotation; retry later".into(),
+            ),
+            E::Compute(cause) => {
+                tracing::error!(%cause, "a batch failed");
+                unavailable(
+                    "compute_failed",
+                    "computing this request's batch failed on the device; retry (the failure \
+                     is in the server log)"
+                        .into(),
+                )
+            }
+            E::Stopped => Self::Internal(e.to_string()),
+        }
+    }
 }
 
 impl ApiError {
@@ -75,6 +119,7 @@ impl ApiError {
             Self::Overloaded { .. } => StatusCode::TOO_MANY_REQUESTS,
             Self::NotReady(_) => StatusCode::SERVICE_UNAVAILABLE,
             Self::Timeout(_) => StatusCode::GATEWAY_TIMEOUT,
+            Self::Unavailable { .. } => StatusCode::SERVICE_UNAVAILABLE,
             Self::Internal(_) => StatusCode::INTERNAL_SERVER_ERROR,
         }
     }
@@ -92,6 +137,7 @@ impl ApiError {
             Self::Overloaded { .. } => "overloaded",
             Self::NotReady(_) => "not_ready",
             Self::Timeout(_) => "timeout",
+            Self::Unavailable { kind, .. } => kind,
             Self::Internal(_) => "internal",
         }
     }
@@ -148,7 +194,7 @@ impl IntoResponse for ApiError {
         let mut response = (self.status(), Json(self.body())).into_response();
         let retry_after = match self {
             Self::Overloaded { .. } => Some("1"),
-            Self::NotReady(_) => Some("5"),
+            Self::NotReady(_) | Self::Unavailable { .. } => Some("5"),
             _ => None,
         };
         if let Some(secs) = retry_after {

@@ -28,7 +28,7 @@ pub async fn kld(
     State(state): State<SharedState>,
     ApiJson(req): ApiJson<KldRequest>,
 ) -> Result<Json<KldResponse>, ApiError> {
-    state.readiness.check().map_err(ApiError::NotReady)?;
+    state.ready().map_err(ApiError::NotReady)?;
     let Some(reference) = state.info.reference.as_ref().map(|r| r.model.clone()) else {
         return Err(ApiError::NoReferenceModel);
     };

@@ -55,6 +55,24 @@ impl AppState {
         &self.info.limits
     }
 
+    /// `Ok(())` when ready to score, else why not: a lost device, [`Readiness::check`], or no
+    /// replica left in rotation.
+    pub fn ready(&self) -> Result<(), &'static str> {
+        if self.scheduler.lost_device().is_some() {
+            return Err("device_lost");
+        }
+        self.readiness.check()?;
+        if self
+            .scheduler
+            .replicas()
+            .iter()
+            .all(|r| r.out_of_rotation.is_some())
+        {
+            return Err("no_replica_in_rotation");
+        }
+        Ok(())
+    }
+
     /// The validation rules requests are checked against.
     pub fn rules(&self) -> validate::Rules<'_> {
         validate::Rules {
@@ -79,11 +97,12 @@ pub async fn off_runtime<R: Send + 'static>(
         .map_err(|e| ApiError::Internal(format!("request worker failed: {e}")))?
 }
 
-/// Ready = weights loaded and a warm-up batch ran, and not draining.
+/// Ready = weights loaded and a warm-up batch ran, not draining, and no device lost.
 #[derive(Debug, Default)]
 pub struct Readiness {
     warm: AtomicBool,
     draining: AtomicBool,
+    device_lost: AtomicBool,
 }
 
 impl Readiness {
@@ -95,9 +114,16 @@ impl Readiness {
         self.draining.store(true, Ordering::SeqCst);
     }
 
-    /// `Ok(())` when ready, else why not (`starting` or `draining`).
+    /// A sticky device error: not ready for good (the server drains and exits non-zero).
+    pub fn set_device_lost(&self) {
+        self.device_lost.store(true, Ordering::SeqCst);
+    }
+
+    /// `Ok(())` when ready, else why not (`device_lost`, `draining` or `starting`).
     pub fn check(&self) -> Result<(), &'static str> {
-        if self.draining.load(Ordering::SeqCst) {
+        if self.device_lost.load(Ordering::SeqCst) {
+            Err("device_lost")
+        } else if self.draining.load(Ordering::SeqCst) {
             Err("draining")
         } else if !self.warm.load(Ordering::SeqCst) {
             Err("starting")

@@ -54,7 +54,7 @@ pub async fn score_v1(
 }
 
 async fn handle(state: SharedState, req: ScoreRequest) -> Result<Json<ScoreResponse>, ApiError> {
-    state.readiness.check().map_err(ApiError::NotReady)?;
+    state.ready().map_err(ApiError::NotReady)?;
     let valid = off_runtime(&state, move |s| validate::score_request(req, &s.rules())).await?;
     let top_k = valid.top_k;
     let scored = compute(&state, &valid.sequences, |s, ids| s.submit(ids, top_k)).await?;
@@ -73,19 +73,18 @@ pub(crate) async fn compute<T>(
     submit: impl Fn(&Scheduler, Vec<u32>) -> ReplyReceiver<T>,
 ) -> Result<Vec<Computed<T>>, ApiError> {
     // Held until the answer is built: bounds requests queued or computing.
-    let _permit =
-        state
-            .admission
-            .clone()
-            .try_acquire_owned()
-            .map_err(|_| match state.readiness.check() {
-                // Draining holds every permit: a request that passed the readiness check
-                // just before the signal is refused like the ones after it.
-                Err(why) => ApiError::NotReady(why),
-                Ok(()) => ApiError::Overloaded {
-                    max_queued: state.limits().max_queued_requests,
-                },
-            })?;
+    let _permit = state
+        .admission
+        .clone()
+        .try_acquire_owned()
+        .map_err(|_| match state.ready() {
+            // Draining holds every permit: a request that passed the readiness check
+            // just before the signal is refused like the ones after it.
+            Err(why) => ApiError::NotReady(why),
+            Ok(()) => ApiError::Overloaded {
+                max_queued: state.limits().max_queued_requests,
+            },
+        })?;
     let receivers: Vec<_> = sequences
         .iter()
         .map(|ids| submit(&state.scheduler, ids.clone()))
@@ -100,16 +99,18 @@ pub(crate) async fn compute<T>(
         out
     };
     let timeout = state.http.request_timeout;
-    let results = tokio::time::timeout(timeout, wait)
-        .await
-        .map_err(|_| ApiError::Timeout(timeout))?;
+    // After the drain timeout, a request still waiting is answered at once, not when (or if)
+    // its batch finishes.
+    let results = tokio::select! {
+        results = tokio::time::timeout(timeout, wait) => {
+            results.map_err(|_| ApiError::Timeout(timeout))?
+        }
+        () = state.scheduler.abandoned() => return Err(EngineError::Abandoned.into()),
+    };
     results
         .into_iter()
         .collect::<Result<Vec<_>, _>>()
-        .map_err(|e| match e {
-            EngineError::NoReference => ApiError::NoReferenceModel,
-            e => ApiError::Internal(e.to_string()),
-        })
+        .map_err(ApiError::from)
 }
 
 /// Sums the work of a request's sequences; a batch shared by several of them counts once.

@@ -201,6 +201,16 @@ impl Checkpoint {
         Ok(t.to_dtype(dtype)?.to_device(device)?)
     }
 
+    /// Stored bytes of every tensor whose name starts with `prefix` (headers only).
+    pub fn stored_bytes_with_prefix(&self, prefix: &str) -> u64 {
+        self.names_with_prefix(prefix)
+            .filter_map(|name| self.meta(name).ok())
+            .map(|(dtype, shape)| {
+                (shape.iter().product::<usize>() as u64 * dtype.bitsize() as u64).div_ceil(8)
+            })
+            .sum()
+    }
+
     /// Every tensor name that starts with `prefix` (used to reject tensors we would ignore).
     pub fn names_with_prefix<'a>(&'a self, prefix: &'a str) -> impl Iterator<Item = &'a str> {
         self.names

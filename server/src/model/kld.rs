@@ -77,7 +77,7 @@ pub fn kld_logits(
     }
     #[cfg(feature = "cuda")]
     if logits.device().is_cuda() {
-        let reference_logits = crate::cuda::peer_copy(reference_logits, logits.device())?;
+        let reference_logits = crate::device::transfer(reference_logits, logits.device())?;
         return crate::cuda::kld_rows(&reference_logits, logits, targets);
     }
     let reference_rows = reference_logits.to_dtype(DType::F32)?.to_vec2::<f32>()?;

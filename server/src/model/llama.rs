@@ -2,6 +2,7 @@
 //! batch are concatenated along the token axis for every Linear; attention runs per sequence,
 //! so a sequence's result does not depend on what shares its batch.
 
+use std::ops::Range;
 use std::path::Path;
 
 use candle_core::{DType, Device, Module, Result, Tensor, D};
@@ -127,11 +128,22 @@ struct DecoderLayer {
 
 pub struct Model {
     config: ModelConfig,
+    /// `linear.device` is the first stage's device.
     opts: ModelOptions,
+    /// On the first stage's device.
     embed_tokens: Tensor,
     layers: Vec<DecoderLayer>,
+    /// `norm` and `lm_head` are on the last stage's device.
     norm: RmsNorm,
     lm_head: QuantLinear,
+    stages: Vec<Stage>,
+}
+
+/// A run of consecutive decoder layers on one device: a pipeline stage of the model.
+struct Stage {
+    device: Device,
+    layers: Range<usize>,
+    /// The RoPE tables on this stage's device.
     rope: RopeTables,
 }
 
@@ -179,7 +191,7 @@ impl FlashIndex {
 }
 
 /// Whether the fused flash-attention kernel exists for this device, head size and dtype.
-fn flash_attention_available(device: &Device, head_dim: usize, dtype: DType) -> bool {
+pub(crate) fn flash_attention_available(device: &Device, head_dim: usize, dtype: DType) -> bool {
     #[cfg(feature = "cuda")]
     {
         device.is_cuda() && crate::cuda::flash_attention_supported(head_dim, dtype)
@@ -194,7 +206,7 @@ fn flash_attention_available(device: &Device, head_dim: usize, dtype: DType) -> 
 /// Loads the Linear modules of a checkpoint, resolving each one's quantization scheme.
 struct LinearLoader<'a> {
     ckpt: &'a Checkpoint,
-    quant: Option<QuantizationConfig>,
+    quant: Option<&'a QuantizationConfig>,
     opts: &'a LinearOptions,
 }
 
@@ -205,7 +217,7 @@ impl LinearLoader<'_> {
         shape: (usize, usize),
         bias: bool,
     ) -> std::result::Result<QuantLinear, LoadError> {
-        let scheme = match &self.quant {
+        let scheme = match self.quant {
             Some(q) => q.scheme_for(name, "Linear")?,
             None => None,
         };
@@ -220,12 +232,33 @@ impl Model {
         Self::from_checkpoint(config, &Checkpoint::open(dir)?, opts)
     }
 
-    /// Builds the model from an opened checkpoint (files or memory).
+    /// Builds the model from an opened checkpoint (files or memory), all on
+    /// `opts.linear.device`.
     pub fn from_checkpoint(
         config: ModelConfig,
         ckpt: &Checkpoint,
         opts: &ModelOptions,
     ) -> std::result::Result<Self, LoadError> {
+        let all = vec![(opts.linear.device.clone(), 0..config.num_layers)];
+        Self::from_checkpoint_placed(config, ckpt, opts, all)
+    }
+
+    /// Builds the model as pipeline stages: `stages[k]` = (device, the decoder layers it
+    /// holds), consecutive ranges covering every layer. The embedding goes with the first
+    /// stage, the final norm and the lm_head with the last; `opts.linear.device` is ignored.
+    pub fn from_checkpoint_placed(
+        config: ModelConfig,
+        ckpt: &Checkpoint,
+        opts: &ModelOptions,
+        stages: Vec<(Device, Range<usize>)>,
+    ) -> std::result::Result<Self, LoadError> {
+        check_stages(&stages, config.num_layers)?;
+        let stage_options = |i: usize| LinearOptions {
+            device: stages[i].0.clone(),
+            ..opts.linear.clone()
+        };
+        let first = stage_options(0);
+        let last = stage_options(stages.len() - 1);
         let quant = config
             .quantization_config
             .as_ref()
@@ -240,18 +273,8 @@ impl Model {
                 });
             }
         }
-        let lin = &opts.linear;
-        let loader = LinearLoader {
-            ckpt,
-            quant,
-            opts: lin,
-        };
         let c = &config;
-        let (h, kv_dim, q_dim) = (
-            c.hidden_size,
-            c.num_kv_heads * c.head_dim,
-            c.num_heads * c.head_dim,
-        );
+        let h = c.hidden_size;
         // On the CPU first: converted there to the compute dtype (no GPU conversion kernel).
         let stored_embed = ckpt.tensor(
             "model.embed_tokens.weight",
@@ -259,11 +282,112 @@ impl Model {
             Some(&[c.vocab_size, h]),
             &Device::Cpu,
         )?;
-        let embed_tokens = stored_embed.to_dtype(lin.dtype)?.to_device(&lin.device)?;
+        let embed_tokens = stored_embed
+            .to_dtype(first.dtype)?
+            .to_device(&first.device)?;
+        let mut layers = Vec::with_capacity(c.num_layers);
+        for (stage, (_, range)) in stages.iter().enumerate() {
+            let lin = &stage_options(stage);
+            let loader = LinearLoader {
+                ckpt,
+                quant: quant.as_ref(),
+                opts: lin,
+            };
+            for i in range.clone() {
+                layers.push(DecoderLayer::load(ckpt, &loader, c, i)?);
+            }
+        }
+        let norm = RmsNorm::load(ckpt, "model.norm", h, &last)?.with_eps(c.rms_norm_eps);
+        let lm_head = if c.tie_word_embeddings && !ckpt.contains("lm_head.weight") {
+            // The tied head keeps the stored dtype, as an untied dense head does; it shares the
+            // embedding's memory where both are one tensor on one device.
+            let weight = if stored_embed.dtype() == last.dtype && stages.len() == 1 {
+                embed_tokens.clone()
+            } else {
+                stored_embed.to_device(&last.device)?
+            };
+            QuantLinear::new(Box::new(DenseWeight::from_tensor(weight)), None)
+        } else {
+            LinearLoader {
+                ckpt,
+                quant: quant.as_ref(),
+                opts: &last,
+            }
+            .load("lm_head", (c.vocab_size, h), false)?
+        };
+        let freqs = inv_freq(c.head_dim, c.rope_theta, &c.rope_scaling);
+        let stages = stages
+            .into_iter()
+            .map(|(device, layers)| {
+                let rope = RopeTables::new(&freqs, opts.max_seq_len.max(1), first.dtype, &device)?;
+                // Weights were copied on this thread's stream; the stage computes on its own.
+                device.synchronize()?;
+                Ok(Stage {
+                    device,
+                    layers,
+                    rope,
+                })
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let mut model = Self {
+            config,
+            opts: ModelOptions {
+                linear: first,
+                ..opts.clone()
+            },
+            embed_tokens,
+            layers,
+            norm,
+            lm_head,
+            stages,
+        };
+        model.set_attention(opts.attention)?;
+        Ok(model)
+    }
+}
+
+/// `stages` cover `0..layers` with consecutive, non-empty ranges.
+fn check_stages(
+    stages: &[(Device, Range<usize>)],
+    layers: usize,
+) -> std::result::Result<(), LoadError> {
+    let mut next = 0;
+    for (_, range) in stages {
+        if range.start != next || range.is_empty() {
+            break;
+        }
+        next = range.end;
+    }
+    if stages.is_empty() || next != layers || stages.iter().any(|(_, r)| r.is_empty()) {
+        return Err(LoadError::config(
+            "layer split",
+            format!(
+                "stages {:?} do not cover the {layers} decoder layers in order, each with at \
+                 least one",
+                stages.iter().map(|(_, r)| r.clone()).collect::<Vec<_>>()
+            ),
+        ));
+    }
+    Ok(())
+}
+
+impl DecoderLayer {
+    /// Decoder layer `i` of the checkpoint, on the device of `loader`'s options.
+    fn load(
+        ckpt: &Checkpoint,
+        loader: &LinearLoader<'_>,
+        c: &ModelConfig,
+        i: usize,
+    ) -> std::result::Result<Self, LoadError> {
+        let lin = loader.opts;
+        let (h, kv_dim, q_dim) = (
+            c.hidden_size,
+            c.num_kv_heads * c.head_dim,
+            c.num_heads * c.head_dim,
+        );
         let o_bias = c.attention_bias
             && matches!(c.architecture, Architecture::Llama | Architecture::Mistral);
-        let mut layers = Vec::with_capacity(c.num_layers);
-        for i in 0..c.num_layers {
+        {
             let p = format!("model.layers.{i}");
             let head_norm = |which: &str| -> std::result::Result<Option<RmsNorm>, LoadError> {
                 c.qk_norm
@@ -273,7 +397,7 @@ impl Model {
                     .transpose()
                     .map(|n| n.map(|n| n.with_eps(c.rms_norm_eps)))
             };
-            layers.push(DecoderLayer {
+            Ok(DecoderLayer {
                 input_layernorm: RmsNorm::load(ckpt, &format!("{p}.input_layernorm"), h, lin)?
                     .with_eps(c.rms_norm_eps),
                 self_attn: Attention {
@@ -324,40 +448,20 @@ impl Model {
                         c.mlp_bias,
                     )?,
                 },
-            });
+            })
         }
-        let norm = RmsNorm::load(ckpt, "model.norm", h, lin)?.with_eps(c.rms_norm_eps);
-        let lm_head = if c.tie_word_embeddings && !ckpt.contains("lm_head.weight") {
-            // The tied head keeps the stored dtype, as an untied dense head does.
-            let weight = if stored_embed.dtype() == lin.dtype {
-                embed_tokens.clone()
-            } else {
-                stored_embed.to_device(&lin.device)?
-            };
-            QuantLinear::new(Box::new(DenseWeight::from_tensor(weight)), None)
-        } else {
-            loader.load("lm_head", (c.vocab_size, h), false)?
-        };
-        let freqs = inv_freq(c.head_dim, c.rope_theta, &c.rope_scaling);
-        let rope = RopeTables::new(&freqs, opts.max_seq_len.max(1), lin.dtype, &lin.device)?;
-        let mut model = Self {
-            config,
-            opts: opts.clone(),
-            embed_tokens,
-            layers,
-            norm,
-            lm_head,
-            rope,
-        };
-        model.set_attention(opts.attention)?;
-        Ok(model)
     }
+}
 
+impl Model {
     /// Switches the attention kernel; `Flash` is refused where the kernel does not exist and
     /// `Auto` resolves to the fastest one that does.
     pub fn set_attention(&mut self, kernel: AttentionKernel) -> std::result::Result<(), LoadError> {
         let lin = &self.opts.linear;
-        let flash = flash_attention_available(&lin.device, self.config.head_dim, lin.dtype);
+        let flash = self
+            .stages
+            .iter()
+            .all(|stage| flash_attention_available(&stage.device, self.config.head_dim, lin.dtype));
         let kernel = match kernel {
             AttentionKernel::Auto if flash => AttentionKernel::Flash,
             AttentionKernel::Auto => AttentionKernel::Materialized,
@@ -407,15 +511,42 @@ impl Model {
         out
     }
 
-    /// Final-norm hidden states `[sum of lengths, hidden]` of the sequences, concatenated.
+    /// Pipeline stages: each holds a run of decoder layers on its own device.
+    pub fn stage_count(&self) -> usize {
+        self.stages.len()
+    }
+
+    /// The device of stage `k`.
+    pub fn stage_device(&self, k: usize) -> &Device {
+        &self.stages[k].device
+    }
+
+    /// The decoder layers of stage `k`.
+    pub fn stage_layers(&self, k: usize) -> Range<usize> {
+        self.stages[k].layers.clone()
+    }
+
+    /// Final-norm hidden states `[sum of lengths, hidden]` of the sequences, concatenated: every
+    /// stage in turn on this thread, the hidden state carried from one device to the next.
     pub fn hidden_states(&self, sequences: &[&[u32]]) -> Result<Tensor> {
         let lens: Vec<usize> = sequences.iter().map(|s| s.len()).collect();
-        let longest = lens.iter().copied().max().unwrap_or(0);
-        if longest > self.rope.max_len() {
-            candle_core::bail!(
-                "sequence of {longest} tokens exceeds max_seq_len {}",
-                self.rope.max_len()
-            );
+        let mut x = self.embed(sequences)?;
+        for k in 0..self.stages.len() {
+            if k > 0 {
+                x = crate::device::transfer(&x, &self.stages[k].device)?;
+            }
+            x = self.forward_stage(k, x, &lens)?;
+        }
+        self.final_norm(&x)
+    }
+
+    /// The embedded tokens `[sum of lengths, hidden]` on the first stage's device, after
+    /// checking every sequence against the model's limits.
+    pub fn embed(&self, sequences: &[&[u32]]) -> Result<Tensor> {
+        let longest = sequences.iter().map(|s| s.len()).max().unwrap_or(0);
+        let max_len = self.stages[0].rope.max_len();
+        if longest > max_len {
+            candle_core::bail!("sequence of {longest} tokens exceeds max_seq_len {max_len}");
         }
         let ids: Vec<u32> = sequences.iter().flat_map(|s| s.iter().copied()).collect();
         if let Some(bad) = ids.iter().find(|&&t| t as usize >= self.config.vocab_size) {
@@ -424,19 +555,40 @@ impl Model {
                 self.config.vocab_size
             );
         }
-        let device = &self.opts.linear.device;
+        let device = &self.stages[0].device;
+        crate::device::bind(device)?;
+        let ids = Tensor::new(ids.as_slice(), device)?;
+        stage("embed", device, || embed(&self.embed_tokens, &ids))
+    }
+
+    /// Stage `k`'s decoder layers over the residual stream `x` (on that stage's device) of
+    /// sequences of lengths `lens`, concatenated.
+    pub fn forward_stage(&self, k: usize, mut x: Tensor, lens: &[usize]) -> Result<Tensor> {
+        let Stage {
+            device,
+            layers,
+            rope,
+        } = &self.stages[k];
+        crate::device::bind(device)?;
         // `set_attention` never leaves `Auto` in the options.
         let flash = match self.opts.attention {
-            AttentionKernel::Flash => Some(FlashIndex::new(&lens, self.config.head_dim, device)?),
+            AttentionKernel::Flash => Some(FlashIndex::new(lens, self.config.head_dim, device)?),
             AttentionKernel::Materialized | AttentionKernel::Auto => None,
         };
-        let batch = BatchLayout { lens, flash };
-        let ids = Tensor::new(ids.as_slice(), device)?;
-        let mut x = stage("embed", device, || embed(&self.embed_tokens, &ids))?;
-        for layer in &self.layers {
-            x = layer.forward(x, &batch, &self.rope)?;
+        let batch = BatchLayout {
+            lens: lens.to_vec(),
+            flash,
+        };
+        for layer in &self.layers[layers.clone()] {
+            x = layer.forward(x, &batch, rope)?;
         }
-        stage("norm", device, || self.norm.forward(&x, None))
+        Ok(x)
+    }
+
+    /// The final norm of the last stage's output (on the last stage's device).
+    pub fn final_norm(&self, x: &Tensor) -> Result<Tensor> {
+        crate::device::bind(x.device())?;
+        stage("norm", x.device(), || self.norm.forward(x, None))
     }
 
     /// Logits `[rows, vocab]` (compute dtype) of final-norm hidden states `[rows, hidden]`.
@@ -448,6 +600,15 @@ impl Model {
     pub fn score(&self, batch: &[ScoreInput<'_>]) -> Result<Vec<SequenceScores>> {
         let sequences: Vec<&[u32]> = batch.iter().map(|b| b.tokens).collect();
         let hidden = self.hidden_states(&sequences)?;
+        self.score_hidden(&hidden, batch)
+    }
+
+    /// Scores a batch from its final-norm hidden states (on the last stage's device).
+    pub fn score_hidden(
+        &self,
+        hidden: &Tensor,
+        batch: &[ScoreInput<'_>],
+    ) -> Result<Vec<SequenceScores>> {
         let mut offset = 0;
         let mut out = Vec::with_capacity(batch.len());
         for input in batch {
@@ -511,7 +672,7 @@ fn layer_inputs<const N: usize>(
 /// Rows of the MLP input processed at once. The `[rows, intermediate]` activations (gate, up
 /// and their product) are the largest tensors of a forward pass (3.5 residual streams each for
 /// Llama-3-8B); chunks bound them, while each weight is still dequantized once per forward.
-const MLP_CHUNK: usize = 2048;
+pub(crate) const MLP_CHUNK: usize = 2048;
 
 impl Mlp {
     /// `residual` plus the MLP of `x`. `prequantized`: `x` has been through gate/up's common

@@ -30,6 +30,7 @@ pub fn info(max_queued: usize) -> ModelInfo {
         bits_per_weight: 4.25,
         dtype: "f32".into(),
         devices: vec!["cpu".into()],
+        placement: Vec::new(),
         limits: Limits {
             max_input_tokens: MAX_INPUT,
             max_batch_tokens: 256,

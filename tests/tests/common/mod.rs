@@ -44,24 +44,22 @@ pub fn load_model(variant: &str) -> exactscore_server::model::Model {
 pub struct Running {
     pub base: String,
     pub stop: oneshot::Sender<()>,
-    pub done: tokio::task::JoinHandle<std::io::Result<()>>,
+    pub done: tokio::task::JoinHandle<std::io::Result<exactscore_server::app::Shutdown>>,
 }
 
 /// The real server, loaded from a fixture (f32, CPU), serving on 127.0.0.1:0.
 pub async fn start(variant: &str, extra_args: &[&str]) -> Running {
-    let model = fixture(variant);
+    let mut args = vec!["--max-input-tokens", "512", "--max-batch-tokens", "2048"];
+    args.extend_from_slice(extra_args);
+    start_dir(&fixture(variant), &args).await
+}
+
+/// The real server on the checkpoint in `model` with `args`, serving on 127.0.0.1:0.
+pub async fn start_dir(model: &Path, args: &[&str]) -> Running {
     let args = Args::try_parse_from(
-        [
-            "exactscore-server",
-            "--model",
-            model.to_str().unwrap(),
-            "--max-input-tokens",
-            "512",
-            "--max-batch-tokens",
-            "2048",
-        ]
-        .into_iter()
-        .chain(extra_args.iter().copied()),
+        ["exactscore-server", "--model", model.to_str().unwrap()]
+            .into_iter()
+            .chain(args.iter().copied()),
     )
     .unwrap();
     let config = Config::from_args(args).unwrap();

@@ -1,0 +1,206 @@
+//! What a failed batch means, decided in one place: the device ran out of memory (retry the
+//! batch in halves), the device is lost (a sticky CUDA error poisons the context for good: the
+//! server must go not-ready and exit for its orchestrator to restart it), or the batch failed
+//! on its own (answer the error, keep serving).
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+
+use super::{Engine, EngineError, IdleHook};
+use crate::model::{ScoreInput, SequenceKld, SequenceScores};
+
+/// Driver errors after which the CUDA context accepts no more work: every later call fails
+/// the same way, so the process must be restarted.
+const STICKY: [&str; 10] = [
+    "CUDA_ERROR_LAUNCH_FAILED",
+    "CUDA_ERROR_ILLEGAL_ADDRESS",
+    "CUDA_ERROR_ILLEGAL_INSTRUCTION",
+    "CUDA_ERROR_MISALIGNED_ADDRESS",
+    "CUDA_ERROR_INVALID_ADDRESS_SPACE",
+    "CUDA_ERROR_INVALID_PC",
+    "CUDA_ERROR_HARDWARE_STACK_ERROR",
+    "CUDA_ERROR_ECC_UNCORRECTABLE",
+    "CUDA_ERROR_CONTEXT_IS_DESTROYED",
+    "CUDA_ERROR_LAUNCH_TIMEOUT",
+];
+
+/// Out-of-memory as the CUDA driver, cuBLAS and candle's allocator report it.
+const OUT_OF_MEMORY: [&str; 3] = [
+    "CUDA_ERROR_OUT_OF_MEMORY",
+    "CUBLAS_STATUS_ALLOC_FAILED",
+    "out of memory",
+];
+
+/// The [`EngineError`] of a model error, by what the error says happened on the device.
+pub fn classify(error: &candle_core::Error) -> EngineError {
+    let message = error.to_string();
+    if STICKY.iter().any(|s| message.contains(s)) {
+        EngineError::DeviceLost(message)
+    } else if OUT_OF_MEMORY.iter().any(|s| message.contains(s)) {
+        EngineError::OutOfMemory(message)
+    } else {
+        EngineError::Compute(message)
+    }
+}
+
+/// Runs `compute` over `items`; when it fails with out-of-memory, runs each half of `items`
+/// the same way, recursively, and joins the halves' results in order. A single item that does
+/// not fit fails with the out-of-memory error. Each retry is counted in
+/// `exactscore_oom_retries_total`. Results must be per item, so that halves join exactly (the
+/// model is batch-invariant: a sequence's numbers do not depend on what shares its batch).
+pub fn with_halving<I, T>(
+    items: &[I],
+    compute: &mut impl FnMut(&[I]) -> Result<Vec<T>, EngineError>,
+) -> Result<Vec<T>, EngineError> {
+    match compute(items) {
+        Err(EngineError::OutOfMemory(cause)) if items.len() > 1 => {
+            metrics::counter!("exactscore_oom_retries_total").increment(1);
+            tracing::warn!(
+                sequences = items.len(),
+                %cause,
+                "out of device memory; retrying the batch as two halves"
+            );
+            let (first, second) = items.split_at(items.len() / 2);
+            let mut out = with_halving(first, compute)?;
+            out.extend(with_halving(second, compute)?);
+            Ok(out)
+        }
+        other => other,
+    }
+}
+
+/// A fault injected into the real engine (the hidden `--inject-fault` flag), so that process
+/// tests can drive the failure paths of the real binary without a failing device.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum InjectedFault {
+    /// Every batch after the first `n` fails with a sticky device error.
+    DeviceLostAfter(usize),
+    /// Any batch of more than this many tokens runs out of memory.
+    OutOfMemoryAbove(usize),
+}
+
+impl std::str::FromStr for InjectedFault {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        let (kind, n) = s
+            .split_once(':')
+            .ok_or("expected `device-lost-after:N` or `out-of-memory-above:N`")?;
+        let n: usize = n.parse().map_err(|_| format!("`{n}` is not a count"))?;
+        match kind {
+            "device-lost-after" => Ok(Self::DeviceLostAfter(n)),
+            "out-of-memory-above" => Ok(Self::OutOfMemoryAbove(n)),
+            other => Err(format!("unknown fault `{other}`")),
+        }
+    }
+}
+
+/// An engine with an [`InjectedFault`].
+pub struct FaultInjecting {
+    inner: Arc<dyn Engine>,
+    fault: InjectedFault,
+    batches: AtomicUsize,
+}
+
+impl FaultInjecting {
+    pub fn new(inner: Arc<dyn Engine>, fault: InjectedFault) -> Self {
+        Self {
+            inner,
+            fault,
+            batches: AtomicUsize::new(0),
+        }
+    }
+
+    fn check(&self, tokens: usize) -> Result<(), EngineError> {
+        let batch = self.batches.fetch_add(1, Ordering::SeqCst);
+        match self.fault {
+            InjectedFault::DeviceLostAfter(n) if batch >= n => Err(EngineError::DeviceLost(
+                "injected: CUDA_ERROR_LAUNCH_FAILED".into(),
+            )),
+            InjectedFault::OutOfMemoryAbove(limit) if tokens > limit => Err(
+                EngineError::OutOfMemory(format!("injected: {tokens} tokens > {limit}")),
+            ),
+            _ => Ok(()),
+        }
+    }
+}
+
+impl Engine for FaultInjecting {
+    fn score(&self, batch: &[ScoreInput<'_>]) -> Result<Vec<SequenceScores>, EngineError> {
+        self.check(batch.iter().map(|b| b.tokens.len()).sum())?;
+        self.inner.score(batch)
+    }
+
+    fn kld(&self, sequences: &[&[u32]]) -> Result<Vec<SequenceKld>, EngineError> {
+        self.check(sequences.iter().map(|s| s.len()).sum())?;
+        self.inner.kld(sequences)
+    }
+
+    fn concurrency(&self) -> usize {
+        self.inner.concurrency()
+    }
+
+    fn first_stage_free(&self) -> bool {
+        self.inner.first_stage_free()
+    }
+
+    fn on_first_stage_free(&self, hook: IdleHook) {
+        self.inner.on_first_stage_free(hook)
+    }
+
+    fn abandon(&self) {
+        self.inner.abandon()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn error(message: &str) -> candle_core::Error {
+        candle_core::Error::Msg(message.into())
+    }
+
+    #[test]
+    fn driver_errors_are_classified_by_their_code() {
+        let lost = "DriverError(CUDA_ERROR_LAUNCH_FAILED, \"unspecified launch failure\")";
+        assert!(matches!(classify(&error(lost)), EngineError::DeviceLost(_)));
+        let oom = "DriverError(CUDA_ERROR_OUT_OF_MEMORY, \"out of memory\")";
+        assert!(matches!(classify(&error(oom)), EngineError::OutOfMemory(_)));
+        let other = "shape mismatch in matmul";
+        assert!(matches!(classify(&error(other)), EngineError::Compute(_)));
+    }
+
+    /// A computation that runs out of memory above 3 items succeeds in halves, in order.
+    #[test]
+    fn halving_retries_until_the_pieces_fit() {
+        let items: Vec<u32> = (0..10).collect();
+        let mut calls = Vec::new();
+        let mut compute = |part: &[u32]| {
+            calls.push(part.len());
+            if part.len() > 3 {
+                Err(EngineError::OutOfMemory("too big".into()))
+            } else {
+                Ok(part.iter().map(|i| i * 10).collect())
+            }
+        };
+        let out = with_halving(&items, &mut compute).unwrap();
+        assert_eq!(out, (0..10).map(|i| i * 10).collect::<Vec<_>>());
+        assert_eq!(calls, [10, 5, 2, 3, 5, 2, 3]);
+        // One item that never fits fails with the out-of-memory error.
+        let mut never =
+            |_: &[u32]| -> Result<Vec<u32>, _> { Err(EngineError::OutOfMemory("never".into())) };
+        assert!(matches!(
+            with_halving(&items, &mut never),
+            Err(EngineError::OutOfMemory(_))
+        ));
+        // Other errors are not retried.
+        let mut calls = 0;
+        let mut broken = |_: &[u32]| -> Result<Vec<u32>, _> {
+            calls += 1;
+            Err(EngineError::Compute("broken".into()))
+        };
+        assert!(with_halving(&items, &mut broken).is_err());
+        assert_eq!(calls, 1);
+    }
+}

@@ -1,0 +1,381 @@
+//! The model engine of one replica: the served model (and the reference model of `/kld`) as
+//! chains of pipeline stages, each stage a thread ([`StageThread`]) on its own device. A batch
+//! is cut into micro-batches of whole sequences; each micro-batch goes down the chain, handed
+//! from stage to stage as a hidden state, and the last stage scores it. Every kernel sees the
+//! inputs it sees on one device, so the numbers are those of the unsplit model, bit for bit.
+
+use std::ops::Range;
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::mpsc::{self, Receiver, SyncSender};
+use std::sync::{Arc, Mutex};
+
+use candle_core::Tensor;
+
+use super::fault::classify;
+use super::stage_thread::{IdleHook, StageThread};
+use super::{Engine, EngineError};
+use crate::model::kld::kld_logits;
+use crate::model::{Model, ScoreInput, SequenceKld, SequenceScores, LM_HEAD_CHUNK};
+
+/// A model and one thread per stage.
+struct Chain {
+    model: Arc<Model>,
+    stages: Vec<StageThread>,
+}
+
+/// The sequences of one micro-batch, owned so that stage threads can hold them.
+struct MicroBatch {
+    sequences: Vec<Vec<u32>>,
+    top_k: Vec<usize>,
+}
+
+impl MicroBatch {
+    fn tokens(&self) -> Vec<&[u32]> {
+        self.sequences.iter().map(Vec::as_slice).collect()
+    }
+
+    fn lens(&self) -> Vec<usize> {
+        self.sequences.iter().map(Vec::len).collect()
+    }
+}
+
+type Hidden = Result<Tensor, EngineError>;
+
+impl Chain {
+    fn new(model: Arc<Model>, name: &str) -> std::io::Result<Self> {
+        let stages = (0..model.stage_count())
+            .map(|k| StageThread::spawn(format!("exactscore-{name}-stage-{k}")))
+            .collect::<std::io::Result<_>>()?;
+        Ok(Self { model, stages })
+    }
+
+    /// Queues `batch` down the chain; `finish` runs on the last stage's thread with the
+    /// final-norm hidden state (or the first failure on the way).
+    fn submit(
+        &self,
+        batch: Arc<MicroBatch>,
+        abandoned: &Arc<AtomicBool>,
+        finish: impl FnOnce(Hidden) + Send + 'static,
+    ) {
+        let last = self.stages.len() - 1;
+        let mut finish = Some(finish);
+        let mut input: Option<Receiver<Hidden>> = None;
+        for (k, stage) in self.stages.iter().enumerate() {
+            let (model, batch, abandoned) = (self.model.clone(), batch.clone(), abandoned.clone());
+            let from_previous = input.take();
+            let (to_next, next) = mpsc::sync_channel::<Hidden>(1);
+            let finish = if k == last { finish.take() } else { None };
+            stage.submit(Box::new(move || {
+                let x = guarded(|| {
+                    if abandoned.load(Ordering::SeqCst) {
+                        return Err(EngineError::Abandoned);
+                    }
+                    let x = match from_previous {
+                        None => model.embed(&batch.tokens()).map_err(|e| classify(&e))?,
+                        Some(rx) => rx.recv().unwrap_or_else(|_| {
+                            Err(EngineError::Compute("the previous stage stopped".into()))
+                        })?,
+                    };
+                    let x = model
+                        .forward_stage(k, x, &batch.lens())
+                        .map_err(|e| classify(&e))?;
+                    if k == last {
+                        model.final_norm(&x)
+                    } else {
+                        crate::device::transfer(&x, model.stage_device(k + 1))
+                    }
+                    .map_err(|e| classify(&e))
+                });
+                match finish {
+                    Some(finish) => finish(x),
+                    None => {
+                        let _ = to_next.send(x);
+                    }
+                }
+            }));
+            input = Some(next);
+        }
+    }
+
+    fn first_stage(&self) -> &StageThread {
+        &self.stages[0]
+    }
+}
+
+/// Runs `f`, turning a panic into a compute error (the stage thread keeps serving).
+fn guarded<T>(f: impl FnOnce() -> Result<T, EngineError>) -> Result<T, EngineError> {
+    catch_unwind(AssertUnwindSafe(f)).unwrap_or_else(|panic| {
+        let message = panic
+            .downcast_ref::<String>()
+            .cloned()
+            .or_else(|| panic.downcast_ref::<&str>().map(|s| s.to_string()))
+            .unwrap_or_else(|| "panic".into());
+        Err(EngineError::Compute(message))
+    })
+}
+
+/// How a batch is cut into micro-batches.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum MicroBatching {
+    /// This many sequences per micro-batch.
+    Sequences(usize),
+    /// As many micro-batches as the served model has distinct GPUs (one on a single device,
+    /// where cutting costs GEMM efficiency and overlaps nothing).
+    PerDevice,
+}
+
+/// The served model and, for `/kld`, the reference model of one replica.
+pub struct ModelEngine {
+    served: Chain,
+    reference: Option<Chain>,
+    micro_batching: MicroBatching,
+    /// Distinct physical devices of the served model (for [`MicroBatching::PerDevice`]).
+    devices: usize,
+    /// Held while a batch's jobs are handed to the stages: every stage thread then sees the
+    /// micro-batches of concurrent batches in one order, so a stage never waits for a
+    /// micro-batch that an earlier stage has queued behind one it waits for in turn.
+    ordering: Mutex<()>,
+    abandoned: Arc<AtomicBool>,
+}
+
+impl ModelEngine {
+    pub fn new(
+        model: Model,
+        reference: Option<Model>,
+        micro_batching: MicroBatching,
+    ) -> std::io::Result<Self> {
+        let devices = distinct_devices(&model);
+        Ok(Self {
+            served: Chain::new(Arc::new(model), "model")?,
+            reference: reference
+                .map(|r| Chain::new(Arc::new(r), "reference"))
+                .transpose()?,
+            micro_batching,
+            devices,
+            ordering: Mutex::new(()),
+            abandoned: Arc::new(AtomicBool::new(false)),
+        })
+    }
+
+    pub fn model(&self) -> &Model {
+        &self.served.model
+    }
+
+    pub fn reference(&self) -> Option<&Model> {
+        self.reference.as_ref().map(|r| &*r.model)
+    }
+
+    fn micro_batches(&self, sequences: usize) -> Vec<Range<usize>> {
+        let size = match self.micro_batching {
+            MicroBatching::Sequences(n) => n.max(1),
+            MicroBatching::PerDevice => sequences.div_ceil(self.devices.max(1)).max(1),
+        };
+        (0..sequences)
+            .step_by(size)
+            .map(|start| start..(start + size).min(sequences))
+            .collect()
+    }
+
+    /// Cuts `sequences` into micro-batches, hands each to `submit` (in one order for every
+    /// stage) and gathers the per-sequence results in input order.
+    fn run<T: Send + 'static>(
+        &self,
+        sequences: &[&[u32]],
+        top_k: &[usize],
+        submit: impl Fn(Arc<MicroBatch>, SyncSender<Result<Vec<T>, EngineError>>),
+    ) -> Result<Vec<T>, EngineError> {
+        let parts = self.micro_batches(sequences.len());
+        let receivers: Vec<_> = {
+            let _order = self.ordering.lock().unwrap_or_else(|p| p.into_inner());
+            parts
+                .iter()
+                .map(|range| {
+                    let batch = Arc::new(MicroBatch {
+                        sequences: sequences[range.clone()]
+                            .iter()
+                            .map(|s| s.to_vec())
+                            .collect(),
+                        top_k: top_k[range.clone()].to_vec(),
+                    });
+                    let (done, rx) = mpsc::sync_channel(1);
+                    submit(batch, done);
+                    rx
+                })
+                .collect()
+        };
+        let mut out = Vec::with_capacity(sequences.len());
+        let mut failure = None;
+        for rx in receivers {
+            match rx.recv() {
+                Ok(Ok(part)) => out.extend(part),
+                Ok(Err(e)) => {
+                    failure.get_or_insert(e);
+                }
+                Err(_) => {
+                    failure.get_or_insert(EngineError::Compute("a pipeline stage stopped".into()));
+                }
+            }
+        }
+        match failure {
+            Some(e) => Err(e),
+            None => Ok(out),
+        }
+    }
+}
+
+/// GPUs (or the CPU) that the model's stages run on, each counted once.
+fn distinct_devices(model: &Model) -> usize {
+    let mut seen: Vec<candle_core::DeviceLocation> = Vec::new();
+    for k in 0..model.stage_count() {
+        let location = model.stage_device(k).location();
+        if !seen.contains(&location) {
+            seen.push(location);
+        }
+    }
+    seen.len()
+}
+
+impl Engine for ModelEngine {
+    fn score(&self, batch: &[ScoreInput<'_>]) -> Result<Vec<SequenceScores>, EngineError> {
+        let sequences: Vec<&[u32]> = batch.iter().map(|b| b.tokens).collect();
+        let top_k: Vec<usize> = batch.iter().map(|b| b.top_k).collect();
+        self.run(&sequences, &top_k, |part, done| {
+            let model = self.served.model.clone();
+            self.served
+                .submit(part.clone(), &self.abandoned, move |hidden| {
+                    let scores = hidden.and_then(|h| {
+                        guarded(|| {
+                            let tokens = part.tokens();
+                            let inputs: Vec<ScoreInput<'_>> = tokens
+                                .iter()
+                                .zip(&part.top_k)
+                                .map(|(&tokens, &top_k)| ScoreInput { tokens, top_k })
+                                .collect();
+                            model.score_hidden(&h, &inputs).map_err(|e| classify(&e))
+                        })
+                    });
+                    let _ = done.send(scores);
+                });
+        })
+    }
+
+    /// Both chains run the micro-batch; the reference's last stage computes its logits one
+    /// row chunk at a time and hands each, copied to the served model's last device, to the
+    /// served model's last stage, which computes its own and the divergence.
+    fn kld(&self, sequences: &[&[u32]]) -> Result<Vec<SequenceKld>, EngineError> {
+        let reference = self.reference.as_ref().ok_or(EngineError::NoReference)?;
+        let top_k = vec![0; sequences.len()];
+        self.run(sequences, &top_k, |part, done| {
+            let (chunks_tx, chunks_rx) = mpsc::sync_channel::<Hidden>(1);
+            let served = self.served.model.clone();
+            let target = served.stage_device(served.stage_count() - 1).clone();
+            let reference_model = reference.model.clone();
+            let rows = part.clone();
+            reference.submit(part.clone(), &self.abandoned, move |hidden| {
+                let h = match hidden {
+                    Ok(h) => h,
+                    Err(e) => {
+                        let _ = chunks_tx.send(Err(e));
+                        return;
+                    }
+                };
+                for (offset, len) in logit_chunks(&rows) {
+                    let logits = guarded(|| {
+                        let logits = reference_model
+                            .logits(&h.narrow(0, offset, len).map_err(|e| classify(&e))?)
+                            .map_err(|e| classify(&e))?;
+                        crate::device::transfer(&logits, &target).map_err(|e| classify(&e))
+                    });
+                    let failed = logits.is_err();
+                    // The served side hung up (it failed): stop.
+                    if chunks_tx.send(logits).is_err() || failed {
+                        return;
+                    }
+                }
+            });
+            self.served
+                .submit(part.clone(), &self.abandoned, move |hidden| {
+                    let result = hidden.and_then(|h| {
+                        let mut out: Vec<SequenceKld> = part
+                            .sequences
+                            .iter()
+                            .map(|_| SequenceKld::default())
+                            .collect();
+                        let mut chunks = logit_chunks(&part).into_iter();
+                        for (i, tokens) in part.sequences.iter().enumerate() {
+                            let rows = tokens.len().saturating_sub(1);
+                            for start in (0..rows).step_by(LM_HEAD_CHUNK) {
+                                let (offset, len) = chunks.next().ok_or_else(|| {
+                                    EngineError::Compute("reference chunks out of step".into())
+                                })?;
+                                let reference_logits = chunks_rx.recv().unwrap_or_else(|_| {
+                                    Err(EngineError::Compute("the reference stopped".into()))
+                                })?;
+                                let klds = guarded(|| {
+                                    let logits = served
+                                        .logits(
+                                            &h.narrow(0, offset, len).map_err(|e| classify(&e))?,
+                                        )
+                                        .map_err(|e| classify(&e))?;
+                                    let targets = &tokens[start + 1..start + 1 + len];
+                                    kld_logits(&reference_logits, &logits, targets)
+                                        .map_err(|e| classify(&e))
+                                })?;
+                                out[i].tokens.extend(klds);
+                            }
+                        }
+                        Ok(out)
+                    });
+                    let _ = done.send(result);
+                });
+        })
+    }
+
+    fn concurrency(&self) -> usize {
+        let stages = self
+            .served
+            .stages
+            .len()
+            .max(self.reference.as_ref().map_or(0, |r| r.stages.len()));
+        if stages > 1 {
+            2
+        } else {
+            1
+        }
+    }
+
+    fn first_stage_free(&self) -> bool {
+        self.served.first_stage().is_idle()
+            && self
+                .reference
+                .as_ref()
+                .is_none_or(|r| r.first_stage().is_idle())
+    }
+
+    fn on_first_stage_free(&self, hook: IdleHook) {
+        self.served.first_stage().set_on_idle(hook.clone());
+        if let Some(r) = &self.reference {
+            r.first_stage().set_on_idle(hook);
+        }
+    }
+
+    fn abandon(&self) {
+        self.abandoned.store(true, Ordering::SeqCst);
+    }
+}
+
+/// (row offset in the micro-batch's hidden state, rows) of every logit chunk of a divergence:
+/// each sequence's positions that have a next token, `LM_HEAD_CHUNK` rows at a time.
+fn logit_chunks(batch: &MicroBatch) -> Vec<(usize, usize)> {
+    let mut chunks = Vec::new();
+    let mut offset = 0;
+    for tokens in &batch.sequences {
+        let rows = tokens.len().saturating_sub(1);
+        for start in (0..rows).step_by(LM_HEAD_CHUNK) {
+            chunks.push((offset + start, LM_HEAD_CHUNK.min(rows - start)));
+        }
+        offset += tokens.len();
+    }
+    chunks
+}
