@@ -141,7 +141,7 @@ pub fn speed(
     let shape =
         random_model::Shape::named(shape).with_context(|| format!("unknown shape {shape}"))?;
     let build = |format: &str| -> Result<Model> {
-        let (config, ckpt) = random_model::build(&shape, format)?;
+        let (config, ckpt) = random_model::build(&shape, format, None)?;
         let opts = options(
             device,
             dtype,

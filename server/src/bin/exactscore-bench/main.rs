@@ -32,6 +32,7 @@ mod attention_check;
 #[cfg(feature = "cuda")]
 mod jit_report;
 mod kld_bench;
+mod pipeline_bench;
 mod random_model;
 
 #[derive(Parser)]
@@ -116,6 +117,46 @@ enum Command {
         #[arg(long, default_value_t = 0.0)]
         min_ratio: f64,
     },
+    /// One model across devices through the server's engine: each layout's logprobs bitwise
+    /// equal to the first layout's, and its throughput; optionally `/kld` against a reference
+    /// model in a layout of its own.
+    Pipeline {
+        #[arg(long, default_value = "llama3-8b")]
+        shape: String,
+        #[arg(long, value_delimiter = ',', default_value = "w4a16")]
+        formats: Vec<String>,
+        /// Device lists separated by `;` (the first is the baseline), e.g.
+        /// `cuda:0;cuda:0,cuda:0;cuda:0,cuda:1`.
+        #[arg(long, default_value = "cuda:0;cuda:0,cuda:0")]
+        layouts: String,
+        /// 2048-token windows per batch.
+        #[arg(long, default_value_t = 8)]
+        windows: usize,
+        #[arg(long, default_value_t = 2048)]
+        ctx: usize,
+        /// Batches per worker thread.
+        #[arg(long, default_value_t = 3)]
+        iters: usize,
+        #[arg(long, default_value = "bf16")]
+        dtype: String,
+        /// Draw only this many decoder layers and repeat them (fast builds of large shapes).
+        #[arg(long)]
+        distinct_layers: Option<usize>,
+        /// Fail when a layout's throughput is below this fraction of the first's.
+        #[arg(long, default_value_t = 0.0)]
+        min_ratio: f64,
+        /// Shape of a reference model for `/kld` (time `/kld` of the first format and layout).
+        #[arg(long)]
+        reference_shape: Option<String>,
+        #[arg(long, default_value = "bf16")]
+        reference_format: String,
+        /// Devices of the reference model.
+        #[arg(long, default_value = "cuda:0")]
+        reference_layout: String,
+        /// Layers per stage of the reference model (default: balanced).
+        #[arg(long, value_delimiter = ',')]
+        reference_split: Option<Vec<usize>>,
+    },
     /// Writes a random-weight checkpoint of a real shape to disk (config.json, model.safetensors
     /// and the tokenizer files copied from `--tokenizer`).
     WriteCheckpoint {
@@ -129,6 +170,9 @@ enum Command {
         /// Directory holding tokenizer.json (and optionally tokenizer_config.json).
         #[arg(long)]
         tokenizer: PathBuf,
+        /// Draw only this many decoder layers and repeat them (fast writes of large shapes).
+        #[arg(long)]
+        distinct_layers: Option<usize>,
     },
 }
 
@@ -187,20 +231,58 @@ fn main() -> Result<()> {
             &parse_device(&device)?,
             min_ratio,
         ),
+        Command::Pipeline {
+            shape,
+            formats,
+            layouts,
+            windows,
+            ctx,
+            iters,
+            dtype,
+            distinct_layers,
+            min_ratio,
+            reference_shape,
+            reference_format,
+            reference_layout,
+            reference_split,
+        } => pipeline_bench::run(&pipeline_bench::PipelineRun {
+            shape,
+            formats,
+            layouts: layouts.split(';').map(str::to_string).collect(),
+            windows,
+            ctx,
+            iters,
+            dtype: parse_dtype(&dtype)?,
+            distinct_layers,
+            min_ratio,
+            reference: reference_shape.map(|shape| pipeline_bench::ReferenceRun {
+                shape,
+                format: reference_format,
+                layout: reference_layout,
+                split: reference_split,
+            }),
+        }),
         Command::WriteCheckpoint {
             shape,
             format,
             out,
             tokenizer,
-        } => write_checkpoint(&shape, &format, &out, &tokenizer),
+            distinct_layers,
+        } => write_checkpoint(&shape, &format, distinct_layers, &out, &tokenizer),
     }
 }
 
-fn write_checkpoint(shape: &str, format: &str, out: &Path, tokenizer: &Path) -> Result<()> {
+fn write_checkpoint(
+    shape: &str,
+    format: &str,
+    distinct_layers: Option<usize>,
+    out: &Path,
+    tokenizer: &Path,
+) -> Result<()> {
     let shape =
         random_model::Shape::named(shape).with_context(|| format!("unknown shape {shape}"))?;
     let t = Instant::now();
-    random_model::write(&shape, format, out)?;
+    random_model::write(&shape, format, distinct_layers, out)?;
     let copy = |file: &str| {
         let src = tokenizer.join(file);
         std::fs::copy(&src, out.join(file)).with_context(|| format!("copying {}", src.display()))
@@ -536,7 +618,7 @@ fn speed(
         #[cfg(feature = "cuda")]
         exactscore_server::cuda::release_freed_memory(device)?;
         let t_load = Instant::now();
-        let (config, ckpt) = random_model::build(&shape, format)?;
+        let (config, ckpt) = random_model::build(&shape, format, None)?;
         let mut model = Model::from_checkpoint(
             config,
             &ckpt,

@@ -183,17 +183,24 @@ fn quantization_config(format: &str) -> Result<Option<serde_json::Value>> {
     })))
 }
 
-/// A random checkpoint of `shape` in `format`, with its config, in memory.
-pub fn build(shape: &Shape, format: &str) -> Result<(ModelConfig, Checkpoint)> {
-    let (config, tensors) = tensors(shape, format)?;
+/// A random checkpoint of `shape` in `format`, with its config, in memory. With `distinct`,
+/// only that many decoder layers are drawn and the others repeat them in turn (layer `l` is a
+/// copy of layer `l % distinct`): a 70B bf16 model in seconds instead of minutes, for timings
+/// and bitwise comparisons that do not need every layer different.
+pub fn build(
+    shape: &Shape,
+    format: &str,
+    distinct: Option<usize>,
+) -> Result<(ModelConfig, Checkpoint)> {
+    let (config, tensors) = tensors(shape, format, distinct)?;
     let config = ModelConfig::from_json(&config.to_string())?;
     Ok((config, Checkpoint::from_memory(tensors)))
 }
 
 /// Writes a random checkpoint of `shape` in `format` to `dir` as a Hugging Face model directory
 /// (`config.json` + `model.safetensors`), so the real server can load it.
-pub fn write(shape: &Shape, format: &str, dir: &Path) -> Result<()> {
-    let (config, tensors) = tensors(shape, format)?;
+pub fn write(shape: &Shape, format: &str, distinct: Option<usize>, dir: &Path) -> Result<()> {
+    let (config, tensors) = tensors(shape, format, distinct)?;
     std::fs::create_dir_all(dir)?;
     std::fs::write(
         dir.join("config.json"),
@@ -215,10 +222,12 @@ pub fn write(shape: &Shape, format: &str, dir: &Path) -> Result<()> {
     Ok(())
 }
 
-/// The config.json and the tensors of a random checkpoint of `shape` in `format`.
+/// The config.json and the tensors of a random checkpoint of `shape` in `format` (see
+/// [`build`] for `distinct`).
 fn tensors(
     shape: &Shape,
     format: &str,
+    distinct: Option<usize>,
 ) -> Result<(serde_json::Value, HashMap<String, HostTensor>)> {
     let quant = quantization_config(format)?;
     let config = json!({
@@ -244,8 +253,27 @@ fn tensors(
         "model.norm.weight".into(),
         constant(Dtype::F32, vec![shape.hidden], 1.0f32, f32_bytes),
     );
+    let drawn = distinct.unwrap_or(shape.layers).clamp(1, shape.layers);
     for l in 0..shape.layers {
         let p = format!("model.layers.{l}");
+        if l >= drawn {
+            let source = format!("model.layers.{}.", l % drawn);
+            let copies: Vec<(String, HostTensor)> = t
+                .iter()
+                .filter(|(name, _)| name.starts_with(&source))
+                .map(|(name, tensor)| {
+                    let suffix = &name[source.len()..];
+                    let copy = HostTensor {
+                        dtype: tensor.dtype,
+                        shape: tensor.shape.clone(),
+                        data: tensor.data.clone(),
+                    };
+                    (format!("{p}.{suffix}"), copy)
+                })
+                .collect();
+            t.extend(copies);
+            continue;
+        }
         for norm in ["input_layernorm", "post_attention_layernorm"] {
             t.insert(
                 format!("{p}.{norm}.weight"),
