@@ -4,6 +4,7 @@ pub mod checkpoint;
 pub mod config;
 pub mod kld;
 pub mod llama;
+pub mod moe;
 pub mod profile;
 pub mod rope;
 pub mod scoring;
