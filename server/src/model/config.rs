@@ -92,7 +92,7 @@ pub struct MoeConfig {
 #[derive(Debug, Clone, PartialEq)]
 pub struct SlidingLayers {
     pub sliding: Vec<bool>,
-    pub local_rope: Option<(f32, RopeScaling)>,
+    pub local_rope: Option<Rope>,
 }
 
 /// RoPE frequency schedule.
@@ -533,7 +533,7 @@ fn gemma_layer_types(
     root: &Value,
     architecture: Architecture,
     num_layers: usize,
-    local_rope: Option<(f32, RopeScaling)>,
+    local_rope: Option<Rope>,
 ) -> Result<SlidingLayers, LoadError> {
     let sliding = match root.get("layer_types") {
         Some(Value::Array(types)) => {
@@ -592,10 +592,13 @@ fn gemma_layer_types(
 /// Gemma's RoPE: one schedule for every layer (Gemma 2), or a global one and a local one for the
 /// sliding layers (Gemma 3: `rope_parameters.{full,sliding}_attention` in transformers 5;
 /// `rope_theta` + `rope_scaling` for the global and `rope_local_base_freq` in 4.x files).
+/// A RoPE base and its frequency schedule.
+type Rope = (f32, RopeScaling);
+
 fn parse_gemma_rope(
     root: &Value,
     architecture: Architecture,
-) -> Result<(f32, RopeScaling, Option<(f32, RopeScaling)>), LoadError> {
+) -> Result<(f32, RopeScaling, Option<Rope>), LoadError> {
     let params = root.get("rope_parameters").filter(|p| !p.is_null());
     if architecture == Architecture::Gemma2 {
         let theta = root.get("rope_theta").and_then(Value::as_f64);
@@ -813,5 +816,137 @@ mod tests {
         assert_eq!(c.rope_scaling, RopeScaling::Default);
         assert_eq!(c.num_kv_heads, 2);
         assert_eq!(c.sliding_window, Some(4096));
+    }
+    const GEMMA3: &str = r#"{"architectures":["Gemma3ForCausalLM"],"vocab_size":10,"hidden_size":8,
+        "intermediate_size":16,"num_hidden_layers":3,"num_attention_heads":2,"num_key_value_heads":1,
+        "head_dim":4,"sliding_window":2,"_sliding_window_pattern":6,"query_pre_attn_scalar":48,
+        "layer_types":["sliding_attention","full_attention","sliding_attention"],
+        "rope_parameters":{"full_attention":{"rope_type":"linear","factor":8.0,"rope_theta":1000000.0},
+        "sliding_attention":{"rope_type":"default","rope_theta":10000.0}}}"#;
+
+    #[test]
+    fn unsupported_architecture_lists_the_supported_ones() {
+        let err = ModelConfig::from_json(&V4.replace("LlamaForCausalLM", "DeepseekV3ForCausalLM"))
+            .unwrap_err()
+            .to_string();
+        for name in [
+            "DeepseekV3ForCausalLM",
+            "Qwen3MoeForCausalLM",
+            "Gemma2ForCausalLM",
+        ] {
+            assert!(err.contains(name), "{err}");
+        }
+    }
+
+    #[test]
+    fn gemma3_layer_types_win_over_the_stale_pattern() {
+        let c = ModelConfig::from_json(GEMMA3).unwrap();
+        let s = c.sliding_layers.as_ref().unwrap();
+        assert_eq!(s.sliding, vec![true, false, true]);
+        assert_eq!(s.local_rope, Some((10000.0, RopeScaling::Default)));
+        assert_eq!(c.rope_scaling, RopeScaling::Linear { factor: 8.0 });
+        assert_eq!(c.rope_theta, 1000000.0);
+        assert_eq!((c.layer_window(0), c.layer_window(1)), (Some(2), None));
+        assert_eq!(c.attention_scale(), 1.0 / 48f64.sqrt());
+        assert_eq!(c.hidden_act, Activation::GeluTanh);
+        assert!(c.qk_norm && c.tie_word_embeddings);
+    }
+
+    #[test]
+    fn gemma3_v4_style_without_layer_types_uses_the_pattern() {
+        let text = r#"{"architectures":["Gemma3ForConditionalGeneration"],"eos_token_id":[1,106],
+            "text_config":{"hidden_size":8,"intermediate_size":16,"num_hidden_layers":7,
+            "num_attention_heads":2,"num_key_value_heads":1,"head_dim":4,"sliding_window":1024,
+            "rope_scaling":{"factor":8.0,"rope_type":"linear"},"query_pre_attn_scalar":168}}"#;
+        let c = ModelConfig::from_json(text).unwrap();
+        assert_eq!(c.architecture, Architecture::Gemma3Multimodal);
+        let s = c.sliding_layers.unwrap();
+        assert_eq!(s.sliding, vec![true, true, true, true, true, false, true]);
+        assert_eq!(s.local_rope, Some((10000.0, RopeScaling::Default)));
+        assert_eq!(c.rope_scaling, RopeScaling::Linear { factor: 8.0 });
+        assert_eq!(c.vocab_size, 262208);
+        assert_eq!(c.eos_token_ids, vec![1, 106]);
+    }
+
+    #[test]
+    fn gemma2_softcaps_default_as_transformers_does() {
+        let text = r#"{"architectures":["Gemma2ForCausalLM"],"vocab_size":10,"hidden_size":8,
+            "intermediate_size":16,"num_hidden_layers":2,"num_attention_heads":2,"head_dim":4}"#;
+        let c = ModelConfig::from_json(text).unwrap();
+        assert_eq!(c.attn_logit_softcapping, Some(50.0));
+        assert_eq!(c.final_logit_softcapping, Some(30.0));
+        assert_eq!(c.sliding_layers.unwrap().sliding, vec![true, false]);
+        let off = text.replace(
+            "\"head_dim\":4",
+            "\"head_dim\":4,\"final_logit_softcapping\":null",
+        );
+        assert_eq!(
+            ModelConfig::from_json(&off)
+                .unwrap()
+                .final_logit_softcapping,
+            None
+        );
+    }
+
+    #[test]
+    fn math_changing_keys_are_refused_by_name() {
+        for (text, key) in [
+            (
+                V4.replace(
+                    "\"torch_dtype\"",
+                    "\"partial_rotary_factor\":0.5,\"torch_dtype\"",
+                ),
+                "partial_rotary_factor",
+            ),
+            (
+                V4.replace(
+                    "\"torch_dtype\"",
+                    "\"final_logit_softcapping\":30.0,\"torch_dtype\"",
+                ),
+                "final_logit_softcapping",
+            ),
+            (
+                GEMMA3.replace(
+                    "\"sliding_window\"",
+                    "\"attn_logit_softcapping\":50.0,\"sliding_window\"",
+                ),
+                "attn_logit_softcapping",
+            ),
+            (
+                GEMMA3.replace(
+                    "\"sliding_window\"",
+                    "\"use_bidirectional_attention\":true,\"sliding_window\"",
+                ),
+                "use_bidirectional_attention",
+            ),
+            (
+                GEMMA3.replace("\"rope_type\":\"linear\"", "\"rope_type\":\"yarn\""),
+                "yarn",
+            ),
+            (
+                GEMMA3.replace("\"full_attention\",", "\"chunked_attention\","),
+                "chunked_attention",
+            ),
+        ] {
+            let err = match ModelConfig::from_json(&text) {
+                Ok(_) => panic!("{key} accepted: {text}"),
+                Err(e) => e.to_string(),
+            };
+            assert!(err.contains(key), "{key}: {err}");
+        }
+    }
+
+    #[test]
+    fn qwen3_moe_sparse_layers() {
+        let text = r#"{"architectures":["Qwen3MoeForCausalLM"],"vocab_size":10,"hidden_size":8,
+            "intermediate_size":16,"num_hidden_layers":4,"num_attention_heads":2,"rope_theta":1e6,
+            "num_experts":8,"num_experts_per_tok":2,"moe_intermediate_size":4,"norm_topk_prob":true,
+            "decoder_sparse_step":2,"mlp_only_layers":[3]}"#;
+        let m = ModelConfig::from_json(text).unwrap().moe.unwrap();
+        assert_eq!(m.sparse_layers, vec![false, true, false, false]);
+        assert!(m.norm_topk_prob && m.weights_in_compute_dtype && !m.mixtral_names);
+        let bad = text.replace("\"num_experts_per_tok\":2", "\"num_experts_per_tok\":9");
+        let err = ModelConfig::from_json(&bad).unwrap_err().to_string();
+        assert!(err.contains("num_experts_per_tok"), "{err}");
     }
 }

@@ -28,11 +28,15 @@ pub(crate) struct Moe {
 /// The experts a token goes to, with their routing weights (f32), best first.
 pub type Route = Vec<(usize, f32)>;
 
+/// Loads the Linear `name` of `(out, in)` features in its checkpoint's format.
+pub(crate) type LinearLoad<'a> =
+    &'a dyn Fn(&str, (usize, usize)) -> std::result::Result<QuantLinear, LoadError>;
+
 impl Moe {
     /// The sparse block of decoder layer `prefix` (`model.layers.N`).
     pub(crate) fn load(
         ckpt: &Checkpoint,
-        load_linear: &dyn Fn(&str, (usize, usize)) -> std::result::Result<QuantLinear, LoadError>,
+        load_linear: LinearLoad<'_>,
         c: &ModelConfig,
         cfg: &MoeConfig,
         prefix: &str,
