@@ -188,3 +188,56 @@ fn qwen3moe_nvfp4_w4a4_mean_nll_matches_reference() {
 fn qwen3moe_fp8_dynamic_per_token_mean_nll_matches_reference() {
     assert_mean_nll("qwen3moe-fp8-dynamic");
 }
+
+/// A Gemma 3 vision-language checkpoint's text model: the gemma3-w4a16-g32 tensors renamed to
+/// the transformers 5 (`model.language_model.`) and 4.x (`language_model.model.`) layouts, its
+/// config nested as `text_config`, score exactly as the text-only checkpoint's reference.
+#[test]
+fn gemma3_conditional_generation_text_weights_match_reference() {
+    use exactscore_server::model::checkpoint::{Checkpoint, HostTensor};
+    use exactscore_server::model::ModelConfig;
+
+    let dir = fixtures().join("gemma3-w4a16-g32");
+    let bytes = std::fs::read(dir.join("model.safetensors")).unwrap();
+    let file = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    let mut text: Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("config.json")).unwrap()).unwrap();
+    let quantization = text.as_object_mut().unwrap().remove("quantization_config");
+    text.as_object_mut().unwrap().remove("architectures");
+    let config = serde_json::json!({
+        "architectures": ["Gemma3ForConditionalGeneration"],
+        "text_config": text,
+        "quantization_config": quantization,
+    })
+    .to_string();
+    let reference = reference("gemma3-w4a16-g32");
+    let seqs = sequences(&reference);
+    for prefix in ["model.language_model.", "language_model.model."] {
+        let tensors = file
+            .tensors()
+            .into_iter()
+            .map(|(name, view)| {
+                let name = format!("{prefix}{}", name.strip_prefix("model.").unwrap());
+                let t = HostTensor {
+                    dtype: view.dtype(),
+                    shape: view.shape().to_vec(),
+                    data: view.data().to_vec(),
+                };
+                (name, t)
+            })
+            .collect();
+        let model = Model::from_checkpoint(
+            ModelConfig::from_json(&config).unwrap(),
+            &Checkpoint::from_memory(tensors),
+            &options(candle_core::DType::F32, Emulate),
+        )
+        .unwrap_or_else(|e| panic!("{prefix}: {e}"));
+        let d = deltas(
+            &score_all(&model, &seqs),
+            &reference_logprobs(&reference["sequences"]),
+        );
+        let max = d.iter().copied().fold(0.0, f64::max);
+        println!("Gemma3ForConditionalGeneration, {prefix}*: max |Δ| {max:.2e}");
+        assert!(max <= 1e-4, "{prefix}: max |Δlogprob| {max:e}");
+    }
+}
