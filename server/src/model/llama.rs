@@ -174,8 +174,8 @@ struct Attention {
     num_kv_heads: usize,
     head_dim: usize,
     sliding_window: Option<usize>,
-    /// `1 / sqrt(head_dim)`, or Gemma's `1 / sqrt(query_pre_attn_scalar)`.
-    scale: f64,
+    /// Scores are scaled by `1 / sqrt(this)`: `head_dim`, or Gemma's `query_pre_attn_scalar`.
+    query_scalar: f64,
     /// Gemma 2's `cap * tanh(scores / cap)` before the mask.
     softcap: Option<f64>,
     /// Rotates with the local RoPE tables (Gemma 3's sliding layers).
@@ -455,7 +455,7 @@ impl DecoderLayer {
             num_kv_heads: c.num_kv_heads,
             head_dim: c.head_dim,
             sliding_window: c.layer_window(i),
-            scale: c.attention_scale(),
+            query_scalar: c.query_pre_attn_scalar.unwrap_or(c.head_dim as f64),
             softcap: c.attn_logit_softcapping,
             local_rope: c
                 .sliding_layers
@@ -913,7 +913,8 @@ impl Attention {
         };
         let (cos, sin) = rope.tables();
         let v = split(v, self.num_kv_heads, None)?;
-        let scale = self.scale as f32;
+        // in f32, as before the scale became configurable (same bits on the GPU)
+        let scale = 1.0 / (self.query_scalar as f32).sqrt();
         #[cfg(feature = "cuda")]
         {
             let dev = q.device().clone();
@@ -964,8 +965,7 @@ impl Attention {
                 .reshape((1, heads, len, dim))
         };
         let (k, v) = (repeat(k)?, repeat(v)?);
-        let _ = dim;
-        let scale = self.scale;
+        let scale = 1.0 / self.query_scalar.sqrt();
         #[cfg(feature = "cuda")]
         if q.device().is_cuda() {
             // Scores in f32 (TF32 tensor cores for bf16/f16 inputs, exact there), fused
