@@ -16,7 +16,7 @@ use super::fault::classify;
 use super::stage_thread::{IdleHook, StageThread};
 use super::{Engine, EngineError};
 use crate::model::kld::kld_logits;
-use crate::model::{Model, ScoreInput, SequenceKld, SequenceScores, LM_HEAD_CHUNK};
+use crate::model::{lm_head_rows, Model, ScoreInput, SequenceKld, SequenceScores};
 
 /// A model and one thread per stage.
 struct Chain {
@@ -280,7 +280,7 @@ impl Engine for ModelEngine {
                         return;
                     }
                 };
-                for (offset, len) in logit_chunks(&rows) {
+                for (offset, len) in logit_chunks(&rows, reference_model.config().vocab_size) {
                     let logits = guarded(|| {
                         let logits = reference_model
                             .logits(&h.narrow(0, offset, len).map_err(|e| classify(&e))?)
@@ -302,10 +302,11 @@ impl Engine for ModelEngine {
                             .iter()
                             .map(|_| SequenceKld::default())
                             .collect();
-                        let mut chunks = logit_chunks(&part).into_iter();
+                        let vocab = served.config().vocab_size;
+                        let mut chunks = logit_chunks(&part, vocab).into_iter();
                         for (i, tokens) in part.sequences.iter().enumerate() {
                             let rows = tokens.len().saturating_sub(1);
-                            for start in (0..rows).step_by(LM_HEAD_CHUNK) {
+                            for start in (0..rows).step_by(lm_head_rows(vocab)) {
                                 let (offset, len) = chunks.next().ok_or_else(|| {
                                     EngineError::Compute("reference chunks out of step".into())
                                 })?;
@@ -365,15 +366,17 @@ impl Engine for ModelEngine {
     }
 }
 
-/// (row offset in the micro-batch's hidden state, rows) of every logit chunk of a divergence:
-/// each sequence's positions that have a next token, `LM_HEAD_CHUNK` rows at a time.
-fn logit_chunks(batch: &MicroBatch) -> Vec<(usize, usize)> {
+/// (row offset in the micro-batch's hidden state, rows) of every logit chunk of a divergence
+/// over a vocabulary of `vocab`: each sequence's positions that have a next token, in
+/// [`lm_head_rows`] rows at a time (both models share the vocabulary, so the same chunks).
+fn logit_chunks(batch: &MicroBatch, vocab: usize) -> Vec<(usize, usize)> {
+    let chunk = lm_head_rows(vocab);
     let mut chunks = Vec::new();
     let mut offset = 0;
     for tokens in &batch.sequences {
         let rows = tokens.len().saturating_sub(1);
-        for start in (0..rows).step_by(LM_HEAD_CHUNK) {
-            chunks.push((offset + start, LM_HEAD_CHUNK.min(rows - start)));
+        for start in (0..rows).step_by(chunk) {
+            chunks.push((offset + start, chunk.min(rows - start)));
         }
         offset += tokens.len();
     }

@@ -4,7 +4,7 @@
 
 use candle_core::{DType, Result, Tensor};
 
-use super::llama::{Model, LM_HEAD_CHUNK};
+use super::llama::{lm_head_rows, Model};
 use super::scoring::log_sum_exp;
 
 /// One position that has a next token: how the served model's distribution differs from the
@@ -46,8 +46,9 @@ pub fn kld_batch(
         let mut seq = SequenceKld {
             tokens: Vec::with_capacity(rows),
         };
-        for start in (0..rows).step_by(LM_HEAD_CHUNK) {
-            let len = LM_HEAD_CHUNK.min(rows - start);
+        let chunk = lm_head_rows(model.config().vocab_size);
+        for start in (0..rows).step_by(chunk) {
+            let len = chunk.min(rows - start);
             let logits = model.logits(&hidden.narrow(0, offset + start, len)?)?;
             let reference_logits =
                 reference.logits(&reference_hidden.narrow(0, offset + start, len)?)?;

@@ -1,6 +1,7 @@
-//! The Llama block family (Llama, Mistral, Qwen2, Qwen3) for prefill scoring. Sequences of a
-//! batch are concatenated along the token axis for every Linear; attention runs per sequence,
-//! so a sequence's result does not depend on what shares its batch.
+//! The decoder-only models (Llama, Mistral, Qwen2, Qwen3; Qwen3-MoE and Mixtral with
+//! [`super::moe`]; Gemma 2 and 3) for prefill scoring. Sequences of a batch are concatenated
+//! along the token axis for every Linear; attention runs per sequence, so a sequence's result
+//! does not depend on what shares its batch.
 
 use std::ops::Range;
 use std::path::Path;
@@ -8,7 +9,8 @@ use std::path::Path;
 use candle_core::{DType, Device, Module, Result, Tensor, D};
 
 use super::checkpoint::{read_to_string, Checkpoint, LoadError};
-use super::config::{Architecture, ModelConfig};
+use super::config::{Activation, Architecture, ModelConfig};
+use super::moe::{Moe, Route};
 use super::profile::stage;
 use super::rope::{inv_freq, RopeTables};
 use super::scoring::{score_logits, SequenceScores};
@@ -49,9 +51,17 @@ pub struct ScoreInput<'a> {
 /// Rows of the lm_head processed at once, so that `[rows, vocab]` f32 logits stay small.
 pub(crate) const LM_HEAD_CHUNK: usize = 1024;
 
+/// The lm_head rows of one scoring chunk for a vocabulary: [`LM_HEAD_CHUNK`], fewer where the
+/// vocabulary is so large that the f32 logits would pass 512 MiB (Gemma's 262k: 512 rows).
+pub(crate) fn lm_head_rows(vocab: usize) -> usize {
+    ((1 << 27) / vocab.max(1)).clamp(16, LM_HEAD_CHUNK)
+}
+
 struct RmsNorm {
     weight: Tensor,
     eps: f64,
+    /// Gemma's norm: `weight` holds `1 + w` in f32, the product is taken in f32 and rounded once.
+    gemma: bool,
 }
 
 impl RmsNorm {
@@ -68,7 +78,48 @@ impl RmsNorm {
             opts.dtype,
             &opts.device,
         )?;
-        Ok(Self { weight, eps: 0.0 })
+        Ok(Self {
+            weight,
+            eps: 0.0,
+            gemma: false,
+        })
+    }
+
+    /// Gemma's `(1 + w)` norm of `name`: `1 + w` computed in f32 on the CPU, kept in f32.
+    fn load_gemma(
+        ckpt: &Checkpoint,
+        name: &str,
+        dim: usize,
+        eps: f64,
+        opts: &LinearOptions,
+    ) -> std::result::Result<Self, LoadError> {
+        let w = ckpt.tensor_as(
+            &format!("{name}.weight"),
+            SCALE_DTYPES,
+            Some(&[dim]),
+            DType::F32,
+            &Device::Cpu,
+        )?;
+        Ok(Self {
+            weight: (w + 1.0)?.to_device(&opts.device)?,
+            eps,
+            gemma: true,
+        })
+    }
+
+    /// The norm of decoder-layer block `name` in the model's convention.
+    fn load_for(
+        ckpt: &Checkpoint,
+        name: &str,
+        dim: usize,
+        c: &ModelConfig,
+        opts: &LinearOptions,
+    ) -> std::result::Result<Self, LoadError> {
+        if c.architecture.is_gemma() {
+            Self::load_gemma(ckpt, name, dim, c.rms_norm_eps, opts)
+        } else {
+            Ok(Self::load(ckpt, name, dim, opts)?.with_eps(c.rms_norm_eps))
+        }
     }
 
     fn with_eps(mut self, eps: f64) -> Self {
@@ -81,6 +132,9 @@ impl RmsNorm {
     /// One kernel on a GPU, which rounds the norm once instead of twice (identical in f32;
     /// closer to f32 in bf16/f16) and applies a per-token fp8 QDQ in the same pass.
     fn forward(&self, x: &Tensor, qdq: Option<&ActivationQdq>) -> Result<Tensor> {
+        if self.gemma {
+            return finish_qdq(self.gemma_reference(x)?, qdq, false);
+        }
         let fused = qdq_fused_in_kernel(qdq, x.device());
         #[cfg(feature = "cuda")]
         if x.device().is_cuda() {
@@ -98,6 +152,16 @@ impl RmsNorm {
         let normed = x32.broadcast_mul(&(variance + self.eps)?.sqrt()?.recip()?)?;
         normed.to_dtype(dtype)?.broadcast_mul(&self.weight)
     }
+
+    /// transformers' GemmaRMSNorm: normalise in f32, multiply by `1 + w` in f32, cast back.
+    /// (Candle ops on every device: the fused GPU kernel rounds the weight to the compute dtype.)
+    fn gemma_reference(&self, x: &Tensor) -> Result<Tensor> {
+        let dtype = x.dtype();
+        let x32 = x.to_dtype(DType::F32)?;
+        let variance = x32.sqr()?.mean_keepdim(D::Minus1)?;
+        let normed = x32.broadcast_mul(&(variance + self.eps)?.sqrt()?.recip()?)?;
+        normed.broadcast_mul(&self.weight)?.to_dtype(dtype)
+    }
 }
 
 struct Attention {
@@ -111,19 +175,42 @@ struct Attention {
     num_kv_heads: usize,
     head_dim: usize,
     sliding_window: Option<usize>,
+    /// Scores are scaled by `1 / sqrt(this)`: `head_dim`, or Gemma's `query_pre_attn_scalar`.
+    query_scalar: f64,
+    /// Gemma 2's `cap * tanh(scores / cap)` before the mask.
+    softcap: Option<f64>,
+    /// Rotates with the local RoPE tables (Gemma 3's sliding layers).
+    local_rope: bool,
 }
 
 struct Mlp {
     gate_proj: QuantLinear,
     up_proj: QuantLinear,
     down_proj: QuantLinear,
+    act: Activation,
+}
+
+/// The feed-forward of a decoder layer.
+enum FeedForward {
+    Dense(Mlp),
+    Sparse(Moe),
+}
+
+/// Gemma's extra norms: on the attention output, before and after the feed-forward (then
+/// `post_attention_layernorm` is the first of them, not the feed-forward's input norm).
+struct GemmaNorms {
+    post_attention: RmsNorm,
+    pre_feedforward: RmsNorm,
+    post_feedforward: RmsNorm,
 }
 
 struct DecoderLayer {
     input_layernorm: RmsNorm,
     self_attn: Attention,
-    post_attention_layernorm: RmsNorm,
-    mlp: Mlp,
+    /// The feed-forward's input norm (Llama's `post_attention_layernorm`); unused with `gemma`.
+    post_attention_layernorm: Option<RmsNorm>,
+    gemma: Option<GemmaNorms>,
+    mlp: FeedForward,
 }
 
 pub struct Model {
@@ -137,6 +224,8 @@ pub struct Model {
     norm: RmsNorm,
     lm_head: QuantLinear,
     stages: Vec<Stage>,
+    /// Gemma scales the embeddings by `sqrt(hidden)`, rounded to the compute dtype.
+    embed_scale: Option<f64>,
 }
 
 /// A run of consecutive decoder layers on one device: a pipeline stage of the model.
@@ -145,6 +234,8 @@ struct Stage {
     layers: Range<usize>,
     /// The RoPE tables on this stage's device.
     rope: RopeTables,
+    /// The sliding layers' tables where they differ (Gemma 3's local base).
+    local_rope: Option<RopeTables>,
 }
 
 /// Where the sequences of a batch lie on the concatenated token axis.
@@ -253,12 +344,11 @@ impl Model {
         stages: Vec<(Device, Range<usize>)>,
     ) -> std::result::Result<Self, LoadError> {
         check_stages(&stages, config.num_layers)?;
-        let stage_options = |i: usize| LinearOptions {
-            device: stages[i].0.clone(),
+        let stage_options = |k: usize| LinearOptions {
+            device: stages[k].0.clone(),
             ..opts.linear.clone()
         };
-        let first = stage_options(0);
-        let last = stage_options(stages.len() - 1);
+        let (first, last) = (stage_options(0), stage_options(stages.len() - 1));
         let quant = config
             .quantization_config
             .as_ref()
@@ -274,10 +364,11 @@ impl Model {
             }
         }
         let c = &config;
+        let base = text_prefix(ckpt, c.architecture);
         let h = c.hidden_size;
         // On the CPU first: converted there to the compute dtype (no GPU conversion kernel).
         let stored_embed = ckpt.tensor(
-            "model.embed_tokens.weight",
+            &format!("{base}embed_tokens.weight"),
             SCALE_DTYPES,
             Some(&[c.vocab_size, h]),
             &Device::Cpu,
@@ -286,19 +377,29 @@ impl Model {
             .to_dtype(first.dtype)?
             .to_device(&first.device)?;
         let mut layers = Vec::with_capacity(c.num_layers);
-        for (stage, (_, range)) in stages.iter().enumerate() {
-            let lin = &stage_options(stage);
+        for (k, (_, range)) in stages.iter().enumerate() {
+            let lin = stage_options(k);
             let loader = LinearLoader {
                 ckpt,
                 quant: quant.as_ref(),
-                opts: lin,
+                opts: &lin,
             };
             for i in range.clone() {
-                layers.push(DecoderLayer::load(ckpt, &loader, c, i)?);
+                layers.push(DecoderLayer::load(
+                    ckpt,
+                    &loader,
+                    c,
+                    &format!("{base}layers.{i}"),
+                    i,
+                )?);
             }
         }
-        let norm = RmsNorm::load(ckpt, "model.norm", h, &last)?.with_eps(c.rms_norm_eps);
-        let lm_head = if c.tie_word_embeddings && !ckpt.contains("lm_head.weight") {
+        let norm = RmsNorm::load_for(ckpt, &format!("{base}norm"), h, c, &last)?;
+        let head_name = match base.strip_suffix("model.") {
+            Some(outer) if !outer.is_empty() => format!("{outer}lm_head"), // language_model.lm_head
+            _ => "lm_head".to_string(),
+        };
+        let lm_head = if c.tie_word_embeddings && !ckpt.contains(&format!("{head_name}.weight")) {
             // The tied head keeps the stored dtype, as an untied dense head does; it shares the
             // embedding's memory where both are one tensor on one device.
             let weight = if stored_embed.dtype() == last.dtype && stages.len() == 1 {
@@ -313,22 +414,35 @@ impl Model {
                 quant: quant.as_ref(),
                 opts: &last,
             }
-            .load("lm_head", (c.vocab_size, h), false)?
+            .load(&head_name, (c.vocab_size, h), false)?
         };
+        let max_len = opts.max_seq_len.max(1);
         let freqs = inv_freq(c.head_dim, c.rope_theta, &c.rope_scaling);
+        let local_freqs = c
+            .sliding_layers
+            .as_ref()
+            .and_then(|s| s.local_rope.as_ref())
+            .map(|(theta, scaling)| inv_freq(c.head_dim, *theta, scaling));
         let stages = stages
             .into_iter()
             .map(|(device, layers)| {
-                let rope = RopeTables::new(&freqs, opts.max_seq_len.max(1), first.dtype, &device)?;
+                let tables = |f: &[f32]| RopeTables::new(f, max_len, first.dtype, &device);
+                let rope = tables(&freqs)?;
+                let local_rope = local_freqs.as_deref().map(tables).transpose()?;
                 // Weights were copied on this thread's stream; the stage computes on its own.
                 device.synchronize()?;
                 Ok(Stage {
                     device,
                     layers,
                     rope,
+                    local_rope,
                 })
             })
             .collect::<Result<Vec<_>>>()?;
+        let embed_scale = c
+            .architecture
+            .is_gemma()
+            .then(|| (c.hidden_size as f64).sqrt());
         let mut model = Self {
             config,
             opts: ModelOptions {
@@ -340,6 +454,7 @@ impl Model {
             norm,
             lm_head,
             stages,
+            embed_scale,
         };
         model.set_attention(opts.attention)?;
         Ok(model)
@@ -352,13 +467,12 @@ fn check_stages(
     layers: usize,
 ) -> std::result::Result<(), LoadError> {
     let mut next = 0;
+    let mut in_order = !stages.is_empty();
     for (_, range) in stages {
-        if range.start != next || range.is_empty() {
-            break;
-        }
+        in_order &= range.start == next && !range.is_empty();
         next = range.end;
     }
-    if stages.is_empty() || next != layers || stages.iter().any(|(_, r)| r.is_empty()) {
+    if !in_order || next != layers {
         return Err(LoadError::config(
             "layer split",
             format!(
@@ -371,12 +485,27 @@ fn check_stages(
     Ok(())
 }
 
+/// Where the text model's tensors sit: `model.` (`model.embed_tokens`, `model.layers.N`), or,
+/// in a Gemma 3 vision-language checkpoint, `model.language_model.` (transformers 5) or
+/// `language_model.model.` (4.x).
+fn text_prefix(ckpt: &Checkpoint, architecture: Architecture) -> String {
+    if architecture == Architecture::Gemma3Multimodal {
+        for prefix in ["model.language_model.", "language_model.model."] {
+            if ckpt.contains(&format!("{prefix}embed_tokens.weight")) {
+                return prefix.to_string();
+            }
+        }
+    }
+    "model.".to_string()
+}
+
 impl DecoderLayer {
-    /// Decoder layer `i` of the checkpoint, on the device of `loader`'s options.
+    /// Decoder layer `i`, whose tensors are named `{p}.*`.
     fn load(
         ckpt: &Checkpoint,
         loader: &LinearLoader<'_>,
         c: &ModelConfig,
+        p: &str,
         i: usize,
     ) -> std::result::Result<Self, LoadError> {
         let lin = loader.opts;
@@ -387,69 +516,63 @@ impl DecoderLayer {
         );
         let o_bias = c.attention_bias
             && matches!(c.architecture, Architecture::Llama | Architecture::Mistral);
-        {
-            let p = format!("model.layers.{i}");
-            let head_norm = |which: &str| -> std::result::Result<Option<RmsNorm>, LoadError> {
-                c.qk_norm
-                    .then(|| {
-                        RmsNorm::load(ckpt, &format!("{p}.self_attn.{which}"), c.head_dim, lin)
-                    })
-                    .transpose()
-                    .map(|n| n.map(|n| n.with_eps(c.rms_norm_eps)))
+        let norm =
+            |name: &str, dim: usize| RmsNorm::load_for(ckpt, &format!("{p}.{name}"), dim, c, lin);
+        let head_norm = |which: &str| -> std::result::Result<Option<RmsNorm>, LoadError> {
+            c.qk_norm
+                .then(|| norm(&format!("self_attn.{which}"), c.head_dim))
+                .transpose()
+        };
+        let linear = |name: &str, shape: (usize, usize), bias: bool| {
+            loader.load(&format!("{p}.{name}"), shape, bias)
+        };
+        let self_attn = Attention {
+            q_proj: linear("self_attn.q_proj", (q_dim, h), c.attention_bias)?,
+            k_proj: linear("self_attn.k_proj", (kv_dim, h), c.attention_bias)?,
+            v_proj: linear("self_attn.v_proj", (kv_dim, h), c.attention_bias)?,
+            o_proj: linear("self_attn.o_proj", (h, q_dim), o_bias)?,
+            q_norm: head_norm("q_norm")?,
+            k_norm: head_norm("k_norm")?,
+            num_heads: c.num_heads,
+            num_kv_heads: c.num_kv_heads,
+            head_dim: c.head_dim,
+            sliding_window: c.layer_window(i),
+            query_scalar: c.query_pre_attn_scalar.unwrap_or(c.head_dim as f64),
+            softcap: c.attn_logit_softcapping,
+            local_rope: c
+                .sliding_layers
+                .as_ref()
+                .is_some_and(|s| s.sliding[i] && s.local_rope.is_some()),
+        };
+        let mlp = match &c.moe {
+            Some(moe) if c.is_sparse_layer(i) => {
+                let load = |name: &str, shape| loader.load(name, shape, false);
+                FeedForward::Sparse(Moe::load(ckpt, &load, c, moe, p, lin)?)
+            }
+            _ => FeedForward::Dense(Mlp {
+                gate_proj: linear("mlp.gate_proj", (c.intermediate_size, h), c.mlp_bias)?,
+                up_proj: linear("mlp.up_proj", (c.intermediate_size, h), c.mlp_bias)?,
+                down_proj: linear("mlp.down_proj", (h, c.intermediate_size), c.mlp_bias)?,
+                act: c.hidden_act,
+            }),
+        };
+        let (post_attention_layernorm, gemma) = if c.architecture.is_gemma() {
+            let gemma = GemmaNorms {
+                post_attention: norm("post_attention_layernorm", h)?,
+                pre_feedforward: norm("pre_feedforward_layernorm", h)?,
+                post_feedforward: norm("post_feedforward_layernorm", h)?,
             };
-            Ok(DecoderLayer {
-                input_layernorm: RmsNorm::load(ckpt, &format!("{p}.input_layernorm"), h, lin)?
-                    .with_eps(c.rms_norm_eps),
-                self_attn: Attention {
-                    q_proj: loader.load(
-                        &format!("{p}.self_attn.q_proj"),
-                        (q_dim, h),
-                        c.attention_bias,
-                    )?,
-                    k_proj: loader.load(
-                        &format!("{p}.self_attn.k_proj"),
-                        (kv_dim, h),
-                        c.attention_bias,
-                    )?,
-                    v_proj: loader.load(
-                        &format!("{p}.self_attn.v_proj"),
-                        (kv_dim, h),
-                        c.attention_bias,
-                    )?,
-                    o_proj: loader.load(&format!("{p}.self_attn.o_proj"), (h, q_dim), o_bias)?,
-                    q_norm: head_norm("q_norm")?,
-                    k_norm: head_norm("k_norm")?,
-                    num_heads: c.num_heads,
-                    num_kv_heads: c.num_kv_heads,
-                    head_dim: c.head_dim,
-                    sliding_window: c.sliding_window,
-                },
-                post_attention_layernorm: RmsNorm::load(
-                    ckpt,
-                    &format!("{p}.post_attention_layernorm"),
-                    h,
-                    lin,
-                )?
-                .with_eps(c.rms_norm_eps),
-                mlp: Mlp {
-                    gate_proj: loader.load(
-                        &format!("{p}.mlp.gate_proj"),
-                        (c.intermediate_size, h),
-                        c.mlp_bias,
-                    )?,
-                    up_proj: loader.load(
-                        &format!("{p}.mlp.up_proj"),
-                        (c.intermediate_size, h),
-                        c.mlp_bias,
-                    )?,
-                    down_proj: loader.load(
-                        &format!("{p}.mlp.down_proj"),
-                        (h, c.intermediate_size),
-                        c.mlp_bias,
-                    )?,
-                },
-            })
-        }
+            (None, Some(gemma))
+        } else {
+            (Some(norm("post_attention_layernorm", h)?), None)
+        };
+        Ok(DecoderLayer {
+            input_layernorm: norm("input_layernorm", h)?,
+            self_attn,
+            post_attention_layernorm,
+            gemma,
+            mlp,
+        })
     }
 }
 
@@ -458,15 +581,28 @@ impl Model {
     /// `Auto` resolves to the fastest one that does.
     pub fn set_attention(&mut self, kernel: AttentionKernel) -> std::result::Result<(), LoadError> {
         let lin = &self.opts.linear;
-        let flash = self
-            .stages
-            .iter()
-            .all(|stage| flash_attention_available(&stage.device, self.config.head_dim, lin.dtype));
+        // The flash kernel has no soft-capping of the scores (Gemma 2): such models attend
+        // through the materialised path.
+        let softcap = self.config.attn_logit_softcapping.is_some();
+        let flash = !softcap
+            && self.stages.iter().all(|stage| {
+                flash_attention_available(&stage.device, self.config.head_dim, lin.dtype)
+            });
         let kernel = match kernel {
             AttentionKernel::Auto if flash => AttentionKernel::Flash,
             AttentionKernel::Auto => AttentionKernel::Materialized,
             chosen => chosen,
         };
+        if kernel == AttentionKernel::Flash && softcap {
+            return Err(LoadError::config(
+                "attention",
+                format!(
+                    "the flash kernel cannot soft-cap attention scores ({} has \
+                     attn_logit_softcapping); use the materialized kernel",
+                    self.config.architecture.hf_name()
+                ),
+            ));
+        }
         if kernel == AttentionKernel::Flash && !flash {
             return Err(LoadError::Config {
                 field: "attention".into(),
@@ -494,17 +630,29 @@ impl Model {
         let mut out = Vec::new();
         for (i, l) in self.layers.iter().enumerate() {
             let a = &l.self_attn;
-            let m = &l.mlp;
             for (n, lin) in [
                 ("self_attn.q_proj", &a.q_proj),
                 ("self_attn.k_proj", &a.k_proj),
                 ("self_attn.v_proj", &a.v_proj),
                 ("self_attn.o_proj", &a.o_proj),
-                ("mlp.gate_proj", &m.gate_proj),
-                ("mlp.up_proj", &m.up_proj),
-                ("mlp.down_proj", &m.down_proj),
             ] {
                 out.push((format!("model.layers.{i}.{n}"), lin));
+            }
+            match &l.mlp {
+                FeedForward::Dense(m) => {
+                    for (n, lin) in [
+                        ("mlp.gate_proj", &m.gate_proj),
+                        ("mlp.up_proj", &m.up_proj),
+                        ("mlp.down_proj", &m.down_proj),
+                    ] {
+                        out.push((format!("model.layers.{i}.{n}"), lin));
+                    }
+                }
+                FeedForward::Sparse(moe) => {
+                    for (n, lin) in moe.linears() {
+                        out.push((format!("model.layers.{i}.mlp.{n}"), lin));
+                    }
+                }
             }
         }
         out.push(("lm_head".to_string(), &self.lm_head));
@@ -529,13 +677,29 @@ impl Model {
     /// Final-norm hidden states `[sum of lengths, hidden]` of the sequences, concatenated: every
     /// stage in turn on this thread, the hidden state carried from one device to the next.
     pub fn hidden_states(&self, sequences: &[&[u32]]) -> Result<Tensor> {
+        self.hidden_states_routed(sequences, None)
+    }
+
+    /// The experts every token chose in every sparse layer (`[layer][token]`, tokens of the
+    /// sequences concatenated), best first with their routing weights; empty for dense models.
+    pub fn expert_routes(&self, sequences: &[&[u32]]) -> Result<Vec<(usize, Vec<Route>)>> {
+        let mut routes = Vec::new();
+        self.hidden_states_routed(sequences, Some(&mut routes))?;
+        Ok(routes)
+    }
+
+    fn hidden_states_routed(
+        &self,
+        sequences: &[&[u32]],
+        mut routes: Option<&mut Vec<(usize, Vec<Route>)>>,
+    ) -> Result<Tensor> {
         let lens: Vec<usize> = sequences.iter().map(|s| s.len()).collect();
         let mut x = self.embed(sequences)?;
         for k in 0..self.stages.len() {
             if k > 0 {
                 x = crate::device::transfer(&x, &self.stages[k].device)?;
             }
-            x = self.forward_stage(k, x, &lens)?;
+            x = self.forward_stage_routed(k, x, &lens, routes.as_deref_mut())?;
         }
         self.final_norm(&x)
     }
@@ -558,16 +722,34 @@ impl Model {
         let device = &self.stages[0].device;
         crate::device::bind(device)?;
         let ids = Tensor::new(ids.as_slice(), device)?;
-        stage("embed", device, || embed(&self.embed_tokens, &ids))
+        stage("embed", device, || {
+            let x = embed(&self.embed_tokens, &ids)?;
+            match self.embed_scale {
+                // the scale rounded to the compute dtype, as transformers multiplies
+                Some(s) => x.broadcast_mul(&Tensor::new(s as f32, device)?.to_dtype(x.dtype())?),
+                None => Ok(x),
+            }
+        })
     }
 
     /// Stage `k`'s decoder layers over the residual stream `x` (on that stage's device) of
     /// sequences of lengths `lens`, concatenated.
-    pub fn forward_stage(&self, k: usize, mut x: Tensor, lens: &[usize]) -> Result<Tensor> {
+    pub fn forward_stage(&self, k: usize, x: Tensor, lens: &[usize]) -> Result<Tensor> {
+        self.forward_stage_routed(k, x, lens, None)
+    }
+
+    fn forward_stage_routed(
+        &self,
+        k: usize,
+        mut x: Tensor,
+        lens: &[usize],
+        mut routes: Option<&mut Vec<(usize, Vec<Route>)>>,
+    ) -> Result<Tensor> {
         let Stage {
             device,
             layers,
             rope,
+            local_rope,
         } = &self.stages[k];
         crate::device::bind(device)?;
         // `set_attention` never leaves `Auto` in the options.
@@ -579,8 +761,18 @@ impl Model {
             lens: lens.to_vec(),
             flash,
         };
-        for layer in &self.layers[layers.clone()] {
-            x = layer.forward(x, &batch, rope)?;
+        for i in layers.clone() {
+            let layer = &self.layers[i];
+            let rope = match local_rope {
+                Some(local) if layer.self_attn.local_rope => local,
+                _ => rope,
+            };
+            let mut layer_routes = Vec::new();
+            let record = routes.is_some().then_some(&mut layer_routes);
+            x = layer.forward(x, &batch, rope, record)?;
+            if let (Some(routes), FeedForward::Sparse(_)) = (routes.as_deref_mut(), &layer.mlp) {
+                routes.push((i, layer_routes));
+            }
         }
         Ok(x)
     }
@@ -593,7 +785,12 @@ impl Model {
 
     /// Logits `[rows, vocab]` (compute dtype) of final-norm hidden states `[rows, hidden]`.
     pub fn logits(&self, hidden: &Tensor) -> Result<Tensor> {
-        stage("lm_head", hidden.device(), || self.lm_head.forward(hidden))
+        let logits = stage("lm_head", hidden.device(), || self.lm_head.forward(hidden))?;
+        match self.config.final_logit_softcapping {
+            // transformers: logits / cap, tanh, * cap, in the logits' dtype
+            Some(cap) => stage("softcap", hidden.device(), || softcap(&logits, cap)),
+            None => Ok(logits),
+        }
     }
 
     /// Scores a batch. Results come back in input order.
@@ -614,8 +811,9 @@ impl Model {
         for input in batch {
             let n = input.tokens.len();
             let mut rows = Vec::with_capacity(n);
-            for start in (0..n).step_by(LM_HEAD_CHUNK) {
-                let len = LM_HEAD_CHUNK.min(n - start);
+            let chunk = lm_head_rows(self.config.vocab_size);
+            for start in (0..n).step_by(chunk) {
+                let len = chunk.min(n - start);
                 let h = hidden.narrow(0, offset + start, len)?;
                 let logits = self.logits(&h)?;
                 let targets: Vec<Option<u32>> = (start..start + len)
@@ -636,7 +834,14 @@ impl DecoderLayer {
     /// The residual stream `x` after this layer. The attention's and the MLP's last Linears add
     /// their outputs into the stream (see [`crate::quant::RowChunks`]); every other tensor is
     /// dropped as soon as it is consumed: the forward's peak memory is what is alive at once.
-    fn forward(&self, x: Tensor, batch: &BatchLayout, rope: &RopeTables) -> Result<Tensor> {
+    /// `routes`: where a sparse layer records every token's experts.
+    fn forward(
+        &self,
+        x: Tensor,
+        batch: &BatchLayout,
+        rope: &RopeTables,
+        routes: Option<&mut Vec<Route>>,
+    ) -> Result<Tensor> {
         let dev = x.device().clone();
         let dev = &dev;
         // A QDQ that q/k/v (gate/up) share is applied by the norm that feeds them.
@@ -645,13 +850,42 @@ impl DecoderLayer {
         let normed = stage("norm", dev, || {
             self.input_layernorm.forward(&x, attn_qdq.flatten())
         })?;
-        let x = a.forward(normed, x, attn_qdq.is_some(), batch, rope)?;
-        let m = &self.mlp;
-        let mlp_qdq = common_qdq(&[&m.gate_proj, &m.up_proj]);
-        let normed = stage("norm", dev, || {
-            self.post_attention_layernorm.forward(&x, mlp_qdq.flatten())
-        })?;
-        m.forward(normed, x, mlp_qdq.is_some())
+        let x = match &self.gemma {
+            // Gemma normalises each block's output before the residual add.
+            Some(g) => {
+                let out = a.forward(
+                    normed,
+                    zeros_like_rows(&x)?,
+                    attn_qdq.is_some(),
+                    batch,
+                    rope,
+                )?;
+                (x + stage("norm", dev, || g.post_attention.forward(&out, None))?)?
+            }
+            None => a.forward(normed, x, attn_qdq.is_some(), batch, rope)?,
+        };
+        let ffn_norm = match (&self.gemma, &self.post_attention_layernorm) {
+            (Some(g), _) => &g.pre_feedforward,
+            (None, Some(n)) => n,
+            (None, None) => candle_core::bail!("a decoder layer without a feed-forward norm"),
+        };
+        let ffn = |normed: Tensor, residual: Tensor, prequantized: bool, routes| match &self.mlp {
+            FeedForward::Dense(m) => m.forward(normed, residual, prequantized),
+            FeedForward::Sparse(moe) => moe.forward(&normed, residual, routes),
+        };
+        let qdq = match &self.mlp {
+            FeedForward::Dense(m) => common_qdq(&[&m.gate_proj, &m.up_proj]),
+            // each expert applies its own input QDQ to its tokens
+            FeedForward::Sparse(_) => None,
+        };
+        let normed = stage("norm", dev, || ffn_norm.forward(&x, qdq.flatten()))?;
+        match &self.gemma {
+            Some(g) => {
+                let out = ffn(normed, zeros_like_rows(&x)?, qdq.is_some(), routes)?;
+                x + stage("norm", dev, || g.post_feedforward.forward(&out, None))?
+            }
+            None => ffn(normed, x, qdq.is_some(), routes),
+        }
     }
 }
 
@@ -699,9 +933,14 @@ impl Mlp {
                 ))
             })?;
             drop((gate_in, up_in));
-            let down_in = stage("silu_mul", dev, || {
-                silu_mul(&gate, &up, self.down_proj.activation())
-            })?;
+            let down_in = match self.act {
+                Activation::Silu => stage("silu_mul", dev, || {
+                    silu_mul(&gate, &up, self.down_proj.activation())
+                })?,
+                Activation::GeluTanh => stage("gelu_mul", dev, || {
+                    finish_qdq((gate.gelu()? * &up)?, self.down_proj.activation(), false)
+                })?,
+            };
             drop((gate, up));
             // Dequantized once gate/up of the first chunk are gone (one weight fewer alive).
             let w = match w_down.take() {
@@ -827,7 +1066,8 @@ impl Attention {
         };
         let (cos, sin) = rope.tables();
         let v = split(v, self.num_kv_heads, None)?;
-        let scale = 1.0 / (self.head_dim as f32).sqrt();
+        // in f32, as before the scale became configurable (same bits on the GPU)
+        let scale = 1.0 / (self.query_scalar as f32).sqrt();
         #[cfg(feature = "cuda")]
         {
             let dev = q.device().clone();
@@ -878,7 +1118,7 @@ impl Attention {
                 .reshape((1, heads, len, dim))
         };
         let (k, v) = (repeat(k)?, repeat(v)?);
-        let scale = 1.0 / (dim as f64).sqrt();
+        let scale = 1.0 / self.query_scalar.sqrt();
         #[cfg(feature = "cuda")]
         if q.device().is_cuda() {
             // Scores in f32 (TF32 tensor cores for bf16/f16 inputs, exact there), fused
@@ -888,6 +1128,11 @@ impl Attention {
                 q32.matmul(&k32.t()?)?
             } else {
                 crate::cuda::with_tf32(|| q32.matmul(&k32.t()?))?
+            };
+            // Soft-capped scores are scaled and capped first; the kernel then scales by 1.
+            let (scores, scale) = match self.softcap {
+                Some(cap) => (softcap(&(scores * scale)?, cap)?, 1.0),
+                None => (scores, scale),
             };
             let probs =
                 crate::cuda::causal_softmax(&scores, scale as f32, self.sliding_window, dtype)?;
@@ -901,7 +1146,10 @@ impl Attention {
             k.to_dtype(DType::F32)?,
             v.to_dtype(DType::F32)?,
         );
-        let scores = (q.matmul(&k.t()?)? * scale)?;
+        let mut scores = (q.matmul(&k.t()?)? * scale)?;
+        if let Some(cap) = self.softcap {
+            scores = softcap(&scores, cap)?;
+        }
         let mask = causal_mask(len, self.sliding_window, q.device())?;
         let probs = candle_nn::ops::softmax_last_dim(&scores.broadcast_add(&mask)?)?;
         probs
@@ -910,6 +1158,17 @@ impl Attention {
             .reshape((len, heads * dim))?
             .to_dtype(dtype)
     }
+}
+
+/// `cap * tanh(x / cap)` (Gemma's soft-capping), in `x`'s dtype.
+fn softcap(x: &Tensor, cap: f64) -> Result<Tensor> {
+    (x / cap)?.tanh()? * cap
+}
+
+/// A zero residual stream like `x`: a block whose output must be normed before the residual
+/// add (Gemma) adds into it (exactly: 0 + y = y).
+fn zeros_like_rows(x: &Tensor) -> Result<Tensor> {
+    x.zeros_like()
 }
 
 /// Rows `ids` of the embedding table (ids already checked against the vocabulary).

@@ -77,7 +77,7 @@ impl ActivationBytes {
         // gate, up and their product over one row chunk, plus three dequantized weights.
         let chunk = t.min(super::llama::MLP_CHUNK as u64);
         let mlp = 3 * chunk * inter * s + 3 * inter * h * s;
-        let logits_rows = super::llama::LM_HEAD_CHUNK as u64;
+        let logits_rows = super::llama::lm_head_rows(config.vocab_size) as u64;
         Self {
             layers: stream + (attention_tensors + scores).max(mlp),
             // Logits in the compute dtype and in f32, for the served and the reference model.

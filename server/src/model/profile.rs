@@ -41,3 +41,25 @@ pub fn stage<R>(name: &'static str, device: &Device, f: impl FnOnce() -> Result<
     }
     Ok(out)
 }
+
+/// Tokens per expert summed over the MoE layers since the last [`take_expert_load`]
+/// (recorded only while profiling): how evenly a batch spreads over the experts.
+static EXPERT_LOAD: Mutex<Vec<u64>> = Mutex::new(Vec::new());
+
+pub fn record_expert_load(tokens_per_expert: impl Iterator<Item = usize>) {
+    if !ENABLED.load(Ordering::Relaxed) {
+        return;
+    }
+    let mut load = EXPERT_LOAD.lock().unwrap_or_else(|e| e.into_inner());
+    for (e, n) in tokens_per_expert.enumerate() {
+        if load.len() <= e {
+            load.resize(e + 1, 0);
+        }
+        load[e] += n as u64;
+    }
+}
+
+/// Tokens routed to each expert since the last call (empty for dense models), and a fresh start.
+pub fn take_expert_load() -> Vec<u64> {
+    std::mem::take(&mut *EXPERT_LOAD.lock().unwrap_or_else(|e| e.into_inner()))
+}

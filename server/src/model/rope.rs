@@ -12,6 +12,7 @@ pub fn inv_freq(head_dim: usize, theta: f32, scaling: &RopeScaling) -> Vec<f32> 
         .collect();
     match *scaling {
         RopeScaling::Default => base,
+        RopeScaling::Linear { factor } => base.into_iter().map(|f| f / factor).collect(),
         RopeScaling::Llama3 {
             factor,
             low_freq_factor,

@@ -10,9 +10,9 @@ use std::time::Instant;
 use anyhow::{bail, Context, Result};
 use candle_core::{DType, Device};
 use exactscore_server::engine::{Engine, MicroBatching, ModelEngine};
+use exactscore_server::model::checkpoint::Checkpoint;
 use exactscore_server::model::placement::{self, ActivationBytes, PartBytes};
 use exactscore_server::model::{AttentionKernel, Model, ModelConfig, ScoreInput, SequenceScores};
-use exactscore_server::model::checkpoint::Checkpoint;
 use exactscore_server::quant::ActivationQuantMode;
 
 use crate::{options, parse_device, random_model};
@@ -74,7 +74,12 @@ fn load(
         .zip(&plans)
         .map(|(d, p)| (d, p.layers.clone()))
         .collect();
-    Ok(Model::from_checkpoint_placed(config.clone(), ckpt, &opts, stages)?)
+    Ok(Model::from_checkpoint_placed(
+        config.clone(),
+        ckpt,
+        &opts,
+        stages,
+    )?)
 }
 
 /// Scores `windows` `iters` times from as many threads as the engine computes batches at once
@@ -106,7 +111,8 @@ fn timed_scores(
             })
             .collect();
         for run in runs {
-            run.join().map_err(|_| anyhow::anyhow!("a scoring thread panicked"))??;
+            run.join()
+                .map_err(|_| anyhow::anyhow!("a scoring thread panicked"))??;
         }
         Ok(())
     })?;

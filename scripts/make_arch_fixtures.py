@@ -1,0 +1,876 @@
+#!/usr/bin/env python3
+"""Builds the Qwen3-MoE, Mixtral, Gemma 3 and Gemma 2 test fixtures under tests/fixtures/.
+
+Tiny seeded random-weight checkpoints, quantized with llm-compressor (round-to-nearest, as the
+Llama fixtures are), plus float32 reference log-probs from transformers. The conventions are the
+Llama fixtures' (see tests/fixtures/*/reference.json): the same 2000-token tokenizer (read from
+tests/fixtures/llama-dense-bf16), the same four sequences (17, 59, 223 and 256 ids incl. BOS),
+reference.json with `sequences` / `weights_only` / `bf16_run` / `numerics`, dequant_check.json
+with checksums of every dequantized Linear weight.
+
+What differs from a plain `from_pretrained` reference, and why:
+  * MoE experts. transformers 5 fuses per-expert checkpoint weights into 3-D parameters; a float32
+    load of a quantized MoE checkpoint leaves those experts in bf16, computes them in bf16 and
+    skips their activation quantization. The MoE references are built from per-expert Linears
+    (`LinearExperts`, the same routing loop as transformers), each loaded from the written
+    checkpoint and dequantized by compressed-tensors' own compressor. The experts are linearized
+    here, not by llm-compressor's MoE helpers (those need torchvision on CPU).
+  * FP8-dynamic activations are quantized per token. compressed-tensors gives a 2-D input one
+    scale (an expert receives its tokens as [n, hidden]); the scheme means one scale per token,
+    which is what vLLM does and what the reference feeds it here ([n, 1, hidden]).
+  * Gemma norm weights: llm-compressor rounds them to bf16 while quantizing (its offset-norm
+    calibration turns w into 1 + w and back). Every reference reads the written checkpoint.
+  * Gemma 3 configs: transformers writes a stale `_sliding_window_pattern`; `layer_types` is what
+    counts and is always written explicitly here.
+
+Every reference is built the same way: the architecture from config.json in float32 (experts
+linearized), every tensor from model.safetensors (quantized Linears dequantized), activation
+fake-quant (where the scheme has it) applied by hooks around the quantized Linears. For the dense
+architectures that reference is also compared with a plain transformers `from_pretrained` load
+(`numerics.manual_vs_from_pretrained_f32`, 0.0 expected).
+
+Usage (CPU only, no network; ~3 minutes on 2 cores):
+    python -m venv /tmp/venv-fixtures
+    /tmp/venv-fixtures/bin/pip install -r scripts/requirements-fixtures.txt
+    /tmp/venv-fixtures/bin/python scripts/make_arch_fixtures.py [--only NAME,...] [--stage all|refs]
+"""
+import argparse
+import gc
+import hashlib
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import torch
+from torch import nn
+
+torch.set_num_threads(max(1, os.cpu_count() or 1))
+
+REPO = Path(__file__).resolve().parent.parent
+FIXTURES = REPO / "tests" / "fixtures"
+TOKENIZER_DIR = FIXTURES / "llama-dense-bf16"
+CORPUS = FIXTURES / "corpus" / "wikitext-2-raw-test.txt.gz"
+
+# ----------------------------------------------------------------------------------------------
+# Sequences: the Llama fixtures' four texts; the last is cut at a pre-token boundary to 256 ids.
+# ----------------------------------------------------------------------------------------------
+TEXT_SHORT = "To be, or not to be, that is the question."
+TEXT_64 = (
+    "Four score and seven years ago our fathers brought forth on this continent, a new nation, "
+    "conceived in Liberty, and dedicated to the proposition that all men are created equal."
+)
+TEXT_200 = (
+    "It was the best of times, it was the worst of times, it was the age of wisdom, it was the age "
+    "of foolishness, it was the epoch of belief, it was the epoch of incredulity, it was the season "
+    "of Light, it was the season of Darkness, it was the spring of hope, it was the winter of "
+    "despair, we had everything before us, we had nothing before us, we were all going direct to "
+    "Heaven, we were all going direct the other way\u2014in short, the period was so far like the "
+    "present period, that some of its noisiest authorities insisted on its being received, for good "
+    "or for evil, in the superlative degree of comparison only.\n\n"
+    "There were a king with a large jaw and a queen with a plain face."
+)
+TEXT_LONG_SOURCE = (
+    "We hold these truths to be self-evident, that all men are created equal, that they are endowed "
+    "by their Creator with certain unalienable Rights, that among these are Life, Liberty and the "
+    "pursuit of Happiness.--That to secure these rights, Governments are instituted among Men, "
+    "deriving their just powers from the consent of the governed, --That whenever any Form of "
+    "Government becomes destructive of these ends, it is the Right of the People to alter or to "
+    "abolish it, and to institute new Government, laying its foundation on such principles and "
+    "organizing its powers in such form, as to them shall seem most likely to effect their Safety "
+    "and Happiness. Prudence, indeed, will dictate that Governments long established should not be "
+    "changed for light and transient causes; and accordingly all experience hath shewn, that "
+    "mankind are more disposed to suffer, while evils are sufferable, than to right themselves by "
+    "abolishing the forms to which they are accustomed. But when a long train of abuses and "
+    "usurpations, pursuing invariably the same Object evinces a design to reduce them under absolute "
+    "Despotism, it is their right, it is their duty, to throw off such Government, and to provide "
+    "new Guards for their future security.--Such has been the patient sufferance of these Colonies; "
+    "and such is now the necessity which constrains them to alter their former Systems of "
+    "Government. The history of the present King of Great Britain is a history of repeated injuries "
+    "and usurpations, all having in direct object the establishment of an absolute Tyranny over "
+    "these States. To prove this, let Facts be submitted to a candid world."
+)
+EXACT_LONG_LEN = 256
+
+
+def make_texts(tok):
+    """The 4 (text, ids) pairs; the last one is cut to exactly EXACT_LONG_LEN ids."""
+    out = [(t, tok(t)["input_ids"]) for t in (TEXT_SHORT, TEXT_64, TEXT_200)]
+    enc = tok(TEXT_LONG_SOURCE, return_offsets_mapping=True)
+    ids, offs = enc["input_ids"], enc["offset_mapping"]
+    cut = offs[EXACT_LONG_LEN][0]
+    text = TEXT_LONG_SOURCE[:cut]
+    while tok(text)["input_ids"] != ids[:EXACT_LONG_LEN]:
+        cut -= 1
+        text = TEXT_LONG_SOURCE[:cut]
+    out.append((text, tok(text)["input_ids"]))
+    assert [len(i) for _, i in out] == [17, 59, 223, 256], [len(i) for _, i in out]
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
+# Architectures. Small enough for ~1-2 MB per checkpoint; every kind of layer present once.
+# ----------------------------------------------------------------------------------------------
+COMMON = dict(
+    hidden_size=128,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=64,
+    max_position_embeddings=4096,
+)
+ARCHS = {
+    # layer 0 sparse (8 experts, top 2, renormalised), layer 1 dense through mlp_only_layers
+    "qwen3moe": dict(
+        config="Qwen3MoeConfig",
+        model="Qwen3MoeForCausalLM",
+        seed=2401,
+        kw=dict(
+            COMMON,
+            num_hidden_layers=2,
+            intermediate_size=256,
+            moe_intermediate_size=64,
+            num_experts=8,
+            num_experts_per_tok=2,
+            norm_topk_prob=True,
+            decoder_sparse_step=1,
+            mlp_only_layers=[1],
+            rms_norm_eps=1e-6,
+            rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+            tie_word_embeddings=False,
+            hidden_act="silu",
+        ),
+        experts=("gate_proj", "up_proj", "down_proj"),
+    ),
+    # Mixtral: every layer sparse
+    "mixtral": dict(
+        config="MixtralConfig",
+        model="MixtralForCausalLM",
+        seed=2402,
+        kw=dict(
+            COMMON,
+            num_hidden_layers=2,
+            intermediate_size=64,
+            num_local_experts=8,
+            num_experts_per_tok=2,
+            rms_norm_eps=1e-5,
+            rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+            sliding_window=None,
+            tie_word_embeddings=False,
+            hidden_act="silu",
+        ),
+        experts=("w1", "w3", "w2"),
+    ),
+    # one sliding (window 32, local base 10k) and one global layer (1M, linear x8, as Gemma 3's
+    # 4B-27B); query_pre_attn_scalar != head_dim so that the attention scale is tested
+    "gemma3": dict(
+        config="Gemma3TextConfig",
+        model="Gemma3ForCausalLM",
+        seed=2403,
+        kw=dict(
+            COMMON,
+            num_hidden_layers=2,
+            intermediate_size=256,
+            layer_types=["sliding_attention", "full_attention"],
+            sliding_window=32,
+            query_pre_attn_scalar=48,
+            rms_norm_eps=1e-6,
+            rope_parameters={
+                "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1000000.0},
+            },
+            hidden_activation="gelu_pytorch_tanh",
+            tie_word_embeddings=True,
+            final_logit_softcapping=None,
+            attn_logit_softcapping=None,
+        ),
+    ),
+    # Gemma 2: sliding + global, attention-logit and final-logit soft-capping (caps chosen low
+    # enough that leaving either out moves the log-probs far beyond 1e-4)
+    "gemma2": dict(
+        config="Gemma2Config",
+        model="Gemma2ForCausalLM",
+        seed=2404,
+        kw=dict(
+            COMMON,
+            num_hidden_layers=2,
+            intermediate_size=256,
+            layer_types=["sliding_attention", "full_attention"],
+            sliding_window=32,
+            query_pre_attn_scalar=48,
+            rms_norm_eps=1e-6,
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+            hidden_activation="gelu_pytorch_tanh",
+            tie_word_embeddings=True,
+            final_logit_softcapping=15.0,
+            attn_logit_softcapping=10.0,
+        ),
+    ),
+}
+
+INIT_STD = {
+    "embed": 0.5,
+    "tied_embed": 0.12,  # tied: the embedding doubles as lm_head
+    "lm_head": 0.15,
+    "q_proj": 0.08,
+    "k_proj": 0.08,
+    "v_proj": 0.06,
+    "o_proj": 0.06,
+    "gate_proj": 0.06,
+    "up_proj": 0.06,
+    "down_proj": 0.06,
+    "w1": 0.06,
+    "w2": 0.06,
+    "w3": 0.06,
+    "gate": 0.1,  # MoE router
+}
+
+MOE_ROUTER_NAMES = ("mlp.gate",)
+
+
+def is_gemma(arch):
+    return arch.startswith("gemma")
+
+
+@torch.no_grad()
+def init_weights(model, seed, arch):
+    """Deterministic init (sorted parameter names). Norm weights are ~U(0.6, 1.4) as multipliers:
+    Gemma's (1 + w) norms store w ~ U(-0.4, 0.4), so a loader that forgets either convention
+    fails loudly."""
+    g = torch.Generator().manual_seed(seed)
+    tied = bool(model.config.tie_word_embeddings)
+    for name, p in sorted(model.named_parameters(), key=lambda kv: kv[0]):
+        if name.endswith("norm.weight"):
+            v = 0.6 + 0.8 * torch.rand(p.shape, generator=g)
+            if is_gemma(arch):
+                v = v - 1.0
+        elif "embed_tokens" in name:
+            v = (INIT_STD["tied_embed"] if tied else INIT_STD["embed"]) * torch.randn(p.shape, generator=g)
+        elif name.startswith("lm_head"):
+            v = INIT_STD["lm_head"] * torch.randn(p.shape, generator=g)
+        else:
+            kind = name.split(".")[-2]
+            v = INIT_STD[kind] * torch.randn(p.shape, generator=g)
+        p.copy_(v.to(p.dtype))
+
+
+# ----------------------------------------------------------------------------------------------
+# Linearized experts: one nn.Linear per expert projection, routed exactly as transformers routes
+# its fused experts (same loop, same order of the index_add).
+# ----------------------------------------------------------------------------------------------
+class ExpertMLP(nn.Module):
+    def __init__(self, names, hidden, inter, act, dtype):
+        super().__init__()
+        self.names = names  # (gate, up, down)
+        gate, up, down = names
+        setattr(self, gate, nn.Linear(hidden, inter, bias=False, dtype=dtype))
+        setattr(self, up, nn.Linear(hidden, inter, bias=False, dtype=dtype))
+        setattr(self, down, nn.Linear(inter, hidden, bias=False, dtype=dtype))
+        self.act = act
+
+    def forward(self, x):
+        gate, up, down = (getattr(self, n) for n in self.names)
+        return down(self.act(gate(x)) * up(x))
+
+
+CALIBRATE_ALL_EXPERTS = False
+
+
+class LinearExperts(nn.ModuleList):
+    """Replaces a transformers `*Experts` module (3-D gate_up_proj / down_proj) by per-expert
+    Linears with the same forward signature (hidden [n, h], top_k_index, top_k_weights)."""
+
+    def __init__(self, fused, names):
+        num, two_inter, hidden = fused.gate_up_proj.shape
+        inter = two_inter // 2
+        dtype = fused.gate_up_proj.dtype
+        super().__init__([ExpertMLP(names, hidden, inter, fused.act_fn, dtype) for _ in range(num)])
+        self.num_experts = num
+        with torch.no_grad():
+            for e, m in enumerate(self):
+                gate, up, down = (getattr(m, n) for n in names)
+                gate.weight.copy_(fused.gate_up_proj[e, :inter])
+                up.weight.copy_(fused.gate_up_proj[e, inter:])
+                down.weight.copy_(fused.down_proj[e])
+
+    def forward(self, hidden_states, top_k_index, top_k_weights):
+        final = torch.zeros_like(hidden_states)
+        mask = torch.nn.functional.one_hot(top_k_index, num_classes=self.num_experts).permute(2, 1, 0)
+        for e in range(self.num_experts):
+            if CALIBRATE_ALL_EXPERTS:
+                self[e](hidden_states)  # calibration sees every token; the output is discarded
+            top_k_pos, token_idx = torch.where(mask[e])
+            if token_idx.numel() == 0:
+                continue
+            out = self[e](hidden_states[token_idx]) * top_k_weights[token_idx, top_k_pos, None]
+            final.index_add_(0, token_idx, out.to(final.dtype))
+        return final
+
+
+def linearize_experts(model, names):
+    for name, module in list(model.named_modules()):
+        if hasattr(module, "gate_up_proj") and hasattr(module, "down_proj") and name.endswith("experts"):
+            model.set_submodule(name, LinearExperts(module, names))
+    return model
+
+
+def build_model(arch, dtype, tok=None, init=True):
+    import transformers
+
+    spec = ARCHS[arch]
+    tok_ids = {}
+    if tok is not None:
+        tok_ids = dict(bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=None)
+    cfg = getattr(transformers, spec["config"])(vocab_size=2000, **tok_ids, **spec["kw"])
+    model = getattr(transformers, spec["model"])(cfg).to(torch.float32)
+    if "experts" in spec:
+        linearize_experts(model, spec["experts"])
+    if init:
+        init_weights(model, spec["seed"], arch)
+        if cfg.tie_word_embeddings:
+            model.tie_weights()
+            assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
+    model = model.to(dtype)
+    model.eval()
+    return model
+
+
+# ----------------------------------------------------------------------------------------------
+# Variants
+# ----------------------------------------------------------------------------------------------
+def scheme_w4a16_g32():
+    from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
+
+    return QuantizationScheme(
+        targets=["Linear"],
+        weights=QuantizationArgs(num_bits=4, type="int", strategy="group", group_size=32, symmetric=True),
+    )
+
+
+VARIANTS = {
+    "qwen3moe-w4a16-g32": dict(arch="qwen3moe", scheme=scheme_w4a16_g32),
+    "qwen3moe-fp8-dynamic": dict(arch="qwen3moe", scheme="FP8_DYNAMIC", act=True),
+    "qwen3moe-nvfp4": dict(arch="qwen3moe", scheme="NVFP4", calib=True, act=True),
+    "mixtral-w4a16-g32": dict(arch="mixtral", scheme=scheme_w4a16_g32),
+    "gemma3-dense-bf16": dict(arch="gemma3", scheme=None),
+    "gemma3-w4a16-g32": dict(arch="gemma3", scheme=scheme_w4a16_g32),
+    "gemma3-nvfp4a16": dict(arch="gemma3", scheme="NVFP4A16"),
+    "gemma2-dense-bf16": dict(arch="gemma2", scheme=None),
+    "gemma2-w4a16-g32": dict(arch="gemma2", scheme=scheme_w4a16_g32),
+}
+
+
+def calibration_dataset(tok, n=32, seqlen=128):
+    import gzip
+
+    from datasets import Dataset
+
+    text = gzip.decompress(CORPUS.read_bytes()).decode("utf-8").replace("\r\n", "\n")
+    ids = tok(text[:400000], add_special_tokens=False)["input_ids"]
+    step = seqlen - 1
+    rows = []
+    for i in range(n):
+        chunk = [tok.bos_token_id] + ids[i * step : (i + 1) * step]
+        rows.append({"input_ids": chunk, "attention_mask": [1] * len(chunk)})
+    return Dataset.from_list(rows)
+
+
+def quantize_and_save(model, spec, out_dir, tok):
+    """Round-to-nearest with llm-compressor; the MoE routers (mlp.gate) stay unquantized."""
+    global CALIBRATE_ALL_EXPERTS
+    from llmcompressor import oneshot
+    from llmcompressor.modifiers.quantization import QuantizationModifier
+
+    ignore = ["lm_head", "re:.*mlp.gate$"]
+    scheme = spec["scheme"]
+    if callable(scheme):
+        mod = QuantizationModifier(config_groups={"group_0": scheme()}, ignore=ignore)
+    else:
+        mod = QuantizationModifier(targets="Linear", scheme=scheme, ignore=ignore)
+    kw = {}
+    if spec.get("calib"):
+        kw = dict(
+            dataset=calibration_dataset(tok),
+            num_calibration_samples=32,
+            max_seq_length=128,
+            shuffle_calibration_samples=False,
+        )
+    CALIBRATE_ALL_EXPERTS = True
+    try:
+        model = oneshot(model=model, recipe=mod, **kw)
+    finally:
+        CALIBRATE_ALL_EXPERTS = False
+    model.save_pretrained(str(out_dir), save_compressed=True)
+    tok.save_pretrained(str(out_dir))
+
+
+def build_variant(name, spec, tok, work):
+    from transformers import AutoModelForCausalLM
+
+    out = FIXTURES / name
+    if out.exists():
+        shutil.rmtree(out)
+    arch = spec["arch"]
+    if "experts" in ARCHS[arch]:
+        # transformers 5 would fuse per-expert weights again on reload: quantize in memory.
+        model = build_model(arch, torch.bfloat16, tok)
+        config_dir = work / f"{arch}-config"  # oneshot reads the config from name_or_path
+        model.config.save_pretrained(str(config_dir))
+        model.config._name_or_path = str(config_dir)
+        quantize_and_save(model, spec, out, tok)
+    else:
+        dense = work / f"{arch}-dense-bf16"
+        if not dense.exists():
+            model = build_model(arch, torch.bfloat16, tok)
+            model.generation_config.do_sample = False
+            model.save_pretrained(str(dense))
+            tok.save_pretrained(str(dense))
+            del model
+        if spec["scheme"] is None:
+            shutil.copytree(dense, out)
+        else:
+            model = AutoModelForCausalLM.from_pretrained(str(dense), dtype=torch.bfloat16)
+            quantize_and_save(model, spec, out, tok)
+    gc.collect()
+
+
+# ----------------------------------------------------------------------------------------------
+# The reference model: architecture from config.json, every tensor from the checkpoint
+# ----------------------------------------------------------------------------------------------
+def checkpoint_key_to_module(arch, key):
+    """Checkpoint names as published -> module names of our linearized model."""
+    if arch == "mixtral":
+        key = key.replace(".block_sparse_moe.", ".mlp.")
+    return key
+
+
+def load_checkpoint(path):
+    from safetensors.torch import load_file
+
+    return load_file(str(Path(path) / "model.safetensors"))
+
+
+def quant_scheme(cfg):
+    from compressed_tensors.quantization import QuantizationConfig
+
+    q = cfg.get("quantization_config")
+    return None if q is None else QuantizationConfig.model_validate(q)
+
+
+def module_is_ignored(qcfg, name):
+    import re
+
+    for pat in qcfg.ignore or []:
+        if pat.startswith("re:") and re.match(pat[3:], name):
+            return True
+        if pat == name:
+            return True
+    return False
+
+
+def dequantize(fmt, local, scheme, dtype):
+    """compressed-tensors' own decompression of one module's tensors. Scales are cast to the
+    model dtype first, as transformers does at load (so a float32 product is exact)."""
+    from compressed_tensors.compressors import BaseCompressor
+
+    local = dict(local)
+    for k in ("weight_scale",):
+        if k in local and local[k].is_floating_point():
+            local[k] = local[k].to(dtype)
+    w = BaseCompressor.get_value_from_registry(fmt).decompress(local, scheme)["weight"]
+    return w.to(dtype)  # NVFP4 comes back in bf16 whatever the dtype (exact upcast)
+
+
+class ActQdq:
+    """Input fake-quant of one quantized Linear, as compressed-tensors computes it, fed so that
+    per-token schemes get one scale per token whatever the input's rank."""
+
+    def __init__(self, args, input_global_scale):
+        from compressed_tensors.quantization import QuantizationStatus
+
+        self.args = args
+        self.dummy = SimpleNamespace(quantization_status=QuantizationStatus.FROZEN)
+        if input_global_scale is not None:
+            self.dummy.input_global_scale = input_global_scale
+
+    def __call__(self, x):
+        from compressed_tensors.quantization.lifecycle.forward import forward_quantize
+
+        k = x.shape[-1]
+        rows = x.reshape(-1, 1, k)  # [tokens, 1, K]: one "sequence" per token
+        out = forward_quantize(self.dummy, rows, "input", self.args).reshape(x.shape)
+        if self.args.type == "float" and self.args.num_bits == 8 and x.dtype == torch.float32:
+            mine = np_act_qdq_fp8_token(x.reshape(-1, k).numpy()).reshape(x.shape)
+            FP8_CHECK["elements"] += x.numel()
+            FP8_CHECK["bit_identical"] &= bool(np.array_equal(mine.view(np.uint32), out.numpy().view(np.uint32)))
+        return out
+
+
+FP8_CHECK = {"elements": 0, "bit_identical": True}
+
+
+def np_act_qdq_fp8_token(x):
+    """The FP8-dynamic scheme's meaning, one scale per row (token), in numpy float32."""
+    table = np.array([_fp8_e4m3fn(v) for v in range(127)], dtype=np.float64)  # 0 .. 448
+    amax = np.maximum(np.abs(np.minimum(x.min(-1, keepdims=True), 0)), np.abs(np.maximum(x.max(-1, keepdims=True), 0)))
+    scale = (amax / np.float32(448.0)).astype(np.float32)
+    scale = np.where(scale == 0, np.float32(np.finfo(np.float32).eps), scale).astype(np.float32)
+    q = np.clip((x / scale).astype(np.float32) + np.float32(0.0), -448.0, 448.0).astype(np.float32)
+    a = np.abs(q).astype(np.float64)
+    idx = np.clip(np.searchsorted(table, a), 1, 126)
+    lo, hi = table[idx - 1], table[idx]
+    take_hi = (hi - a < a - lo) | ((hi - a == a - lo) & (idx % 2 == 0))
+    q = np.copysign(np.where(take_hi, hi, lo), q).astype(np.float32)
+    return (q * scale).astype(np.float32)
+
+
+def _fp8_e4m3fn(v):
+    e, m = (v >> 3) & 0xF, v & 0x7
+    return (m / 8.0) * 2.0 ** -6 if e == 0 else (1.0 + m / 8.0) * 2.0 ** (e - 7)
+
+
+def reference_model(path, arch, dtype, act=True):
+    """Float `dtype` model with every weight from the checkpoint. Returns (model, info)."""
+    cfg = json.loads((Path(path) / "config.json").read_text())
+    qcfg = quant_scheme(cfg)
+    model = build_model(arch, torch.float32, init=False)
+    tensors = load_checkpoint(path)
+    modules = dict(model.named_modules())
+    by_module = {}
+    for key, t in tensors.items():
+        mod_name, local = checkpoint_key_to_module(arch, key).rsplit(".", 1)
+        by_module.setdefault(mod_name, {})[local] = t
+    hooks, quantized = [], []
+    fmt = None if qcfg is None else qcfg.format
+    state = {}
+    for mod_name, local in sorted(by_module.items()):
+        if mod_name not in modules:
+            raise KeyError(f"checkpoint module {mod_name} has no counterpart in the model")
+        if "weight" in local and local["weight"].dtype != torch.float8_e4m3fn:
+            for k, v in local.items():
+                state[f"{mod_name}.{k}"] = v.to(dtype)
+            continue
+        scheme = qcfg.config_groups["group_0"]
+        assert not module_is_ignored(qcfg, mod_name), mod_name
+        w = dequantize(fmt, local, scheme, dtype)
+        state[f"{mod_name}.weight"] = w
+        quantized.append(mod_name)
+        if act and scheme.input_activations is not None:
+            gs = local.get("input_global_scale")
+            qdq = ActQdq(scheme.input_activations, None if gs is None else gs.to(torch.float32))
+            hooks.append(modules[mod_name].register_forward_pre_hook(
+                lambda m, a, qdq=qdq: (qdq(a[0]),)))
+    model = model.to(dtype)
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    missing = [m for m in missing if not (model.config.tie_word_embeddings and m == "lm_head.weight")]
+    assert not missing and not unexpected, (missing, unexpected)
+    if model.config.tie_word_embeddings:
+        model.tie_weights()
+    model.eval()
+    return model, {"quantized_modules": quantized, "act_hooks": len(hooks), "tensors": tensors,
+                   "qcfg": qcfg}
+
+
+# ----------------------------------------------------------------------------------------------
+# Log-probs, routing records, statistics
+# ----------------------------------------------------------------------------------------------
+@torch.no_grad()
+def run_logprobs(model, ids, attn="sdpa"):
+    model.config._attn_implementation = attn
+    x = torch.tensor([ids], dtype=torch.long)
+    logits = model(input_ids=x).logits[0].to(torch.float64)
+    lsm = torch.log_softmax(logits, dim=-1)
+    tgt = torch.tensor(ids[1:], dtype=torch.long)
+    lp = lsm[:-1].gather(1, tgt[:, None])[:, 0]
+    return lp.numpy(), logits.argmax(dim=-1).numpy()
+
+
+@torch.no_grad()
+def routing(model, ids):
+    """Per MoE layer: the experts each token chose (in top-k order) and the router's margin, the
+    gap between the k-th and (k+1)-th softmax probability (a near-tie flips under any rounding)."""
+    out = {}
+    hooks = []
+    for name, mod in model.named_modules():
+        if name.endswith("mlp.gate") and hasattr(mod, "top_k"):
+            def hook(m, args, res, name=name):
+                logits = res[0].to(torch.float32)
+                probs = torch.softmax(logits, dim=-1)
+                top = torch.topk(probs, m.top_k + 1, dim=-1)
+                out[name.removesuffix(".mlp.gate")] = {
+                    "experts": res[2].tolist(),
+                    "margin": (top.values[:, -2] - top.values[:, -1]).tolist(),
+                }
+            hooks.append(mod.register_forward_hook(hook))
+    model(input_ids=torch.tensor([ids]))
+    for h in hooks:
+        h.remove()
+    return out
+
+
+def seq_record(text, ids, lp, top1):
+    return {
+        "text": text,
+        "token_ids": [int(i) for i in ids],
+        "token_logprobs": [None] + [float(v) for v in lp],
+        "top1_ids": [int(i) for i in top1],
+        "sum_nll": float(-lp.sum()),
+        "num_scored": int(len(lp)),
+    }
+
+
+def diff_stats(a_seqs, b_lps):
+    a = np.concatenate([np.array(s["token_logprobs"][1:], dtype=np.float64) for s in a_seqs])
+    b = np.concatenate([np.asarray(lp, dtype=np.float64) for lp in b_lps])
+    d = np.abs(a - b)
+    return {
+        "mean_nll_delta": float(a.mean() - b.mean()),
+        "max": float(d.max()),
+        "mean": float(d.mean()),
+        "p99": float(np.percentile(d, 99)),
+        "median": float(np.median(d)),
+        "frac_gt_1e-4": float((d > 1e-4).mean()),
+        "frac_gt_1e-3": float((d > 1e-3).mean()),
+    }
+
+
+def mean_nll(seqs):
+    return sum(s["sum_nll"] for s in seqs) / sum(s["num_scored"] for s in seqs)
+
+
+def run_all(model, texts, attn="sdpa"):
+    seqs, lps = [], []
+    for text, ids in texts:
+        lp, top1 = run_logprobs(model, ids, attn)
+        seqs.append(seq_record(text, ids, lp, top1))
+        lps.append(lp)
+    return seqs, lps
+
+
+def versions():
+    import compressed_tensors
+    import llmcompressor
+    import safetensors
+    import tokenizers
+    import transformers
+
+    return {
+        "python": sys.version.split()[0],
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "compressed_tensors": compressed_tensors.__version__,
+        "llmcompressor": llmcompressor.__version__,
+        "tokenizers": tokenizers.__version__,
+        "safetensors": safetensors.__version__,
+        "numpy": np.__version__,
+    }
+
+
+def attn_impl(arch):
+    # Soft-capped attention logits exist only in the eager path (sdpa has no softcap).
+    return "eager" if arch == "gemma2" else "sdpa"
+
+
+def compute_reference(name, spec, path, texts):
+    arch, act = spec["arch"], spec.get("act", False)
+    FP8_CHECK.update(elements=0, bit_identical=True)
+    attn = attn_impl(arch)
+    res = {"variant": name, "architecture": ARCHS[arch]["model"], "torch_dtype_used": "float32"}
+    m32, info = reference_model(path, arch, torch.float32, act=True)
+    seqs, _ = run_all(m32, texts, attn)
+    res["sequences"] = seqs
+    numerics = {"attn_implementation": attn,
+                "logits_dtype": "float32 (model output), upcast to float64 before log_softmax"}
+    if act:
+        res["reference_mode"] = "with_activation_quant (per-token for fp8 dynamic)"
+        m_w, _ = reference_model(path, arch, torch.float32, act=False)
+        seqs_w, lps_w = run_all(m_w, texts, attn)
+        res["weights_only"] = {
+            "description": "same float32 model without activation fake-quantization",
+            "sequences": seqs_w,
+            "mean_nll": mean_nll(seqs_w),
+        }
+        numerics["with_vs_without_act_quant"] = diff_stats(seqs, lps_w)
+    else:
+        res["reference_mode"] = "weights_only (no activation quantization in this scheme)"
+    if "experts" in ARCHS[arch]:
+        numerics["linear_experts_vs_fused_f32"] = linear_vs_fused(m_w if act else m32, texts, attn)
+        res["routing"] = [routing(m32, ids) for _, ids in texts]
+        if act:
+            res["weights_only"]["routing"] = [routing(m_w, ids) for _, ids in texts]
+    # another float32 summation order (eager vs sdpa or the reverse): how closely any
+    # independent float32 implementation can be expected to match
+    other = "sdpa" if attn == "eager" else "eager"
+    if arch != "gemma2":
+        _, lps_other = run_all(m32, texts, other)
+        numerics[f"{other}_vs_{attn}_f32"] = diff_stats(seqs, lps_other)
+    if arch == "gemma2":
+        # the soft-caps matter: scores without them
+        m32.config.final_logit_softcapping = None
+        _, lps_nocap = run_all(m32, texts, attn)
+        numerics["without_final_logit_softcapping"] = diff_stats(seqs, lps_nocap)
+        m32.config.final_logit_softcapping = ARCHS[arch]["kw"]["final_logit_softcapping"]
+        attns = [layer.self_attn for layer in m32.model.layers]
+        for a in attns:
+            a.attn_logit_softcapping = None
+        _, lps_nocap = run_all(m32, texts, attn)
+        numerics["without_attn_logit_softcapping"] = diff_stats(seqs, lps_nocap)
+        for a in attns:
+            a.attn_logit_softcapping = ARCHS[arch]["kw"]["attn_logit_softcapping"]
+    if is_gemma(arch):
+        # the window matters: sequences 1-3 are longer than it
+        window = m32.config.sliding_window
+        m32.config.sliding_window = 1 << 20
+        _, lps_full = run_all(m32, texts, attn)
+        numerics["without_sliding_window"] = diff_stats(seqs, lps_full)
+        m32.config.sliding_window = window
+    if "experts" not in ARCHS[arch]:
+        mp = from_pretrained(path, torch.float32, attn)
+        _, lps_fp = run_all(mp, texts, attn)
+        numerics["manual_vs_from_pretrained_f32"] = diff_stats(seqs, lps_fp)
+        del mp
+    # bf16 run: the same construction in bfloat16 (activation quant as in `sequences`)
+    m16, _ = reference_model(path, arch, torch.bfloat16, act=True)
+    seqs16, lps16 = run_all(m16, texts, attn)
+    res["bf16_run"] = {
+        "description": "the same reference construction in bfloat16 on CPU; logits upcast to "
+        "float64 before log_softmax",
+        "diff_stats_vs_f32": diff_stats(seqs, lps16),
+        "sequences": [{"token_logprobs": s["token_logprobs"], "sum_nll": s["sum_nll"]} for s in seqs16],
+    }
+    res["numerics"] = numerics
+    res["mean_nll"] = mean_nll(seqs)
+    if act and FP8_CHECK["elements"]:
+        res["activation_qdq_verification"] = {
+            "description": "per-token fp8 QDQ of compressed-tensors fed [tokens, 1, K] against "
+            "a numpy one-scale-per-row implementation, on every quantized Linear input",
+            **FP8_CHECK,
+        }
+    res["versions"] = versions()
+    dq = None
+    if info["qcfg"] is not None:
+        dq = dequant_checks(path, arch, info)
+        res["dequant_verification"] = dq["verification"]
+    del m32, m16
+    gc.collect()
+    return res, (None if dq is None else dq["modules"])
+
+
+def linear_vs_fused(linear, texts, attn):
+    """Our per-expert model against transformers' own fused experts holding the same weights."""
+    arch = next(a for a, s in ARCHS.items() if s["model"] == type(linear).__name__)
+    import transformers
+
+    spec = ARCHS[arch]
+    cfg = linear.config
+    fused = getattr(transformers, spec["model"])(cfg).to(torch.float32).eval()
+    state = {}
+    for name, t in linear.state_dict().items():
+        if ".experts." not in name:
+            state[name] = t
+    for name, mod in linear.named_modules():
+        if isinstance(mod, LinearExperts):
+            gate, up, down = spec["experts"]
+            state[f"{name}.gate_up_proj"] = torch.stack(
+                [torch.cat([getattr(e, gate).weight, getattr(e, up).weight]) for e in mod])
+            state[f"{name}.down_proj"] = torch.stack([getattr(e, down).weight for e in mod])
+    fused.load_state_dict(state, strict=True)
+    seqs, _ = run_all(linear, texts, attn)
+    _, lps = run_all(fused, texts, attn)
+    return diff_stats(seqs, lps)
+
+
+def from_pretrained(path, dtype, attn):
+    """A plain transformers load (compressed-tensors decompresses); NVFP4 weights come back in
+    bf16 whatever the dtype and are upcast (exact)."""
+    from transformers import AutoModelForCausalLM
+
+    m = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype, attn_implementation=attn)
+    m.eval()
+    hq = getattr(m, "hf_quantizer", None)
+    if hq is not None and hasattr(m, "ct_decompress_hook"):
+        hq.compressor.decompress_model(m)
+    for mod in m.modules():
+        w = getattr(mod, "weight", None)
+        if getattr(mod, "quantization_scheme", None) is not None and w is not None and w.dtype != dtype:
+            mod.weight.data = w.data.to(dtype)
+    return m
+
+
+def dequant_checks(path, arch, info):
+    """Checksums of every dequantized (float32) Linear weight; for the dense architectures also
+    a bit comparison with what transformers + compressed-tensors load."""
+    m32, _ = reference_model(path, arch, torch.float32, act=False)
+    sd = m32.state_dict()
+    modules = {}
+    for p in info["quantized_modules"]:
+        w = sd[p + ".weight"].numpy()
+        modules[p] = {
+            "shape": list(w.shape),
+            "sha256_f32_le": hashlib.sha256(np.ascontiguousarray(w).tobytes()).hexdigest(),
+            "sum_f64": float(w.astype(np.float64).sum()),
+            "sum_abs_f64": float(np.abs(w.astype(np.float64)).sum()),
+            "row0_first8": [float(x) for x in w[0, :8]],
+            "last_row_last8": [float(x) for x in w[-1, -8:]],
+        }
+    ver = {"format": info["qcfg"].format, "num_modules": len(modules)}
+    if "experts" not in ARCHS[arch]:
+        fp = from_pretrained(path, torch.float32, "sdpa").state_dict()
+        ver["bit_identical_to_from_pretrained_f32"] = all(
+            np.array_equal(sd[p + ".weight"].numpy().view(np.uint32), fp[p + ".weight"].numpy().view(np.uint32))
+            for p in modules)
+    del m32
+    return {"modules": modules, "verification": ver}
+
+
+def fmt_json(obj):
+    return json.dumps(obj, indent=1, ensure_ascii=False, allow_nan=False)
+
+
+def dir_size(p):
+    return sum(f.stat().st_size for f in Path(p).rglob("*") if f.is_file())
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--only", default=None, help="comma-separated variant names")
+    ap.add_argument("--stage", default="all", choices=["all", "refs"])
+    args = ap.parse_args()
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(TOKENIZER_DIR))
+    texts = make_texts(tok)
+    work = Path(tempfile.mkdtemp(prefix="arch-fixtures-"))  # fresh: dense bases are rebuilt
+    names = list(VARIANTS) if not args.only else args.only.split(",")
+    summary_path = FIXTURES / "arch_summary.json"
+    summary = json.loads(summary_path.read_text()) if summary_path.exists() else {}
+    for name in names:
+        spec = VARIANTS[name]
+        t0 = time.time()
+        if args.stage == "all":
+            build_variant(name, spec, tok, work)
+        path = FIXTURES / name
+        ref, modules = compute_reference(name, spec, path, texts)
+        (path / "reference.json").write_text(fmt_json(ref) + "\n")
+        if modules is not None:
+            (path / "dequant_check.json").write_text(fmt_json(modules) + "\n")
+        summary[name] = {
+            "mean_nll": ref["mean_nll"],
+            "weights_only_mean_nll": ref.get("weights_only", {}).get("mean_nll"),
+            "bf16_vs_f32": ref["bf16_run"]["diff_stats_vs_f32"],
+            **ref["numerics"],
+            "dequant": ref.get("dequant_verification"),
+            "size_bytes": dir_size(path),
+        }
+        print(f"[{name}] mean NLL {ref['mean_nll']:.4f}, {dir_size(path) / 1e6:.2f} MB, "
+              f"{time.time() - t0:.1f}s", flush=True)
+    summary["_versions"] = versions()
+    summary_path.write_text(fmt_json(dict(sorted(summary.items()))) + "\n")
+
+
+if __name__ == "__main__":
+    main()

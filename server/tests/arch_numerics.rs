@@ -1,0 +1,243 @@
+//! Qwen3-MoE, Mixtral, Gemma 3 and Gemma 2 fixtures scored in f32 on the CPU against the
+//! references of scripts/make_arch_fixtures.py (transformers, float32, per-expert Linears).
+
+mod common;
+
+use common::*;
+use exactscore_server::model::{Model, ScoreInput, SequenceScores};
+use exactscore_server::quant::ActivationQuantMode::{self, Emulate, Off};
+use serde_json::Value;
+
+fn score_all(model: &Model, seqs: &[Vec<u32>]) -> Vec<SequenceScores> {
+    let batch: Vec<ScoreInput> = seqs
+        .iter()
+        .map(|t| ScoreInput {
+            tokens: t,
+            top_k: 1,
+        })
+        .collect();
+    model.score(&batch).unwrap()
+}
+
+/// Per-token |Δ| between our log-probs and a reference block, flattened.
+fn deltas(ours: &[SequenceScores], reference: &[Vec<f64>]) -> Vec<f64> {
+    ours.iter()
+        .zip(reference)
+        .flat_map(|(s, r)| {
+            assert_eq!(s.num_scored(), r.len());
+            s.token_logprobs()
+                .zip(r)
+                .map(|(a, b)| (a as f64 - b).abs())
+                .collect::<Vec<_>>()
+        })
+        .collect()
+}
+
+fn mean_nll(scores: &[SequenceScores]) -> f64 {
+    let n: usize = scores.iter().map(|s| s.num_scored()).sum();
+    scores.iter().map(|s| s.sum_nll()).sum::<f64>() / n as f64
+}
+
+fn block<'a>(reference: &'a Value, name: &str) -> &'a Value {
+    match name {
+        "sequences" => reference,
+        other => &reference[other],
+    }
+}
+
+/// For MoE fixtures: positions (per sparse layer) where our experts differ from the reference's
+/// as a set, with the reference router's margin there (a near-tie flips under any rounding).
+fn routing_report(variant: &str, model: &Model, seqs: &[Vec<u32>], reference: &Value) -> usize {
+    let Some(reference_routes) = reference["routing"].as_array() else {
+        return 0;
+    };
+    let mut differing = 0;
+    let mut total = 0;
+    for (s, seq) in seqs.iter().enumerate() {
+        let ours = model.expert_routes(&[seq]).unwrap();
+        assert!(
+            !ours.is_empty(),
+            "{variant}: a MoE model reported no sparse layer"
+        );
+        for (layer, routes) in ours {
+            let r = &reference_routes[s][format!("model.layers.{layer}")];
+            let experts = r["experts"].as_array().unwrap();
+            assert_eq!(experts.len(), routes.len());
+            for (t, (ours, theirs)) in routes.iter().zip(experts).enumerate() {
+                let mut a: Vec<u64> = ours.iter().map(|(e, _)| *e as u64).collect();
+                let mut b: Vec<u64> = theirs
+                    .as_array()
+                    .unwrap()
+                    .iter()
+                    .map(|v| v.as_u64().unwrap())
+                    .collect();
+                a.sort();
+                b.sort();
+                total += 1;
+                if a != b {
+                    differing += 1;
+                    println!(
+                        "{variant}: seq {s} token {t} layer {layer}: experts {a:?} vs reference \
+                         {b:?} (reference margin {:.2e})",
+                        r["margin"][t].as_f64().unwrap()
+                    );
+                }
+            }
+        }
+    }
+    println!("{variant}: {differing} of {total} routed positions chose other experts");
+    differing
+}
+
+/// Max |Δ logprob| <= 1e-4 per token against `block` of the reference; returns the worst.
+fn assert_exact(variant: &str, act: ActivationQuantMode, block_name: &str) -> f64 {
+    let reference = reference(variant);
+    let model = load(variant, act);
+    let seqs = sequences(&reference);
+    let ours = score_all(&model, &seqs);
+    let expected = &block(&reference, block_name)["sequences"];
+    let d = deltas(&ours, &reference_logprobs(expected));
+    let (worst, max) =
+        d.iter()
+            .copied()
+            .enumerate()
+            .fold((0, 0.0), |acc, (i, x)| if x > acc.1 { (i, x) } else { acc });
+    println!(
+        "{variant} ({block_name}): {} tokens, max |Δ| {max:.2e} at token {worst}, mean {:.2e}",
+        d.len(),
+        d.iter().sum::<f64>() / d.len() as f64
+    );
+    routing_report(variant, &model, &seqs, block(&reference, block_name));
+    assert_eq!(d.len(), 551);
+    assert!(max <= 1e-4, "{variant}: max |Δlogprob| {max:e} > 1e-4");
+    max
+}
+
+#[test]
+fn qwen3moe_w4a16_matches_reference_per_token() {
+    assert_exact("qwen3moe-w4a16-g32", Emulate, "sequences");
+}
+
+#[test]
+fn qwen3moe_fp8_weights_only_matches_reference_per_token() {
+    assert_exact("qwen3moe-fp8-dynamic", Off, "weights_only");
+}
+
+#[test]
+fn qwen3moe_nvfp4_weights_only_matches_reference_per_token() {
+    assert_exact("qwen3moe-nvfp4", Off, "weights_only");
+}
+
+#[test]
+fn mixtral_w4a16_matches_reference_per_token() {
+    assert_exact("mixtral-w4a16-g32", Emulate, "sequences");
+}
+
+#[test]
+fn gemma3_dense_matches_reference_per_token() {
+    assert_exact("gemma3-dense-bf16", Emulate, "sequences");
+}
+
+#[test]
+fn gemma3_w4a16_matches_reference_per_token() {
+    assert_exact("gemma3-w4a16-g32", Emulate, "sequences");
+}
+
+#[test]
+fn gemma3_nvfp4a16_matches_reference_per_token() {
+    assert_exact("gemma3-nvfp4a16", Emulate, "sequences");
+}
+
+#[test]
+fn gemma2_dense_matches_reference_per_token() {
+    assert_exact("gemma2-dense-bf16", Emulate, "sequences");
+}
+
+#[test]
+fn gemma2_w4a16_matches_reference_per_token() {
+    assert_exact("gemma2-w4a16-g32", Emulate, "sequences");
+}
+
+/// With activation quantization the reference is discontinuous (a rounding flip anywhere moves
+/// a token a lot); its mean NLL is stable: within 1e-3 relative.
+fn assert_mean_nll(variant: &str) {
+    let reference = reference(variant);
+    let model = load(variant, Emulate);
+    let seqs = sequences(&reference);
+    let ours = score_all(&model, &seqs);
+    let d = deltas(&ours, &reference_logprobs(&reference["sequences"]));
+    let ref_nll = reference["mean_nll"].as_f64().unwrap();
+    let rel = (mean_nll(&ours) - ref_nll).abs() / ref_nll;
+    let within = d.iter().filter(|&&x| x <= 1e-4).count() as f64 / d.len() as f64;
+    println!(
+        "{variant} with activation QDQ: mean NLL rel err {rel:.2e}, {:.1}% of tokens within \
+         1e-4, max |Δ| {:.3}",
+        within * 100.0,
+        d.iter().copied().fold(0.0, f64::max)
+    );
+    routing_report(variant, &model, &seqs, &reference);
+    assert!(rel <= 1e-3, "{variant}: mean NLL off by {rel:e} (relative)");
+}
+
+#[test]
+fn qwen3moe_nvfp4_w4a4_mean_nll_matches_reference() {
+    assert_mean_nll("qwen3moe-nvfp4");
+}
+
+#[test]
+fn qwen3moe_fp8_dynamic_per_token_mean_nll_matches_reference() {
+    assert_mean_nll("qwen3moe-fp8-dynamic");
+}
+
+/// A Gemma 3 vision-language checkpoint's text model: the gemma3-w4a16-g32 tensors renamed to
+/// the transformers 5 (`model.language_model.`) and 4.x (`language_model.model.`) layouts, its
+/// config nested as `text_config`, score exactly as the text-only checkpoint's reference.
+#[test]
+fn gemma3_conditional_generation_text_weights_match_reference() {
+    use exactscore_server::model::checkpoint::{Checkpoint, HostTensor};
+    use exactscore_server::model::ModelConfig;
+
+    let dir = fixtures().join("gemma3-w4a16-g32");
+    let bytes = std::fs::read(dir.join("model.safetensors")).unwrap();
+    let file = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    let mut text: Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("config.json")).unwrap()).unwrap();
+    let quantization = text.as_object_mut().unwrap().remove("quantization_config");
+    text.as_object_mut().unwrap().remove("architectures");
+    let config = serde_json::json!({
+        "architectures": ["Gemma3ForConditionalGeneration"],
+        "text_config": text,
+        "quantization_config": quantization,
+    })
+    .to_string();
+    let reference = reference("gemma3-w4a16-g32");
+    let seqs = sequences(&reference);
+    for prefix in ["model.language_model.", "language_model.model."] {
+        let tensors = file
+            .tensors()
+            .into_iter()
+            .map(|(name, view)| {
+                let name = format!("{prefix}{}", name.strip_prefix("model.").unwrap());
+                let t = HostTensor {
+                    dtype: view.dtype(),
+                    shape: view.shape().to_vec(),
+                    data: view.data().to_vec(),
+                };
+                (name, t)
+            })
+            .collect();
+        let model = Model::from_checkpoint(
+            ModelConfig::from_json(&config).unwrap(),
+            &Checkpoint::from_memory(tensors),
+            &options(candle_core::DType::F32, Emulate),
+        )
+        .unwrap_or_else(|e| panic!("{prefix}: {e}"));
+        let d = deltas(
+            &score_all(&model, &seqs),
+            &reference_logprobs(&reference["sequences"]),
+        );
+        let max = d.iter().copied().fold(0.0, f64::max);
+        println!("Gemma3ForConditionalGeneration, {prefix}*: max |Δ| {max:.2e}");
+        assert!(max <= 1e-4, "{prefix}: max |Δlogprob| {max:e}");
+    }
+}
