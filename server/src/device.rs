@@ -45,3 +45,15 @@ pub fn enable_peer_access(devices: &[&Device]) -> Result<Vec<(usize, usize)>> {
         Ok(Vec::new())
     }
 }
+
+/// Bytes of memory of `device` (the whole GPU; `None` on the CPU, whose memory placement does
+/// not plan for).
+pub fn memory_capacity(device: &Device) -> Result<Option<u64>> {
+    #[cfg(feature = "cuda")]
+    return crate::cuda::memory_total(device);
+    #[cfg(not(feature = "cuda"))]
+    {
+        let _ = device;
+        Ok(None)
+    }
+}

@@ -669,6 +669,17 @@ pub fn enable_peer_access(devices: &[&candle_core::Device]) -> Result<Vec<(usize
     Ok(enabled)
 }
 
+/// Total memory of `device`'s GPU (`None` for the CPU).
+pub fn memory_total(device: &candle_core::Device) -> Result<Option<u64>> {
+    use candle_core::cuda_backend::cudarc::driver::result;
+    let candle_core::Device::Cuda(d) = device else {
+        return Ok(None);
+    };
+    d.cuda_stream().context().bind_to_thread().w()?;
+    let (_free, total) = result::mem_get_info().w()?;
+    Ok(Some(total as u64))
+}
+
 /// Makes `device`'s context current on this thread. cuBLAS calls and candle's per-thread
 /// stream resolve against the current context, which the previous operation on this thread,
 /// possibly on another device, left behind.

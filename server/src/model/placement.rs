@@ -1,7 +1,16 @@
 //! Which decoder layers each pipeline stage of a model holds: a pure function of the model's
-//! part sizes and the stage count (or an explicit `--layer-split`). The embedding goes with the
-//! first stage, the final norm and the lm_head with the last. Every stage holds whole layers in
-//! order, so each kernel sees exactly the inputs it sees on one device.
+//! part sizes, the work of each part, the stage count and what each device holds (or an
+//! explicit `--layer-split`). The embedding goes with the first stage, the final norm and the
+//! lm_head with the last. Every stage holds whole layers in order, so each kernel sees exactly
+//! the inputs it sees on one device.
+//!
+//! A pipeline runs as fast as its slowest stage, so the default split balances the stages'
+//! work (matmul FLOPs per token) among the splits whose every stage fits its device's memory
+//! (weights plus the expected activation peak at `--max-batch-tokens`); where no such split
+//! exists, or the memory is unknown (the CPU), it balances the expected memory peaks instead.
+//! Balancing memory alone would give a W4A16 model's last stage, which holds a bf16 lm_head and
+//! the scoring's logits, a third of the layers of the first (measured: 23 + 9 layers of the 8B
+//! shape, 1.42x one GPU instead of 1.77x for bf16).
 
 use std::ops::Range;
 
@@ -35,6 +44,44 @@ impl PartBytes {
                 .map(|i| bytes(&format!("model.layers.{i}.")))
                 .collect(),
             head: bytes("model.norm.") + lm_head,
+        }
+    }
+}
+
+/// Matmul FLOPs per token of a model's parts: what a stage's time grows with.
+#[derive(Debug, Clone, PartialEq)]
+pub struct PartWork {
+    pub layers: Vec<f64>,
+    /// The lm_head (the embedding costs nothing: a gather).
+    pub head: f64,
+}
+
+impl PartWork {
+    /// 2 × the weights a token multiplies in each part: every projection of a dense layer, the
+    /// router and `experts_per_token` experts of a sparse one, and the attention over a
+    /// sequence of `seq` tokens (the mean position: `seq` / 2 keys).
+    pub fn of(config: &ModelConfig, seq: usize) -> Self {
+        let (h, q, kv) = (
+            config.hidden_size as f64,
+            (config.num_heads * config.head_dim) as f64,
+            (config.num_kv_heads * config.head_dim) as f64,
+        );
+        let attention = 2.0 * (h * q + 2.0 * h * kv + q * h) + 2.0 * q * seq as f64;
+        let layers = (0..config.num_layers)
+            .map(|i| {
+                let mlp = match &config.moe {
+                    Some(moe) if config.is_sparse_layer(i) => {
+                        let expert = 3.0 * h * moe.expert_intermediate_size as f64;
+                        h * moe.num_experts as f64 + moe.experts_per_token as f64 * expert
+                    }
+                    _ => 3.0 * h * config.intermediate_size as f64,
+                };
+                attention + 2.0 * mlp
+            })
+            .collect();
+        Self {
+            layers,
+            head: 2.0 * h * config.vocab_size as f64,
         }
     }
 }
@@ -135,30 +182,68 @@ pub fn from_split(
         .collect())
 }
 
-/// The split of `stages` contiguous layer ranges whose largest expected peak is smallest
-/// (on ties, the first such split in the order ranges are tried: earlier stages shorter).
+/// The default split of `stages` contiguous layer ranges: the one whose busiest stage has the
+/// least work among those whose every stage fits `capacity[k]` bytes; without capacities, or
+/// when no split fits them, the one whose largest expected peak is smallest. Ties go to the
+/// first split tried (earlier stages shorter).
 pub fn balance(
     parts: &PartBytes,
     activation: &ActivationBytes,
+    work: &PartWork,
+    capacity: Option<&[u64]>,
     stages: usize,
 ) -> Result<Vec<StagePlan>, PlacementError> {
     let layers = parts.layers.len();
     if stages == 0 || stages > layers {
         return Err(PlacementError::TooManyStages { stages, layers });
     }
-    // best[k][j]: the smallest largest peak of stages 0..=k holding layers 0..j, and where
-    // stage k starts in that split.
     let peak =
         |k: usize, range: Range<usize>| plan(parts, activation, k, stages, range).expected_peak;
+    if let Some(capacity) = capacity {
+        let stage_work = |k: usize, range: Range<usize>| {
+            let fits = peak(k, range.clone()) <= capacity[k];
+            let w: f64 = work.layers[range].iter().sum::<f64>()
+                + if k + 1 == stages { work.head } else { 0.0 };
+            // A stage that does not fit costs more than any that does.
+            if fits {
+                w.round() as u64
+            } else {
+                u64::MAX / 2
+            }
+        };
+        let counts = minimax_split(layers, stages, stage_work);
+        if let Ok(plans) = from_split(parts, activation, &counts) {
+            if plans
+                .iter()
+                .zip(capacity)
+                .all(|(p, &c)| p.expected_peak <= c)
+            {
+                return Ok(plans);
+            }
+        }
+    }
+    let counts = minimax_split(layers, stages, peak);
+    from_split(parts, activation, &counts)
+}
+
+/// Layer counts of the split of `layers` into `stages` non-empty contiguous ranges whose
+/// largest `cost(stage, range)` is smallest (ties: the first found, earlier stages shorter).
+fn minimax_split(
+    layers: usize,
+    stages: usize,
+    cost: impl Fn(usize, Range<usize>) -> u64,
+) -> Vec<usize> {
+    // best[k][j]: the smallest largest cost of stages 0..=k holding layers 0..j, and where
+    // stage k starts in that split.
     let mut best = vec![vec![(u64::MAX, 0usize); layers + 1]; stages];
     for (j, cell) in best[0].iter_mut().enumerate().skip(1) {
-        *cell = (peak(0, 0..j), 0);
+        *cell = (cost(0, 0..j), 0);
     }
     for k in 1..stages {
         for j in k + 1..=layers {
             for i in k..j {
                 let (before, _) = best[k - 1][i];
-                let worst = before.max(peak(k, i..j));
+                let worst = before.max(cost(k, i..j));
                 if worst < best[k][j].0 {
                     best[k][j] = (worst, i);
                 }
@@ -172,7 +257,7 @@ pub fn balance(
         counts[k] = end - start;
         end = start;
     }
-    from_split(parts, activation, &counts)
+    counts
 }
 
 fn plan(
@@ -206,6 +291,35 @@ mod tests {
         }
     }
 
+    fn no_work(p: &PartBytes) -> PartWork {
+        PartWork {
+            layers: vec![1.0; p.layers.len()],
+            head: 0.0,
+        }
+    }
+
+    /// With memory to spare, the work decides: a head that costs as much work as two layers
+    /// but holds far more bytes (a bf16 lm_head beside 4-bit layers) moves two layers, not
+    /// the many its bytes would.
+    #[test]
+    fn with_room_the_split_balances_work_not_bytes() {
+        let p = parts(8, 100, 300, 1500);
+        let work = PartWork {
+            layers: vec![1e6; 8],
+            head: 2e6,
+        };
+        let roomy = [10_000, 10_000];
+        let plans = balance(&p, &ACT, &work, Some(&roomy), 2).unwrap();
+        assert_eq!(counts(&plans), [5, 3]);
+        // Memory alone would leave the last stage one layer.
+        assert_eq!(counts(&balance(&p, &ACT, &work, None, 2).unwrap()), [7, 1]);
+        // When the work-balanced split does not fit, the one that fits with the least work.
+        let tight = [10_000, 1_750];
+        let plans = balance(&p, &ACT, &work, Some(&tight), 2).unwrap();
+        assert_eq!(counts(&plans), [6, 2]);
+        assert!(plans[1].expected_peak <= 1_750);
+    }
+
     const ACT: ActivationBytes = ActivationBytes {
         layers: 10,
         scoring: 0,
@@ -218,9 +332,18 @@ mod tests {
     #[test]
     fn equal_layers_and_ends_split_evenly() {
         let p = parts(80, 100, 0, 0);
-        assert_eq!(counts(&balance(&p, &ACT, 2).unwrap()), [40, 40]);
-        assert_eq!(counts(&balance(&p, &ACT, 4).unwrap()), [20, 20, 20, 20]);
-        assert_eq!(counts(&balance(&p, &ACT, 1).unwrap()), [80]);
+        assert_eq!(
+            counts(&balance(&p, &ACT, &no_work(&p), None, 2).unwrap()),
+            [40, 40]
+        );
+        assert_eq!(
+            counts(&balance(&p, &ACT, &no_work(&p), None, 4).unwrap()),
+            [20, 20, 20, 20]
+        );
+        assert_eq!(
+            counts(&balance(&p, &ACT, &no_work(&p), None, 1).unwrap()),
+            [80]
+        );
     }
 
     #[test]
@@ -228,12 +351,19 @@ mod tests {
         // 8 layers of 100 and an embedding of 300 on stage 0: 2 | 6 and 3 | 5 layers both
         // peak at 610 (weights + 10 of activations); the first found, stage 0 shorter, wins.
         let p = parts(8, 100, 300, 0);
-        let plans = balance(&p, &ACT, 2).unwrap();
+        let plans = balance(&p, &ACT, &no_work(&p), None, 2).unwrap();
         assert_eq!(counts(&plans), [2, 6]);
         assert_eq!(plans[0].weight_bytes, 500);
         assert_eq!(plans[1].weight_bytes, 600);
         // A head as large as two layers moves two layers to the first stage.
-        let plans = balance(&parts(8, 100, 0, 200), &ACT, 2).unwrap();
+        let plans = balance(
+            &parts(8, 100, 0, 200),
+            &ACT,
+            &no_work(&parts(8, 100, 0, 200)),
+            None,
+            2,
+        )
+        .unwrap();
         assert_eq!(counts(&plans), [5, 3]);
         assert_eq!(plans.iter().map(|p| p.expected_peak).max(), Some(510));
     }
@@ -250,7 +380,7 @@ mod tests {
             layers: 7,
             scoring: 13,
         };
-        let got = balance(&p, &act, 3).unwrap();
+        let got = balance(&p, &act, &no_work(&p), None, 3).unwrap();
         let worst = |plans: &[StagePlan]| plans.iter().map(|s| s.expected_peak).max().unwrap();
         let mut best = u64::MAX;
         for a in 1..8 {
@@ -280,7 +410,7 @@ mod tests {
             Err(PlacementError::SplitSum { sum: 3, layers: 6 })
         );
         assert_eq!(
-            balance(&p, &ACT, 7),
+            balance(&p, &ACT, &no_work(&p), None, 7),
             Err(PlacementError::TooManyStages {
                 stages: 7,
                 layers: 6

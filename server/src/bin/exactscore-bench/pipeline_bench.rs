@@ -65,9 +65,29 @@ fn load(
     let parts = PartBytes::of(config, ckpt);
     let flash = devices.iter().all(Device::is_cuda) && dtype != DType::F32;
     let activation = ActivationBytes::estimate(config, dtype, batch_tokens, ctx, flash);
+    let work = placement::PartWork::of(config, ctx);
+    let capacity = devices
+        .iter()
+        .map(|d| exactscore_server::device::memory_capacity(d))
+        .collect::<candle_core::Result<Option<Vec<u64>>>>()?
+        .map(|total| {
+            // Stages on one GPU share it, as the server plans.
+            let ordinals: Vec<_> = devices.iter().map(Device::location).collect();
+            total
+                .iter()
+                .zip(&ordinals)
+                .map(|(t, o)| t / 100 * 92 / ordinals.iter().filter(|x| *x == o).count() as u64)
+                .collect::<Vec<_>>()
+        });
     let plans = match split {
         Some(counts) => placement::from_split(&parts, &activation, counts)?,
-        None => placement::balance(&parts, &activation, devices.len())?,
+        None => placement::balance(
+            &parts,
+            &activation,
+            &work,
+            capacity.as_deref(),
+            devices.len(),
+        )?,
     };
     let stages = devices
         .into_iter()
