@@ -580,7 +580,7 @@ pub fn kld_rows(
 /// and the copy used from any thread. Between GPUs the driver copies peer to peer where peer
 /// access is enabled ([`enable_peer_access`]) and through host memory where it is missing.
 pub fn transfer(t: &Tensor, device: &candle_core::Device) -> Result<Tensor> {
-    use candle_core::cuda_backend::cudarc::driver::result;
+    use candle_core::cuda_backend::cudarc::driver::{result, DevicePtr, DevicePtrMut};
     let candle_core::Device::Cuda(dst) = device else {
         bail!("transfer: {device:?} is not a CUDA device")
     };
@@ -625,14 +625,12 @@ pub fn transfer(t: &Tensor, device: &candle_core::Device) -> Result<Tensor> {
 /// where the hardware allows it; returns the ordered pairs (from, to) that have it. Copies
 /// between devices without it still work ([`transfer`]), staged through host memory.
 pub fn enable_peer_access(devices: &[&candle_core::Device]) -> Result<Vec<(usize, usize)>> {
-    let mut contexts = Vec::new();
+    use candle_core::cuda_backend::cudarc::driver::CudaContext;
+    let mut contexts: Vec<std::sync::Arc<CudaContext>> = Vec::new();
     for device in devices {
         if let candle_core::Device::Cuda(d) = device {
             let ctx = d.cuda_stream().context().clone();
-            if !contexts
-                .iter()
-                .any(|c: &std::sync::Arc<_>| c.cu_ctx() == ctx.cu_ctx())
-            {
+            if !contexts.iter().any(|c| c.cu_ctx() == ctx.cu_ctx()) {
                 contexts.push(ctx);
             }
         }
