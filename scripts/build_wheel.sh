@@ -26,7 +26,8 @@ cargo_flags=(); maturin_flags=()
 
 # Selecting exactscore-python too gives the CLI's dependencies the features the extension's get:
 # maturin's build below then reuses them instead of compiling them a second time.
-cargo build -q "${cargo_flags[@]}" --locked -p exactscore-python -p exactscore-client --bin exactscore
+cargo build -q "${cargo_flags[@]}" --locked -p exactscore-python -p exactscore-client \
+  --features exactscore-python/extension --bin exactscore
 data=python/exactscore.data
 rm -rf "$data"
 mkdir -p "$data/scripts" "$data/data/share/exactscore"

@@ -14,7 +14,7 @@ use exactscore_client::{
 use pyo3::exceptions::PyKeyboardInterrupt;
 use pyo3::prelude::*;
 
-use crate::convert::to_py;
+use crate::convert::{py_str, to_py};
 use crate::errors;
 use crate::report::Report;
 use crate::results::{KldResult, ScoreResult};
@@ -64,9 +64,11 @@ enum Dataset {
 /// Errors raise ``ServerError`` (the server's status and JSON error), ``ConnectionError`` or
 /// ``ValidationError``.
 ///
-/// >>> c = Client("http://127.0.0.1:8000")
-/// >>> c.score("The capital of France is Paris.").perplexity
-/// >>> c.ppl("wikitext2", ctx=2048, stride=512).perplexity
+/// Example::
+///
+///     client = Client("http://gpu0:8000", api_key="...")
+///     client.score("The capital of France is Paris.").logprobs
+///     client.ppl("wikitext2", ctx=2048, stride=512).perplexity
 #[pyclass(frozen, module = "exactscore")]
 pub struct Client {
     servers: Vec<String>,
@@ -434,9 +436,10 @@ impl Client {
     }
 
     fn __repr__(&self) -> String {
-        match self.servers.as_slice() {
-            [one] => format!("Client({one:?})"),
-            many => format!("Client({many:?})"),
+        let urls: Vec<String> = self.servers.iter().map(|u| py_str(u)).collect();
+        match urls.as_slice() {
+            [one] => format!("Client({one})"),
+            many => format!("Client([{}])", many.join(", ")),
         }
     }
 }

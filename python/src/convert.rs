@@ -65,3 +65,8 @@ pub fn float_array<'py, T: Copy + Into<f64>>(
         }
     }
 }
+
+/// A string as Python's `repr` writes it (single quotes), for `__repr__`s.
+pub fn py_str(s: &str) -> String {
+    format!("'{}'", s.replace('\\', "\\\\").replace('\'', "\\'"))
+}

@@ -3,7 +3,9 @@
 //! converts arguments and results and runs the client's futures with the GIL released.
 //!
 //! The workspace's `unsafe_code = "deny"` holds here too: PyO3's macros expand to no code that
-//! trips it.
+//! trips it. Without the `extension` feature (maturin turns it on) the crate is empty.
+
+#![cfg(feature = "extension")]
 
 use pyo3::prelude::*;
 

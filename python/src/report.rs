@@ -6,7 +6,7 @@ use pyo3::prelude::*;
 use pyo3::types::PyDict;
 use serde_json::{Map, Value};
 
-use crate::convert::{json_to_py, to_py};
+use crate::convert::{json_to_py, py_str, to_py};
 use crate::errors;
 
 /// The result of ``Client.ppl`` and ``Client.kld_eval``: the report ``exactscore ppl --json``
@@ -98,9 +98,9 @@ impl Report {
     fn __repr__(&self) -> String {
         let s = &self.report.stats;
         format!(
-            "Report(dataset={:?}, method={:?}, ctx={}, windows={}, perplexity={:.6}{})",
-            self.report.dataset.name,
-            self.report.method.as_str(),
+            "Report(dataset={}, method={}, ctx={}, windows={}, perplexity={:.6}{})",
+            py_str(&self.report.dataset.name),
+            py_str(self.report.method.as_str()),
             self.report.ctx,
             s.windows,
             s.perplexity,

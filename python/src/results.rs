@@ -4,7 +4,7 @@
 use exactscore_api::{SequenceDivergence, SequenceScore};
 use pyo3::prelude::*;
 
-use crate::convert::float_array;
+use crate::convert::{float_array, py_str};
 
 /// One of the most likely tokens at a position: `(id, logprob, token string)`.
 type TopToken = (u32, f32, Option<String>);
@@ -83,8 +83,8 @@ impl ScoreResult {
 
     fn __repr__(&self) -> String {
         format!(
-            "ScoreResult(model={:?}, tokens={}, num_scored={}, mean_nll={}, perplexity={})",
-            self.model,
+            "ScoreResult(model={}, tokens={}, num_scored={}, mean_nll={}, perplexity={})",
+            py_str(&self.model),
             self.tokens.len(),
             self.num_scored,
             fmt_opt(self.mean_nll),
@@ -194,9 +194,9 @@ impl KldResult {
 
     fn __repr__(&self) -> String {
         format!(
-            "KldResult(model={:?}, reference_model={:?}, tokens={}, num_scored={}, mean_kld={})",
-            self.model,
-            self.reference_model,
+            "KldResult(model={}, reference_model={}, tokens={}, num_scored={}, mean_kld={})",
+            py_str(&self.model),
+            py_str(&self.reference_model),
             self.tokens.len(),
             self.num_scored,
             fmt_opt(self.mean_kld())
