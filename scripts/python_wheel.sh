@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
-# CI step for the Python wheel: builds it with maturin from PyPI (scripts/build_wheel.sh --debug),
-# installs it into a fresh venv, checks that `exactscore --help` runs from PATH, and runs
-# python/tests (pytest) against the debug server binary (`cargo test` builds it) on the bundled
-# tiny model. maturin lives in a venv of its own under target/ and is reused when its version
-# matches; the test venv is made anew every run.
+# CI step for the Python wheel: builds it with maturin from PyPI (scripts/build_wheel.sh
+# --profile wheel-ci), installs it into a fresh venv, checks that `exactscore --help` runs from
+# PATH, and runs python/tests (pytest) against the debug server binary (`cargo test` builds it;
+# EXACTSCORE_SERVER_BIN to use another) on the bundled tiny model. maturin lives in a venv of its
+# own under target/ and is reused when its version matches; the test venv is made anew every run.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 mkdir -p "${CARGO_TARGET_DIR:-target}"
@@ -15,7 +15,7 @@ if [ "$("$tools/bin/maturin" --version 2>/dev/null)" != "maturin $maturin_versio
   "$tools/bin/pip" install -q "maturin==$maturin_version"
 fi
 start=$(date +%s)
-wheel="$(MATURIN="$tools/bin/maturin" bash scripts/build_wheel.sh --debug)"
+wheel="$(MATURIN="$tools/bin/maturin" bash scripts/build_wheel.sh --profile wheel-ci)"
 built=$(date +%s)
 
 venv="$target/wheel-test-venv"
@@ -27,7 +27,7 @@ python3 -m venv "$venv"
   exactscore --help >/dev/null && echo "exactscore --help: ok ($(command -v exactscore))")
 installed=$(date +%s)
 
-PATH="$venv/bin:$PATH" EXACTSCORE_SERVER_BIN="$target/debug/exactscore-server" \
+PATH="$venv/bin:$PATH" EXACTSCORE_SERVER_BIN="${EXACTSCORE_SERVER_BIN:-$target/debug/exactscore-server}" \
   "$venv/bin/python" -m pytest -q -p no:cacheprovider python/tests
 echo "python wheel: built in $((built - start)) s, installed in $((installed - built)) s," \
   "tested in $(($(date +%s) - installed)) s ($(du -h "$wheel" | cut -f1) wheel)"

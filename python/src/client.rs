@@ -118,11 +118,11 @@ impl Client {
             },
             Dataset::Texts(t) => DatasetSpec::Texts(t),
         };
-        let wikitext_path = match args.wikitext_path {
+        let given = args
+            .wikitext_path
+            .or_else(|| std::env::var_os("EXACTSCORE_WIKITEXT_PATH").map(PathBuf::from));
+        let wikitext_path = match given {
             Some(p) => Some(p),
-            None if std::env::var_os("EXACTSCORE_WIKITEXT_PATH").is_some() => {
-                std::env::var_os("EXACTSCORE_WIKITEXT_PATH").map(PathBuf::from)
-            }
             // The copy the wheel installs.
             None => py
                 .import("exactscore._support")?

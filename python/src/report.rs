@@ -1,7 +1,7 @@
 //! `Report`: the Rust client's report, its fields read as attributes from the same JSON that
 //! `exactscore ppl --json` writes (so the two never disagree on a name).
 
-use pyo3::exceptions::PyAttributeError;
+use pyo3::exceptions::{PyAttributeError, PyRuntimeError};
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 use serde_json::{Map, Value};
@@ -33,8 +33,10 @@ impl Report {
     pub fn new(py: Python<'_>, report: exactscore_client::Report) -> PyResult<Self> {
         match serde_json::to_value(&report) {
             Ok(Value::Object(fields)) => Ok(Self { report, fields }),
-            Ok(_) => Err(errors::validation(py, "a report is not a JSON object")),
-            Err(e) => Err(errors::validation(py, e)),
+            Ok(other) => Err(errors::validation(py, format!("not a report: {other}"))),
+            Err(e) => Err(PyRuntimeError::new_err(format!(
+                "cannot convert the report: {e}"
+            ))),
         }
     }
 }
@@ -71,8 +73,9 @@ impl Report {
     }
 
     /// The report as JSON text, exactly as ``exactscore ppl --json FILE`` writes it.
-    fn to_json(&self, py: Python<'_>) -> PyResult<String> {
-        serde_json::to_string_pretty(&self.report).map_err(|e| errors::validation(py, e))
+    fn to_json(&self) -> PyResult<String> {
+        serde_json::to_string_pretty(&self.report)
+            .map_err(|e| PyRuntimeError::new_err(format!("cannot write the report: {e}")))
     }
 
     /// A pandas DataFrame (pandas must be installed): one row of the report's fields, nested
