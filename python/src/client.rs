@@ -121,13 +121,14 @@ impl Client {
         let given = args
             .wikitext_path
             .or_else(|| std::env::var_os("EXACTSCORE_WIKITEXT_PATH").map(PathBuf::from));
-        let wikitext_path = match given {
-            Some(p) => Some(p),
+        let wikitext_path = match (&spec, given) {
+            (_, Some(p)) => Some(p),
             // The copy the wheel installs.
-            None => py
+            (DatasetSpec::Wikitext2, None) => py
                 .import("exactscore._support")?
                 .call_method0("wikitext_path")?
                 .extract()?,
+            _ => None,
         };
         let mut cfg = PplConfig::new(self.servers.clone(), spec);
         cfg.task = task;
@@ -352,6 +353,8 @@ impl Client {
     /// tokenizer.json, checked against its /tokenize) or ``"server"``.
     /// ``output``: a partial file (JSON lines, one per finished window); ``resume=True``
     /// continues the run it records. ``progress``: a progress bar on a terminal or in Jupyter.
+    /// ``wikitext_path``: the ``wikitext-2-raw-test.txt.gz`` to use (default: the
+    /// ``EXACTSCORE_WIKITEXT_PATH`` environment variable, else the wheel's copy).
     ///
     /// Ctrl-C stops dispatching, lets the requests in flight finish into ``output`` and raises
     /// KeyboardInterrupt; ``resume=True`` then continues, and the report equals an uninterrupted

@@ -302,6 +302,29 @@ def test_interrupted_ppl_resumes_to_the_same_report(client, tmp_path):
     assert len(partial.read_text().splitlines()) == 81
 
 
+def test_the_gil_is_released_while_waiting(client):
+    # A Python thread counts while the main thread waits in ppl: it can only count while the
+    # main thread does not hold the GIL.
+    ticks = [0]
+    running = threading.Event()
+    running.set()
+
+    def count():
+        while running.is_set():
+            ticks[0] += 1
+            time.sleep(0.001)
+
+    counter = threading.Thread(target=count, daemon=True)
+    counter.start()
+    time.sleep(0.05)
+    before = ticks[0]
+    client.ppl(TEXTS, ctx=32, stride=8, concurrency=1, progress=False)
+    during = ticks[0] - before
+    running.clear()
+    counter.join()
+    assert during >= 10, during  # about one a millisecond; none with the GIL held
+
+
 def test_progress_bar_only_where_seen(client, monkeypatch, capsys):
     client.ppl(TEXTS, ctx=32, stride=32)
     assert capsys.readouterr().err == ""  # pytest's stderr is no terminal
