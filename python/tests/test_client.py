@@ -28,6 +28,8 @@ TEXTS = [
     "The quick brown fox jumps over the lazy dog. " * 12,
     "It was the best of times, it was the worst of times. " * 10,
 ]
+# About 9,500 tokens: long enough for a context the server refuses, and for a run to interrupt.
+LONG = [f"Document {i}: " + " ".join(TEXTS) * 3 for i in range(8)]
 # Small windows keep every run to a fraction of a second on the debug server.
 RUN = dict(ctx=32, stride=16, concurrency=3, progress=False)
 
@@ -193,7 +195,7 @@ def test_refused_arguments_are_validation_errors(client, tmp_path):
     with pytest.raises(exactscore.ValidationError, match="unknown dataset type"):
         client.ppl("data.csv", **RUN)
     with pytest.raises(exactscore.ValidationError, match="--ctx 9000 exceeds the server's max_input_tokens 8192"):
-        client.ppl("wikitext2", ctx=9000, max_windows=1, progress=False)
+        client.ppl(LONG, ctx=9000, max_windows=1, progress=False)
     existing = tmp_path / "partial.jsonl"
     existing.write_text("{}\n")
     with pytest.raises(exactscore.ValidationError, match="already exists"):
@@ -270,7 +272,7 @@ def test_to_pandas(client):
 
 def test_interrupted_ppl_resumes_to_the_same_report(client, tmp_path):
     args = dict(ctx=32, stride=8, max_windows=80, concurrency=2, progress=False)
-    uninterrupted = client.ppl("wikitext2", **args)
+    uninterrupted = client.ppl(LONG, **args)
     partial = tmp_path / "run.partial.jsonl"
     stop = threading.Event()
 
@@ -286,7 +288,7 @@ def test_interrupted_ppl_resumes_to_the_same_report(client, tmp_path):
     watcher.start()
     started = time.monotonic()
     with pytest.raises(KeyboardInterrupt, match=r"interrupted after \d+/80 windows; finished windows are in .*resume=True"):
-        client.ppl("wikitext2", output=partial, **args)
+        client.ppl(LONG, output=partial, **args)
     stop.set()
     watcher.join()
     lines = partial.read_text().splitlines()
@@ -295,7 +297,7 @@ def test_interrupted_ppl_resumes_to_the_same_report(client, tmp_path):
     assert all(json.loads(line) for line in lines)  # no torn line
     assert time.monotonic() - started < 60
 
-    resumed = client.ppl("wikitext2", output=partial, resume=True, **args)
+    resumed = client.ppl(LONG, output=partial, resume=True, **args)
     assert resumed.resumed_windows == done
     assert resumed.per_window == uninterrupted.per_window
     assert resumed.perplexity == uninterrupted.perplexity
