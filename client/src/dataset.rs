@@ -7,6 +7,7 @@
 //! * `.parquet` — the string column `field` (default `text`) of every row, joined with `"\n\n"`.
 //!   Uncompressed and snappy-compressed files are read (the parquet crate is built without its
 //!   zstd/brotli/lz4 codecs to keep the build small).
+//! * texts in memory (the Python API's list of strings) — joined with `"\n\n"`, as documents.
 //! * `wikitext2` — the WikiText-2 raw test split as ExLlamaV3 evaluates it, built from the
 //!   repository's `wikitext-2-raw-test.txt.gz` by `gunzip(file).replace(b"\r\n", b"\n\n\n")[:-2]`
 //!   (rows joined with `"\n\n"`, each keeping its trailing `"\n"`); its sha256 is checked.
@@ -63,6 +64,8 @@ pub enum DatasetSpec {
     TxtGz(PathBuf),
     Jsonl(PathBuf),
     Parquet(PathBuf),
+    /// Documents given in memory, joined with [`DOC_SEPARATOR`] like a `.jsonl` file's.
+    Texts(Vec<String>),
 }
 
 impl DatasetSpec {
@@ -92,6 +95,7 @@ impl DatasetSpec {
             | DatasetSpec::TxtGz(p)
             | DatasetSpec::Jsonl(p)
             | DatasetSpec::Parquet(p) => p.display().to_string(),
+            DatasetSpec::Texts(t) => format!("{} texts", t.len()),
         }
     }
 }
@@ -122,14 +126,22 @@ pub fn sha256_hex(bytes: &[u8]) -> String {
 }
 
 /// Where `wikitext2` is looked for when no path is given: `tests/fixtures/corpus/` under the
-/// current directory, then the same folder of the source tree this binary was built from.
+/// current directory, the same folder of the source tree this binary was built from, then
+/// `../share/exactscore/` beside the executable (where the Python wheel installs it).
 pub fn default_wikitext_candidates() -> Vec<PathBuf> {
-    vec![
+    let mut out = vec![
         PathBuf::from("tests/fixtures/corpus").join(WIKITEXT2_FILE),
         Path::new(env!("CARGO_MANIFEST_DIR"))
             .join("../tests/fixtures/corpus")
             .join(WIKITEXT2_FILE),
-    ]
+    ];
+    if let Some(bin) = std::env::current_exe()
+        .ok()
+        .and_then(|e| e.parent().map(Path::to_path_buf))
+    {
+        out.push(bin.join("../share/exactscore").join(WIKITEXT2_FILE));
+    }
+    out
 }
 
 fn io_err(path: &Path) -> impl FnOnce(std::io::Error) -> DatasetError + '_ {
@@ -295,6 +307,7 @@ pub fn load(spec: &DatasetSpec, opts: &DatasetOptions) -> Result<Dataset, Datase
         DatasetSpec::TxtGz(p) => (utf8(p, gunzip(p)?)?, 1),
         DatasetSpec::Jsonl(p) => jsonl_text(p, field)?,
         DatasetSpec::Parquet(p) => parquet_text(p, field)?,
+        DatasetSpec::Texts(t) => (t.join(DOC_SEPARATOR), t.len()),
     };
     Ok(Dataset {
         name: spec.name(),

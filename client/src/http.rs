@@ -227,6 +227,11 @@ impl Client {
         self.only_sequence("/score", resp.sequences)
     }
 
+    /// `POST /kld` with any request: divergences from the server's reference model.
+    pub async fn kld(&self, req: &KldRequest) -> Result<KldResponse, ClientError> {
+        self.json(Method::POST, "/kld", Some(req)).await
+    }
+
     /// `POST /kld` for one token sequence: per-token divergences from the server's reference
     /// model.
     pub async fn kld_tokens(&self, tokens: &[u32]) -> Result<SequenceDivergence, ClientError> {
@@ -236,7 +241,7 @@ impl Client {
             )),
             ..Default::default()
         };
-        let resp: KldResponse = self.json(Method::POST, "/kld", Some(&req)).await?;
+        let resp = self.kld(&req).await?;
         self.only_sequence("/kld", resp.sequences)
     }
 

@@ -19,5 +19,5 @@ pub use http::{Client, ClientConfig, ClientError, RetryPolicy};
 pub use kld::{KldStats, KldWindow};
 pub use report::{Report, Stats, WindowResult};
 pub use resolve::{Endpoint, Resolve, StaticResolver, SystemResolver};
-pub use runner::{run_ppl, PplConfig, PplError, Task};
+pub use runner::{run_ppl, PplConfig, PplError, Progress, ProgressHook, Task};
 pub use windows::{Method, Window, WindowParams};

@@ -65,6 +65,31 @@ pub struct PplConfig {
     pub stop_after: Option<usize>,
     /// Set to stop dispatching (Ctrl-C); windows in flight are still written.
     pub cancel: Arc<AtomicBool>,
+    /// Called once the windows are known and after every finished window (the Python API draws
+    /// its own progress bar with it).
+    pub on_progress: Option<ProgressHook>,
+}
+
+/// Where a run stands.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Progress {
+    /// Windows finished, those resumed from the partial file included.
+    pub done: usize,
+    pub total: usize,
+    /// Tokens scored per second in this run so far.
+    pub tokens_per_s: f64,
+    /// Perplexity over the windows finished so far (NaN before the first).
+    pub perplexity: f64,
+}
+
+/// A function called with each [`Progress`], on the runner's task: it must return quickly.
+#[derive(Clone)]
+pub struct ProgressHook(pub Arc<dyn Fn(Progress) + Send + Sync>);
+
+impl std::fmt::Debug for ProgressHook {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("ProgressHook")
+    }
 }
 
 impl PplConfig {
@@ -89,6 +114,7 @@ impl PplConfig {
             retry: RetryPolicy::default(),
             stop_after: None,
             cancel: Arc::new(AtomicBool::new(false)),
+            on_progress: None,
         }
     }
 }
@@ -650,6 +676,25 @@ pub async fn run_ppl(config: PplConfig) -> Result<Report, PplError> {
     let (mut run_s, mut run_c) = done
         .values()
         .fold((0f64, 0usize), |(s, c), r| (s + r.sum_nll, c + r.count));
+    let report_progress = |done: usize, new_tokens: usize, run_s: f64, run_c: usize| {
+        let secs = run_start.elapsed().as_secs_f64().max(1e-9);
+        let p = Progress {
+            done,
+            total: all.len(),
+            tokens_per_s: new_tokens as f64 / secs,
+            perplexity: (run_s / run_c as f64).exp(),
+        };
+        if run_c > 0 {
+            pb.set_message(format!(
+                "{:.0} tok/s, ppl {:.4}",
+                p.tokens_per_s, p.perplexity
+            ));
+        }
+        if let Some(hook) = &config.on_progress {
+            (hook.0)(p);
+        }
+    };
+    report_progress(resumed, 0, run_s, run_c);
     while let Some(msg) = rx.recv().await {
         match msg {
             Ok(r) => {
@@ -669,12 +714,7 @@ pub async fn run_ppl(config: PplConfig) -> Result<Report, PplError> {
                 run_c += r.count;
                 done.insert(r.window, r);
                 pb.inc(1);
-                let secs = run_start.elapsed().as_secs_f64().max(1e-9);
-                pb.set_message(format!(
-                    "{:.0} tok/s, ppl {:.4}",
-                    new_tokens as f64 / secs,
-                    (run_s / run_c.max(1) as f64).exp()
-                ));
+                report_progress(done.len(), new_tokens, run_s, run_c);
                 if config.stop_after.is_some_and(|k| new_windows >= k) {
                     stop.store(true, Ordering::SeqCst);
                 }

@@ -5,13 +5,15 @@ mod common;
 
 use std::path::Path;
 use std::sync::atomic::Ordering;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use common::{fake_app, fake_logprob, spawn, Fake};
 use exactscore_client::dataset::DatasetSpec;
 use exactscore_client::tokenize::TokenizeMode;
-use exactscore_client::{run_ppl, Method, PplConfig, PplError, RetryPolicy};
+use exactscore_client::{
+    run_ppl, Method, PplConfig, PplError, Progress, ProgressHook, RetryPolicy,
+};
 
 fn text() -> String {
     let words = [
@@ -215,7 +217,18 @@ async fn interrupted_then_resumed() {
         let mut cfg = config(urls, ds, Method::Exl3, conc);
         cfg.output = Some(partial.clone());
         cfg.resume = true;
+        let seen: Arc<Mutex<Vec<Progress>>> = Arc::default();
+        let sink = seen.clone();
+        cfg.on_progress = Some(ProgressHook(Arc::new(move |p| {
+            sink.lock().unwrap().push(p)
+        })));
         let r = run_ppl(cfg).await.unwrap();
+        // The resumed windows first, then one report per window of this run.
+        let seen = seen.lock().unwrap();
+        let done_seen: Vec<usize> = seen.iter().map(|p| p.done).collect();
+        assert_eq!(done_seen, (done..=total).collect::<Vec<_>>());
+        assert!(seen.iter().all(|p| p.total == total));
+        assert_rel(seen[total - done].perplexity, r.stats.perplexity);
         let after: usize = fakes
             .iter()
             .map(|f| f.score_calls.load(Ordering::SeqCst))
