@@ -338,6 +338,7 @@ impl Model {
         } else {
             loader.load("lm_head", (c.vocab_size, h), false)?
         };
+        ckpt.refuse_unread(c.architecture.hf_name())?;
         let freqs = inv_freq(c.head_dim, c.rope_theta, &c.rope_scaling);
         let rope = RopeTables::new(&freqs, opts.max_seq_len.max(1), lin.dtype, &lin.device)?;
         let mut model = Self {
