@@ -104,7 +104,11 @@ impl Server {
         let bos = self.state.tokenizer.info().bos_token_id.unwrap_or(0);
         let tokens = vec![bos.min(self.state.info.vocab_size.saturating_sub(1) as u32); 2];
         let rx = self.state.scheduler.submit(tokens, 1);
-        rx.await.unwrap_or(Err(EngineError::Stopped))?;
+        // Also the first check of the whole path's numerics: NaN or infinite logits (a weight
+        // that overflows the compute dtype) fail the start.
+        rx.await
+            .unwrap_or(Err(EngineError::Stopped))
+            .and_then(crate::engine::Computed::checked)?;
         self.state.readiness.set_warm();
         Ok(())
     }

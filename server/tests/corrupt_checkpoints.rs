@@ -127,7 +127,9 @@ fn restore_as(t: &mut Tensors, name: &str, dtype: Dtype) {
         .map(|b| half::bf16::from_le_bytes([b[0], b[1]]).to_f32());
     *bytes = match dtype {
         Dtype::BF16 => return,
-        Dtype::F16 => values.flat_map(|v| half::f16::from_f32(v).to_le_bytes()).collect(),
+        Dtype::F16 => values
+            .flat_map(|v| half::f16::from_f32(v).to_le_bytes())
+            .collect(),
         Dtype::F32 => values.flat_map(f32::to_le_bytes).collect(),
         other => panic!("{other:?}"),
     };
@@ -162,19 +164,91 @@ fn non_finite_values_are_refused_naming_tensor_and_element() {
     // (fixture, tensor, first element, elements, stored dtypes to try)
     let floats = [Dtype::BF16, Dtype::F16, Dtype::F32];
     let cases: Vec<(&str, String, usize, usize, &[Dtype])> = vec![
-        ("llama-w4a16-g128", "model.norm.weight".into(), 7, 1, &floats),
+        (
+            "llama-w4a16-g128",
+            "model.norm.weight".into(),
+            7,
+            1,
+            &floats,
+        ),
         // one whole row of lm_head (row 5 of [2000, 256])
-        ("llama-w4a16-g128", "lm_head.weight".into(), 5 * 256, 256, &floats),
-        ("llama-w4a16-g128", "model.embed_tokens.weight".into(), 3, 1, &floats),
-        ("llama-w4a16-g128", format!("{layer}.input_layernorm.weight"), 0, 1, &floats),
-        ("llama-w4a16-g128", format!("{layer}.mlp.down_proj.weight_scale"), 9, 1, &floats),
-        ("llama-w4a16-asym-g64", format!("{layer}.self_attn.k_proj.weight_scale"), 2, 1, &floats),
-        ("llama-dense-bf16", format!("{layer}.self_attn.q_proj.weight"), 100, 1, &floats),
-        ("llama-fp8-dynamic", format!("{layer}.mlp.up_proj.weight_scale"), 4, 1, &floats),
-        ("llama-fp8-dynamic", format!("{layer}.mlp.up_proj.weight"), 11, 1, &[Dtype::F8_E4M3]),
-        ("llama-nvfp4a16", format!("{layer}.mlp.gate_proj.weight_scale"), 6, 1, &[Dtype::F8_E4M3]),
-        ("llama-nvfp4a16", format!("{layer}.mlp.gate_proj.weight_global_scale"), 0, 1, &[Dtype::F32]),
-        ("llama-nvfp4", format!("{layer}.self_attn.o_proj.input_global_scale"), 0, 1, &[Dtype::F32]),
+        (
+            "llama-w4a16-g128",
+            "lm_head.weight".into(),
+            5 * 256,
+            256,
+            &floats,
+        ),
+        (
+            "llama-w4a16-g128",
+            "model.embed_tokens.weight".into(),
+            3,
+            1,
+            &floats,
+        ),
+        (
+            "llama-w4a16-g128",
+            format!("{layer}.input_layernorm.weight"),
+            0,
+            1,
+            &floats,
+        ),
+        (
+            "llama-w4a16-g128",
+            format!("{layer}.mlp.down_proj.weight_scale"),
+            9,
+            1,
+            &floats,
+        ),
+        (
+            "llama-w4a16-asym-g64",
+            format!("{layer}.self_attn.k_proj.weight_scale"),
+            2,
+            1,
+            &floats,
+        ),
+        (
+            "llama-dense-bf16",
+            format!("{layer}.self_attn.q_proj.weight"),
+            100,
+            1,
+            &floats,
+        ),
+        (
+            "llama-fp8-dynamic",
+            format!("{layer}.mlp.up_proj.weight_scale"),
+            4,
+            1,
+            &floats,
+        ),
+        (
+            "llama-fp8-dynamic",
+            format!("{layer}.mlp.up_proj.weight"),
+            11,
+            1,
+            &[Dtype::F8_E4M3],
+        ),
+        (
+            "llama-nvfp4a16",
+            format!("{layer}.mlp.gate_proj.weight_scale"),
+            6,
+            1,
+            &[Dtype::F8_E4M3],
+        ),
+        (
+            "llama-nvfp4a16",
+            format!("{layer}.mlp.gate_proj.weight_global_scale"),
+            0,
+            1,
+            &[Dtype::F32],
+        ),
+        (
+            "llama-nvfp4",
+            format!("{layer}.self_attn.o_proj.input_global_scale"),
+            0,
+            1,
+            &[Dtype::F32],
+        ),
     ];
     let mut checked = 0;
     for (variant, name, first, count, dtypes) in &cases {
@@ -225,7 +299,9 @@ fn config_values_outside_their_domain_are_refused_naming_the_field() {
         ("rope_parameters.rope_theta", |c| {
             c["rope_parameters"]["rope_theta"] = json!(-10000.0)
         }),
-        ("rope_theta", |c| c["rope_parameters"]["rope_theta"] = json!(1e-45)),
+        ("rope_theta", |c| {
+            c["rope_parameters"]["rope_theta"] = json!(1e-45)
+        }),
         ("rope_parameters.factor", |c| {
             c["rope_parameters"]["factor"] = json!(0.5)
         }),
@@ -272,9 +348,17 @@ fn config_values_outside_their_domain_are_refused_naming_the_field() {
 #[test]
 fn tensors_the_config_leaves_unread_are_refused_by_name() {
     for (variant, shards) in [("llama-w4a16-g128", 1), ("llama-nvfp4", 2)] {
-        let dir = edited_copy(variant, shards, |_| {}, |c| c["num_hidden_layers"] = 1.into());
+        let dir = edited_copy(
+            variant,
+            shards,
+            |_| {},
+            |c| c["num_hidden_layers"] = 1.into(),
+        );
         let err = load_error_as(variant, dir.path(), candle_core::DType::F32);
-        assert_mentions(&err, &["tensor `model.layers.1.", "not read", "more unread"]);
+        assert_mentions(
+            &err,
+            &["tensor `model.layers.1.", "not read", "more unread"],
+        );
     }
     // A third layer's weight next to a two-layer config.
     let extra = "model.layers.2.mlp.gate_proj.weight";
@@ -291,7 +375,11 @@ fn tensors_the_config_leaves_unread_are_refused_by_name() {
     assert_mentions(&err, &[extra, "not read"]);
     // A tied config over a checkpoint with its own lm_head reads that head: loads.
     let dir = edited_copy(BASE, 1, |_| {}, |c| c["tie_word_embeddings"] = true.into());
-    Model::load(dir.path(), &options(candle_core::DType::F32, Default::default())).unwrap();
+    Model::load(
+        dir.path(),
+        &options(candle_core::DType::F32, Default::default()),
+    )
+    .unwrap();
     // Stored RoPE frequencies are recomputed from config.json: ignored, by rule.
     let dir = edited_copy(
         BASE,
@@ -305,5 +393,41 @@ fn tensors_the_config_leaves_unread_are_refused_by_name() {
         },
         |_| {},
     );
-    Model::load(dir.path(), &options(candle_core::DType::F32, Default::default())).unwrap();
+    Model::load(
+        dir.path(),
+        &options(candle_core::DType::F32, Default::default()),
+    )
+    .unwrap();
+}
+
+/// A checkpoint that is finite but overflows in the forward pass (two lm_head rows of ±3e38,
+/// bf16's largest values: their logits leave f32's range) passes the load's scan; the warm-up
+/// batch then finds its non-finite logits and the server does not start.
+#[tokio::test]
+async fn logits_that_overflow_fail_the_warm_up() {
+    use exactscore_server::app::Server;
+    use exactscore_server::config::{Args, Config};
+    let dir = corrupted(
+        |t| {
+            let (_, _, bytes) = t.get_mut("lm_head.weight").unwrap();
+            for (row, value) in [(10, 3e38f32), (11, -3e38)] {
+                let v = half::bf16::from_f32(value).to_le_bytes();
+                for e in row * 256..(row + 1) * 256 {
+                    bytes[2 * e..2 * e + 2].copy_from_slice(&v);
+                }
+            }
+        },
+        |_| {},
+    );
+    for file in ["tokenizer.json", "tokenizer_config.json"] {
+        std::fs::copy(fixtures().join(BASE).join(file), dir.path().join(file)).unwrap();
+    }
+    let model = dir.path().to_str().unwrap();
+    let args = <Args as clap::Parser>::try_parse_from(["exactscore-server", "--model", model]);
+    let config = Config::from_args(args.unwrap()).unwrap();
+    let server = Server::load(&config)
+        .await
+        .expect("a finite checkpoint loads");
+    let err = server.warm_up().await.unwrap_err().to_string();
+    assert_mentions(&err, &["warm-up", "not finite", "position 0"]);
 }
