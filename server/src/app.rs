@@ -128,9 +128,11 @@ impl Server {
         let admission = self.state.admission.clone();
         let all_permits = self.state.limits().max_queued_requests as u32;
         let drain_timeout = self.state.http.drain_timeout;
+        let header_read_timeout = self.state.http.header_read_timeout;
         let (signalled_tx, signalled_rx) = tokio::sync::oneshot::channel::<Instant>();
         let app = http::router(self.state);
-        let serve = axum::serve(listener, app).with_graceful_shutdown(async move {
+        let serve = http::serve::serve(listener, app, header_read_timeout);
+        let serve = serve.with_graceful_shutdown(async move {
             shutdown.await;
             let start = Instant::now();
             readiness.start_draining();
