@@ -54,7 +54,7 @@ fn random_compositions(variant: &str, dtype: candle_core::DType, batches: usize,
         .collect();
     let alone: Vec<SequenceScores> = pool
         .iter()
-        .map(|s| score(&model, &[s.clone()], 3).remove(0))
+        .map(|s| score(&model, std::slice::from_ref(s), 3).remove(0))
         .collect();
     let mut tokens_per_batch = Vec::new();
     for b in 0..batches {

@@ -10,7 +10,7 @@
 //! ([`super::HeaderLimits`]), so a head too large for us reaches the router and gets a 431 in
 //! the JSON error shape; only a head beyond hyper's limits gets hyper's bare 431.
 //!
-//! Prior-knowledge HTTP/2 (h2c) is not served: it would bypass these limits.
+//! HTTP/1.1 only, as `axum::serve` was (axum is built without its `http2` feature).
 
 use std::future::Future;
 use std::io;
