@@ -177,11 +177,12 @@ pub fn router(state: SharedState) -> Router {
         .method_not_allowed_fallback(|req: Request| async move {
             ApiError::MethodNotAllowed(req.method().to_string())
         })
+        // Inside the key check: a request without the key learns nothing about the limits.
+        .layer(middleware::from_fn(refuse_oversized_head_or_body))
         .layer(middleware::from_fn_with_state(
             state.clone(),
             require_api_key,
         ))
-        .layer(middleware::from_fn(refuse_oversized_head_or_body))
         .layer(DefaultBodyLimit::max(limit))
         .layer(Extension(BodyLimit(limit)))
         .layer(Extension(BodyReadTimeout(state.http.body_read_timeout)))
