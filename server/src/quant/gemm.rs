@@ -11,11 +11,21 @@
 //! kernels cover, the input is padded with zero rows ([`cpu_rows`]) and the extra rows of the
 //! product are dropped: a few rows more for a batch of a few tokens, nothing otherwise.
 //! `server/tests/batch_invariance.rs` holds the rule to it.
+//!
+//! On a GPU in f32, cuBLAS picks its kernel by the shape, and some of them split k: up to 1e-5
+//! between a sequence alone and batched. f32 runs ExactScore's own kernel instead
+//! (`crate::cuda::matmul_t_f32`), which sums each output in order over k whatever the shape
+//! ([`matmul_t_sequential_fma`] is its reference). bf16 and f16 keep cuBLAS: bitwise invariant
+//! as measured, and the fast path.
 
 use candle_core::{Result, Tensor};
 
 /// `x` (`[rows, k]`) times the transpose of `w` (`[n, k]`): `[rows, n]`.
 pub fn matmul_t(x: &Tensor, w: &Tensor) -> Result<Tensor> {
+    #[cfg(feature = "cuda")]
+    if x.device().is_cuda() && x.dtype() == candle_core::DType::F32 {
+        return crate::cuda::matmul_t_f32(x, w);
+    }
     let rows = x.dims()[0];
     let (n, k) = w.dims2()?;
     let needed = cpu_rows(n, k);
@@ -40,6 +50,22 @@ pub fn cpu_rows(n: usize, k: usize) -> usize {
         rows = rows.max(SMALL_DIM + 1);
     }
     rows
+}
+
+/// The CPU reference of the f32 GPU kernel: `x · wᵀ` (`x`: `m × k`, `w`: `n × k`, row-major)
+/// with each output a fused multiply-add chain over k in order, from 0.
+pub fn matmul_t_sequential_fma(x: &[f32], w: &[f32], (m, n, k): (usize, usize, usize)) -> Vec<f32> {
+    let mut out = Vec::with_capacity(m * n);
+    for row in x.chunks_exact(k).take(m) {
+        for col in w.chunks_exact(k).take(n) {
+            out.push(
+                row.iter()
+                    .zip(col)
+                    .fold(0f32, |acc, (&a, &b)| a.mul_add(b, acc)),
+            );
+        }
+    }
+    out
 }
 
 #[cfg(test)]
