@@ -153,8 +153,16 @@ fn token_ids(value: Option<&Value>) -> Vec<u32> {
 
 impl ModelConfig {
     pub fn from_json(text: &str) -> Result<Self, LoadError> {
-        let raw: RawConfig = serde_json::from_str(text)
-            .map_err(|e| LoadError::config("config.json", e.to_string()))?;
+        // The path names the member of a wrong type (`num_hidden_layers: -1` is not a size).
+        let raw: RawConfig =
+            serde_path_to_error::deserialize(&mut serde_json::Deserializer::from_str(text))
+                .map_err(|e| {
+                    let field = match e.path().to_string() {
+                        path if path == "." => "config.json".to_string(),
+                        path => path,
+                    };
+                    LoadError::config(field, e.into_inner().to_string())
+                })?;
         let arch_names = required(raw.architectures, "architectures")?;
         let architecture = arch_names
             .iter()
@@ -402,6 +410,24 @@ mod tests {
             err.contains("architectures") && err.contains("GPT2LMHeadModel"),
             "{err}"
         );
+    }
+
+    #[test]
+    fn negative_or_fractional_sizes_name_their_field() {
+        for (from, to, field) in [
+            (
+                r#""num_hidden_layers":1"#,
+                r#""num_hidden_layers":-1"#,
+                "num_hidden_layers",
+            ),
+            (r#""hidden_size":8"#, r#""hidden_size":8.5"#, "hidden_size"),
+            (r#""vocab_size":10"#, r#""vocab_size":"10""#, "vocab_size"),
+        ] {
+            let err = ModelConfig::from_json(&V4.replace(from, to))
+                .unwrap_err()
+                .to_string();
+            assert!(err.starts_with(&format!("config field `{field}`")), "{err}");
+        }
     }
 
     #[test]
