@@ -286,9 +286,13 @@ impl Checkpoint {
 /// A large tensor (an embedding, a dense weight) is split over the machine's cores.
 pub fn non_finite_position(dtype: StDtype, bytes: &[u8]) -> Option<usize> {
     const PARALLEL_BYTES: usize = 32 << 20;
+    let float = matches!(
+        dtype,
+        StDtype::F32 | StDtype::F64 | StDtype::BF16 | StDtype::F16 | StDtype::F8_E4M3
+    );
     let width = dtype.bitsize() / 8;
     let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
-    if bytes.len() < PARALLEL_BYTES || threads < 2 || width == 0 {
+    if !float || bytes.len() < PARALLEL_BYTES || threads < 2 || width == 0 {
         return non_finite_position_serial(dtype, bytes);
     }
     let elements_per_part = (bytes.len() / width).div_ceil(threads);
