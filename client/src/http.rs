@@ -171,7 +171,10 @@ impl Client {
         }
         let mut builder = reqwest::Client::builder()
             .timeout(config.timeout)
-            .connect_timeout(config.connect_timeout);
+            .connect_timeout(config.connect_timeout)
+            // The server closes a connection idle for --header-read-timeout-secs (default 30):
+            // drop idle ones before that instead of racing its close.
+            .pool_idle_timeout(std::time::Duration::from_secs(20));
         if let Some(addr) = config.connect_to {
             let url = reqwest::Url::parse(&base).map_err(|_| ClientError::BadUrl(base.clone()))?;
             let host = url

@@ -4,11 +4,14 @@
 
 use std::collections::BTreeMap;
 
+mod batch_input;
+
 use serde::{Deserialize, Serialize};
 use utoipa::ToSchema;
 
 /// Token ids: one sequence or a batch of sequences.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, ToSchema)]
+// (Deserialized in `batch_input`, which names the element that does not fit.)
+#[derive(Debug, Clone, PartialEq, Serialize, ToSchema)]
 #[serde(untagged)]
 pub enum TokensInput {
     Single(Vec<i64>),
@@ -16,7 +19,8 @@ pub enum TokensInput {
 }
 
 /// Text: one string or a batch of strings.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, ToSchema)]
+// (Deserialized in `batch_input`, which names the element that does not fit.)
+#[derive(Debug, Clone, PartialEq, Serialize, ToSchema)]
 #[serde(untagged)]
 pub enum TextInput {
     Single(String),
@@ -399,7 +403,8 @@ pub struct ReplicaHealth {
 }
 
 /// `prompt` of `/v1/completions`: text, texts, token ids, or lists of token ids.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, ToSchema)]
+// (Deserialized in `batch_input`, which names the element that does not fit.)
+#[derive(Debug, Clone, PartialEq, Serialize, ToSchema)]
 #[serde(untagged)]
 pub enum PromptInput {
     Text(String),

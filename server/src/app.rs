@@ -153,12 +153,15 @@ impl Server {
             .map(|engine| {
                 tokio::task::spawn_blocking(move || -> Result<(), EngineError> {
                     let tokens = [token; 2];
-                    engine.score(&[ScoreInput {
+                    // Also the first check of the whole path's numerics: NaN or infinite
+                    // logits (a weight that overflows the compute dtype) fail the start.
+                    let scores = engine.score(&[ScoreInput {
                         tokens: &tokens,
                         top_k: 1,
                     }])?;
+                    check_finite(&scores)?;
                     if with_reference {
-                        engine.kld(&[&tokens])?;
+                        check_finite(&engine.kld(&[&tokens])?)?;
                     }
                     Ok(())
                 })
@@ -189,11 +192,13 @@ impl Server {
         let admission = self.state.admission.clone();
         let all_permits = self.state.limits().max_queued_requests as u32;
         let drain_timeout = self.state.http.drain_timeout;
+        let header_read_timeout = self.state.http.header_read_timeout;
         let (signalled_tx, signalled_rx) = tokio::sync::oneshot::channel::<Instant>();
         let app = http::router(self.state);
         let lost = scheduler.device_lost();
         let drain_scheduler = scheduler.clone();
-        let serve = axum::serve(listener, app).with_graceful_shutdown(async move {
+        let serve = http::serve::serve(listener, app, header_read_timeout);
+        let serve = serve.with_graceful_shutdown(async move {
             tokio::select! {
                 () = shutdown => {}
                 message = lost => {
@@ -255,6 +260,14 @@ impl Server {
             }
             None => Shutdown::Drained,
         })
+    }
+}
+
+/// [`EngineError::NonFinite`] at the first output that is not finite.
+fn check_finite<T: crate::engine::Finite>(outputs: &[T]) -> Result<(), EngineError> {
+    match outputs.iter().find_map(|o| o.first_non_finite()) {
+        Some(position) => Err(EngineError::NonFinite { position }),
+        None => Ok(()),
     }
 }
 

@@ -115,6 +115,18 @@ pub struct Args {
     /// Time limit of one request, queueing included (504 beyond).
     #[arg(long, env = "EXACTSCORE_REQUEST_TIMEOUT_SECS", default_value_t = 600)]
     pub request_timeout_secs: u64,
+    /// A connection must send a whole request head within this long of being ready for one
+    /// (accepted, or its previous response written), else it is closed: bounds half-sent
+    /// heads and idle keep-alive connections.
+    #[arg(
+        long,
+        env = "EXACTSCORE_HEADER_READ_TIMEOUT_SECS",
+        default_value_t = 30
+    )]
+    pub header_read_timeout_secs: u64,
+    /// A request body must arrive whole within this long of its head (408 beyond).
+    #[arg(long, env = "EXACTSCORE_BODY_READ_TIMEOUT_SECS", default_value_t = 60)]
+    pub body_read_timeout_secs: u64,
     /// Sum of sequence lengths computed in one batch. 16384 is the measured optimum on an H100
     /// (Llama-3-8B shape, W4A16, 2048-token windows: 48.2 ms/window at 8 windows per forward,
     /// 49.1 at 4, peak 6.9 vs 6.8 GiB; docs/performance.md).
@@ -284,6 +296,9 @@ pub struct HttpConfig {
     pub request_timeout: Duration,
     /// How long admitted requests may take to finish after a shutdown signal.
     pub drain_timeout: Duration,
+    /// See `--header-read-timeout-secs` and `--body-read-timeout-secs`.
+    pub header_read_timeout: Duration,
+    pub body_read_timeout: Duration,
 }
 
 impl std::fmt::Debug for HttpConfig {
@@ -294,6 +309,8 @@ impl std::fmt::Debug for HttpConfig {
             .field("max_body_bytes", &self.max_body_bytes)
             .field("request_timeout", &self.request_timeout)
             .field("drain_timeout", &self.drain_timeout)
+            .field("header_read_timeout", &self.header_read_timeout)
+            .field("body_read_timeout", &self.body_read_timeout)
             .finish()
     }
 }
@@ -325,6 +342,14 @@ impl Config {
         if args.drain_timeout_secs == 0 {
             return Err(invalid("drain-timeout-secs", 0, "must be at least 1"));
         }
+        for (flag, secs) in [
+            ("header-read-timeout-secs", args.header_read_timeout_secs),
+            ("body-read-timeout-secs", args.body_read_timeout_secs),
+        ] {
+            if secs == 0 {
+                return Err(invalid(flag, 0, "must be at least 1"));
+            }
+        }
         if let Some(max) = args.max_input_tokens {
             positive("max-input-tokens", max)?;
             // Otherwise a maximal sequence could never be batched (the queue would still run
@@ -341,9 +366,7 @@ impl Config {
             }
         }
         if let Some(key) = &args.api_key {
-            if key.is_empty() {
-                return Err(invalid("api-key", "\"\"", "must not be empty"));
-            }
+            check_api_key(key)?;
         }
         let reference = args
             .reference_model
@@ -393,6 +416,8 @@ impl Config {
                 max_body_bytes: args.max_body_bytes,
                 request_timeout: Duration::from_secs(args.request_timeout_secs),
                 drain_timeout: Duration::from_secs(args.drain_timeout_secs),
+                header_read_timeout: Duration::from_secs(args.header_read_timeout_secs),
+                body_read_timeout: Duration::from_secs(args.body_read_timeout_secs),
             },
             batch: BatchLimits {
                 max_batch_tokens: args.max_batch_tokens,
@@ -415,6 +440,28 @@ impl Config {
                 .max(1)
         })
     }
+}
+
+/// A key that a client can send in `Authorization: Bearer KEY`: visible ASCII only (RFC 6750's
+/// token68 has no spaces). Anything else starts a server that answers 401 to everyone: a
+/// secret file's trailing newline, a pasted space, a non-ASCII character. The key itself is
+/// never echoed.
+fn check_api_key(key: &str) -> Result<(), ConfigError> {
+    let shown = format!("<{} characters>", key.chars().count());
+    let rule = if key.is_empty() {
+        "must not be empty".to_string()
+    } else if key.trim() != key {
+        "has leading or trailing whitespace (a trailing newline of a secret file?); remove it"
+            .to_string()
+    } else if let Some(at) = key.chars().position(|c| !c.is_ascii_graphic()) {
+        format!(
+            "character {at} is a space, a control character or not ASCII, which an \
+             Authorization header cannot carry; use visible ASCII only"
+        )
+    } else {
+        return Ok(());
+    };
+    Err(invalid("api-key", shown, rule))
 }
 
 fn reference_config(
@@ -640,6 +687,32 @@ mod tests {
         ] {
             let msg = parse(argv).unwrap_err().to_string();
             assert!(msg.starts_with(flag), "{argv:?}: {msg}");
+        }
+    }
+
+    /// Each of these started a server that answered 401 to every request.
+    #[test]
+    fn api_keys_that_cannot_be_sent_are_refused_without_echoing_them() {
+        for (key, why) in [
+            ("k-xyzzy1\n", "trailing whitespace"),
+            ("k-xyzzy1\r\n", "trailing whitespace"),
+            (" k-xyzzy1", "leading or trailing"),
+            ("k-xyzzy1 ", "leading or trailing"),
+            ("k-xy zzy", "character 4"),
+            ("k-xézzy", "character 3"),
+            ("k-xyzzy1\u{7f}", "character 8"),
+            ("k-\txyzzy", "character 2"),
+        ] {
+            let msg = parse(&["--api-key", key]).unwrap_err().to_string();
+            assert!(msg.starts_with("--api-key <"), "{key:?}: {msg}");
+            assert!(msg.contains(why), "{key:?}: {msg}");
+            assert!(!msg.contains("xyzzy") && !msg.contains("zzy"), "{msg}");
+        }
+        for key in ["k-xyzzy1", "Zm9v+YmFy/YmF6==", "a~b!c"] {
+            assert_eq!(
+                parse(&["--api-key", key]).unwrap().http.api_key.unwrap(),
+                key
+            );
         }
     }
 

@@ -54,6 +54,8 @@ async fn app(api_key: Option<&str>, metrics_without_auth: bool, max_body_bytes: 
             max_body_bytes,
             request_timeout: Duration::from_secs(30),
             drain_timeout: Duration::from_secs(5),
+            header_read_timeout: Duration::from_secs(30),
+            body_read_timeout: Duration::from_secs(30),
         },
         batch: BatchLimits {
             max_batch_tokens: 256,

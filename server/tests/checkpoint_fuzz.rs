@@ -1,6 +1,6 @@
 //! Property tests of the checkpoint loader: the tiny fixture with a mutated `config.json` or a
 //! mutated safetensors file (header length, offsets that lie, huge or odd shapes, wrong dtypes,
-//! random header bytes, truncation, extra entries). Loading must return an error that names
+//! random header bytes, truncation, extra entries, a NaN or an infinity in any float tensor). Loading must return an error that names
 //! the file, the tensor or the config field (or succeed when the mutation is harmless), never
 //! panic, and never ask for an allocation larger than [`MAX_ALLOCATION`]: a counting global
 //! allocator refuses (and records) anything bigger, which aborts the test.
@@ -375,6 +375,43 @@ proptest! {
         } else {
             prop_assert!(!truncate, "a truncated file loaded");
         }
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: cases(), failure_persistence: None, ..ProptestConfig::default() })]
+
+    /// One element of any float tensor (norms, embeddings, lm_head, scales: bf16, f32, fp8)
+    /// set to NaN, inf or -inf: refused naming that tensor (each loaded before and served
+    /// `null` logprobs).
+    #[test]
+    fn a_non_finite_float_anywhere_is_refused_naming_its_tensor(
+        pick in any::<prop::sample::Index>(),
+        element in any::<prop::sample::Index>(),
+        value in prop::sample::select(vec![f32::NAN, f32::INFINITY, f32::NEG_INFINITY]),
+    ) {
+        let _one = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
+        let f = fixture_parts();
+        let floats: Vec<String> = tensor_names(&f.header)
+            .into_iter()
+            .filter(|n| ["F32", "F16", "BF16"].contains(&f.header[n]["dtype"].as_str().unwrap()))
+            .collect();
+        let name = pick.get(&floats);
+        let dtype = f.header[name]["dtype"].as_str().unwrap();
+        let [start, end]: [usize; 2] =
+            serde_json::from_value(f.header[name]["data_offsets"].clone()).unwrap();
+        let special = match dtype {
+            "F32" => value.to_le_bytes().to_vec(),
+            "F16" => half::f16::from_f32(value).to_le_bytes().to_vec(),
+            _ => half::bf16::from_f32(value).to_le_bytes().to_vec(),
+        };
+        let at = start + element.index((end - start) / special.len()) * special.len();
+        let mut data = f.data.clone();
+        data[at..at + special.len()].copy_from_slice(&special);
+        trace(&format!("{name}[{}] = {value}", (at - start) / special.len()));
+        let err = load(f.config.to_string().as_bytes(), &safetensors(&f.header, &data));
+        let err = err.unwrap_or_else(|| panic!("{name} with {value} loaded"));
+        prop_assert!(err.contains(&format!("tensor `{name}`")) && err.contains("finite"), "{err}");
     }
 }
 

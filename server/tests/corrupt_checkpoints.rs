@@ -103,3 +103,331 @@ fn g_idx_tensor_is_refused_not_ignored() {
     );
     assert_mentions(&load_error(dir.path()), &[name, "unexpected"]);
 }
+
+// ---- non-finite values (issue 27) --------------------------------------------------------
+
+/// A NaN or an infinity of `dtype`, little-endian (e4m3fn has no infinity: NaN).
+fn special_bytes(dtype: Dtype, value: f32) -> Vec<u8> {
+    match dtype {
+        Dtype::F32 => value.to_le_bytes().to_vec(),
+        Dtype::BF16 => half::bf16::from_f32(value).to_le_bytes().to_vec(),
+        Dtype::F16 => half::f16::from_f32(value).to_le_bytes().to_vec(),
+        Dtype::F8_E4M3 => vec![if value.is_sign_negative() { 0xff } else { 0x7f }],
+        other => panic!("no special value for {other:?}"),
+    }
+}
+
+/// The tensor `name` re-stored as `dtype` (a float tensor of the fixture, converted exactly
+/// from bf16), so one corruption can be tried in every dtype a checkpoint may use.
+fn restore_as(t: &mut Tensors, name: &str, dtype: Dtype) {
+    let (stored, _, bytes) = t.get_mut(name).unwrap();
+    assert_eq!(*stored, Dtype::BF16, "{name}");
+    let values = bytes
+        .chunks_exact(2)
+        .map(|b| half::bf16::from_le_bytes([b[0], b[1]]).to_f32());
+    *bytes = match dtype {
+        Dtype::BF16 => return,
+        Dtype::F16 => values
+            .flat_map(|v| half::f16::from_f32(v).to_le_bytes())
+            .collect(),
+        Dtype::F32 => values.flat_map(f32::to_le_bytes).collect(),
+        other => panic!("{other:?}"),
+    };
+    *stored = dtype;
+}
+
+/// Overwrites elements `elements` of tensor `name` with `value`.
+fn poison(t: &mut Tensors, name: &str, elements: std::ops::Range<usize>, value: f32) {
+    let (dtype, _, bytes) = t.get_mut(name).unwrap();
+    let special = special_bytes(*dtype, value);
+    for e in elements {
+        let at = e * special.len();
+        bytes[at..at + special.len()].copy_from_slice(&special);
+    }
+}
+
+fn load_error_as(variant: &str, dir: &Path, dtype: candle_core::DType) -> String {
+    let _ = variant;
+    match Model::load(dir, &options(dtype, Default::default())) {
+        Ok(_) => panic!("{variant}: corrupted checkpoint loaded"),
+        Err(e) => e.to_string(),
+    }
+}
+
+/// Each of these loaded before and served `null` for every logprob. Every float tensor kind
+/// (norm, embedding, lm_head row, dense weight, int scale, fp8 weight, NVFP4 fp8 scale, global
+/// scales), stored in each float dtype it may have, with NaN, inf and -inf, under f32 and bf16
+/// compute: refused naming the tensor and the element.
+#[test]
+fn non_finite_values_are_refused_naming_tensor_and_element() {
+    let layer = "model.layers.1";
+    // (fixture, tensor, first element, elements, stored dtypes to try)
+    let floats = [Dtype::BF16, Dtype::F16, Dtype::F32];
+    let cases: Vec<(&str, String, usize, usize, &[Dtype])> = vec![
+        (
+            "llama-w4a16-g128",
+            "model.norm.weight".into(),
+            7,
+            1,
+            &floats,
+        ),
+        // one whole row of lm_head (row 5 of [2000, 256])
+        (
+            "llama-w4a16-g128",
+            "lm_head.weight".into(),
+            5 * 256,
+            256,
+            &floats,
+        ),
+        (
+            "llama-w4a16-g128",
+            "model.embed_tokens.weight".into(),
+            3,
+            1,
+            &floats,
+        ),
+        (
+            "llama-w4a16-g128",
+            format!("{layer}.input_layernorm.weight"),
+            0,
+            1,
+            &floats,
+        ),
+        (
+            "llama-w4a16-g128",
+            format!("{layer}.mlp.down_proj.weight_scale"),
+            9,
+            1,
+            &floats,
+        ),
+        (
+            "llama-w4a16-asym-g64",
+            format!("{layer}.self_attn.k_proj.weight_scale"),
+            2,
+            1,
+            &floats,
+        ),
+        (
+            "llama-dense-bf16",
+            format!("{layer}.self_attn.q_proj.weight"),
+            100,
+            1,
+            &floats,
+        ),
+        (
+            "llama-fp8-dynamic",
+            format!("{layer}.mlp.up_proj.weight_scale"),
+            4,
+            1,
+            &floats,
+        ),
+        (
+            "llama-fp8-dynamic",
+            format!("{layer}.mlp.up_proj.weight"),
+            11,
+            1,
+            &[Dtype::F8_E4M3],
+        ),
+        (
+            "llama-nvfp4a16",
+            format!("{layer}.mlp.gate_proj.weight_scale"),
+            6,
+            1,
+            &[Dtype::F8_E4M3],
+        ),
+        (
+            "llama-nvfp4a16",
+            format!("{layer}.mlp.gate_proj.weight_global_scale"),
+            0,
+            1,
+            &[Dtype::F32],
+        ),
+        (
+            "llama-nvfp4",
+            format!("{layer}.self_attn.o_proj.input_global_scale"),
+            0,
+            1,
+            &[Dtype::F32],
+        ),
+    ];
+    let mut checked = 0;
+    for (variant, name, first, count, dtypes) in &cases {
+        for &dtype in *dtypes {
+            for value in [f32::NAN, f32::INFINITY, f32::NEG_INFINITY] {
+                let dir = edited_copy(
+                    variant,
+                    1,
+                    |t| {
+                        if t[name.as_str()].0 != dtype {
+                            restore_as(t, name, dtype);
+                        }
+                        poison(t, name, *first..first + count, value);
+                    },
+                    |_| {},
+                );
+                for compute in [candle_core::DType::F32, candle_core::DType::BF16] {
+                    let err = load_error_as(variant, dir.path(), compute);
+                    // e4m3fn has no infinity: its only special value is NaN.
+                    let shown = match (dtype, value) {
+                        (Dtype::F8_E4M3, _) => "NaN".to_string(),
+                        (_, v) if v.is_nan() => "NaN".to_string(),
+                        (_, v) => format!("{v}"),
+                    };
+                    assert_mentions(&err, &[name, &shown, "finite"]);
+                    checked += 1;
+                }
+            }
+        }
+    }
+    assert_eq!(checked, 168);
+}
+
+/// config.json values outside their domain, each of which loaded before (and served NaN, or
+/// failed only at warm-up): refused naming the field. Tried on a v5 config
+/// (`rope_parameters`) and a v4 one (`rope_theta` + `rope_scaling`).
+#[test]
+fn config_values_outside_their_domain_are_refused_naming_the_field() {
+    use serde_json::json;
+    type Edit = fn(&mut serde_json::Value);
+    let v5: Vec<(&str, Edit)> = vec![
+        ("rms_norm_eps", |c| c["rms_norm_eps"] = json!(-1.0)),
+        ("rms_norm_eps", |c| c["rms_norm_eps"] = json!(0.0)),
+        ("rms_norm_eps", |c| c["rms_norm_eps"] = json!(1e300)),
+        ("rope_parameters.rope_theta", |c| {
+            c["rope_parameters"]["rope_theta"] = json!(0.0)
+        }),
+        ("rope_parameters.rope_theta", |c| {
+            c["rope_parameters"]["rope_theta"] = json!(-10000.0)
+        }),
+        ("rope_theta", |c| {
+            c["rope_parameters"]["rope_theta"] = json!(1e-45)
+        }),
+        ("rope_parameters.factor", |c| {
+            c["rope_parameters"]["factor"] = json!(0.5)
+        }),
+        ("rope_parameters.high_freq_factor", |c| {
+            c["rope_parameters"]["high_freq_factor"] = json!(1.0)
+        }),
+        ("max_position_embeddings", |c| {
+            c["max_position_embeddings"] = json!(0)
+        }),
+        ("sliding_window", |c| {
+            c["architectures"] = json!(["MistralForCausalLM"]);
+            c["sliding_window"] = json!(0);
+        }),
+        ("sliding_window", |c| {
+            c["architectures"] = json!(["MistralForCausalLM"]);
+            c["sliding_window"] = json!(-4096);
+        }),
+        ("num_attention_heads", |c| {
+            c.as_object_mut().unwrap().remove("head_dim");
+            c["num_attention_heads"] = json!(3);
+            c["num_key_value_heads"] = json!(1);
+        }),
+    ];
+    let v4: Vec<(&str, Edit)> = vec![
+        ("rope_theta", |c| c["rope_theta"] = json!(0.0)),
+        ("rope_scaling.low_freq_factor", |c| {
+            c["rope_scaling"]["low_freq_factor"] = json!(-1.0)
+        }),
+        ("rms_norm_eps", |c| c["rms_norm_eps"] = json!(-1.0)),
+    ];
+    for (variant, cases) in [("llama-w4a16-g128", v5), ("llama-w4a16-asym-g64", v4)] {
+        for (field, edit) in cases {
+            let dir = edited_copy(variant, 1, |_| {}, edit);
+            let err = load_error_as(variant, dir.path(), candle_core::DType::F32);
+            assert_mentions(&err, &[&format!("config field `{field}`")]);
+        }
+    }
+}
+
+/// A config that describes fewer layers, no tied head or another architecture than the
+/// tensors hold: the tensors it would leave unread are named (before, `num_hidden_layers: 1`
+/// served a one-layer model of the two-layer checkpoint). RoPE tables some checkpoints carry
+/// are ignored by rule.
+#[test]
+fn tensors_the_config_leaves_unread_are_refused_by_name() {
+    for (variant, shards) in [("llama-w4a16-g128", 1), ("llama-nvfp4", 2)] {
+        let dir = edited_copy(
+            variant,
+            shards,
+            |_| {},
+            |c| c["num_hidden_layers"] = 1.into(),
+        );
+        let err = load_error_as(variant, dir.path(), candle_core::DType::F32);
+        assert_mentions(
+            &err,
+            &["tensor `model.layers.1.", "not read", "more unread"],
+        );
+    }
+    // A third layer's weight next to a two-layer config.
+    let extra = "model.layers.2.mlp.gate_proj.weight";
+    let dir = edited_copy(
+        "llama-dense-bf16",
+        1,
+        |t| {
+            let copy = t["model.layers.1.mlp.gate_proj.weight"].clone();
+            t.insert(extra.into(), copy);
+        },
+        |_| {},
+    );
+    let err = load_error_as("dense", dir.path(), candle_core::DType::F32);
+    assert_mentions(&err, &[extra, "not read"]);
+    // A tied config over a checkpoint with its own lm_head reads that head: loads.
+    let dir = edited_copy(BASE, 1, |_| {}, |c| c["tie_word_embeddings"] = true.into());
+    Model::load(
+        dir.path(),
+        &options(candle_core::DType::F32, Default::default()),
+    )
+    .unwrap();
+    // Stored RoPE frequencies are recomputed from config.json: ignored, by rule.
+    let dir = edited_copy(
+        BASE,
+        1,
+        |t| {
+            let inv_freq = (Dtype::F32, vec![32], vec![0u8; 128]);
+            t.insert(
+                "model.layers.0.self_attn.rotary_emb.inv_freq".into(),
+                inv_freq,
+            );
+        },
+        |_| {},
+    );
+    Model::load(
+        dir.path(),
+        &options(candle_core::DType::F32, Default::default()),
+    )
+    .unwrap();
+}
+
+/// A checkpoint that is finite but overflows in the forward pass (two lm_head rows of ±3e38,
+/// bf16's largest values: their logits leave f32's range) passes the load's scan; the warm-up
+/// batch then finds its non-finite logits and the server does not start.
+#[tokio::test]
+async fn logits_that_overflow_fail_the_warm_up() {
+    use exactscore_server::app::Server;
+    use exactscore_server::config::{Args, Config};
+    let dir = corrupted(
+        |t| {
+            let (_, _, bytes) = t.get_mut("lm_head.weight").unwrap();
+            for (row, value) in [(10, 3e38f32), (11, -3e38)] {
+                let v = half::bf16::from_f32(value).to_le_bytes();
+                for e in row * 256..(row + 1) * 256 {
+                    bytes[2 * e..2 * e + 2].copy_from_slice(&v);
+                }
+            }
+        },
+        |_| {},
+    );
+    for file in ["tokenizer.json", "tokenizer_config.json"] {
+        std::fs::copy(fixtures().join(BASE).join(file), dir.path().join(file)).unwrap();
+    }
+    let model = dir.path().to_str().unwrap();
+    let args = <Args as clap::Parser>::try_parse_from(["exactscore-server", "--model", model]);
+    let config = Config::from_args(args.unwrap()).unwrap();
+    let server = Server::load(&config)
+        .await
+        .expect("a finite checkpoint loads");
+    let err = server.warm_up().await.unwrap_err().to_string();
+    assert_mentions(&err, &["warm-up", "not finite", "position 0"]);
+}

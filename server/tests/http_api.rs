@@ -51,6 +51,8 @@ async fn app_with(engine: FakeEngine, setup: Setup) -> (Router, SharedState) {
             max_body_bytes: setup.max_body_bytes,
             request_timeout: setup.request_timeout,
             drain_timeout: Duration::from_secs(5),
+            header_read_timeout: Duration::from_secs(30),
+            body_read_timeout: Duration::from_secs(30),
         },
         batch: BatchLimits {
             max_batch_tokens: 256,
@@ -752,4 +754,203 @@ async fn completions_refuse_what_a_scoring_server_cannot_do() {
     )
     .await;
     assert!(e.error.contains("best_of"), "{e:?}");
+}
+
+// ---- non-finite output (issue 27) -------------------------------------------------------
+
+fn numerical_errors(metrics: &str) -> f64 {
+    metrics
+        .lines()
+        .find_map(|l| l.strip_prefix("exactscore_numerical_errors_total "))
+        .map_or(0.0, |v| v.parse().unwrap())
+}
+
+/// A NaN in a sequence's output (the fake model's log p of token 1999, as a real model's is
+/// when its logits overflow) is a 500 `numerical` naming the sequence and position on every
+/// scoring route, counted in `/metrics`; it was a 200 with `null` logprobs. The other
+/// sequences of its batch are unaffected: they are answered in their own requests.
+#[tokio::test]
+async fn status_500_numerical_names_sequence_and_position() {
+    let nan = FakeEngine::NAN_TOKEN;
+    let parts = StateParts {
+        info: exactscore_api::ModelInfo {
+            reference: Some(exactscore_api::ReferenceInfo {
+                model: "fake-reference".into(),
+                architecture: "LlamaForCausalLM".into(),
+                formats: Default::default(),
+                bits_per_weight: 16.0,
+                devices: vec!["cpu".into()],
+                placement: Vec::new(),
+            }),
+            ..info(8)
+        },
+        tokenizer: Arc::new(TextTokenizer::load(&fixture()).unwrap()),
+        http: HttpConfig {
+            api_key: None,
+            metrics_without_auth: false,
+            max_body_bytes: 64 * 1024,
+            request_timeout: Duration::from_secs(30),
+            drain_timeout: Duration::from_secs(5),
+            header_read_timeout: Duration::from_secs(30),
+            body_read_timeout: Duration::from_secs(30),
+        },
+        batch: BatchLimits {
+            max_batch_tokens: 256,
+            max_batch_requests: 4,
+        },
+    };
+    let server = Server::start(Box::new(FakeEngine::default()), parts).unwrap();
+    server.warm_up().await.unwrap();
+    let app = router(server.state.clone());
+    let before = numerical_errors(&String::from_utf8(send(&app, get("/metrics")).await.2).unwrap());
+    // Sequence 1, the distribution after token 2 (which predicts the NaN token).
+    for (path, body) in [
+        ("/score", json!({"tokens": [[1, 2, 3], [4, 5, 6, nan, 7]]})),
+        (
+            "/v1/score",
+            json!({"tokens": [[1, 2, 3], [4, 5, 6, nan, 7]], "top_k": 2}),
+        ),
+        ("/kld", json!({"tokens": [[1, 2, 3], [4, 5, 6, nan, 7]]})),
+    ] {
+        let e = error(
+            &app,
+            post(path, body.to_string()),
+            StatusCode::INTERNAL_SERVER_ERROR,
+        )
+        .await;
+        assert_eq!(e.kind, "numerical", "{path}");
+        assert_eq!(e.field.as_deref(), Some("sequences[1]"), "{path}");
+        assert_eq!(e.rule.as_deref(), Some("finite"), "{path}");
+        assert_eq!(
+            e.value,
+            Some(json!({"sequence": 1, "position": 2})),
+            "{path}"
+        );
+        assert!(
+            e.error.contains("sequence 1") && e.error.contains("position 2"),
+            "{}",
+            e.error
+        );
+    }
+    let e = error(
+        &app,
+        post(
+            "/v1/completions",
+            json!({"prompt": [1, nan], "echo": true, "logprobs": 1, "max_tokens": 0}).to_string(),
+        ),
+        StatusCode::INTERNAL_SERVER_ERROR,
+    )
+    .await;
+    assert_eq!(
+        (e.kind.as_str(), e.value),
+        ("numerical", Some(json!({"sequence": 0, "position": 0})))
+    );
+    // The same sequences without the token: 200.
+    let (status, _, _) = send(
+        &app,
+        post(
+            "/score",
+            json!({"tokens": [[1, 2, 3], [4, 5, 6, 8, 7]]}).to_string(),
+        ),
+    )
+    .await;
+    assert_eq!(status, StatusCode::OK);
+    let after = numerical_errors(&String::from_utf8(send(&app, get("/metrics")).await.2).unwrap());
+    assert_eq!(after - before, 4.0);
+}
+
+// ---- headers and body encodings (issue 27) ------------------------------------------------
+
+fn with_auth(mut req: Request<Body>, values: &[&str]) -> Request<Body> {
+    for v in values {
+        req.headers_mut()
+            .append(header::AUTHORIZATION, v.parse().unwrap());
+    }
+    req
+}
+
+/// The auth scheme is case-insensitive (RFC 9110 §11.1; was 401 for `bearer`); two
+/// `Authorization` headers are a 400, whichever of them is right (was: the first one won).
+#[tokio::test]
+async fn auth_scheme_is_case_insensitive_and_a_repeated_header_is_400() {
+    let app = app(Setup {
+        api_key: Some("s3cret"),
+        ..Setup::default()
+    })
+    .await;
+    let body = json!({"tokens": [1, 2]}).to_string();
+    for scheme in ["Bearer", "bearer", "BEARER", "bEaReR"] {
+        let req = with_auth(post("/score", body.clone()), &[&format!("{scheme} s3cret")]);
+        assert_eq!(send(&app, req).await.0, StatusCode::OK, "{scheme}");
+        let req = with_auth(post("/score", body.clone()), &[&format!("{scheme} s3creT")]);
+        error(&app, req, StatusCode::UNAUTHORIZED).await;
+    }
+    for pair in [
+        ["Bearer s3cret", "Bearer s3cret"],
+        ["Bearer s3cret", "Bearer wrong"],
+        ["Bearer wrong", "Bearer s3cret"],
+    ] {
+        let e = error(
+            &app,
+            with_auth(post("/score", body.clone()), &pair),
+            StatusCode::BAD_REQUEST,
+        )
+        .await;
+        assert_eq!(e.kind, "invalid_header");
+        assert_eq!(e.field.as_deref(), Some("authorization"));
+        assert_eq!(e.rule.as_deref(), Some("single_header"));
+        assert!(!e.error.contains("s3cret"), "{}", e.error);
+    }
+    // The probes stay open whatever the headers.
+    let probe = with_auth(get("/health/ready"), &["Bearer a", "Bearer b"]);
+    assert_eq!(send(&app, probe).await.0, StatusCode::OK);
+}
+
+/// A compressed body was a "malformed JSON" 400; now a 415 naming `content-encoding`.
+/// `identity` is what no encoding means.
+#[tokio::test]
+async fn content_encoding_other_than_identity_is_415() {
+    let app = app(Setup::default()).await;
+    let body = json!({"tokens": [1, 2]}).to_string();
+    for encoding in ["gzip", "br", "deflate", "identity, gzip"] {
+        let mut req = post("/score", body.clone());
+        req.headers_mut()
+            .insert(header::CONTENT_ENCODING, encoding.parse().unwrap());
+        let e = error(&app, req, StatusCode::UNSUPPORTED_MEDIA_TYPE).await;
+        assert_eq!(e.kind, "unsupported_media_type");
+        assert_eq!(e.field.as_deref(), Some("content-encoding"));
+        assert_eq!(e.value, Some(json!(encoding)));
+    }
+    let mut req = post("/score", body);
+    req.headers_mut()
+        .insert(header::CONTENT_ENCODING, "Identity".parse().unwrap());
+    assert_eq!(send(&app, req).await.0, StatusCode::OK);
+}
+
+/// A token id beyond i64 was "data did not match any variant of untagged enum TokensInput";
+/// the error now names the element and what a token id is.
+#[tokio::test]
+async fn a_token_id_of_2_pow_64_is_named() {
+    let app = app(Setup::default()).await;
+    for (body, field) in [
+        (r#"{"tokens": [1, 18446744073709551616]}"#, "tokens[1]"),
+        (
+            r#"{"tokens": [[1], [2, 18446744073709551615]]}"#,
+            "tokens[1][1]",
+        ),
+        (r#"{"tokens": [1, 2.5]}"#, "tokens[1]"),
+        (r#"{"text": ["a", 7]}"#, "text[1]"),
+    ] {
+        let e = error(&app, post("/score", body), StatusCode::UNPROCESSABLE_ENTITY).await;
+        assert_eq!(e.field.as_deref(), Some(field), "{body}: {e:?}");
+        assert!(!e.error.contains("untagged"), "{body}: {}", e.error);
+    }
+    let e = error(
+        &app,
+        post("/v1/completions", r#"{"prompt": [1, 1e30]}"#),
+        StatusCode::UNPROCESSABLE_ENTITY,
+    )
+    .await;
+    assert_eq!(e.field.as_deref(), Some("prompt[1]"), "{e:?}");
+    assert!(e.error.contains("token id"), "{}", e.error);
 }

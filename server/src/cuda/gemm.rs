@@ -3,15 +3,73 @@
 //! rounds the sum once; no output buffer and no separate pass over the stream. Row chunks of one
 //! input fill one output this way. cuBLAS is called as candle's `x.matmul(&w.t())` calls it for
 //! bf16/f16 (same operand order, leading dimensions, compute type and algorithm), beta aside.
+//!
+//! And [`matmul_t_f32`]: the f32 Linears through ExactScore's own GEMM kernel, whose summation
+//! order does not depend on the shape (cuBLAS's does), so that f32 scores are batch-invariant.
 
 use candle_core::cuda_backend::cudarc::cublas::{result::gemm_strided_batched_ex, sys, CudaBlas};
 use candle_core::cuda_backend::cudarc::driver::{
     CudaSlice, CudaView, DevicePtr, DevicePtrMut, DeviceRepr,
 };
+use candle_core::cuda_backend::cudarc::driver::{LaunchConfig, PushKernelArg};
 use candle_core::cuda_backend::{
     gemm_reduced_precision_bf16, gemm_reduced_precision_f16, CudaStorageSlice, WrapErr,
 };
-use candle_core::{bail, CpuStorage, CudaStorage, InplaceOp3, Layout, Result, Tensor};
+use candle_core::{bail, CpuStorage, CudaStorage, DType, InplaceOp3, Layout, Result, Tensor};
+
+use super::module::{kernel, EXACTSCORE};
+use super::{with_slice, wrap};
+
+/// `x · wᵀ` (`x`: `[m, k]`, `w`: `[n, k]`, f32) with every output summed by fused multiply-adds
+/// over k in order (`matmul_t_f32` in exactscore.cu; its CPU reference is
+/// [`crate::quant::gemm::matmul_t_sequential_fma`]): a row's result is the same bits whatever
+/// other rows share the call.
+pub fn matmul_t_f32(x: &Tensor, w: &Tensor) -> Result<Tensor> {
+    let (x, w) = (x.contiguous()?, w.contiguous()?);
+    let (m, k) = x.dims2()?;
+    let (n, w_k) = w.dims2()?;
+    if w_k != k || x.dtype() != DType::F32 || w.dtype() != DType::F32 {
+        bail!(
+            "matmul_t_f32: x {:?} {:?} and w {:?} {:?} (f32, the same k)",
+            x.dims(),
+            x.dtype(),
+            w.dims(),
+            w.dtype()
+        );
+    }
+    if m == 0 || n == 0 {
+        return Tensor::zeros((m, n), DType::F32, x.device());
+    }
+    // Tile sizes of the kernel: 128 x 128 outputs per block of 256 threads.
+    const TILE: usize = 128;
+    with_slice::<f32, _>(&x, |xs, xo, dev| {
+        with_slice::<f32, _>(&w, |ws, wo, _| {
+            // float4 loads: k and both start offsets multiples of 4 (16-byte aligned rows).
+            let vec4 = k.is_multiple_of(4) && xo.is_multiple_of(4) && wo.is_multiple_of(4);
+            let name = if vec4 {
+                "matmul_t_f32_v4"
+            } else {
+                "matmul_t_f32"
+            };
+            let func = kernel(dev, &EXACTSCORE, name)?;
+            // SAFETY: the kernel writes every element.
+            let out = unsafe { dev.alloc::<f32>(m * n) }?;
+            let (xs, ws) = (xs.slice(xo..), ws.slice(wo..));
+            let (m32, n32, k32) = (m as i32, n as i32, k as i32);
+            let mut b = func.builder();
+            b.arg(&xs).arg(&ws).arg(&out).arg(&m32).arg(&n32).arg(&k32);
+            let config = LaunchConfig {
+                grid_dim: (n.div_ceil(TILE) as u32, m.div_ceil(TILE) as u32, 1),
+                block_dim: (256, 1, 1),
+                shared_mem_bytes: 0,
+            };
+            // SAFETY: arguments match `matmul_t_f32` / `matmul_t_f32_v4`; x holds m * k
+            // values, w n * k, out m * n.
+            unsafe { b.launch(config) }.w()?;
+            Ok(wrap(out, dev, (m, n)))
+        })
+    })
+}
 
 /// Adds `x · wᵀ` (`x`: `[m, k]`, `w`: `[n, k]`, both contiguous, bf16 or f16) to rows
 /// `row0..row0 + m` of `out` (`[rows, n]`, contiguous, same dtype), in place.

@@ -40,7 +40,7 @@ pub use attention::{
     flash_attention, flash_attention_supported, rope_rotate_half, FlashMma, FlashOptions,
     FlashTiling,
 };
-pub use gemm::matmul_t_add_into_rows;
+pub use gemm::{matmul_t_add_into_rows, matmul_t_f32};
 use module::{kernel, EXACTSCORE};
 
 fn kernel_name(base: &str, dtype: DType) -> String {

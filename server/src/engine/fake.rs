@@ -66,8 +66,16 @@ impl FakeEngine {
         (engine, handle)
     }
 
-    /// The fake log-probability of `token`: `-(token + 1) / 1000`, easy to check in tests.
+    /// A token the fake model cannot predict: its log-probability is NaN (as a real model's is
+    /// when its logits overflow), to test that no such number is served.
+    pub const NAN_TOKEN: u32 = 1999;
+
+    /// The fake log-probability of `token`: `-(token + 1) / 1000`, easy to check in tests
+    /// (NaN for [`Self::NAN_TOKEN`]).
     pub fn logprob(token: u32) -> f32 {
+        if token == Self::NAN_TOKEN {
+            return f32::NAN;
+        }
         -((token + 1) as f32) / 1000.0
     }
 

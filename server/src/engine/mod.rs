@@ -43,6 +43,10 @@ pub enum EngineError {
     /// Every replica has been taken out of rotation after failing.
     #[error("no replica is in rotation")]
     NoReplica,
+    /// A sequence's output holds a NaN or an infinity: the next-token distribution after
+    /// token `position` (see [`Computed::checked`]). Never served as a number.
+    #[error("the model's output is not finite at position {position}")]
+    NonFinite { position: usize },
 }
 
 /// Runs one batch. Implemented by the model ([`ModelEngine`]), and by a fake for tests.
@@ -90,3 +94,41 @@ pub struct Computed<T> {
 
 /// A sequence scored by `/score`.
 pub type ScoredSequence = Computed<SequenceScores>;
+
+/// An output whose numbers can be checked to be finite, position by position.
+pub trait Finite {
+    /// The first position whose numbers are not all finite.
+    fn first_non_finite(&self) -> Option<usize>;
+}
+
+impl Finite for SequenceScores {
+    fn first_non_finite(&self) -> Option<usize> {
+        SequenceScores::first_non_finite(self)
+    }
+}
+
+impl Finite for SequenceKld {
+    fn first_non_finite(&self) -> Option<usize> {
+        SequenceKld::first_non_finite(self)
+    }
+}
+
+impl<T: Finite> Computed<T> {
+    /// `self`, or [`EngineError::NonFinite`] (logged and counted in
+    /// `exactscore_numerical_errors_total`) when one of its numbers is a NaN or an infinity.
+    /// O(positions) over the few numbers per position that left the device, never the logits.
+    pub fn checked(self) -> Result<Self, EngineError> {
+        match self.output.first_non_finite() {
+            None => Ok(self),
+            Some(position) => {
+                tracing::error!(
+                    batch_id = self.batch_id,
+                    position,
+                    "non-finite model output; not served"
+                );
+                metrics::counter!("exactscore_numerical_errors_total").increment(1);
+                Err(EngineError::NonFinite { position })
+            }
+        }
+    }
+}

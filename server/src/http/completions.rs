@@ -47,7 +47,7 @@ struct Prompt {
         (status = 413, body = ErrorBody),
         (status = 422, description = "Invalid or unsupported parameter (named)", body = ErrorBody),
         (status = 429, body = ErrorBody), (status = 503, body = ErrorBody),
-        (status = 504, body = ErrorBody)
+        (status = 504, body = ErrorBody), (status = 500, body = ErrorBody)
     ))]
 pub async fn completions(
     State(state): State<SharedState>,

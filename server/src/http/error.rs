@@ -26,8 +26,21 @@ pub enum ApiError {
     MethodNotAllowed(String),
     #[error("content type `{0}` is not JSON; send `Content-Type: application/json`")]
     UnsupportedMediaType(String),
+    #[error(
+        "content encoding `{0}` is not supported; send the JSON body uncompressed (no \
+         `Content-Encoding`, or `identity`)"
+    )]
+    UnsupportedEncoding(String),
     #[error("request body exceeds the limit of {limit} bytes")]
     PayloadTooLarge { limit: usize },
+    /// A request head beyond [`super::HeaderLimits`].
+    #[error("request headers exceed the limit: {0}")]
+    HeadersTooLarge(String),
+    /// A header that must appear once (or not at all) came more than once.
+    #[error("header `{0}` appears more than once; send it once")]
+    RepeatedHeader(&'static str),
+    #[error("the request body did not arrive within {0:?}")]
+    BodyTimeout(std::time::Duration),
     /// A request that parsed but breaks a rule: names the field, the rule and the value.
     #[error("{message}")]
     Validation {
@@ -45,6 +58,12 @@ pub enum ApiError {
     /// The device could not compute the request; retrying later (or elsewhere) may work.
     #[error("{message}")]
     Unavailable { kind: &'static str, message: String },
+    /// The model's output for a sequence holds a NaN or an infinity: an error, never a `null`.
+    #[error(
+        "the model's output for sequence {sequence} is not finite at position {position} (a NaN \
+         or an infinity in the next-token distribution after that token); no number is served"
+    )]
+    Numerical { sequence: usize, position: usize },
     /// The message is logged; clients see a generic text.
     #[error("internal error")]
     Internal(String),
@@ -86,7 +105,8 @@ impl From<crate::engine::EngineError> for ApiError {
                         .into(),
                 )
             }
-            E::Stopped => Self::Internal(e.to_string()),
+            // Callers that know the sequence map it to `Numerical` themselves (`compute`).
+            E::Stopped | E::NonFinite { .. } => Self::Internal(e.to_string()),
         }
     }
 }
@@ -109,18 +129,22 @@ impl ApiError {
     /// The status table: the one place that maps errors to HTTP.
     pub fn status(&self) -> StatusCode {
         match self {
-            Self::InvalidJson { .. } => StatusCode::BAD_REQUEST,
+            Self::InvalidJson { .. } | Self::RepeatedHeader(_) => StatusCode::BAD_REQUEST,
             Self::Unauthorized => StatusCode::UNAUTHORIZED,
             Self::NotFound(_) | Self::NoReferenceModel => StatusCode::NOT_FOUND,
             Self::MethodNotAllowed(_) => StatusCode::METHOD_NOT_ALLOWED,
-            Self::UnsupportedMediaType(_) => StatusCode::UNSUPPORTED_MEDIA_TYPE,
+            Self::BodyTimeout(_) => StatusCode::REQUEST_TIMEOUT,
+            Self::UnsupportedMediaType(_) | Self::UnsupportedEncoding(_) => {
+                StatusCode::UNSUPPORTED_MEDIA_TYPE
+            }
             Self::PayloadTooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
+            Self::HeadersTooLarge(_) => StatusCode::REQUEST_HEADER_FIELDS_TOO_LARGE,
             Self::Validation { .. } => StatusCode::UNPROCESSABLE_ENTITY,
             Self::Overloaded { .. } => StatusCode::TOO_MANY_REQUESTS,
             Self::NotReady(_) => StatusCode::SERVICE_UNAVAILABLE,
             Self::Timeout(_) => StatusCode::GATEWAY_TIMEOUT,
             Self::Unavailable { .. } => StatusCode::SERVICE_UNAVAILABLE,
-            Self::Internal(_) => StatusCode::INTERNAL_SERVER_ERROR,
+            Self::Numerical { .. } | Self::Internal(_) => StatusCode::INTERNAL_SERVER_ERROR,
         }
     }
 
@@ -131,13 +155,19 @@ impl ApiError {
             Self::NotFound(_) => "not_found",
             Self::NoReferenceModel => "no_reference_model",
             Self::MethodNotAllowed(_) => "method_not_allowed",
-            Self::UnsupportedMediaType(_) => "unsupported_media_type",
+            Self::UnsupportedMediaType(_) | Self::UnsupportedEncoding(_) => {
+                "unsupported_media_type"
+            }
             Self::PayloadTooLarge { .. } => "payload_too_large",
+            Self::HeadersTooLarge(_) => "headers_too_large",
+            Self::RepeatedHeader(_) => "invalid_header",
+            Self::BodyTimeout(_) => "body_timeout",
             Self::Validation { .. } => "validation",
             Self::Overloaded { .. } => "overloaded",
             Self::NotReady(_) => "not_ready",
             Self::Timeout(_) => "timeout",
             Self::Unavailable { kind, .. } => kind,
+            Self::Numerical { .. } => "numerical",
             Self::Internal(_) => "internal",
         }
     }
@@ -173,6 +203,29 @@ impl ApiError {
                 Some("body".into()),
                 Some("max_body_bytes".into()),
                 Some(Value::from(*limit)),
+            ),
+            Self::UnsupportedEncoding(encoding) => (
+                Some("content-encoding".into()),
+                Some("identity_encoding".into()),
+                Some(preview(&Value::from(encoding.as_str()))),
+            ),
+            Self::HeadersTooLarge(_) => {
+                (Some("headers".into()), Some("max_header_size".into()), None)
+            }
+            Self::RepeatedHeader(name) => (
+                Some((*name).into()),
+                Some("single_header".into()),
+                None, // the header may be a credential
+            ),
+            Self::BodyTimeout(limit) => (
+                Some("body".into()),
+                Some("body_read_timeout".into()),
+                Some(Value::from(limit.as_secs())),
+            ),
+            Self::Numerical { sequence, position } => (
+                Some(format!("sequences[{sequence}]")),
+                Some("finite".into()),
+                Some(serde_json::json!({"sequence": sequence, "position": position})),
             ),
             _ => (None, None, None),
         };

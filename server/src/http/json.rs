@@ -21,8 +21,18 @@ where
 
     async fn from_request(req: Request, state: &S) -> Result<Self, ApiError> {
         check_content_type(&req)?;
+        check_content_encoding(&req)?;
         let limit = super::body_limit(&req);
-        let bytes = Bytes::from_request(req, state).await.map_err(|rejection| {
+        let read_timeout = super::body_read_timeout(&req);
+        let read = Bytes::from_request(req, state);
+        // A body short of its Content-Length would otherwise hold the connection forever.
+        let read = match read_timeout {
+            Some(limit) => tokio::time::timeout(limit, read)
+                .await
+                .map_err(|_| ApiError::BodyTimeout(limit))?,
+            None => read.await,
+        };
+        let bytes = read.map_err(|rejection| {
             if rejection.status() == StatusCode::PAYLOAD_TOO_LARGE {
                 ApiError::PayloadTooLarge { limit }
             } else {
@@ -34,6 +44,21 @@ where
         })?;
         parse(&bytes).map(ApiJson)
     }
+}
+
+/// Bodies are read as they arrive: a compressed one would be a "malformed JSON" 400 that
+/// hides the real cause, so any encoding but `identity` is a 415 naming the header.
+fn check_content_encoding(req: &Request) -> Result<(), ApiError> {
+    for value in req.headers().get_all(axum::http::header::CONTENT_ENCODING) {
+        let text = String::from_utf8_lossy(value.as_bytes());
+        if !text
+            .split(',')
+            .all(|coding| coding.trim().eq_ignore_ascii_case("identity"))
+        {
+            return Err(ApiError::UnsupportedEncoding(text.into_owned()));
+        }
+    }
+    Ok(())
 }
 
 /// Syntax errors are 400; well-formed JSON of the wrong shape is 422 naming the field.

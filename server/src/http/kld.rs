@@ -22,7 +22,8 @@ use crate::model::SequenceKld;
         (status = 422, description = "Invalid request: names the field, rule and value", body = ErrorBody),
         (status = 429, description = "Queue full; see Retry-After", body = ErrorBody),
         (status = 503, description = "Starting or draining; see Retry-After", body = ErrorBody),
-        (status = 504, description = "Request timed out", body = ErrorBody)
+        (status = 504, description = "Request timed out", body = ErrorBody),
+        (status = 500, description = "The model's output is not finite (`numerical`: names the sequence and position)", body = ErrorBody)
     ))]
 pub async fn kld(
     State(state): State<SharedState>,

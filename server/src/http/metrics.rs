@@ -88,6 +88,11 @@ fn describe() {
     // Rendered as 0 from the start, so a scraper sees the series before the first drop.
     metrics::counter!("exactscore_sequences_cancelled_total").increment(0);
     describe_counter!(
+        "exactscore_numerical_errors_total",
+        "Sequences refused with a 500 `numerical` because the model's output was NaN or infinite"
+    );
+    metrics::counter!("exactscore_numerical_errors_total").increment(0);
+    describe_counter!(
         "exactscore_tokens_scored_total",
         "Tokens returned with a logprob"
     );

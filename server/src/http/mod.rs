@@ -9,6 +9,7 @@ pub mod json;
 pub mod kld;
 pub mod metrics;
 pub mod score;
+pub mod serve;
 pub mod tokenize;
 pub mod validate;
 
@@ -202,12 +203,15 @@ pub fn router(state: SharedState) -> Router {
         .method_not_allowed_fallback(|req: Request| async move {
             ApiError::MethodNotAllowed(req.method().to_string())
         })
+        // Inside the key check: a request without the key learns nothing about the limits.
+        .layer(middleware::from_fn(refuse_oversized_head_or_body))
         .layer(middleware::from_fn_with_state(
             state.clone(),
             require_api_key,
         ))
         .layer(DefaultBodyLimit::max(limit))
         .layer(Extension(BodyLimit(limit)))
+        .layer(Extension(BodyReadTimeout(state.http.body_read_timeout)))
         .layer(middleware::from_fn(metrics::track))
         .layer(tower_http::trace::TraceLayer::new_for_http())
         .with_state(state)
@@ -219,6 +223,61 @@ pub struct BodyLimit(pub usize);
 
 pub(crate) fn body_limit(req: &Request) -> usize {
     req.extensions().get::<BodyLimit>().map_or(0, |b| b.0)
+}
+
+/// How long a request body may take to arrive (`--body-read-timeout-secs`), for the JSON
+/// extractor.
+#[derive(Debug, Clone, Copy)]
+pub struct BodyReadTimeout(pub std::time::Duration);
+
+pub(crate) fn body_read_timeout(req: &Request) -> Option<std::time::Duration> {
+    req.extensions().get::<BodyReadTimeout>().map(|t| t.0)
+}
+
+/// The largest request head served (hyper parses up to [`serve::HYPER_MAX_HEADERS`] headers
+/// and [`serve::HYPER_MAX_BUF_BYTES`] bytes, so anything between gets a JSON 431 from here).
+pub struct HeaderLimits;
+
+impl HeaderLimits {
+    /// hyper's own default, so no head accepted before is refused now.
+    pub const MAX_HEADERS: usize = 100;
+    /// Names and values together.
+    pub const MAX_BYTES: usize = 64 * 1024;
+}
+
+/// Refuses before anything reads the body: a head beyond [`HeaderLimits`] (431), and a
+/// `Content-Length` over `--max-body-bytes` (413) — so a client that sent
+/// `Expect: 100-continue` gets the 413 instead of an invitation to upload the body.
+async fn refuse_oversized_head_or_body(req: Request, next: Next) -> Response {
+    let headers = req.headers();
+    let bytes: usize = headers
+        .iter()
+        .map(|(name, value)| name.as_str().len() + value.len())
+        .sum();
+    if headers.len() > HeaderLimits::MAX_HEADERS {
+        return ApiError::HeadersTooLarge(format!(
+            "{} headers, at most {}",
+            headers.len(),
+            HeaderLimits::MAX_HEADERS
+        ))
+        .into_response();
+    }
+    if bytes > HeaderLimits::MAX_BYTES {
+        return ApiError::HeadersTooLarge(format!(
+            "{bytes} bytes of names and values, at most {}",
+            HeaderLimits::MAX_BYTES
+        ))
+        .into_response();
+    }
+    let limit = body_limit(&req);
+    let declared = headers
+        .get(axum::http::header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.trim().parse::<u64>().ok());
+    if declared.is_some_and(|n| n > limit as u64) {
+        return ApiError::PayloadTooLarge { limit }.into_response();
+    }
+    next.run(req).await
 }
 
 /// Routes served without the key: the probes (which carry no credentials), and `/metrics`
@@ -235,11 +294,15 @@ pub fn is_open_path(path: &str, http: &HttpConfig) -> bool {
 async fn require_api_key(State(state): State<SharedState>, req: Request, next: Next) -> Response {
     if let Some(key) = &state.http.api_key {
         let open = is_open_path(req.uri().path(), &state.http);
-        let given = req
-            .headers()
-            .get(AUTHORIZATION)
+        let mut values = req.headers().get_all(AUTHORIZATION).iter();
+        let (first, second) = (values.next(), values.next());
+        // Which of two would a proxy in front have checked? Neither is guessed.
+        if second.is_some() && !open {
+            return ApiError::RepeatedHeader("authorization").into_response();
+        }
+        let given = first
             .and_then(|v| v.to_str().ok())
-            .and_then(|v| v.strip_prefix("Bearer "))
+            .and_then(bearer_credentials)
             .unwrap_or("");
         // Constant time in the key's content (its length may still leak, as with any HMAC-less
         // comparison; keys are random and long).
@@ -249,6 +312,13 @@ async fn require_api_key(State(state): State<SharedState>, req: Request, next: N
         }
     }
     next.run(req).await
+}
+
+/// The credentials of `Bearer <credentials>`; the scheme is case-insensitive (RFC 9110
+/// §11.1), so `bearer` and `BEARER` work too.
+fn bearer_credentials(value: &str) -> Option<&str> {
+    let (scheme, credentials) = value.split_once(' ')?;
+    scheme.eq_ignore_ascii_case("bearer").then_some(credentials)
 }
 
 /// Route template of a request, for metric labels (bounded cardinality).

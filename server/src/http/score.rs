@@ -15,7 +15,7 @@ use super::json::ApiJson;
 use super::validate::{self, ValidScore};
 use super::{off_runtime, SharedState};
 use crate::engine::batcher::ReplyReceiver;
-use crate::engine::{Computed, EngineError, Scheduler, ScoredSequence};
+use crate::engine::{Computed, EngineError, Finite, Scheduler, ScoredSequence};
 use crate::model::SequenceScores;
 use crate::tokenizer::TextTokenizer;
 
@@ -28,7 +28,8 @@ use crate::tokenizer::TextTokenizer;
         (status = 422, description = "Invalid request: names the field, rule and value", body = ErrorBody),
         (status = 429, description = "Queue full; see Retry-After", body = ErrorBody),
         (status = 503, description = "Starting or draining; see Retry-After", body = ErrorBody),
-        (status = 504, description = "Request timed out", body = ErrorBody)
+        (status = 504, description = "Request timed out", body = ErrorBody),
+        (status = 500, description = "The model's output is not finite (`numerical`: names the sequence and position)", body = ErrorBody)
     ))]
 pub async fn score(
     State(state): State<SharedState>,
@@ -44,7 +45,7 @@ pub async fn score(
         (status = 400, body = ErrorBody), (status = 401, body = ErrorBody),
         (status = 413, body = ErrorBody), (status = 422, body = ErrorBody),
         (status = 429, body = ErrorBody), (status = 503, body = ErrorBody),
-        (status = 504, body = ErrorBody)
+        (status = 504, body = ErrorBody), (status = 500, body = ErrorBody)
     ))]
 pub async fn score_v1(
     state: State<SharedState>,
@@ -67,7 +68,7 @@ async fn handle(state: SharedState, req: ScoreRequest) -> Result<Json<ScoreRespo
 /// Queues every sequence with `submit` and waits for all of them: bounded by the admission
 /// semaphore (429) and the request timeout (504). Shared by `/score`, `/v1/completions` and
 /// `/kld`.
-pub(crate) async fn compute<T>(
+pub(crate) async fn compute<T: Finite>(
     state: &SharedState,
     sequences: &[Vec<u32>],
     submit: impl Fn(&Scheduler, Vec<u32>) -> ReplyReceiver<T>,
@@ -94,7 +95,11 @@ pub(crate) async fn compute<T>(
     let wait = async {
         let mut out = Vec::with_capacity(receivers.len());
         for rx in receivers {
-            out.push(rx.await.unwrap_or(Err(EngineError::Stopped)));
+            out.push(
+                rx.await
+                    .unwrap_or(Err(EngineError::Stopped))
+                    .and_then(Computed::checked),
+            );
         }
         out
     };
@@ -109,8 +114,14 @@ pub(crate) async fn compute<T>(
     };
     results
         .into_iter()
-        .collect::<Result<Vec<_>, _>>()
-        .map_err(ApiError::from)
+        .enumerate()
+        .map(|(sequence, result)| {
+            result.map_err(|e| match e {
+                EngineError::NonFinite { position } => ApiError::Numerical { sequence, position },
+                e => ApiError::from(e),
+            })
+        })
+        .collect()
 }
 
 /// Sums the work of a request's sequences; a batch shared by several of them counts once.

@@ -1,9 +1,12 @@
 //! A Hugging Face checkpoint directory: `config.json` plus one or more safetensors files
 //! (sharded through `model.safetensors.index.json`). Every tensor read goes through
-//! [`Checkpoint::tensor`], which checks name, dtype and shape and names the tensor on failure.
+//! [`Checkpoint::tensor`], which checks name, dtype, shape and that every float is finite, names
+//! the tensor on failure, and records the read so that [`Checkpoint::refuse_unread`] can refuse
+//! tensors the model never used.
 
 use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
+use std::sync::Mutex;
 
 use candle_core::safetensors::MmapedSafetensors;
 use candle_core::{DType, Device, Tensor};
@@ -80,7 +83,13 @@ pub struct Checkpoint {
     dir: PathBuf,
     storage: Storage,
     names: BTreeSet<String>,
+    /// Every name [`Self::tensor`] was asked for, found or not.
+    read: Mutex<BTreeSet<String>>,
 }
+
+/// Tensors a checkpoint may hold that no architecture reads, by name suffix: the RoPE inverse
+/// frequencies older transformers versions saved (recomputed from config.json here).
+pub const IGNORED_TENSOR_SUFFIXES: &[&str] = &[".rotary_emb.inv_freq"];
 
 impl Checkpoint {
     pub fn open(dir: &Path) -> Result<Self, LoadError> {
@@ -101,6 +110,7 @@ impl Checkpoint {
             dir: dir.to_path_buf(),
             storage: Storage::Files(tensors),
             names,
+            read: Mutex::default(),
         })
     }
 
@@ -110,6 +120,7 @@ impl Checkpoint {
             dir: PathBuf::from("<memory>"),
             names: tensors.keys().cloned().collect(),
             storage: Storage::Memory(tensors),
+            read: Mutex::default(),
         }
     }
 
@@ -167,6 +178,10 @@ impl Checkpoint {
                 });
             }
         }
+        self.read
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .insert(name.to_string());
         // Byte-sized codes keep their bits as U8 (candle has no I8; we decode F8 ourselves).
         let as_bytes = matches!(dtype, StDtype::I8 | StDtype::F8_E4M3);
         let candle_dtype = if as_bytes {
@@ -174,9 +189,26 @@ impl Checkpoint {
         } else {
             DType::try_from(dtype)?
         };
+        let stored = match &self.storage {
+            Storage::Files(files) => files.get(name)?.data(),
+            Storage::Memory(map) => map[name].data.as_slice(),
+        };
+        // A NaN or an infinity anywhere in a weight, norm, embedding or scale reaches every
+        // logit it touches: refused here, where the bytes are read anyway (a scan of the
+        // memory-mapped bytes, before any copy).
+        if let Some(at) = non_finite_position(dtype, stored) {
+            return Err(LoadError::BadTensor {
+                name: name.into(),
+                reason: format!(
+                    "element {:?} is {} (a checkpoint must hold finite values)",
+                    unflatten(at, &found),
+                    describe_non_finite(dtype, stored, at)
+                ),
+            });
+        }
         let data = match &self.storage {
             Storage::Files(files) if !as_bytes => return Ok(files.load(name, device)?),
-            Storage::Files(files) => files.get(name)?.data().to_vec(),
+            Storage::Files(_) => stored.to_vec(),
             Storage::Memory(map) => map[name].data.clone(),
         };
         Ok(Tensor::from_raw_buffer(
@@ -218,6 +250,149 @@ impl Checkpoint {
             .take_while(move |n| n.starts_with(prefix))
             .map(String::as_str)
     }
+
+    /// Fails naming the tensors that were never read (but those of
+    /// [`IGNORED_TENSOR_SUFFIXES`]): a checkpoint whose config.json disagrees with its tensors
+    /// (`num_hidden_layers: 1` over two layers of weights) would otherwise serve another model.
+    /// Called once the whole model is built; `model` names what read them; tensors under
+    /// `ignored_prefixes` are parts of the checkpoint the architecture does not serve.
+    pub fn refuse_unread(&self, model: &str, ignored_prefixes: &[&str]) -> Result<(), LoadError> {
+        let read = self.read.lock().unwrap_or_else(|p| p.into_inner());
+        let unread: Vec<&str> = self
+            .names
+            .iter()
+            .filter(|n| !read.contains(*n))
+            .filter(|n| !IGNORED_TENSOR_SUFFIXES.iter().any(|s| n.ends_with(s)))
+            .filter(|n| !ignored_prefixes.iter().any(|p| n.starts_with(p)))
+            .map(String::as_str)
+            .collect();
+        match unread.as_slice() {
+            [] => Ok(()),
+            [first, rest @ ..] => Err(LoadError::BadTensor {
+                name: first.to_string(),
+                reason: format!(
+                    "not read by {model} as config.json describes it{}; does config.json \
+                     (num_hidden_layers, architectures, biases, tie_word_embeddings) match the \
+                     checkpoint?",
+                    match rest.len() {
+                        0 => String::new(),
+                        n => format!(
+                            " ({n} more unread: {}{})",
+                            rest.iter()
+                                .take(3)
+                                .map(|n| format!("`{n}`"))
+                                .collect::<Vec<_>>()
+                                .join(", "),
+                            if n > 3 { ", …" } else { "" }
+                        ),
+                    }
+                ),
+            }),
+        }
+    }
+}
+
+/// Flat index of the first NaN or infinity in little-endian float bytes of `dtype` (`None` for
+/// other dtypes: integer codes have no such values). Blocks are tested branch-free, so the
+/// compiler vectorises the common, all-finite case; the position is looked up only on a hit.
+/// A large tensor (an embedding, a dense weight) is split over the machine's cores.
+pub fn non_finite_position(dtype: StDtype, bytes: &[u8]) -> Option<usize> {
+    const PARALLEL_BYTES: usize = 32 << 20;
+    let float = matches!(
+        dtype,
+        StDtype::F32 | StDtype::F64 | StDtype::BF16 | StDtype::F16 | StDtype::F8_E4M3
+    );
+    let width = dtype.bitsize() / 8;
+    let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
+    if !float || bytes.len() < PARALLEL_BYTES || threads < 2 || width == 0 {
+        return non_finite_position_serial(dtype, bytes);
+    }
+    let elements_per_part = (bytes.len() / width).div_ceil(threads);
+    std::thread::scope(|scope| {
+        let parts: Vec<_> = bytes
+            .chunks(elements_per_part * width)
+            .enumerate()
+            .map(|(i, part)| {
+                scope.spawn(move || {
+                    non_finite_position_serial(dtype, part).map(|at| i * elements_per_part + at)
+                })
+            })
+            .collect();
+        // The first hit in file order: the parts come back in order.
+        parts
+            .into_iter()
+            .filter_map(|p| p.join().unwrap_or(None))
+            .next()
+    })
+}
+
+fn non_finite_position_serial(dtype: StDtype, bytes: &[u8]) -> Option<usize> {
+    // An all-ones exponent is an infinity or a NaN; e4m3fn has no infinities and S.1111.111
+    // is its NaN.
+    match dtype {
+        StDtype::F32 => first_match::<4>(bytes, |b| {
+            u32::from_le_bytes(b) & 0x7f80_0000 == 0x7f80_0000
+        }),
+        StDtype::F64 => first_match::<8>(bytes, |b| {
+            u64::from_le_bytes(b) & 0x7ff0_0000_0000_0000 == 0x7ff0_0000_0000_0000
+        }),
+        StDtype::BF16 => first_match::<2>(bytes, |b| u16::from_le_bytes(b) & 0x7f80 == 0x7f80),
+        StDtype::F16 => first_match::<2>(bytes, |b| u16::from_le_bytes(b) & 0x7c00 == 0x7c00),
+        StDtype::F8_E4M3 => first_match::<1>(bytes, |b| b[0] & 0x7f == 0x7f),
+        _ => None,
+    }
+}
+
+fn first_match<const W: usize>(bytes: &[u8], bad: impl Fn([u8; W]) -> bool) -> Option<usize> {
+    const BLOCK: usize = 1024;
+    let element = |c: &[u8]| -> [u8; W] { c.try_into().expect("chunks of W bytes") };
+    bytes
+        .chunks(BLOCK * W)
+        .enumerate()
+        .find(|(_, block)| {
+            block
+                .chunks_exact(W)
+                .fold(false, |hit, c| hit | bad(element(c)))
+        })
+        .and_then(|(b, block)| {
+            let i = block.chunks_exact(W).position(|c| bad(element(c)))?;
+            Some(b * BLOCK + i)
+        })
+}
+
+/// `NaN`, `inf` or `-inf`, for the error message.
+fn describe_non_finite(dtype: StDtype, bytes: &[u8], at: usize) -> &'static str {
+    let width = dtype.bitsize() / 8;
+    let element = &bytes[at * width..(at + 1) * width];
+    // The sign is the top bit of the last (most significant) byte; the mantissa is non-zero
+    // for a NaN (and e4m3fn has nothing but NaN there).
+    let negative = element[width - 1] & 0x80 != 0;
+    let mantissa_zero = match dtype {
+        StDtype::F32 => u32::from_le_bytes(element.try_into().unwrap()) & 0x007f_ffff == 0,
+        StDtype::F64 => {
+            u64::from_le_bytes(element.try_into().unwrap()) & 0x000f_ffff_ffff_ffff == 0
+        }
+        StDtype::BF16 => u16::from_le_bytes(element.try_into().unwrap()) & 0x007f == 0,
+        StDtype::F16 => u16::from_le_bytes(element.try_into().unwrap()) & 0x03ff == 0,
+        _ => false,
+    };
+    match (mantissa_zero, negative) {
+        (false, _) => "NaN",
+        (true, false) => "inf",
+        (true, true) => "-inf",
+    }
+}
+
+/// The multi-dimensional index of flat element `at` of a row-major tensor of `shape`.
+fn unflatten(mut at: usize, shape: &[usize]) -> Vec<usize> {
+    let mut index = vec![0; shape.len()];
+    for (i, &dim) in shape.iter().enumerate().rev() {
+        if dim > 0 {
+            index[i] = at % dim;
+            at /= dim;
+        }
+    }
+    index
 }
 
 /// The safetensors files of a checkpoint: the shards named by the index, or `model.safetensors`.
@@ -308,4 +483,62 @@ pub(crate) fn read_to_string(path: &Path) -> Result<String, LoadError> {
         path: path.to_path_buf(),
         source,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_non_finite_pattern_is_found_and_no_finite_one() {
+        let bf16 = |v: f32| half::bf16::from_f32(v).to_le_bytes().to_vec();
+        let f16 = |v: f32| half::f16::from_f32(v).to_le_bytes().to_vec();
+        let f32b = |v: f32| v.to_le_bytes().to_vec();
+        for (dtype, encode) in [
+            (StDtype::BF16, &bf16 as &dyn Fn(f32) -> Vec<u8>),
+            (StDtype::F16, &f16),
+            (StDtype::F32, &f32b),
+        ] {
+            for (value, shown) in [
+                (f32::NAN, "NaN"),
+                (f32::INFINITY, "inf"),
+                (f32::NEG_INFINITY, "-inf"),
+            ] {
+                let mut bytes: Vec<u8> = [1.5f32, -0.0, 65504.0, 1e-8]
+                    .iter()
+                    .flat_map(|&v| encode(v))
+                    .collect();
+                assert_eq!(non_finite_position(dtype, &bytes), None, "{dtype:?}");
+                bytes.extend(encode(value));
+                assert_eq!(non_finite_position(dtype, &bytes), Some(4), "{dtype:?}");
+                assert_eq!(describe_non_finite(dtype, &bytes, 4), shown);
+            }
+        }
+        // e4m3fn: 0x7e and 0xfe are ±448, 0x7f and 0xff NaN.
+        assert_eq!(
+            non_finite_position(StDtype::F8_E4M3, &[0x7e, 0xfe, 0x00]),
+            None
+        );
+        assert_eq!(
+            non_finite_position(StDtype::F8_E4M3, &[0x7e, 0xff]),
+            Some(1)
+        );
+        assert_eq!(non_finite_position(StDtype::I32, &[0xff; 8]), None);
+        assert_eq!(unflatten(5 * 256 + 3, &[2000, 256]), vec![5, 3]);
+    }
+
+    #[test]
+    fn a_large_tensor_split_over_threads_reports_the_first_position() {
+        let mut bytes = vec![0u8; 33 << 20];
+        let (late, early) = (bytes.len() / 2 - 7, bytes.len() / 4 + 1);
+        for at in [late, early] {
+            bytes[2 * at + 1] = 0x7f;
+            bytes[2 * at] = 0x80;
+        }
+        assert_eq!(non_finite_position(StDtype::BF16, &bytes), Some(early));
+        assert_eq!(
+            non_finite_position_serial(StDtype::BF16, &bytes),
+            Some(early)
+        );
+    }
 }

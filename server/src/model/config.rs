@@ -5,6 +5,7 @@ use serde::Deserialize;
 use serde_json::Value;
 
 use super::checkpoint::LoadError;
+use super::rope::inv_freq;
 
 /// The model families we serve.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
@@ -59,6 +60,21 @@ impl Architecture {
 
     fn supported_list() -> String {
         Self::ALL.map(Self::hf_name).join(", ")
+    }
+
+    /// Tensor prefixes a checkpoint of this architecture may hold that scoring never reads:
+    /// the vision tower and projector of a Gemma 3 vision-language checkpoint (only its text
+    /// model is served).
+    pub fn unread_prefixes(self) -> &'static [&'static str] {
+        match self {
+            Self::Gemma3Multimodal => &[
+                "vision_tower.",
+                "multi_modal_projector.",
+                "model.vision_tower.",
+                "model.multi_modal_projector.",
+            ],
+            _ => &[],
+        }
     }
 }
 
@@ -194,6 +210,21 @@ fn size(value: usize, field: &str, max: usize) -> Result<usize, LoadError> {
         return Err(LoadError::config(
             field,
             format!("{value} is out of range (1..={max})"),
+        ));
+    }
+    Ok(value)
+}
+
+/// A float from config.json that the math divides by, takes the root or the power of: NaN, ±∞,
+/// 0 and negative values would turn every logit into NaN (`rms_norm_eps: -1` is a square root
+/// of a negative number for a row of zeros; `rope_theta: 0` makes every frequency infinite).
+/// The model computes in f32, so the value must also be finite and non-zero as an f32.
+fn positive_finite(value: f64, field: &str) -> Result<f64, LoadError> {
+    let as_f32 = value as f32;
+    if !(as_f32.is_finite() && as_f32 > 0.0) {
+        return Err(LoadError::config(
+            field,
+            format!("{value} is out of range (finite and > 0 in f32)"),
         ));
     }
     Ok(value)
@@ -345,8 +376,14 @@ impl ModelConfig {
             })?;
         let root = text_config(root, architecture)?;
         refuse_unimplemented(&root, architecture)?;
-        let raw: RawConfig = serde_json::from_value(root.clone())
-            .map_err(|e| LoadError::config("config.json", e.to_string()))?;
+        // The path names the member of a wrong type (`num_hidden_layers: -1` is not a size).
+        let raw: RawConfig = serde_path_to_error::deserialize(root.clone()).map_err(|e| {
+            let field = match e.path().to_string() {
+                path if path == "." => "config.json".to_string(),
+                path => path,
+            };
+            LoadError::config(field, e.into_inner().to_string())
+        })?;
         let act_field = if architecture.is_gemma() {
             "hidden_activation"
         } else {
@@ -393,6 +430,16 @@ impl ModelConfig {
                 format!("{num_kv_heads} must divide num_attention_heads = {num_heads}"),
             ));
         }
+        // Without `head_dim` the heads split the hidden size: a remainder would be dropped.
+        if raw.head_dim.is_none() && !hidden_size.is_multiple_of(num_heads) {
+            return Err(LoadError::config(
+                "num_attention_heads",
+                format!(
+                    "{num_heads} does not divide hidden_size = {hidden_size} (and no head_dim \
+                     is given)"
+                ),
+            ));
+        }
         let head_dim = size(
             raw.head_dim.unwrap_or(hidden_size / num_heads),
             "head_dim",
@@ -416,9 +463,30 @@ impl ModelConfig {
                 parse_rope(&raw.rope_parameters, &raw.rope_scaling, raw.rope_theta)?;
             (theta, scaling, None)
         };
+        // Each parameter in its range can still combine into a frequency that is not (a theta
+        // near the smallest f32 gives infinite ones).
+        let local = local_rope
+            .as_ref()
+            .map(|(theta, scaling)| (*theta, scaling));
+        for (theta, scaling) in std::iter::once((rope_theta, &rope_scaling)).chain(local) {
+            if let Some(f) = inv_freq(head_dim, theta, scaling)
+                .into_iter()
+                .find(|f| !(f.is_finite() && *f > 0.0))
+            {
+                return Err(LoadError::config(
+                    "rope_theta",
+                    format!("{theta} gives a RoPE frequency of {f} (must be finite and > 0)"),
+                ));
+            }
+        }
+        // A window of 0 would leave a token nothing to attend to (a softmax over nothing).
         let window_value = match &raw.sliding_window {
-            Some(Value::Number(n)) => n.as_u64().map(|v| v as usize),
-            _ => None,
+            None | Some(Value::Null) => None,
+            Some(v) => Some(size(
+                v.as_u64().map_or(0, |v| v as usize),
+                "sliding_window",
+                1 << 30,
+            )?),
         };
         let sliding_window = match (architecture, raw.use_sliding_window) {
             // Qwen2/3 configs carry a `sliding_window` value that is only active with the flag.
@@ -459,10 +527,14 @@ impl ModelConfig {
             num_heads,
             num_kv_heads,
             head_dim,
-            rms_norm_eps: raw.rms_norm_eps.unwrap_or(1e-6),
+            rms_norm_eps: positive_finite(raw.rms_norm_eps.unwrap_or(1e-6), "rms_norm_eps")?,
             rope_theta,
             rope_scaling,
-            max_position_embeddings: raw.max_position_embeddings.unwrap_or(4096),
+            max_position_embeddings: size(
+                raw.max_position_embeddings.unwrap_or(4096),
+                "max_position_embeddings",
+                1 << 30,
+            )?,
             tie_word_embeddings: raw.tie_word_embeddings.unwrap_or(false),
             attention_bias: architecture == Architecture::Qwen2
                 || raw.attention_bias.unwrap_or(false),
@@ -714,12 +786,17 @@ fn parse_rope(
         (None, Some(s)) => ("rope_scaling", Some(s)),
     };
     let get = |key: &str| params.and_then(|p| p.get(key)).and_then(Value::as_f64);
+    let theta_field = match get("rope_theta") {
+        Some(_) => format!("{field}.rope_theta"),
+        None => "rope_theta".into(),
+    };
     let theta = get("rope_theta").or(v4_theta).ok_or_else(|| {
         LoadError::config(
             "rope_theta",
             "missing (neither rope_parameters.rope_theta nor rope_theta)",
         )
     })?;
+    let theta = positive_finite(theta, &theta_field)?;
     let rope_type = params
         .and_then(|p| p.get("rope_type").or_else(|| p.get("type")))
         .and_then(Value::as_str)
@@ -738,15 +815,36 @@ fn parse_rope(
                 })?,
         },
         "llama3" => {
+            // Each is a divisor of the schedule (transformers' own checks: factor >= 1 and
+            // low_freq_factor < high_freq_factor, else the smoothing divides by zero or less).
             let need = |key: &str| {
-                get(key).map(|v| v as f32).ok_or_else(|| {
-                    LoadError::config(format!("{field}.{key}"), "missing for rope_type llama3")
-                })
+                let name = format!("{field}.{key}");
+                let value = get(key)
+                    .ok_or_else(|| LoadError::config(&name, "missing for rope_type llama3"))?;
+                positive_finite(value, &name).map(|v| v as f32)
             };
+            let factor = need("factor")?;
+            if factor < 1.0 {
+                return Err(LoadError::config(
+                    format!("{field}.factor"),
+                    format!("{factor} is out of range (>= 1)"),
+                ));
+            }
+            let (low_freq_factor, high_freq_factor) =
+                (need("low_freq_factor")?, need("high_freq_factor")?);
+            if low_freq_factor >= high_freq_factor {
+                return Err(LoadError::config(
+                    format!("{field}.high_freq_factor"),
+                    format!(
+                        "{high_freq_factor} must be greater than low_freq_factor = \
+                         {low_freq_factor}"
+                    ),
+                ));
+            }
             RopeScaling::Llama3 {
-                factor: need("factor")?,
-                low_freq_factor: need("low_freq_factor")?,
-                high_freq_factor: need("high_freq_factor")?,
+                factor,
+                low_freq_factor,
+                high_freq_factor,
                 original_max_position_embeddings: need("original_max_position_embeddings")?,
             }
         }
@@ -805,6 +903,24 @@ mod tests {
             err.contains("architectures") && err.contains("GPT2LMHeadModel"),
             "{err}"
         );
+    }
+
+    #[test]
+    fn negative_or_fractional_sizes_name_their_field() {
+        for (from, to, field) in [
+            (
+                r#""num_hidden_layers":1"#,
+                r#""num_hidden_layers":-1"#,
+                "num_hidden_layers",
+            ),
+            (r#""hidden_size":8"#, r#""hidden_size":8.5"#, "hidden_size"),
+            (r#""vocab_size":10"#, r#""vocab_size":"10""#, "vocab_size"),
+        ] {
+            let err = ModelConfig::from_json(&V4.replace(from, to))
+                .unwrap_err()
+                .to_string();
+            assert!(err.starts_with(&format!("config field `{field}`")), "{err}");
+        }
     }
 
     #[test]

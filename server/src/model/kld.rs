@@ -124,6 +124,14 @@ fn argmax_and_lse(logits: &[f32]) -> (usize, f64) {
 }
 
 impl SequenceKld {
+    /// The first position whose divergence or log-probabilities are NaN or infinite (a NaN or
+    /// an infinity in either model's logits makes its log-sum-exp, and so all three, so).
+    pub fn first_non_finite(&self) -> Option<usize> {
+        self.tokens.iter().position(|t| {
+            !(t.kld.is_finite() && t.logprob.is_finite() && t.reference_logprob.is_finite())
+        })
+    }
+
     pub fn num_scored(&self) -> usize {
         self.tokens.len()
     }
@@ -174,6 +182,23 @@ mod tests {
         assert!(!k.same_top);
         assert!((k.logprob as f64 - 0.5f64.ln()).abs() < 1e-6);
         assert!((k.reference_logprob as f64 - 0.25f64.ln()).abs() < 1e-6);
+    }
+
+    #[test]
+    fn a_non_finite_logit_in_either_model_is_found_at_its_position() {
+        let row = [0.3f32, -1.5, 2.25];
+        let mut bad = row;
+        bad[1] = f32::NAN;
+        for (reference, model) in [(row, bad), (bad, row), ([0.0, f32::INFINITY, 1.0], row)] {
+            let seq = SequenceKld {
+                tokens: vec![kld_row(&row, &row, 0), kld_row(&reference, &model, 2)],
+            };
+            assert_eq!(seq.first_non_finite(), Some(1), "{reference:?} {model:?}");
+        }
+        let seq = SequenceKld {
+            tokens: vec![kld_row(&row, &row, 0)],
+        };
+        assert_eq!(seq.first_non_finite(), None);
     }
 
     #[test]

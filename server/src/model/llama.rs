@@ -416,6 +416,7 @@ impl Model {
             }
             .load(&head_name, (c.vocab_size, h), false)?
         };
+        ckpt.refuse_unread(c.architecture.hf_name(), c.architecture.unread_prefixes())?;
         let max_len = opts.max_seq_len.max(1);
         let freqs = inv_freq(c.head_dim, c.rope_theta, &c.rope_scaling);
         let local_freqs = c

@@ -20,7 +20,23 @@ pub struct SequenceScores {
     pub rows: Vec<RowScore>,
 }
 
+impl RowScore {
+    /// Whether every number of the row is finite. A NaN or +inf anywhere in the row's logits
+    /// makes the log-sum-exp, and so the argmax's log-probability, NaN or infinite; a -inf
+    /// logit shows in the target's or a top-k log-probability where it matters.
+    pub fn is_finite(&self) -> bool {
+        self.argmax.1.is_finite()
+            && self.target_logprob.is_none_or(f32::is_finite)
+            && self.top_k.iter().all(|(_, lp)| lp.is_finite())
+    }
+}
+
 impl SequenceScores {
+    /// The first position whose row is not finite ([`RowScore::is_finite`]).
+    pub fn first_non_finite(&self) -> Option<usize> {
+        self.rows.iter().position(|r| !r.is_finite())
+    }
+
     /// log p(token_i | tokens_<i) for i = 1..n.
     pub fn token_logprobs(&self) -> impl Iterator<Item = f32> + '_ {
         self.rows.iter().filter_map(|r| r.target_logprob)
@@ -133,6 +149,37 @@ mod tests {
         assert_eq!(row.top_k[0].1, row.argmax.1);
         let expect = 0.5 - (1f64.exp() + 2.0 * 3f64.exp() + (-2f64).exp() + 0.5f64.exp()).ln();
         assert!((row.target_logprob.unwrap() as f64 - expect).abs() < 1e-6);
+    }
+
+    #[test]
+    fn a_row_with_a_nan_or_an_infinity_is_found_from_its_scores_alone() -> Result<()> {
+        let finite = [0.5f32, -1.0, 2.0, 0.0];
+        let with = |i: usize, v: f32| {
+            let mut row = finite;
+            row[i] = v;
+            row
+        };
+        // -inf where it is not read (not the target, not in the top-k): a valid distribution.
+        for (row, target, expect_finite) in [
+            (finite, Some(1), true),
+            (with(3, f32::NEG_INFINITY), Some(1), true),
+            (with(3, f32::NEG_INFINITY), Some(3), false),
+            (with(0, f32::NAN), None, false),
+            (with(2, f32::INFINITY), Some(1), false),
+            (with(1, f32::NAN), Some(0), false),
+        ] {
+            let logits = Tensor::new(&[finite, row, finite], &candle_core::Device::Cpu)?;
+            let scores = SequenceScores {
+                rows: score_logits(&logits, &[Some(0), target, None], 2)?,
+            };
+            let expect = (!expect_finite).then_some(1);
+            assert_eq!(
+                scores.first_non_finite(),
+                expect,
+                "{row:?} target {target:?}"
+            );
+        }
+        Ok(())
     }
 
     #[test]

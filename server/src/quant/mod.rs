@@ -5,6 +5,7 @@ pub mod act_qdq;
 pub mod compressed_tensors;
 pub mod dense;
 pub mod float_quantized;
+pub mod gemm;
 pub mod minifloat;
 pub mod nvfp4;
 pub mod pack_quantized;
@@ -79,7 +80,7 @@ impl QuantLinear {
 
     /// [`Self::forward_quantized`] with the weight [`Self::dequantized_like`] gave.
     pub fn forward_dequantized(&self, x: &Tensor, w: &Tensor) -> Result<Tensor> {
-        self.add_bias(x.matmul(&w.t()?)?)
+        self.add_bias(gemm::matmul_t(x, w)?)
     }
 
     /// `residual + x · Wᵀ (+ b)` of an input that has been through this layer's activation QDQ
@@ -158,7 +159,7 @@ impl RowChunks<'_> {
             #[cfg(feature = "cuda")]
             crate::cuda::matmul_t_add_into_rows(&self.residual, self.filled, x, w)?;
         } else {
-            self.parts.push(x.matmul(&w.t()?)?);
+            self.parts.push(gemm::matmul_t(x, w)?);
         }
         self.filled += n;
         Ok(())

@@ -536,11 +536,61 @@ fn check(fixtures: &Path, device: &Device) -> Result<()> {
             failures += 1;
             println!("{e}");
         }
+        failures += usize::from(!gemm_f32_check(device)?);
     }
     if failures > 0 {
         bail!("{failures} check(s) failed");
     }
     Ok(())
+}
+
+/// The f32 GEMM kernel of the Linears: bitwise equal to its CPU reference (a fused
+/// multiply-add chain over k per output), every row alone equal to the same row among 300
+/// (row counts 1..=130, with edges of both dimensions inside tiles), and its time against
+/// cuBLAS's on the Llama-3-8B MLP shape.
+#[cfg(feature = "cuda")]
+fn gemm_f32_check(device: &Device) -> Result<bool> {
+    use exactscore_server::quant::gemm::matmul_t_sequential_fma;
+    let (mut reference_exact, mut invariant) = (true, true);
+    for (n, k) in [(200, 130), (257, 1000), (1024, 4096)] {
+        let x = Tensor::randn(0f32, 1.0, (300, k), device)?;
+        let w = Tensor::randn(0f32, 1.0, (n, k), device)?;
+        let all = exactscore_server::cuda::matmul_t_f32(&x, &w)?;
+        let cpu = matmul_t_sequential_fma(
+            &x.flatten_all()?.to_vec1::<f32>()?,
+            &w.flatten_all()?.to_vec1::<f32>()?,
+            (300, n, k),
+        );
+        reference_exact &= bits_equal(&all, &Tensor::from_vec(cpu, (300, n), &Device::Cpu)?)?;
+        for rows in 1..=130 {
+            let part = exactscore_server::cuda::matmul_t_f32(&x.narrow(0, 300 - rows, rows)?, &w)?;
+            invariant &= bits_equal(&part, &all.narrow(0, 300 - rows, rows)?)?;
+        }
+    }
+    let (m, n, k) = (2048, 14336, 4096);
+    let x = Tensor::randn(0f32, 1.0, (m, k), device)?;
+    let w = Tensor::randn(0f32, 1.0, (n, k), device)?;
+    let time = |f: &dyn Fn() -> candle_core::Result<Tensor>| -> Result<f64> {
+        f()?;
+        device.synchronize()?;
+        let start = Instant::now();
+        for _ in 0..10 {
+            f()?;
+        }
+        device.synchronize()?;
+        Ok(start.elapsed().as_secs_f64() / 10.0 * 1e3)
+    };
+    let ours = time(&|| exactscore_server::cuda::matmul_t_f32(&x, &w))?;
+    let cublas = time(&|| x.matmul(&w.t()?))?;
+    let tflops = |ms: f64| 2.0 * (m * n * k) as f64 / ms / 1e9;
+    println!(
+        "| f32 GEMM kernel: = CPU reference bitwise {reference_exact}; rows alone = rows among \
+         300, 1..=130 rows, bitwise {invariant}; [{m}, {k}] x [{n}, {k}]ᵀ: {ours:.2} ms \
+         ({:.1} TFLOP/s) vs cuBLAS {cublas:.2} ms ({:.1} TFLOP/s) |",
+        tflops(ours),
+        tflops(cublas)
+    );
+    Ok(reference_exact && invariant)
 }
 
 fn qdq_row(dir: &Path, variant: &str, device: &Device) -> Result<String> {

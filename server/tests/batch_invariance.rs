@@ -1,0 +1,99 @@
+//! A sequence scores to the same bits whatever shares its batch, on the CPU, for any batch
+//! composition: random batches of random sequences, many of them 1 to 3 tokens long (so that a
+//! whole batch can hold just one or two tokens), each sequence compared bit for bit with its
+//! scores alone.
+
+mod common;
+
+use common::*;
+use exactscore_server::model::{Model, ScoreInput, SequenceScores};
+use exactscore_server::quant::ActivationQuantMode::Emulate;
+
+/// A small deterministic generator (xorshift), so a failure names a reproducible case.
+struct Rng(u64);
+
+impl Rng {
+    fn below(&mut self, n: usize) -> usize {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        (self.0 % n as u64) as usize
+    }
+}
+
+fn score(model: &Model, seqs: &[Vec<u32>], top_k: usize) -> Vec<SequenceScores> {
+    let batch: Vec<ScoreInput> = seqs
+        .iter()
+        .map(|t| ScoreInput { tokens: t, top_k })
+        .collect();
+    model.score(&batch).unwrap()
+}
+
+/// The issue's reproduction: `[1474, 618]` alone (a batch of two tokens) and next to `[1992]`
+/// (three) gave -13.269267 and -13.269264.
+#[test]
+fn two_tokens_alone_and_beside_one_more_are_identical() {
+    let model = load("llama-w4a16-g128", Emulate);
+    let alone = score(&model, &[vec![1474, 618]], 0);
+    let shared = score(&model, &[vec![1474, 618], vec![1992]], 0);
+    assert_eq!(alone[0], shared[0]);
+    let one = score(&model, &[vec![1992]], 0);
+    assert_eq!(one[0], shared[1]);
+}
+
+/// `batches` random batches of 1..=8 sequences drawn from a pool in which most sequences have
+/// 1 to 3 tokens; every sequence's scores (logprobs, argmax, top-3) bitwise equal to alone.
+fn random_compositions(variant: &str, dtype: candle_core::DType, batches: usize, seed: u64) {
+    let model = Model::load(&fixtures().join(variant), &options(dtype, Emulate)).unwrap();
+    let mut rng = Rng(seed);
+    let pool: Vec<Vec<u32>> = (0..24)
+        .map(|i| {
+            let len = if i < 16 { 1 + i % 3 } else { 4 + rng.below(60) };
+            (0..len).map(|_| rng.below(2000) as u32).collect()
+        })
+        .collect();
+    let alone: Vec<SequenceScores> = pool
+        .iter()
+        .map(|s| score(&model, std::slice::from_ref(s), 3).remove(0))
+        .collect();
+    let mut tokens_per_batch = Vec::new();
+    for b in 0..batches {
+        let picks: Vec<usize> = (0..1 + rng.below(8))
+            .map(|_| rng.below(pool.len()))
+            .collect();
+        let seqs: Vec<Vec<u32>> = picks.iter().map(|&p| pool[p].clone()).collect();
+        tokens_per_batch.push(seqs.iter().map(Vec::len).sum::<usize>());
+        for (scores, &p) in score(&model, &seqs, 3).iter().zip(&picks) {
+            assert_eq!(
+                *scores, alone[p],
+                "{variant} {dtype:?}: batch {b} {picks:?}: sequence {p} ({:?}) differs from alone",
+                pool[p]
+            );
+        }
+    }
+    let small = tokens_per_batch.iter().filter(|&&t| t <= 3).count();
+    println!(
+        "{variant} {dtype:?}: {batches} random batches bitwise equal to alone ({small} of them \
+         with 1-3 tokens in total)"
+    );
+    assert!(small > 0, "no batch of 1-3 tokens was drawn");
+}
+
+#[test]
+fn random_batch_compositions_are_bitwise_invariant_f32() {
+    random_compositions(
+        "llama-w4a16-g128",
+        candle_core::DType::F32,
+        150,
+        0x9e37_79b9,
+    );
+    // Activation QDQ on every Linear input (NVFP4 W4A4), and fp8 weights (with per-token
+    // dynamic QDQ)
+    random_compositions("llama-nvfp4", candle_core::DType::F32, 40, 7);
+    random_compositions("llama-fp8-dynamic", candle_core::DType::F32, 40, 11);
+}
+
+#[test]
+fn random_batch_compositions_are_bitwise_invariant_bf16() {
+    random_compositions("llama-dense-bf16", candle_core::DType::BF16, 40, 3);
+}
