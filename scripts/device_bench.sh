@@ -15,7 +15,8 @@
 # MAX_PEAK_GIB each; issue 13's are in docs/performance.md), COLDSTART_MAX_S, WIKITEXT_MAX_S
 # (`wikitext` fails over it; unset: no bound), SERVER_DEVICE (the server's `--device`, default
 # cuda:0), SERVER_ARGS (more server flags: `--replicas 2`, `--reference-device cuda:1`, ...),
-# LABEL (appended to the report's name), DISTINCT_LAYERS (checkpoints draw only this many
+# LABEL (appended to the report's name), SERVER_BIN (another server binary for `wikitext`, e.g.
+# an older build to compare with), DISTINCT_LAYERS (checkpoints draw only this many
 # layers and repeat them: fast writes of large shapes), PIPELINE_ARGS (more `pipeline` flags),
 # CUDA_LIB_DIR
 # (where the CUDA 13 runtime libraries are: a toolkit's lib64 or the wheels' nvidia/cu13/lib;
@@ -94,7 +95,7 @@ wikitext() {
   fi
   local t0=$(date +%s.%N)
   # shellcheck disable=SC2086 # SERVER_ARGS is a list of flags
-  /tmp/exactscore-server --model "$dir" "${reference[@]}" --device "${SERVER_DEVICE:-cuda:0}" \
+  "${SERVER_BIN:-/tmp/exactscore-server}" --model "$dir" "${reference[@]}" --device "${SERVER_DEVICE:-cuda:0}" \
     --dtype bf16 --attention "${SERVER_ATTENTION:-auto}" --max-input-tokens 2048 --port $port \
     ${SERVER_ARGS:-} > "$OUT/server-$format${LABEL:+-$LABEL}.log" 2>&1 &
   local server=$!
