@@ -19,7 +19,7 @@ use crate::engine::{BatchLimits, Engine, EngineError, MicroBatching, ModelEngine
 use crate::http::validate::MAX_TOP_K;
 use crate::http::{self, AppState, Readiness, SharedState};
 use crate::model::checkpoint::{read_to_string, Checkpoint, LoadError};
-use crate::model::placement::{self, ActivationBytes, PartBytes, PartWork, StagePlan};
+use crate::model::placement::{self, PlacementInputs, StagePlan};
 use crate::model::{AttentionKernel, Model, ModelConfig, ModelOptions, ScoreInput};
 use crate::quant::LinearOptions;
 use crate::tokenizer::{TextTokenizer, TokenizerError};
@@ -378,35 +378,24 @@ impl Source {
                     config.dtype,
                 )
             });
-        let parts = PartBytes::of(&self.config, &self.ckpt);
-        let activation = ActivationBytes::estimate(
-            &self.config,
-            config.dtype,
-            config.batch.max_batch_tokens,
-            options.max_seq_len,
+        let inputs = PlacementInputs {
+            config: &self.config,
+            ckpt: &self.ckpt,
+            dtype: config.dtype,
+            batch_tokens: config.batch.max_batch_tokens,
+            max_seq: options.max_seq_len,
             flash,
-        );
-        let work = PartWork::of(&self.config, options.max_seq_len);
-        let capacity = stage_capacity(devices, &opened)?;
-        let plans = match split {
-            Some(counts) => placement::from_split(&parts, &activation, counts),
-            None => placement::balance(
-                &parts,
-                &activation,
-                &work,
-                capacity.as_deref(),
-                devices.len(),
-            ),
-        }
-        .map_err(|e| AppError::Placement {
-            model: self.dir.display().to_string(),
-            devices: devices
-                .iter()
-                .map(ToString::to_string)
-                .collect::<Vec<_>>()
-                .join(","),
-            message: e.to_string(),
-        })?;
+        };
+        let plans =
+            placement::plan_on(&inputs, &opened, split).map_err(|e| AppError::Placement {
+                model: self.dir.display().to_string(),
+                devices: devices
+                    .iter()
+                    .map(ToString::to_string)
+                    .collect::<Vec<_>>()
+                    .join(","),
+                message: e.to_string(),
+            })?;
         let stages = opened
             .into_iter()
             .zip(&plans)
@@ -419,24 +408,6 @@ impl Source {
             stages: devices.iter().copied().zip(plans).collect(),
         })
     }
-}
-
-/// What each stage may hold: its GPU's memory less a margin for the CUDA context and the
-/// allocator, shared equally by the stages of this model on that GPU; `None` on the CPU.
-fn stage_capacity(names: &[DeviceName], devices: &[Device]) -> Result<Option<Vec<u64>>, AppError> {
-    let mut capacity = Vec::with_capacity(devices.len());
-    for (name, device) in names.iter().zip(devices) {
-        let total = crate::device::memory_capacity(device).map_err(|e| AppError::Device {
-            device: name.to_string(),
-            message: e.to_string(),
-        })?;
-        let Some(total) = total else {
-            return Ok(None);
-        };
-        let sharing = names.iter().filter(|n| *n == name).count() as u64;
-        capacity.push(total / 100 * 92 / sharing);
-    }
-    Ok(Some(capacity))
 }
 
 fn log_placement(replica: usize, which: &str, placed: &Placed) {

@@ -31,6 +31,19 @@ const OUT_OF_MEMORY: [&str; 3] = [
     "out of memory",
 ];
 
+/// Runs `f`, turning a panic into [`EngineError::Compute`]: a panic in the model fails its
+/// batch, not the thread every request waits on.
+pub fn guarded<T>(f: impl FnOnce() -> Result<T, EngineError>) -> Result<T, EngineError> {
+    std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)).unwrap_or_else(|panic| {
+        let message = panic
+            .downcast_ref::<String>()
+            .cloned()
+            .or_else(|| panic.downcast_ref::<&str>().map(|s| s.to_string()))
+            .unwrap_or_else(|| "panic".into());
+        Err(EngineError::Compute(message))
+    })
+}
+
 /// The [`EngineError`] of a model error, by what the error says happened on the device.
 pub fn classify(error: &candle_core::Error) -> EngineError {
     let message = error.to_string();

@@ -5,14 +5,13 @@
 //! inputs it sees on one device, so the numbers are those of the unsplit model, bit for bit.
 
 use std::ops::Range;
-use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc::{self, Receiver, SyncSender};
 use std::sync::{Arc, Mutex};
 
 use candle_core::Tensor;
 
-use super::fault::classify;
+use super::fault::{classify, guarded};
 use super::stage_thread::{IdleHook, StageThread};
 use super::{Engine, EngineError};
 use crate::model::kld::kld_logits;
@@ -101,18 +100,6 @@ impl Chain {
     fn first_stage(&self) -> &StageThread {
         &self.stages[0]
     }
-}
-
-/// Runs `f`, turning a panic into a compute error (the stage thread keeps serving).
-fn guarded<T>(f: impl FnOnce() -> Result<T, EngineError>) -> Result<T, EngineError> {
-    catch_unwind(AssertUnwindSafe(f)).unwrap_or_else(|panic| {
-        let message = panic
-            .downcast_ref::<String>()
-            .cloned()
-            .or_else(|| panic.downcast_ref::<&str>().map(|s| s.to_string()))
-            .unwrap_or_else(|| "panic".into());
-        Err(EngineError::Compute(message))
-    })
 }
 
 /// How a batch is cut into micro-batches.

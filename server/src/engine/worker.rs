@@ -5,7 +5,6 @@
 //! failing leaves the rotation. A pipelined engine gets two workers, so that the next batch
 //! enters the first stage while the last stages finish the previous one.
 
-use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
@@ -13,7 +12,7 @@ use std::time::Instant;
 
 use tokio::sync::mpsc;
 
-use super::fault::with_halving;
+use super::fault::{guarded, with_halving};
 use super::queue::{Entry, Reply, Task};
 use super::{Computed, Engine, EngineError};
 use crate::model::ScoreInput;
@@ -224,15 +223,7 @@ impl BatchRun<'_> {
         let result = if self.hooks.abandoned.load(Ordering::SeqCst) {
             Err(EngineError::Abandoned)
         } else {
-            // A panic in the model must fail this batch, not kill the worker.
-            catch_unwind(AssertUnwindSafe(|| compute(&sequences))).unwrap_or_else(|p| {
-                let msg = p
-                    .downcast_ref::<String>()
-                    .cloned()
-                    .or_else(|| p.downcast_ref::<&str>().map(|s| s.to_string()))
-                    .unwrap_or_else(|| "panic".into());
-                Err(EngineError::Compute(msg))
-            })
+            guarded(|| compute(&sequences))
         };
         let compute_time = start.elapsed();
         drop(sequences);

@@ -14,7 +14,7 @@
 
 use std::ops::Range;
 
-use candle_core::DType;
+use candle_core::{DType, Device};
 
 use super::checkpoint::Checkpoint;
 use super::config::ModelConfig;
@@ -145,12 +145,77 @@ pub struct StagePlan {
 
 #[derive(Debug, thiserror::Error, PartialEq)]
 pub enum PlacementError {
+    #[error("reading the memory of {device}: {message}")]
+    Device { device: String, message: String },
     #[error("{stages} pipeline stages for {layers} decoder layers: every stage needs a layer")]
     TooManyStages { stages: usize, layers: usize },
     #[error("the layer split sums to {sum}, the model has {layers} decoder layers")]
     SplitSum { sum: usize, layers: usize },
     #[error("a layer split needs one count per stage ({stages}), got {given}")]
     SplitLength { stages: usize, given: usize },
+}
+
+/// What the model of `config`/`ckpt` needs to be placed on `devices`: its parts' bytes and
+/// work, and its activations at `batch_tokens` tokens of sequences up to `max_seq` (`flash`:
+/// attention never materialises its scores).
+pub struct PlacementInputs<'a> {
+    pub config: &'a ModelConfig,
+    pub ckpt: &'a Checkpoint,
+    pub dtype: DType,
+    pub batch_tokens: usize,
+    pub max_seq: usize,
+    pub flash: bool,
+}
+
+/// The stages of a model on `devices` (one each): `split` layers per stage, or the default
+/// [`balance`] against each GPU's memory, shared by the model's stages on it.
+pub fn plan_on(
+    inputs: &PlacementInputs<'_>,
+    devices: &[Device],
+    split: Option<&[usize]>,
+) -> Result<Vec<StagePlan>, PlacementError> {
+    let c = inputs.config;
+    let parts = PartBytes::of(c, inputs.ckpt);
+    let activation = ActivationBytes::estimate(
+        c,
+        inputs.dtype,
+        inputs.batch_tokens,
+        inputs.max_seq,
+        inputs.flash,
+    );
+    match split {
+        Some(counts) => from_split(&parts, &activation, counts),
+        None => {
+            let work = PartWork::of(c, inputs.max_seq);
+            let capacity = capacities(devices)?;
+            balance(
+                &parts,
+                &activation,
+                &work,
+                capacity.as_deref(),
+                devices.len(),
+            )
+        }
+    }
+}
+
+/// What each stage may hold: its GPU's memory less a margin for the CUDA context and the
+/// allocator, shared equally by the stages on that GPU; `None` on the CPU.
+fn capacities(devices: &[Device]) -> Result<Option<Vec<u64>>, PlacementError> {
+    let locations: Vec<_> = devices.iter().map(Device::location).collect();
+    let mut out = Vec::with_capacity(devices.len());
+    for (device, location) in devices.iter().zip(&locations) {
+        let total = crate::device::memory_capacity(device).map_err(|e| PlacementError::Device {
+            device: format!("{location:?}"),
+            message: e.to_string(),
+        })?;
+        let Some(total) = total else {
+            return Ok(None);
+        };
+        let sharing = locations.iter().filter(|l| *l == location).count() as u64;
+        out.push(total / 100 * 92 / sharing);
+    }
+    Ok(Some(out))
 }
 
 /// `counts[k]` layers on stage `k`, in order.

@@ -11,7 +11,7 @@ use anyhow::{bail, Context, Result};
 use candle_core::{DType, Device};
 use exactscore_server::engine::{Engine, MicroBatching, ModelEngine};
 use exactscore_server::model::checkpoint::Checkpoint;
-use exactscore_server::model::placement::{self, ActivationBytes, PartBytes};
+use exactscore_server::model::placement;
 use exactscore_server::model::{AttentionKernel, Model, ModelConfig, ScoreInput, SequenceScores};
 use exactscore_server::quant::ActivationQuantMode;
 
@@ -62,33 +62,15 @@ fn load(
         ctx,
         AttentionKernel::Auto,
     );
-    let parts = PartBytes::of(config, ckpt);
-    let flash = devices.iter().all(Device::is_cuda) && dtype != DType::F32;
-    let activation = ActivationBytes::estimate(config, dtype, batch_tokens, ctx, flash);
-    let work = placement::PartWork::of(config, ctx);
-    let capacity = devices
-        .iter()
-        .map(|d| exactscore_server::device::memory_capacity(d))
-        .collect::<candle_core::Result<Option<Vec<u64>>>>()?
-        .map(|total| {
-            // Stages on one GPU share it, as the server plans.
-            let ordinals: Vec<_> = devices.iter().map(Device::location).collect();
-            total
-                .iter()
-                .zip(&ordinals)
-                .map(|(t, o)| t / 100 * 92 / ordinals.iter().filter(|x| *x == o).count() as u64)
-                .collect::<Vec<_>>()
-        });
-    let plans = match split {
-        Some(counts) => placement::from_split(&parts, &activation, counts)?,
-        None => placement::balance(
-            &parts,
-            &activation,
-            &work,
-            capacity.as_deref(),
-            devices.len(),
-        )?,
+    let inputs = placement::PlacementInputs {
+        config,
+        ckpt,
+        dtype,
+        batch_tokens,
+        max_seq: ctx,
+        flash: devices.iter().all(Device::is_cuda) && dtype != DType::F32,
     };
+    let plans = placement::plan_on(&inputs, &devices, split)?;
     let stages = devices
         .into_iter()
         .zip(&plans)
