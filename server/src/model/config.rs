@@ -4,7 +4,7 @@
 use serde::Deserialize;
 use serde_json::Value;
 
-use super::checkpoint::LoadError;
+use crate::checkpoint::LoadError;
 
 /// The model families we serve.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]

@@ -1,18 +1,22 @@
-//! The model: checkpoint reading, config, the decoder families, placement and scoring.
+//! The model: config, the shared stack ([`Model`]), the blocks decoder layers are built from,
+//! one file per architecture family, placement and scoring.
 
-pub mod checkpoint;
+pub mod blocks;
 pub mod config;
+pub mod decoder;
+pub mod gemma;
 pub mod kld;
 pub mod llama;
-pub mod moe;
+pub mod loader;
 pub mod placement;
 pub mod profile;
 pub mod rope;
 pub mod scoring;
 
-pub use checkpoint::LoadError;
+pub use crate::checkpoint::LoadError;
+pub use crate::ops::causal_mask;
 pub use config::{Architecture, ModelConfig};
+pub(crate) use decoder::lm_head_rows;
+pub use decoder::{AttentionKernel, Model, ModelOptions, ScoreInput};
 pub use kld::{kld_batch, SequenceKld, TokenKld};
-pub(crate) use llama::lm_head_rows;
-pub use llama::{causal_mask, AttentionKernel, Model, ModelOptions, ScoreInput};
 pub use scoring::{RowScore, SequenceScores};

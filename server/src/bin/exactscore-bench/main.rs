@@ -615,8 +615,7 @@ fn speed(
     for format in formats {
         // The pool keeps what earlier models (and the ceiling GEMM) freed: hand it back, so that
         // the peak below is this model's own.
-        #[cfg(feature = "cuda")]
-        exactscore_server::cuda::release_freed_memory(device)?;
+        exactscore_server::device::release_freed_memory(device)?;
         let t_load = Instant::now();
         let (config, ckpt) = random_model::build(&shape, format, None)?;
         let mut model = Model::from_checkpoint(

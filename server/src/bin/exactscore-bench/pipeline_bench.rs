@@ -9,8 +9,8 @@ use std::time::Instant;
 
 use anyhow::{bail, Context, Result};
 use candle_core::{DType, Device};
+use exactscore_server::checkpoint::Checkpoint;
 use exactscore_server::engine::{Engine, MicroBatching, ModelEngine};
-use exactscore_server::model::checkpoint::Checkpoint;
 use exactscore_server::model::placement::{self, ActivationBytes, PartBytes};
 use exactscore_server::model::{AttentionKernel, Model, ModelConfig, ScoreInput, SequenceScores};
 use exactscore_server::quant::ActivationQuantMode;
@@ -68,7 +68,7 @@ fn load(
     let work = placement::PartWork::of(config, ctx);
     let capacity = devices
         .iter()
-        .map(|d| exactscore_server::device::memory_capacity(d))
+        .map(exactscore_server::device::memory_capacity)
         .collect::<candle_core::Result<Option<Vec<u64>>>>()?
         .map(|total| {
             // Stages on one GPU share it, as the server plans.
@@ -292,11 +292,8 @@ fn kld(
 
 /// Hands the memory the pool kept back to the driver, so that the next layout starts empty.
 fn release(layout: &str) -> Result<()> {
-    #[cfg(feature = "cuda")]
     for device in devices(layout)? {
-        exactscore_server::cuda::release_freed_memory(&device)?;
+        exactscore_server::device::release_freed_memory(&device)?;
     }
-    #[cfg(not(feature = "cuda"))]
-    let _ = layout;
     Ok(())
 }

@@ -6,7 +6,7 @@ use std::ops::Range;
 use std::path::Path;
 
 use anyhow::{bail, Result};
-use exactscore_server::model::checkpoint::{Checkpoint, HostTensor};
+use exactscore_server::checkpoint::{Checkpoint, HostTensor};
 use exactscore_server::model::{Model, ModelConfig};
 use safetensors::tensor::TensorView;
 use safetensors::Dtype;
