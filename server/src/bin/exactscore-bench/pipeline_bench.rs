@@ -7,7 +7,7 @@
 use std::sync::Arc;
 use std::time::Instant;
 
-use anyhow::{bail, Context, Result};
+use anyhow::{bail, Result};
 use candle_core::{DType, Device};
 use exactscore_server::checkpoint::Checkpoint;
 use exactscore_server::engine::{Engine, MicroBatching, ModelEngine};
@@ -153,8 +153,7 @@ fn same_bits(a: &[SequenceScores], b: &[SequenceScores]) -> bool {
 }
 
 pub fn run(r: &PipelineRun) -> Result<()> {
-    let shape = random_model::Shape::named(&r.shape)
-        .with_context(|| format!("unknown shape {}", r.shape))?;
+    let shape = random_model::Shape::named(&r.shape)?;
     let windows: Vec<Vec<u32>> = (0..r.windows)
         .map(|w| {
             (0..r.ctx)
@@ -228,8 +227,7 @@ fn kld(
     windows: &[Vec<u32>],
     batch_tokens: usize,
 ) -> Result<()> {
-    let ref_shape = random_model::Shape::named(&reference.shape)
-        .with_context(|| format!("unknown shape {}", reference.shape))?;
+    let ref_shape = random_model::Shape::named(&reference.shape)?;
     let t = Instant::now();
     let (ref_config, ref_ckpt) =
         random_model::build(&ref_shape, &reference.format, r.distinct_layers)?;
