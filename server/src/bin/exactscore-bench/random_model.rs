@@ -227,8 +227,8 @@ impl Shape {
         norms
     }
 
-    /// config.json of this shape, as transformers 5 writes it, with `quant` as its
-    /// `quantization_config`.
+    /// config.json of this shape, as transformers 5 writes it (transformers loads it), with
+    /// `quant` as its `quantization_config`.
     fn config(&self, quant: Option<serde_json::Value>) -> serde_json::Value {
         let mut config = json!({
             "vocab_size": self.vocab, "hidden_size": self.hidden,
@@ -238,7 +238,7 @@ impl Shape {
         });
         let extra = match self.arch {
             Arch::Llama => json!({
-                "architectures": ["LlamaForCausalLM"], "rms_norm_eps": 1e-5,
+                "architectures": ["LlamaForCausalLM"], "model_type": "llama", "rms_norm_eps": 1e-5,
                 "rope_parameters": {"rope_type": "llama3", "rope_theta": self.rope_theta,
                     "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                     "original_max_position_embeddings": 8192},
@@ -249,7 +249,8 @@ impl Shape {
                 per_token,
                 expert_intermediate,
             } => json!({
-                "architectures": ["Qwen3MoeForCausalLM"], "rms_norm_eps": 1e-6,
+                "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe",
+                "rms_norm_eps": 1e-6,
                 "rope_parameters": {"rope_type": "default", "rope_theta": self.rope_theta},
                 "max_position_embeddings": 40960, "num_experts": experts,
                 "num_experts_per_tok": per_token, "moe_intermediate_size": expert_intermediate,
@@ -267,7 +268,8 @@ impl Shape {
                     })
                     .collect();
                 json!({
-                    "architectures": ["Gemma3ForCausalLM"], "rms_norm_eps": 1e-6,
+                    "architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text",
+                    "rms_norm_eps": 1e-6,
                     "hidden_activation": "gelu_pytorch_tanh",
                     "query_pre_attn_scalar": query_pre_attn_scalar, "sliding_window": window,
                     "layer_types": layer_types,
