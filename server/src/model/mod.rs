@@ -1,5 +1,10 @@
 //! The model: config, the shared stack ([`Model`]), the blocks decoder layers are built from,
 //! one file per architecture family, placement and scoring.
+//!
+//! A new architecture family is one file: its decoder layer built from [`blocks`] (each block
+//! loads itself from a [`loader::Loader`]) implementing `decoder::Layer`, and a
+//! `decoder::Family` saying how to load it; then its name in [`config::Architecture`] and one
+//! arm in `decoder::family`. Device-specific work goes through [`crate::ops`].
 
 pub mod blocks;
 pub mod config;
