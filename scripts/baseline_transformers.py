@@ -2,28 +2,90 @@
 """Baseline for exactscore-bench: HF transformers scoring 2048-token windows of a random-weight
 model of the same shape (bf16, sdpa), log_softmax + gather of the targets on the GPU, the way
 an evaluation script using transformers does it. Prints one table row per batch size.
-`--weights FORMAT` gives the decoder Linears the dequantized values of a random FORMAT
-checkpoint: transformers decompresses a quantized model to such bf16 weights, and they (through
-the activations they produce) change the GEMMs' power draw and so their speed under the power
-cap (H100: 4-6 %). `--linears-only` times the Linears' GEMMs alone.
+`--weights FORMAT` gives the decoder Linears (and a mixture of experts' experts) the
+dequantized values of a random FORMAT checkpoint: transformers decompresses a quantized model
+to such bf16 weights, and they (through the activations they produce) change the GEMMs' power
+draw and so their speed under the power cap (H100: 4-6 %). `--linears-only` times the Linears'
+GEMMs alone.
+
+Shapes (random_model.rs has the same): llama3-8b, llama3-70b; qwen3-30b-a3b (Qwen3MoeForCausalLM:
+128 experts of 768, 8 per token, run by transformers' default experts implementation unless
+`--experts` names one); gemma3-27b (Gemma3ForCausalLM: windows of 1024 on 5 of 6 layers);
+tiny, tiny-moe, tiny-gemma3 for a smoke run (`--device cpu`). The Qwen3-MoE and Gemma 3 shapes
+are built directly in bf16 (their f32 init would not fit an 80 GB GPU), draw their embeddings
+and routers as exactscore-bench draws them (the router's logits set how the tokens spread over
+the experts), and score the lm_head in chunks of `--logits-chunk` rows (the whole batch's f32
+logits would not fit next to the weights: 8 windows of Gemma's 262k vocabulary are 17 GB).
 
     python3 scripts/baseline_transformers.py --shape llama3-8b --batch 1,4 --weights w4a16
+    python3 scripts/baseline_transformers.py --shape qwen3-30b-a3b --batch 1,8 --weights w4a16
 """
 import argparse
 import time
 
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import (Gemma3ForCausalLM, Gemma3TextConfig, LlamaConfig, LlamaForCausalLM,
+                          Qwen3MoeConfig, Qwen3MoeForCausalLM)
 
+
+def llama(**kw):
+    return LlamaForCausalLM, LlamaConfig(**kw, rms_norm_eps=1e-5, max_position_embeddings=131072,
+                                         rope_theta=500000.0, tie_word_embeddings=False)
+
+
+def qwen3_moe(**kw):
+    return Qwen3MoeForCausalLM, Qwen3MoeConfig(
+        **kw, rms_norm_eps=1e-6,
+        max_position_embeddings=40960, norm_topk_prob=True, decoder_sparse_step=1,
+        mlp_only_layers=[], tie_word_embeddings=False,
+        rope_parameters={"rope_type": "default", "rope_theta": 1e6})
+
+
+def gemma3(**kw):
+    layers = kw["num_hidden_layers"]
+    return Gemma3ForCausalLM, Gemma3TextConfig(
+        **kw, rms_norm_eps=1e-6, max_position_embeddings=131072,
+        hidden_activation="gelu_pytorch_tanh", tie_word_embeddings=True,
+        final_logit_softcapping=None, attn_logit_softcapping=None,
+        layer_types=["full_attention" if (i + 1) % 6 == 0 else "sliding_attention"
+                     for i in range(layers)],
+        rope_parameters={
+            "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}})
+
+
+# shape: (the model class and config, lm_head rows per chunk: 0 = the whole batch's logits)
 SHAPES = {
-    "llama3-8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
-                      num_attention_heads=32, num_key_value_heads=8, vocab_size=128256),
-    "llama3-70b": dict(hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
-                       num_attention_heads=64, num_key_value_heads=8, vocab_size=128256),
+    "llama3-8b": (lambda: llama(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                                num_attention_heads=32, num_key_value_heads=8,
+                                vocab_size=128256), 0),
+    "llama3-70b": (lambda: llama(hidden_size=8192, intermediate_size=28672,
+                                 num_hidden_layers=80, num_attention_heads=64,
+                                 num_key_value_heads=8, vocab_size=128256), 0),
+    "qwen3-30b-a3b": (lambda: qwen3_moe(hidden_size=2048, intermediate_size=6144,
+                                        num_hidden_layers=48, num_attention_heads=32,
+                                        num_key_value_heads=4, head_dim=128, num_experts=128,
+                                        num_experts_per_tok=8, moe_intermediate_size=768,
+                                        vocab_size=151936), 2048),
+    "gemma3-27b": (lambda: gemma3(hidden_size=5376, intermediate_size=21504,
+                                  num_hidden_layers=62, num_attention_heads=32,
+                                  num_key_value_heads=16, head_dim=128, vocab_size=262208,
+                                  query_pre_attn_scalar=168, sliding_window=1024), 2048),
+    "tiny": (lambda: llama(hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                           num_attention_heads=4, num_key_value_heads=2, vocab_size=2000), 0),
+    "tiny-moe": (lambda: qwen3_moe(hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+                                   num_experts=8,
+                                   num_experts_per_tok=2, moe_intermediate_size=128,
+                                   vocab_size=2000), 2048),
+    "tiny-gemma3": (lambda: gemma3(hidden_size=256, intermediate_size=512, num_hidden_layers=6,
+                                   num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+                                   vocab_size=2000, query_pre_attn_scalar=64,
+                                   sliding_window=128), 2048),
 }
 
 ap = argparse.ArgumentParser()
-ap.add_argument("--shape", default="llama3-8b")
+ap.add_argument("--shape", default="llama3-8b", choices=list(SHAPES))
 ap.add_argument("--batch", default="1,4")
 ap.add_argument("--ctx", type=int, default=2048)
 ap.add_argument("--iters", type=int, default=5)
@@ -35,22 +97,40 @@ ap.add_argument("--linears-only", action="store_true",
                 help="time only the GEMMs of the decoder Linears and lm_head (F.linear on the "
                      "weights above, batch x ctx rows, each on its input in one real forward): "
                      "the floor of any implementation running them as bf16 cuBLAS GEMMs on "
-                     "these weights")
+                     "these weights (not for a mixture of experts, whose experts are no Linears)")
+ap.add_argument("--logits-chunk", type=int, default=None,
+                help="lm_head rows scored at once (0: the whole batch's logits in one tensor); "
+                     "default: 0 for Llama, 2048 for the other shapes")
+ap.add_argument("--experts", default=None,
+                help="transformers' experts implementation (eager, grouped_mm, batched_mm); "
+                     "default: transformers' own choice")
+ap.add_argument("--device", default="cuda", help="cuda, or cpu for a smoke run of a tiny shape")
 args = ap.parse_args()
 
-cfg = LlamaConfig(**SHAPES[args.shape], rms_norm_eps=1e-5, max_position_embeddings=131072,
-                  rope_theta=500000.0, tie_word_embeddings=False)
+build, default_chunk = SHAPES[args.shape]
+model_class, cfg = build()
+chunk = default_chunk if args.logits_chunk is None else args.logits_chunk
+llama_shape = model_class is LlamaForCausalLM
+if args.linears_only and model_class is Qwen3MoeForCausalLM:
+    ap.error("--linears-only: a mixture of experts' experts are not Linears in transformers 5")
+dev = torch.device(args.device)
+cuda = dev.type == "cuda"
 torch.manual_seed(0)
-with torch.device("cuda"):
-    model = LlamaForCausalLM(cfg).to(torch.bfloat16).eval()
+# The Llama shapes as before (f32 init, then bf16); the others in bf16 from the start.
+torch.set_default_dtype(torch.float32 if llama_shape else torch.bfloat16)
+with dev:
+    model = model_class(cfg).to(torch.bfloat16).eval()
+torch.set_default_dtype(torch.float32)
 model.config._attn_implementation = "sdpa"
+if args.experts:
+    model.set_experts_implementation(args.experts)
 
 
 def random_float(shape, exponents, mantissa_bits):
     """2^e * (1 + m / 2^mantissa_bits), e uniform in `exponents`, m a random mantissa: the
     bench's bf16 (7 bits) and e4m3 (3 bits) values."""
-    e = torch.randint(exponents[0], exponents[1], shape, device="cuda").float()
-    m = torch.randint(0, 2 ** mantissa_bits, shape, device="cuda")
+    e = torch.randint(exponents[0], exponents[1], shape, device=dev).float()
+    m = torch.randint(0, 2 ** mantissa_bits, shape, device=dev)
     return (1 + m / 2 ** mantissa_bits) * torch.exp2(e)
 
 
@@ -63,38 +143,83 @@ def dequantized(kind, out_features, in_features):
     and the activations they lead to, set how much power (and so clock) the GEMMs get."""
     shape = (out_features, in_features)
     if kind == "w4a16":  # int4 codes, one scale per 128 inputs in 2^-8..2^-6
-        codes = torch.randint(-8, 8, (out_features, in_features // 128, 128), device="cuda")
+        codes = torch.randint(-8, 8, (out_features, in_features // 128, 128), device=dev)
         w = codes * random_float((out_features, in_features // 128, 1), (-8, -6), 7)
     elif kind == "nvfp4":  # e2m1 codes, e4m3 block scales in 16..240 per 16, global 20000
-        codes = torch.tensor(FP4_E2M1, device="cuda")[
-            torch.randint(0, 16, (out_features, in_features // 16, 16), device="cuda")]
+        codes = torch.tensor(FP4_E2M1, device=dev)[
+            torch.randint(0, 16, (out_features, in_features // 16, 16), device=dev)]
         w = codes * (random_float((out_features, in_features // 16, 1), (4, 8), 3) / 20000)
     else:  # fp8: e4m3 codes (exponents 2^-6..2^7), one bf16 scale per output in 2^-12..2^-10
         codes = random_float(shape, (-6, 8), 3)
-        sign = torch.randint(0, 2, shape, device="cuda") * 2 - 1
+        sign = torch.randint(0, 2, shape, device=dev) * 2 - 1
         w = sign * codes * random_float((out_features, 1), (-12, -10), 7)
     return w.reshape(shape).bfloat16()
 
 
+def bench_bf16(rows, cols):
+    """random_model.rs's `Rng::bf16`: magnitudes 2^-7..2^-4, random mantissa and sign."""
+    sign = torch.randint(0, 2, (rows, cols), device=dev) * 2 - 1
+    return (sign * random_float((rows, cols), (-7, -4), 7)).bfloat16()
+
+
+def fill_rows(param, draw, rows=16384):
+    """`param` [rows, cols] drawn `rows` rows at a time (a 262k x 5376 table at once would need
+    tens of GB of temporaries)."""
+    for start in range(0, param.shape[0], rows):
+        part = param[start:start + rows]
+        part.copy_(draw(*part.shape))
+
+
 def decoder_linears(layer):
     a, m = layer.self_attn, layer.mlp
-    return [a.q_proj, a.k_proj, a.v_proj, a.o_proj, m.gate_proj, m.up_proj, m.down_proj]
+    dense = [m.gate_proj, m.up_proj, m.down_proj] if hasattr(m, "gate_proj") else []
+    return [a.q_proj, a.k_proj, a.v_proj, a.o_proj] + dense
 
 
-if args.weights != "init":
-    with torch.no_grad():
+with torch.no_grad():
+    if args.weights != "init":
         for layer in model.model.layers:
             for linear in decoder_linears(layer):
                 linear.weight.copy_(dequantized(args.weights, *linear.weight.shape))
+            experts = getattr(layer.mlp, "experts", None)
+            for e in range(experts.num_experts if experts is not None else 0):
+                # gate and up stacked as [gate; up] rows, each with its own group scales
+                experts.gate_up_proj[e].copy_(dequantized(args.weights, *experts.gate_up_proj[e].shape))
+                experts.down_proj[e].copy_(dequantized(args.weights, *experts.down_proj[e].shape))
+    if not llama_shape:
+        fill_rows(model.model.embed_tokens.weight, bench_bf16)
+        if not cfg.tie_word_embeddings:
+            fill_rows(model.lm_head.weight, bench_bf16)
+        for layer in model.model.layers:
+            router = getattr(layer.mlp, "gate", None)
+            if router is not None:
+                fill_rows(router.weight, bench_bf16)
+
+
+def log_probs(hidden, targets):
+    """log p(target) of final-norm hidden states [rows, hidden], `chunk` rows of logits at a
+    time, soft-capped as the model's forward does."""
+    cap = getattr(cfg, "final_logit_softcapping", None)
+    out = []
+    for start in range(0, hidden.shape[0], chunk):
+        logits = model.lm_head(hidden[start:start + chunk])
+        if cap:
+            logits = torch.tanh(logits / cap) * cap
+        lp = torch.log_softmax(logits.float(), dim=-1)
+        out.append(lp.gather(-1, targets[start:start + chunk, None]).squeeze(-1))
+    return torch.cat(out)
 
 
 def forward_step(ids):
     """One scoring forward over `ids`: logits, log-softmax and the targets' gather on the GPU."""
     def step():
         with torch.inference_mode():
-            logits = model(ids).logits.float()
-            lp = torch.log_softmax(logits[:, :-1], dim=-1)
-            return lp.gather(-1, ids[:, 1:, None]).squeeze(-1).cpu()
+            if chunk == 0:
+                logits = model(ids).logits.float()
+                lp = torch.log_softmax(logits[:, :-1], dim=-1)
+                return lp.gather(-1, ids[:, 1:, None]).squeeze(-1).cpu()
+            hidden = model.model(ids).last_hidden_state[:, :-1]
+            return log_probs(hidden.reshape(-1, hidden.shape[-1]), ids[:, 1:].reshape(-1)).cpu()
     return step
 
 
@@ -124,24 +249,45 @@ def linears_step(ids):
     return step
 
 
+class Timer:
+    """Elapsed ms of the work queued between `start` and `stop`: CUDA events on a GPU, the host
+    clock on the CPU."""
+
+    def start(self):
+        if cuda:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            self.events = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            self.events[0].record()
+        self.t0 = time.perf_counter()
+
+    def stop(self):
+        if cuda:
+            self.events[1].record()
+            torch.cuda.synchronize()
+            return self.events[0].elapsed_time(self.events[1])
+        return (time.perf_counter() - self.t0) * 1e3
+
+
 what = "Linear GEMMs only" if args.linears_only else "sdpa"
+if model_class is Qwen3MoeForCausalLM:
+    what += f", experts {model.config._experts_implementation}"
+if chunk:
+    what += f", lm_head in chunks of {chunk} rows"
 label = f"{'linears' if args.linears_only else 'baseline'} {args.weights}"
-print(f"| transformers {torch.__version__} bf16 {what}, {args.weights} weights | batch | ms/window | tokens/s | peak GPU GiB |")
+print(f"| transformers {torch.__version__} bf16 {what}, {args.weights} weights, {args.shape} | batch | ms/window | tokens/s | peak GPU GiB |")
 print("|---|---|---|---|---|")
 for batch in [int(b) for b in args.batch.split(",")]:
-    ids = torch.randint(0, cfg.vocab_size, (batch, args.ctx), device="cuda")
+    ids = torch.randint(0, cfg.vocab_size, (batch, args.ctx), device=dev)
 
     step = linears_step(ids) if args.linears_only else forward_step(ids)
 
     step()
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
+    timer = Timer()
+    timer.start()
     for _ in range(args.iters):
         step()
-    end.record()
-    torch.cuda.synchronize()
-    ms = start.elapsed_time(end) / args.iters
+    ms = timer.stop() / args.iters
+    peak = torch.cuda.max_memory_allocated() / 2**30 if cuda else float("nan")
     print(f"| {label} | {batch} | {ms / batch:.1f} | {batch * args.ctx / ms * 1e3:.0f} | "
-          f"{torch.cuda.max_memory_allocated() / 2**30:.1f} |")
+          f"{peak:.1f} |")

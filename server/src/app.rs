@@ -12,13 +12,13 @@ use exactscore_api::{Limits, ModelInfo, ReferenceInfo, ReplicaPlacement, StagePl
 use tokio::net::TcpListener;
 use tokio::sync::Semaphore;
 
+use crate::checkpoint::{read_to_string, Checkpoint, LoadError};
 use crate::config::{Config, DeviceName, HttpConfig};
 use crate::engine::batcher::EngineThread;
 use crate::engine::fault::FaultInjecting;
 use crate::engine::{BatchLimits, Engine, EngineError, MicroBatching, ModelEngine, Scheduler};
 use crate::http::validate::MAX_TOP_K;
 use crate::http::{self, AppState, Readiness, SharedState};
-use crate::model::checkpoint::{read_to_string, Checkpoint, LoadError};
 use crate::model::placement::{self, PlacementInputs, StagePlan};
 use crate::model::{AttentionKernel, Model, ModelConfig, ModelOptions, ScoreInput};
 use crate::quant::LinearOptions;
@@ -372,11 +372,7 @@ impl Source {
         let opened: Vec<Device> = devices.iter().map(open_device).collect::<Result<_, _>>()?;
         let flash = config.attention != AttentionKernel::Materialized
             && opened.iter().all(|d| {
-                crate::model::llama::flash_attention_available(
-                    d,
-                    self.config.head_dim,
-                    config.dtype,
-                )
+                crate::ops::flash_attention_available(d, self.config.head_dim, config.dtype)
             });
         let inputs = PlacementInputs {
             config: &self.config,

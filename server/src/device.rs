@@ -1,13 +1,16 @@
-//! Opening a compute device the way every entry point (server, benchmark) needs it.
+//! Opening a compute device the way every entry point (server, benchmark) needs it, and moving
+//! tensors between devices. Like [`crate::ops`], each function dispatches to `crate::cuda` or
+//! answers for the CPU, without a `cfg` of its own.
 
 use candle_core::{Device, Result, Tensor};
+
+use crate::ops::gpu;
 
 /// CUDA device `ordinal`, its memory pool set to keep freed blocks (see
 /// `cuda::retain_freed_memory`). Without the `cuda` feature candle's own error says so.
 pub fn cuda(ordinal: usize) -> Result<Device> {
     let device = Device::new_cuda(ordinal)?;
-    #[cfg(feature = "cuda")]
-    crate::cuda::retain_freed_memory(&device)?;
+    gpu::retain_freed_memory(&device)?;
     Ok(device)
 }
 
@@ -18,42 +21,32 @@ pub fn transfer(t: &Tensor, device: &Device) -> Result<Tensor> {
     if t.device().same_device(device) {
         return Ok(t.clone());
     }
-    #[cfg(feature = "cuda")]
     if t.device().is_cuda() && device.is_cuda() {
-        return crate::cuda::transfer(t, device);
+        return gpu::transfer(t, device);
     }
     t.to_device(device)
 }
 
 /// Makes `device` current on this thread before work is issued to it (a no-op on the CPU).
 pub fn bind(device: &Device) -> Result<()> {
-    #[cfg(feature = "cuda")]
-    crate::cuda::bind(device)?;
-    #[cfg(not(feature = "cuda"))]
-    let _ = device;
-    Ok(())
+    gpu::bind(device)
 }
 
 /// Enables direct peer-to-peer access between the GPUs among `devices` where the hardware
 /// allows it; returns the ordered pairs of GPU ordinals that have it (empty on the CPU).
 pub fn enable_peer_access(devices: &[&Device]) -> Result<Vec<(usize, usize)>> {
-    #[cfg(feature = "cuda")]
-    return crate::cuda::enable_peer_access(devices);
-    #[cfg(not(feature = "cuda"))]
-    {
-        let _ = devices;
-        Ok(Vec::new())
-    }
+    gpu::enable_peer_access(devices)
 }
 
 /// Bytes of memory of `device` (the whole GPU; `None` on the CPU, whose memory placement does
 /// not plan for).
 pub fn memory_capacity(device: &Device) -> Result<Option<u64>> {
-    #[cfg(feature = "cuda")]
-    return crate::cuda::memory_total(device);
-    #[cfg(not(feature = "cuda"))]
-    {
-        let _ = device;
-        Ok(None)
-    }
+    gpu::memory_total(device)
+}
+
+/// Hands the memory a GPU's pool kept from freed tensors back to the driver (see
+/// `cuda::release_freed_memory`; nothing on the CPU): the benchmark's peak of one model then
+/// starts from what live tensors hold.
+pub fn release_freed_memory(device: &Device) -> Result<()> {
+    gpu::release_freed_memory(device)
 }

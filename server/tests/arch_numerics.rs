@@ -194,7 +194,7 @@ fn qwen3moe_fp8_dynamic_per_token_mean_nll_matches_reference() {
 /// config nested as `text_config`, score exactly as the text-only checkpoint's reference.
 #[test]
 fn gemma3_conditional_generation_text_weights_match_reference() {
-    use exactscore_server::model::checkpoint::{Checkpoint, HostTensor};
+    use exactscore_server::checkpoint::{Checkpoint, HostTensor};
     use exactscore_server::model::ModelConfig;
 
     let dir = fixtures().join("gemma3-w4a16-g32");

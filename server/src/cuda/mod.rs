@@ -518,14 +518,24 @@ pub fn score_rows(logits: &Tensor, targets: &[i32], top_k: usize) -> Result<RowS
     })
 }
 
+/// Per-row divergences computed on the GPU; only these vectors are copied to the host.
+pub struct KldRows {
+    /// KL(reference ‖ model) per row, in nats (f64).
+    pub kld: Vec<f64>,
+    /// The model's log p(target).
+    pub logprob: Vec<f32>,
+    /// The reference's log p(target).
+    pub reference_logprob: Vec<f32>,
+    /// The model's most likely token (lowest id on ties).
+    pub argmax: Vec<u32>,
+    /// The reference's most likely token (lowest id on ties).
+    pub reference_argmax: Vec<u32>,
+}
+
 /// Fused KL-divergence of `logits` from `reference_logits` (both `[rows, vocab]`, same dtype and
 /// device) per row, with both models' log p(target) and argmax; see `kld_rows` in the kernels.
 /// One buffer of per-row numbers comes back, never a vocabulary row.
-pub fn kld_rows(
-    reference_logits: &Tensor,
-    logits: &Tensor,
-    targets: &[u32],
-) -> Result<Vec<crate::model::TokenKld>> {
+pub fn kld_rows(reference_logits: &Tensor, logits: &Tensor, targets: &[u32]) -> Result<KldRows> {
     let (reference_logits, logits) = (reference_logits.contiguous()?, logits.contiguous()?);
     let (rows, vocab) = logits.dims2()?;
     if reference_logits.dtype() != logits.dtype() || targets.len() != rows {
@@ -561,14 +571,17 @@ pub fn kld_rows(
             copy_to_host(dev, &out.slice(0..words))
         })
     }))?;
-    Ok((0..rows)
-        .map(|i| crate::model::TokenKld {
-            kld: f64::from_bits(u64::from(host[2 * i]) | (u64::from(host[2 * i + 1]) << 32)),
-            logprob: f32::from_bits(host[2 * rows + i]),
-            reference_logprob: f32::from_bits(host[3 * rows + i]),
-            same_top: host[4 * rows + i] == host[5 * rows + i],
-        })
-        .collect())
+    let f32s =
+        |range: std::ops::Range<usize>| host[range].iter().map(|&w| f32::from_bits(w)).collect();
+    Ok(KldRows {
+        kld: (0..rows)
+            .map(|i| f64::from_bits(u64::from(host[2 * i]) | (u64::from(host[2 * i + 1]) << 32)))
+            .collect(),
+        logprob: f32s(2 * rows..3 * rows),
+        reference_logprob: f32s(3 * rows..4 * rows),
+        argmax: host[4 * rows..5 * rows].to_vec(),
+        reference_argmax: host[5 * rows..6 * rows].to_vec(),
+    })
 }
 
 /// `t` copied onto `device`: another GPU, or another logical device (stream) of the same GPU.

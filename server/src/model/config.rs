@@ -4,8 +4,8 @@
 use serde::Deserialize;
 use serde_json::Value;
 
-use super::checkpoint::LoadError;
 use super::rope::inv_freq;
+use crate::checkpoint::LoadError;
 
 /// The model families we serve.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]

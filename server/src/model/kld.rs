@@ -2,9 +2,9 @@
 //! unquantized original), computed where both full distributions are: per row, from the two
 //! models' logits, only a few numbers per token leave the device.
 
-use candle_core::{DType, Result, Tensor};
+use candle_core::{Result, Tensor};
 
-use super::llama::{lm_head_rows, Model};
+use super::decoder::{lm_head_rows, Model};
 use super::scoring::log_sum_exp;
 
 /// One position that has a next token: how the served model's distribution differs from the
@@ -63,7 +63,8 @@ pub fn kld_batch(
 }
 
 /// Per-row divergence of `logits` from `reference_logits` (both `[rows, vocab]`, any float
-/// dtype, scored in f32). With the fused kernel on a GPU; row by row in f64 on the CPU.
+/// dtype, scored in f32). With the fused kernel on a GPU; row by row in f64 on the CPU
+/// ([`kld_row`]).
 pub fn kld_logits(
     reference_logits: &Tensor,
     logits: &Tensor,
@@ -76,19 +77,7 @@ pub fn kld_logits(
             logits.dims()
         );
     }
-    #[cfg(feature = "cuda")]
-    if logits.device().is_cuda() {
-        let reference_logits = crate::device::transfer(reference_logits, logits.device())?;
-        return crate::cuda::kld_rows(&reference_logits, logits, targets);
-    }
-    let reference_rows = reference_logits.to_dtype(DType::F32)?.to_vec2::<f32>()?;
-    let rows = logits.to_dtype(DType::F32)?.to_vec2::<f32>()?;
-    Ok(reference_rows
-        .iter()
-        .zip(&rows)
-        .zip(targets)
-        .map(|((r, m), &t)| kld_row(r, m, t))
-        .collect())
+    crate::ops::kld_rows(reference_logits, logits, targets)
 }
 
 /// The divergence at one position, in f64 from f32 logits: the CPU reference of the kernel.

@@ -1,18 +1,27 @@
-//! The model: checkpoint reading, config, the decoder families, placement and scoring.
+//! The model: config, the shared stack ([`Model`]), the blocks decoder layers are built from,
+//! one file per architecture family, placement and scoring.
+//!
+//! A new architecture family is one file: its decoder layer built from [`blocks`] (each block
+//! loads itself from a [`loader::Loader`]) implementing `decoder::Layer`, and a
+//! `decoder::Family` saying how to load it; then its name in [`config::Architecture`] and one
+//! arm in `decoder::family`. Device-specific work goes through [`crate::ops`].
 
-pub mod checkpoint;
+pub mod blocks;
 pub mod config;
+pub mod decoder;
+pub mod gemma;
 pub mod kld;
 pub mod llama;
-pub mod moe;
+pub mod loader;
 pub mod placement;
 pub mod profile;
 pub mod rope;
 pub mod scoring;
 
-pub use checkpoint::LoadError;
+pub use crate::checkpoint::LoadError;
+pub use crate::ops::causal_mask;
 pub use config::{Architecture, ModelConfig};
+pub(crate) use decoder::lm_head_rows;
+pub use decoder::{AttentionKernel, Model, ModelOptions, ScoreInput};
 pub use kld::{kld_batch, SequenceKld, TokenKld};
-pub(crate) use llama::lm_head_rows;
-pub use llama::{causal_mask, AttentionKernel, Model, ModelOptions, ScoreInput};
 pub use scoring::{RowScore, SequenceScores};

@@ -16,8 +16,8 @@ use std::ops::Range;
 
 use candle_core::{DType, Device};
 
-use super::checkpoint::Checkpoint;
 use super::config::ModelConfig;
+use crate::checkpoint::Checkpoint;
 
 /// Stored bytes of a model's parts, as the checkpoint holds them.
 #[derive(Debug, Clone, PartialEq)]
@@ -122,9 +122,9 @@ impl ActivationBytes {
             config.num_heads as u64 * l * l * (4 + s)
         };
         // gate, up and their product over one row chunk, plus three dequantized weights.
-        let chunk = t.min(super::llama::MLP_CHUNK as u64);
+        let chunk = t.min(super::blocks::MLP_CHUNK as u64);
         let mlp = 3 * chunk * inter * s + 3 * inter * h * s;
-        let logits_rows = super::llama::lm_head_rows(config.vocab_size) as u64;
+        let logits_rows = super::decoder::lm_head_rows(config.vocab_size) as u64;
         Self {
             layers: stream + (attention_tensors + scores).max(mlp),
             // Logits in the compute dtype and in f32, for the served and the reference model.

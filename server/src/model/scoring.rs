@@ -1,7 +1,7 @@
 //! Per-row scoring of f32 logits: log-softmax over the full vocabulary, the log-probability of
 //! the actual next token, top-k and argmax, all from the same row so greedy checks are exact.
 
-use candle_core::{DType, Result, Tensor};
+use candle_core::{Result, Tensor};
 
 /// What one position of a sequence yields.
 #[derive(Debug, Clone, PartialEq)]
@@ -62,32 +62,14 @@ impl SequenceScores {
 }
 
 /// Scores every row of `logits` `[rows, vocab]` (any float dtype; scored in f32): with the
-/// fused kernel on a GPU, so only these small vectors leave it, row by row on the CPU.
+/// fused kernel on a GPU, so only these small vectors leave it, row by row on the CPU
+/// ([`score_row`]).
 pub fn score_logits(
     logits: &Tensor,
     targets: &[Option<u32>],
     top_k: usize,
 ) -> Result<Vec<RowScore>> {
-    #[cfg(feature = "cuda")]
-    if logits.device().is_cuda() {
-        let t: Vec<i32> = targets.iter().map(|t| t.map_or(-1, |t| t as i32)).collect();
-        let s = crate::cuda::score_rows(logits, &t, top_k)?;
-        return Ok((0..targets.len())
-            .map(|i| RowScore {
-                target_logprob: targets[i].map(|_| s.target_logprob[i]),
-                argmax: (s.argmax[i], s.argmax_logprob[i]),
-                top_k: (0..top_k)
-                    .map(|j| (s.top_ids[i * top_k + j], s.top_logprobs[i * top_k + j]))
-                    .collect(),
-            })
-            .collect());
-    }
-    let rows = logits.to_dtype(DType::F32)?.to_vec2::<f32>()?;
-    Ok(rows
-        .iter()
-        .zip(targets)
-        .map(|(row, &target)| score_row(row, target, top_k))
-        .collect())
+    crate::ops::score_rows(logits, targets, top_k)
 }
 
 /// Scores one row of logits. `lse` is accumulated in f64 so the result is the correctly

@@ -1,12 +1,13 @@
 //! Activation fake-quantization (quantize then dequantize) of a Linear's input, bit-exact with
 //! compressed-tensors (all arithmetic in f32, `/` true division, ties to even).
 
-use candle_core::{DType, Device, Result, Tensor};
+use candle_core::{Result, Tensor};
 
 use super::compressed_tensors::{QuantArgs, QuantType, Strategy};
 use super::load_scalar;
 use super::minifloat::{round_to_fp4_e2m1, round_to_fp8_e4m3, FP4_E2M1_MAX, FP8_E4M3_MAX};
-use crate::model::checkpoint::{Checkpoint, LoadError};
+use crate::checkpoint::{Checkpoint, LoadError};
+use crate::ops;
 
 /// Whether the activation quantization a scheme declares is applied.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
@@ -71,24 +72,10 @@ impl ActivationQdq {
         }
     }
 
-    /// QDQ of `x` (`[tokens, k]`, any float dtype), computed in f32 and returned in x's dtype.
+    /// QDQ of `x` (`[tokens, k]`, any float dtype), computed in f32 and returned in x's dtype
+    /// (see [`ops::activation_qdq`]).
     pub fn apply(&self, x: &Tensor) -> Result<Tensor> {
-        #[cfg(feature = "cuda")]
-        if x.device().is_cuda() {
-            return match *self {
-                Self::Fp8PerToken => crate::cuda::qdq_fp8(x, None),
-                Self::Fp8Static { scale } => crate::cuda::qdq_fp8(x, Some(scale)),
-                Self::Nvfp4 { global_scale } => crate::cuda::qdq_nvfp4(x, global_scale),
-            };
-        }
-        let (rows, k) = x.dims2()?;
-        let mut values = x.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
-        for row in values.chunks_mut(k) {
-            self.qdq_row(row);
-        }
-        Tensor::from_vec(values, (rows, k), &Device::Cpu)?
-            .to_device(x.device())?
-            .to_dtype(x.dtype())
+        ops::activation_qdq(x, self)
     }
 
     /// QDQ of one token's activations, in place.

@@ -7,7 +7,7 @@ use regex::Regex;
 use serde::Deserialize;
 use serde_json::Value;
 
-use crate::model::checkpoint::LoadError;
+use crate::checkpoint::LoadError;
 
 /// On-disk layout of a quantized Linear (the `format` key).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]

@@ -3,7 +3,7 @@
 use candle_core::{DType, Device, Result, Tensor};
 
 use super::{to_f32_vec, QuantizedWeight, SCALE_DTYPES};
-use crate::model::checkpoint::{Checkpoint, LoadError};
+use crate::checkpoint::{Checkpoint, LoadError};
 
 pub struct DenseWeight {
     weight: Tensor,

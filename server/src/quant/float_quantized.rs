@@ -7,7 +7,8 @@ use safetensors::Dtype as StDtype;
 use super::compressed_tensors::{LayerScheme, Strategy};
 use super::minifloat::fp8_e4m3_to_f32;
 use super::{to_f32_vec, QuantizedWeight, SCALE_DTYPES};
-use crate::model::checkpoint::{Checkpoint, LoadError};
+use crate::checkpoint::{Checkpoint, LoadError};
+use crate::ops::{self, Packed};
 
 pub struct Fp8Weight {
     out: usize,
@@ -101,17 +102,14 @@ impl QuantizedWeight for Fp8Weight {
         Ok(w)
     }
 
-    #[cfg(feature = "cuda")]
     fn dequantize(&self, dtype: DType, device: &Device) -> Result<Tensor> {
-        if !self.weight.device().is_cuda() {
-            return self.dequantize_reference(dtype, device);
-        }
-        crate::cuda::dequant_fp8(
-            &self.weight,
-            &self.scale,
-            (self.out, self.inp),
-            self.block,
-            dtype,
-        )
+        let packed = Packed::Fp8 {
+            weight: &self.weight,
+            scale: &self.scale,
+            block: self.block,
+        };
+        ops::dequantize(packed, (self.out, self.inp), dtype, || {
+            self.dequantize_reference(dtype, device)
+        })
     }
 }

@@ -13,7 +13,8 @@ pub mod pack_quantized;
 use candle_core::{DType, Device, Result, Tensor};
 use safetensors::Dtype as StDtype;
 
-use crate::model::checkpoint::{Checkpoint, LoadError};
+use crate::checkpoint::{Checkpoint, LoadError};
+use crate::ops;
 pub use act_qdq::{ActivationQdq, ActivationQuantMode};
 pub use compressed_tensors::{Format, LayerScheme, QuantizationConfig};
 
@@ -102,7 +103,7 @@ impl QuantLinear {
                 residual.dims()
             );
         }
-        let in_place = self.bias.is_none() && adds_in_place(&residual);
+        let in_place = self.bias.is_none() && ops::adds_into_rows(&residual);
         Ok(RowChunks {
             linear: self,
             rows,
@@ -156,8 +157,7 @@ impl RowChunks<'_> {
             );
         }
         if self.in_place {
-            #[cfg(feature = "cuda")]
-            crate::cuda::matmul_t_add_into_rows(&self.residual, self.filled, x, w)?;
+            ops::matmul_t_add_into_rows(&self.residual, self.filled, x, w)?;
         } else {
             self.parts.push(gemm::matmul_t(x, w)?);
         }
@@ -179,15 +179,6 @@ impl RowChunks<'_> {
         };
         self.residual + self.linear.add_bias(y)?
     }
-}
-
-/// Whether [`RowChunks`] adds each chunk's product into the residual stream in place (a
-/// contiguous GPU tensor in bf16/f16).
-fn adds_in_place(residual: &Tensor) -> bool {
-    cfg!(feature = "cuda")
-        && residual.device().is_cuda()
-        && residual.is_contiguous()
-        && matches!(residual.dtype(), DType::BF16 | DType::F16)
 }
 
 /// The activation QDQ that every layer of `linears` applies to its input, when they all apply

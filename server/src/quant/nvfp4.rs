@@ -9,7 +9,8 @@ use safetensors::Dtype as StDtype;
 
 use super::minifloat::{bf16_round, fp4_e2m1_to_f32, fp8_e4m3_to_f32};
 use super::{load_scalar, QuantizedWeight};
-use crate::model::checkpoint::{Checkpoint, LoadError};
+use crate::checkpoint::{Checkpoint, LoadError};
+use crate::ops::{self, Packed};
 
 pub const GROUP: usize = 16;
 
@@ -98,17 +99,14 @@ impl QuantizedWeight for Nvfp4Weight {
         Ok(w)
     }
 
-    #[cfg(feature = "cuda")]
     fn dequantize(&self, dtype: candle_core::DType, device: &Device) -> Result<Tensor> {
-        if !self.packed.device().is_cuda() {
-            return self.dequantize_reference(dtype, device);
-        }
-        crate::cuda::dequant_nvfp4(
-            &self.packed,
-            &self.scale,
-            self.global_scale,
-            (self.out, self.inp),
-            dtype,
-        )
+        let packed = Packed::Nvfp4 {
+            packed: &self.packed,
+            scale: &self.scale,
+            global_scale: self.global_scale,
+        };
+        ops::dequantize(packed, (self.out, self.inp), dtype, || {
+            self.dequantize_reference(dtype, device)
+        })
     }
 }

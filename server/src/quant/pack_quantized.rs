@@ -9,7 +9,8 @@ use safetensors::Dtype as StDtype;
 
 use super::compressed_tensors::{Format, LayerScheme, Strategy};
 use super::{to_f32_vec, QuantizedWeight, SCALE_DTYPES};
-use crate::model::checkpoint::{Checkpoint, LoadError};
+use crate::checkpoint::{Checkpoint, LoadError};
+use crate::ops::{self, Packed};
 
 /// Name of the tensor that holds the codes in `format`.
 pub fn codes_tensor(format: Format) -> &'static str {
@@ -240,20 +241,17 @@ impl QuantizedWeight for IntWeight {
         Ok(w)
     }
 
-    #[cfg(feature = "cuda")]
     fn dequantize(&self, dtype: DType, device: &Device) -> Result<Tensor> {
-        if !self.codes.device().is_cuda() {
-            return self.dequantize_reference(dtype, device);
-        }
-        crate::cuda::dequant_int(
-            &self.codes,
-            &self.scale,
-            self.zero_point.as_ref(),
-            (self.out, self.inp),
-            self.bits,
-            self.group,
-            dtype,
-        )
+        let packed = Packed::Int {
+            codes: &self.codes,
+            scale: &self.scale,
+            zero_point: self.zero_point.as_ref(),
+            bits: self.bits,
+            group: self.group,
+        };
+        ops::dequantize(packed, (self.out, self.inp), dtype, || {
+            self.dequantize_reference(dtype, device)
+        })
     }
 }
 

@@ -14,8 +14,14 @@ use exactscore_server::quant::ActivationQuantMode;
 
 use crate::{gpu_used_bytes, options, random_model, sequences};
 
-const REFERENCE: &str = "llama-dense-bf16";
-const QUANTIZED: [&str; 3] = ["llama-w4a16-g128", "llama-nvfp4a16", "llama-fp8-dynamic"];
+/// Each dense bf16 fixture with the quantized variants of the same model judged against it.
+const PAIRS: &[(&str, &[&str])] = &[
+    (
+        "llama-dense-bf16",
+        &["llama-w4a16-g128", "llama-nvfp4a16", "llama-fp8-dynamic"],
+    ),
+    ("gemma3-dense-bf16", &["gemma3-w4a16-g32"]),
+];
 
 fn flat(k: &[SequenceKld]) -> Vec<TokenKld> {
     k.iter().flat_map(|s| s.tokens.iter().copied()).collect()
@@ -34,11 +40,6 @@ fn mean_kld(a: &[TokenKld]) -> f64 {
 
 /// Prints one table row per fixture pair; returns how many rows failed.
 pub fn check(fixtures: &Path, device: &Device) -> Result<usize> {
-    let reference_json: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(
-        fixtures.join(REFERENCE).join("reference.json"),
-    )?)?;
-    let seqs = sequences(&reference_json);
-    let refs: Vec<&[u32]> = seqs.iter().map(Vec::as_slice).collect();
     let load = |variant: &str, device: &Device, dtype| {
         let attention = AttentionKernel::Materialized;
         let opts = options(device, dtype, ActivationQuantMode::Off, 512, attention);
@@ -49,15 +50,64 @@ pub fn check(fixtures: &Path, device: &Device) -> Result<usize> {
     println!("|---|---|---|---|---|---|---|");
     let mut failures = 0;
     let mut same_device = None;
-    for variant in QUANTIZED {
+    for &(reference, quantized) in PAIRS {
+        let seqs = fixture_sequences(fixtures, reference)?;
+        failures += check_pair(reference, quantized, &seqs, &load, device, &mut same_device)?;
+    }
+    // With a second GPU: the reference there, its logits brought over by a peer copy, must give
+    // the same bits as on one GPU.
+    let (reference, quantized) = PAIRS[0];
+    let seqs = fixture_sequences(fixtures, reference)?;
+    let refs: Vec<&[u32]> = seqs.iter().map(Vec::as_slice).collect();
+    if let (Ok(second), Some(expected)) = (
+        exactscore_server::device::cuda(1),
+        same_device.filter(|_| device.is_cuda()),
+    ) {
+        let split = kld_batch(
+            &load(quantized[0], device, DType::F32)?,
+            &load(reference, &second, DType::F32)?,
+            &refs,
+        )?;
+        let bitwise = split == expected;
+        failures += usize::from(!bitwise);
+        println!(
+            "| {} with the reference on {second:?}: bitwise equal to one GPU = {bitwise} | | | | | {} |",
+            quantized[0],
+            if bitwise { "ok" } else { "FAIL" }
+        );
+    }
+    Ok(failures)
+}
+
+/// The token ids of a fixture's reference sequences.
+fn fixture_sequences(fixtures: &Path, variant: &str) -> Result<Vec<Vec<u32>>> {
+    let reference_json: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(
+        fixtures.join(variant).join("reference.json"),
+    )?)?;
+    Ok(sequences(&reference_json))
+}
+
+/// One table row per variant of `quantized` against `reference`; returns how many failed.
+/// `same_device`: the first pair's f32 divergences on one GPU, for the two-GPU row.
+fn check_pair(
+    reference: &str,
+    quantized: &[&str],
+    seqs: &[Vec<u32>],
+    load: &dyn Fn(&str, &Device, DType) -> Result<Model>,
+    device: &Device,
+    same_device: &mut Option<Vec<SequenceKld>>,
+) -> Result<usize> {
+    let refs: Vec<&[u32]> = seqs.iter().map(Vec::as_slice).collect();
+    let mut failures = 0;
+    for &variant in quantized {
         let cpu = kld_batch(
             &load(variant, &Device::Cpu, DType::F32)?,
-            &load(REFERENCE, &Device::Cpu, DType::F32)?,
+            &load(reference, &Device::Cpu, DType::F32)?,
             &refs,
         )?;
         let (q32, r32) = (
             load(variant, device, DType::F32)?,
-            load(REFERENCE, device, DType::F32)?,
+            load(reference, device, DType::F32)?,
         );
         let g32 = kld_batch(&q32, &r32, &refs)?;
         let self_zero = flat(&kld_batch(&q32, &q32, &refs)?)
@@ -65,12 +115,12 @@ pub fn check(fixtures: &Path, device: &Device) -> Result<usize> {
             .all(|t| t.kld == 0.0 && t.same_top);
         let (q16, r16) = (
             load(variant, device, DType::BF16)?,
-            load(REFERENCE, device, DType::BF16)?,
+            load(reference, device, DType::BF16)?,
         );
         let g16 = flat(&kld_batch(&q16, &r16, &refs)?);
         // The kernel alone: the same bf16 logits through it and through the CPU reference.
         let (mut kernel_kld, mut kernel_lp, mut same_equal) = (0f64, 0f64, true);
-        for s in &seqs {
+        for s in seqs {
             let n = s.len() - 1;
             let logits = q16.logits(&q16.hidden_states(&[s])?.narrow(0, 0, n)?)?;
             let ref_logits = r16.logits(&r16.hidden_states(&[s])?.narrow(0, 0, n)?)?;
@@ -97,29 +147,10 @@ pub fn check(fixtures: &Path, device: &Device) -> Result<usize> {
             max32 <= 1e-4 && kernel_kld <= 1e-9 && kernel_lp <= 1e-5 && same_equal && self_zero;
         failures += usize::from(!ok);
         println!(
-            "| {variant} | {:.6} | {max32:.2e} | {:.6} | {kernel_kld:.1e} / {kernel_lp:.1e}, {same_equal} | {self_zero} | {} |",
+            "| {variant} (‖ {reference}) | {:.6} | {max32:.2e} | {:.6} | {kernel_kld:.1e} / {kernel_lp:.1e}, {same_equal} | {self_zero} | {} |",
             mean_kld(&cpu),
             mean_kld(&g16),
             if ok { "ok" } else { "FAIL" }
-        );
-    }
-    // With a second GPU: the reference there, its logits brought over by a peer copy, must give
-    // the same bits as on one GPU.
-    if let (Ok(second), Some(expected)) = (
-        exactscore_server::device::cuda(1),
-        same_device.filter(|_| device.is_cuda()),
-    ) {
-        let split = kld_batch(
-            &load(QUANTIZED[0], device, DType::F32)?,
-            &load(REFERENCE, &second, DType::F32)?,
-            &refs,
-        )?;
-        let bitwise = split == expected;
-        failures += usize::from(!bitwise);
-        println!(
-            "| {} with the reference on {second:?}: bitwise equal to one GPU = {bitwise} | | | | | {} |",
-            QUANTIZED[0],
-            if bitwise { "ok" } else { "FAIL" }
         );
     }
     Ok(failures)
@@ -138,8 +169,7 @@ pub fn speed(
     device: &Device,
     min_ratio: f64,
 ) -> Result<()> {
-    let shape =
-        random_model::Shape::named(shape).with_context(|| format!("unknown shape {shape}"))?;
+    let shape = random_model::Shape::named(shape)?;
     let build = |format: &str| -> Result<Model> {
         let (config, ckpt) = random_model::build(&shape, format, None)?;
         let opts = options(

@@ -1,13 +1,17 @@
 //! `exactscore-bench`: the GPU path measured against the CPU reference and against the clock.
 //!
-//! * `check --fixtures DIR --device cuda:0`: every fixture variant scored on the device vs the
-//!   CPU f32 path (f32 and bf16 compute, bf16 also with the flash-attention kernel), batch
-//!   invariance, dequantization and activation QDQ bit-exactness, and the flash kernel alone
-//!   against an f32 reference at head sizes 64 and 128. Prints tables; fails on any miss.
+//! * `check --fixtures DIR --device cuda:0`: every fixture variant (Llama, Qwen3-MoE, Mixtral,
+//!   Gemma 3, Gemma 2) scored on the device vs the CPU f32 path (f32 and bf16 compute, bf16 also
+//!   with the flash-attention kernel where the model has it), batch invariance, dequantization
+//!   and activation QDQ bit-exactness, and the flash kernel alone against an f32 reference at
+//!   head sizes 64 and 128. Prints tables; fails on any miss.
 //! * `speed --shape llama3-8b --formats w4a16,nvfp4,fp8,bf16 --batch 1,2,4`: scores 2048-token
-//!   windows of a random-weight model of that shape (built in memory, no file), through the same
-//!   `Model::score` the server uses, and prints ms/window, tokens/s, fraction of the measured
-//!   cuBLAS bf16 ceiling and peak GPU memory, for each `--attention` kernel.
+//!   windows of a random-weight model of that shape (built in memory, no file; shapes in
+//!   `random_model.rs`: Llama 3 8B/70B, Mistral Large, Qwen3-30B-A3B, Gemma 3 27B, tiny ones),
+//!   through the same `Model::score` the server uses, and prints ms/window, tokens/s, fraction
+//!   of the measured cuBLAS bf16 ceiling and peak GPU memory (also over the checkpoint's stored
+//!   weight bytes), for each `--attention` kernel; `--profile` adds a per-stage line and, for a
+//!   mixture of experts, how many tokens each expert received.
 //! * `kld --shape llama3-8b --format w4a16 --batch 1,4`: `/kld` (served model + bf16 reference,
 //!   two forwards and the fused divergence) timed next to `/score` on the same windows; `check`
 //!   also judges the divergence kernel and the GPU `/kld` path on the fixtures.
@@ -71,7 +75,8 @@ enum Command {
     },
     /// Scoring throughput on a random-weight model of a real shape.
     Speed {
-        /// llama3-8b, llama3-70b, mistral-large-123b, or tiny.
+        /// A shape of random_model.rs: llama3-8b, llama3-70b, mistral-large-123b,
+        /// qwen3-30b-a3b, gemma3-27b, or tiny, tiny-moe, tiny-gemma3 (CPU runs).
         #[arg(long, default_value = "llama3-8b")]
         shape: String,
         /// Comma list of w4a16, nvfp4, nvfp4a16, fp8, bf16.
@@ -279,8 +284,7 @@ fn write_checkpoint(
     out: &Path,
     tokenizer: &Path,
 ) -> Result<()> {
-    let shape =
-        random_model::Shape::named(shape).with_context(|| format!("unknown shape {shape}"))?;
+    let shape = random_model::Shape::named(shape)?;
     let t = Instant::now();
     random_model::write(&shape, format, distinct_layers, out)?;
     let copy = |file: &str| {
@@ -418,21 +422,48 @@ fn bits_equal(a: &Tensor, b: &Tensor) -> Result<bool> {
     Ok(a.len() == b.len() && a.iter().zip(&b).all(|(x, y)| x.to_bits() == y.to_bits()))
 }
 
+/// Every fixture `check` scores on the device.
+const CHECKED: &[&str] = &[
+    "llama-dense-bf16",
+    "llama-w4a16-g128",
+    "llama-w4a16-asym-g64",
+    "llama-w8a16-channel",
+    "llama-nvfp4a16",
+    "llama-nvfp4",
+    "llama-fp8-dynamic",
+    "qwen3moe-w4a16-g32",
+    "qwen3moe-fp8-dynamic",
+    "qwen3moe-nvfp4",
+    "mixtral-w4a16-g32",
+    "gemma3-dense-bf16",
+    "gemma3-w4a16-g32",
+    "gemma3-nvfp4a16",
+    "gemma2-dense-bf16",
+    "gemma2-w4a16-g32",
+];
+
 fn check(fixtures: &Path, device: &Device) -> Result<()> {
     let mut rows = Vec::new();
     let mut failures = 0;
-    for variant in [
-        "llama-dense-bf16",
-        "llama-w4a16-g128",
-        "llama-w4a16-asym-g64",
-        "llama-w8a16-channel",
-        "llama-nvfp4a16",
-        "llama-nvfp4",
-        "llama-fp8-dynamic",
-    ] {
+    for &variant in CHECKED {
         let dir = fixtures.join(variant);
         let reference: Value =
             serde_json::from_str(&std::fs::read_to_string(dir.join("reference.json"))?)?;
+        let config = exactscore_server::model::ModelConfig::from_json(&std::fs::read_to_string(
+            dir.join("config.json"),
+        )?)?;
+        // The flash kernel cannot soft-cap scores (Gemma 2), and exists only on a GPU: models
+        // without it have only the materialized kernel, whose bf16 rows then stand in for the
+        // flash columns.
+        let flash = config.attn_logit_softcapping.is_none()
+            && exactscore_server::ops::flash_attention_available(
+                device,
+                config.head_dim,
+                DType::BF16,
+            );
+        // A mixture of experts multiplies each expert's tokens in one GEMM, whose row count
+        // changes with what shares the batch: bitwise batch invariance is reported, not judged.
+        let sparse = config.moe.is_some();
         let seqs = sequences(&reference);
         let has_act = reference.get("weights_only").is_some();
         let modes: &[ActivationQuantMode] = if has_act {
@@ -447,7 +478,10 @@ fn check(fixtures: &Path, device: &Device) -> Result<()> {
             let cpu = load(&Device::Cpu, DType::F32, AttentionKernel::Materialized)?;
             let gpu32 = load(device, DType::F32, AttentionKernel::Materialized)?;
             let gpu16 = load(device, DType::BF16, AttentionKernel::Materialized)?;
-            let flash16 = load(device, DType::BF16, AttentionKernel::Flash)?;
+            let flash16 = match flash {
+                true => load(device, DType::BF16, AttentionKernel::Flash)?,
+                false => load(device, DType::BF16, AttentionKernel::Materialized)?,
+            };
             let cpu_scores = score(&cpu, &seqs)?;
             let g32 = score(&gpu32, &seqs)?;
             let g16 = score(&gpu16, &seqs)?;
@@ -490,20 +524,21 @@ fn check(fixtures: &Path, device: &Device) -> Result<()> {
                 dequant_exact &= bits_equal(&gpu_w, &cpu_w)?;
             }
             let label = format!(
-                "{variant}{}",
+                "{variant}{}{}",
                 if has_act {
                     format!(" act={act:?}")
                 } else {
                     String::new()
-                }
+                },
+                if flash { "" } else { " (no flash)" }
             );
             let weights_only = !has_act || act == ActivationQuantMode::Off;
             // Weights-only: f32 within 1e-4 of the CPU, alone vs batched within 1e-4, bf16 error
             // within the reference's own bf16-vs-f32 spread (+50 %). Activation-quantized rows
-            // are reported, not judged per token (rounding flips, see README). Every row: bf16
-            // flash scores of a sequence are the same bits in any batch, long ones included.
+            // are reported, not judged per token (rounding flips, see README). Every dense row:
+            // bf16 flash scores of a sequence are the same bits in any batch, long ones included.
             let ok = dequant_exact
-                && flash_bitwise
+                && (flash_bitwise || sparse)
                 && (!weights_only
                     || (max32 <= 1e-4
                         && inv32 <= 1e-4
@@ -519,11 +554,11 @@ fn check(fixtures: &Path, device: &Device) -> Result<()> {
                 if ok { "ok" } else { "FAIL" }
             ));
         }
-        if has_act {
+        if has_act && dir.join("act_qdq_vectors.safetensors").exists() {
             rows.push(qdq_row(&dir, variant, device)?);
         }
     }
-    println!("All |Δ| are per-token log-prob differences against the CPU f32 path.");
+    println!("All |Δ| are per-token log-prob differences against the CPU f32 path. (no flash): the model has only the materialized kernel, whose bf16 rows fill the flash columns. Mixture-of-experts rows report bitwise batch invariance without judging it.");
     println!("| variant | f32 max |Δ| | f32 mean | f32 argmax / top-5 ids = CPU | bf16 max |Δ| | bf16 mean | bf16 flash max |Δ| | bf16 flash mean | reference bf16 mean | alone vs batched max |Δ| f32 / bf16 | bitwise (flash) | dequant bitwise | |");
     println!("|---|---|---|---|---|---|---|---|---|---|---|---|---|");
     for r in rows {
@@ -656,19 +691,19 @@ fn speed(
     attention: &[AttentionKernel],
     profile: bool,
 ) -> Result<()> {
-    let shape =
-        random_model::Shape::named(shape).with_context(|| format!("unknown shape {shape}"))?;
+    let shape = random_model::Shape::named(shape)?;
     let ceiling = bf16_ceiling(device)?;
     println!("device {device:?}, cuBLAS bf16 8192^3 ceiling {ceiling:.0} TFLOP/s, shape {}, ctx {ctx}, compute {dtype:?}", shape.name);
-    println!("| format | attention | bits/weight | batch | ms/window | tokens/s | % of ceiling | peak GPU GiB | dequant all ms | load s |");
-    println!("|---|---|---|---|---|---|---|---|---|---|");
+    println!("| format | attention | bits/weight | batch | ms/window | tokens/s | % of ceiling | peak GPU GiB | dequant all ms | load s | weights GiB | peak / weights |");
+    println!("|---|---|---|---|---|---|---|---|---|---|---|---|");
     for format in formats {
         // The pool keeps what earlier models (and the ceiling GEMM) freed: hand it back, so that
         // the peak below is this model's own.
-        #[cfg(feature = "cuda")]
-        exactscore_server::cuda::release_freed_memory(device)?;
+        exactscore_server::device::release_freed_memory(device)?;
         let t_load = Instant::now();
         let (config, ckpt) = random_model::build(&shape, format, None)?;
+        // The compressed weights as stored: what the peak memory is judged against.
+        let weight_bytes = ckpt.stored_bytes_with_prefix("");
         let mut model = Model::from_checkpoint(
             config,
             &ckpt,
@@ -717,12 +752,15 @@ fn speed(
             }
             device.synchronize()?;
             let dequant_ms = t.elapsed().as_secs_f64() * 1e3;
+            let gib = |bytes: u64| bytes as f64 / (1u64 << 30) as f64;
             println!(
-                "| {format} | {kernel:?} | {bpw:.3} | {batch} | {:.1} | {:.0} | {:.0}% | {:.1} | {dequant_ms:.1} | {load_s:.1} |",
+                "| {format} | {kernel:?} | {bpw:.3} | {batch} | {:.1} | {:.0} | {:.0}% | {:.1} | {dequant_ms:.1} | {load_s:.1} | {:.1} | {:.2} |",
                 secs * 1e3 / batch as f64,
                 tokens_per_s,
                 100.0 * flops / secs / 1e12 / ceiling,
-                peak as f64 / (1u64 << 30) as f64,
+                gib(peak),
+                gib(weight_bytes),
+                peak as f64 / weight_bytes as f64,
             );
             if profile {
                 print_profile(&model, &windows, device)?;
@@ -736,6 +774,7 @@ fn speed(
 fn print_profile(model: &Model, windows: &[ScoreInput], device: &Device) -> Result<()> {
     stages::set_enabled(true);
     let _ = stages::take();
+    let _ = stages::take_expert_load();
     let t = Instant::now();
     let scored = model.score(windows);
     device.synchronize()?;
@@ -761,5 +800,21 @@ fn print_profile(model: &Model, windows: &[ScoreInput], device: &Device) -> Resu
         "|   profile, ms/window (calls): {} ; sum {covered:.1} of {total:.1} synchronized |",
         line.join(", ")
     );
+    let mut load = stages::take_expert_load();
+    if !load.is_empty() {
+        // Tokens each expert received in this batch, summed over the sparse layers.
+        load.sort_unstable();
+        let mean = load.iter().sum::<u64>() as f64 / load.len() as f64;
+        println!(
+            "|   expert load, tokens per expert summed over the sparse layers: min {}, median {}, \
+             max {} (max / mean {:.2}), {} of {} experts never chosen |",
+            load[0],
+            load[load.len() / 2],
+            load[load.len() - 1],
+            load[load.len() - 1] as f64 / mean.max(1.0),
+            load.iter().filter(|&&n| n == 0).count(),
+            load.len()
+        );
+    }
     Ok(())
 }

@@ -7,10 +7,10 @@
 use std::sync::Arc;
 use std::time::Instant;
 
-use anyhow::{bail, Context, Result};
+use anyhow::{bail, Result};
 use candle_core::{DType, Device};
+use exactscore_server::checkpoint::Checkpoint;
 use exactscore_server::engine::{Engine, MicroBatching, ModelEngine};
-use exactscore_server::model::checkpoint::Checkpoint;
 use exactscore_server::model::placement;
 use exactscore_server::model::{AttentionKernel, Model, ModelConfig, ScoreInput, SequenceScores};
 use exactscore_server::quant::ActivationQuantMode;
@@ -135,8 +135,7 @@ fn same_bits(a: &[SequenceScores], b: &[SequenceScores]) -> bool {
 }
 
 pub fn run(r: &PipelineRun) -> Result<()> {
-    let shape = random_model::Shape::named(&r.shape)
-        .with_context(|| format!("unknown shape {}", r.shape))?;
+    let shape = random_model::Shape::named(&r.shape)?;
     let windows: Vec<Vec<u32>> = (0..r.windows)
         .map(|w| {
             (0..r.ctx)
@@ -210,8 +209,7 @@ fn kld(
     windows: &[Vec<u32>],
     batch_tokens: usize,
 ) -> Result<()> {
-    let ref_shape = random_model::Shape::named(&reference.shape)
-        .with_context(|| format!("unknown shape {}", reference.shape))?;
+    let ref_shape = random_model::Shape::named(&reference.shape)?;
     let t = Instant::now();
     let (ref_config, ref_ckpt) =
         random_model::build(&ref_shape, &reference.format, r.distinct_layers)?;
@@ -274,11 +272,8 @@ fn kld(
 
 /// Hands the memory the pool kept back to the driver, so that the next layout starts empty.
 fn release(layout: &str) -> Result<()> {
-    #[cfg(feature = "cuda")]
     for device in devices(layout)? {
-        exactscore_server::cuda::release_freed_memory(&device)?;
+        exactscore_server::device::release_freed_memory(&device)?;
     }
-    #[cfg(not(feature = "cuda"))]
-    let _ = layout;
     Ok(())
 }

@@ -6,79 +6,286 @@ use std::ops::Range;
 use std::path::Path;
 
 use anyhow::{bail, Result};
-use exactscore_server::model::checkpoint::{Checkpoint, HostTensor};
+use exactscore_server::checkpoint::{Checkpoint, HostTensor};
 use exactscore_server::model::{Model, ModelConfig};
 use safetensors::tensor::TensorView;
 use safetensors::Dtype;
 use serde_json::json;
 
+/// The architecture a shape is built as, with what only it has.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum Arch {
+    /// `LlamaForCausalLM` with Llama 3's RoPE schedule.
+    Llama,
+    /// `Qwen3MoeForCausalLM`: q/k norms, and every layer a mixture of `experts` gated MLPs of
+    /// `expert_intermediate` features, `per_token` of them per token, renormalised.
+    Qwen3Moe {
+        experts: usize,
+        per_token: usize,
+        expert_intermediate: usize,
+    },
+    /// `Gemma3ForCausalLM`: five sliding-window layers of `window` tokens, then a global one;
+    /// global RoPE at `rope_theta` with linear scaling 8, local RoPE at 10000; scores scaled by
+    /// `1 / sqrt(query_pre_attn_scalar)`; GeGLU; tied embeddings.
+    Gemma3 {
+        query_pre_attn_scalar: usize,
+        window: usize,
+    },
+}
+
+#[derive(Debug, Clone, PartialEq)]
 pub struct Shape {
     pub name: &'static str,
+    pub arch: Arch,
     pub hidden: usize,
+    /// The dense MLP's (Qwen3-MoE's config carries one too; its layers are all sparse here).
     pub intermediate: usize,
     pub layers: usize,
     pub heads: usize,
     pub kv_heads: usize,
+    pub head_dim: usize,
     pub vocab: usize,
     pub rope_theta: f64,
 }
 
+const fn shape(
+    name: &'static str,
+    arch: Arch,
+    [hidden, intermediate, layers, heads, kv_heads, head_dim, vocab]: [usize; 7],
+    rope_theta: f64,
+) -> Shape {
+    Shape {
+        name,
+        arch,
+        hidden,
+        intermediate,
+        layers,
+        heads,
+        kv_heads,
+        head_dim,
+        vocab,
+        rope_theta,
+    }
+}
+
+/// Every shape `Shape::named` knows: real models' (public configs) and tiny ones of each
+/// architecture for CPU runs.
+pub const SHAPES: &[Shape] = &[
+    shape(
+        "llama3-8b",
+        Arch::Llama,
+        [4096, 14336, 32, 32, 8, 128, 128256],
+        5e5,
+    ),
+    shape(
+        "llama3-70b",
+        Arch::Llama,
+        [8192, 28672, 80, 64, 8, 128, 128256],
+        5e5,
+    ),
+    shape(
+        "mistral-large-123b",
+        Arch::Llama,
+        [12288, 28672, 88, 96, 8, 128, 32768],
+        1e6,
+    ),
+    // Qwen3-30B-A3B: 128 experts of 768, 8 per token.
+    shape(
+        "qwen3-30b-a3b",
+        Arch::Qwen3Moe {
+            experts: 128,
+            per_token: 8,
+            expert_intermediate: 768,
+        },
+        [2048, 6144, 48, 32, 4, 128, 151936],
+        1e6,
+    ),
+    // Gemma 3 27B (text): windows of 1024 tokens.
+    shape(
+        "gemma3-27b",
+        Arch::Gemma3 {
+            query_pre_attn_scalar: 168,
+            window: 1024,
+        },
+        [5376, 21504, 62, 32, 16, 128, 262208],
+        1e6,
+    ),
+    shape("tiny", Arch::Llama, [256, 512, 2, 4, 2, 64, 2000], 5e5),
+    shape(
+        "tiny-moe",
+        Arch::Qwen3Moe {
+            experts: 8,
+            per_token: 2,
+            expert_intermediate: 128,
+        },
+        [256, 512, 2, 4, 2, 64, 2000],
+        1e6,
+    ),
+    // Six layers: five sliding, one global, as the 27B's pattern.
+    shape(
+        "tiny-gemma3",
+        Arch::Gemma3 {
+            query_pre_attn_scalar: 64,
+            window: 128,
+        },
+        [256, 512, 6, 4, 2, 64, 2000],
+        1e6,
+    ),
+];
+
 impl Shape {
-    pub fn named(name: &str) -> Option<Self> {
-        let (hidden, intermediate, layers, heads, kv_heads, vocab, rope_theta) = match name {
-            "llama3-8b" => (4096, 14336, 32, 32, 8, 128256, 500000.0),
-            "llama3-70b" => (8192, 28672, 80, 64, 8, 128256, 500000.0),
-            "mistral-large-123b" => (12288, 28672, 88, 96, 8, 32768, 1000000.0),
-            "tiny" => (256, 512, 2, 4, 2, 2000, 500000.0),
-            _ => return None,
-        };
-        let name = match name {
-            "llama3-8b" => "llama3-8b",
-            "llama3-70b" => "llama3-70b",
-            "mistral-large-123b" => "mistral-large-123b",
-            _ => "tiny",
-        };
-        Some(Self {
-            name,
-            hidden,
-            intermediate,
-            layers,
-            heads,
-            kv_heads,
-            vocab,
-            rope_theta,
-        })
+    pub fn named(name: &str) -> Result<Self> {
+        match SHAPES.iter().find(|s| s.name == name) {
+            Some(shape) => Ok(shape.clone()),
+            None => bail!(
+                "unknown shape {name} (known: {})",
+                SHAPES.iter().map(|s| s.name).collect::<Vec<_>>().join(", ")
+            ),
+        }
     }
 
-    fn head_dim(&self) -> usize {
-        self.hidden / self.heads
-    }
-
-    /// (name suffix, out, in) of every Linear in one decoder layer.
-    fn linears(&self) -> [(&'static str, usize, usize); 7] {
-        let (h, i, kv) = (
+    /// (name suffix, out, in) of every Linear in one decoder layer (every expert's).
+    fn linears(&self) -> Vec<(String, usize, usize)> {
+        let (h, q, kv) = (
             self.hidden,
-            self.intermediate,
-            self.kv_heads * self.head_dim(),
+            self.heads * self.head_dim,
+            self.kv_heads * self.head_dim,
         );
-        [
-            ("self_attn.q_proj", h, h),
-            ("self_attn.k_proj", kv, h),
-            ("self_attn.v_proj", kv, h),
-            ("self_attn.o_proj", h, h),
-            ("mlp.gate_proj", i, h),
-            ("mlp.up_proj", i, h),
-            ("mlp.down_proj", h, i),
-        ]
+        let mut out = vec![
+            ("self_attn.q_proj".to_string(), q, h),
+            ("self_attn.k_proj".to_string(), kv, h),
+            ("self_attn.v_proj".to_string(), kv, h),
+            ("self_attn.o_proj".to_string(), h, q),
+        ];
+        let mlp = |prefix: &str, i: usize| {
+            [
+                (format!("{prefix}.gate_proj"), i, h),
+                (format!("{prefix}.up_proj"), i, h),
+                (format!("{prefix}.down_proj"), h, i),
+            ]
+        };
+        match self.arch {
+            Arch::Qwen3Moe {
+                experts,
+                expert_intermediate,
+                ..
+            } => {
+                for e in 0..experts {
+                    out.extend(mlp(&format!("mlp.experts.{e}"), expert_intermediate));
+                }
+            }
+            Arch::Llama | Arch::Gemma3 { .. } => out.extend(mlp("mlp", self.intermediate)),
+        }
+        out
     }
 
-    /// Matmul FLOPs of one window: 2·params·T for the Linears (lm_head included) plus the two
+    /// Matmul FLOPs of one window: 2·(weights a token multiplies)·T for the Linears (the
+    /// router and `per_token` experts of a sparse layer; lm_head included) plus the two
     /// attention products over the full T×T score matrix (what the implementation computes).
     pub fn flops_per_window(&self, ctx: usize) -> f64 {
-        let per_layer: usize = self.linears().iter().map(|(_, o, i)| o * i).sum();
-        let linear = (per_layer * self.layers + self.vocab * self.hidden) as f64;
+        let q = self.heads * self.head_dim;
+        let attention = 2 * self.hidden * (q + self.kv_heads * self.head_dim);
+        let mlp = match self.arch {
+            Arch::Qwen3Moe {
+                experts,
+                per_token,
+                expert_intermediate,
+            } => self.hidden * (experts + 3 * per_token * expert_intermediate),
+            Arch::Llama | Arch::Gemma3 { .. } => 3 * self.hidden * self.intermediate,
+        };
+        let linear = ((attention + mlp) * self.layers + self.vocab * self.hidden) as f64;
         let t = ctx as f64;
-        2.0 * linear * t + 4.0 * self.layers as f64 * t * t * self.hidden as f64
+        2.0 * linear * t + 4.0 * self.layers as f64 * t * t * q as f64
+    }
+
+    /// The embedding doubles as the lm_head (Gemma).
+    fn tied(&self) -> bool {
+        matches!(self.arch, Arch::Gemma3 { .. })
+    }
+
+    /// Norms' stored weight: 1 (`x̂ · w`), or 0 for Gemma's `x̂ · (1 + w)`: the same scale.
+    fn norm_weight(&self) -> f32 {
+        match self.arch {
+            Arch::Gemma3 { .. } => 0.0,
+            Arch::Llama | Arch::Qwen3Moe { .. } => 1.0,
+        }
+    }
+
+    /// The norms of one decoder layer: (name suffix, size).
+    fn norms(&self) -> Vec<(&'static str, usize)> {
+        let (h, d) = (self.hidden, self.head_dim);
+        let mut norms = vec![("input_layernorm", h), ("post_attention_layernorm", h)];
+        if let Arch::Gemma3 { .. } = self.arch {
+            norms.extend([
+                ("pre_feedforward_layernorm", h),
+                ("post_feedforward_layernorm", h),
+            ]);
+        }
+        if self.arch != Arch::Llama {
+            norms.extend([("self_attn.q_norm", d), ("self_attn.k_norm", d)]);
+        }
+        norms
+    }
+
+    /// config.json of this shape, as transformers 5 writes it (transformers loads it), with
+    /// `quant` as its `quantization_config`.
+    fn config(&self, quant: Option<serde_json::Value>) -> serde_json::Value {
+        let mut config = json!({
+            "vocab_size": self.vocab, "hidden_size": self.hidden,
+            "intermediate_size": self.intermediate, "num_hidden_layers": self.layers,
+            "num_attention_heads": self.heads, "num_key_value_heads": self.kv_heads,
+            "head_dim": self.head_dim, "dtype": "bfloat16", "quantization_config": quant,
+        });
+        let extra = match self.arch {
+            Arch::Llama => json!({
+                "architectures": ["LlamaForCausalLM"], "model_type": "llama", "rms_norm_eps": 1e-5,
+                "rope_parameters": {"rope_type": "llama3", "rope_theta": self.rope_theta,
+                    "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                    "original_max_position_embeddings": 8192},
+                "max_position_embeddings": 131072,
+            }),
+            Arch::Qwen3Moe {
+                experts,
+                per_token,
+                expert_intermediate,
+            } => json!({
+                "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe",
+                "rms_norm_eps": 1e-6,
+                "rope_parameters": {"rope_type": "default", "rope_theta": self.rope_theta},
+                "max_position_embeddings": 40960, "num_experts": experts,
+                "num_experts_per_tok": per_token, "moe_intermediate_size": expert_intermediate,
+                "norm_topk_prob": true, "decoder_sparse_step": 1, "mlp_only_layers": [],
+                "use_sliding_window": false, "tie_word_embeddings": false,
+            }),
+            Arch::Gemma3 {
+                query_pre_attn_scalar,
+                window,
+            } => {
+                let layer_types: Vec<&str> = (0..self.layers)
+                    .map(|i| match (i + 1) % 6 {
+                        0 => "full_attention",
+                        _ => "sliding_attention",
+                    })
+                    .collect();
+                json!({
+                    "architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text",
+                    "rms_norm_eps": 1e-6,
+                    "hidden_activation": "gelu_pytorch_tanh",
+                    "query_pre_attn_scalar": query_pre_attn_scalar, "sliding_window": window,
+                    "layer_types": layer_types,
+                    "rope_parameters": {
+                        "full_attention": {"rope_type": "linear", "factor": 8.0,
+                            "rope_theta": self.rope_theta},
+                        "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}},
+                    "max_position_embeddings": 131072, "tie_word_embeddings": true,
+                    "final_logit_softcapping": null, "attn_logit_softcapping": null,
+                })
+            }
+        };
+        for (k, v) in extra.as_object().into_iter().flatten() {
+            config[k] = v.clone();
+        }
+        config
     }
 }
 
@@ -147,7 +354,8 @@ fn fp8_in(b: u8, exponents: Range<u8>, signed: bool) -> u8 {
     sign | (b & 0x07) | ((exponents.start + (b >> 3) % (exponents.end - exponents.start)) << 3)
 }
 
-fn quantization_config(format: &str) -> Result<Option<serde_json::Value>> {
+/// The `quantization_config` of `format`; `ignore`: the Linears left unquantized.
+fn quantization_config(format: &str, ignore: &[&str]) -> Result<Option<serde_json::Value>> {
     let (fmt, weights, input) = match format {
         "bf16" => return Ok(None),
         "w4a16" => (
@@ -179,7 +387,7 @@ fn quantization_config(format: &str) -> Result<Option<serde_json::Value>> {
     Ok(Some(json!({
         "quant_method": "compressed-tensors", "format": fmt, "quantization_status": "compressed",
         "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights, "input_activations": input}},
-        "ignore": ["lm_head"]
+        "ignore": ignore
     })))
 }
 
@@ -229,30 +437,27 @@ fn tensors(
     format: &str,
     distinct: Option<usize>,
 ) -> Result<(serde_json::Value, HashMap<String, HostTensor>)> {
-    let quant = quantization_config(format)?;
-    let config = json!({
-        "architectures": ["LlamaForCausalLM"], "vocab_size": shape.vocab, "hidden_size": shape.hidden,
-        "intermediate_size": shape.intermediate, "num_hidden_layers": shape.layers,
-        "num_attention_heads": shape.heads, "num_key_value_heads": shape.kv_heads, "rms_norm_eps": 1e-5,
-        "rope_parameters": {"rope_type": "llama3", "rope_theta": shape.rope_theta, "factor": 8.0,
-            "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
-        "max_position_embeddings": 131072, "dtype": "bfloat16", "quantization_config": quant,
-    });
+    let ignore: &[&str] = match shape.arch {
+        // llm-compressor leaves the router unquantized
+        Arch::Qwen3Moe { .. } => &["lm_head", "re:.*mlp\\.gate$"],
+        Arch::Llama | Arch::Gemma3 { .. } => &["lm_head"],
+    };
+    let config = shape.config(quantization_config(format, ignore)?);
     let mut rng = Rng(0x9E37_79B9_7F4A_7C15);
     let mut t: HashMap<String, HostTensor> = HashMap::new();
     let f32_bytes = |v: f32| v.to_le_bytes().to_vec();
+    let norm = |size: usize| constant(Dtype::F32, vec![size], shape.norm_weight(), f32_bytes);
     t.insert(
         "model.embed_tokens.weight".into(),
         rng.bf16(vec![shape.vocab, shape.hidden]),
     );
-    t.insert(
-        "lm_head.weight".into(),
-        rng.bf16(vec![shape.vocab, shape.hidden]),
-    );
-    t.insert(
-        "model.norm.weight".into(),
-        constant(Dtype::F32, vec![shape.hidden], 1.0f32, f32_bytes),
-    );
+    if !shape.tied() {
+        t.insert(
+            "lm_head.weight".into(),
+            rng.bf16(vec![shape.vocab, shape.hidden]),
+        );
+    }
+    t.insert("model.norm.weight".into(), norm(shape.hidden));
     let drawn = distinct.unwrap_or(shape.layers).clamp(1, shape.layers);
     for l in 0..shape.layers {
         let p = format!("model.layers.{l}");
@@ -274,10 +479,15 @@ fn tensors(
             t.extend(copies);
             continue;
         }
-        for norm in ["input_layernorm", "post_attention_layernorm"] {
+        for (name, size) in shape.norms() {
+            t.insert(format!("{p}.{name}.weight"), norm(size));
+        }
+        if let Arch::Qwen3Moe { experts, .. } = shape.arch {
+            // The router, in bf16 like the embeddings: its logits spread the tokens over the
+            // experts.
             t.insert(
-                format!("{p}.{norm}.weight"),
-                constant(Dtype::F32, vec![shape.hidden], 1.0f32, f32_bytes),
+                format!("{p}.mlp.gate.weight"),
+                rng.bf16(vec![experts, shape.hidden]),
             );
         }
         for (name, out, inp) in shape.linears() {
@@ -357,4 +567,103 @@ pub fn decoder_bits_per_weight(model: &Model) -> f64 {
         })
         .fold((0.0, 0.0), |a, b| (a.0 + b.0, a.1 + b.1));
     bits / weights
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_core::{DType, Device};
+    use exactscore_server::model::config::{Architecture, RopeScaling};
+    use exactscore_server::model::{AttentionKernel, ModelOptions, ScoreInput};
+    use exactscore_server::quant::{ActivationQuantMode, LinearOptions};
+
+    fn config(name: &str) -> ModelConfig {
+        let shape = Shape::named(name).unwrap();
+        let quant = quantization_config("w4a16", &["lm_head"]).unwrap();
+        ModelConfig::from_json(&shape.config(quant).to_string()).unwrap()
+    }
+
+    /// The benchmark shapes parse as the models they stand for (the values of their public
+    /// configs), through the loader's own config parser.
+    #[test]
+    fn big_shapes_are_the_real_models_configs() {
+        let c = config("qwen3-30b-a3b");
+        assert_eq!(c.architecture, Architecture::Qwen3Moe);
+        let moe = c.moe.as_ref().unwrap();
+        assert_eq!(
+            (
+                moe.num_experts,
+                moe.experts_per_token,
+                moe.expert_intermediate_size
+            ),
+            (128, 8, 768)
+        );
+        assert!(moe.norm_topk_prob && moe.sparse_layers == vec![true; 48]);
+        assert_eq!(
+            (c.hidden_size, c.num_layers, c.vocab_size),
+            (2048, 48, 151936)
+        );
+        assert_eq!((c.num_heads, c.num_kv_heads, c.head_dim), (32, 4, 128));
+        assert!(c.qk_norm && c.sliding_window.is_none() && c.rope_theta == 1e6);
+
+        let c = config("gemma3-27b");
+        assert_eq!(c.architecture, Architecture::Gemma3);
+        assert_eq!((c.hidden_size, c.intermediate_size), (5376, 21504));
+        assert_eq!((c.num_layers, c.vocab_size), (62, 262208));
+        assert_eq!((c.num_heads, c.num_kv_heads, c.head_dim), (32, 16, 128));
+        assert_eq!(c.query_pre_attn_scalar, Some(168.0));
+        assert_eq!(c.sliding_window, Some(1024));
+        let layers = c.sliding_layers.as_ref().unwrap();
+        let globals: Vec<usize> = (0..62).filter(|&i| !layers.sliding[i]).collect();
+        assert_eq!(globals, (5..62).step_by(6).collect::<Vec<_>>());
+        assert_eq!(c.rope_theta, 1e6);
+        assert_eq!(c.rope_scaling, RopeScaling::Linear { factor: 8.0 });
+        assert_eq!(layers.local_rope, Some((10000.0, RopeScaling::Default)));
+        assert!(c.tie_word_embeddings && c.final_logit_softcapping.is_none());
+    }
+
+    /// The tiny variant of each new architecture, built as the big one is, loads through the
+    /// real loader and scores a window longer than Gemma's sliding window.
+    #[test]
+    fn tiny_moe_and_gemma3_load_and_score() -> Result<()> {
+        for (name, format) in [
+            ("tiny-moe", "w4a16"),
+            ("tiny-gemma3", "w4a16"),
+            ("tiny-moe", "fp8"),
+        ] {
+            let shape = Shape::named(name)?;
+            let (config, ckpt) = build(&shape, format, None)?;
+            let opts = ModelOptions {
+                linear: LinearOptions {
+                    device: Device::Cpu,
+                    dtype: DType::F32,
+                    activation_quant: ActivationQuantMode::Emulate,
+                },
+                max_seq_len: 300,
+                attention: AttentionKernel::Auto,
+            };
+            let model = Model::from_checkpoint(config, &ckpt, &opts)?;
+            let tokens: Vec<u32> = (0..300).map(|i| (i * 7919 % shape.vocab) as u32).collect();
+            let scores = model.score(&[ScoreInput {
+                tokens: &tokens,
+                top_k: 0,
+            }])?;
+            let logprobs: Vec<f32> = scores[0].token_logprobs().collect();
+            assert_eq!(logprobs.len(), 299);
+            assert!(
+                logprobs.iter().all(|lp| lp.is_finite() && *lp < 0.0),
+                "{name} {format}"
+            );
+            let routes = model.expert_routes(&[&tokens[..16]])?;
+            match shape.arch {
+                Arch::Qwen3Moe { per_token, .. } => {
+                    assert_eq!(routes.len(), shape.layers);
+                    assert!(routes.iter().all(|(_, r)| r.len() == 16
+                        && r.iter().all(|experts| experts.len() == per_token)));
+                }
+                _ => assert!(routes.is_empty()),
+            }
+        }
+        Ok(())
+    }
 }

@@ -1,0 +1,301 @@
+//! Self-attention over the sequences of a batch, concatenated along the token axis: the q/k/v
+//! projections run on the whole batch, attention itself never crosses a sequence boundary.
+//! Grouped-query heads, optional per-head q/k norms, sliding windows, a configurable score
+//! scale and Gemma 2's soft-capping, through the materialised path (every device) or the
+//! flash kernel (GPU).
+
+use candle_core::{Device, Result, Tensor};
+
+use super::layer_inputs;
+use super::norm::{NormKind, RmsNorm};
+use crate::checkpoint::LoadError;
+use crate::model::config::{Architecture, ModelConfig};
+use crate::model::loader::Loader;
+use crate::model::profile::stage;
+use crate::model::rope::RopeTables;
+use crate::ops;
+use crate::quant::{common_qdq, ActivationQdq, QuantLinear};
+
+pub struct Attention {
+    q_proj: QuantLinear,
+    k_proj: QuantLinear,
+    v_proj: QuantLinear,
+    o_proj: QuantLinear,
+    q_norm: Option<RmsNorm>,
+    k_norm: Option<RmsNorm>,
+    num_heads: usize,
+    num_kv_heads: usize,
+    head_dim: usize,
+    sliding_window: Option<usize>,
+    /// Scores are scaled by `1 / sqrt(this)`: `head_dim`, or Gemma's `query_pre_attn_scalar`.
+    query_scalar: f64,
+    /// Gemma 2's `cap * tanh(scores / cap)` before the mask.
+    softcap: Option<f64>,
+    /// Rotates with the local RoPE tables (Gemma 3's sliding layers).
+    local_rope: bool,
+}
+
+impl Attention {
+    /// The attention of decoder layer `layer`, whose tensors `vb` names (`….self_attn`); the
+    /// per-head q/k norms, where the config has them, weigh as `norm` says.
+    pub fn load(
+        vb: &Loader,
+        c: &ModelConfig,
+        layer: usize,
+        norm: NormKind,
+    ) -> std::result::Result<Self, LoadError> {
+        let (h, kv_dim, q_dim) = (
+            c.hidden_size,
+            c.num_kv_heads * c.head_dim,
+            c.num_heads * c.head_dim,
+        );
+        let o_bias = c.attention_bias
+            && matches!(c.architecture, Architecture::Llama | Architecture::Mistral);
+        let head_norm = |name: &str| -> std::result::Result<Option<RmsNorm>, LoadError> {
+            c.qk_norm
+                .then(|| RmsNorm::load(&vb.pp(name), c.head_dim, c.rms_norm_eps, norm))
+                .transpose()
+        };
+        Ok(Self {
+            q_proj: vb.linear("q_proj", (q_dim, h), c.attention_bias)?,
+            k_proj: vb.linear("k_proj", (kv_dim, h), c.attention_bias)?,
+            v_proj: vb.linear("v_proj", (kv_dim, h), c.attention_bias)?,
+            o_proj: vb.linear("o_proj", (h, q_dim), o_bias)?,
+            q_norm: head_norm("q_norm")?,
+            k_norm: head_norm("k_norm")?,
+            num_heads: c.num_heads,
+            num_kv_heads: c.num_kv_heads,
+            head_dim: c.head_dim,
+            sliding_window: c.layer_window(layer),
+            query_scalar: c.query_pre_attn_scalar.unwrap_or(c.head_dim as f64),
+            softcap: c.attn_logit_softcapping,
+            local_rope: c
+                .sliding_layers
+                .as_ref()
+                .is_some_and(|s| s.sliding[layer] && s.local_rope.is_some()),
+        })
+    }
+
+    /// Whether this layer rotates with the local RoPE tables.
+    pub fn local_rope(&self) -> bool {
+        self.local_rope
+    }
+
+    /// The activation QDQ that q, k and v share, if they do (see [`common_qdq`]): the norm that
+    /// feeds them may apply it once.
+    pub fn input_qdq(&self) -> Option<Option<&ActivationQdq>> {
+        common_qdq(&[&self.q_proj, &self.k_proj, &self.v_proj])
+    }
+
+    /// The projections with their names.
+    pub fn linears(&self) -> [(&'static str, &QuantLinear); 4] {
+        [
+            ("q_proj", &self.q_proj),
+            ("k_proj", &self.k_proj),
+            ("v_proj", &self.v_proj),
+            ("o_proj", &self.o_proj),
+        ]
+    }
+
+    /// `residual` plus the attention of `x` (`[tokens of all sequences, hidden]`); attention
+    /// never crosses sequence boundaries. `prequantized`: `x` has been through q/k/v's common
+    /// activation QDQ.
+    pub fn forward(
+        &self,
+        x: Tensor,
+        residual: Tensor,
+        prequantized: bool,
+        batch: &BatchLayout,
+        rope: &RopeTables,
+    ) -> Result<Tensor> {
+        let dev = x.device().clone();
+        let dev = &dev;
+        let qkv = [&self.q_proj, &self.k_proj, &self.v_proj];
+        let [q_in, k_in, v_in] = layer_inputs(qkv, &x, prequantized)?;
+        drop(x);
+        let (q, k, v) = stage("qkv_proj", dev, || {
+            Ok((
+                self.q_proj.forward_quantized(&q_in)?,
+                self.k_proj.forward_quantized(&k_in)?,
+                self.v_proj.forward_quantized(&v_in)?,
+            ))
+        })?;
+        drop((q_in, k_in, v_in));
+        let out = match &batch.flash {
+            Some(index) => self.flash_attend(q, k, v, index, rope)?,
+            None => stage("attention", dev, || {
+                self.attend_each_sequence(&q, &k, &v, &batch.lens, rope)
+            })?,
+        };
+        let [o_in] = layer_inputs([&self.o_proj], &out, false)?;
+        stage("o_proj", dev, || {
+            self.o_proj.add_to_residual(residual, &o_in)
+        })
+    }
+
+    /// The materialised path, one sequence at a time; returns `[tokens, heads * head_dim]`.
+    fn attend_each_sequence(
+        &self,
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        lens: &[usize],
+        rope: &RopeTables,
+    ) -> Result<Tensor> {
+        let mut outputs = Vec::with_capacity(lens.len());
+        let mut offset = 0;
+        for &len in lens {
+            let q = self.heads(
+                &q.narrow(0, offset, len)?,
+                self.num_heads,
+                self.q_norm.as_ref(),
+                Some(rope),
+            )?;
+            let k = self.heads(
+                &k.narrow(0, offset, len)?,
+                self.num_kv_heads,
+                self.k_norm.as_ref(),
+                Some(rope),
+            )?;
+            let v = self.heads(&v.narrow(0, offset, len)?, self.num_kv_heads, None, None)?;
+            outputs.push(self.attend(&q, &k, &v)?);
+            offset += len;
+        }
+        Tensor::cat(&outputs, 0)
+    }
+
+    /// `[len, heads * head_dim]` → `[1, heads, len, head_dim]`, with optional per-head norm and RoPE.
+    fn heads(
+        &self,
+        x: &Tensor,
+        heads: usize,
+        norm: Option<&RmsNorm>,
+        rope: Option<&RopeTables>,
+    ) -> Result<Tensor> {
+        let len = x.dims()[0];
+        let mut x = x.reshape((len, heads, self.head_dim))?;
+        if let Some(norm) = norm {
+            x = norm.forward(&x, None)?;
+        }
+        let x = x.transpose(0, 1)?.contiguous()?.unsqueeze(0)?;
+        match rope {
+            Some(rope) => rope.apply(&x),
+            None => Ok(x),
+        }
+    }
+
+    /// The whole batch through the fused GPU kernels, in the projections' `[tokens, heads, dim]`
+    /// layout: the per-head norms and RoPE (profiled as the stage `rope`), then flash attention;
+    /// returns `[tokens, heads * head_dim]`.
+    /// Takes q, k and v by value: the unrotated q and k are freed once rotated.
+    fn flash_attend(
+        &self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        index: &FlashIndex,
+        rope: &RopeTables,
+    ) -> Result<Tensor> {
+        let tokens = q.dims()[0];
+        let split = |x: Tensor, heads: usize, norm: Option<&RmsNorm>| -> Result<Tensor> {
+            let x = x.reshape((tokens, heads, self.head_dim))?;
+            match norm {
+                Some(norm) => norm.forward(&x, None),
+                None => Ok(x),
+            }
+        };
+        let (cos, sin) = rope.tables();
+        let v = split(v, self.num_kv_heads, None)?;
+        let dev = q.device().clone();
+        // the per-head norms, where the model has them, and RoPE
+        let (q, k) = stage("rope", &dev, || {
+            let rotate = |x: Tensor, heads, norm| {
+                ops::rope_rotate_half(&split(x, heads, norm)?, &index.positions, cos, sin)
+            };
+            Ok((
+                rotate(q, self.num_heads, self.q_norm.as_ref())?,
+                rotate(k, self.num_kv_heads, self.k_norm.as_ref())?,
+            ))
+        })?;
+        let opts = ops::FlashOptions {
+            // in f32, as before the scale became configurable (same bits on the GPU)
+            scale: 1.0 / (self.query_scalar as f32).sqrt(),
+            window: self.sliding_window,
+            tiling: index.tiling,
+        };
+        stage("attention", &dev, || {
+            ops::flash_attention(&q, &k, &v, &index.starts, index.max_len, &opts)
+        })
+    }
+
+    /// Causal softmax attention for one sequence (see [`ops::causal_attention`]); returns
+    /// `[len, heads * head_dim]`.
+    fn attend(&self, q: &Tensor, k: &Tensor, v: &Tensor) -> Result<Tensor> {
+        let (_, heads, len, dim) = q.dims4()?;
+        let group = heads / self.num_kv_heads;
+        // GQA: query head h reads kv head h / group.
+        let repeat = |t: &Tensor| -> Result<Tensor> {
+            if group == 1 {
+                return Ok(t.clone());
+            }
+            t.unsqueeze(2)?
+                .expand((1, self.num_kv_heads, group, len, dim))?
+                .reshape((1, heads, len, dim))
+        };
+        let (k, v) = (repeat(k)?, repeat(v)?);
+        let scale = 1.0 / self.query_scalar.sqrt();
+        ops::causal_attention(q, &k, &v, scale, self.softcap, self.sliding_window)?
+            .transpose(1, 2)?
+            .reshape((len, heads * dim))
+    }
+}
+
+/// Where the sequences of a batch lie on the concatenated token axis.
+pub struct BatchLayout {
+    lens: Vec<usize>,
+    /// Present when attention runs through the flash kernel, which reads the layout from the
+    /// device.
+    flash: Option<FlashIndex>,
+}
+
+impl BatchLayout {
+    /// Sequences of lengths `lens` on `device`; `flash`: attention runs through the flash
+    /// kernel (for heads of `head_dim`).
+    pub fn new(lens: &[usize], flash: bool, head_dim: usize, device: &Device) -> Result<Self> {
+        Ok(Self {
+            lens: lens.to_vec(),
+            flash: flash
+                .then(|| FlashIndex::new(lens, head_dim, device))
+                .transpose()?,
+        })
+    }
+}
+
+/// The batch layout as the flash kernel reads it (i32, on the device).
+struct FlashIndex {
+    /// Prefix offsets of the sequences, `[sequences + 1]`.
+    starts: Tensor,
+    /// Every token's position within its sequence (indexes the RoPE tables).
+    positions: Tensor,
+    max_len: usize,
+    /// The kernel variant for this device, resolved once per forward rather than per layer.
+    tiling: ops::FlashTiling,
+}
+
+impl FlashIndex {
+    fn new(lens: &[usize], head_dim: usize, device: &Device) -> Result<Self> {
+        let starts: Vec<i32> = std::iter::once(0)
+            .chain(lens.iter().scan(0, |end, &len| {
+                *end += len as i32;
+                Some(*end)
+            }))
+            .collect();
+        let positions: Vec<i32> = lens.iter().flat_map(|&len| 0..len as i32).collect();
+        Ok(Self {
+            starts: Tensor::new(starts.as_slice(), device)?,
+            positions: Tensor::new(positions.as_slice(), device)?,
+            max_len: lens.iter().copied().max().unwrap_or(0),
+            tiling: ops::FlashTiling::for_device(head_dim, device)?,
+        })
+    }
+}

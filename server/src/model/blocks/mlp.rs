@@ -1,0 +1,178 @@
+//! The feed-forward of a decoder layer: a gated MLP (SwiGLU or GeGLU), or a mixture of such
+//! experts ([`Moe`]).
+
+use candle_core::{Result, Tensor};
+
+use super::layer_inputs;
+use super::moe::{Moe, Route};
+use crate::checkpoint::LoadError;
+use crate::model::config::{Activation, ModelConfig};
+use crate::model::loader::Loader;
+use crate::model::profile::stage;
+use crate::ops;
+use crate::quant::{common_qdq, ActivationQdq, QuantLinear};
+
+/// Rows of the MLP input processed at once. The `[rows, intermediate]` activations (gate, up
+/// and their product) are the largest tensors of a forward pass (3.5 residual streams each for
+/// Llama-3-8B); chunks bound them, while each weight is still dequantized once per forward.
+pub const MLP_CHUNK: usize = 2048;
+
+/// `down(act(gate(x)) * up(x))`.
+pub struct Mlp {
+    gate_proj: QuantLinear,
+    up_proj: QuantLinear,
+    down_proj: QuantLinear,
+    act: Activation,
+}
+
+/// Names of the gate, up and down projections in most checkpoints.
+pub const PROJ_NAMES: [&str; 3] = ["gate_proj", "up_proj", "down_proj"];
+
+impl Mlp {
+    /// The MLP whose projections `vb` names `names` (gate, up, down), between `hidden` and
+    /// `intermediate` features.
+    pub fn load(
+        vb: &Loader,
+        names: [&str; 3],
+        (hidden, intermediate): (usize, usize),
+        bias: bool,
+        act: Activation,
+    ) -> std::result::Result<Self, LoadError> {
+        let [gate, up, down] = names;
+        Ok(Self {
+            gate_proj: vb.linear(gate, (intermediate, hidden), bias)?,
+            up_proj: vb.linear(up, (intermediate, hidden), bias)?,
+            down_proj: vb.linear(down, (hidden, intermediate), bias)?,
+            act,
+        })
+    }
+
+    /// The activation QDQ that gate and up share, if they do (see [`common_qdq`]).
+    pub fn input_qdq(&self) -> Option<Option<&ActivationQdq>> {
+        common_qdq(&[&self.gate_proj, &self.up_proj])
+    }
+
+    /// The projections with the names transformers gives them.
+    pub fn linears(&self) -> [(&'static str, &QuantLinear); 3] {
+        [
+            ("gate_proj", &self.gate_proj),
+            ("up_proj", &self.up_proj),
+            ("down_proj", &self.down_proj),
+        ]
+    }
+
+    /// `residual` plus the MLP of `x`. `prequantized`: `x` has been through gate/up's common
+    /// activation QDQ.
+    pub fn forward(&self, x: Tensor, residual: Tensor, prequantized: bool) -> Result<Tensor> {
+        let dev = x.device();
+        let rows = x.dims()[0];
+        let (w_gate, w_up) = stage("gate_up_proj", dev, || {
+            Ok((
+                self.gate_proj.dequantized_like(&x)?,
+                self.up_proj.dequantized_like(&x)?,
+            ))
+        })?;
+        let mut w_down = None;
+        let mut out = self.down_proj.row_chunks_added_to(residual)?;
+        for start in (0..rows).step_by(MLP_CHUNK) {
+            let x = x.narrow(0, start, MLP_CHUNK.min(rows - start))?;
+            let [gate_in, up_in] =
+                layer_inputs([&self.gate_proj, &self.up_proj], &x, prequantized)?;
+            let (gate, up) = stage("gate_up_proj", dev, || {
+                Ok((
+                    self.gate_proj.forward_dequantized(&gate_in, &w_gate)?,
+                    self.up_proj.forward_dequantized(&up_in, &w_up)?,
+                ))
+            })?;
+            drop((gate_in, up_in));
+            let qdq = self.down_proj.activation();
+            let down_in = match self.act {
+                Activation::Silu => stage("silu_mul", dev, || ops::silu_mul(&gate, &up, qdq))?,
+                Activation::GeluTanh => {
+                    stage("gelu_mul", dev, || ops::gelu_tanh_mul(&gate, &up, qdq))?
+                }
+            };
+            drop((gate, up));
+            // Dequantized once gate/up of the first chunk are gone (one weight fewer alive).
+            let w = match w_down.take() {
+                Some(w) => w,
+                None => stage("down_proj", dev, || {
+                    self.down_proj.dequantized_like(&down_in)
+                })?,
+            };
+            stage("down_proj", dev, || out.push(&down_in, &w))?;
+            w_down = Some(w);
+        }
+        stage("down_proj", dev, || out.finish())
+    }
+}
+
+/// The feed-forward of a decoder layer.
+pub enum FeedForward {
+    Dense(Mlp),
+    Sparse(Moe),
+}
+
+impl FeedForward {
+    /// The feed-forward of decoder layer `layer`, whose tensors `vb` names: a mixture of
+    /// experts where the config makes the layer sparse, else the dense `mlp`.
+    pub fn load(
+        vb: &Loader,
+        c: &ModelConfig,
+        layer: usize,
+    ) -> std::result::Result<Self, LoadError> {
+        Ok(match &c.moe {
+            Some(moe) if c.is_sparse_layer(layer) => Self::Sparse(Moe::load(vb, c, moe)?),
+            _ => Self::Dense(Mlp::load(
+                &vb.pp("mlp"),
+                PROJ_NAMES,
+                (c.hidden_size, c.intermediate_size),
+                c.mlp_bias,
+                c.hidden_act,
+            )?),
+        })
+    }
+
+    /// The activation QDQ the feed-forward's input norm may apply once (see
+    /// [`Mlp::input_qdq`]); none for experts, which each apply their own to their tokens.
+    pub fn input_qdq(&self) -> Option<Option<&ActivationQdq>> {
+        match self {
+            Self::Dense(m) => m.input_qdq(),
+            Self::Sparse(_) => None,
+        }
+    }
+
+    /// `residual` plus the feed-forward of `x` (normed). `prequantized`: `x` has been through
+    /// [`Self::input_qdq`]. `routes`: where a sparse block records every token's experts.
+    pub fn forward(
+        &self,
+        x: Tensor,
+        residual: Tensor,
+        prequantized: bool,
+        routes: Option<&mut Vec<Route>>,
+    ) -> Result<Tensor> {
+        match self {
+            Self::Dense(m) => m.forward(x, residual, prequantized),
+            Self::Sparse(moe) => moe.forward(&x, residual, routes),
+        }
+    }
+
+    pub fn is_sparse(&self) -> bool {
+        matches!(self, Self::Sparse(_))
+    }
+
+    /// Every Linear with its name under the layer (`mlp.gate_proj`, `mlp.experts.3.up_proj`).
+    pub fn linears(&self) -> Vec<(String, &QuantLinear)> {
+        match self {
+            Self::Dense(m) => m
+                .linears()
+                .into_iter()
+                .map(|(n, l)| (format!("mlp.{n}"), l))
+                .collect(),
+            Self::Sparse(moe) => moe
+                .linears()
+                .map(|(n, l)| (format!("mlp.{n}"), l))
+                .collect(),
+        }
+    }
+}

@@ -1,0 +1,33 @@
+//! The blocks every architecture family builds its decoder layers from, each with its `load`
+//! beside its `forward` (as candle-transformers' models): [`RmsNorm`], [`Attention`], [`Mlp`]
+//! and [`Moe`] behind a layer's [`FeedForward`]. Device-specific work goes through
+//! [`crate::ops`]; nothing here asks which device it runs on.
+
+mod attention;
+mod mlp;
+mod moe;
+mod norm;
+
+pub use attention::{Attention, BatchLayout};
+pub use mlp::{FeedForward, Mlp, MLP_CHUNK};
+pub use moe::{Moe, Route};
+pub use norm::{NormKind, RmsNorm};
+
+use candle_core::{Result, Tensor};
+
+use crate::model::profile::stage;
+use crate::quant::{quantized_inputs, QuantLinear};
+
+/// The inputs of `linears` from `x`: `x` itself when it has been through their common
+/// activation QDQ already (`prequantized`: applied by the kernel that produced it), else each
+/// layer's own QDQ.
+fn layer_inputs<const N: usize>(
+    linears: [&QuantLinear; N],
+    x: &Tensor,
+    prequantized: bool,
+) -> Result<[Tensor; N]> {
+    if prequantized {
+        return Ok(std::array::from_fn(|_| x.clone()));
+    }
+    stage("act_qdq", x.device(), || quantized_inputs(linears, x))
+}

@@ -1,0 +1,69 @@
+//! RMSNorm in the two conventions the served families use.
+
+use candle_core::{DType, Device, Result, Tensor, D};
+
+use crate::checkpoint::LoadError;
+use crate::model::loader::Loader;
+use crate::ops;
+use crate::quant::ActivationQdq;
+
+/// How a norm's weight scales the normalised row.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum NormKind {
+    /// `x̂ · w` in the compute dtype (Llama, Mistral, Qwen).
+    Weight,
+    /// `x̂ · (1 + w)` in f32, rounded once (Gemma).
+    OnePlusWeight,
+}
+
+pub struct RmsNorm {
+    /// `w` in the compute dtype, or `1 + w` in f32 for [`NormKind::OnePlusWeight`].
+    weight: Tensor,
+    eps: f64,
+    kind: NormKind,
+}
+
+impl RmsNorm {
+    /// The norm whose weight is `{vb}.weight` `[dim]`.
+    pub fn load(
+        vb: &Loader,
+        dim: usize,
+        eps: f64,
+        kind: NormKind,
+    ) -> std::result::Result<Self, LoadError> {
+        let weight = match kind {
+            NormKind::Weight => vb.get("weight", &[dim])?,
+            // `1 + w` computed in f32 on the CPU, kept in f32.
+            NormKind::OnePlusWeight => {
+                let w = vb.get_as("weight", &[dim], DType::F32, &Device::Cpu)?;
+                (w + 1.0)?.to_device(&vb.options().device)?
+            }
+        };
+        Ok(Self { weight, eps, kind })
+    }
+
+    /// The normalised `x`, put through `qdq` (the activation QDQ of the Linears that read it)
+    /// when there is one.
+    pub fn forward(&self, x: &Tensor, qdq: Option<&ActivationQdq>) -> Result<Tensor> {
+        match self.kind {
+            NormKind::Weight => ops::rms_norm(x, &self.weight, self.eps, qdq),
+            NormKind::OnePlusWeight => {
+                let normed = self.one_plus_weight(x)?;
+                match qdq {
+                    Some(qdq) => qdq.apply(&normed),
+                    None => Ok(normed),
+                }
+            }
+        }
+    }
+
+    /// transformers' GemmaRMSNorm: normalise in f32, multiply by `1 + w` in f32, cast back.
+    /// (Candle ops on every device: the fused GPU kernel rounds the weight to the compute dtype.)
+    fn one_plus_weight(&self, x: &Tensor) -> Result<Tensor> {
+        let dtype = x.dtype();
+        let x32 = x.to_dtype(DType::F32)?;
+        let variance = x32.sqr()?.mean_keepdim(D::Minus1)?;
+        let normed = x32.broadcast_mul(&(variance + self.eps)?.sqrt()?.recip()?)?;
+        normed.broadcast_mul(&self.weight)?.to_dtype(dtype)
+    }
+}

@@ -1,0 +1,531 @@
+//! The decoder-only transformer that every architecture shares: token embedding, a stack of
+//! decoder layers split into pipeline stages (one device each), final norm, lm_head and
+//! scoring. What differs between architectures is the decoder layer, which each family's file
+//! builds from [`super::blocks`] ([`super::llama`], [`super::gemma`]); a [`Family`] says how.
+//! Sequences of a batch are concatenated along the token axis for every Linear; attention runs
+//! per sequence, so a sequence's result does not depend on what shares its batch.
+
+use std::ops::Range;
+use std::path::Path;
+
+use candle_core::{Device, Result, Tensor};
+
+use super::blocks::{Attention, BatchLayout, FeedForward, NormKind, RmsNorm, Route};
+use super::config::{Architecture, ModelConfig};
+use super::loader::Loader;
+use super::profile::stage;
+use super::rope::{inv_freq, RopeTables};
+use super::scoring::{score_logits, SequenceScores};
+use super::{gemma, llama};
+use crate::checkpoint::{read_to_string, Checkpoint, LoadError};
+use crate::ops;
+use crate::quant::dense::DenseWeight;
+use crate::quant::{LinearOptions, QuantLinear, QuantizationConfig, SCALE_DTYPES};
+
+/// How to materialise a model.
+#[derive(Debug, Clone)]
+pub struct ModelOptions {
+    pub linear: LinearOptions,
+    /// Longest sequence that will be scored (sizes the RoPE tables).
+    pub max_seq_len: usize,
+    pub attention: AttentionKernel,
+}
+
+/// How attention runs. `Materialized` computes the `[heads, T, T]` scores in f32 (every device
+/// and dtype; the exact f32 path); `Flash` is the fused GPU kernel (CUDA, bf16/f16 compute,
+/// head_dim 64 or 128), refused at load anywhere else. `Auto` (the default) takes `Flash` where
+/// it exists and `Materialized` elsewhere; the model reports which one it resolved to.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum AttentionKernel {
+    #[default]
+    Auto,
+    Materialized,
+    Flash,
+}
+
+/// One sequence to score.
+#[derive(Debug, Clone, Copy)]
+pub struct ScoreInput<'a> {
+    pub tokens: &'a [u32],
+    pub top_k: usize,
+}
+
+/// Rows of the lm_head processed at once, so that `[rows, vocab]` f32 logits stay small.
+pub(crate) const LM_HEAD_CHUNK: usize = 1024;
+
+/// The lm_head rows of one scoring chunk for a vocabulary: [`LM_HEAD_CHUNK`], fewer where the
+/// vocabulary is so large that the f32 logits would pass 512 MiB (Gemma's 262k: 512 rows).
+pub(crate) fn lm_head_rows(vocab: usize) -> usize {
+    ((1 << 27) / vocab.max(1)).clamp(16, LM_HEAD_CHUNK)
+}
+
+/// One decoder layer of any family, as the stack runs it.
+pub(crate) trait Layer: Send + Sync {
+    /// The residual stream `x` after this layer. `rope`: the tables this layer rotates with
+    /// (see [`Attention::local_rope`]); `routes`: where a sparse layer records every token's
+    /// experts.
+    fn forward(
+        &self,
+        x: Tensor,
+        batch: &BatchLayout,
+        rope: &RopeTables,
+        routes: Option<&mut Vec<Route>>,
+    ) -> Result<Tensor>;
+
+    fn attention(&self) -> &Attention;
+
+    fn feed_forward(&self) -> &FeedForward;
+}
+
+/// What an architecture family brings to the stack: its decoder layer, how its norms weigh
+/// (the final norm's too), and where its checkpoints keep the text model.
+pub(crate) trait Family: Sync {
+    /// Decoder layer `layer`, whose tensors `vb` names (`model.layers.N`).
+    fn load_layer(
+        &self,
+        vb: &Loader,
+        c: &ModelConfig,
+        layer: usize,
+    ) -> std::result::Result<Box<dyn Layer>, LoadError>;
+
+    fn norm(&self) -> NormKind;
+
+    /// The factor the embeddings are multiplied by (in the compute dtype), if any.
+    fn embed_scale(&self, _c: &ModelConfig) -> Option<f64> {
+        None
+    }
+
+    /// The prefix of the text model's tensors (`model`: `model.embed_tokens`, `model.layers.N`,
+    /// `model.norm`) and the lm_head's name.
+    fn text_names(&self, _ckpt: &Checkpoint, _c: &ModelConfig) -> (&'static str, &'static str) {
+        ("model", "lm_head")
+    }
+}
+
+/// The family `architecture` belongs to.
+fn family(architecture: Architecture) -> &'static dyn Family {
+    match architecture {
+        Architecture::Llama
+        | Architecture::Mistral
+        | Architecture::Qwen2
+        | Architecture::Qwen3
+        | Architecture::Qwen3Moe
+        | Architecture::Mixtral => &llama::Llama,
+        Architecture::Gemma2 | Architecture::Gemma3 | Architecture::Gemma3Multimodal => {
+            &gemma::Gemma
+        }
+    }
+}
+
+pub struct Model {
+    config: ModelConfig,
+    /// `linear.device` is the first stage's device.
+    opts: ModelOptions,
+    /// On the first stage's device.
+    embed_tokens: Tensor,
+    layers: Vec<Box<dyn Layer>>,
+    /// `norm` and `lm_head` are on the last stage's device.
+    norm: RmsNorm,
+    lm_head: QuantLinear,
+    stages: Vec<Stage>,
+    /// Gemma scales the embeddings by `sqrt(hidden)`, rounded to the compute dtype.
+    embed_scale: Option<f64>,
+}
+
+/// A run of consecutive decoder layers on one device: a pipeline stage of the model.
+struct Stage {
+    device: Device,
+    layers: Range<usize>,
+    /// The RoPE tables on this stage's device.
+    rope: RopeTables,
+    /// The sliding layers' tables where they differ (Gemma 3's local base).
+    local_rope: Option<RopeTables>,
+}
+
+impl Model {
+    /// Loads the checkpoint directory `dir` (config.json + safetensors).
+    pub fn load(dir: &Path, opts: &ModelOptions) -> std::result::Result<Self, LoadError> {
+        let config = ModelConfig::from_json(&read_to_string(&dir.join("config.json"))?)?;
+        Self::from_checkpoint(config, &Checkpoint::open(dir)?, opts)
+    }
+
+    /// Builds the model from an opened checkpoint (files or memory), all on
+    /// `opts.linear.device`.
+    pub fn from_checkpoint(
+        config: ModelConfig,
+        ckpt: &Checkpoint,
+        opts: &ModelOptions,
+    ) -> std::result::Result<Self, LoadError> {
+        let all = vec![(opts.linear.device.clone(), 0..config.num_layers)];
+        Self::from_checkpoint_placed(config, ckpt, opts, all)
+    }
+
+    /// Builds the model as pipeline stages: `stages[k]` = (device, the decoder layers it
+    /// holds), consecutive ranges covering every layer. The embedding goes with the first
+    /// stage, the final norm and the lm_head with the last; `opts.linear.device` is ignored.
+    pub fn from_checkpoint_placed(
+        config: ModelConfig,
+        ckpt: &Checkpoint,
+        opts: &ModelOptions,
+        stages: Vec<(Device, Range<usize>)>,
+    ) -> std::result::Result<Self, LoadError> {
+        check_stages(&stages, config.num_layers)?;
+        let stage_options = |k: usize| LinearOptions {
+            device: stages[k].0.clone(),
+            ..opts.linear.clone()
+        };
+        let (first, last) = (stage_options(0), stage_options(stages.len() - 1));
+        let quant = config
+            .quantization_config
+            .as_ref()
+            .map(QuantizationConfig::parse)
+            .transpose()?;
+        if let Some(q) = &quant {
+            if q.scheme_for("model.embed_tokens", "Embedding")?.is_some() {
+                return Err(LoadError::Unsupported {
+                    layer: "model.embed_tokens".into(),
+                    field: "config_groups.targets".into(),
+                    reason: "quantized embeddings are not supported".into(),
+                });
+            }
+        }
+        let c = &config;
+        let family = family(c.architecture);
+        let (base, head_name) = family.text_names(ckpt, c);
+        let h = c.hidden_size;
+        // On the CPU first: converted there to the compute dtype (no GPU conversion kernel).
+        let stored_embed = ckpt.tensor(
+            &format!("{base}.embed_tokens.weight"),
+            SCALE_DTYPES,
+            Some(&[c.vocab_size, h]),
+            &Device::Cpu,
+        )?;
+        let embed_tokens = stored_embed
+            .to_dtype(first.dtype)?
+            .to_device(&first.device)?;
+        let mut layers = Vec::with_capacity(c.num_layers);
+        for (k, (_, range)) in stages.iter().enumerate() {
+            let lin = stage_options(k);
+            let vb = Loader::new(ckpt, quant.as_ref(), &lin)
+                .pp(base)
+                .pp("layers");
+            for i in range.clone() {
+                layers.push(family.load_layer(&vb.pp(i), c, i)?);
+            }
+        }
+        let last_vb = Loader::new(ckpt, quant.as_ref(), &last);
+        let norm = RmsNorm::load(
+            &last_vb.pp(base).pp("norm"),
+            h,
+            c.rms_norm_eps,
+            family.norm(),
+        )?;
+        let lm_head = if c.tie_word_embeddings && !ckpt.contains(&format!("{head_name}.weight")) {
+            // The tied head keeps the stored dtype, as an untied dense head does; it shares the
+            // embedding's memory where both are one tensor on one device.
+            let weight = if stored_embed.dtype() == last.dtype && stages.len() == 1 {
+                embed_tokens.clone()
+            } else {
+                stored_embed.to_device(&last.device)?
+            };
+            QuantLinear::new(Box::new(DenseWeight::from_tensor(weight)), None)
+        } else {
+            last_vb.linear(head_name, (c.vocab_size, h), false)?
+        };
+        ckpt.refuse_unread(c.architecture.hf_name(), c.architecture.unread_prefixes())?;
+        let max_len = opts.max_seq_len.max(1);
+        let freqs = inv_freq(c.head_dim, c.rope_theta, &c.rope_scaling);
+        let local_freqs = c
+            .sliding_layers
+            .as_ref()
+            .and_then(|s| s.local_rope.as_ref())
+            .map(|(theta, scaling)| inv_freq(c.head_dim, *theta, scaling));
+        let stages = stages
+            .into_iter()
+            .map(|(device, layers)| {
+                let tables = |f: &[f32]| RopeTables::new(f, max_len, first.dtype, &device);
+                let rope = tables(&freqs)?;
+                let local_rope = local_freqs.as_deref().map(tables).transpose()?;
+                // Weights were copied on this thread's stream; the stage computes on its own.
+                device.synchronize()?;
+                Ok(Stage {
+                    device,
+                    layers,
+                    rope,
+                    local_rope,
+                })
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let embed_scale = family.embed_scale(c);
+        let mut model = Self {
+            config,
+            opts: ModelOptions {
+                linear: first,
+                ..opts.clone()
+            },
+            embed_tokens,
+            layers,
+            norm,
+            lm_head,
+            stages,
+            embed_scale,
+        };
+        model.set_attention(opts.attention)?;
+        Ok(model)
+    }
+}
+
+/// `stages` cover `0..layers` with consecutive, non-empty ranges.
+fn check_stages(
+    stages: &[(Device, Range<usize>)],
+    layers: usize,
+) -> std::result::Result<(), LoadError> {
+    let mut next = 0;
+    let mut in_order = !stages.is_empty();
+    for (_, range) in stages {
+        in_order &= range.start == next && !range.is_empty();
+        next = range.end;
+    }
+    if !in_order || next != layers {
+        return Err(LoadError::config(
+            "layer split",
+            format!(
+                "stages {:?} do not cover the {layers} decoder layers in order, each with at \
+                 least one",
+                stages.iter().map(|(_, r)| r.clone()).collect::<Vec<_>>()
+            ),
+        ));
+    }
+    Ok(())
+}
+
+impl Model {
+    /// Switches the attention kernel; `Flash` is refused where the kernel does not exist and
+    /// `Auto` resolves to the fastest one that does.
+    pub fn set_attention(&mut self, kernel: AttentionKernel) -> std::result::Result<(), LoadError> {
+        let lin = &self.opts.linear;
+        // The flash kernel has no soft-capping of the scores (Gemma 2): such models attend
+        // through the materialised path.
+        let softcap = self.config.attn_logit_softcapping.is_some();
+        let flash = !softcap
+            && self.stages.iter().all(|stage| {
+                ops::flash_attention_available(&stage.device, self.config.head_dim, lin.dtype)
+            });
+        let kernel = match kernel {
+            AttentionKernel::Auto if flash => AttentionKernel::Flash,
+            AttentionKernel::Auto => AttentionKernel::Materialized,
+            chosen => chosen,
+        };
+        if kernel == AttentionKernel::Flash && softcap {
+            return Err(LoadError::config(
+                "attention",
+                format!(
+                    "the flash kernel cannot soft-cap attention scores ({} has \
+                     attn_logit_softcapping); use the materialized kernel",
+                    self.config.architecture.hf_name()
+                ),
+            ));
+        }
+        if kernel == AttentionKernel::Flash && !flash {
+            return Err(LoadError::Config {
+                field: "attention".into(),
+                reason: format!(
+                    "the flash kernel needs a CUDA device, bf16 or f16 compute and head_dim 64 \
+                     or 128 (have {:?}, {:?}, head_dim {})",
+                    lin.device, lin.dtype, self.config.head_dim
+                ),
+            });
+        }
+        self.opts.attention = kernel;
+        Ok(())
+    }
+
+    pub fn config(&self) -> &ModelConfig {
+        &self.config
+    }
+
+    pub fn options(&self) -> &ModelOptions {
+        &self.opts
+    }
+
+    /// Every Linear with its module name, lm_head last.
+    pub fn linears(&self) -> Vec<(String, &QuantLinear)> {
+        let mut out = Vec::new();
+        for (i, l) in self.layers.iter().enumerate() {
+            for (n, lin) in l.attention().linears() {
+                out.push((format!("model.layers.{i}.self_attn.{n}"), lin));
+            }
+            for (n, lin) in l.feed_forward().linears() {
+                out.push((format!("model.layers.{i}.{n}"), lin));
+            }
+        }
+        out.push(("lm_head".to_string(), &self.lm_head));
+        out
+    }
+
+    /// Pipeline stages: each holds a run of decoder layers on its own device.
+    pub fn stage_count(&self) -> usize {
+        self.stages.len()
+    }
+
+    /// The device of stage `k`.
+    pub fn stage_device(&self, k: usize) -> &Device {
+        &self.stages[k].device
+    }
+
+    /// The decoder layers of stage `k`.
+    pub fn stage_layers(&self, k: usize) -> Range<usize> {
+        self.stages[k].layers.clone()
+    }
+
+    /// Final-norm hidden states `[sum of lengths, hidden]` of the sequences, concatenated: every
+    /// stage in turn on this thread, the hidden state carried from one device to the next.
+    pub fn hidden_states(&self, sequences: &[&[u32]]) -> Result<Tensor> {
+        self.hidden_states_routed(sequences, None)
+    }
+
+    /// The experts every token chose in every sparse layer (`[layer][token]`, tokens of the
+    /// sequences concatenated), best first with their routing weights; empty for dense models.
+    pub fn expert_routes(&self, sequences: &[&[u32]]) -> Result<Vec<(usize, Vec<Route>)>> {
+        let mut routes = Vec::new();
+        self.hidden_states_routed(sequences, Some(&mut routes))?;
+        Ok(routes)
+    }
+
+    fn hidden_states_routed(
+        &self,
+        sequences: &[&[u32]],
+        mut routes: Option<&mut Vec<(usize, Vec<Route>)>>,
+    ) -> Result<Tensor> {
+        let lens: Vec<usize> = sequences.iter().map(|s| s.len()).collect();
+        let mut x = self.embed(sequences)?;
+        for k in 0..self.stages.len() {
+            if k > 0 {
+                x = crate::device::transfer(&x, &self.stages[k].device)?;
+            }
+            x = self.forward_stage_routed(k, x, &lens, routes.as_deref_mut())?;
+        }
+        self.final_norm(&x)
+    }
+
+    /// The embedded tokens `[sum of lengths, hidden]` on the first stage's device, after
+    /// checking every sequence against the model's limits.
+    pub fn embed(&self, sequences: &[&[u32]]) -> Result<Tensor> {
+        let longest = sequences.iter().map(|s| s.len()).max().unwrap_or(0);
+        let max_len = self.stages[0].rope.max_len();
+        if longest > max_len {
+            candle_core::bail!("sequence of {longest} tokens exceeds max_seq_len {max_len}");
+        }
+        let ids: Vec<u32> = sequences.iter().flat_map(|s| s.iter().copied()).collect();
+        if let Some(bad) = ids.iter().find(|&&t| t as usize >= self.config.vocab_size) {
+            candle_core::bail!(
+                "token id {bad} is outside the vocabulary ({})",
+                self.config.vocab_size
+            );
+        }
+        let device = &self.stages[0].device;
+        crate::device::bind(device)?;
+        let ids = Tensor::new(ids.as_slice(), device)?;
+        stage("embed", device, || {
+            let x = ops::gather_rows(&self.embed_tokens, &ids)?;
+            match self.embed_scale {
+                // the scale rounded to the compute dtype, as transformers multiplies
+                Some(s) => x.broadcast_mul(&Tensor::new(s as f32, device)?.to_dtype(x.dtype())?),
+                None => Ok(x),
+            }
+        })
+    }
+
+    /// Stage `k`'s decoder layers over the residual stream `x` (on that stage's device) of
+    /// sequences of lengths `lens`, concatenated.
+    pub fn forward_stage(&self, k: usize, x: Tensor, lens: &[usize]) -> Result<Tensor> {
+        self.forward_stage_routed(k, x, lens, None)
+    }
+
+    fn forward_stage_routed(
+        &self,
+        k: usize,
+        mut x: Tensor,
+        lens: &[usize],
+        mut routes: Option<&mut Vec<(usize, Vec<Route>)>>,
+    ) -> Result<Tensor> {
+        let Stage {
+            device,
+            layers,
+            rope,
+            local_rope,
+        } = &self.stages[k];
+        crate::device::bind(device)?;
+        // `set_attention` never leaves `Auto` in the options.
+        let flash = self.opts.attention == AttentionKernel::Flash;
+        let batch = BatchLayout::new(lens, flash, self.config.head_dim, device)?;
+        for i in layers.clone() {
+            let layer = &self.layers[i];
+            let rope = match local_rope {
+                Some(local) if layer.attention().local_rope() => local,
+                _ => rope,
+            };
+            let mut layer_routes = Vec::new();
+            let record = routes.is_some().then_some(&mut layer_routes);
+            x = layer.forward(x, &batch, rope, record)?;
+            if let Some(routes) = routes.as_deref_mut() {
+                if layer.feed_forward().is_sparse() {
+                    routes.push((i, layer_routes));
+                }
+            }
+        }
+        Ok(x)
+    }
+
+    /// The final norm of the last stage's output (on the last stage's device).
+    pub fn final_norm(&self, x: &Tensor) -> Result<Tensor> {
+        crate::device::bind(x.device())?;
+        stage("norm", x.device(), || self.norm.forward(x, None))
+    }
+
+    /// Logits `[rows, vocab]` (compute dtype) of final-norm hidden states `[rows, hidden]`.
+    pub fn logits(&self, hidden: &Tensor) -> Result<Tensor> {
+        let logits = stage("lm_head", hidden.device(), || self.lm_head.forward(hidden))?;
+        match self.config.final_logit_softcapping {
+            // transformers: logits / cap, tanh, * cap, in the logits' dtype
+            Some(cap) => stage("softcap", hidden.device(), || ops::soft_cap(&logits, cap)),
+            None => Ok(logits),
+        }
+    }
+
+    /// Scores a batch. Results come back in input order.
+    pub fn score(&self, batch: &[ScoreInput<'_>]) -> Result<Vec<SequenceScores>> {
+        let sequences: Vec<&[u32]> = batch.iter().map(|b| b.tokens).collect();
+        let hidden = self.hidden_states(&sequences)?;
+        self.score_hidden(&hidden, batch)
+    }
+
+    /// Scores a batch from its final-norm hidden states (on the last stage's device).
+    pub fn score_hidden(
+        &self,
+        hidden: &Tensor,
+        batch: &[ScoreInput<'_>],
+    ) -> Result<Vec<SequenceScores>> {
+        let mut offset = 0;
+        let mut out = Vec::with_capacity(batch.len());
+        for input in batch {
+            let n = input.tokens.len();
+            let mut rows = Vec::with_capacity(n);
+            let chunk = lm_head_rows(self.config.vocab_size);
+            for start in (0..n).step_by(chunk) {
+                let len = chunk.min(n - start);
+                let h = hidden.narrow(0, offset + start, len)?;
+                let logits = self.logits(&h)?;
+                let targets: Vec<Option<u32>> = (start..start + len)
+                    .map(|i| input.tokens.get(i + 1).copied())
+                    .collect();
+                rows.extend(stage("scoring", h.device(), || {
+                    score_logits(&logits, &targets, input.top_k)
+                })?);
+            }
+            offset += n;
+            out.push(SequenceScores { rows });
+        }
+        Ok(out)
+    }
+}

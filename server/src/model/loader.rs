@@ -1,0 +1,89 @@
+//! Where a block's tensors come from (candle's `VarBuilder`): the checkpoint, its quantization
+//! config, the options the block is built with, and the prefix of the block's tensor names.
+//! Each block's `load` takes one, pushed to its own prefix with [`Loader::pp`].
+
+use candle_core::{DType, Device, Tensor};
+
+use crate::checkpoint::{Checkpoint, LoadError};
+use crate::quant::{load_linear, LinearOptions, QuantLinear, QuantizationConfig, SCALE_DTYPES};
+
+#[derive(Clone)]
+pub struct Loader<'a> {
+    ckpt: &'a Checkpoint,
+    quant: Option<&'a QuantizationConfig>,
+    opts: &'a LinearOptions,
+    prefix: String,
+}
+
+impl<'a> Loader<'a> {
+    /// A loader at the root of the checkpoint's names.
+    pub fn new(
+        ckpt: &'a Checkpoint,
+        quant: Option<&'a QuantizationConfig>,
+        opts: &'a LinearOptions,
+    ) -> Self {
+        Self {
+            ckpt,
+            quant,
+            opts,
+            prefix: String::new(),
+        }
+    }
+
+    /// The loader of the sub-block `name` (`model` → `model.layers` → `model.layers.3`).
+    pub fn pp(&self, name: impl std::fmt::Display) -> Self {
+        Self {
+            prefix: self.name(&name.to_string()),
+            ..self.clone()
+        }
+    }
+
+    /// The full name of `name` under this prefix.
+    pub fn name(&self, name: &str) -> String {
+        match self.prefix.as_str() {
+            "" => name.to_string(),
+            prefix => format!("{prefix}.{name}"),
+        }
+    }
+
+    pub fn options(&self) -> &LinearOptions {
+        self.opts
+    }
+
+    pub fn checkpoint(&self) -> &Checkpoint {
+        self.ckpt
+    }
+
+    /// The Linear `name` of `(out, in)` features, in the format the quantization config gives
+    /// it (dense when there is none), on the loader's device.
+    pub fn linear(
+        &self,
+        name: &str,
+        shape: (usize, usize),
+        bias: bool,
+    ) -> Result<QuantLinear, LoadError> {
+        let name = self.name(name);
+        let scheme = match self.quant {
+            Some(q) => q.scheme_for(&name, "Linear")?,
+            None => None,
+        };
+        load_linear(self.ckpt, &name, shape, bias, scheme, self.opts)
+    }
+
+    /// The float tensor `name` of `shape`, in the compute dtype on the loader's device.
+    pub fn get(&self, name: &str, shape: &[usize]) -> Result<Tensor, LoadError> {
+        self.get_as(name, shape, self.opts.dtype, &self.opts.device)
+    }
+
+    /// The float tensor `name` of `shape` as `dtype` on `device` (converted on the CPU).
+    pub fn get_as(
+        &self,
+        name: &str,
+        shape: &[usize],
+        dtype: DType,
+        device: &Device,
+    ) -> Result<Tensor, LoadError> {
+        self.ckpt
+            .tensor_as(&self.name(name), SCALE_DTYPES, Some(shape), dtype, device)
+    }
+}

@@ -1,0 +1,341 @@
+//! The operations that run a kernel of our own on a GPU. Each function dispatches once: to
+//! `crate::cuda` where its input lies on a CUDA device, else to the CPU reference (the
+//! specification that kernel is checked against). Model and quantization code call these and
+//! never ask which device they run on, so a new architecture has no `cfg` in it (candle-nn's
+//! `ops` is the model). Without the `cuda` feature, [`gpu`] is a module of the same signatures
+//! that no tensor reaches: no CUDA device can be opened.
+
+use candle_core::{DType, Device, Module, Result, Tensor, D};
+
+use crate::model::kld::{kld_row, TokenKld};
+use crate::model::scoring::{score_row, RowScore};
+use crate::quant::ActivationQdq;
+
+#[cfg(feature = "cuda")]
+pub(crate) use crate::cuda as gpu;
+#[cfg(not(feature = "cuda"))]
+#[path = "no_cuda.rs"]
+pub(crate) mod gpu;
+
+pub use gpu::{FlashOptions, FlashTiling};
+
+/// transformers' LlamaRMSNorm of `x` over its last dimension (normalise in f32, cast back, then
+/// scale by `weight`), put through `qdq` (the activation QDQ of the Linears that read it) when
+/// there is one. One kernel on a GPU, which rounds the norm once instead of twice (identical in
+/// f32; closer to f32 in bf16/f16) and applies a per-token fp8 QDQ in the same pass.
+pub fn rms_norm(
+    x: &Tensor,
+    weight: &Tensor,
+    eps: f64,
+    qdq: Option<&ActivationQdq>,
+) -> Result<Tensor> {
+    let fused = fuses_qdq(qdq, x.device());
+    let normed = if x.device().is_cuda() {
+        gpu::rms_norm(x, weight, eps as f32, fused)?
+    } else {
+        let dtype = x.dtype();
+        let x32 = x.to_dtype(DType::F32)?;
+        let variance = x32.sqr()?.mean_keepdim(D::Minus1)?;
+        let normed = x32.broadcast_mul(&(variance + eps)?.sqrt()?.recip()?)?;
+        normed.to_dtype(dtype)?.broadcast_mul(weight)?
+    };
+    finish_qdq(normed, qdq, fused)
+}
+
+/// SwiGLU `silu(gate) * up`, put through `qdq` (the down projection's activation QDQ) when there
+/// is one: one kernel on a GPU, which applies a per-token fp8 QDQ in the same pass.
+pub fn silu_mul(gate: &Tensor, up: &Tensor, qdq: Option<&ActivationQdq>) -> Result<Tensor> {
+    let fused = fuses_qdq(qdq, gate.device());
+    let act = if gate.device().is_cuda() {
+        gpu::silu_mul(gate, up, fused)?
+    } else {
+        (candle_nn::Activation::Silu.forward(gate)? * up)?
+    };
+    finish_qdq(act, qdq, fused)
+}
+
+/// GeGLU `gelu_tanh(gate) * up` (candle's ops on every device), put through `qdq` when there is
+/// one.
+pub fn gelu_tanh_mul(gate: &Tensor, up: &Tensor, qdq: Option<&ActivationQdq>) -> Result<Tensor> {
+    finish_qdq((gate.gelu()? * up)?, qdq, false)
+}
+
+/// Rows `ids` (u32, already checked against the table) of `table` `[rows, cols]`: the embedding
+/// lookup.
+pub fn gather_rows(table: &Tensor, ids: &Tensor) -> Result<Tensor> {
+    if table.device().is_cuda() {
+        return gpu::gather_rows(table, ids);
+    }
+    table.index_select(ids, 0)
+}
+
+/// Causal softmax attention of one sequence: `q`, `k`, `v` `[1, heads, len, head_dim]` (k and v
+/// already repeated to the query heads), scores scaled by `scale`, soft-capped as
+/// `cap * tanh(s / cap)` when `softcap` is set, keys limited to a sliding `window` when set.
+/// Returns `[1, heads, len, head_dim]` in `q`'s dtype.
+///
+/// GPU: scores in f32 (TF32 tensor cores for bf16/f16 inputs, exact there), then scale, mask
+/// and softmax in one kernel, probabilities in the compute dtype for P·V. CPU: everything in
+/// f32, rounded once at the end.
+pub fn causal_attention(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    scale: f64,
+    softcap: Option<f64>,
+    window: Option<usize>,
+) -> Result<Tensor> {
+    let dtype = q.dtype();
+    if q.device().is_cuda() {
+        let (q32, k32) = (q.to_dtype(DType::F32)?, k.to_dtype(DType::F32)?);
+        let scores = if dtype == DType::F32 {
+            q32.matmul(&k32.t()?)?
+        } else {
+            gpu::with_tf32(|| q32.matmul(&k32.t()?))?
+        };
+        // Soft-capped scores are scaled and capped first; the kernel then scales by 1.
+        let (scores, scale) = match softcap {
+            Some(cap) => (soft_cap(&(scores * scale)?, cap)?, 1.0),
+            None => (scores, scale),
+        };
+        let probs = gpu::causal_softmax(&scores, scale as f32, window, dtype)?;
+        return probs.matmul(v);
+    }
+    let (q, k, v) = (
+        q.to_dtype(DType::F32)?,
+        k.to_dtype(DType::F32)?,
+        v.to_dtype(DType::F32)?,
+    );
+    let mut scores = (q.matmul(&k.t()?)? * scale)?;
+    if let Some(cap) = softcap {
+        scores = soft_cap(&scores, cap)?;
+    }
+    let mask = causal_mask(q.dims()[2], window, q.device())?;
+    let probs = candle_nn::ops::softmax_last_dim(&scores.broadcast_add(&mask)?)?;
+    probs.matmul(&v)?.to_dtype(dtype)
+}
+
+/// `[len, len]` additive mask: 0 where key j is visible from query i, -inf elsewhere.
+pub fn causal_mask(len: usize, window: Option<usize>, device: &Device) -> Result<Tensor> {
+    let window = window.unwrap_or(usize::MAX);
+    let mask: Vec<f32> = (0..len)
+        .flat_map(|i| {
+            (0..len).map(move |j| {
+                if j <= i && i - j < window {
+                    0.0
+                } else {
+                    f32::NEG_INFINITY
+                }
+            })
+        })
+        .collect();
+    Tensor::from_vec(mask, (len, len), device)
+}
+
+/// `cap * tanh(x / cap)` (Gemma's soft-capping), in `x`'s dtype.
+pub fn soft_cap(x: &Tensor, cap: f64) -> Result<Tensor> {
+    (x / cap)?.tanh()? * cap
+}
+
+/// Whether the fused flash-attention kernel exists for this device, head size and dtype.
+pub fn flash_attention_available(device: &Device, head_dim: usize, dtype: DType) -> bool {
+    device.is_cuda() && gpu::flash_attention_supported(head_dim, dtype)
+}
+
+/// RoPE (`rotate_half` convention) of `x` `[tokens, heads, head_dim]` at `positions[token]` of
+/// the `cos`/`sin` tables, for [`flash_attention`]: a GPU kernel only.
+pub fn rope_rotate_half(
+    x: &Tensor,
+    positions: &Tensor,
+    cos: &Tensor,
+    sin: &Tensor,
+) -> Result<Tensor> {
+    gpu_only("rope_rotate_half", x)?;
+    gpu::rope_rotate_half(x, positions, cos, sin)
+}
+
+/// Causal attention of a whole batch in the projections' `[tokens, heads, head_dim]` layout
+/// (see `cuda::flash_attention`): a GPU kernel only; `Model::set_attention` refuses it
+/// elsewhere.
+pub fn flash_attention(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    starts: &Tensor,
+    max_len: usize,
+    opts: &FlashOptions,
+) -> Result<Tensor> {
+    gpu_only("flash_attention", q)?;
+    gpu::flash_attention(q, k, v, starts, max_len, opts)
+}
+
+/// Scores every row of `logits` `[rows, vocab]` (any float dtype; scored in f32): with the fused
+/// kernel on a GPU, so only a few numbers per row leave it; row by row on the CPU.
+/// `targets[i]`: the next token of row i, if known.
+pub fn score_rows(logits: &Tensor, targets: &[Option<u32>], top_k: usize) -> Result<Vec<RowScore>> {
+    if logits.device().is_cuda() {
+        let t: Vec<i32> = targets.iter().map(|t| t.map_or(-1, |t| t as i32)).collect();
+        let s = gpu::score_rows(logits, &t, top_k)?;
+        return Ok((0..targets.len())
+            .map(|i| RowScore {
+                target_logprob: targets[i].map(|_| s.target_logprob[i]),
+                argmax: (s.argmax[i], s.argmax_logprob[i]),
+                top_k: (0..top_k)
+                    .map(|j| (s.top_ids[i * top_k + j], s.top_logprobs[i * top_k + j]))
+                    .collect(),
+            })
+            .collect());
+    }
+    let rows = logits.to_dtype(DType::F32)?.to_vec2::<f32>()?;
+    Ok(rows
+        .iter()
+        .zip(targets)
+        .map(|(row, &target)| score_row(row, target, top_k))
+        .collect())
+}
+
+/// Per-row divergence of `logits` from `reference_logits` (same shape, any float dtype, scored
+/// in f32): with the fused kernel on a GPU (the reference's logits brought to the model's
+/// device); row by row in f64 on the CPU.
+pub fn kld_rows(
+    reference_logits: &Tensor,
+    logits: &Tensor,
+    targets: &[u32],
+) -> Result<Vec<TokenKld>> {
+    if logits.device().is_cuda() {
+        let reference_logits = crate::device::transfer(reference_logits, logits.device())?;
+        let k = gpu::kld_rows(&reference_logits, logits, targets)?;
+        return Ok((0..targets.len())
+            .map(|i| TokenKld {
+                kld: k.kld[i],
+                logprob: k.logprob[i],
+                reference_logprob: k.reference_logprob[i],
+                same_top: k.argmax[i] == k.reference_argmax[i],
+            })
+            .collect());
+    }
+    let reference_rows = reference_logits.to_dtype(DType::F32)?.to_vec2::<f32>()?;
+    let rows = logits.to_dtype(DType::F32)?.to_vec2::<f32>()?;
+    Ok(reference_rows
+        .iter()
+        .zip(&rows)
+        .zip(targets)
+        .map(|((r, m), &t)| kld_row(r, m, t))
+        .collect())
+}
+
+/// `qdq` of `x` (`[tokens, k]`, any float dtype), computed in f32 and returned in x's dtype:
+/// one kernel on a GPU; row by row on the CPU ([`ActivationQdq::qdq_row`]).
+pub fn activation_qdq(x: &Tensor, qdq: &ActivationQdq) -> Result<Tensor> {
+    if x.device().is_cuda() {
+        return match *qdq {
+            ActivationQdq::Fp8PerToken => gpu::qdq_fp8(x, None),
+            ActivationQdq::Fp8Static { scale } => gpu::qdq_fp8(x, Some(scale)),
+            ActivationQdq::Nvfp4 { global_scale } => gpu::qdq_nvfp4(x, global_scale),
+        };
+    }
+    let (rows, k) = x.dims2()?;
+    let mut values = x.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
+    for row in values.chunks_mut(k) {
+        qdq.qdq_row(row);
+    }
+    Tensor::from_vec(values, (rows, k), &Device::Cpu)?
+        .to_device(x.device())?
+        .to_dtype(x.dtype())
+}
+
+/// A quantized weight's tensors as its GPU dequantization kernel reads them.
+pub enum Packed<'a> {
+    /// pack-quantized int4/int8 words, f32 scales `[out, groups]`, i32 zero points.
+    Int {
+        codes: &'a Tensor,
+        scale: &'a Tensor,
+        zero_point: Option<&'a Tensor>,
+        bits: usize,
+        group: usize,
+    },
+    /// fp4 codes two per byte, fp8 scales per 16 weights, the global scale.
+    Nvfp4 {
+        packed: &'a Tensor,
+        scale: &'a Tensor,
+        global_scale: f32,
+    },
+    /// fp8 codes, f32 scales per `block` (rows, columns).
+    Fp8 {
+        weight: &'a Tensor,
+        scale: &'a Tensor,
+        block: (usize, usize),
+    },
+}
+
+/// The weight `[out, in]` of `packed` in `dtype`: by its GPU kernel where the packed tensors lie
+/// on a GPU (bit-exact with the reference), else by `reference` (the format's CPU
+/// specification, `QuantizedWeight::dequantize_reference`).
+pub fn dequantize(
+    packed: Packed<'_>,
+    shape: (usize, usize),
+    dtype: DType,
+    reference: impl FnOnce() -> Result<Tensor>,
+) -> Result<Tensor> {
+    let on_gpu = match &packed {
+        Packed::Int { codes, .. } => codes.device().is_cuda(),
+        Packed::Nvfp4 { packed, .. } => packed.device().is_cuda(),
+        Packed::Fp8 { weight, .. } => weight.device().is_cuda(),
+    };
+    if !on_gpu {
+        return reference();
+    }
+    match packed {
+        Packed::Int {
+            codes,
+            scale,
+            zero_point,
+            bits,
+            group,
+        } => gpu::dequant_int(codes, scale, zero_point, shape, bits, group, dtype),
+        Packed::Nvfp4 {
+            packed,
+            scale,
+            global_scale,
+        } => gpu::dequant_nvfp4(packed, scale, global_scale, shape, dtype),
+        Packed::Fp8 {
+            weight,
+            scale,
+            block,
+        } => gpu::dequant_fp8(weight, scale, shape, block, dtype),
+    }
+}
+
+/// Whether [`matmul_t_add_into_rows`] can add into `out`: a contiguous GPU tensor in bf16/f16.
+pub fn adds_into_rows(out: &Tensor) -> bool {
+    out.device().is_cuda() && out.is_contiguous() && matches!(out.dtype(), DType::BF16 | DType::F16)
+}
+
+/// Adds `x · wᵀ` to rows `row0..` of `out` in place, in the GEMM's epilogue (rounded once): a
+/// GPU kernel only, for an `out` that [`adds_into_rows`] accepts.
+pub fn matmul_t_add_into_rows(out: &Tensor, row0: usize, x: &Tensor, w: &Tensor) -> Result<()> {
+    gpu_only("matmul_t_add_into_rows", out)?;
+    gpu::matmul_t_add_into_rows(out, row0, x, w)
+}
+
+/// Whether the kernel that produces a Linear input (RMSNorm, SwiGLU) applies `qdq` in its own
+/// pass: the per-token fp8 QDQ, which needs nothing but the row the GPU kernel already holds.
+fn fuses_qdq(qdq: Option<&ActivationQdq>, device: &Device) -> bool {
+    device.is_cuda() && qdq == Some(&ActivationQdq::Fp8PerToken)
+}
+
+/// `x` through `qdq`, unless the kernel that produced it applied it already (`fused`).
+fn finish_qdq(x: Tensor, qdq: Option<&ActivationQdq>, fused: bool) -> Result<Tensor> {
+    match qdq {
+        Some(qdq) if !fused => qdq.apply(&x),
+        _ => Ok(x),
+    }
+}
+
+/// A clear error where a GPU-only kernel is asked to run on another device.
+fn gpu_only(op: &str, x: &Tensor) -> Result<()> {
+    if !x.device().is_cuda() {
+        candle_core::bail!("{op} runs on CUDA devices only, not {:?}", x.device());
+    }
+    Ok(())
+}
