@@ -27,8 +27,9 @@ enum Command {
     /// Perplexity of a dataset, windows spread over one or more servers.
     Ppl(PplArgs),
     /// KL-divergence from the server's reference model (`--reference-model`) over a dataset,
-    /// with both perplexities: llama.cpp's `--kl-divergence` statistics. Same options as `ppl`.
-    Kld(PplArgs),
+    /// with both perplexities: llama.cpp's `--kl-divergence` statistics, top-K agreement, the
+    /// reverse divergence and the KLD by reference confidence. Same options as `ppl`.
+    Kld(KldArgs),
     /// Compare reports of `exactscore ppl/kld --json` (table, optional plot).
     Compare(CompareArgs),
     /// Per-token log-probabilities of a text, as a table.
@@ -110,6 +111,17 @@ struct PplArgs {
 }
 
 #[derive(Args)]
+struct KldArgs {
+    #[command(flatten)]
+    run: PplArgs,
+    /// Also run the same windows against this server, whose served model and reference are one
+    /// checkpoint in two dtypes (`--dtype bf16 --reference-dtype f32`), and report the KLD that
+    /// bf16 arithmetic alone causes beside the quantization's.
+    #[arg(long)]
+    noise_floor_server: Option<String>,
+}
+
+#[derive(Args)]
 struct CompareArgs {
     /// Report files (`exactscore ppl --json`).
     #[arg(required = true)]
@@ -148,9 +160,10 @@ fn client(conn: &ConnArgs) -> anyhow::Result<Client> {
     })?)
 }
 
-async fn ppl(args: PplArgs, task: Task) -> anyhow::Result<()> {
+async fn ppl(args: PplArgs, task: Task, noise_floor_server: Option<String>) -> anyhow::Result<()> {
     let mut cfg = PplConfig::new(args.servers, DatasetSpec::parse(&args.dataset)?);
     cfg.task = task;
+    cfg.noise_floor_server = noise_floor_server;
     cfg.api_key = args.api_key;
     cfg.dataset_options = DatasetOptions {
         field: Some(args.field),
@@ -389,8 +402,8 @@ async fn score(args: ScoreArgs) -> anyhow::Result<()> {
 
 async fn run(cli: Cli) -> anyhow::Result<()> {
     match cli.command {
-        Command::Ppl(a) => ppl(a, Task::Ppl).await,
-        Command::Kld(a) => ppl(a, Task::Kld).await,
+        Command::Ppl(a) => ppl(a, Task::Ppl, None).await,
+        Command::Kld(a) => ppl(a.run, Task::Kld, a.noise_floor_server).await,
         Command::Compare(a) => compare(a),
         Command::Score(a) => score(a).await,
         Command::Info(a) => {

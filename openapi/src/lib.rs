@@ -213,6 +213,58 @@ pub struct SequenceDivergence {
     pub sum_delta_p: f64,
     /// Σ Δp², for the RMS of Δp.
     pub sum_delta_p_squared: f64,
+    /// KL(model ‖ reference) in nats: the divergence the other way round, computed like `kld`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reverse_kld: Option<Vec<Option<f64>>>,
+    /// Top-K agreement as a bit mask: bit K − 1 (K = 1..=5) is set when both models' K most
+    /// likely tokens (lowest id first on ties) are the same set. Bit 0 is `same_top`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub top_k_agreement: Option<Vec<Option<u8>>>,
+    /// The reference model's probability of its most likely token (its confidence).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reference_top_p: Option<Vec<Option<f64>>>,
+    /// Σ KL(model ‖ reference).
+    #[serde(default)]
+    pub sum_reverse_kld: f64,
+    /// Positions whose top-K sets agree, for K = 1..=5 (`[0]` is `same_top_count`).
+    #[serde(default)]
+    pub top_k_agreement_counts: Vec<usize>,
+    /// The divergences grouped by the reference's confidence ([`CONFIDENCE_BUCKETS`]).
+    #[serde(default)]
+    pub confidence_buckets: Vec<ConfidenceBucket>,
+}
+
+/// Largest K of the top-K agreement `/kld` reports.
+pub const TOP_K_AGREEMENT_MAX: usize = 5;
+
+/// Ranges of the reference's top-token probability that `/kld` groups divergences by, as
+/// ExLlamaV3's evaluations do: `[lower, upper)`, the last one closed at 1.
+pub const CONFIDENCE_BUCKETS: [(f64, f64); 5] = [
+    (0.0, 0.25),
+    (0.25, 0.5),
+    (0.5, 0.75),
+    (0.75, 0.95),
+    (0.95, 1.0),
+];
+
+/// The index into [`CONFIDENCE_BUCKETS`] of a reference top-token probability `p` (values
+/// outside `0..=1`, from rounding, go to the nearest end).
+pub fn confidence_bucket(p: f64) -> usize {
+    CONFIDENCE_BUCKETS
+        .iter()
+        .position(|&(_, upper)| p < upper)
+        .unwrap_or(CONFIDENCE_BUCKETS.len() - 1)
+}
+
+/// The positions of one sequence whose reference top-token probability lies in
+/// `[lower, upper)` (the last bucket includes 1).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, ToSchema)]
+pub struct ConfidenceBucket {
+    pub lower: f64,
+    pub upper: f64,
+    pub count: usize,
+    /// Σ KL(reference ‖ model) over those positions.
+    pub sum_kld: f64,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, ToSchema)]
@@ -341,6 +393,9 @@ pub struct ReferenceInfo {
     /// Per replica, the reference's pipeline stages.
     #[serde(default)]
     pub placement: Vec<ReplicaPlacement>,
+    /// The reference's compute dtype (`--reference-dtype`); absent from older servers.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub dtype: Option<String>,
 }
 
 /// One copy of a model: a chain of pipeline stages.

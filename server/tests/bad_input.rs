@@ -42,6 +42,7 @@ async fn app(api_key: Option<&str>, metrics_without_auth: bool, max_body_bytes: 
             bits_per_weight: 16.0,
             devices: vec!["cpu".into()],
             placement: Vec::new(),
+            dtype: Some("f32".into()),
         }),
         ..fake_app::info(8)
     };

@@ -73,11 +73,16 @@ impl FakeEngine {
 
     /// The fake divergence before `token`: what the fake reference disagrees by.
     pub fn token_kld(token: u32) -> TokenKld {
+        let same_top = token.is_multiple_of(2);
         TokenKld {
             kld: token as f64 / 1e4,
+            reverse_kld: token as f64 / 2e4,
             logprob: Self::logprob(token),
             reference_logprob: 2.0 * Self::logprob(token),
-            same_top: token.is_multiple_of(2),
+            same_top,
+            // bit 0 is same_top; the others follow the id's bits
+            top_k_agreement: (token as u8 & 0b11110) | u8::from(same_top),
+            reference_top_p: (token % 101) as f64 / 100.0,
         }
     }
 
