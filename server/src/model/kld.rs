@@ -47,6 +47,27 @@ pub fn kld_batch(
 ) -> Result<Vec<SequenceKld>> {
     let hidden = model.hidden_states(sequences)?;
     let reference_hidden = reference.hidden_states(sequences)?;
+    kld_hidden(
+        |h| reference.logits(h),
+        &reference_hidden,
+        |h| model.logits(h),
+        &hidden,
+        sequences,
+        model.config().vocab_size,
+    )
+}
+
+/// The divergences of `sequences` from their final-norm hidden states `[sum of lengths,
+/// hidden]` on both sides, each side's logits (over `vocab` tokens) computed by its `logits`,
+/// [`lm_head_rows`] rows at a time.
+pub fn kld_hidden(
+    reference_logits: impl Fn(&Tensor) -> Result<Tensor>,
+    reference_hidden: &Tensor,
+    logits: impl Fn(&Tensor) -> Result<Tensor>,
+    hidden: &Tensor,
+    sequences: &[&[u32]],
+    vocab: usize,
+) -> Result<Vec<SequenceKld>> {
     let mut offset = 0;
     let mut out = Vec::with_capacity(sequences.len());
     for tokens in sequences {
@@ -55,15 +76,14 @@ pub fn kld_batch(
         let mut seq = SequenceKld {
             tokens: Vec::with_capacity(rows),
         };
-        let chunk = lm_head_rows(model.config().vocab_size);
+        let chunk = lm_head_rows(vocab);
         for start in (0..rows).step_by(chunk) {
             let len = chunk.min(rows - start);
-            let logits = model.logits(&hidden.narrow(0, offset + start, len)?)?;
-            let reference_logits =
-                reference.logits(&reference_hidden.narrow(0, offset + start, len)?)?;
+            let model_logits = logits(&hidden.narrow(0, offset + start, len)?)?;
+            let reference = reference_logits(&reference_hidden.narrow(0, offset + start, len)?)?;
             let targets = &tokens[start + 1..start + 1 + len];
             seq.tokens
-                .extend(kld_logits(&reference_logits, &logits, targets)?);
+                .extend(kld_logits(&reference, &model_logits, targets)?);
         }
         offset += tokens.len();
         out.push(seq);
