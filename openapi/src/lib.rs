@@ -276,6 +276,151 @@ pub struct KldResponse {
     pub usage: Usage,
 }
 
+/// `POST /diff`: exactly one of `tokens` and `text`. Needs a reference model (`--reference-model`)
+/// with the served model's layer count and hidden size.
+#[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct DiffRequest {
+    /// Token ids (one sequence or a batch). Ids are checked against the vocabulary.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tokens: Option<TokensInput>,
+    /// Text to tokenize with the model's tokenizer.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub text: Option<TextInput>,
+    /// With `text`: let the tokenizer add its special tokens (BOS). Default true.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub add_special_tokens: Option<bool>,
+    /// Return every layer's errors at every position too. Default false.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub per_position: Option<bool>,
+    /// The served model goes on from the reference's state after this decoder layer (0-based,
+    /// below `num_layers`), and after every layer before it: the error of the layers up to here
+    /// is then each layer's own, and with the last layer the final KLD is 0.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schema(minimum = 0)]
+    pub reference_until: Option<i64>,
+    /// Attribute the divergence to the quantized modules: `true` for every one, or an object
+    /// that chooses some. One forward of the reference per module: meant for a few windows.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub attribute: Option<AttributeInput>,
+}
+
+/// `attribute` of `/diff`.
+#[derive(Debug, Clone, PartialEq, Serialize, ToSchema)]
+#[serde(untagged)]
+pub enum AttributeInput {
+    /// `true`: every module whose weights differ in format from the reference's.
+    All(bool),
+    Select(AttributeSelection),
+}
+
+/// A boolean or an object only: serde's derive would also read a list as the selection's
+/// members in order, so `"attribute": []` would silently mean every module.
+impl<'de> Deserialize<'de> for AttributeInput {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        use serde::de::{value::MapAccessDeserializer, MapAccess, Visitor};
+        struct Input;
+        impl<'de> Visitor<'de> for Input {
+            type Value = AttributeInput;
+            fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                f.write_str("a boolean or an object with `layers` and/or `pattern`")
+            }
+            fn visit_bool<E>(self, v: bool) -> Result<Self::Value, E> {
+                Ok(AttributeInput::All(v))
+            }
+            fn visit_map<A: MapAccess<'de>>(self, map: A) -> Result<Self::Value, A::Error> {
+                AttributeSelection::deserialize(MapAccessDeserializer::new(map))
+                    .map(AttributeInput::Select)
+            }
+        }
+        d.deserialize_any(Input)
+    }
+}
+
+/// Which modules to attribute: those of `layers` whose name matches `pattern` (either may be
+/// left out).
+#[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct AttributeSelection {
+    /// First and last decoder layer, inclusive: `[10, 20]`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub layers: Option<Vec<i64>>,
+    /// A module name pattern: `*` matches any run of characters, everything else itself, and
+    /// the whole name must match (`*.mlp.down_proj`, `model.layers.3.*`, `lm_head`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pattern: Option<String>,
+}
+
+/// One decoder layer's output: the served model's residual stream against the reference's.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, ToSchema)]
+pub struct LayerDiff {
+    pub layer: usize,
+    /// Mean over the sequence's positions of `1 − cos(served, reference)` (sums in f64).
+    pub mean_cos_error: f64,
+    /// Mean over the positions of `10·log10(|reference|² / |served − reference|²)`, dB; every
+    /// position's value is within ±200 (200: identical states).
+    pub mean_sqnr_db: f64,
+    /// With `per_position`: at every position.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cos_error: Option<Vec<f64>>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub sqnr_db: Option<Vec<f64>>,
+    /// The served model went on from the reference's state after this layer
+    /// (`reference_until`); the errors above are taken before that.
+    pub reference_state_after: bool,
+}
+
+/// What `/diff` finds for one sequence.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, ToSchema)]
+pub struct SequenceLayerDiff {
+    /// Position of this sequence in the request.
+    pub index: usize,
+    /// Per decoder layer, in order.
+    pub layers: Vec<LayerDiff>,
+    /// The final divergence, as `/kld` gives it with `per_token: false`.
+    pub kld: SequenceDivergence,
+}
+
+/// One module's share of the divergence: the KLD of the reference with only this module's
+/// weights replaced by the served model's dequantized ones.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, ToSchema)]
+pub struct ModuleAttribution {
+    /// `model.layers.17.mlp.down_proj`, `lm_head`.
+    pub module: String,
+    /// The served model's format of it.
+    pub format: String,
+    /// Mean over every position of the request, nats.
+    pub mean_kld: f64,
+}
+
+/// Module attribution over every sequence of a request.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, ToSchema)]
+pub struct Attribution {
+    /// Positions the means are over.
+    pub positions: usize,
+    /// Mean KLD of the served model from the reference.
+    pub full_kld: f64,
+    /// Σ of the modules' mean KLDs.
+    pub sum_module_kld: f64,
+    /// `sum_module_kld / full_kld`: 1 when the modules' effects add up exactly; `null` when
+    /// the full KLD is 0.
+    pub additivity_ratio: Option<f64>,
+    /// Every attributed module, the largest KLD first.
+    pub modules: Vec<ModuleAttribution>,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, ToSchema)]
+pub struct DiffResponse {
+    pub model: String,
+    pub reference_model: String,
+    /// One entry per input sequence, in request order.
+    pub sequences: Vec<SequenceLayerDiff>,
+    /// With `attribute`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub attribution: Option<Attribution>,
+    pub usage: Usage,
+}
+
 /// Every error response: what went wrong, its category and, for validation errors, the
 /// offending field, the rule it broke and the value it had.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, ToSchema)]
@@ -283,7 +428,7 @@ pub struct ErrorBody {
     pub error: String,
     /// `invalid_json`, `validation`, `unauthorized`, `payload_too_large`, `overloaded`,
     /// `not_ready`, `timeout`, `internal`, `not_found`, `method_not_allowed`,
-    /// `unsupported_media_type`, `no_reference_model`.
+    /// `unsupported_media_type`, `no_reference_model`, `incompatible_reference`.
     pub kind: String,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub field: Option<String>,
@@ -396,6 +541,11 @@ pub struct ReferenceInfo {
     /// The reference's compute dtype (`--reference-dtype`); absent from older servers.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub dtype: Option<String>,
+    /// Absent (0) from older servers.
+    #[serde(default)]
+    pub num_layers: usize,
+    #[serde(default)]
+    pub hidden_size: usize,
 }
 
 /// One copy of a model: a chain of pipeline stages.

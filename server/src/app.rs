@@ -566,6 +566,8 @@ pub fn model_info(loaded: &Loaded, config: &Config, limits: Limits) -> ModelInfo
                     devices: r.device.names(),
                     placement: placement(|r| r.reference.as_ref()),
                     dtype: Some(dtype_name(r.dtype).into()),
+                    num_layers: placed.model.config().num_layers,
+                    hidden_size: placed.model.config().hidden_size,
                 }
             }),
     }

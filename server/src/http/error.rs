@@ -22,6 +22,12 @@ pub enum ApiError {
          unquantized checkpoint) to compute KL-divergences"
     )]
     NoReferenceModel,
+    /// The reference serves `/kld` but cannot be compared layer by layer (`/diff`): why.
+    #[error(
+        "the reference model cannot be compared with the served model layer by layer: \
+         {0}; /kld still works"
+    )]
+    IncompatibleReference(String),
     #[error("method {0} is not allowed on this route")]
     MethodNotAllowed(String),
     #[error("content type `{0}` is not JSON; send `Content-Type: application/json`")]
@@ -112,6 +118,7 @@ impl ApiError {
             Self::InvalidJson { .. } => StatusCode::BAD_REQUEST,
             Self::Unauthorized => StatusCode::UNAUTHORIZED,
             Self::NotFound(_) | Self::NoReferenceModel => StatusCode::NOT_FOUND,
+            Self::IncompatibleReference(_) => StatusCode::CONFLICT,
             Self::MethodNotAllowed(_) => StatusCode::METHOD_NOT_ALLOWED,
             Self::UnsupportedMediaType(_) => StatusCode::UNSUPPORTED_MEDIA_TYPE,
             Self::PayloadTooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
@@ -130,6 +137,7 @@ impl ApiError {
             Self::Unauthorized => "unauthorized",
             Self::NotFound(_) => "not_found",
             Self::NoReferenceModel => "no_reference_model",
+            Self::IncompatibleReference(_) => "incompatible_reference",
             Self::MethodNotAllowed(_) => "method_not_allowed",
             Self::UnsupportedMediaType(_) => "unsupported_media_type",
             Self::PayloadTooLarge { .. } => "payload_too_large",
@@ -173,6 +181,12 @@ impl ApiError {
                 Some("body".into()),
                 Some("max_body_bytes".into()),
                 Some(Value::from(*limit)),
+            ),
+            Self::NoReferenceModel => (Some("reference_model".into()), None, None),
+            Self::IncompatibleReference(_) => (
+                Some("reference_model".into()),
+                Some("same_layers_and_hidden_size".into()),
+                None,
             ),
             _ => (None, None, None),
         };
