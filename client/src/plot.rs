@@ -2,14 +2,17 @@
 //! mean NLL; with `exactscore kld` reports also a second row: the KLD spread band (median and
 //! p25–p75 of the per-token KLD against bits per weight, a bf16 noise floor as a dashed line where
 //! a report has one) and each report's per-token KLD histogram (log-spaced bins).
+//! `exactscore diff --plot`: per layer, the cosine error and the SQNR of one or several reports.
 //! `.svg` → SVG, anything else → PNG. Text uses a font compiled into the binary (Ubuntu Light from
 //! `epaint_default_fonts`), so no system fonts are needed.
 
 use std::path::Path;
 use std::sync::Once;
 
+use plotters::coord::types::RangedCoordf64;
 use plotters::prelude::*;
 
+use crate::diff::DiffReport;
 use crate::report::Report;
 
 #[derive(Debug, thiserror::Error)]
@@ -45,8 +48,18 @@ const PALETTE: [RGBColor; 8] = [
     RGBColor(127, 127, 127),
 ];
 
-/// Draw the comparison of `reports` (label, report) into `path`.
-pub fn plot(reports: &[(String, Report)], path: &Path) -> Result<(), PlotError> {
+/// A picture that plotters can draw on any backend.
+trait Picture {
+    fn draw<DB: DrawingBackend>(
+        &self,
+        root: DrawingArea<DB, plotters::coord::Shift>,
+    ) -> Result<(), String>
+    where
+        DB::ErrorType: 'static;
+}
+
+/// Draws `picture` of `size` pixels into `path`: `.svg` → SVG, anything else → PNG.
+fn render(path: &Path, size: (u32, u32), picture: &impl Picture) -> Result<(), PlotError> {
     register_fonts();
     let perr = |e: String| PlotError {
         path: path.display().to_string(),
@@ -55,18 +68,119 @@ pub fn plot(reports: &[(String, Report)], path: &Path) -> Result<(), PlotError> 
     let is_svg = path
         .extension()
         .is_some_and(|e| e.eq_ignore_ascii_case("svg"));
+    if is_svg {
+        picture
+            .draw(SVGBackend::new(path, size).into_drawing_area())
+            .map_err(perr)
+    } else {
+        picture
+            .draw(BitMapBackend::new(path, size).into_drawing_area())
+            .map_err(perr)
+    }
+}
+
+/// The charts of `exactscore compare`.
+struct Comparison<'a>(&'a [(String, Report)]);
+
+impl Picture for Comparison<'_> {
+    fn draw<DB: DrawingBackend>(
+        &self,
+        root: DrawingArea<DB, plotters::coord::Shift>,
+    ) -> Result<(), String>
+    where
+        DB::ErrorType: 'static,
+    {
+        draw(root, self.0)
+    }
+}
+
+/// Draw the comparison of `reports` (label, report) into `path`.
+pub fn plot(reports: &[(String, Report)], path: &Path) -> Result<(), PlotError> {
     let rows = if reports.iter().any(|(_, r)| r.kld.is_some()) {
         2
     } else {
         1
     };
-    let size = (1400, 560 * rows);
-    if is_svg {
-        let root = SVGBackend::new(path, size).into_drawing_area();
-        draw(root, reports).map_err(perr)
-    } else {
-        let root = BitMapBackend::new(path, size).into_drawing_area();
-        draw(root, reports).map_err(perr)
+    render(path, (1400, 560 * rows), &Comparison(reports))
+}
+
+/// The charts of `exactscore diff`: per layer, the cosine error (log scale) and the SQNR of
+/// every report.
+struct LayerErrors<'a>(&'a [(String, DiffReport)]);
+
+/// Draw the per-layer errors of `reports` (label, report) into `path`.
+pub fn plot_diff(reports: &[(String, DiffReport)], path: &Path) -> Result<(), PlotError> {
+    render(path, (1400, 560), &LayerErrors(reports))
+}
+
+impl Picture for LayerErrors<'_> {
+    fn draw<DB: DrawingBackend>(
+        &self,
+        root: DrawingArea<DB, plotters::coord::Shift>,
+    ) -> Result<(), String>
+    where
+        DB::ErrorType: 'static,
+    {
+        let e = |x: DrawingAreaErrorKind<DB::ErrorType>| x.to_string();
+        root.fill(&WHITE).map_err(e)?;
+        let (left, right) = root.split_horizontally(700);
+        let layers = self
+            .0
+            .iter()
+            .map(|(_, r)| r.layers.len())
+            .max()
+            .unwrap_or(1);
+        let x = -0.5..layers as f64 - 0.5;
+        let layer_ticks = (layers + 1).min(17);
+        let cos = |l: &crate::diff::LayerSummary| l.mean_cos_error.max(1e-12);
+        let sqnr = |l: &crate::diff::LayerSummary| l.mean_sqnr_db;
+        let (c0, c1) = range(
+            self.0
+                .iter()
+                .flat_map(|(_, r)| r.layers.iter().map(|l| cos(l).log10())),
+            0.0,
+        );
+        let (s0, s1) = range(
+            self.0.iter().flat_map(|(_, r)| r.layers.iter().map(sqnr)),
+            0.08,
+        );
+        let mut chart = ChartBuilder::on(&left)
+            .caption("Cosine error per layer", ("sans-serif", 22))
+            .margin(12)
+            .x_label_area_size(40)
+            .y_label_area_size(70)
+            .build_cartesian_2d(
+                x.clone(),
+                (10f64.powf(c0 - 0.2)..10f64.powf(c1 + 0.2)).log_scale(),
+            )
+            .map_err(e)?;
+        chart
+            .configure_mesh()
+            .x_desc("decoder layer")
+            .x_labels(layer_ticks)
+            .x_label_formatter(&whole_numbers)
+            .y_desc("mean 1 − cos (log scale)")
+            .y_label_formatter(&|v| format!("{v:.0e}"))
+            .draw()
+            .map_err(e)?;
+        per_layer_lines(&mut chart, self.0, cos, SeriesLabelPosition::LowerRight)?;
+        let mut chart = ChartBuilder::on(&right)
+            .caption("SQNR per layer", ("sans-serif", 22))
+            .margin(12)
+            .x_label_area_size(40)
+            .y_label_area_size(60)
+            .build_cartesian_2d(x, s0..s1)
+            .map_err(e)?;
+        chart
+            .configure_mesh()
+            .x_desc("decoder layer")
+            .x_labels(layer_ticks)
+            .x_label_formatter(&whole_numbers)
+            .y_desc("mean SQNR (dB)")
+            .draw()
+            .map_err(e)?;
+        per_layer_lines(&mut chart, self.0, sqnr, SeriesLabelPosition::UpperRight)?;
+        root.present().map_err(e)
     }
 }
 
@@ -303,6 +417,54 @@ fn kld_label(x: &f64) -> String {
     } else {
         format!("{x:.0e}")
     }
+}
+
+/// A layer axis's label: its whole numbers only.
+fn whole_numbers(v: &f64) -> String {
+    if (v - v.round()).abs() < 1e-9 {
+        format!("{}", v.round() as i64)
+    } else {
+        String::new()
+    }
+}
+
+/// One line with points per report: `value` of every layer, with a legend at `legend`.
+fn per_layer_lines<'a, DB: 'a, Y>(
+    chart: &mut ChartContext<'a, DB, Cartesian2d<RangedCoordf64, Y>>,
+    reports: &[(String, DiffReport)],
+    value: impl Fn(&crate::diff::LayerSummary) -> f64,
+    legend: SeriesLabelPosition,
+) -> Result<(), String>
+where
+    DB: DrawingBackend,
+    DB::ErrorType: 'static,
+    Y: Ranged<ValueType = f64>,
+{
+    let e = |x: DrawingAreaErrorKind<DB::ErrorType>| x.to_string();
+    for (i, (label, r)) in reports.iter().enumerate() {
+        let c = PALETTE[i % PALETTE.len()];
+        let points: Vec<(f64, f64)> = r
+            .layers
+            .iter()
+            .map(|l| (l.layer as f64, value(l)))
+            .collect();
+        chart
+            .draw_series(LineSeries::new(points.clone(), c.stroke_width(2)))
+            .map_err(e)?
+            .label(label.clone())
+            .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 18, y)], c.stroke_width(2)));
+        chart
+            .draw_series(points.iter().map(|&p| Circle::new(p, 3, c.filled())))
+            .map_err(e)?;
+    }
+    chart
+        .configure_series_labels()
+        .position(legend)
+        .background_style(WHITE.mix(0.85))
+        .border_style(BLACK)
+        .label_font(("sans-serif", 14))
+        .draw()
+        .map_err(e)
 }
 
 /// Median KLD (line and points) with its p25–p75 band against bits per weight, log KLD axis;

@@ -258,3 +258,90 @@ async fn ppl_compare_plot_and_score() {
     .await;
     assert!(String::from_utf8(out.stdout).unwrap().contains('\x1b'));
 }
+
+/// `exactscore diff --from`: saved reports printed (layer and attribution tables) and drawn on
+/// one chart; without a server or a report it names what is missing.
+#[tokio::test]
+async fn diff_reports_print_and_plot() {
+    use exactscore_client::diff::{AttributionSummary, FinalKld, LayerSummary};
+    use exactscore_client::DiffReport;
+
+    let dir = tempfile::tempdir().unwrap();
+    let report = |scale: f64| DiffReport {
+        server: "http://gpu0:8000".into(),
+        server_info: None,
+        dataset: "wikitext2".into(),
+        ctx: 2048,
+        windows: 4,
+        tokens: 8192,
+        reference_until: None,
+        layers: (0..3)
+            .map(|layer| LayerSummary {
+                layer,
+                mean_cos_error: scale * (layer + 1) as f64 * 1e-3,
+                mean_sqnr_db: 30.0 - 5.0 * layer as f64 - scale,
+                reference_state_after: false,
+            })
+            .collect(),
+        kld: FinalKld {
+            positions: 8188,
+            mean_kld: 0.05 * scale,
+            mean_reverse_kld: 0.049 * scale,
+            top_k_agreement: vec![0.9, 0.8, 0.7, 0.6, 0.5],
+        },
+        attribution: Some(AttributionSummary {
+            positions: 8188,
+            full_kld: 0.05 * scale,
+            sum_module_kld: 0.045 * scale,
+            additivity_ratio: Some(0.9),
+            modules: (0..25)
+                .map(|m| exactscore_api::ModuleAttribution {
+                    module: format!("model.layers.{m}.mlp.down_proj"),
+                    format: "int4 g128 sym".into(),
+                    mean_kld: 0.01 / (m + 1) as f64,
+                })
+                .collect(),
+        }),
+        wall_time_s: 1.5,
+    };
+    let paths: Vec<String> = [1.0, 2.0]
+        .iter()
+        .enumerate()
+        .map(|(i, &scale)| {
+            let p = dir.path().join(format!("diff{i}.json"));
+            std::fs::write(&p, serde_json::to_string(&report(scale)).unwrap()).unwrap();
+            p.to_str().unwrap().to_string()
+        })
+        .collect();
+    let png = dir.path().join("layers.png");
+    let mut args = s(&["diff", "--top", "3", "--plot", png.to_str().unwrap()]);
+    for p in &paths {
+        args.extend(s(&["--from", p]));
+    }
+    let out = exactscore(args).await;
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let stdout = String::from_utf8(out.stdout).unwrap();
+    assert!(
+        stdout.contains("module attribution: top 3 of 25 modules"),
+        "{stdout}"
+    );
+    assert!(stdout.contains("model.layers.2.mlp.down_proj"), "{stdout}");
+    assert!(
+        !stdout.contains("model.layers.3.mlp.down_proj"),
+        "only the top 3: {stdout}"
+    );
+    assert!(stdout.contains("additivity ratio 0.9000"), "{stdout}");
+    assert!(
+        stdout.contains("    2     6.0000e-3     18.000"),
+        "{stdout}"
+    );
+    assert_eq!(&std::fs::read(&png).unwrap()[..4], b"\x89PNG");
+
+    let out = exactscore(s(&["diff"])).await;
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("--server"));
+}

@@ -220,3 +220,126 @@ async fn diff_needs_a_reference_with_the_same_layers() {
     let _ = server.stop.send(());
     server.done.await.unwrap().unwrap();
 }
+
+/// `exactscore diff` (the library's `run_diff`): the report's per-layer means, final KLD and
+/// attribution equal the model-level computation over the same windows; its table and plot.
+#[tokio::test]
+async fn diff_runner_aggregates_equal_a_direct_computation() {
+    use exactscore_api::AttributeInput;
+    use exactscore_client::dataset::DatasetOptions;
+    use exactscore_client::windows::{windows, Method, WindowParams};
+    use exactscore_client::{run_diff, DiffConfig};
+
+    let reference_dir = fixture(REFERENCE);
+    let server = start(
+        SERVED,
+        &["--reference-model", reference_dir.to_str().unwrap()],
+    )
+    .await;
+    let dir = tempfile::tempdir().unwrap();
+    let spec = common::dataset(dir.path());
+    let mut config = DiffConfig::new(server.base.clone(), spec.clone());
+    (config.ctx, config.windows) = (128, 3);
+    config.attribute = Some(AttributeInput::All(true));
+    let report = run_diff(config).await.unwrap();
+    assert_eq!((report.windows, report.tokens), (3, 3 * 128));
+
+    let text = exactscore_client::dataset::load(&spec, &DatasetOptions::default())
+        .unwrap()
+        .text;
+    let tok = tokenizers::Tokenizer::from_file(fixture(SERVED).join("tokenizer.json")).unwrap();
+    let ids = tok.encode(text.as_str(), true).unwrap().get_ids().to_vec();
+    let params = WindowParams {
+        method: Method::Exl3,
+        ctx: 128,
+        stride: 128,
+        prefix_token: None,
+        max_windows: Some(3),
+    };
+    let seqs: Vec<Vec<u32>> = windows(ids.len(), &params)
+        .unwrap()
+        .iter()
+        .map(|w| w.sequence(&ids))
+        .collect();
+    let refs: Vec<&[u32]> = seqs.iter().map(Vec::as_slice).collect();
+    let (served, reference) = (load_model(SERVED), load_model(REFERENCE));
+    let modules = exactscore_server::model::diff::attributable_modules(&served, &reference);
+    let options = DiffOptions {
+        attribute: modules.clone(),
+        ..DiffOptions::default()
+    };
+    let direct = diff_batch(&served, &reference, &refs, &options).unwrap();
+    let close = |got: f64, want: f64, what: &str| {
+        assert!(
+            (got - want).abs() <= 1e-12 * want.abs().max(1.0),
+            "{what}: {got} vs {want}"
+        )
+    };
+    for (l, layer) in report.layers.iter().enumerate() {
+        let all: Vec<f64> = direct
+            .iter()
+            .flat_map(|d| d.layers[l].cos_error.iter().copied())
+            .collect();
+        close(
+            layer.mean_cos_error,
+            all.iter().sum::<f64>() / all.len() as f64,
+            "cos",
+        );
+        let all: Vec<f64> = direct
+            .iter()
+            .flat_map(|d| d.layers[l].sqnr_db.iter().copied())
+            .collect();
+        close(
+            layer.mean_sqnr_db,
+            all.iter().sum::<f64>() / all.len() as f64,
+            "sqnr",
+        );
+    }
+    let positions: usize = direct.iter().map(|d| d.kld.num_scored()).sum();
+    let n = positions as f64;
+    close(
+        report.kld.mean_kld,
+        direct.iter().map(|d| d.kld.sum_kld()).sum::<f64>() / n,
+        "mean KLD",
+    );
+    let same: usize = direct.iter().map(|d| d.kld.same_top_count()).sum();
+    close(
+        report.kld.top_k_agreement[0],
+        same as f64 / n,
+        "top-1 agreement",
+    );
+    let a = report.attribution.as_ref().unwrap();
+    for m in &a.modules {
+        let i = modules.iter().position(|x| *x == m.module).unwrap();
+        close(
+            m.mean_kld,
+            direct.iter().map(|d| d.modules[i]).sum::<f64>() / n,
+            &m.module,
+        );
+    }
+    let table = report.to_table(5);
+    for row in [
+        "layer",
+        "cos error",
+        "SQNR dB",
+        "final KLD",
+        "module attribution: top 5 of 14",
+        "additivity ratio",
+    ] {
+        assert!(table.contains(row), "{row} missing from\n{table}");
+    }
+    println!("{table}");
+    let plot = dir.path().join("layers.svg");
+    exactscore_client::plot::plot_diff(&[("w4a16".into(), report.clone())], &plot).unwrap();
+    let svg = std::fs::read_to_string(&plot).unwrap();
+    for text in [
+        "Cosine error per layer",
+        "SQNR per layer",
+        "mean SQNR (dB)",
+        "decoder layer",
+    ] {
+        assert!(svg.contains(text), "{text} missing from the plot");
+    }
+    let _ = server.stop.send(());
+    server.done.await.unwrap().unwrap();
+}
