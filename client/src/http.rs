@@ -9,9 +9,9 @@ use std::net::SocketAddr;
 use std::time::Duration;
 
 use exactscore_api::{
-    DetokenizeRequest, DetokenizeResponse, ErrorBody, Health, KldRequest, KldResponse, ModelInfo,
-    ReturnOptions, ScoreRequest, ScoreResponse, SequenceDivergence, TextInput, TokenizeRequest,
-    TokenizeResponse, TokenizerInfo, TokensInput,
+    DetokenizeRequest, DetokenizeResponse, DiffRequest, DiffResponse, ErrorBody, Health,
+    KldRequest, KldResponse, ModelInfo, ReturnOptions, ScoreRequest, ScoreResponse,
+    SequenceDivergence, TextInput, TokenizeRequest, TokenizeResponse, TokenizerInfo, TokensInput,
 };
 use rand::Rng;
 use reqwest::{Method, StatusCode};
@@ -246,6 +246,11 @@ impl Client {
         };
         let resp = self.kld(&req).await?;
         self.only_sequence("/kld", resp.sequences)
+    }
+
+    /// `POST /diff`: the served model against the server's reference model, layer by layer.
+    pub async fn diff(&self, req: &DiffRequest) -> Result<DiffResponse, ClientError> {
+        self.json(Method::POST, "/diff", Some(req)).await
     }
 
     /// The answer to a one-sequence request, refusing any other count.

@@ -1,10 +1,11 @@
 //! ExactScore client: a typed async client of the ExactScore server ([`http`]), window arithmetic
 //! ([`windows`]), datasets ([`dataset`]), tokenization ([`tokenize`]), the perplexity runner
 //! ([`runner::run_ppl`], which also runs `exactscore kld`), KL-divergence statistics ([`kld`]),
-//! one endpoint per address of a server name ([`resolve`]), reports ([`report`]) and plots
-//! ([`plot`]).
+//! one endpoint per address of a server name ([`resolve`]), reports ([`report`]), the
+//! per-layer comparison of `exactscore diff` ([`diff`]) and plots ([`plot`]).
 
 pub mod dataset;
+pub mod diff;
 pub mod http;
 pub mod kld;
 pub mod plot;
@@ -15,6 +16,7 @@ pub mod term;
 pub mod tokenize;
 pub mod windows;
 
+pub use diff::{run_diff, DiffConfig, DiffReport};
 pub use http::{Client, ClientConfig, ClientError, RetryPolicy};
 pub use kld::{KldStats, KldWindow};
 pub use report::{Report, Stats, WindowResult};

@@ -7,12 +7,13 @@ use std::time::Duration;
 
 use anyhow::Context as _;
 use clap::{Args, Parser, Subcommand};
-use exactscore_api::{ReturnOptions, ScoreRequest, TextInput};
+use exactscore_api::{AttributeInput, AttributeSelection, ReturnOptions, ScoreRequest, TextInput};
 use exactscore_client::dataset::{DatasetOptions, DatasetSpec};
 use exactscore_client::term::{self, ColorChoice};
 use exactscore_client::tokenize::TokenizeMode;
 use exactscore_client::{
-    plot, run_ppl, Client, ClientConfig, Method, PplConfig, PplError, Report, RetryPolicy, Task,
+    plot, run_diff, run_ppl, Client, ClientConfig, DiffConfig, DiffReport, Method, PplConfig,
+    PplError, Report, RetryPolicy, Task,
 };
 
 #[derive(Parser)]
@@ -27,10 +28,15 @@ enum Command {
     /// Perplexity of a dataset, windows spread over one or more servers.
     Ppl(PplArgs),
     /// KL-divergence from the server's reference model (`--reference-model`) over a dataset,
-    /// with both perplexities: llama.cpp's `--kl-divergence` statistics. Same options as `ppl`.
-    Kld(PplArgs),
+    /// with both perplexities: llama.cpp's `--kl-divergence` statistics, top-K agreement, the
+    /// reverse divergence and the KLD by reference confidence. Same options as `ppl`.
+    Kld(KldArgs),
     /// Compare reports of `exactscore ppl/kld --json` (table, optional plot).
     Compare(CompareArgs),
+    /// Where the quantization error enters: the server's `/diff` over a few windows (per
+    /// layer: cosine error and SQNR against the reference; the final KLD; with --attribute,
+    /// every quantized module's share of it).
+    Diff(DiffArgs),
     /// Per-token log-probabilities of a text, as a table.
     Score(ScoreArgs),
     /// The server's /info as JSON.
@@ -110,6 +116,73 @@ struct PplArgs {
 }
 
 #[derive(Args)]
+struct KldArgs {
+    #[command(flatten)]
+    run: PplArgs,
+    /// Also run the same windows against this server, whose served model and reference are one
+    /// checkpoint in two dtypes (`--dtype bf16 --reference-dtype f32`), and report the KLD that
+    /// bf16 arithmetic alone causes beside the quantization's.
+    #[arg(long)]
+    noise_floor_server: Option<String>,
+}
+
+#[derive(Args)]
+struct DiffArgs {
+    /// Server base URL; its `--reference-model` is the reference.
+    #[arg(long, env = "EXACTSCORE_SERVER", required_unless_present = "from")]
+    server: Option<String>,
+    #[arg(long, env = "EXACTSCORE_API_KEY", hide_env_values = true)]
+    api_key: Option<String>,
+    /// `wikitext2`, or a `.txt`, `.txt.gz`, `.jsonl` or `.parquet` file.
+    #[arg(long, default_value = "wikitext2")]
+    dataset: String,
+    /// Field (`.jsonl`) or column (`.parquet`) holding the text.
+    #[arg(long, alias = "column", default_value = "text")]
+    field: String,
+    /// Where `wikitext-2-raw-test.txt.gz` is (default: tests/fixtures/corpus/ of the repository).
+    #[arg(long, env = "EXACTSCORE_WIKITEXT_PATH")]
+    wikitext_path: Option<PathBuf>,
+    /// Tokens per window.
+    #[arg(long, default_value_t = 2048)]
+    ctx: usize,
+    /// Windows: the first N non-overlapping stretches of --ctx tokens.
+    #[arg(long, default_value_t = 4)]
+    windows: usize,
+    /// The served model goes on from the reference's state after this decoder layer (0-based).
+    #[arg(long)]
+    reference_until: Option<usize>,
+    /// Attribute the KLD to every quantized module (one reference forward per module).
+    #[arg(long)]
+    attribute: bool,
+    /// With --attribute: only the modules of decoder layers FIRST-LAST (inclusive).
+    #[arg(long, requires = "attribute", value_name = "FIRST-LAST")]
+    attribute_layers: Option<String>,
+    /// With --attribute: only the modules whose name matches (`*`: any run of characters),
+    /// e.g. `*.mlp.down_proj`.
+    #[arg(long, requires = "attribute")]
+    attribute_pattern: Option<String>,
+    /// Modules shown in the attribution table.
+    #[arg(long, default_value_t = 20)]
+    top: usize,
+    /// Where the text is tokenized.
+    #[arg(long, value_enum, default_value_t = TokenizeMode::Local)]
+    tokenize: TokenizeMode,
+    /// Write the report as JSON here.
+    #[arg(long)]
+    json: Option<PathBuf>,
+    /// Draw cos error and SQNR per layer of this run and of every --from report (`.png` or
+    /// `.svg`).
+    #[arg(long)]
+    plot: Option<PathBuf>,
+    /// Reports of earlier `exactscore diff --json` runs: printed, and drawn with --plot.
+    #[arg(long)]
+    from: Vec<PathBuf>,
+    /// Time limit of the request, seconds.
+    #[arg(long, default_value_t = 3600)]
+    timeout: u64,
+}
+
+#[derive(Args)]
 struct CompareArgs {
     /// Report files (`exactscore ppl --json`).
     #[arg(required = true)]
@@ -148,9 +221,10 @@ fn client(conn: &ConnArgs) -> anyhow::Result<Client> {
     })?)
 }
 
-async fn ppl(args: PplArgs, task: Task) -> anyhow::Result<()> {
+async fn ppl(args: PplArgs, task: Task, noise_floor_server: Option<String>) -> anyhow::Result<()> {
     let mut cfg = PplConfig::new(args.servers, DatasetSpec::parse(&args.dataset)?);
     cfg.task = task;
+    cfg.noise_floor_server = noise_floor_server;
     cfg.api_key = args.api_key;
     cfg.dataset_options = DatasetOptions {
         field: Some(args.field),
@@ -293,6 +367,68 @@ fn compare(args: CompareArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// `FIRST-LAST` of --attribute-layers.
+fn layer_range(s: &str) -> anyhow::Result<Vec<i64>> {
+    let parse = |v: &str| v.trim().parse::<i64>();
+    match s.split_once('-').map(|(a, b)| (parse(a), parse(b))) {
+        Some((Ok(a), Ok(b))) => Ok(vec![a, b]),
+        _ => anyhow::bail!("--attribute-layers {s:?}: expected FIRST-LAST, e.g. 10-20"),
+    }
+}
+
+async fn diff(args: DiffArgs) -> anyhow::Result<()> {
+    let mut reports: Vec<(String, DiffReport)> = Vec::new();
+    for p in &args.from {
+        let s = std::fs::read_to_string(p).with_context(|| format!("reading {}", p.display()))?;
+        let r: DiffReport = serde_json::from_str(&s)
+            .with_context(|| format!("{}: not an `exactscore diff` report", p.display()))?;
+        let label = r.label();
+        reports.push((label, r));
+    }
+    if let Some(server) = args.server {
+        let mut cfg = DiffConfig::new(server, DatasetSpec::parse(&args.dataset)?);
+        cfg.api_key = args.api_key;
+        cfg.dataset_options = DatasetOptions {
+            field: Some(args.field),
+            wikitext_path: args.wikitext_path,
+        };
+        (cfg.ctx, cfg.windows, cfg.reference_until) =
+            (args.ctx, args.windows, args.reference_until);
+        cfg.tokenize = args.tokenize;
+        cfg.timeout = Duration::from_secs(args.timeout);
+        cfg.attribute = match (
+            args.attribute,
+            args.attribute_layers,
+            args.attribute_pattern,
+        ) {
+            (false, ..) => None,
+            (true, None, None) => Some(AttributeInput::All(true)),
+            (true, layers, pattern) => Some(AttributeInput::Select(AttributeSelection {
+                layers: layers.as_deref().map(layer_range).transpose()?,
+                pattern,
+            })),
+        };
+        let report = run_diff(cfg).await?;
+        if let Some(path) = &args.json {
+            let s = serde_json::to_string_pretty(&report)?;
+            std::fs::write(path, s).with_context(|| format!("writing {}", path.display()))?;
+        }
+        let label = report.label();
+        reports.push((label, report));
+    }
+    for (i, (_, r)) in reports.iter().enumerate() {
+        if i > 0 {
+            println!();
+        }
+        print!("{}", r.to_table(args.top));
+    }
+    if let Some(p) = args.plot {
+        plot::plot_diff(&reports, &p)?;
+        eprintln!("wrote {}", p.display());
+    }
+    Ok(())
+}
+
 async fn score(args: ScoreArgs) -> anyhow::Result<()> {
     let c = client(&args.conn)?;
     let req = ScoreRequest {
@@ -389,9 +525,10 @@ async fn score(args: ScoreArgs) -> anyhow::Result<()> {
 
 async fn run(cli: Cli) -> anyhow::Result<()> {
     match cli.command {
-        Command::Ppl(a) => ppl(a, Task::Ppl).await,
-        Command::Kld(a) => ppl(a, Task::Kld).await,
+        Command::Ppl(a) => ppl(a, Task::Ppl, None).await,
+        Command::Kld(a) => ppl(a.run, Task::Kld, a.noise_floor_server).await,
         Command::Compare(a) => compare(a),
+        Command::Diff(a) => diff(a).await,
         Command::Score(a) => score(a).await,
         Command::Info(a) => {
             let info = client(&a)?.info().await?;

@@ -1,13 +1,18 @@
 //! `exactscore compare --plot`: perplexity (or mean KLD) vs bits per weight, and per-window
-//! mean NLL.
+//! mean NLL; with `exactscore kld` reports also a second row: the KLD spread band (median and
+//! p25–p75 of the per-token KLD against bits per weight, a bf16 noise floor as a dashed line where
+//! a report has one) and each report's per-token KLD histogram (log-spaced bins).
+//! `exactscore diff --plot`: per layer, the cosine error and the SQNR of one or several reports.
 //! `.svg` → SVG, anything else → PNG. Text uses a font compiled into the binary (Ubuntu Light from
 //! `epaint_default_fonts`), so no system fonts are needed.
 
 use std::path::Path;
 use std::sync::Once;
 
+use plotters::coord::types::RangedCoordf64;
 use plotters::prelude::*;
 
+use crate::diff::DiffReport;
 use crate::report::Report;
 
 #[derive(Debug, thiserror::Error)]
@@ -43,8 +48,18 @@ const PALETTE: [RGBColor; 8] = [
     RGBColor(127, 127, 127),
 ];
 
-/// Draw the comparison of `reports` (label, report) into `path`.
-pub fn plot(reports: &[(String, Report)], path: &Path) -> Result<(), PlotError> {
+/// A picture that plotters can draw on any backend.
+trait Picture {
+    fn draw<DB: DrawingBackend>(
+        &self,
+        root: DrawingArea<DB, plotters::coord::Shift>,
+    ) -> Result<(), String>
+    where
+        DB::ErrorType: 'static;
+}
+
+/// Draws `picture` of `size` pixels into `path`: `.svg` → SVG, anything else → PNG.
+fn render(path: &Path, size: (u32, u32), picture: &impl Picture) -> Result<(), PlotError> {
     register_fonts();
     let perr = |e: String| PlotError {
         path: path.display().to_string(),
@@ -53,13 +68,119 @@ pub fn plot(reports: &[(String, Report)], path: &Path) -> Result<(), PlotError> 
     let is_svg = path
         .extension()
         .is_some_and(|e| e.eq_ignore_ascii_case("svg"));
-    let size = (1400, 560);
     if is_svg {
-        let root = SVGBackend::new(path, size).into_drawing_area();
-        draw(root, reports).map_err(perr)
+        picture
+            .draw(SVGBackend::new(path, size).into_drawing_area())
+            .map_err(perr)
     } else {
-        let root = BitMapBackend::new(path, size).into_drawing_area();
-        draw(root, reports).map_err(perr)
+        picture
+            .draw(BitMapBackend::new(path, size).into_drawing_area())
+            .map_err(perr)
+    }
+}
+
+/// The charts of `exactscore compare`.
+struct Comparison<'a>(&'a [(String, Report)]);
+
+impl Picture for Comparison<'_> {
+    fn draw<DB: DrawingBackend>(
+        &self,
+        root: DrawingArea<DB, plotters::coord::Shift>,
+    ) -> Result<(), String>
+    where
+        DB::ErrorType: 'static,
+    {
+        draw(root, self.0)
+    }
+}
+
+/// Draw the comparison of `reports` (label, report) into `path`.
+pub fn plot(reports: &[(String, Report)], path: &Path) -> Result<(), PlotError> {
+    let rows = if reports.iter().any(|(_, r)| r.kld.is_some()) {
+        2
+    } else {
+        1
+    };
+    render(path, (1400, 560 * rows), &Comparison(reports))
+}
+
+/// The charts of `exactscore diff`: per layer, the cosine error (log scale) and the SQNR of
+/// every report.
+struct LayerErrors<'a>(&'a [(String, DiffReport)]);
+
+/// Draw the per-layer errors of `reports` (label, report) into `path`.
+pub fn plot_diff(reports: &[(String, DiffReport)], path: &Path) -> Result<(), PlotError> {
+    render(path, (1400, 560), &LayerErrors(reports))
+}
+
+impl Picture for LayerErrors<'_> {
+    fn draw<DB: DrawingBackend>(
+        &self,
+        root: DrawingArea<DB, plotters::coord::Shift>,
+    ) -> Result<(), String>
+    where
+        DB::ErrorType: 'static,
+    {
+        let e = |x: DrawingAreaErrorKind<DB::ErrorType>| x.to_string();
+        root.fill(&WHITE).map_err(e)?;
+        let (left, right) = root.split_horizontally(700);
+        let layers = self
+            .0
+            .iter()
+            .map(|(_, r)| r.layers.len())
+            .max()
+            .unwrap_or(1);
+        let x = -0.5..layers as f64 - 0.5;
+        let layer_ticks = (layers + 1).min(17);
+        let cos = |l: &crate::diff::LayerSummary| l.mean_cos_error.max(1e-12);
+        let sqnr = |l: &crate::diff::LayerSummary| l.mean_sqnr_db;
+        let (c0, c1) = range(
+            self.0
+                .iter()
+                .flat_map(|(_, r)| r.layers.iter().map(|l| cos(l).log10())),
+            0.0,
+        );
+        let (s0, s1) = range(
+            self.0.iter().flat_map(|(_, r)| r.layers.iter().map(sqnr)),
+            0.08,
+        );
+        let mut chart = ChartBuilder::on(&left)
+            .caption("Cosine error per layer", ("sans-serif", 22))
+            .margin(12)
+            .x_label_area_size(40)
+            .y_label_area_size(70)
+            .build_cartesian_2d(
+                x.clone(),
+                (10f64.powf(c0 - 0.2)..10f64.powf(c1 + 0.2)).log_scale(),
+            )
+            .map_err(e)?;
+        chart
+            .configure_mesh()
+            .x_desc("decoder layer")
+            .x_labels(layer_ticks)
+            .x_label_formatter(&whole_numbers)
+            .y_desc("mean 1 − cos (log scale)")
+            .y_label_formatter(&|v| format!("{v:.0e}"))
+            .draw()
+            .map_err(e)?;
+        per_layer_lines(&mut chart, self.0, cos, SeriesLabelPosition::LowerRight)?;
+        let mut chart = ChartBuilder::on(&right)
+            .caption("SQNR per layer", ("sans-serif", 22))
+            .margin(12)
+            .x_label_area_size(40)
+            .y_label_area_size(60)
+            .build_cartesian_2d(x, s0..s1)
+            .map_err(e)?;
+        chart
+            .configure_mesh()
+            .x_desc("decoder layer")
+            .x_labels(layer_ticks)
+            .x_label_formatter(&whole_numbers)
+            .y_desc("mean SQNR (dB)")
+            .draw()
+            .map_err(e)?;
+        per_layer_lines(&mut chart, self.0, sqnr, SeriesLabelPosition::UpperRight)?;
+        root.present().map_err(e)
     }
 }
 
@@ -72,7 +193,13 @@ where
 {
     let e = |x: DrawingAreaErrorKind<DB::ErrorType>| x.to_string();
     root.fill(&WHITE).map_err(e)?;
-    let (left, right) = root.split_horizontally(560);
+    let (top, bottom) = root.split_vertically(560);
+    if reports.iter().any(|(_, r)| r.kld.is_some()) {
+        let (left, right) = bottom.split_horizontally(560);
+        draw_kld_spread(&left, reports)?;
+        draw_kld_histograms(&right, reports)?;
+    }
+    let (left, right) = top.split_horizontally(560);
 
     // Left: perplexity (or, when every report is an `exactscore kld` one, the mean KLD from
     // the reference) vs bits per weight.
@@ -202,4 +329,362 @@ fn range(values: impl Iterator<Item = f64>, pad: f64) -> (f64, f64) {
         return (lo - p, hi + p);
     }
     (lo - span * pad, hi + span * pad.max(0.0001))
+}
+
+/// One report's per-token KLD quartiles at its bits per weight.
+#[derive(Debug, Clone, PartialEq)]
+pub struct SpreadPoint {
+    /// Index of the report (its colour).
+    pub report: usize,
+    pub bits_per_weight: f64,
+    pub p25: f64,
+    pub median: f64,
+    pub p75: f64,
+}
+
+/// The KLD spread of every `exactscore kld` report with a known bits per weight, by bits per
+/// weight (reports from before p25/p75 existed have them 0 and are left out).
+pub fn spread_points(reports: &[(String, Report)]) -> Vec<SpreadPoint> {
+    let mut points: Vec<SpreadPoint> = reports
+        .iter()
+        .enumerate()
+        .filter_map(|(report, (_, r))| {
+            let k = r.kld.as_ref()?;
+            let bits_per_weight = r.server_info.as_ref()?.bits_per_weight;
+            let point = SpreadPoint {
+                report,
+                bits_per_weight,
+                p25: k.p25_kld,
+                median: k.median_kld,
+                p75: k.p75_kld,
+            };
+            let known = [bits_per_weight, point.p25, point.median, point.p75]
+                .iter()
+                .all(|v| v.is_finite())
+                && point.p75 >= point.p25
+                && point.p75 > 0.0;
+            known.then_some(point)
+        })
+        .collect();
+    points.sort_by(|a, b| a.bits_per_weight.total_cmp(&b.bits_per_weight));
+    points
+}
+
+/// The smallest KLD the log axes show: smaller values (a model against itself: 0) sit on it.
+pub const KLD_FLOOR: f64 = 1e-6;
+
+fn log_kld(k: f64) -> f64 {
+    k.max(KLD_FLOOR).log10()
+}
+
+/// A KLD range for a log axis covering `values` (clamped at [`KLD_FLOOR`]), padded by a
+/// quarter of a decade on both sides.
+fn log_range(values: impl Iterator<Item = f64>) -> (f64, f64) {
+    let (lo, hi) = range(values.map(log_kld), 0.0);
+    (10f64.powf(lo - 0.25), 10f64.powf(hi + 0.25))
+}
+
+/// Bins of [`kld_histogram`]: per decade of KLD.
+pub const BINS_PER_DECADE: usize = 8;
+
+/// A histogram of per-token KLDs over log-spaced bins from [`KLD_FLOOR`] up: per bin, the
+/// log10 of its lower edge and the share of the tokens in it, in percent (values at or below
+/// the floor in the first bin). Empty for no values.
+pub fn kld_histogram(values: &[f64]) -> Vec<(f64, f64)> {
+    if values.is_empty() {
+        return Vec::new();
+    }
+    let width = 1.0 / BINS_PER_DECADE as f64;
+    let lowest = KLD_FLOOR.log10();
+    let bin = |k: f64| ((log_kld(k) - lowest) / width).floor().max(0.0) as usize;
+    let top = values.iter().map(|&k| bin(k)).max().unwrap_or(0);
+    let mut counts = vec![0usize; top + 1];
+    for &k in values {
+        counts[bin(k)] += 1;
+    }
+    let n = values.len() as f64;
+    counts
+        .iter()
+        .enumerate()
+        .map(|(i, &c)| (lowest + i as f64 * width, 100.0 * c as f64 / n))
+        .collect()
+}
+
+/// A KLD as an axis label: `0.01`, `0.5`, `1`, or `1e-3` below 0.01.
+fn kld_label(x: &f64) -> String {
+    if (1e-2..1e3).contains(x) {
+        format!("{}", (x * 1e4).round() / 1e4)
+    } else {
+        format!("{x:.0e}")
+    }
+}
+
+/// A layer axis's label: its whole numbers only.
+fn whole_numbers(v: &f64) -> String {
+    if (v - v.round()).abs() < 1e-9 {
+        format!("{}", v.round() as i64)
+    } else {
+        String::new()
+    }
+}
+
+/// One line with points per report: `value` of every layer, with a legend at `legend`.
+fn per_layer_lines<'a, DB: 'a, Y>(
+    chart: &mut ChartContext<'a, DB, Cartesian2d<RangedCoordf64, Y>>,
+    reports: &[(String, DiffReport)],
+    value: impl Fn(&crate::diff::LayerSummary) -> f64,
+    legend: SeriesLabelPosition,
+) -> Result<(), String>
+where
+    DB: DrawingBackend,
+    DB::ErrorType: 'static,
+    Y: Ranged<ValueType = f64>,
+{
+    let e = |x: DrawingAreaErrorKind<DB::ErrorType>| x.to_string();
+    for (i, (label, r)) in reports.iter().enumerate() {
+        let c = PALETTE[i % PALETTE.len()];
+        let points: Vec<(f64, f64)> = r
+            .layers
+            .iter()
+            .map(|l| (l.layer as f64, value(l)))
+            .collect();
+        chart
+            .draw_series(LineSeries::new(points.clone(), c.stroke_width(2)))
+            .map_err(e)?
+            .label(label.clone())
+            .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 18, y)], c.stroke_width(2)));
+        chart
+            .draw_series(points.iter().map(|&p| Circle::new(p, 3, c.filled())))
+            .map_err(e)?;
+    }
+    chart
+        .configure_series_labels()
+        .position(legend)
+        .background_style(WHITE.mix(0.85))
+        .border_style(BLACK)
+        .label_font(("sans-serif", 14))
+        .draw()
+        .map_err(e)
+}
+
+/// Median KLD (line and points) with its p25–p75 band against bits per weight, log KLD axis;
+/// a report's noise floor (median) as a dashed line.
+fn draw_kld_spread<DB: DrawingBackend>(
+    area: &DrawingArea<DB, plotters::coord::Shift>,
+    reports: &[(String, Report)],
+) -> Result<(), String>
+where
+    DB::ErrorType: 'static,
+{
+    let e = |x: DrawingAreaErrorKind<DB::ErrorType>| x.to_string();
+    let points = spread_points(reports);
+    let floors: Vec<(usize, f64)> = reports
+        .iter()
+        .enumerate()
+        .filter_map(|(i, (_, r))| Some((i, r.noise_floor.as_ref()?.kld.median_kld)))
+        .filter(|(_, m)| m.is_finite())
+        .collect();
+    let (x0, x1) = range(points.iter().map(|p| p.bits_per_weight), 0.1);
+    let (y0, y1) = log_range(
+        points
+            .iter()
+            .flat_map(|p| [p.p25, p.p75])
+            .chain(floors.iter().map(|f| f.1)),
+    );
+    let mut chart = ChartBuilder::on(area)
+        .caption(
+            "KLD spread vs bits per weight (median, p25–p75)",
+            ("sans-serif", 22),
+        )
+        .margin(12)
+        .x_label_area_size(40)
+        .y_label_area_size(70)
+        .build_cartesian_2d(x0..x1, (y0..y1).log_scale())
+        .map_err(e)?;
+    chart
+        .configure_mesh()
+        .x_desc("bits per weight")
+        .y_desc("per-token KLD (nats, log scale)")
+        .y_label_formatter(&kld_label)
+        .draw()
+        .map_err(e)?;
+    if points.len() >= 2 {
+        let band: Vec<(f64, f64)> = points
+            .iter()
+            .map(|p| (p.bits_per_weight, p.p75.max(KLD_FLOOR)))
+            .chain(
+                points
+                    .iter()
+                    .rev()
+                    .map(|p| (p.bits_per_weight, p.p25.max(KLD_FLOOR))),
+            )
+            .collect();
+        chart
+            .draw_series(std::iter::once(Polygon::new(band, PALETTE[0].mix(0.18))))
+            .map_err(e)?;
+        chart
+            .draw_series(LineSeries::new(
+                points
+                    .iter()
+                    .map(|p| (p.bits_per_weight, p.median.max(KLD_FLOOR))),
+                BLACK.stroke_width(1),
+            ))
+            .map_err(e)?;
+    }
+    for p in &points {
+        let c = PALETTE[p.report % PALETTE.len()];
+        let (x, y) = (p.bits_per_weight, p.median.max(KLD_FLOOR));
+        chart
+            .draw_series(std::iter::once(PathElement::new(
+                vec![(x, p.p25.max(KLD_FLOOR)), (x, p.p75.max(KLD_FLOOR))],
+                c.stroke_width(3),
+            )))
+            .map_err(e)?;
+        chart
+            .draw_series(std::iter::once(Circle::new((x, y), 5, c.filled())))
+            .map_err(e)?;
+        chart
+            .draw_series(std::iter::once(
+                EmptyElement::at((x, y))
+                    + Text::new(
+                        reports[p.report].0.clone(),
+                        (8, -16),
+                        ("sans-serif", 14).into_font().color(&c),
+                    ),
+            ))
+            .map_err(e)?;
+    }
+    for &(i, median) in &floors {
+        let c = PALETTE[i % PALETTE.len()];
+        let y = median.max(KLD_FLOOR);
+        chart
+            .draw_series(DashedLineSeries::new(
+                [(x0, y), (x1, y)],
+                8,
+                6,
+                c.stroke_width(2),
+            ))
+            .map_err(e)?
+            .label(format!("bf16 noise floor (median), {}", reports[i].0))
+            .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 18, y)], c.stroke_width(2)));
+    }
+    if !floors.is_empty() {
+        chart
+            .configure_series_labels()
+            .position(SeriesLabelPosition::UpperRight)
+            .background_style(WHITE.mix(0.85))
+            .border_style(BLACK)
+            .label_font(("sans-serif", 14))
+            .draw()
+            .map_err(e)?;
+    }
+    Ok(())
+}
+
+/// Each report's per-token KLD histogram ([`kld_histogram`]) as a step line.
+fn draw_kld_histograms<DB: DrawingBackend>(
+    area: &DrawingArea<DB, plotters::coord::Shift>,
+    reports: &[(String, Report)],
+) -> Result<(), String>
+where
+    DB::ErrorType: 'static,
+{
+    let e = |x: DrawingAreaErrorKind<DB::ErrorType>| x.to_string();
+    let histograms: Vec<(usize, Vec<(f64, f64)>)> = reports
+        .iter()
+        .enumerate()
+        .filter(|(_, (_, r))| r.kld.is_some())
+        .map(|(i, (_, r))| {
+            let values: Vec<f64> = r
+                .per_window
+                .iter()
+                .filter_map(|w| w.kld.as_ref())
+                .flat_map(|k| k.kld.iter().copied())
+                .collect();
+            (i, kld_histogram(&values))
+        })
+        .collect();
+    let width = 1.0 / BINS_PER_DECADE as f64;
+    // From the first bin that holds a token in any histogram to past the last.
+    let filled = || {
+        histograms
+            .iter()
+            .flat_map(|(_, h)| h.iter().filter(|b| b.1 > 0.0).map(|b| b.0))
+    };
+    let first = filled().fold(f64::INFINITY, f64::min);
+    let last = filled().fold(f64::NEG_INFINITY, f64::max);
+    let (x0, x1) = if first.is_finite() {
+        (10f64.powf(first - width), 10f64.powf(last + 2.0 * width))
+    } else {
+        (KLD_FLOOR, 1.0)
+    };
+    let y1 = histograms
+        .iter()
+        .flat_map(|(_, h)| h.iter().map(|b| b.1))
+        .fold(0.0, f64::max)
+        .max(1.0)
+        * 1.08;
+    let mut chart = ChartBuilder::on(area)
+        .caption("Per-token KLD histogram", ("sans-serif", 22))
+        .margin(12)
+        .x_label_area_size(40)
+        .y_label_area_size(60)
+        .build_cartesian_2d((x0..x1).log_scale(), 0.0..y1)
+        .map_err(e)?;
+    chart
+        .configure_mesh()
+        .x_desc(format!(
+            "per-token KLD (nats, log scale; {BINS_PER_DECADE} bins per decade)"
+        ))
+        .y_desc("tokens (% per bin)")
+        .x_label_formatter(&kld_label)
+        .draw()
+        .map_err(e)?;
+    for (i, h) in &histograms {
+        let c = PALETTE[i % PALETTE.len()];
+        // A step line: each bin a flat segment over its width.
+        let steps: Vec<(f64, f64)> = h
+            .iter()
+            .filter(|&&(x, _)| x >= first - width)
+            .flat_map(|&(x, y)| [(10f64.powf(x), y), (10f64.powf(x + width), y)])
+            .collect();
+        chart
+            .draw_series(LineSeries::new(steps, c.stroke_width(2)))
+            .map_err(e)?
+            .label(reports[*i].0.clone())
+            .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 18, y)], c.stroke_width(2)));
+    }
+    chart
+        .configure_series_labels()
+        .position(SeriesLabelPosition::UpperLeft)
+        .background_style(WHITE.mix(0.85))
+        .border_style(BLACK)
+        .label_font(("sans-serif", 14))
+        .draw()
+        .map_err(e)?;
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn histogram_bins_are_log_spaced_and_sum_to_all_tokens() {
+        // 0 and 1e-7 fall in the floor's bin; 1e-3 starts bin 24; 0.0012 (log10 −2.92) is in
+        // it too; 1.0 starts bin 48.
+        let h = kld_histogram(&[0.0, 1e-7, 1e-3, 0.0012, 1.0]);
+        assert_eq!(h.len(), 49);
+        assert!((h[0].0 + 6.0).abs() < 1e-12 && (h[48].0 - 0.0).abs() < 1e-12);
+        assert_eq!((h[0].1, h[24].1, h[48].1), (40.0, 40.0, 20.0));
+        assert!((h.iter().map(|b| b.1).sum::<f64>() - 100.0).abs() < 1e-9);
+        assert!(kld_histogram(&[]).is_empty());
+    }
+
+    #[test]
+    fn labels_read_as_plain_numbers_or_powers_of_ten() {
+        assert_eq!(kld_label(&1e-3), "1e-3");
+        assert_eq!(kld_label(&1.0), "1");
+        assert_eq!(kld_label(&0.1), "0.1");
+    }
 }

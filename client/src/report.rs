@@ -88,6 +88,9 @@ pub struct DatasetSummary {
     pub text_tokens: usize,
     /// Tokens the windows were cut from (BOS included where added).
     pub sequence_tokens: usize,
+    /// SHA-256 of those tokens (u32 little-endian); absent from older reports.
+    #[serde(default)]
+    pub tokens_sha256: String,
 }
 
 /// Result of `exactscore ppl`.
@@ -117,6 +120,20 @@ pub struct Report {
     pub kld: Option<KldStats>,
     /// Every window, by index.
     pub per_window: Vec<WindowResult>,
+    /// `exactscore kld --noise-floor-server`: the same windows against a server whose served
+    /// model and reference are one checkpoint in two dtypes (bf16 vs f32).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub noise_floor: Option<NoiseFloor>,
+}
+
+/// The KL-divergence that the served dtype's arithmetic alone causes, measured on the same
+/// windows as the report it belongs to.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct NoiseFloor {
+    pub servers: Vec<String>,
+    pub server_info: Option<ModelInfo>,
+    pub kld: KldStats,
+    pub wall_time_s: f64,
 }
 
 pub const STDERR_METHOD: &str =
@@ -189,6 +206,9 @@ impl Report {
         add("bits per byte", format!("{:.6}", self.bits_per_byte));
         if let Some(k) = &self.kld {
             self.kld_rows(k, &mut add);
+        }
+        if let Some(floor) = &self.noise_floor {
+            noise_floor_rows(floor, self.kld.as_ref(), &mut add);
         }
         add("windows", self.stats.windows.to_string());
         add("tokens scored", self.stats.tokens_scored.to_string());
@@ -266,6 +286,82 @@ impl Report {
             ),
         );
         add("RMS Δp", format!("{:.4} %", 100.0 * k.rms_delta_p));
+        add(
+            "KLD p10 / p25 / p75",
+            format!("{:.6} / {:.6} / {:.6}", k.p10_kld, k.p25_kld, k.p75_kld),
+        );
+        add(
+            "reverse KLD",
+            format!(
+                "{:.6} ± {} (KL(model ‖ reference))",
+                k.mean_reverse_kld,
+                fmt_opt(k.mean_reverse_kld_stderr, 6)
+            ),
+        );
+        if !k.top_k_agreement.is_empty() {
+            let agreement: Vec<String> = k
+                .top_k_agreement
+                .iter()
+                .enumerate()
+                .map(|(i, a)| format!("K={} {:.2} %", i + 1, 100.0 * a))
+                .collect();
+            add("top-K agreement", agreement.join(", "));
+        }
+        for b in k.confidence_buckets.iter().filter(|b| b.tokens > 0) {
+            add(
+                &format!("KLD, top p [{:.2},{:.2})", b.lower, b.upper),
+                format!(
+                    "{:5.1} % of tokens, mean {:.6}, median {:.6}",
+                    100.0 * b.share,
+                    b.mean_kld.unwrap_or(f64::NAN),
+                    b.median_kld.unwrap_or(f64::NAN)
+                ),
+            );
+        }
+    }
+}
+
+/// The noise floor's rows, and the quantization's KLD above it.
+fn noise_floor_rows(
+    floor: &NoiseFloor,
+    kld: Option<&KldStats>,
+    add: &mut impl FnMut(&str, String),
+) {
+    let k = &floor.kld;
+    if let Some(i) = &floor.server_info {
+        let reference = i.reference.as_ref();
+        add(
+            "noise floor",
+            format!(
+                "{} in {} vs {} in {} ({})",
+                i.model,
+                i.dtype,
+                reference.map_or("?", |r| r.model.as_str()),
+                reference.and_then(|r| r.dtype.as_deref()).unwrap_or("?"),
+                floor.servers.join(", ")
+            ),
+        );
+    }
+    add(
+        "noise floor mean KLD",
+        format!(
+            "{:.6} ± {}, median {:.6}, p99 {:.6}, same top {:.3} %",
+            k.mean_kld,
+            fmt_opt(k.mean_kld_stderr, 6),
+            k.median_kld,
+            k.p99_kld,
+            100.0 * k.same_top
+        ),
+    );
+    if let Some(q) = kld {
+        add(
+            "mean KLD above the floor",
+            format!(
+                "{:.6} ({:.1}x the floor)",
+                q.mean_kld - k.mean_kld,
+                q.mean_kld / k.mean_kld
+            ),
+        );
     }
 }
 

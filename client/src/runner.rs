@@ -20,7 +20,7 @@ use serde::{Deserialize, Serialize};
 use crate::dataset::{self, DatasetError, DatasetOptions, DatasetSpec};
 use crate::http::{Client, ClientConfig, ClientError, RetryPolicy};
 use crate::kld::{KldStats, KldWindow};
-use crate::report::{DatasetSummary, Report, Stats, WindowResult, STDERR_METHOD};
+use crate::report::{DatasetSummary, NoiseFloor, Report, Stats, WindowResult, STDERR_METHOD};
 use crate::resolve::{self, Resolve, SystemResolver};
 use crate::tokenize::{self, TokenizeError, TokenizeMode};
 use crate::windows::{self, Method, Window, WindowError, WindowParams};
@@ -68,6 +68,9 @@ pub struct PplConfig {
     /// Called once the windows are known and after every finished window (the Python API draws
     /// its own progress bar with it).
     pub on_progress: Option<ProgressHook>,
+    /// `Task::Kld`: a server whose served model and reference are one checkpoint in two dtypes;
+    /// the same windows are then run there too and reported as [`Report::noise_floor`].
+    pub noise_floor_server: Option<String>,
 }
 
 /// Where a run stands.
@@ -115,6 +118,7 @@ impl PplConfig {
             stop_after: None,
             cancel: Arc::new(AtomicBool::new(false)),
             on_progress: None,
+            noise_floor_server: None,
         }
     }
 }
@@ -375,8 +379,16 @@ fn window_kld(
             ),
             ("same_top", d.same_top.as_ref().map(Vec::len)),
             ("delta_p", len(&d.delta_p)),
+            ("reverse_kld", len(&d.reverse_kld)),
+            ("top_k_agreement", d.top_k_agreement.as_ref().map(Vec::len)),
+            ("reference_top_p", len(&d.reference_top_p)),
         ],
     )?;
+    let (reverse, agreement, top_p) = (
+        d.reverse_kld.as_deref().unwrap_or_default(),
+        d.top_k_agreement.as_deref().unwrap_or_default(),
+        d.reference_top_p.as_deref().unwrap_or_default(),
+    );
     let (kld, lps, ref_lps, same, dps) = (
         d.kld.as_deref().unwrap_or_default(),
         d.logprobs.as_deref().unwrap_or_default(),
@@ -391,6 +403,10 @@ fn window_kld(
         sum_delta_p_squared: 0.0,
         sum_ln_ratio_squared: 0.0,
         kld: Vec::with_capacity(w.num_scored()),
+        sum_reverse_kld: 0.0,
+        sum_reverse_kld_squared: 0.0,
+        top_k_agreement: vec![0; exactscore_api::TOP_K_AGREEMENT_MAX],
+        reference_top_p: Vec::with_capacity(w.num_scored()),
     };
     let mut sum_nll = 0f64;
     for p in w.scored.clone() {
@@ -400,10 +416,23 @@ fn window_kld(
                 "position {p}: missing kld, same_top or delta_p"
             )));
         };
+        let (Some(r), Some(mask), Some(top_p)) = (reverse[p], agreement[p], top_p[p]) else {
+            return Err(bad(format!(
+                "position {p}: missing reverse_kld, top_k_agreement or reference_top_p"
+            )));
+        };
         // A divergence is ≥ 0; rounding may leave it a hair below.
-        if !k.is_finite() || k < -1e-9 || !dp.is_finite() {
-            return Err(bad(format!("position {p}: kld {k}, delta_p {dp}")));
+        if !k.is_finite() || k < -1e-9 || !r.is_finite() || r < -1e-9 || !dp.is_finite() {
+            return Err(bad(format!(
+                "position {p}: kld {k}, reverse_kld {r}, delta_p {dp}"
+            )));
         }
+        part.sum_reverse_kld += r;
+        part.sum_reverse_kld_squared += r * r;
+        for (k, count) in part.top_k_agreement.iter_mut().enumerate() {
+            *count += usize::from(mask & (1 << k) != 0);
+        }
+        part.reference_top_p.push(top_p as f32);
         sum_nll += nll;
         part.reference_sum_nll += ref_nll;
         part.same_top += usize::from(same);
@@ -482,6 +511,17 @@ pub async fn run_ppl(config: PplConfig) -> Result<Report, PplError> {
         }
     }
 
+    match (&config.noise_floor_server, config.task) {
+        (None, _) => {}
+        (Some(_), Task::Ppl) => {
+            return Err(PplError::Config(
+                "--noise-floor-server is an option of `exactscore kld`".into(),
+            ))
+        }
+        // Checked before the main run, so that a wrong URL does not cost a whole run.
+        (Some(url), Task::Kld) => check_noise_floor_server(url, &base, &config).await?,
+    }
+
     if config.task == Task::Kld {
         if let Some((c, _)) = clients
             .iter()
@@ -553,7 +593,8 @@ pub async fn run_ppl(config: PplConfig) -> Result<Report, PplError> {
 
     // Partial file.
     let header = PartialHeader {
-        exactscore_partial: 1,
+        // 2: `kld` windows carry the reverse divergence, top-K agreement and confidences.
+        exactscore_partial: if config.task == Task::Kld { 2 } else { 1 },
         task: config.task,
         method: config.method,
         ctx: config.ctx,
@@ -746,6 +787,10 @@ pub async fn run_ppl(config: PplConfig) -> Result<Report, PplError> {
                 .filter_map(|r| r.kld.as_ref().map(|k| (k, r.sum_nll))),
         )
     });
+    let noise_floor = match &config.noise_floor_server {
+        Some(url) => Some(noise_floor(&config, url, &header, all.len()).await?),
+        None => None,
+    };
     let bytes = ds.text.len();
     let wall = started.elapsed().as_secs_f64();
     Ok(Report {
@@ -761,6 +806,7 @@ pub async fn run_ppl(config: PplConfig) -> Result<Report, PplError> {
             documents: ds.documents,
             text_tokens,
             sequence_tokens: tokens.len(),
+            tokens_sha256: header.tokens_sha256.clone(),
         },
         bits_per_byte: stats.bits_per_token * text_tokens as f64 / bytes.max(1) as f64,
         stats,
@@ -772,5 +818,59 @@ pub async fn run_ppl(config: PplConfig) -> Result<Report, PplError> {
         server_info: Some(info),
         kld,
         per_window,
+        noise_floor,
+    })
+}
+
+/// The noise-floor server answers, and has a reference model.
+async fn check_noise_floor_server(
+    url: &str,
+    base: &ClientConfig,
+    config: &PplConfig,
+) -> Result<(), PplError> {
+    for c in resolve::clients(&[url.to_string()], base, config.resolver.as_ref()).await? {
+        c.ready().await?;
+        if c.info().await?.reference.is_none() {
+            return Err(PplError::Config(format!(
+                "noise-floor server {} has no reference model: start it on the reference \
+                 checkpoint with --dtype bf16 --reference-model <the same directory> \
+                 --reference-dtype f32",
+                c.base_url()
+            )));
+        }
+    }
+    Ok(())
+}
+
+/// The same evaluation against the noise-floor server, which must cut the same windows from the
+/// same tokens.
+async fn noise_floor(
+    config: &PplConfig,
+    url: &str,
+    header: &PartialHeader,
+    windows: usize,
+) -> Result<NoiseFloor, PplError> {
+    let mut run = config.clone();
+    run.servers = vec![url.to_string()];
+    (run.output, run.resume, run.stop_after) = (None, false, None);
+    run.noise_floor_server = None;
+    let report = Box::pin(run_ppl(run)).await?;
+    if report.dataset.tokens_sha256 != header.tokens_sha256 || report.per_window.len() != windows {
+        return Err(PplError::Config(format!(
+            "the noise-floor server {url} tokenizes the dataset differently ({} windows, tokens \
+             sha256 {} vs {windows} windows, {}): its KLD would be over other tokens",
+            report.per_window.len(),
+            report.dataset.tokens_sha256,
+            header.tokens_sha256
+        )));
+    }
+    let kld = report
+        .kld
+        .ok_or_else(|| PplError::Config("the noise-floor run gave no KLD".into()))?;
+    Ok(NoiseFloor {
+        servers: report.servers,
+        server_info: report.server_info,
+        kld,
+        wall_time_s: report.wall_time_s,
     })
 }

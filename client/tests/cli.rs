@@ -5,7 +5,8 @@ mod common;
 use std::process::Output;
 
 use common::{fake_app, spawn, Fake};
-use exactscore_client::{KldStats, Report};
+use exactscore_client::report::NoiseFloor;
+use exactscore_client::{KldStats, KldWindow, Report};
 
 async fn exactscore(args: Vec<String>) -> Output {
     tokio::task::spawn_blocking(move || {
@@ -104,6 +105,24 @@ async fn ppl_compare_plot_and_score() {
     for (i, path) in reports.iter().enumerate() {
         let mut r: Report = serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
         let mean_kld = 0.125 * (i + 1) as f64;
+        // Fewer bits, more divergence: 5, 4, 3 bits per weight.
+        r.server_info.as_mut().unwrap().bits_per_weight = 5.0 - i as f64;
+        for w in &mut r.per_window {
+            w.kld = Some(KldWindow {
+                reference_sum_nll: w.sum_nll,
+                same_top: 0,
+                sum_delta_p: 0.0,
+                sum_delta_p_squared: 0.0,
+                sum_ln_ratio_squared: 0.0,
+                kld: (0..w.count)
+                    .map(|t| mean_kld * (t % 4) as f64 / 2.0)
+                    .collect(),
+                sum_reverse_kld: 0.0,
+                sum_reverse_kld_squared: 0.0,
+                top_k_agreement: vec![0; 5],
+                reference_top_p: vec![0.5; w.count],
+            });
+        }
         r.kld = Some(KldStats {
             tokens: r.stats.tokens_scored,
             mean_kld,
@@ -124,31 +143,83 @@ async fn ppl_compare_plot_and_score() {
             perplexity_ratio_stderr: Some(0.0),
             ln_perplexity_ratio: 0.0,
             ln_perplexity_ratio_stderr: Some(0.0),
+            p10_kld: 0.0,
+            p25_kld: mean_kld / 2.0,
+            p75_kld: 2.0 * mean_kld,
+            mean_reverse_kld: mean_kld,
+            mean_reverse_kld_stderr: None,
+            top_k_agreement: vec![0.5; 5],
+            confidence_buckets: vec![],
         });
+        if i == 0 {
+            r.noise_floor = Some(NoiseFloor {
+                servers: vec!["http://floor".into()],
+                server_info: None,
+                kld: KldStats {
+                    median_kld: 0.004,
+                    ..r.kld.clone().unwrap()
+                },
+                wall_time_s: 1.0,
+            });
+        }
         let kld_path = dir.path().join(format!("kld{i}.json"));
         std::fs::write(&kld_path, serde_json::to_string(&r).unwrap()).unwrap();
         kld_reports.push(kld_path.to_str().unwrap().to_string());
     }
-    let plot = dir.path().join("kld.svg");
-    let mut args = s(&["compare"]);
-    args.extend(kld_reports);
-    args.extend(s(&["--plot", plot.to_str().unwrap()]));
-    let out = exactscore(args).await;
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
+    // The spread band's points: by bits per weight, each report's quartiles.
+    let loaded: Vec<(String, Report)> = kld_reports
+        .iter()
+        .map(|p| {
+            let r = serde_json::from_str(&std::fs::read_to_string(p).unwrap()).unwrap();
+            (p.clone(), r)
+        })
+        .collect();
+    let points = exactscore_client::plot::spread_points(&loaded);
+    let summary: Vec<(usize, f64, f64, f64)> = points
+        .iter()
+        .map(|p| (p.report, p.bits_per_weight, p.p25, p.p75))
+        .collect();
+    assert_eq!(
+        summary,
+        [
+            (2, 3.0, 0.1875, 0.75),
+            (1, 4.0, 0.125, 0.5),
+            (0, 5.0, 0.0625, 0.25)
+        ]
     );
+    let png = dir.path().join("kld.png");
+    let plot = dir.path().join("kld.svg");
+    for path in [&png, &plot] {
+        let mut args = s(&["compare"]);
+        args.extend(kld_reports.iter().cloned());
+        args.extend(s(&["--plot", path.to_str().unwrap()]));
+        let out = exactscore(args).await;
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    assert_eq!(&std::fs::read(&png).unwrap()[..4], b"\x89PNG");
+    let out = exactscore(s(&["compare", &kld_reports[0]])).await;
     let table = String::from_utf8_lossy(&out.stdout);
     assert!(
         table.contains("mean KLD") && table.contains("0.125000") && table.contains("50.00"),
         "{table}"
     );
     let svg = std::fs::read_to_string(&plot).unwrap();
-    assert!(
-        svg.contains("Mean KLD vs bits per weight"),
-        "kld plot title"
-    );
+    for text in [
+        "Mean KLD vs bits per weight",
+        "KLD spread vs bits per weight (median, p25–p75)",
+        "per-token KLD (nats, log scale)",
+        "Per-token KLD histogram",
+        "tokens (% per bin)",
+        "bf16 noise floor (median)",
+    ] {
+        assert!(svg.contains(text), "{text} missing from the plot");
+    }
+    // The band is one filled polygon.
+    assert!(svg.contains("<polygon"), "no band in the plot");
 
     let out = exactscore(s(&[
         "score",
@@ -186,4 +257,91 @@ async fn ppl_compare_plot_and_score() {
     ]))
     .await;
     assert!(String::from_utf8(out.stdout).unwrap().contains('\x1b'));
+}
+
+/// `exactscore diff --from`: saved reports printed (layer and attribution tables) and drawn on
+/// one chart; without a server or a report it names what is missing.
+#[tokio::test]
+async fn diff_reports_print_and_plot() {
+    use exactscore_client::diff::{AttributionSummary, FinalKld, LayerSummary};
+    use exactscore_client::DiffReport;
+
+    let dir = tempfile::tempdir().unwrap();
+    let report = |scale: f64| DiffReport {
+        server: "http://gpu0:8000".into(),
+        server_info: None,
+        dataset: "wikitext2".into(),
+        ctx: 2048,
+        windows: 4,
+        tokens: 8192,
+        reference_until: None,
+        layers: (0..3)
+            .map(|layer| LayerSummary {
+                layer,
+                mean_cos_error: scale * (layer + 1) as f64 * 1e-3,
+                mean_sqnr_db: 30.0 - 5.0 * layer as f64 - scale,
+                reference_state_after: false,
+            })
+            .collect(),
+        kld: FinalKld {
+            positions: 8188,
+            mean_kld: 0.05 * scale,
+            mean_reverse_kld: 0.049 * scale,
+            top_k_agreement: vec![0.9, 0.8, 0.7, 0.6, 0.5],
+        },
+        attribution: Some(AttributionSummary {
+            positions: 8188,
+            full_kld: 0.05 * scale,
+            sum_module_kld: 0.045 * scale,
+            additivity_ratio: Some(0.9),
+            modules: (0..25)
+                .map(|m| exactscore_api::ModuleAttribution {
+                    module: format!("model.layers.{m}.mlp.down_proj"),
+                    format: "int4 g128 sym".into(),
+                    mean_kld: 0.01 / (m + 1) as f64,
+                })
+                .collect(),
+        }),
+        wall_time_s: 1.5,
+    };
+    let paths: Vec<String> = [1.0, 2.0]
+        .iter()
+        .enumerate()
+        .map(|(i, &scale)| {
+            let p = dir.path().join(format!("diff{i}.json"));
+            std::fs::write(&p, serde_json::to_string(&report(scale)).unwrap()).unwrap();
+            p.to_str().unwrap().to_string()
+        })
+        .collect();
+    let png = dir.path().join("layers.png");
+    let mut args = s(&["diff", "--top", "3", "--plot", png.to_str().unwrap()]);
+    for p in &paths {
+        args.extend(s(&["--from", p]));
+    }
+    let out = exactscore(args).await;
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let stdout = String::from_utf8(out.stdout).unwrap();
+    assert!(
+        stdout.contains("module attribution: top 3 of 25 modules"),
+        "{stdout}"
+    );
+    assert!(stdout.contains("model.layers.2.mlp.down_proj"), "{stdout}");
+    assert!(
+        !stdout.contains("model.layers.3.mlp.down_proj"),
+        "only the top 3: {stdout}"
+    );
+    assert!(stdout.contains("additivity ratio 0.9000"), "{stdout}");
+    assert!(
+        stdout.contains("    2     6.0000e-3     18.000"),
+        "{stdout}"
+    );
+    assert_eq!(&std::fs::read(&png).unwrap()[..4], b"\x89PNG");
+
+    let out = exactscore(s(&["diff"])).await;
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("--server"));
 }

@@ -217,6 +217,58 @@ pub struct SequenceDivergence {
     pub sum_delta_p: f64,
     /// Σ Δp², for the RMS of Δp.
     pub sum_delta_p_squared: f64,
+    /// KL(model ‖ reference) in nats: the divergence the other way round, computed like `kld`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reverse_kld: Option<Vec<Option<f64>>>,
+    /// Top-K agreement as a bit mask: bit K − 1 (K = 1..=5) is set when both models' K most
+    /// likely tokens (lowest id first on ties) are the same set. Bit 0 is `same_top`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub top_k_agreement: Option<Vec<Option<u8>>>,
+    /// The reference model's probability of its most likely token (its confidence).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reference_top_p: Option<Vec<Option<f64>>>,
+    /// Σ KL(model ‖ reference).
+    #[serde(default)]
+    pub sum_reverse_kld: f64,
+    /// Positions whose top-K sets agree, for K = 1..=5 (`[0]` is `same_top_count`).
+    #[serde(default)]
+    pub top_k_agreement_counts: Vec<usize>,
+    /// The divergences grouped by the reference's confidence ([`CONFIDENCE_BUCKETS`]).
+    #[serde(default)]
+    pub confidence_buckets: Vec<ConfidenceBucket>,
+}
+
+/// Largest K of the top-K agreement `/kld` reports.
+pub const TOP_K_AGREEMENT_MAX: usize = 5;
+
+/// Ranges of the reference's top-token probability that `/kld` groups divergences by, as
+/// ExLlamaV3's evaluations do: `[lower, upper)`, the last one closed at 1.
+pub const CONFIDENCE_BUCKETS: [(f64, f64); 5] = [
+    (0.0, 0.25),
+    (0.25, 0.5),
+    (0.5, 0.75),
+    (0.75, 0.95),
+    (0.95, 1.0),
+];
+
+/// The index into [`CONFIDENCE_BUCKETS`] of a reference top-token probability `p` (values
+/// outside `0..=1`, from rounding, go to the nearest end).
+pub fn confidence_bucket(p: f64) -> usize {
+    CONFIDENCE_BUCKETS
+        .iter()
+        .position(|&(_, upper)| p < upper)
+        .unwrap_or(CONFIDENCE_BUCKETS.len() - 1)
+}
+
+/// The positions of one sequence whose reference top-token probability lies in
+/// `[lower, upper)` (the last bucket includes 1).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, ToSchema)]
+pub struct ConfidenceBucket {
+    pub lower: f64,
+    pub upper: f64,
+    pub count: usize,
+    /// Σ KL(reference ‖ model) over those positions.
+    pub sum_kld: f64,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, ToSchema)]
@@ -228,6 +280,151 @@ pub struct KldResponse {
     pub usage: Usage,
 }
 
+/// `POST /diff`: exactly one of `tokens` and `text`. Needs a reference model (`--reference-model`)
+/// with the served model's layer count and hidden size.
+#[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct DiffRequest {
+    /// Token ids (one sequence or a batch). Ids are checked against the vocabulary.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tokens: Option<TokensInput>,
+    /// Text to tokenize with the model's tokenizer.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub text: Option<TextInput>,
+    /// With `text`: let the tokenizer add its special tokens (BOS). Default true.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub add_special_tokens: Option<bool>,
+    /// Return every layer's errors at every position too. Default false.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub per_position: Option<bool>,
+    /// The served model goes on from the reference's state after this decoder layer (0-based,
+    /// below `num_layers`), and after every layer before it: the error of the layers up to here
+    /// is then each layer's own, and with the last layer the final KLD is 0.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schema(minimum = 0)]
+    pub reference_until: Option<i64>,
+    /// Attribute the divergence to the quantized modules: `true` for every one, or an object
+    /// that chooses some. One forward of the reference per module: meant for a few windows.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub attribute: Option<AttributeInput>,
+}
+
+/// `attribute` of `/diff`.
+#[derive(Debug, Clone, PartialEq, Serialize, ToSchema)]
+#[serde(untagged)]
+pub enum AttributeInput {
+    /// `true`: every module whose weights differ in format from the reference's.
+    All(bool),
+    Select(AttributeSelection),
+}
+
+/// A boolean or an object only: serde's derive would also read a list as the selection's
+/// members in order, so `"attribute": []` would silently mean every module.
+impl<'de> Deserialize<'de> for AttributeInput {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        use serde::de::{value::MapAccessDeserializer, MapAccess, Visitor};
+        struct Input;
+        impl<'de> Visitor<'de> for Input {
+            type Value = AttributeInput;
+            fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                f.write_str("a boolean or an object with `layers` and/or `pattern`")
+            }
+            fn visit_bool<E>(self, v: bool) -> Result<Self::Value, E> {
+                Ok(AttributeInput::All(v))
+            }
+            fn visit_map<A: MapAccess<'de>>(self, map: A) -> Result<Self::Value, A::Error> {
+                AttributeSelection::deserialize(MapAccessDeserializer::new(map))
+                    .map(AttributeInput::Select)
+            }
+        }
+        d.deserialize_any(Input)
+    }
+}
+
+/// Which modules to attribute: those of `layers` whose name matches `pattern` (either may be
+/// left out).
+#[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct AttributeSelection {
+    /// First and last decoder layer, inclusive: `[10, 20]`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub layers: Option<Vec<i64>>,
+    /// A module name pattern: `*` matches any run of characters, everything else itself, and
+    /// the whole name must match (`*.mlp.down_proj`, `model.layers.3.*`, `lm_head`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pattern: Option<String>,
+}
+
+/// One decoder layer's output: the served model's residual stream against the reference's.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, ToSchema)]
+pub struct LayerDiff {
+    pub layer: usize,
+    /// Mean over the sequence's positions of `1 − cos(served, reference)` (sums in f64).
+    pub mean_cos_error: f64,
+    /// Mean over the positions of `10·log10(|reference|² / |served − reference|²)`, dB; every
+    /// position's value is within ±200 (200: identical states).
+    pub mean_sqnr_db: f64,
+    /// With `per_position`: at every position.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cos_error: Option<Vec<f64>>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub sqnr_db: Option<Vec<f64>>,
+    /// The served model went on from the reference's state after this layer
+    /// (`reference_until`); the errors above are taken before that.
+    pub reference_state_after: bool,
+}
+
+/// What `/diff` finds for one sequence.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, ToSchema)]
+pub struct SequenceLayerDiff {
+    /// Position of this sequence in the request.
+    pub index: usize,
+    /// Per decoder layer, in order.
+    pub layers: Vec<LayerDiff>,
+    /// The final divergence, as `/kld` gives it with `per_token: false`.
+    pub kld: SequenceDivergence,
+}
+
+/// One module's share of the divergence: the KLD of the reference with only this module's
+/// weights replaced by the served model's dequantized ones.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, ToSchema)]
+pub struct ModuleAttribution {
+    /// `model.layers.17.mlp.down_proj`, `lm_head`.
+    pub module: String,
+    /// The served model's format of it.
+    pub format: String,
+    /// Mean over every position of the request, nats.
+    pub mean_kld: f64,
+}
+
+/// Module attribution over every sequence of a request.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, ToSchema)]
+pub struct Attribution {
+    /// Positions the means are over.
+    pub positions: usize,
+    /// Mean KLD of the served model from the reference.
+    pub full_kld: f64,
+    /// Σ of the modules' mean KLDs.
+    pub sum_module_kld: f64,
+    /// `sum_module_kld / full_kld`: 1 when the modules' effects add up exactly; `null` when
+    /// the full KLD is 0.
+    pub additivity_ratio: Option<f64>,
+    /// Every attributed module, the largest KLD first.
+    pub modules: Vec<ModuleAttribution>,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, ToSchema)]
+pub struct DiffResponse {
+    pub model: String,
+    pub reference_model: String,
+    /// One entry per input sequence, in request order.
+    pub sequences: Vec<SequenceLayerDiff>,
+    /// With `attribute`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub attribution: Option<Attribution>,
+    pub usage: Usage,
+}
+
 /// Every error response: what went wrong, its category and, for validation errors, the
 /// offending field, the rule it broke and the value it had.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, ToSchema)]
@@ -235,7 +432,7 @@ pub struct ErrorBody {
     pub error: String,
     /// `invalid_json`, `validation`, `unauthorized`, `payload_too_large`, `overloaded`,
     /// `not_ready`, `timeout`, `internal`, `not_found`, `method_not_allowed`,
-    /// `unsupported_media_type`, `no_reference_model`.
+    /// `unsupported_media_type`, `no_reference_model`, `incompatible_reference`.
     pub kind: String,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub field: Option<String>,
@@ -345,6 +542,14 @@ pub struct ReferenceInfo {
     /// Per replica, the reference's pipeline stages.
     #[serde(default)]
     pub placement: Vec<ReplicaPlacement>,
+    /// The reference's compute dtype (`--reference-dtype`); absent from older servers.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub dtype: Option<String>,
+    /// Absent (0) from older servers.
+    #[serde(default)]
+    pub num_layers: usize,
+    #[serde(default)]
+    pub hidden_size: usize,
 }
 
 /// One copy of a model: a chain of pipeline stages.

@@ -418,28 +418,88 @@ __device__ double block_sum(double v, double* s_sum) {
     return total;
 }
 
-// Per row: KL(reference || model) = sum_v p_ref(v) (log p_ref(v) - log p_model(v)) from the f32
-// logits of both models, with the log-sum-exps and the sum in f64 (mirrors model/kld.rs: kld_row);
-// identical rows give exactly 0. Also both models' log p(target) and argmax ids.
+// The KLD_TOP best ids of a row, best first (lowest id on ties; mirrors model/kld.rs:
+// top_ids_and_lse): each thread keeps its own sorted list, then KLD_TOP rounds of a block-wide
+// best over the lists' heads, whose owner advances. Thread 0 writes `out` (shared); every thread
+// gets the best value back. Ids past a vocabulary shorter than KLD_TOP are 0x7fffffff.
+#define KLD_TOP 5
+template <typename T>
+__device__ float block_top_ids(const T* row, int vocab, float* s_val, int* s_idx, int* s_owner,
+                               int* out) {
+    int tid = threadIdx.x;
+    float vals[KLD_TOP];
+    int ids[KLD_TOP];
+    int n = 0;
+    for (int i = tid; i < vocab; i += SCORE_THREADS) {
+        float v = to_f32(row[i]);
+        if (n == KLD_TOP && !better(v, i, vals[n - 1], ids[n - 1])) continue;
+        int at = n < KLD_TOP ? n++ : n - 1;
+        while (at > 0 && better(v, i, vals[at - 1], ids[at - 1])) {
+            vals[at] = vals[at - 1];
+            ids[at] = ids[at - 1];
+            --at;
+        }
+        vals[at] = v;
+        ids[at] = i;
+    }
+    float best = -INFINITY;
+    int head = 0;
+    for (int k = 0; k < KLD_TOP; ++k) {
+        s_val[tid] = head < n ? vals[head] : -INFINITY;
+        s_idx[tid] = head < n ? ids[head] : 0x7fffffff;
+        s_owner[tid] = tid;
+        __syncthreads();
+        for (int s = SCORE_THREADS / 2; s > 0; s >>= 1) {
+            if (tid < s && better(s_val[tid + s], s_idx[tid + s], s_val[tid], s_idx[tid])) {
+                s_val[tid] = s_val[tid + s];
+                s_idx[tid] = s_idx[tid + s];
+                s_owner[tid] = s_owner[tid + s];
+            }
+            __syncthreads();
+        }
+        if (k == 0) best = s_val[0];
+        if (tid == 0) out[k] = s_idx[0];
+        if (tid == s_owner[0]) ++head;
+        __syncthreads();
+    }
+    return best;
+}
+
+// Bit K - 1 set when the first K ids of both lists are the same set, K = 1..KLD_TOP.
+__device__ int top_k_agreement(const int* a, const int* b) {
+    int mask = 0;
+    for (int k = 1; k <= KLD_TOP; ++k) {
+        bool same = true;
+        for (int i = 0; i < k; ++i) {
+            bool found = false;
+            for (int j = 0; j < k; ++j) found |= a[i] == b[j];
+            same &= found;
+        }
+        mask |= (int)same << (k - 1);
+    }
+    return mask;
+}
+
+// Per row: KL(reference || model) = sum_v p_ref(v) (log p_ref(v) - log p_model(v)) and the
+// reverse KL(model || reference), from the f32 logits of both models, with the log-sum-exps and
+// the sums in f64 (mirrors model/kld.rs: kld_row); identical rows give exactly 0. Also both
+// models' log p(target), argmax ids, the top-K agreement mask and the reference's top-token
+// probability: only these per-row numbers leave the GPU.
 template <typename T>
 __device__ void kld_rows(const T* ref_logits, const T* logits, int vocab, const int32_t* targets,
-                         double* kld, float* lp, float* ref_lp, int32_t* top, int32_t* ref_top) {
+                         double* kld, double* reverse_kld, double* ref_top_p, float* lp,
+                         float* ref_lp, int32_t* top, int32_t* ref_top, int32_t* agreement) {
     __shared__ float s_val[SCORE_THREADS];
     __shared__ int s_idx[SCORE_THREADS];
+    __shared__ int s_owner[SCORE_THREADS];
     __shared__ double s_sum[SCORE_THREADS];
+    __shared__ int s_top_r[KLD_TOP], s_top_m[KLD_TOP];
     const T* r = ref_logits + (long)blockIdx.x * vocab;
     const T* m = logits + (long)blockIdx.x * vocab;
     int tid = threadIdx.x;
 
-    float best_r = -INFINITY, best_m = -INFINITY;
-    int top_r = 0x7fffffff, top_m = 0x7fffffff;
-    for (int i = tid; i < vocab; i += SCORE_THREADS) {
-        float vr = to_f32(r[i]), vm = to_f32(m[i]);
-        if (better(vr, i, best_r, top_r)) { best_r = vr; top_r = i; }
-        if (better(vm, i, best_m, top_m)) { best_m = vm; top_m = i; }
-    }
-    block_best(best_r, top_r, s_val, s_idx);
-    block_best(best_m, top_m, s_val, s_idx);
+    const float best_r = block_top_ids(r, vocab, s_val, s_idx, s_owner, s_top_r);
+    const float best_m = block_top_ids(m, vocab, s_val, s_idx, s_owner, s_top_m);
 
     double sum_r = 0.0, sum_m = 0.0;
     for (int i = tid; i < vocab; i += SCORE_THREADS) {
@@ -449,19 +509,25 @@ __device__ void kld_rows(const T* ref_logits, const T* logits, int vocab, const 
     double lse_r = best_r + log(block_sum(sum_r, s_sum));
     double lse_m = best_m + log(block_sum(sum_m, s_sum));
 
-    double kl = 0.0;
+    double kl = 0.0, reverse = 0.0;
     for (int i = tid; i < vocab; i += SCORE_THREADS) {
         double log_p_ref = (double)to_f32(r[i]) - lse_r;
-        kl += exp(log_p_ref) * (log_p_ref - ((double)to_f32(m[i]) - lse_m));
+        double log_p = (double)to_f32(m[i]) - lse_m;
+        kl += exp(log_p_ref) * (log_p_ref - log_p);
+        reverse += exp(log_p) * (log_p - log_p_ref);
     }
     kl = block_sum(kl, s_sum);
+    reverse = block_sum(reverse, s_sum);
     if (tid == 0) {
         int row = blockIdx.x, t = targets[row];
         kld[row] = kl;
+        reverse_kld[row] = reverse;
+        ref_top_p[row] = exp((double)best_r - lse_r);
         lp[row] = (float)((double)to_f32(m[t]) - lse_m);
         ref_lp[row] = (float)((double)to_f32(r[t]) - lse_r);
-        top[row] = top_m;
-        ref_top[row] = top_r;
+        top[row] = s_top_m[0];
+        ref_top[row] = s_top_r[0];
+        agreement[row] = top_k_agreement(s_top_r, s_top_m);
     }
 }
 
@@ -786,9 +852,10 @@ extern "C" __global__ void __launch_bounds__(GEMM_THREADS, 2)
         score_rows<T, 8>(l, vocab, t, k, tl, ai, al, ti, tlp);                                       \
     }                                                                                                \
     extern "C" __global__ void kld_rows_##SUFFIX(const T* r, const T* l, int vocab, const int32_t* t, \
-                                                 double* k, float* lp, float* rlp, int32_t* top,     \
-                                                 int32_t* rtop) {                                    \
-        kld_rows<T>(r, l, vocab, t, k, lp, rlp, top, rtop);                                          \
+                                                 double* k, double* rk, double* rp, float* lp,       \
+                                                 float* rlp, int32_t* top, int32_t* rtop,            \
+                                                 int32_t* agree) {                                   \
+        kld_rows<T>(r, l, vocab, t, k, rk, rp, lp, rlp, top, rtop, agree);                           \
     }
 
 DEQUANT_ENTRY(f32, float)

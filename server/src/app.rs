@@ -320,10 +320,17 @@ fn load_models(config: &Config) -> Result<Loaded, AppError> {
         let reference = match &reference {
             None => None,
             Some((source, r)) => {
+                let reference_options = ModelOptions {
+                    linear: LinearOptions {
+                        dtype: r.dtype,
+                        ..options.linear.clone()
+                    },
+                    ..options.clone()
+                };
                 let placed = source.load(
                     &r.device.replicas[index],
                     r.layer_split.as_deref(),
-                    &options,
+                    &reference_options,
                     config,
                 )?;
                 check_same_vocabulary(&model.model, &tokenizer, &placed.model, &r.model_dir)?;
@@ -370,14 +377,15 @@ impl Source {
         config: &Config,
     ) -> Result<Placed, AppError> {
         let opened: Vec<Device> = devices.iter().map(open_device).collect::<Result<_, _>>()?;
+        let dtype = options.linear.dtype;
         let flash = config.attention != AttentionKernel::Materialized
-            && opened.iter().all(|d| {
-                crate::ops::flash_attention_available(d, self.config.head_dim, config.dtype)
-            });
+            && opened
+                .iter()
+                .all(|d| crate::ops::flash_attention_available(d, self.config.head_dim, dtype));
         let inputs = PlacementInputs {
             config: &self.config,
             ckpt: &self.ckpt,
-            dtype: config.dtype,
+            dtype,
             batch_tokens: config.batch.max_batch_tokens,
             max_seq: options.max_seq_len,
             flash,
@@ -541,6 +549,9 @@ pub fn model_info(loaded: &Loaded, config: &Config, limits: Limits) -> ModelInfo
                     bits_per_weight: weights.bits_per_weight,
                     devices: r.device.names(),
                     placement: placement(|r| r.reference.as_ref()),
+                    dtype: Some(dtype_name(r.dtype).into()),
+                    num_layers: placed.model.config().num_layers,
+                    hidden_size: placed.model.config().hidden_size,
                 }
             }),
     }

@@ -30,6 +30,16 @@ pub enum DtypeArg {
     F16,
 }
 
+impl From<DtypeArg> for DType {
+    fn from(d: DtypeArg) -> Self {
+        match d {
+            DtypeArg::F32 => DType::F32,
+            DtypeArg::Bf16 => DType::BF16,
+            DtypeArg::F16 => DType::F16,
+        }
+    }
+}
+
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
 pub enum ActQuantArg {
     Emulate,
@@ -162,6 +172,16 @@ pub struct Args {
         requires = "reference_model"
     )]
     pub reference_device: Option<String>,
+    /// Compute dtype of the reference model (default: `--dtype`). The same checkpoint as
+    /// `--model` in `f32` against a `bf16` served model measures what bf16 arithmetic alone
+    /// costs: the noise floor of a KL-divergence.
+    #[arg(
+        long,
+        env = "EXACTSCORE_REFERENCE_DTYPE",
+        value_enum,
+        requires = "reference_model"
+    )]
+    pub reference_dtype: Option<DtypeArg>,
     /// `--layer-split` of the reference model.
     #[arg(
         long,
@@ -284,6 +304,8 @@ pub struct ReferenceConfig {
     pub name: String,
     pub device: DeviceSpec,
     pub layer_split: Option<Vec<usize>>,
+    /// Compute dtype (`--reference-dtype`, else the served model's).
+    pub dtype: DType,
 }
 
 /// What the HTTP layer needs beyond the model. Its `Debug` never shows the key.
@@ -325,6 +347,7 @@ impl Config {
             }
         };
         positive("replicas", args.replicas)?;
+        let dtype = args.dtype.into();
         let device = device_spec("device", &args.device, args.replicas)?;
         if let Some(split) = &args.layer_split {
             check_layer_split("layer-split", split, &device)?;
@@ -375,6 +398,7 @@ impl Config {
                     dir,
                     args.reference_device.as_deref(),
                     args.reference_layer_split,
+                    args.reference_dtype.map_or(dtype, DType::from),
                     &device,
                 )
             })
@@ -393,11 +417,7 @@ impl Config {
             served_model_name,
             host: args.host,
             port: args.port,
-            dtype: match args.dtype {
-                DtypeArg::F32 => DType::F32,
-                DtypeArg::Bf16 => DType::BF16,
-                DtypeArg::F16 => DType::F16,
-            },
+            dtype,
             device,
             layer_split: args.layer_split,
             micro_batch_sequences: args.micro_batch_sequences,
@@ -468,6 +488,7 @@ fn reference_config(
     model_dir: PathBuf,
     device: Option<&str>,
     layer_split: Option<Vec<usize>>,
+    dtype: DType,
     model_device: &DeviceSpec,
 ) -> Result<ReferenceConfig, ConfigError> {
     let replicas = model_device.replicas.len();
@@ -508,6 +529,7 @@ fn reference_config(
         name,
         device,
         layer_split,
+        dtype,
     })
 }
 
@@ -724,6 +746,30 @@ mod tests {
         assert!(parse(&[]).unwrap().reference.is_none());
         let argv = ["exactscore-server", "--reference-device", "cpu"];
         assert!(Args::try_parse_from(argv).is_err());
+    }
+
+    #[test]
+    fn the_reference_dtype_defaults_to_the_model_dtype() {
+        let c = parse(&["--dtype", "bf16", "--reference-model", "/r"]).unwrap();
+        assert_eq!(c.reference.unwrap().dtype, DType::BF16);
+        let both = [
+            "--dtype",
+            "bf16",
+            "--reference-model",
+            "/r",
+            "--reference-dtype",
+            "f32",
+        ];
+        let c = parse(&both).unwrap();
+        assert_eq!(
+            (c.dtype, c.reference.unwrap().dtype),
+            (DType::BF16, DType::F32)
+        );
+        let argv = ["exactscore-server", "--reference-dtype", "f32"];
+        assert!(
+            Args::try_parse_from(argv).is_err(),
+            "needs --reference-model"
+        );
     }
 
     #[test]

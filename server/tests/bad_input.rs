@@ -42,6 +42,9 @@ async fn app(api_key: Option<&str>, metrics_without_auth: bool, max_body_bytes: 
             bits_per_weight: 16.0,
             devices: vec!["cpu".into()],
             placement: Vec::new(),
+            dtype: Some("f32".into()),
+            num_layers: 2,
+            hidden_size: 256,
         }),
         ..fake_app::info(8)
     };
@@ -156,6 +159,9 @@ enum Kind {
     EmptyOrNull,
     /// An object of booleans (`return`).
     Flags,
+    /// `/diff`'s `attribute`: a boolean, or `{layers: [first, last], pattern}` (the fake
+    /// model's 2 layers and its modules).
+    Attribute,
 }
 
 fn routes() -> Vec<Route> {
@@ -197,6 +203,18 @@ fn routes() -> Vec<Route> {
                 score_fields[0],
                 ("add_special_tokens", Kind::Bool),
                 ("per_token", Kind::Bool),
+            ],
+        },
+        Route {
+            path: "/diff",
+            base: json!({"tokens": [[5, 6, 7], [9, 8]], "per_position": true,
+                         "attribute": {"layers": [0, 1], "pattern": "*.mlp.*"}}),
+            fields: vec![
+                score_fields[0],
+                ("add_special_tokens", Kind::Bool),
+                ("per_position", Kind::Bool),
+                ("reference_until", Kind::Int(0, 1)),
+                ("attribute", Kind::Attribute),
             ],
         },
         Route {
@@ -341,6 +359,8 @@ fn accepted(kind: Kind, v: &Value) -> bool {
         Kind::ModelName => v.as_str() == Some("fake"),
         Kind::EmptyOrNull => v.is_null() || v.as_array().is_some_and(|a| a.is_empty()),
         Kind::Flags => v.as_object().is_some_and(|o| o.is_empty()),
+        // `{}` chooses every module.
+        Kind::Attribute => v.is_boolean() || v.as_object().is_some_and(|o| o.is_empty()),
     }
 }
 
@@ -417,6 +437,19 @@ fn special_values(kind: Kind) -> Vec<(String, Value)> {
             out.push(("0.5".into(), json!(0.5)));
             out.push(("-1e-300".into(), json!(-1e-300)));
         }
+        Kind::Attribute => {
+            for (label, value) in [
+                ("layers reversed", json!({"layers": [1, 0]})),
+                ("layers past the last", json!({"layers": [0, 2]})),
+                ("one layer bound", json!({"layers": [0]})),
+                ("negative layer", json!({"layers": [-1, 1]})),
+                ("pattern matching nothing", json!({"pattern": "*.mlp.w1"})),
+                ("pattern not a string", json!({"pattern": 1})),
+                ("unknown member", json!({"layers": [0, 1], "modules": []})),
+            ] {
+                out.push((label.into(), value));
+            }
+        }
         Kind::ModelName => out.push(("other model".into(), json!("gpt-4"))),
         Kind::EmptyOrNull => out.push(("stop list".into(), json!(["\n"]))),
         Kind::Bool | Kind::AnyInt | Kind::Str => {}
@@ -428,7 +461,7 @@ fn special_values(kind: Kind) -> Vec<(String, Value)> {
 fn required(path: &str, field: &str) -> bool {
     matches!(
         (path, field),
-        ("/score" | "/v1/score" | "/kld", "tokens" | "text")
+        ("/score" | "/v1/score" | "/kld" | "/diff", "tokens" | "text")
             | ("/v1/completions", "prompt" | "max_tokens")
             | ("/tokenize", "prompt")
             | ("/detokenize", "tokens")
@@ -584,9 +617,10 @@ fn cases() -> Vec<Case> {
         }
     }
     // Wrong methods on every route.
-    let routes: [(&'static str, Method); 14] = [
+    let routes: [(&'static str, Method); 15] = [
         ("/score", Method::POST),
         ("/kld", Method::POST),
+        ("/diff", Method::POST),
         ("/v1/score", Method::POST),
         ("/v1/completions", Method::POST),
         ("/tokenize", Method::POST),
@@ -719,7 +753,7 @@ async fn every_bad_input_gets_a_4xx_naming_the_field() {
     assert_eq!(cases.len(), BAD_INPUT_CASES, "{by_status:?}");
 }
 
-const BAD_INPUT_CASES: usize = 1016;
+const BAD_INPUT_CASES: usize = 1199;
 
 /// A body over the limit is a 413 naming `body`, and the server carries on.
 #[tokio::test]

@@ -781,6 +781,9 @@ async fn status_500_numerical_names_sequence_and_position() {
                 bits_per_weight: 16.0,
                 devices: vec!["cpu".into()],
                 placement: Vec::new(),
+                dtype: None,
+                num_layers: 0,
+                hidden_size: 0,
             }),
             ..info(8)
         },

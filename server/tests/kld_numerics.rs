@@ -34,6 +34,25 @@ fn independent_kld(p_rows: &[Vec<f64>], q_rows: &[Vec<f64>]) -> Vec<f64> {
         .collect()
 }
 
+/// Ids of a row sorted best first, the lowest id first on ties.
+fn ranking(row: &[f64]) -> Vec<usize> {
+    let mut ids: Vec<usize> = (0..row.len()).collect();
+    ids.sort_by(|&a, &b| row[b].total_cmp(&row[a]).then(a.cmp(&b)));
+    ids
+}
+
+/// Bit K − 1 set when the K best ids of both rows are the same set, K = 1..=5.
+fn independent_agreement(p: &[f64], q: &[f64]) -> u8 {
+    let (a, b) = (ranking(p), ranking(q));
+    (1..=5).fold(0, |mask, k| {
+        let mut x = a[..k].to_vec();
+        let mut y = b[..k].to_vec();
+        x.sort_unstable();
+        y.sort_unstable();
+        mask | (u8::from(x == y) << (k - 1))
+    })
+}
+
 fn fixture_sequences() -> Vec<Vec<u32>> {
     sequences(&reference("llama-dense-bf16"))
 }
@@ -52,8 +71,9 @@ fn a_model_against_itself_diverges_by_exactly_zero() {
     for (seq, k) in seqs.iter().zip(&out) {
         assert_eq!(k.num_scored(), seq.len() - 1);
         for t in &k.tokens {
-            assert_eq!(t.kld, 0.0);
+            assert_eq!((t.kld, t.reverse_kld), (0.0, 0.0));
             assert!(t.same_top);
+            assert_eq!(t.top_k_agreement, 0b11111);
             assert_eq!(t.logprob, t.reference_logprob);
         }
         tokens += k.num_scored();
@@ -69,10 +89,13 @@ fn assert_kld_matches_independent_f64(variant: &str) {
     let seqs = fixture_sequences();
     let out = run(&quantized, &dense, &seqs);
     let (mut worst, mut total, mut same_top, mut n) = (0f64, 0f64, 0usize, 0usize);
+    let (mut worst_reverse, mut worst_top_p, mut total_reverse) = (0f64, 0f64, 0f64);
+    let mut agreement = [0usize; 5];
     for (seq, k) in seqs.iter().zip(&out) {
         let p = log_softmax_rows(&dense, seq);
         let q = log_softmax_rows(&quantized, seq);
         let expected = independent_kld(&p, &q);
+        let expected_reverse = independent_kld(&q, &p);
         assert_eq!(k.tokens.len(), expected.len());
         let scores = quantized
             .score(&[ScoreInput {
@@ -96,14 +119,43 @@ fn assert_kld_matches_independent_f64(variant: &str) {
             );
             same_top += usize::from(t.same_top);
             n += 1;
+            worst_reverse = worst_reverse.max((t.reverse_kld - expected_reverse[i]).abs());
+            total_reverse += t.reverse_kld;
+            let top_p = p[i].iter().copied().fold(f64::NEG_INFINITY, f64::max).exp();
+            worst_top_p = worst_top_p.max((t.reference_top_p - top_p).abs());
+            assert_eq!(
+                t.top_k_agreement,
+                independent_agreement(&p[i], &q[i]),
+                "{variant} row {i}"
+            );
+            for (k, count) in agreement.iter_mut().enumerate() {
+                *count += usize::from(t.top_k_agreement & (1 << k) != 0);
+            }
         }
     }
     let mean = total / n as f64;
     println!(
-        "{variant}: {n} tokens, mean KLD {mean:.6}, same top {:.1} %, max |Δ| vs f64 {worst:.2e}",
-        100.0 * same_top as f64 / n as f64
+        "{variant}: {n} tokens, mean KLD {mean:.6} (reverse {:.6}), same top {:.1} %, top-K \
+         agreement {:?}, max |Δ| vs f64 {worst:.2e} (reverse {worst_reverse:.2e}, top p \
+         {worst_top_p:.2e})",
+        total_reverse / n as f64,
+        100.0 * same_top as f64 / n as f64,
+        agreement.map(|a| format!("{:.1} %", 100.0 * a as f64 / n as f64)),
     );
     assert!(worst <= 1e-6, "{variant}: max |Δ| {worst:e}");
+    assert!(
+        worst_reverse <= 1e-6,
+        "{variant}: reverse max |Δ| {worst_reverse:e}"
+    );
+    assert!(
+        worst_top_p <= 1e-7,
+        "{variant}: top p max |Δ| {worst_top_p:e}"
+    );
+    // Not every position agrees on its top 5, nor none: the check saw both outcomes.
+    assert!(
+        agreement[4] > 0 && agreement[4] < n,
+        "{variant}: {agreement:?}"
+    );
     // A quantized model must differ from the original, and not wildly.
     assert!(mean > 1e-5 && mean < 1.0, "{variant}: mean KLD {mean}");
 }

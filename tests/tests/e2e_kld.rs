@@ -77,6 +77,36 @@ async fn kld_over_http_equals_the_model_computation() {
             assert_eq!(same[i + 1], Some(t.same_top));
             let expect = (t.logprob as f64).exp() - (t.reference_logprob as f64).exp();
             assert_eq!(dp[i + 1], Some(expect));
+            assert_eq!(
+                seq.reverse_kld.as_ref().unwrap()[i + 1],
+                Some(t.reverse_kld)
+            );
+            assert_eq!(
+                seq.top_k_agreement.as_ref().unwrap()[i + 1],
+                Some(t.top_k_agreement)
+            );
+            assert_eq!(
+                seq.reference_top_p.as_ref().unwrap()[i + 1],
+                Some(t.reference_top_p)
+            );
+        }
+        assert!((seq.sum_reverse_kld - d.sum_reverse_kld()).abs() <= 1e-12);
+        assert_eq!(seq.top_k_agreement_counts, d.top_k_agreement_counts());
+        assert_eq!(seq.top_k_agreement_counts[0], seq.same_top_count);
+        // The buckets partition the positions and their divergences.
+        let buckets = &seq.confidence_buckets;
+        assert_eq!(buckets.len(), exactscore_api::CONFIDENCE_BUCKETS.len());
+        assert_eq!(
+            buckets.iter().map(|b| b.count).sum::<usize>(),
+            seq.num_scored
+        );
+        let bucketed: f64 = buckets.iter().map(|b| b.sum_kld).sum();
+        assert!((bucketed - seq.sum_kld).abs() <= 1e-12 * seq.sum_kld.max(1.0));
+        for (b, (lower, upper)) in buckets.iter().zip(exactscore_api::CONFIDENCE_BUCKETS) {
+            let inside = d.tokens.iter().filter(|t| {
+                t.reference_top_p >= lower && (t.reference_top_p < upper || upper == 1.0)
+            });
+            assert_eq!(b.count, inside.count(), "bucket [{lower}, {upper})");
         }
         assert_eq!(seq.num_scored, tokens.len() - 1);
         assert!((seq.sum_kld - d.sum_kld()).abs() <= 1e-12 * d.sum_kld().max(1.0));
@@ -225,11 +255,24 @@ async fn kld_runner_aggregates_equal_a_direct_computation() {
     let (model, reference) = (load_model(SERVED), load_model(REFERENCE));
     let (mut kld, mut same, mut dp, mut dp2, mut nll, mut ref_nll) =
         (vec![], 0usize, 0f64, 0f64, 0f64, 0f64);
+    let (mut reverse, mut agreement) = (0f64, [0usize; 5]);
+    let mut by_confidence: Vec<Vec<f64>> = vec![vec![]; 5];
     for w in windows(ids.len(), &params).unwrap() {
         let seq = w.sequence(&ids);
         let d = kld_batch(&model, &reference, &[&seq]).unwrap().remove(0);
         for p in w.scored.clone() {
             let t = d.tokens[p - 1];
+            reverse += t.reverse_kld;
+            for (k, a) in agreement.iter_mut().enumerate() {
+                *a += usize::from(t.top_k_agreement >> k & 1 == 1);
+            }
+            // The client keeps the confidence in f32.
+            let top_p = f64::from(t.reference_top_p as f32);
+            let bucket = [0.25, 0.5, 0.75, 0.95]
+                .iter()
+                .position(|&upper| top_p < upper)
+                .unwrap_or(4);
+            by_confidence[bucket].push(t.kld);
             kld.push(t.kld);
             same += usize::from(t.same_top);
             let delta = (t.logprob as f64).exp() - (t.reference_logprob as f64).exp();
@@ -271,10 +314,41 @@ async fn kld_runner_aggregates_equal_a_direct_computation() {
         k.perplexity / k.reference_perplexity,
         "ratio",
     );
+    close(k.mean_reverse_kld, reverse / n, "mean reverse KLD");
+    for (i, a) in agreement.iter().enumerate() {
+        close(k.top_k_agreement[i], *a as f64 / n, "top-K agreement");
+    }
+    close(
+        k.top_k_agreement[0],
+        k.same_top,
+        "top-1 agreement is same top",
+    );
+    close(k.p25_kld, quantile(&kld, 0.25), "p25");
+    close(k.p75_kld, quantile(&kld, 0.75), "p75");
+    for (b, mut values) in k.confidence_buckets.iter().zip(by_confidence) {
+        assert_eq!(b.tokens, values.len(), "bucket [{}, {})", b.lower, b.upper);
+        if let Some(mean) = b.mean_kld {
+            close(
+                mean,
+                values.iter().sum::<f64>() / values.len() as f64,
+                "bucket mean",
+            );
+            values.sort_by(f64::total_cmp);
+            close(
+                b.median_kld.unwrap(),
+                quantile(&values, 0.5),
+                "bucket median",
+            );
+        }
+    }
+    assert!(k.confidence_buckets.iter().filter(|b| b.tokens > 0).count() >= 2);
     assert!(k.mean_kld > 0.0 && k.same_top < 1.0);
     let table = report.to_table();
     for row in [
         "mean KLD",
+        "reverse KLD",
+        "top-K agreement",
+        "KLD, top p [0.00,0.25)",
         "KLD p99.9",
         "same top token",
         "RMS Δp",
@@ -286,4 +360,99 @@ async fn kld_runner_aggregates_equal_a_direct_computation() {
         table.contains("reference bits per weight  16.0000"),
         "{table}"
     );
+}
+
+/// The noise floor: the dense checkpoint served in bf16 with itself in f32 as the reference.
+/// `--reference-dtype` makes the reference f32 (its KLD from an f32 run of the same checkpoint
+/// is 0 where bf16's is not), and `exactscore kld --noise-floor-server` reports it beside the
+/// quantization's KLD over the very same windows.
+#[tokio::test]
+async fn noise_floor_is_the_kld_of_bf16_arithmetic_on_the_same_windows() {
+    use exactscore_client::{run_ppl, PplConfig, Task};
+
+    let reference_dir = fixture(REFERENCE);
+    let reference_dir = reference_dir.to_str().unwrap();
+    let quantized = start(SERVED, &["--reference-model", reference_dir]).await;
+    let floor_args = [
+        "--dtype",
+        "bf16",
+        "--reference-model",
+        reference_dir,
+        "--reference-dtype",
+        "f32",
+    ];
+    let floor = start(REFERENCE, &floor_args).await;
+
+    let info: ModelInfo = reqwest::get(format!("{}/info", floor.base))
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(info.dtype, "bf16");
+    assert_eq!(info.reference.unwrap().dtype.as_deref(), Some("f32"));
+
+    // The f32 reference of the floor server is the f32 model itself: against an f32 run of the
+    // same checkpoint its divergence is exactly 0, so the floor measures bf16 alone.
+    let seq: Vec<u32> = fixture_sequences()[0].clone();
+    let (status, text) = post(&floor.base, "/kld", json!({ "tokens": seq })).await;
+    assert_eq!(status, 200, "{text}");
+    let r: KldResponse = serde_json::from_str(&text).unwrap();
+    let dense = load_model(REFERENCE);
+    let f32_self = kld_batch(&dense, &dense, &[&seq]).unwrap().remove(0);
+    assert_eq!(f32_self.sum_kld(), 0.0);
+    let bf16_floor = r.sequences[0].sum_kld / r.sequences[0].num_scored as f64;
+    assert!(bf16_floor > 0.0, "bf16 arithmetic moved nothing?");
+    for (i, t) in f32_self.tokens.iter().enumerate() {
+        let reference_lp = r.sequences[0].reference_logprobs.as_ref().unwrap()[i + 1];
+        assert_eq!(
+            reference_lp,
+            Some(t.reference_logprob),
+            "position {}",
+            i + 1
+        );
+    }
+
+    let dir = tempfile::tempdir().unwrap();
+    let mut config = PplConfig::new(vec![quantized.base.clone()], common::dataset(dir.path()));
+    config.task = Task::Kld;
+    (config.ctx, config.stride, config.max_windows) = (64, 32, Some(4));
+    config.noise_floor_server = Some(floor.base.clone());
+    let report = run_ppl(config.clone()).await.unwrap();
+    let k = report.kld.as_ref().unwrap();
+    let nf = report
+        .noise_floor
+        .as_ref()
+        .expect("noise floor in the report");
+    // The floor equals a plain `exactscore kld` run against the floor server.
+    let mut plain = config.clone();
+    plain.servers = vec![floor.base.clone()];
+    plain.noise_floor_server = None;
+    let direct = run_ppl(plain).await.unwrap();
+    assert_eq!(nf.kld, *direct.kld.as_ref().unwrap());
+    assert_eq!(nf.kld.tokens, k.tokens);
+    println!(
+        "W4A16 mean KLD {:.6}, bf16 noise floor {:.6} over {} tokens",
+        k.mean_kld, nf.kld.mean_kld, k.tokens
+    );
+    assert!(nf.kld.mean_kld > 0.0 && nf.kld.mean_kld < k.mean_kld / 10.0);
+    let table = report.to_table();
+    assert!(table.contains("noise floor mean KLD"), "{table}");
+    assert!(
+        table.contains("in bf16 vs llama-dense-bf16 in f32"),
+        "{table}"
+    );
+
+    // A server without a reference is refused before the main run, naming the option.
+    let plain_server = start(REFERENCE, &[]).await;
+    config.noise_floor_server = Some(plain_server.base.clone());
+    let err = run_ppl(config).await.unwrap_err().to_string();
+    assert!(
+        err.contains("noise-floor server") && err.contains("--reference-dtype"),
+        "{err}"
+    );
+    for s in [quantized, floor, plain_server] {
+        let _ = s.stop.send(());
+        s.done.await.unwrap().unwrap();
+    }
 }

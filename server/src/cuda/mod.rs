@@ -530,11 +530,18 @@ pub struct KldRows {
     pub argmax: Vec<u32>,
     /// The reference's most likely token (lowest id on ties).
     pub reference_argmax: Vec<u32>,
+    /// KL(model ‖ reference) per row (f64).
+    pub reverse_kld: Vec<f64>,
+    /// The reference's probability of its most likely token (f64).
+    pub reference_top_p: Vec<f64>,
+    /// Bit K − 1 set when both rows' K best ids are the same set, K = 1..=5.
+    pub top_k_agreement: Vec<u8>,
 }
 
 /// Fused KL-divergence of `logits` from `reference_logits` (both `[rows, vocab]`, same dtype and
-/// device) per row, with both models' log p(target) and argmax; see `kld_rows` in the kernels.
-/// One buffer of per-row numbers comes back, never a vocabulary row.
+/// device) per row, both ways, with both models' log p(target) and argmax, the top-K agreement
+/// and the reference's top probability; see `kld_rows` in the kernels. One buffer of per-row
+/// numbers comes back, never a vocabulary row.
 pub fn kld_rows(reference_logits: &Tensor, logits: &Tensor, targets: &[u32]) -> Result<KldRows> {
     let (reference_logits, logits) = (reference_logits.contiguous()?, logits.contiguous()?);
     let (rows, vocab) = logits.dims2()?;
@@ -546,9 +553,10 @@ pub fn kld_rows(reference_logits: &Tensor, logits: &Tensor, targets: &[u32]) -> 
             targets.len()
         );
     }
-    // Layout, 4-byte words: the f64 divergences (two words each), then the model's and the
-    // reference's log p(target) and argmax ids, one word per row each.
-    let words = 6 * rows;
+    // Layout, 4-byte words: three f64 vectors (two words a row each: the divergence, the
+    // reverse divergence, the reference's top probability), then one word a row each: the
+    // model's and the reference's log p(target), both argmax ids, the agreement mask.
+    let words = 11 * rows;
     let name = kernel_name("kld_rows", logits.dtype());
     let host = with_float_type!(logits.dtype(), T => with_slice::<T, _>(&reference_logits, |rs, ro, dev| {
         with_slice::<T, _>(&logits, |ls, lo, _| {
@@ -557,30 +565,43 @@ pub fn kld_rows(reference_logits: &Tensor, logits: &Tensor, targets: &[u32]) -> 
             let targets = dev.clone_htod(&targets)?;
             // SAFETY: the kernel writes every word (thread 0 of each row's block).
             let out = unsafe { dev.alloc::<u32>(words.max(1)) }?;
-            let part = |at: usize| out.slice(at..);
-            let (kld, lp, rlp) = (part(0), part(2 * rows), part(3 * rows));
-            let (top, rtop) = (part(4 * rows), part(5 * rows));
+            let part = |at: usize| out.slice(at * rows..);
+            let (kld, reverse, ref_top_p) = (part(0), part(2), part(4));
+            let (lp, rlp, top, rtop, agree) = (part(6), part(7), part(8), part(9), part(10));
             let (rs, ls) = (rs.slice(ro..), ls.slice(lo..));
             let v32 = vocab as i32;
             let mut b = func.builder();
             b.arg(&rs).arg(&ls).arg(&v32).arg(&targets);
-            b.arg(&kld).arg(&lp).arg(&rlp).arg(&top).arg(&rtop);
-            // SAFETY: arguments match `kld_rows_*`; the f64 part starts the (256-byte aligned)
-            // buffer, so its 8-byte values are aligned.
+            b.arg(&kld).arg(&reverse).arg(&ref_top_p);
+            b.arg(&lp).arg(&rlp).arg(&top).arg(&rtop).arg(&agree);
+            // SAFETY: arguments match `kld_rows_*`; the f64 parts start the (256-byte aligned)
+            // buffer and span 8 bytes a row each, so their values are aligned.
             unsafe { b.launch(grid_rows(rows)) }.w()?;
             copy_to_host(dev, &out.slice(0..words))
         })
     }))?;
     let f32s =
         |range: std::ops::Range<usize>| host[range].iter().map(|&w| f32::from_bits(w)).collect();
+    let f64s = |vector: usize| {
+        (0..rows)
+            .map(|i| {
+                let at = vector * rows + 2 * i;
+                f64::from_bits(u64::from(host[at]) | (u64::from(host[at + 1]) << 32))
+            })
+            .collect()
+    };
     Ok(KldRows {
-        kld: (0..rows)
-            .map(|i| f64::from_bits(u64::from(host[2 * i]) | (u64::from(host[2 * i + 1]) << 32)))
+        kld: f64s(0),
+        reverse_kld: f64s(2),
+        reference_top_p: f64s(4),
+        logprob: f32s(6 * rows..7 * rows),
+        reference_logprob: f32s(7 * rows..8 * rows),
+        argmax: host[8 * rows..9 * rows].to_vec(),
+        reference_argmax: host[9 * rows..10 * rows].to_vec(),
+        top_k_agreement: host[10 * rows..11 * rows]
+            .iter()
+            .map(|&m| m as u8)
             .collect(),
-        logprob: f32s(2 * rows..3 * rows),
-        reference_logprob: f32s(3 * rows..4 * rows),
-        argmax: host[4 * rows..5 * rows].to_vec(),
-        reference_argmax: host[5 * rows..6 * rows].to_vec(),
     })
 }
 

@@ -14,8 +14,8 @@ use tokio::sync::{mpsc, oneshot, watch, Notify};
 
 use super::queue::{BatchLimits, Entry, State, Task};
 use super::worker::{self, Hooks, ReplicaState};
-use super::{Computed, Engine, EngineError};
-use crate::model::{SequenceKld, SequenceScores};
+use super::{Computed, DiffSupport, Engine, EngineError};
+use crate::model::{DiffOptions, SequenceDiff, SequenceKld, SequenceScores};
 
 /// Cheap to clone; every clone talks to the same queue.
 #[derive(Clone)]
@@ -162,6 +162,27 @@ impl Scheduler {
         let (reply, rx) = oneshot::channel();
         self.push(tokens, Task::Kld { reply });
         rx
+    }
+
+    /// Queues one sequence for `/diff` with its request's options; the receiver yields what
+    /// the comparison found. Dropping the receiver cancels it.
+    pub fn submit_diff(
+        &self,
+        tokens: Vec<u32>,
+        options: Arc<DiffOptions>,
+    ) -> ReplyReceiver<SequenceDiff> {
+        let (reply, rx) = oneshot::channel();
+        self.push(tokens, Task::Diff { options, reply });
+        rx
+    }
+
+    /// What `/diff` can do: every replica's engine holds the same two models, so the first
+    /// one answers for all.
+    pub fn diff_support(&self) -> DiffSupport {
+        self.shared
+            .replicas
+            .first()
+            .map_or(DiffSupport::NoReference, |r| r.engine.diff_support())
     }
 
     fn push(&self, tokens: Vec<u32>, task: Task) {

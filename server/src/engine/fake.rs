@@ -5,8 +5,11 @@
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{mpsc, Mutex};
 
-use super::{Engine, EngineError};
-use crate::model::{RowScore, ScoreInput, SequenceKld, SequenceScores, TokenKld};
+use super::{DiffSupport, Engine, EngineError};
+use crate::model::{
+    DiffOptions, LayerError, RowScore, ScoreInput, SequenceDiff, SequenceKld, SequenceScores,
+    TokenKld,
+};
 
 #[derive(Default)]
 pub struct FakeEngine {
@@ -81,12 +84,42 @@ impl FakeEngine {
 
     /// The fake divergence before `token`: what the fake reference disagrees by.
     pub fn token_kld(token: u32) -> TokenKld {
+        let same_top = token.is_multiple_of(2);
         TokenKld {
             kld: token as f64 / 1e4,
+            reverse_kld: token as f64 / 2e4,
             logprob: Self::logprob(token),
             reference_logprob: 2.0 * Self::logprob(token),
-            same_top: token.is_multiple_of(2),
+            same_top,
+            // bit 0 is same_top; the others follow the id's bits
+            top_k_agreement: (token as u8 & 0b11110) | u8::from(same_top),
+            reference_top_p: (token % 101) as f64 / 100.0,
         }
+    }
+
+    /// Decoder layers of the fake model, and its attributable modules (q/k/v/o and
+    /// gate/up/down of each, all "int4").
+    pub const LAYERS: usize = 2;
+
+    pub fn modules() -> Vec<(String, String)> {
+        let names = ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"]
+            .into_iter()
+            .chain([
+                "self_attn.o_proj",
+                "mlp.gate_proj",
+                "mlp.up_proj",
+                "mlp.down_proj",
+            ]);
+        (0..Self::LAYERS)
+            .flat_map(|i| names.clone().map(move |n| format!("model.layers.{i}.{n}")))
+            .map(|name| (name, "int4".to_string()))
+            .collect()
+    }
+
+    /// The fake error of layer `layer` at a position holding `token`: grows with depth.
+    pub fn layer_error(layer: usize, token: u32) -> (f64, f64) {
+        let cos_error = (layer + 1) as f64 * (token % 100) as f64 / 1e4;
+        (cos_error, 30.0 - 10.0 * layer as f64)
     }
 
     /// An engine that fails as `fault` says.
@@ -152,5 +185,44 @@ impl Engine for FakeEngine {
                 tokens: tokens.iter().skip(1).map(|&t| Self::token_kld(t)).collect(),
             })
             .collect())
+    }
+
+    /// Per layer [`Self::layer_error`], the fake divergences, and module `m`'s KLD sum the
+    /// sequence's KLD sum over `m + 2`.
+    fn diff(
+        &self,
+        sequences: &[&[u32]],
+        options: &DiffOptions,
+    ) -> Result<Vec<SequenceDiff>, EngineError> {
+        let klds = self.kld(sequences)?;
+        Ok(sequences
+            .iter()
+            .zip(klds)
+            .map(|(tokens, kld)| {
+                let layers = (0..Self::LAYERS)
+                    .map(|layer| {
+                        let (cos_error, sqnr_db) =
+                            tokens.iter().map(|&t| Self::layer_error(layer, t)).unzip();
+                        LayerError { cos_error, sqnr_db }
+                    })
+                    .collect();
+                let sum = kld.sum_kld();
+                let modules = (0..options.attribute.len())
+                    .map(|m| sum / (m + 2) as f64)
+                    .collect();
+                SequenceDiff {
+                    layers,
+                    kld,
+                    modules,
+                }
+            })
+            .collect())
+    }
+
+    fn diff_support(&self) -> DiffSupport {
+        DiffSupport::Ready {
+            layers: Self::LAYERS,
+            modules: Self::modules(),
+        }
     }
 }

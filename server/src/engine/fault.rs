@@ -6,8 +6,8 @@
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
-use super::{Engine, EngineError, IdleHook};
-use crate::model::{ScoreInput, SequenceKld, SequenceScores};
+use super::{DiffSupport, Engine, EngineError, IdleHook};
+use crate::model::{DiffOptions, ScoreInput, SequenceDiff, SequenceKld, SequenceScores};
 
 /// Driver errors after which the CUDA context accepts no more work: every later call fails
 /// the same way, so the process must be restarted.
@@ -147,6 +147,19 @@ impl Engine for FaultInjecting {
     fn kld(&self, sequences: &[&[u32]]) -> Result<Vec<SequenceKld>, EngineError> {
         self.check(sequences.iter().map(|s| s.len()).sum())?;
         self.inner.kld(sequences)
+    }
+
+    fn diff(
+        &self,
+        sequences: &[&[u32]],
+        options: &DiffOptions,
+    ) -> Result<Vec<SequenceDiff>, EngineError> {
+        self.check(sequences.iter().map(|s| s.len()).sum())?;
+        self.inner.diff(sequences, options)
+    }
+
+    fn diff_support(&self) -> DiffSupport {
+        self.inner.diff_support()
     }
 
     fn concurrency(&self) -> usize {

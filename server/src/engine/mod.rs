@@ -13,7 +13,7 @@ pub mod worker;
 
 use std::time::Duration;
 
-use crate::model::{ScoreInput, SequenceKld, SequenceScores};
+use crate::model::{DiffOptions, ScoreInput, SequenceDiff, SequenceKld, SequenceScores};
 
 pub use batcher::Scheduler;
 pub use pipeline::{MicroBatching, ModelEngine};
@@ -59,6 +59,22 @@ pub trait Engine: Send + Sync + 'static {
     /// in input order.
     fn kld(&self, sequences: &[&[u32]]) -> Result<Vec<SequenceKld>, EngineError>;
 
+    /// `/diff`: the served model against the reference after every decoder layer, the final
+    /// divergence and the attributed modules' ones; results in input order.
+    fn diff(
+        &self,
+        sequences: &[&[u32]],
+        options: &DiffOptions,
+    ) -> Result<Vec<SequenceDiff>, EngineError> {
+        let _ = (sequences, options);
+        Err(EngineError::NoReference)
+    }
+
+    /// What `/diff` can do here.
+    fn diff_support(&self) -> DiffSupport {
+        DiffSupport::NoReference
+    }
+
     /// Batches computed at once: a pipeline of several stages overlaps consecutive batches.
     fn concurrency(&self) -> usize {
         1
@@ -77,6 +93,20 @@ pub trait Engine: Send + Sync + 'static {
 
     /// The drain timeout passed: work not yet started fails with [`EngineError::Abandoned`].
     fn abandon(&self) {}
+}
+
+/// Whether the two models of an engine can be compared layer by layer (`/diff`).
+#[derive(Debug, Clone, PartialEq)]
+pub enum DiffSupport {
+    NoReference,
+    /// A reference that `/kld` can use but `/diff` cannot: why (layer count, hidden size).
+    Incompatible(String),
+    Ready {
+        layers: usize,
+        /// The served modules whose weights differ in format from the reference's (what
+        /// attribution can swap, as `Model::linears` names them), with their served format.
+        modules: Vec<(String, String)>,
+    },
 }
 
 /// The outcome of one sequence (`T`: its scores or its divergences), with the timings of the
@@ -110,6 +140,12 @@ impl Finite for SequenceScores {
 impl Finite for SequenceKld {
     fn first_non_finite(&self) -> Option<usize> {
         SequenceKld::first_non_finite(self)
+    }
+}
+
+impl Finite for SequenceDiff {
+    fn first_non_finite(&self) -> Option<usize> {
+        SequenceDiff::first_non_finite(self)
     }
 }
 

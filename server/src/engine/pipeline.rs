@@ -7,15 +7,18 @@
 use std::ops::Range;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc::{self, Receiver, SyncSender};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, RwLock};
 
 use candle_core::Tensor;
 
 use super::fault::{classify, guarded};
 use super::stage_thread::{IdleHook, StageThread};
-use super::{Engine, EngineError};
+use super::{DiffSupport, Engine, EngineError};
+use crate::model::diff::{attributable_modules, diff_batch, incompatibility};
 use crate::model::kld::kld_logits;
-use crate::model::{lm_head_rows, Model, ScoreInput, SequenceKld, SequenceScores};
+use crate::model::{
+    lm_head_rows, DiffOptions, Model, ScoreInput, SequenceDiff, SequenceKld, SequenceScores,
+};
 
 /// A model and one thread per stage.
 struct Chain {
@@ -123,6 +126,11 @@ pub struct ModelEngine {
     /// micro-batches of concurrent batches in one order, so a stage never waits for a
     /// micro-batch that an earlier stage has queued behind one it waits for in turn.
     ordering: Mutex<()>,
+    /// `/diff` runs both models on its worker's own thread, stage after stage, so it has the
+    /// devices to itself: the pipelined tasks hold this shared for a whole batch, a diff holds
+    /// it exclusively (a device's work is never issued from two threads at once).
+    exclusive: RwLock<()>,
+    diff_support: DiffSupport,
     abandoned: Arc<AtomicBool>,
 }
 
@@ -133,6 +141,25 @@ impl ModelEngine {
         micro_batching: MicroBatching,
     ) -> std::io::Result<Self> {
         let devices = distinct_devices(&model);
+        let diff_support = match &reference {
+            None => DiffSupport::NoReference,
+            Some(r) => match incompatibility(&model, r) {
+                Some(reason) => {
+                    tracing::warn!(%reason, "/diff is off (/kld works): the reference cannot be compared layer by layer");
+                    DiffSupport::Incompatible(reason)
+                }
+                None => DiffSupport::Ready {
+                    layers: model.config().num_layers,
+                    modules: attributable_modules(&model, r)
+                        .into_iter()
+                        .map(|name| {
+                            let format = model.linear(&name).map(|l| l.weight().describe());
+                            (name, format.unwrap_or_default())
+                        })
+                        .collect(),
+                },
+            },
+        };
         Ok(Self {
             served: Chain::new(Arc::new(model), "model")?,
             reference: reference
@@ -141,6 +168,8 @@ impl ModelEngine {
             micro_batching,
             devices,
             ordering: Mutex::new(()),
+            exclusive: RwLock::new(()),
+            diff_support,
             abandoned: Arc::new(AtomicBool::new(false)),
         })
     }
@@ -172,6 +201,7 @@ impl ModelEngine {
         top_k: &[usize],
         submit: impl Fn(Arc<MicroBatch>, SyncSender<Result<Vec<T>, EngineError>>),
     ) -> Result<Vec<T>, EngineError> {
+        let _shared = self.exclusive.read().unwrap_or_else(|p| p.into_inner());
         let parts = self.micro_batches(sequences.len());
         let receivers: Vec<_> = {
             let _order = self.ordering.lock().unwrap_or_else(|p| p.into_inner());
@@ -318,6 +348,28 @@ impl Engine for ModelEngine {
                     let _ = done.send(result);
                 });
         })
+    }
+
+    /// On this worker's thread with the devices to itself (see [`ModelEngine::exclusive`]):
+    /// a diagnostic, so it trades the pipeline's overlap for lockstep simplicity.
+    fn diff(
+        &self,
+        sequences: &[&[u32]],
+        options: &DiffOptions,
+    ) -> Result<Vec<SequenceDiff>, EngineError> {
+        let reference = self.reference.as_ref().ok_or(EngineError::NoReference)?;
+        let _exclusive = self.exclusive.write().unwrap_or_else(|p| p.into_inner());
+        if self.abandoned.load(Ordering::SeqCst) {
+            return Err(EngineError::Abandoned);
+        }
+        guarded(|| {
+            diff_batch(&self.served.model, &reference.model, sequences, options)
+                .map_err(|e| classify(&e))
+        })
+    }
+
+    fn diff_support(&self) -> DiffSupport {
+        self.diff_support.clone()
     }
 
     fn concurrency(&self) -> usize {

@@ -3,12 +3,13 @@
 //! module owns the policy (strict FIFO under a token and a sequence budget).
 
 use std::collections::VecDeque;
+use std::sync::Arc;
 use std::time::Instant;
 
 use tokio::sync::oneshot;
 
 use super::{Computed, EngineError};
-use crate::model::{SequenceKld, SequenceScores};
+use crate::model::{DiffOptions, SequenceDiff, SequenceKld, SequenceScores};
 
 /// Where the engine sends the outcome of one sequence.
 pub type Reply<T> = oneshot::Sender<Result<Computed<T>, EngineError>>;
@@ -31,6 +32,12 @@ pub enum Task {
     },
     /// Divergence of the served model from the reference model at every position.
     Kld { reply: Reply<SequenceKld> },
+    /// Both models compared after every decoder layer (`/diff`); the options are shared by
+    /// the sequences of one request.
+    Diff {
+        options: Arc<DiffOptions>,
+        reply: Reply<SequenceDiff>,
+    },
 }
 
 impl Entry {
@@ -39,6 +46,7 @@ impl Entry {
         match &self.task {
             Task::Score { reply, .. } => reply.is_closed(),
             Task::Kld { reply } => reply.is_closed(),
+            Task::Diff { reply, .. } => reply.is_closed(),
         }
     }
 }
@@ -51,6 +59,9 @@ impl Entry {
                 let _ = reply.send(Err(error));
             }
             Task::Kld { reply } => {
+                let _ = reply.send(Err(error));
+            }
+            Task::Diff { reply, .. } => {
                 let _ = reply.send(Err(error));
             }
         }

@@ -15,7 +15,7 @@ use tokio::sync::mpsc;
 use super::fault::{guarded, with_halving};
 use super::queue::{Entry, Reply, Task};
 use super::{Computed, Engine, EngineError};
-use crate::model::ScoreInput;
+use crate::model::{DiffOptions, ScoreInput, SequenceDiff};
 
 /// Consecutive failed batches after which a replica leaves the rotation.
 pub const FAILURES_OUT_OF_ROTATION: usize = 3;
@@ -154,6 +154,8 @@ fn run_batch(
     let formed = batch.len();
     let mut scores = Vec::new();
     let mut klds = Vec::new();
+    // One group per request's options, in arrival order.
+    let mut diffs: Vec<(Arc<DiffOptions>, Vec<Job<SequenceDiff>>)> = Vec::new();
     for entry in batch.into_iter().filter(|e| !e.is_cancelled()) {
         let (tokens, enqueued) = (entry.tokens, entry.enqueued);
         match entry.task {
@@ -170,9 +172,21 @@ fn run_batch(
                 enqueued,
                 reply,
             }),
+            Task::Diff { options, reply } => {
+                let job = Job {
+                    tokens,
+                    enqueued,
+                    reply,
+                };
+                match diffs.iter_mut().find(|(o, _)| **o == *options) {
+                    Some((_, jobs)) => jobs.push(job),
+                    None => diffs.push((options, vec![job])),
+                }
+            }
         }
     }
-    super::queue::count_cancelled(formed - scores.len() - klds.len());
+    let computed = scores.len() + klds.len() + diffs.iter().map(|(_, j)| j.len()).sum::<usize>();
+    super::queue::count_cancelled(formed - computed);
     let run = BatchRun {
         batch_id,
         state,
@@ -192,6 +206,11 @@ fn run_batch(
     run.jobs(klds, |sequences| {
         with_halving(sequences, &mut |part| engine.kld(part))
     });
+    for (options, jobs) in diffs {
+        run.jobs(jobs, |sequences| {
+            with_halving(sequences, &mut |part| engine.diff(part, &options))
+        });
+    }
 }
 
 /// One sequence of a batch and where its answer goes.

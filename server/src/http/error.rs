@@ -22,6 +22,12 @@ pub enum ApiError {
          unquantized checkpoint) to compute KL-divergences"
     )]
     NoReferenceModel,
+    /// The reference serves `/kld` but cannot be compared layer by layer (`/diff`): why.
+    #[error(
+        "the reference model cannot be compared with the served model layer by layer: \
+         {0}; /kld still works"
+    )]
+    IncompatibleReference(String),
     #[error("method {0} is not allowed on this route")]
     MethodNotAllowed(String),
     #[error("content type `{0}` is not JSON; send `Content-Type: application/json`")]
@@ -132,6 +138,7 @@ impl ApiError {
             Self::InvalidJson { .. } | Self::RepeatedHeader(_) => StatusCode::BAD_REQUEST,
             Self::Unauthorized => StatusCode::UNAUTHORIZED,
             Self::NotFound(_) | Self::NoReferenceModel => StatusCode::NOT_FOUND,
+            Self::IncompatibleReference(_) => StatusCode::CONFLICT,
             Self::MethodNotAllowed(_) => StatusCode::METHOD_NOT_ALLOWED,
             Self::BodyTimeout(_) => StatusCode::REQUEST_TIMEOUT,
             Self::UnsupportedMediaType(_) | Self::UnsupportedEncoding(_) => {
@@ -154,6 +161,7 @@ impl ApiError {
             Self::Unauthorized => "unauthorized",
             Self::NotFound(_) => "not_found",
             Self::NoReferenceModel => "no_reference_model",
+            Self::IncompatibleReference(_) => "incompatible_reference",
             Self::MethodNotAllowed(_) => "method_not_allowed",
             Self::UnsupportedMediaType(_) | Self::UnsupportedEncoding(_) => {
                 "unsupported_media_type"
@@ -226,6 +234,12 @@ impl ApiError {
                 Some(format!("sequences[{sequence}]")),
                 Some("finite".into()),
                 Some(serde_json::json!({"sequence": sequence, "position": position})),
+            ),
+            Self::NoReferenceModel => (Some("reference_model".into()), None, None),
+            Self::IncompatibleReference(_) => (
+                Some("reference_model".into()),
+                Some("same_layers_and_hidden_size".into()),
+                None,
             ),
             _ => (None, None, None),
         };

@@ -3,7 +3,9 @@
 
 use axum::extract::State;
 use axum::Json;
-use exactscore_api::{ErrorBody, KldRequest, KldResponse, SequenceDivergence};
+use exactscore_api::{
+    ConfidenceBucket, ErrorBody, KldRequest, KldResponse, SequenceDivergence, CONFIDENCE_BUCKETS,
+};
 
 use super::error::ApiError;
 use super::json::ApiJson;
@@ -88,5 +90,20 @@ pub fn sequence_divergence(
         same_top_count: kld.same_top_count(),
         sum_delta_p: delta_p.iter().sum(),
         sum_delta_p_squared: delta_p.iter().map(|d| d * d).sum(),
+        reverse_kld: per_token.then(|| column(kld.tokens.iter().map(|t| t.reverse_kld))),
+        top_k_agreement: per_token.then(|| column(kld.tokens.iter().map(|t| t.top_k_agreement))),
+        reference_top_p: per_token.then(|| column(kld.tokens.iter().map(|t| t.reference_top_p))),
+        sum_reverse_kld: kld.sum_reverse_kld(),
+        top_k_agreement_counts: kld.top_k_agreement_counts().to_vec(),
+        confidence_buckets: CONFIDENCE_BUCKETS
+            .iter()
+            .zip(kld.confidence_buckets())
+            .map(|(&(lower, upper), (count, sum_kld))| ConfidenceBucket {
+                lower,
+                upper,
+                count,
+                sum_kld,
+            })
+            .collect(),
     }
 }

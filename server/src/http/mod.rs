@@ -2,6 +2,7 @@
 //! the routes actually served. Handlers are thin: validate, submit, shape the answer.
 
 pub mod completions;
+pub mod diff;
 pub mod error;
 pub mod health;
 pub mod info;
@@ -169,6 +170,7 @@ fn api_router() -> OpenApiRouter<SharedState> {
         .routes(routes!(score::score))
         .routes(routes!(score::score_v1))
         .routes(routes!(kld::kld))
+        .routes(routes!(diff::diff))
         .routes(routes!(completions::completions))
         .routes(routes!(tokenize::tokenize))
         .routes(routes!(tokenize::detokenize))

@@ -1,10 +1,15 @@
 //! Request validation: turns a parsed body into checked model inputs, or a 422 that names the
 //! field (`tokens[1][7]`), the rule and the offending value. Pure functions, no I/O.
 
-use exactscore_api::{KldRequest, ReturnOptions, ScoreRequest, TextInput, TokensInput};
+use exactscore_api::{
+    AttributeInput, AttributeSelection, DiffRequest, KldRequest, ReturnOptions, ScoreRequest,
+    TextInput, TokensInput,
+};
 use serde_json::{json, Value};
 
 use super::error::{preview, ApiError};
+use crate::model::decoder::split_module_name;
+use crate::model::DiffOptions;
 use crate::tokenizer::TextTokenizer;
 
 /// Largest `top_k`.
@@ -59,6 +64,155 @@ pub fn kld_request(req: KldRequest, rules: &Rules<'_>) -> Result<ValidKld, ApiEr
         sequences: sequences(req.tokens, req.text, req.add_special_tokens, rules)?,
         per_token: req.per_token.unwrap_or(true),
     })
+}
+
+/// A `/diff` request ready for the queue.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ValidDiff {
+    pub sequences: Vec<Vec<u32>>,
+    pub per_position: bool,
+    pub options: DiffOptions,
+    /// The served format of every module in `options.attribute`, in its order.
+    pub formats: Vec<String>,
+}
+
+/// `/diff`'s request against a served model of `layers` decoder layers whose attributable
+/// modules are `modules` ((name, served format), see `DiffSupport::Ready`).
+pub fn diff_request(
+    req: DiffRequest,
+    rules: &Rules<'_>,
+    layers: usize,
+    modules: &[(String, String)],
+) -> Result<ValidDiff, ApiError> {
+    let reference_until = match req.reference_until {
+        None => None,
+        Some(n) if (0..layers as i64).contains(&n) => Some(n as usize),
+        Some(n) => {
+            return Err(ApiError::validation(
+                "reference_until",
+                "range",
+                n,
+                format!(
+                    "reference_until must be a decoder layer of the served model, 0..={}, got {n}",
+                    layers.saturating_sub(1)
+                ),
+            ))
+        }
+    };
+    let chosen = match req.attribute {
+        None | Some(AttributeInput::All(false)) => Vec::new(),
+        Some(AttributeInput::All(true)) => {
+            chosen_modules(&AttributeSelection::default(), layers, modules)?
+        }
+        Some(AttributeInput::Select(selection)) => chosen_modules(&selection, layers, modules)?,
+    };
+    if !chosen.is_empty() && reference_until.is_some() {
+        return Err(ApiError::validation(
+            "attribute",
+            "mutually_exclusive",
+            true,
+            "attribution measures each module against the full divergence; leave out \
+             `reference_until` with `attribute`",
+        ));
+    }
+    let (attribute, formats) = chosen.into_iter().unzip();
+    Ok(ValidDiff {
+        sequences: sequences(req.tokens, req.text, req.add_special_tokens, rules)?,
+        per_position: req.per_position.unwrap_or(false),
+        options: DiffOptions {
+            reference_until,
+            attribute,
+        },
+        formats,
+    })
+}
+
+/// The modules `selection` chooses among `modules`, in their order; none is an error.
+fn chosen_modules(
+    selection: &AttributeSelection,
+    layers: usize,
+    modules: &[(String, String)],
+) -> Result<Vec<(String, String)>, ApiError> {
+    if modules.is_empty() {
+        return Err(ApiError::validation(
+            "attribute",
+            "quantized_module",
+            true,
+            "no module of the served model differs in format from the reference's: there is \
+             nothing to attribute",
+        ));
+    }
+    let range = match selection.layers.as_deref() {
+        None => None,
+        Some(&[first, last]) if 0 <= first && first <= last && last < layers as i64 => {
+            Some(first as usize..=last as usize)
+        }
+        Some(other) => {
+            return Err(ApiError::validation(
+                "attribute.layers",
+                "range",
+                json!(other),
+                format!(
+                    "attribute.layers is [first, last] with 0 <= first <= last <= {}",
+                    layers.saturating_sub(1)
+                ),
+            ))
+        }
+    };
+    let chosen: Vec<(String, String)> = modules
+        .iter()
+        .filter(|(name, _)| {
+            let in_layers = range.as_ref().is_none_or(|r| {
+                split_module_name(name).is_some_and(|(layer, _)| r.contains(&layer))
+            });
+            in_layers
+                && selection
+                    .pattern
+                    .as_deref()
+                    .is_none_or(|p| glob_match(p, name))
+        })
+        .cloned()
+        .collect();
+    if chosen.is_empty() {
+        let (field, value) = match &selection.pattern {
+            Some(pattern) => ("attribute.pattern", json!(pattern)),
+            None => ("attribute.layers", json!(selection.layers)),
+        };
+        return Err(ApiError::validation(
+            field,
+            "no_module_matches",
+            preview(&value),
+            format!(
+                "no quantized module matches (they are named like `{}`)",
+                modules[0].0
+            ),
+        ));
+    }
+    Ok(chosen)
+}
+
+/// Whether `name` matches `pattern` as a whole, `*` matching any run of characters.
+pub fn glob_match(pattern: &str, name: &str) -> bool {
+    let (p, n): (Vec<char>, Vec<char>) = (pattern.chars().collect(), name.chars().collect());
+    // Greedy with backtracking to the last `*`: linear in practice, O(|p|·|n|) at worst.
+    let (mut i, mut j) = (0, 0);
+    let mut star: Option<(usize, usize)> = None;
+    while j < n.len() {
+        if i < p.len() && p[i] != '*' && p[i] == n[j] {
+            i += 1;
+            j += 1;
+        } else if i < p.len() && p[i] == '*' {
+            star = Some((i, j));
+            i += 1;
+        } else if let Some((si, sj)) = star {
+            i = si + 1;
+            j = sj + 1;
+            star = Some((si, sj + 1));
+        } else {
+            return false;
+        }
+    }
+    p[i..].iter().all(|&c| c == '*')
 }
 
 /// The token sequences of a request that gives exactly one of `tokens` and `text`.
@@ -233,4 +387,28 @@ pub fn token_ids(field: &str, ids: &[i64], vocab_size: usize) -> Result<Vec<u32>
             }
         })
         .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn globs_match_whole_names() {
+        let name = "model.layers.17.mlp.down_proj";
+        for (pattern, expected) in [
+            ("*.mlp.down_proj", true),
+            ("model.layers.17.*", true),
+            ("model.layers.1.*", false),
+            ("*down*", true),
+            ("*", true),
+            ("down_proj", false),
+            ("model.layers.17.mlp.down_proj", true),
+            ("model.*.mlp.*_proj", true),
+            ("", false),
+        ] {
+            assert_eq!(glob_match(pattern, name), expected, "{pattern}");
+        }
+        assert!(glob_match("lm_head", "lm_head"));
+    }
 }

@@ -75,6 +75,33 @@ pub(crate) trait Layer: Send + Sync {
     fn attention(&self) -> &Attention;
 
     fn feed_forward(&self) -> &FeedForward;
+
+    fn attention_mut(&mut self) -> &mut Attention;
+
+    fn feed_forward_mut(&mut self) -> &mut FeedForward;
+
+    /// A copy that shares every weight (`/diff` replaces one Linear of it).
+    fn clone_box(&self) -> Box<dyn Layer>;
+}
+
+impl dyn Layer {
+    /// The Linear named `module` under the layer (`self_attn.q_proj`, `mlp.down_proj`), as
+    /// [`Model::linears`] names it after `model.layers.N.`.
+    fn linear_mut(&mut self, module: &str) -> Option<&mut QuantLinear> {
+        if let Some(name) = module.strip_prefix("self_attn.") {
+            return self
+                .attention_mut()
+                .linears_mut()
+                .into_iter()
+                .find(|(n, _)| *n == name)
+                .map(|(_, l)| l);
+        }
+        self.feed_forward_mut()
+            .linears_mut()
+            .into_iter()
+            .find(|(n, _)| n == module)
+            .map(|(_, l)| l)
+    }
 }
 
 /// What an architecture family brings to the stack: its decoder layer, how its norms weigh
@@ -275,6 +302,13 @@ impl Model {
     }
 }
 
+/// (`N`, `self_attn.q_proj`) of a Linear named `model.layers.N.self_attn.q_proj`.
+pub fn split_module_name(name: &str) -> Option<(usize, &str)> {
+    let rest = name.strip_prefix("model.layers.")?;
+    let (i, module) = rest.split_once('.')?;
+    Some((i.parse().ok()?, module))
+}
+
 /// `stages` cover `0..layers` with consecutive, non-empty ranges.
 fn check_stages(
     stages: &[(Device, Range<usize>)],
@@ -363,6 +397,14 @@ impl Model {
         out
     }
 
+    /// The Linear `name`, as [`Self::linears`] names it.
+    pub fn linear(&self, name: &str) -> Option<&QuantLinear> {
+        self.linears()
+            .into_iter()
+            .find(|(n, _)| n == name)
+            .map(|(_, l)| l)
+    }
+
     /// Pipeline stages: each holds a run of decoder layers on its own device.
     pub fn stage_count(&self) -> usize {
         self.stages.len()
@@ -376,6 +418,14 @@ impl Model {
     /// The decoder layers of stage `k`.
     pub fn stage_layers(&self, k: usize) -> Range<usize> {
         self.stages[k].layers.clone()
+    }
+
+    /// The stage that holds decoder layer `i`.
+    pub fn layer_stage(&self, i: usize) -> usize {
+        self.stages
+            .iter()
+            .position(|s| s.layers.contains(&i))
+            .unwrap_or(self.stages.len() - 1)
     }
 
     /// Final-norm hidden states `[sum of lengths, hidden]` of the sequences, concatenated: every
@@ -442,25 +492,76 @@ impl Model {
         self.forward_stage_routed(k, x, lens, None)
     }
 
+    /// The decoder layers `layers`, all of one stage, over `x` on that stage's device: a
+    /// stage one layer at a time, for `/diff`, which compares two models after every layer.
+    pub fn forward_layers(
+        &self,
+        layers: Range<usize>,
+        x: Tensor,
+        lens: &[usize],
+    ) -> Result<Tensor> {
+        let k = self.layer_stage(layers.start);
+        let stage = &self.stages[k].layers;
+        if layers.start < stage.start || layers.end > stage.end {
+            candle_core::bail!("layers {layers:?} are not all in one stage ({stage:?})");
+        }
+        self.run_layers(k, layers, x, lens, None, None)
+    }
+
+    /// Decoder layer `i` with its Linear `module` (named under the layer: `self_attn.q_proj`)
+    /// replaced by `linear`, every other weight this model's, over `x` on the layer's device.
+    pub fn forward_layer_with(
+        &self,
+        i: usize,
+        module: &str,
+        linear: QuantLinear,
+        x: Tensor,
+        lens: &[usize],
+    ) -> Result<Tensor> {
+        let mut layer = self.layers[i].clone_box();
+        match layer.linear_mut(module) {
+            Some(slot) => *slot = linear,
+            None => candle_core::bail!("decoder layer {i} has no Linear `{module}`"),
+        }
+        self.run_layers(self.layer_stage(i), i..i + 1, x, lens, None, Some(&*layer))
+    }
+
     fn forward_stage_routed(
         &self,
         k: usize,
+        x: Tensor,
+        lens: &[usize],
+        routes: Option<&mut Vec<(usize, Vec<Route>)>>,
+    ) -> Result<Tensor> {
+        self.run_layers(k, self.stages[k].layers.clone(), x, lens, routes, None)
+    }
+
+    /// `layers` of stage `k`; `replaced` stands in for the first of them.
+    fn run_layers(
+        &self,
+        k: usize,
+        layers: Range<usize>,
         mut x: Tensor,
         lens: &[usize],
         mut routes: Option<&mut Vec<(usize, Vec<Route>)>>,
+        replaced: Option<&dyn Layer>,
     ) -> Result<Tensor> {
         let Stage {
             device,
-            layers,
             rope,
             local_rope,
+            ..
         } = &self.stages[k];
         crate::device::bind(device)?;
         // `set_attention` never leaves `Auto` in the options.
         let flash = self.opts.attention == AttentionKernel::Flash;
         let batch = BatchLayout::new(lens, flash, self.config.head_dim, device)?;
-        for i in layers.clone() {
-            let layer = &self.layers[i];
+        let first = layers.start;
+        for i in layers {
+            let layer = match replaced {
+                Some(layer) if i == first => layer,
+                _ => &*self.layers[i],
+            };
             let rope = match local_rope {
                 Some(local) if layer.attention().local_rope() => local,
                 _ => rope,
@@ -485,7 +586,12 @@ impl Model {
 
     /// Logits `[rows, vocab]` (compute dtype) of final-norm hidden states `[rows, hidden]`.
     pub fn logits(&self, hidden: &Tensor) -> Result<Tensor> {
-        let logits = stage("lm_head", hidden.device(), || self.lm_head.forward(hidden))?;
+        self.logits_with(hidden, &self.lm_head)
+    }
+
+    /// [`Self::logits`] through `head` in place of the lm_head.
+    pub fn logits_with(&self, hidden: &Tensor, head: &QuantLinear) -> Result<Tensor> {
+        let logits = stage("lm_head", hidden.device(), || head.forward(hidden))?;
         match self.config.final_logit_softcapping {
             // transformers: logits / cap, tanh, * cap, in the logits' dtype
             Some(cap) => stage("softcap", hidden.device(), || ops::soft_cap(&logits, cap)),

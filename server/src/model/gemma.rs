@@ -52,6 +52,7 @@ impl Family for Gemma {
     }
 }
 
+#[derive(Clone)]
 pub struct DecoderLayer {
     input_layernorm: RmsNorm,
     self_attn: Attention,
@@ -128,5 +129,17 @@ impl Layer for DecoderLayer {
 
     fn feed_forward(&self) -> &FeedForward {
         &self.mlp
+    }
+
+    fn attention_mut(&mut self) -> &mut Attention {
+        &mut self.self_attn
+    }
+
+    fn feed_forward_mut(&mut self) -> &mut FeedForward {
+        &mut self.mlp
+    }
+
+    fn clone_box(&self) -> Box<dyn Layer> {
+        Box::new(self.clone())
     }
 }

@@ -14,13 +14,22 @@ pub struct TokenKld {
     /// KL(reference ‖ model) = Σ_v p_ref(v) · (log p_ref(v) − log p_model(v)), in nats, from the
     /// f32 log-softmax rows of both models, accumulated in f64.
     pub kld: f64,
+    /// KL(model ‖ reference) = Σ_v p_model(v) · (log p_model(v) − log p_ref(v)), likewise.
+    pub reverse_kld: f64,
     /// The served model's log p(next token).
     pub logprob: f32,
     /// The reference model's log p(next token).
     pub reference_logprob: f32,
     /// Whether both models' most likely token (lowest id on ties) is the same.
     pub same_top: bool,
+    /// Bit K − 1 set when both models' K most likely tokens (best first, lowest id on ties)
+    /// are the same set, K = 1..=[`TOP_K_AGREEMENT_MAX`]; bit 0 equals `same_top`.
+    pub top_k_agreement: u8,
+    /// The reference's probability of its most likely token, in f64.
+    pub reference_top_p: f64,
 }
+
+pub use exactscore_api::TOP_K_AGREEMENT_MAX;
 
 /// Per-token divergences of one sequence of `n` tokens: `tokens[i]` is about the distribution
 /// after token `i` (predicting token `i + 1`), so there are `n − 1` of them.
@@ -38,6 +47,27 @@ pub fn kld_batch(
 ) -> Result<Vec<SequenceKld>> {
     let hidden = model.hidden_states(sequences)?;
     let reference_hidden = reference.hidden_states(sequences)?;
+    kld_hidden(
+        |h| reference.logits(h),
+        &reference_hidden,
+        |h| model.logits(h),
+        &hidden,
+        sequences,
+        model.config().vocab_size,
+    )
+}
+
+/// The divergences of `sequences` from their final-norm hidden states `[sum of lengths,
+/// hidden]` on both sides, each side's logits (over `vocab` tokens) computed by its `logits`,
+/// [`lm_head_rows`] rows at a time.
+pub fn kld_hidden(
+    reference_logits: impl Fn(&Tensor) -> Result<Tensor>,
+    reference_hidden: &Tensor,
+    logits: impl Fn(&Tensor) -> Result<Tensor>,
+    hidden: &Tensor,
+    sequences: &[&[u32]],
+    vocab: usize,
+) -> Result<Vec<SequenceKld>> {
     let mut offset = 0;
     let mut out = Vec::with_capacity(sequences.len());
     for tokens in sequences {
@@ -46,15 +76,14 @@ pub fn kld_batch(
         let mut seq = SequenceKld {
             tokens: Vec::with_capacity(rows),
         };
-        let chunk = lm_head_rows(model.config().vocab_size);
+        let chunk = lm_head_rows(vocab);
         for start in (0..rows).step_by(chunk) {
             let len = chunk.min(rows - start);
-            let logits = model.logits(&hidden.narrow(0, offset + start, len)?)?;
-            let reference_logits =
-                reference.logits(&reference_hidden.narrow(0, offset + start, len)?)?;
+            let model_logits = logits(&hidden.narrow(0, offset + start, len)?)?;
+            let reference = reference_logits(&reference_hidden.narrow(0, offset + start, len)?)?;
             let targets = &tokens[start + 1..start + 1 + len];
             seq.tokens
-                .extend(kld_logits(&reference_logits, &logits, targets)?);
+                .extend(kld_logits(&reference, &model_logits, targets)?);
         }
         offset += tokens.len();
         out.push(seq);
@@ -82,34 +111,61 @@ pub fn kld_logits(
 
 /// The divergence at one position, in f64 from f32 logits: the CPU reference of the kernel.
 pub fn kld_row(reference: &[f32], model: &[f32], target: u32) -> TokenKld {
-    let (reference_top, reference_lse) = argmax_and_lse(reference);
-    let (top, lse) = argmax_and_lse(model);
-    let kld = reference
-        .iter()
-        .zip(model)
-        .map(|(&r, &m)| {
-            let log_p_ref = r as f64 - reference_lse;
-            log_p_ref.exp() * (log_p_ref - (m as f64 - lse))
-        })
-        .sum();
+    let (reference_top, reference_lse) = top_ids_and_lse(reference);
+    let (top, lse) = top_ids_and_lse(model);
+    let (mut kld, mut reverse_kld) = (0f64, 0f64);
+    for (&r, &m) in reference.iter().zip(model) {
+        let (log_p_ref, log_p) = (r as f64 - reference_lse, m as f64 - lse);
+        kld += log_p_ref.exp() * (log_p_ref - log_p);
+        reverse_kld += log_p.exp() * (log_p - log_p_ref);
+    }
     let t = target as usize;
     TokenKld {
         kld,
+        reverse_kld,
         logprob: (model[t] as f64 - lse) as f32,
         reference_logprob: (reference[t] as f64 - reference_lse) as f32,
-        same_top: top == reference_top,
+        same_top: top[0] == reference_top[0],
+        top_k_agreement: top_k_agreement(&reference_top, &top),
+        reference_top_p: (reference[reference_top[0] as usize] as f64 - reference_lse).exp(),
     }
 }
 
-/// The index of the largest logit (lowest on ties) and log Σ exp(logits), in f64.
-fn argmax_and_lse(logits: &[f32]) -> (usize, f64) {
-    let mut top = 0;
-    for (i, &l) in logits.iter().enumerate() {
-        if l > logits[top] {
-            top = i;
+/// The bit mask of [`TokenKld::top_k_agreement`] from both rows' best ids, best first.
+pub fn top_k_agreement(reference_top: &[u32], top: &[u32]) -> u8 {
+    (1..=TOP_K_AGREEMENT_MAX).fold(0, |mask, k| {
+        // A vocabulary of fewer than K tokens: its whole set.
+        let n = k.min(top.len()).min(reference_top.len());
+        let same = reference_top[..n].iter().all(|id| top[..n].contains(id));
+        mask | (u8::from(same) << (k - 1))
+    })
+}
+
+/// The [`TOP_K_AGREEMENT_MAX`] best ids of a row (fewer when the row is shorter), best first
+/// and the lowest id first on ties, with log Σ exp(logits) in f64. Each value enters the sorted
+/// list from its end, as in the kernel.
+fn top_ids_and_lse(logits: &[f32]) -> (Vec<u32>, f64) {
+    // (value, id) is better than (value', id') when larger, or equal with a lower id.
+    let better = |i: usize, j: usize| logits[i] > logits[j] || (logits[i] == logits[j] && i < j);
+    let mut top: Vec<usize> = Vec::with_capacity(TOP_K_AGREEMENT_MAX);
+    for i in 0..logits.len() {
+        if top.len() == TOP_K_AGREEMENT_MAX {
+            if !better(i, top[TOP_K_AGREEMENT_MAX - 1]) {
+                continue;
+            }
+            top.pop();
         }
+        let mut at = top.len();
+        while at > 0 && better(i, top[at - 1]) {
+            at -= 1;
+        }
+        top.insert(at, i);
     }
-    (top, log_sum_exp(logits, logits[top]))
+    let best = top.first().map_or(f32::NEG_INFINITY, |&i| logits[i]);
+    (
+        top.into_iter().map(|i| i as u32).collect(),
+        log_sum_exp(logits, best),
+    )
 }
 
 impl SequenceKld {
@@ -117,7 +173,10 @@ impl SequenceKld {
     /// an infinity in either model's logits makes its log-sum-exp, and so all three, so).
     pub fn first_non_finite(&self) -> Option<usize> {
         self.tokens.iter().position(|t| {
-            !(t.kld.is_finite() && t.logprob.is_finite() && t.reference_logprob.is_finite())
+            !(t.kld.is_finite()
+                && t.reverse_kld.is_finite()
+                && t.logprob.is_finite()
+                && t.reference_logprob.is_finite())
         })
     }
 
@@ -144,6 +203,31 @@ impl SequenceKld {
 
     pub fn same_top_count(&self) -> usize {
         self.tokens.iter().filter(|t| t.same_top).count()
+    }
+
+    pub fn sum_reverse_kld(&self) -> f64 {
+        self.tokens.iter().map(|t| t.reverse_kld).sum()
+    }
+
+    /// Positions whose top-K sets agree, K = 1..=[`TOP_K_AGREEMENT_MAX`].
+    pub fn top_k_agreement_counts(&self) -> [usize; TOP_K_AGREEMENT_MAX] {
+        std::array::from_fn(|k| {
+            self.tokens
+                .iter()
+                .filter(|t| t.top_k_agreement & (1 << k) != 0)
+                .count()
+        })
+    }
+
+    /// (positions, Σ KLD) in each of [`exactscore_api::CONFIDENCE_BUCKETS`].
+    pub fn confidence_buckets(&self) -> Vec<(usize, f64)> {
+        let mut buckets = vec![(0, 0.0); exactscore_api::CONFIDENCE_BUCKETS.len()];
+        for t in &self.tokens {
+            let b = &mut buckets[exactscore_api::confidence_bucket(t.reference_top_p)];
+            b.0 += 1;
+            b.1 += t.kld;
+        }
+        buckets
     }
 }
 
@@ -188,6 +272,73 @@ mod tests {
             tokens: vec![kld_row(&row, &row, 0)],
         };
         assert_eq!(seq.first_non_finite(), None);
+    }
+
+    #[test]
+    fn reverse_divergence_and_reference_confidence_match_the_closed_form() {
+        let (p, q) = ([0.5f64, 0.25, 0.25], [0.25f64, 0.5, 0.25]);
+        let logits = |d: [f64; 3]| d.map(|x| x.ln() as f32);
+        let k = kld_row(&logits(p), &logits(q), 1);
+        let reverse: f64 = (0..3).map(|v| q[v] * (q[v] / p[v]).ln()).sum();
+        assert!((k.reverse_kld - reverse).abs() < 1e-7, "{}", k.reverse_kld);
+        assert!((k.reference_top_p - 0.5).abs() < 1e-7);
+        // An asymmetric pair: the two directions differ.
+        let (p, q) = ([0.9f64, 0.05, 0.05], [1.0f64 / 3.0, 1.0 / 3.0, 1.0 / 3.0]);
+        let k = kld_row(&logits(p), &logits(q), 0);
+        let forward: f64 = (0..3).map(|v| p[v] * (p[v] / q[v]).ln()).sum();
+        let reverse: f64 = (0..3).map(|v| q[v] * (q[v] / p[v]).ln()).sum();
+        assert!((k.kld - forward).abs() < 1e-7 && (k.reverse_kld - reverse).abs() < 1e-7);
+        assert!((forward - reverse).abs() > 1e-2);
+        let row = [0.3f32, -1.5, 2.25, 0.0, 7.0];
+        assert_eq!(kld_row(&row, &row, 2).reverse_kld, 0.0);
+    }
+
+    #[test]
+    fn top_k_agreement_compares_sets_not_orders() {
+        // Reference order 5 4 3 2 1 0; the model swaps the first two and the fifth and sixth.
+        let reference = [0.0f32, 1.0, 2.0, 3.0, 4.0, 5.0];
+        let model = [1.0f32, 0.0, 2.0, 3.0, 5.0, 4.0];
+        let k = kld_row(&reference, &model, 0);
+        // K = 1: 5 vs 4; K = 2, 3, 4: the same sets; K = 5: {5,4,3,2,1} vs {4,5,3,2,0}.
+        assert_eq!(k.top_k_agreement, 0b01110);
+        assert!(!k.same_top);
+        let row = [0.3f32, -1.5, 2.25, 0.0, 7.0, 1.0, 1.0];
+        assert_eq!(kld_row(&row, &row, 0).top_k_agreement, 0b11111);
+        // Fewer tokens than K: every K covers the whole vocabulary.
+        assert_eq!(
+            kld_row(&[1.0, 2.0], &[2.0, 1.0], 0).top_k_agreement,
+            0b11110
+        );
+        // Ties go to the lowest id in both: {0, 1} vs {0, 1}, not {0, 2}.
+        let k = kld_row(&[3.0, 1.0, 1.0], &[3.0, 1.0, 1.0 - 1e-6], 0);
+        assert_eq!(k.top_k_agreement & 0b11, 0b11);
+    }
+
+    #[test]
+    fn sequence_sums_count_agreements_and_bucket_by_confidence() {
+        let token = |kld, mask, p| TokenKld {
+            kld,
+            reverse_kld: 2.0 * kld,
+            logprob: -1.0,
+            reference_logprob: -1.0,
+            same_top: mask & 1 == 1,
+            top_k_agreement: mask,
+            reference_top_p: p,
+        };
+        let s = SequenceKld {
+            tokens: vec![
+                token(0.5, 0b11111, 0.1),
+                token(0.25, 0b00110, 0.3),
+                token(0.125, 0b00001, 0.96),
+                token(1.0, 0b10000, 1.0),
+            ],
+        };
+        assert_eq!(s.top_k_agreement_counts(), [2, 2, 2, 1, 2]);
+        assert_eq!(s.sum_reverse_kld(), 3.75);
+        assert_eq!(
+            s.confidence_buckets(),
+            vec![(1, 0.5), (1, 0.25), (0, 0.0), (0, 0.0), (2, 1.125)]
+        );
     }
 
     #[test]

@@ -9,6 +9,7 @@
 pub mod blocks;
 pub mod config;
 pub mod decoder;
+pub mod diff;
 pub mod gemma;
 pub mod kld;
 pub mod llama;
@@ -23,5 +24,6 @@ pub use crate::ops::causal_mask;
 pub use config::{Architecture, ModelConfig};
 pub(crate) use decoder::lm_head_rows;
 pub use decoder::{AttentionKernel, Model, ModelOptions, ScoreInput};
+pub use diff::{diff_batch, DiffOptions, LayerError, SequenceDiff};
 pub use kld::{kld_batch, SequenceKld, TokenKld};
 pub use scoring::{RowScore, SequenceScores};

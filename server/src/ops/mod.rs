@@ -204,13 +204,23 @@ pub fn kld_rows(
 ) -> Result<Vec<TokenKld>> {
     if logits.device().is_cuda() {
         let reference_logits = crate::device::transfer(reference_logits, logits.device())?;
-        let k = gpu::kld_rows(&reference_logits, logits, targets)?;
+        // Two compute dtypes (`--reference-dtype`): both rows in f32, which holds either
+        // exactly; the kernel scores in f32 whatever it reads.
+        let k = if reference_logits.dtype() != logits.dtype() {
+            let f32 = |t: &Tensor| t.to_dtype(DType::F32);
+            gpu::kld_rows(&f32(&reference_logits)?, &f32(logits)?, targets)?
+        } else {
+            gpu::kld_rows(&reference_logits, logits, targets)?
+        };
         return Ok((0..targets.len())
             .map(|i| TokenKld {
                 kld: k.kld[i],
+                reverse_kld: k.reverse_kld[i],
                 logprob: k.logprob[i],
                 reference_logprob: k.reference_logprob[i],
                 same_top: k.argmax[i] == k.reference_argmax[i],
+                top_k_agreement: k.top_k_agreement[i],
+                reference_top_p: k.reference_top_p[i],
             })
             .collect());
     }

@@ -39,6 +39,9 @@ pub struct KldRows {
     pub reference_logprob: Vec<f32>,
     pub argmax: Vec<u32>,
     pub reference_argmax: Vec<u32>,
+    pub reverse_kld: Vec<f64>,
+    pub reference_top_p: Vec<f64>,
+    pub top_k_agreement: Vec<u8>,
 }
 
 pub fn flash_attention_supported(_head_dim: usize, _dtype: DType) -> bool {

@@ -10,6 +10,8 @@ pub mod minifloat;
 pub mod nvfp4;
 pub mod pack_quantized;
 
+use std::sync::Arc;
+
 use candle_core::{DType, Device, Result, Tensor};
 use safetensors::Dtype as StDtype;
 
@@ -43,9 +45,10 @@ pub trait QuantizedWeight: Send + Sync {
     }
 }
 
-/// `y = QDQ(x) · Wᵀ (+ b)` for a weight in any supported format.
+/// `y = QDQ(x) · Wᵀ (+ b)` for a weight in any supported format. A clone shares the weight.
+#[derive(Clone)]
 pub struct QuantLinear {
-    weight: Box<dyn QuantizedWeight>,
+    weight: Arc<dyn QuantizedWeight>,
     bias: Option<Tensor>,
     activation: Option<ActivationQdq>,
 }
@@ -53,7 +56,7 @@ pub struct QuantLinear {
 impl QuantLinear {
     pub fn new(weight: Box<dyn QuantizedWeight>, bias: Option<Tensor>) -> Self {
         Self {
-            weight,
+            weight: Arc::from(weight),
             bias,
             activation: None,
         }
@@ -123,6 +126,10 @@ impl QuantLinear {
 
     pub fn weight(&self) -> &dyn QuantizedWeight {
         self.weight.as_ref()
+    }
+
+    pub fn bias(&self) -> Option<&Tensor> {
+        self.bias.as_ref()
     }
 
     pub fn activation(&self) -> Option<&ActivationQdq> {
@@ -314,7 +321,7 @@ pub fn load_linear(
         });
     }
     Ok(QuantLinear {
-        weight,
+        weight: Arc::from(weight),
         bias,
         activation,
     })
@@ -356,7 +363,7 @@ mod tests {
         let w = Tensor::rand(-1f32, 1f32, (8, 32), &Device::Cpu)?;
         let w = (w + seed as f64)?.affine(0.5, 0.0)?;
         Ok(QuantLinear {
-            weight: Box::new(dense::DenseWeight::from_tensor(w)),
+            weight: Arc::new(dense::DenseWeight::from_tensor(w)),
             bias: None,
             activation,
         })

@@ -34,6 +34,20 @@ fn max_kld_diff(a: &[TokenKld], b: &[TokenKld]) -> f64 {
         .fold(0.0, f64::max)
 }
 
+/// The largest difference of the f64 outputs besides the KLD (reverse KLD, reference top
+/// probability), and whether every top-K agreement mask is equal.
+fn extras_diff(a: &[TokenKld], b: &[TokenKld]) -> (f64, f64, bool) {
+    a.iter()
+        .zip(b)
+        .fold((0.0, 0.0, true), |(r, p, same), (x, y)| {
+            (
+                r.max((x.reverse_kld - y.reverse_kld).abs()),
+                p.max((x.reference_top_p - y.reference_top_p).abs()),
+                same && x.top_k_agreement == y.top_k_agreement && x.same_top == y.same_top,
+            )
+        })
+}
+
 fn mean_kld(a: &[TokenKld]) -> f64 {
     a.iter().map(|t| t.kld).sum::<f64>() / a.len().max(1) as f64
 }
@@ -46,8 +60,8 @@ pub fn check(fixtures: &Path, device: &Device) -> Result<usize> {
         Model::load(&fixtures.join(variant), &opts).with_context(|| variant.to_string())
     };
     println!("KLD(dense bf16 ‖ variant) on the device vs the CPU f32 path; kernel vs the CPU reference on the same GPU logits.");
-    println!("| variant | CPU f32 mean KLD | GPU f32 max abs Δ | GPU bf16 mean KLD | kernel vs CPU on bf16 logits: max abs Δ KLD / logprob, same-top equal | self-KLD = 0 | |");
-    println!("|---|---|---|---|---|---|---|");
+    println!("| variant | CPU f32 mean KLD | GPU f32 max abs Δ | GPU bf16 mean KLD | kernel vs CPU on bf16 logits: max abs Δ KLD / logprob, same-top equal | kernel vs CPU: max abs Δ reverse KLD / top p, top-K masks equal | f32 reference vs bf16 model: max abs Δ KLD vs CPU | self-KLD = 0 | |");
+    println!("|---|---|---|---|---|---|---|---|---|");
     let mut failures = 0;
     let mut same_device = None;
     for &(reference, quantized) in PAIRS {
@@ -71,7 +85,7 @@ pub fn check(fixtures: &Path, device: &Device) -> Result<usize> {
         let bitwise = split == expected;
         failures += usize::from(!bitwise);
         println!(
-            "| {} with the reference on {second:?}: bitwise equal to one GPU = {bitwise} | | | | | {} |",
+            "| {} with the reference on {second:?}: bitwise equal to one GPU = {bitwise} | | | | | | | {} |",
             quantized[0],
             if bitwise { "ok" } else { "FAIL" }
         );
@@ -110,9 +124,9 @@ fn check_pair(
             load(reference, device, DType::F32)?,
         );
         let g32 = kld_batch(&q32, &r32, &refs)?;
-        let self_zero = flat(&kld_batch(&q32, &q32, &refs)?)
-            .iter()
-            .all(|t| t.kld == 0.0 && t.same_top);
+        let self_zero = flat(&kld_batch(&q32, &q32, &refs)?).iter().all(|t| {
+            t.kld == 0.0 && t.reverse_kld == 0.0 && t.same_top && t.top_k_agreement == 0b11111
+        });
         let (q16, r16) = (
             load(variant, device, DType::BF16)?,
             load(reference, device, DType::BF16)?,
@@ -120,6 +134,8 @@ fn check_pair(
         let g16 = flat(&kld_batch(&q16, &r16, &refs)?);
         // The kernel alone: the same bf16 logits through it and through the CPU reference.
         let (mut kernel_kld, mut kernel_lp, mut same_equal) = (0f64, 0f64, true);
+        let (mut kernel_reverse, mut kernel_top_p, mut masks_equal) = (0f64, 0f64, true);
+        let mut mixed_kld = 0f64;
         for s in seqs {
             let n = s.len() - 1;
             let logits = q16.logits(&q16.hidden_states(&[s])?.narrow(0, 0, n)?)?;
@@ -137,17 +153,37 @@ fn check_pair(
                     .max((g.reference_logprob - h.reference_logprob).abs() as f64);
                 same_equal &= g.same_top == h.same_top;
             }
+            let (reverse, top_p, masks) = extras_diff(&gpu, &host);
+            kernel_reverse = kernel_reverse.max(reverse);
+            kernel_top_p = kernel_top_p.max(top_p);
+            masks_equal &= masks;
+            // `--reference-dtype f32` beside a bf16 model: the rows of two dtypes meet in f32.
+            let ref_f32 = r32.logits(&r32.hidden_states(&[s])?.narrow(0, 0, n)?)?;
+            let gpu = kld_logits(&ref_f32, &logits, &s[1..])?;
+            let host = kld_logits(
+                &ref_f32.to_device(&Device::Cpu)?,
+                &logits.to_device(&Device::Cpu)?,
+                &s[1..],
+            )?;
+            mixed_kld = mixed_kld.max(max_kld_diff(&gpu, &host));
         }
         same_device.get_or_insert_with(|| g32.clone());
         let (cpu, g32) = (flat(&cpu), flat(&g32));
         let max32 = max_kld_diff(&g32, &cpu);
         // f32 logits on the GPU differ from the CPU's by ~1e-5 (cuBLAS summation order); the
         // kernel itself must agree with the f64 reference to rounding.
-        let ok =
-            max32 <= 1e-4 && kernel_kld <= 1e-9 && kernel_lp <= 1e-5 && same_equal && self_zero;
+        let ok = max32 <= 1e-4
+            && kernel_kld <= 1e-9
+            && kernel_lp <= 1e-5
+            && same_equal
+            && kernel_reverse <= 1e-9
+            && kernel_top_p <= 1e-9
+            && masks_equal
+            && mixed_kld <= 1e-9
+            && self_zero;
         failures += usize::from(!ok);
         println!(
-            "| {variant} (‖ {reference}) | {:.6} | {max32:.2e} | {:.6} | {kernel_kld:.1e} / {kernel_lp:.1e}, {same_equal} | {self_zero} | {} |",
+            "| {variant} (‖ {reference}) | {:.6} | {max32:.2e} | {:.6} | {kernel_kld:.1e} / {kernel_lp:.1e}, {same_equal} | {kernel_reverse:.1e} / {kernel_top_p:.1e}, {masks_equal} | {mixed_kld:.1e} | {self_zero} | {} |",
             mean_kld(&cpu),
             mean_kld(&g16),
             if ok { "ok" } else { "FAIL" }

@@ -15,6 +15,10 @@
 //! * `kld --shape llama3-8b --format w4a16 --batch 1,4`: `/kld` (served model + bf16 reference,
 //!   two forwards and the fused divergence) timed next to `/score` on the same windows; `check`
 //!   also judges the divergence kernel and the GPU `/kld` path on the fixtures.
+//! * `diff --shape llama3-8b --format w4a16 --windows 4 --modules 7`: `/diff` (both models layer
+//!   by layer, per-layer errors, the final divergence) timed next to `/score`, and the cost of
+//!   attributing the first `--modules` modules, per module per window; `check` also judges the
+//!   GPU `/diff` path (its f64 sums on the same states, the whole path) on the fixtures.
 //! * `jit --model DIR` (run with an empty `CUDA_CACHE_PATH`): which of candle's PTX modules the
 //!   first forward JIT-compiles and what each module costs; the rest of start-up is SASS.
 //! * `write-checkpoint --shape llama3-8b --format w4a16 --out DIR --tokenizer TOKDIR`: the same
@@ -33,6 +37,7 @@ use serde_json::Value;
 
 #[cfg(feature = "cuda")]
 mod attention_check;
+mod diff_bench;
 #[cfg(feature = "cuda")]
 mod jit_report;
 mod kld_bench;
@@ -119,6 +124,30 @@ enum Command {
         #[arg(long, default_value = "cuda:0")]
         device: String,
         /// Fail when /kld tokens/s falls below this fraction of /score's at any batch.
+        #[arg(long, default_value_t = 0.0)]
+        min_ratio: f64,
+    },
+    /// `/diff` next to `/score` (random model of a real shape in `--format`, bf16 reference),
+    /// and the time per module per window of attributing the first `--modules` modules.
+    Diff {
+        #[arg(long, default_value = "llama3-8b")]
+        shape: String,
+        #[arg(long, default_value = "w4a16")]
+        format: String,
+        #[arg(long, default_value_t = 4)]
+        windows: usize,
+        #[arg(long, default_value_t = 2048)]
+        ctx: usize,
+        #[arg(long, default_value_t = 3)]
+        iters: usize,
+        /// Modules attributed (from layer 0 on: each runs the whole stack after it).
+        #[arg(long, default_value_t = 7)]
+        modules: usize,
+        #[arg(long, default_value = "bf16")]
+        dtype: String,
+        #[arg(long, default_value = "cuda:0")]
+        device: String,
+        /// Fail when /diff tokens/s falls below this fraction of /score's.
         #[arg(long, default_value_t = 0.0)]
         min_ratio: f64,
     },
@@ -232,6 +261,27 @@ fn main() -> Result<()> {
             &batch,
             ctx,
             iters,
+            parse_dtype(&dtype)?,
+            &parse_device(&device)?,
+            min_ratio,
+        ),
+        Command::Diff {
+            shape,
+            format,
+            windows,
+            ctx,
+            iters,
+            modules,
+            dtype,
+            device,
+            min_ratio,
+        } => diff_bench::speed(
+            &shape,
+            &format,
+            windows,
+            ctx,
+            iters,
+            modules,
             parse_dtype(&dtype)?,
             &parse_device(&device)?,
             min_ratio,
@@ -565,6 +615,7 @@ fn check(fixtures: &Path, device: &Device) -> Result<()> {
         println!("{r}");
     }
     failures += kld_bench::check(fixtures, device)?;
+    failures += diff_bench::check(fixtures, device)?;
     #[cfg(feature = "cuda")]
     if device.is_cuda() {
         if let Err(e) = attention_check::run(device) {

@@ -16,6 +16,7 @@ use crate::model::rope::RopeTables;
 use crate::ops;
 use crate::quant::{common_qdq, ActivationQdq, QuantLinear};
 
+#[derive(Clone)]
 pub struct Attention {
     q_proj: QuantLinear,
     k_proj: QuantLinear,
@@ -94,6 +95,16 @@ impl Attention {
             ("k_proj", &self.k_proj),
             ("v_proj", &self.v_proj),
             ("o_proj", &self.o_proj),
+        ]
+    }
+
+    /// [`Self::linears`], to replace one (`/diff`'s module attribution).
+    pub fn linears_mut(&mut self) -> [(&'static str, &mut QuantLinear); 4] {
+        [
+            ("q_proj", &mut self.q_proj),
+            ("k_proj", &mut self.k_proj),
+            ("v_proj", &mut self.v_proj),
+            ("o_proj", &mut self.o_proj),
         ]
     }
 

@@ -18,6 +18,7 @@ use crate::quant::{common_qdq, ActivationQdq, QuantLinear};
 pub const MLP_CHUNK: usize = 2048;
 
 /// `down(act(gate(x)) * up(x))`.
+#[derive(Clone)]
 pub struct Mlp {
     gate_proj: QuantLinear,
     up_proj: QuantLinear,
@@ -58,6 +59,15 @@ impl Mlp {
             ("gate_proj", &self.gate_proj),
             ("up_proj", &self.up_proj),
             ("down_proj", &self.down_proj),
+        ]
+    }
+
+    /// [`Self::linears`], to replace one.
+    pub fn linears_mut(&mut self) -> [(&'static str, &mut QuantLinear); 3] {
+        [
+            ("gate_proj", &mut self.gate_proj),
+            ("up_proj", &mut self.up_proj),
+            ("down_proj", &mut self.down_proj),
         ]
     }
 
@@ -108,6 +118,7 @@ impl Mlp {
 }
 
 /// The feed-forward of a decoder layer.
+#[derive(Clone)]
 pub enum FeedForward {
     Dense(Mlp),
     Sparse(Moe),
@@ -171,6 +182,21 @@ impl FeedForward {
                 .collect(),
             Self::Sparse(moe) => moe
                 .linears()
+                .map(|(n, l)| (format!("mlp.{n}"), l))
+                .collect(),
+        }
+    }
+
+    /// [`Self::linears`], to replace one.
+    pub fn linears_mut(&mut self) -> Vec<(String, &mut QuantLinear)> {
+        match self {
+            Self::Dense(m) => m
+                .linears_mut()
+                .into_iter()
+                .map(|(n, l)| (format!("mlp.{n}"), l))
+                .collect(),
+            Self::Sparse(moe) => moe
+                .linears_mut()
                 .map(|(n, l)| (format!("mlp.{n}"), l))
                 .collect(),
         }

@@ -13,6 +13,7 @@ use crate::model::profile::{self, stage};
 use crate::ops;
 use crate::quant::QuantLinear;
 
+#[derive(Clone)]
 pub struct Moe {
     /// The router `[experts, hidden]`, in the compute dtype (llm-compressor leaves it unquantized).
     router: Tensor,
@@ -134,6 +135,15 @@ impl Moe {
     pub fn linears(&self) -> impl Iterator<Item = (String, &QuantLinear)> {
         self.experts.iter().enumerate().flat_map(|(e, x)| {
             x.linears()
+                .into_iter()
+                .map(move |(n, l)| (format!("experts.{e}.{n}"), l))
+        })
+    }
+
+    /// [`Self::linears`], to replace one.
+    pub fn linears_mut(&mut self) -> impl Iterator<Item = (String, &mut QuantLinear)> {
+        self.experts.iter_mut().enumerate().flat_map(|(e, x)| {
+            x.linears_mut()
                 .into_iter()
                 .map(move |(n, l)| (format!("experts.{e}.{n}"), l))
         })

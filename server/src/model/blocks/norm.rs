@@ -16,6 +16,7 @@ pub enum NormKind {
     OnePlusWeight,
 }
 
+#[derive(Clone)]
 pub struct RmsNorm {
     /// `w` in the compute dtype, or `1 + w` in f32 for [`NormKind::OnePlusWeight`].
     weight: Tensor,
