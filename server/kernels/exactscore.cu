@@ -595,8 +595,10 @@ __device__ float tree_sum(float v, float* s_red) {
 // epilogue of the GEMM that produced the addend: cuda/gemm.rs.)
 // VEC values per load and store: 8 (16-byte vectors) when cols % 8 == 0 and every row start is
 // 16-byte aligned (checked by the caller), else 1.
-template <typename T, int VEC, bool FP8_QDQ>
-__device__ void rms_norm(const T* x, const T* weight, T* out, int cols, float eps) {
+// W = float with T narrower: GemmaRMSNorm, whose weight (1 + w) is kept in f32 and multiplied in
+// f32, as transformers does, before the one rounding.
+template <typename T, typename W, int VEC, bool FP8_QDQ>
+__device__ void rms_norm(const T* x, const W* weight, T* out, int cols, float eps) {
     using V = Pack<T, VEC>;
     __shared__ float s_red[SCORE_THREADS];
     const long base = (long)blockIdx.x * cols;
@@ -611,7 +613,7 @@ __device__ void rms_norm(const T* x, const T* weight, T* out, int cols, float ep
     float amax = 0.0f;
     for (int i = tid * VEC; i < cols; i += SCORE_THREADS * VEC) {
         const V hv = *reinterpret_cast<const V*>(x + base + i);
-        const V w = *reinterpret_cast<const V*>(weight + i);
+        const Pack<W, VEC> w = *reinterpret_cast<const Pack<W, VEC>*>(weight + i);
         V o;
 #pragma unroll
         for (int j = 0; j < VEC; ++j) {
@@ -624,43 +626,53 @@ __device__ void rms_norm(const T* x, const T* weight, T* out, int cols, float ep
     if (FP8_QDQ) fp8_qdq_row<T, VEC>(out + base, out + base, cols, fp8_token_scale(amax));
 }
 
-// ---- SwiGLU: out = silu(gate) * up ---------------------------------------------------------
+// ---- gated activations: out = act(gate) * up (SwiGLU, GeGLU) ---------------------------------------------------------
 
 // Rounded as PyTorch does in T: silu in f32 rounded to T once, then the product in f32 rounded
 // once.
-template <typename T>
-__device__ __forceinline__ Pack<T, 8> silu_mul8(const Pack<T, 8>& g, const Pack<T, 8>& u) {
+struct Silu {
+    __device__ __forceinline__ static float f(float x) { return x / (1.0f + expf(-x)); }
+};
+// PyTorch's gelu(approximate="tanh") in f32 (its opmath for bf16/f16), term for term.
+struct GeluTanh {
+    __device__ __forceinline__ static float f(float x) {
+        const float beta = 0.7978845608028654f, kappa = 0.044715f;  // sqrt(2 / pi)
+        return 0.5f * x * (1.0f + tanhf(beta * (x + kappa * (x * x * x))));
+    }
+};
+
+template <typename T, typename Act>
+__device__ __forceinline__ Pack<T, 8> glu_mul8(const Pack<T, 8>& g, const Pack<T, 8>& u) {
     Pack<T, 8> o;
 #pragma unroll
     for (int j = 0; j < 8; ++j) {
-        float x = to_f32(g.v[j]);
-        float s = to_f32(from_f32<T>(x / (1.0f + expf(-x))));
+        float s = to_f32(from_f32<T>(Act::f(to_f32(g.v[j]))));
         o.v[j] = from_f32<T>(s * to_f32(u.v[j]));
     }
     return o;
 }
 
 // One thread per 8 elements (n % 8 == 0 and 16-byte aligned rows, checked by the caller).
-template <typename T>
-__device__ void silu_mul(const T* gate, const T* up, T* out, long n) {
+template <typename T, typename Act>
+__device__ void glu_mul(const T* gate, const T* up, T* out, long n) {
     long i = ((long)blockIdx.x * blockDim.x + threadIdx.x) * 8;
     if (i >= n) return;
     // Loaded into registers first: passed straight through, the packs were read as 16 two-byte loads.
     const Pack<T, 8> g = *reinterpret_cast<const Pack<T, 8>*>(gate + i);
     const Pack<T, 8> u = *reinterpret_cast<const Pack<T, 8>*>(up + i);
-    *reinterpret_cast<Pack<T, 8>*>(out + i) = silu_mul8(g, u);
+    *reinterpret_cast<Pack<T, 8>*>(out + i) = glu_mul8<T, Act>(g, u);
 }
 
 // The same, one block (256 threads) per row of k values, followed by the per-token fp8 QDQ of the
 // down projection's input.
-template <typename T>
-__device__ void silu_mul_fp8_qdq(const T* gate, const T* up, T* out, int k) {
+template <typename T, typename Act>
+__device__ void glu_mul_fp8_qdq(const T* gate, const T* up, T* out, int k) {
     const long base = (long)blockIdx.x * k;
     float amax = 0.0f;
     for (int i = threadIdx.x * 8; i < k; i += 256 * 8) {
         const Pack<T, 8> g = *reinterpret_cast<const Pack<T, 8>*>(gate + base + i);
         const Pack<T, 8> u = *reinterpret_cast<const Pack<T, 8>*>(up + base + i);
-        Pack<T, 8> o = silu_mul8(g, u);
+        Pack<T, 8> o = glu_mul8<T, Act>(g, u);
 #pragma unroll
         for (int j = 0; j < 8; ++j) amax = fmaxf(amax, fabsf(to_f32(o.v[j])));
         *reinterpret_cast<Pack<T, 8>*>(out + base + i) = o;
@@ -675,6 +687,123 @@ __device__ void gather_rows(const T* table, const uint32_t* ids, T* out, int col
     long idx = (long)blockIdx.x * blockDim.x + threadIdx.x;
     if (idx >= n) return;
     out[idx] = table[(long)ids[idx / cols] * cols + idx % cols];
+}
+
+// ---- mixture of experts ----------------------------------------------------------------------
+
+// Router, one warp per token: softmax in f32 over `experts` logits (each lane holds experts
+// lane, lane + 32, ...), the top `k` by probability (ties to the lowest expert id, as a stable
+// sort), renormalised to sum 1 when `norm`, summed in the order chosen. A token with a NaN
+// probability gets the id `experts` everywhere, which the caller refuses.
+constexpr int MOE_MAX_PER_LANE = 16;  // up to 512 experts
+
+__device__ __forceinline__ bool moe_before(float p, int e, float q, int f) {
+    return p > q || (p == q && e < f);
+}
+
+template <typename T>
+__device__ void moe_topk(const T* logits, int experts, int k, int norm, uint32_t* ids,
+                         float* weights, int rows) {
+    const int warp = (blockIdx.x * blockDim.x + threadIdx.x) / 32, lane = threadIdx.x % 32;
+    if (warp >= rows) return;
+    const T* l = logits + (long)warp * experts;
+    float p[MOE_MAX_PER_LANE];
+    float m = -INFINITY;
+#pragma unroll
+    for (int i = 0; i < MOE_MAX_PER_LANE; ++i) {
+        const int e = lane + 32 * i;
+        p[i] = e < experts ? to_f32(l[e]) : -INFINITY;
+        m = fmaxf(m, p[i]);
+    }
+    for (int s = 16; s > 0; s >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffff, m, s));
+    float sum = 0.0f;
+    bool nan = false;
+#pragma unroll
+    for (int i = 0; i < MOE_MAX_PER_LANE; ++i) {
+        const int e = lane + 32 * i;
+        if (e < experts) {
+            p[i] = expf(p[i] - m);
+            sum += p[i];
+            nan |= isnan(p[i]);
+        }
+    }
+    for (int s = 16; s > 0; s >>= 1) sum += __shfl_xor_sync(0xffffffff, sum, s);
+    nan = __any_sync(0xffffffff, nan) || isnan(sum);
+#pragma unroll
+    for (int i = 0; i < MOE_MAX_PER_LANE; ++i) p[i] = lane + 32 * i < experts ? p[i] / sum : -1.0f;
+    float total = 0.0f;
+    for (int j = 0; j < k; ++j) {
+        float best = -1.0f;
+        int best_e = experts;
+#pragma unroll
+        for (int i = 0; i < MOE_MAX_PER_LANE; ++i)
+            if (moe_before(p[i], lane + 32 * i, best, best_e)) { best = p[i]; best_e = lane + 32 * i; }
+        for (int s = 16; s > 0; s >>= 1) {
+            const float q = __shfl_xor_sync(0xffffffff, best, s);
+            const int f = __shfl_xor_sync(0xffffffff, best_e, s);
+            if (moe_before(q, f, best, best_e)) { best = q; best_e = f; }
+        }
+#pragma unroll
+        for (int i = 0; i < MOE_MAX_PER_LANE; ++i)
+            if (lane + 32 * i == best_e) p[i] = -1.0f;  // taken
+        total += best;
+        if (lane == 0) {
+            ids[(long)warp * k + j] = nan ? (uint32_t)experts : (uint32_t)best_e;
+            weights[(long)warp * k + j] = best;
+        }
+    }
+    if (norm && lane == 0)
+        for (int j = 0; j < k; ++j) weights[(long)warp * k + j] /= total;
+}
+
+// out[t] = residual[t] + (((0 + w_0 y[pos[t][0]]) + w_1 y[pos[t][1]]) + ...): a token's
+// expert outputs weighted by their router weights (in f32 and rounded to T, or, with
+// `compute_dtype_weights`, by the weight rounded to T), summed in the order of `pos` (ascending
+// expert), every add rounded to T (an add in f32 rounded once is the correctly rounded add in
+// bf16/f16), as a weighted multiply, an index_add into zeros and the residual add give it. One
+// thread per output value.
+template <typename T>
+__device__ void moe_combine(const T* y, const float* w, const uint32_t* pos, const T* residual,
+                            T* out, int k, int cols, int compute_dtype_weights, long n) {
+    const long idx = (long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (idx >= n) return;
+    const long t = idx / cols;
+    const int c = idx % cols;
+    T acc = from_f32<T>(0.0f);
+    for (int j = 0; j < k; ++j) {
+        const long row = pos[t * k + j];
+        const float weight = compute_dtype_weights ? to_f32(from_f32<T>(w[row])) : w[row];
+        const T term = from_f32<T>(to_f32(y[row * cols + c]) * weight);
+        acc = from_f32<T>(to_f32(acc) + to_f32(term));
+    }
+    out[idx] = from_f32<T>(to_f32(residual[idx]) + to_f32(acc));
+}
+
+// ---- /diff: per row of two f32 states, (Σ a·b, Σ a², Σ b², Σ (a − b)²) in f64 -----------------
+// One 256-thread block per row. Products of two f32 values are exact in f64, so the sums differ
+// from any other f64 order by f64 rounding alone.
+extern "C" __global__ void row_pair_sums(const float* a, const float* b, double* out, int cols) {
+    __shared__ double s_red[4][SCORE_THREADS];
+    const long base = (long)blockIdx.x * cols;
+    const int tid = threadIdx.x;
+    double v[4] = {0.0, 0.0, 0.0, 0.0};
+    for (int i = tid; i < cols; i += SCORE_THREADS) {
+        const double x = a[base + i], y = b[base + i], d = x - y;
+        v[0] += x * y;
+        v[1] += x * x;
+        v[2] += y * y;
+        v[3] += d * d;
+    }
+#pragma unroll
+    for (int q = 0; q < 4; ++q) s_red[q][tid] = v[q];
+    __syncthreads();
+    for (int s = SCORE_THREADS / 2; s > 0; s >>= 1) {
+        if (tid < s)
+#pragma unroll
+            for (int q = 0; q < 4; ++q) s_red[q][tid] += s_red[q][tid + s];
+        __syncthreads();
+    }
+    if (tid < 4) out[(long)blockIdx.x * 4 + tid] = s_red[tid][0];
 }
 
 // ---- f32 GEMM with one summation order: out = x · wᵀ ------------------------------------------
@@ -818,25 +947,52 @@ extern "C" __global__ void __launch_bounds__(GEMM_THREADS, 2)
         qdq_nvfp4<T>(x, o, groups, gs);                                                              \
     }                                                                                                \
     extern "C" __global__ void rms_norm_##SUFFIX(const T* x, const T* w, T* o, int cols, float eps) { \
-        rms_norm<T, 1, false>(x, w, o, cols, eps);                                                   \
+        rms_norm<T, T, 1, false>(x, w, o, cols, eps);                                                \
     }                                                                                                \
     extern "C" __global__ void rms_norm_v8_##SUFFIX(const T* x, const T* w, T* o, int cols,          \
                                                     float eps) {                                     \
-        rms_norm<T, 8, false>(x, w, o, cols, eps);                                                   \
+        rms_norm<T, T, 8, false>(x, w, o, cols, eps);                                                \
     }                                                                                                \
     extern "C" __global__ void rms_norm_v8_fp8_qdq_##SUFFIX(const T* x, const T* w, T* o, int cols,  \
                                                             float eps) {                             \
-        rms_norm<T, 8, true>(x, w, o, cols, eps);                                                    \
+        rms_norm<T, T, 8, true>(x, w, o, cols, eps);                                                 \
+    }                                                                                                \
+    extern "C" __global__ void rms_norm_f32w_##SUFFIX(const T* x, const float* w, T* o, int cols,    \
+                                                      float eps) {                                   \
+        rms_norm<T, float, 1, false>(x, w, o, cols, eps);                                            \
+    }                                                                                                \
+    extern "C" __global__ void rms_norm_f32w_v8_##SUFFIX(const T* x, const float* w, T* o, int cols, \
+                                                         float eps) {                                \
+        rms_norm<T, float, 8, false>(x, w, o, cols, eps);                                            \
+    }                                                                                                \
+    extern "C" __global__ void rms_norm_f32w_v8_fp8_qdq_##SUFFIX(const T* x, const float* w, T* o,   \
+                                                                 int cols, float eps) {              \
+        rms_norm<T, float, 8, true>(x, w, o, cols, eps);                                             \
+    }                                                                                                \
+    extern "C" __global__ void moe_topk_##SUFFIX(const T* l, int e, int k, int norm, uint32_t* ids,  \
+                                                 float* w, int rows) {                               \
+        moe_topk<T>(l, e, k, norm, ids, w, rows);                                                    \
+    }                                                                                                \
+    extern "C" __global__ void moe_combine_##SUFFIX(const T* y, const float* w, const uint32_t* pos,  \
+                                                    const T* r, T* o, int k, int cols, int cw,       \
+                                                    long n) {                                        \
+        moe_combine<T>(y, w, pos, r, o, k, cols, cw, n);                                             \
     }                                                                                                \
     extern "C" __global__ void gather_rows_##SUFFIX(const T* table, const uint32_t* ids, T* o,        \
                                                     int cols, long n) {                              \
         gather_rows<T>(table, ids, o, cols, n);                                                      \
     }                                                                                                \
     extern "C" __global__ void silu_mul_##SUFFIX(const T* g, const T* u, T* o, long n) {             \
-        silu_mul<T>(g, u, o, n);                                                                     \
+        glu_mul<T, Silu>(g, u, o, n);                                                                \
     }                                                                                                \
     extern "C" __global__ void silu_mul_fp8_qdq_##SUFFIX(const T* g, const T* u, T* o, int k) {      \
-        silu_mul_fp8_qdq<T>(g, u, o, k);                                                             \
+        glu_mul_fp8_qdq<T, Silu>(g, u, o, k);                                                        \
+    }                                                                                                \
+    extern "C" __global__ void gelu_tanh_mul_##SUFFIX(const T* g, const T* u, T* o, long n) {        \
+        glu_mul<T, GeluTanh>(g, u, o, n);                                                            \
+    }                                                                                                \
+    extern "C" __global__ void gelu_tanh_mul_fp8_qdq_##SUFFIX(const T* g, const T* u, T* o, int k) { \
+        glu_mul_fp8_qdq<T, GeluTanh>(g, u, o, k);                                                    \
     }                                                                                                \
     extern "C" __global__ void causal_softmax_##SUFFIX(const float* s, T* o, int t, float scale, int w) { \
         causal_softmax<T>(s, o, t, scale, w);                                                        \

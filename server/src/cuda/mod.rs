@@ -358,22 +358,30 @@ pub fn rms_norm(x: &Tensor, weight: &Tensor, eps: f32, fp8_qdq: bool) -> Result<
     let dims = x.dims().to_vec();
     let cols = *dims.last().unwrap_or(&0);
     let rows = x.elem_count() / cols.max(1);
-    if weight.dims() != [cols] || weight.dtype() != x.dtype() {
+    // An f32 weight beside a narrower x: multiplied in f32 (GemmaRMSNorm's `1 + w`).
+    let f32_weight = weight.dtype() == DType::F32 && x.dtype() != DType::F32;
+    if weight.dims() != [cols] || !(weight.dtype() == x.dtype() || f32_weight) {
         bail!(
-            "rms_norm: x {dims:?}, weight {:?} {:?}",
+            "rms_norm: x {dims:?} {:?}, weight {:?} {:?}",
+            x.dtype(),
             weight.dims(),
             weight.dtype()
         );
     }
     let vectors = rows_of_vectors(cols, &[&x, weight]);
-    let variant = match (vectors, fp8_qdq) {
-        (true, true) => "rms_norm_v8_fp8_qdq",
-        (true, false) => "rms_norm_v8",
-        (false, _) => "rms_norm",
+    let base = if f32_weight {
+        "rms_norm_f32w"
+    } else {
+        "rms_norm"
     };
-    let name = kernel_name(variant, x.dtype());
+    let variant = match (vectors, fp8_qdq) {
+        (true, true) => format!("{base}_v8_fp8_qdq"),
+        (true, false) => format!("{base}_v8"),
+        (false, _) => base.to_string(),
+    };
+    let name = kernel_name(&variant, x.dtype());
     with_float_type!(x.dtype(), T => with_slice::<T, _>(&x, |xs, xo, dev| {
-        with_slice::<T, _>(weight, |ws, wo, _| {
+        with_float_type!(weight.dtype(), W => with_slice::<W, _>(weight, |ws, wo, _| {
             let func = kernel(dev, &EXACTSCORE, &name)?;
             // SAFETY: the kernel writes every element of `out`.
             let out = unsafe { dev.alloc::<T>(rows * cols) }?;
@@ -381,12 +389,12 @@ pub fn rms_norm(x: &Tensor, weight: &Tensor, eps: f32, fp8_qdq: bool) -> Result<
             let c32 = cols as i32;
             let mut b = func.builder();
             b.arg(&xs).arg(&ws).arg(&out).arg(&c32).arg(&eps);
-            // SAFETY: arguments match `rms_norm{,_v8,_v8_fp8_qdq}_*` (one 256-thread block per
-            // row; aligned vectors checked above).
+            // SAFETY: arguments match `rms_norm{,_f32w}{,_v8,_v8_fp8_qdq}_*` (one 256-thread
+            // block per row; aligned vectors checked above; the weight's type by `f32_weight`).
             unsafe { b.launch(grid_rows(rows)) }.w()?;
             let out = wrap(out, dev, dims.clone());
             if fp8_qdq && !vectors { qdq_fp8(&out, None) } else { Ok(out) }
-        })
+        }))
     }))
 }
 
@@ -416,10 +424,20 @@ pub fn gather_rows(table: &Tensor, ids: &Tensor) -> Result<Tensor> {
 /// with `fp8_qdq` followed in the same kernel by the per-token fp8 QDQ (as [`qdq_fp8`] without a
 /// static scale).
 pub fn silu_mul(gate: &Tensor, up: &Tensor, fp8_qdq: bool) -> Result<Tensor> {
+    gated_mul("silu_mul", gate, up, fp8_qdq)
+}
+
+/// `gelu_tanh(gate) * up` (GeGLU), as [`silu_mul`].
+pub fn gelu_tanh_mul(gate: &Tensor, up: &Tensor, fp8_qdq: bool) -> Result<Tensor> {
+    gated_mul("gelu_tanh_mul", gate, up, fp8_qdq)
+}
+
+/// `act(gate) * up` by the kernel family `base` (`silu_mul`, `gelu_tanh_mul`).
+fn gated_mul(base: &str, gate: &Tensor, up: &Tensor, fp8_qdq: bool) -> Result<Tensor> {
     let (gate, up) = (gate.contiguous()?, up.contiguous()?);
     if gate.dims() != up.dims() || gate.dtype() != up.dtype() {
         bail!(
-            "silu_mul: gate {:?} and up {:?} differ",
+            "{base}: gate {:?} and up {:?} differ",
             gate.dims(),
             up.dims()
         );
@@ -428,22 +446,20 @@ pub fn silu_mul(gate: &Tensor, up: &Tensor, fp8_qdq: bool) -> Result<Tensor> {
     let row = *gate.dims().last().unwrap_or(&0);
     if n % 8 != 0 || row % 8 != 0 {
         bail!(
-            "silu_mul needs rows of a multiple of 8 elements, got {:?}",
+            "{base} needs rows of a multiple of 8 elements, got {:?}",
             gate.dims()
         );
     }
-    let name = kernel_name(
-        if fp8_qdq {
-            "silu_mul_fp8_qdq"
-        } else {
-            "silu_mul"
-        },
-        gate.dtype(),
-    );
+    let variant = if fp8_qdq {
+        format!("{base}_fp8_qdq")
+    } else {
+        base.to_string()
+    };
+    let name = kernel_name(&variant, gate.dtype());
     with_float_type!(gate.dtype(), T => with_slice::<T, _>(&gate, |gs, go, dev| {
         with_slice::<T, _>(&up, |us, uo, _| {
             if go % 8 != 0 || uo % 8 != 0 {
-                bail!("silu_mul needs 16-byte aligned inputs");
+                bail!("{base} needs 16-byte aligned inputs");
             }
             let func = kernel(dev, &EXACTSCORE, &name)?;
             // SAFETY: the kernel writes every element.
@@ -454,16 +470,125 @@ pub fn silu_mul(gate: &Tensor, up: &Tensor, fp8_qdq: bool) -> Result<Tensor> {
             let (n64, row32) = (n as i64, row as i32);
             if fp8_qdq {
                 b.arg(&row32);
-                // SAFETY: arguments match `silu_mul_fp8_qdq_*` (one 256-thread block per row).
+                // SAFETY: arguments match `{silu,gelu_tanh}_mul_fp8_qdq_*` (one 256-thread block per row).
                 unsafe { b.launch(grid_rows(n / row.max(1))) }.w()?;
             } else {
                 b.arg(&n64);
-                // SAFETY: arguments match `silu_mul_*` (one thread per 8 elements).
+                // SAFETY: arguments match `{silu,gelu_tanh}_mul_*` (one thread per 8 elements).
                 unsafe { b.launch(grid_1d(n / 8)) }.w()?;
             }
             Ok(wrap(out, dev, gate.dims()))
         })
     }))
+}
+
+/// The most experts [`moe_topk`]'s kernel holds per token (16 per lane of a warp).
+pub const MOE_MAX_EXPERTS: usize = 512;
+
+/// The router of a mixture of experts on its logits `[tokens, experts]`: per token the ids and
+/// weights of its top `k` experts by f32 softmax probability (ties to the lowest id), the
+/// weights renormalised to sum 1 when `norm`, flat `[tokens × k]`. A token whose
+/// probabilities hold a NaN gets the id `experts`. Only these pairs leave the GPU.
+pub fn moe_topk(logits: &Tensor, k: usize, norm: bool) -> Result<(Vec<u32>, Vec<f32>)> {
+    let logits = logits.contiguous()?;
+    let (rows, experts) = logits.dims2()?;
+    if experts > MOE_MAX_EXPERTS {
+        bail!("the GPU router handles up to {MOE_MAX_EXPERTS} experts, the model has {experts}");
+    }
+    let name = kernel_name("moe_topk", logits.dtype());
+    let (ids, weights) = with_float_type!(logits.dtype(), T => with_slice::<T, _>(&logits, |ls, lo, dev| {
+        let func = kernel(dev, &EXACTSCORE, &name)?;
+        // SAFETY: the kernel writes every element of both.
+        let (ids, weights) = unsafe { (dev.alloc::<u32>(rows * k)?, dev.alloc::<f32>(rows * k)?) };
+        let ls = ls.slice(lo..);
+        let (e32, k32, n32, r32) = (experts as i32, k as i32, i32::from(norm), rows as i32);
+        let mut b = func.builder();
+        b.arg(&ls).arg(&e32).arg(&k32).arg(&n32).arg(&ids).arg(&weights).arg(&r32);
+        // SAFETY: arguments match `moe_topk_*` (one warp per token).
+        unsafe { b.launch(grid_1d(rows * 32)) }.w()?;
+        Ok((wrap(ids, dev, rows * k), wrap(weights, dev, rows * k)))
+    }))?;
+    Ok((ids.to_vec1()?, weights.to_vec1()?))
+}
+
+/// `residual[t] + Σ_j weights[r] · y[r]` over `r = positions[t, j]` per token `t` (u32
+/// `[tokens, k]`), the sum taken in the order of `positions`: each term rounded to the
+/// compute dtype from the f32 product (with `compute_dtype_weights`, from the product with the
+/// weight rounded to the compute dtype first), every add rounded to it.
+pub fn moe_combine(
+    y: &Tensor,
+    weights: &Tensor,
+    compute_dtype_weights: bool,
+    positions: &Tensor,
+    residual: &Tensor,
+) -> Result<Tensor> {
+    let (y, residual) = (y.contiguous()?, residual.contiguous()?);
+    let (tokens, k) = positions.dims2()?;
+    let (rows, cols) = y.dims2()?;
+    if residual.dims() != [tokens, cols]
+        || residual.dtype() != y.dtype()
+        || weights.elem_count() != rows
+        || weights.dtype() != DType::F32
+    {
+        bail!(
+            "moe_combine: y {:?}, weights {:?}, residual {:?}",
+            y.dims(),
+            weights.dims(),
+            residual.dims()
+        );
+    }
+    let n = tokens * cols;
+    let name = kernel_name("moe_combine", y.dtype());
+    with_float_type!(y.dtype(), T => with_slice::<T, _>(&y, |ys, yo, dev| {
+        with_slice::<f32, _>(weights, |ws, wo, _| {
+            with_slice::<u32, _>(positions, |ps, po, _| {
+                with_slice::<T, _>(&residual, |rs, ro, _| {
+                    let func = kernel(dev, &EXACTSCORE, &name)?;
+                    // SAFETY: the kernel writes every element.
+                    let out = unsafe { dev.alloc::<T>(n) }?;
+                    let (ys, ws) = (ys.slice(yo..), ws.slice(wo..));
+                    let (ps, rs) = (ps.slice(po..), rs.slice(ro..));
+                    let (k32, c32, cw, n64) =
+                        (k as i32, cols as i32, i32::from(compute_dtype_weights), n as i64);
+                    let mut b = func.builder();
+                    b.arg(&ys).arg(&ws).arg(&ps).arg(&rs).arg(&out);
+                    b.arg(&k32).arg(&c32).arg(&cw).arg(&n64);
+                    // SAFETY: arguments match `moe_combine_*` (one thread per output; every
+                    // position < rows of y, built by the caller).
+                    unsafe { b.launch(grid_1d(n)) }.w()?;
+                    Ok(wrap(out, dev, (tokens, cols)))
+                })
+            })
+        })
+    }))
+}
+
+/// Per row of two f32 states `[rows, cols]`: (Σ a·b, Σ a², Σ b², Σ (a − b)²) in f64.
+pub fn row_pair_sums(a: &Tensor, b: &Tensor) -> Result<Vec<[f64; 4]>> {
+    let (a, b) = (a.contiguous()?, b.contiguous()?);
+    let (rows, cols) = a.dims2()?;
+    if b.dims() != [rows, cols] || a.dtype() != DType::F32 || b.dtype() != DType::F32 {
+        bail!("row_pair_sums needs two f32 [rows, cols] of one shape");
+    }
+    let sums = with_slice::<f32, _>(&a, |xs, xo, dev| {
+        with_slice::<f32, _>(&b, |ys, yo, _| {
+            let func = kernel(dev, &EXACTSCORE, "row_pair_sums")?;
+            // SAFETY: the kernel writes every element.
+            let out = unsafe { dev.alloc::<f64>(rows * 4) }?;
+            let (xs, ys) = (xs.slice(xo..), ys.slice(yo..));
+            let c32 = cols as i32;
+            let mut builder = func.builder();
+            builder.arg(&xs).arg(&ys).arg(&out).arg(&c32);
+            // SAFETY: arguments match `row_pair_sums` (one 256-thread block per row).
+            unsafe { builder.launch(grid_rows(rows)) }.w()?;
+            Ok(wrap(out, dev, (rows, 4)))
+        })
+    })?;
+    Ok(sums
+        .to_vec2::<f64>()?
+        .into_iter()
+        .map(|v| [v[0], v[1], v[2], v[3]])
+        .collect())
 }
 
 /// Per-row scores computed on the GPU; only these vectors are copied to the host.

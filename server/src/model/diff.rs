@@ -20,7 +20,7 @@ use crate::quant::QuantLinear;
 /// their norm, so the cap never hides a real difference.
 pub const SQNR_CAP_DB: f64 = 200.0;
 
-/// Rows of the states compared at once (their f64 copies are 4× an f16 state's size).
+/// Rows of the states compared at once (their f32 copies, and on the CPU f64 ones).
 const COMPARE_ROWS: usize = 4096;
 
 /// What a `/diff` computes besides the per-layer comparison and the final KLD.
@@ -330,24 +330,10 @@ pub fn position_sums(served: &Tensor, reference: &Tensor) -> Result<Vec<[f64; 4]
     let mut out = Vec::with_capacity(rows);
     for start in (0..rows).step_by(COMPARE_ROWS) {
         let len = COMPARE_ROWS.min(rows - start);
-        // Through f32 first: every float dtype converts to it, and it to f64, exactly.
-        let f64_rows = |t: &Tensor| {
-            t.narrow(0, start, len)?
-                .to_dtype(DType::F32)?
-                .to_dtype(DType::F64)
-        };
-        let (a, b) = (f64_rows(&s)?, f64_rows(&r)?);
-        let sums = Tensor::stack(
-            &[
-                (&a * &b)?.sum(1)?,
-                a.sqr()?.sum(1)?,
-                b.sqr()?.sum(1)?,
-                (&a - &b)?.sqr()?.sum(1)?,
-            ],
-            1,
-        )?
-        .to_vec2::<f64>()?;
-        out.extend(sums.into_iter().map(|v| [v[0], v[1], v[2], v[3]]));
+        out.extend(crate::ops::row_pair_sums(
+            &s.narrow(0, start, len)?,
+            &r.narrow(0, start, len)?,
+        )?);
     }
     Ok(out)
 }

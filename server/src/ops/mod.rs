@@ -7,6 +7,7 @@
 
 use candle_core::{DType, Device, Module, Result, Tensor, D};
 
+use crate::model::config::Activation;
 use crate::model::kld::{kld_row, TokenKld};
 use crate::model::scoring::{score_row, RowScore};
 use crate::quant::ActivationQdq;
@@ -23,6 +24,9 @@ pub use gpu::{FlashOptions, FlashTiling};
 /// scale by `weight`), put through `qdq` (the activation QDQ of the Linears that read it) when
 /// there is one. One kernel on a GPU, which rounds the norm once instead of twice (identical in
 /// f32; closer to f32 in bf16/f16) and applies a per-token fp8 QDQ in the same pass.
+///
+/// An f32 `weight` beside a narrower `x` is GemmaRMSNorm's `1 + w`: the normalised row is
+/// scaled in f32 and rounded once, as transformers does, on every device.
 pub fn rms_norm(
     x: &Tensor,
     weight: &Tensor,
@@ -37,27 +41,142 @@ pub fn rms_norm(
         let x32 = x.to_dtype(DType::F32)?;
         let variance = x32.sqr()?.mean_keepdim(D::Minus1)?;
         let normed = x32.broadcast_mul(&(variance + eps)?.sqrt()?.recip()?)?;
-        normed.to_dtype(dtype)?.broadcast_mul(weight)?
+        if weight.dtype() == DType::F32 {
+            normed.broadcast_mul(weight)?.to_dtype(dtype)?
+        } else {
+            normed.to_dtype(dtype)?.broadcast_mul(weight)?
+        }
     };
     finish_qdq(normed, qdq, fused)
 }
 
-/// SwiGLU `silu(gate) * up`, put through `qdq` (the down projection's activation QDQ) when there
-/// is one: one kernel on a GPU, which applies a per-token fp8 QDQ in the same pass.
-pub fn silu_mul(gate: &Tensor, up: &Tensor, qdq: Option<&ActivationQdq>) -> Result<Tensor> {
+/// The gated activation `act(gate) * up` (SwiGLU, GeGLU), put through `qdq` (the down
+/// projection's activation QDQ) when there is one: one kernel on a GPU, rounded as PyTorch
+/// rounds it in the compute dtype, which applies a per-token fp8 QDQ in the same pass.
+pub fn gated_mul(
+    act: Activation,
+    gate: &Tensor,
+    up: &Tensor,
+    qdq: Option<&ActivationQdq>,
+) -> Result<Tensor> {
     let fused = fuses_qdq(qdq, gate.device());
-    let act = if gate.device().is_cuda() {
-        gpu::silu_mul(gate, up, fused)?
-    } else {
-        (candle_nn::Activation::Silu.forward(gate)? * up)?
+    let product = match (gate.device().is_cuda(), act) {
+        (true, Activation::Silu) => gpu::silu_mul(gate, up, fused)?,
+        (true, Activation::GeluTanh) => gpu::gelu_tanh_mul(gate, up, fused)?,
+        (false, Activation::Silu) => (candle_nn::Activation::Silu.forward(gate)? * up)?,
+        (false, Activation::GeluTanh) => (gate.gelu()? * up)?,
     };
-    finish_qdq(act, qdq, fused)
+    finish_qdq(product, qdq, fused)
 }
 
-/// GeGLU `gelu_tanh(gate) * up` (candle's ops on every device), put through `qdq` when there is
-/// one.
-pub fn gelu_tanh_mul(gate: &Tensor, up: &Tensor, qdq: Option<&ActivationQdq>) -> Result<Tensor> {
-    finish_qdq((gate.gelu()? * up)?, qdq, false)
+/// Every token's experts, flat: token `t`'s are `experts[t * k..][..k]`, with their router
+/// weights at the same places.
+#[derive(Debug, Clone, PartialEq)]
+pub struct TopExperts {
+    pub k: usize,
+    pub experts: Vec<u32>,
+    pub weights: Vec<f32>,
+}
+
+/// The most experts a router may choose from on `device`.
+pub fn moe_max_experts(device: &Device) -> usize {
+    if device.is_cuda() {
+        gpu::MOE_MAX_EXPERTS
+    } else {
+        usize::MAX
+    }
+}
+
+/// A mixture-of-experts router on its logits `[tokens, experts]`: per token its top `k`
+/// experts by softmax probability in f32 (ties to the lowest id), with their probabilities,
+/// renormalised to sum 1 when `norm`. A NaN among a token's probabilities is an error.
+pub fn moe_route(logits: &Tensor, k: usize, norm: bool) -> Result<TopExperts> {
+    let (tokens, num_experts) = logits.dims2()?;
+    let (experts, weights) = if logits.device().is_cuda() {
+        gpu::moe_topk(logits, k, norm)?
+    } else {
+        let probs = candle_nn::ops::softmax_last_dim(&logits.to_dtype(DType::F32)?)?;
+        let (mut experts, mut weights) = (Vec::new(), Vec::new());
+        for p in probs.to_vec2::<f32>()? {
+            if p.iter().any(|v| v.is_nan()) {
+                experts.extend(std::iter::repeat_n(num_experts as u32, k));
+                weights.extend(std::iter::repeat_n(f32::NAN, k));
+                continue;
+            }
+            // A stable sort: equal probabilities keep the lower id first.
+            let mut order: Vec<usize> = (0..p.len()).collect();
+            order.sort_by(|&a, &b| p[b].total_cmp(&p[a]));
+            let top = &order[..k];
+            let sum: f32 = top.iter().map(|&e| p[e]).sum();
+            experts.extend(top.iter().map(|&e| e as u32));
+            weights.extend(top.iter().map(|&e| if norm { p[e] / sum } else { p[e] }));
+        }
+        (experts, weights)
+    };
+    if let Some(at) = experts.iter().position(|&e| e as usize >= num_experts) {
+        candle_core::bail!(
+            "the router probabilities of token {} of {tokens} are NaN",
+            at / k.max(1)
+        );
+    }
+    Ok(TopExperts {
+        k,
+        experts,
+        weights,
+    })
+}
+
+/// `residual` plus, per token, the sum of its weighted rows of `y` (the expert outputs, one
+/// row per routed token): row `r` weighted by `weights[r]` (f32 `[rows, 1]`; in the compute
+/// dtype with `compute_dtype_weights`, else in f32 and rounded). `rows_token` (u32 `[rows]`)
+/// names each row's token, `positions` (u32 `[tokens, k]`) each token's rows in the order they
+/// are added, which is the order of the rows. Every add is rounded to the compute dtype, as an
+/// `index_add` into zeros does.
+pub fn moe_combine(
+    y: &Tensor,
+    weights: &Tensor,
+    compute_dtype_weights: bool,
+    rows_token: &Tensor,
+    positions: &Tensor,
+    residual: &Tensor,
+) -> Result<Tensor> {
+    if y.device().is_cuda() {
+        return gpu::moe_combine(y, weights, compute_dtype_weights, positions, residual);
+    }
+    let dtype = y.dtype();
+    let y = if compute_dtype_weights {
+        y.broadcast_mul(&weights.to_dtype(dtype)?)?
+    } else {
+        y.to_dtype(DType::F32)?
+            .broadcast_mul(weights)?
+            .to_dtype(dtype)?
+    };
+    residual + residual.zeros_like()?.index_add(rows_token, &y, 0)?
+}
+
+/// Per row of two states `[rows, hidden]` on one device: (Σ a·b, Σ a², Σ b², Σ (a − b)²),
+/// each in f64 over the values converted to f32 (every float dtype converts to f32, and f32 to
+/// f64, exactly). Only these four numbers per row leave a GPU.
+pub fn row_pair_sums(a: &Tensor, b: &Tensor) -> Result<Vec<[f64; 4]>> {
+    let (a, b) = (a.to_dtype(DType::F32)?, b.to_dtype(DType::F32)?);
+    if a.device().is_cuda() {
+        return gpu::row_pair_sums(&a, &b);
+    }
+    let (a, b) = (a.to_dtype(DType::F64)?, b.to_dtype(DType::F64)?);
+    let sums = Tensor::stack(
+        &[
+            (&a * &b)?.sum(1)?,
+            a.sqr()?.sum(1)?,
+            b.sqr()?.sum(1)?,
+            (&a - &b)?.sqr()?.sum(1)?,
+        ],
+        1,
+    )?;
+    Ok(sums
+        .to_vec2::<f64>()?
+        .into_iter()
+        .map(|v| [v[0], v[1], v[2], v[3]])
+        .collect())
 }
 
 /// Rows `ids` (u32, already checked against the table) of `table` `[rows, cols]`: the embedding

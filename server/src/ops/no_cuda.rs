@@ -56,7 +56,31 @@ pub fn silu_mul(_gate: &Tensor, _up: &Tensor, _fp8_qdq: bool) -> Result<Tensor> 
     no_cuda()
 }
 
+pub fn gelu_tanh_mul(_gate: &Tensor, _up: &Tensor, _fp8_qdq: bool) -> Result<Tensor> {
+    no_cuda()
+}
+
 pub fn gather_rows(_table: &Tensor, _ids: &Tensor) -> Result<Tensor> {
+    no_cuda()
+}
+
+pub const MOE_MAX_EXPERTS: usize = usize::MAX;
+
+pub fn moe_topk(_logits: &Tensor, _k: usize, _norm: bool) -> Result<(Vec<u32>, Vec<f32>)> {
+    no_cuda()
+}
+
+pub fn moe_combine(
+    _y: &Tensor,
+    _weights: &Tensor,
+    _compute_dtype_weights: bool,
+    _positions: &Tensor,
+    _residual: &Tensor,
+) -> Result<Tensor> {
+    no_cuda()
+}
+
+pub fn row_pair_sums(_a: &Tensor, _b: &Tensor) -> Result<Vec<[f64; 4]>> {
     no_cuda()
 }
 

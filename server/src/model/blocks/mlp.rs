@@ -96,12 +96,11 @@ impl Mlp {
             })?;
             drop((gate_in, up_in));
             let qdq = self.down_proj.activation();
-            let down_in = match self.act {
-                Activation::Silu => stage("silu_mul", dev, || ops::silu_mul(&gate, &up, qdq))?,
-                Activation::GeluTanh => {
-                    stage("gelu_mul", dev, || ops::gelu_tanh_mul(&gate, &up, qdq))?
-                }
+            let name = match self.act {
+                Activation::Silu => "silu_mul",
+                Activation::GeluTanh => "gelu_mul",
             };
+            let down_in = stage(name, dev, || ops::gated_mul(self.act, &gate, &up, qdq))?;
             drop((gate, up));
             // Dequantized once gate/up of the first chunk are gone (one weight fewer alive).
             let w = match w_down.take() {

@@ -3,14 +3,14 @@
 //! dequantized right before its GEMMs and dropped after: never all experts at once (a 30B-A3B
 //! checkpoint is ~60 GB in bf16).
 
-use candle_core::{DType, Result, Tensor};
+use candle_core::{Result, Tensor};
 
 use super::mlp::{Mlp, PROJ_NAMES};
 use crate::checkpoint::LoadError;
 use crate::model::config::{ModelConfig, MoeConfig};
 use crate::model::loader::Loader;
 use crate::model::profile::{self, stage};
-use crate::ops;
+use crate::ops::{self, TopExperts};
 use crate::quant::QuantLinear;
 
 #[derive(Clone)]
@@ -41,6 +41,16 @@ impl Moe {
             ("mlp", PROJ_NAMES)
         };
         let vb = vb.pp(block);
+        let max = ops::moe_max_experts(&vb.options().device);
+        if cfg.num_experts > max {
+            return Err(LoadError::config(
+                "num_experts",
+                format!(
+                    "{} experts; the GPU router handles up to {max}",
+                    cfg.num_experts
+                ),
+            ));
+        }
         let router = vb.get("gate.weight", &[cfg.num_experts, h])?;
         let experts = (0..cfg.num_experts)
             .map(|e| {
@@ -57,33 +67,16 @@ impl Moe {
 
     /// Every token's experts, as transformers picks them: router logits in the compute dtype,
     /// softmax in f32, the `top_k` largest (ties to the lower index), renormalised in f32 when
-    /// `norm_topk_prob`.
-    pub fn route(&self, x: &Tensor) -> Result<Vec<Route>> {
+    /// `norm_topk_prob` ([`ops::moe_route`]).
+    pub fn route(&self, x: &Tensor) -> Result<TopExperts> {
         let logits = x.matmul(&self.router.t()?)?;
-        let probs = candle_nn::ops::softmax_last_dim(&logits.to_dtype(DType::F32)?)?;
-        let probs: Vec<Vec<f32>> = probs.to_device(&candle_core::Device::Cpu)?.to_vec2()?;
-        Ok(probs
-            .into_iter()
-            .map(|p| {
-                let mut order: Vec<usize> = (0..p.len()).collect();
-                // stable: equal probabilities keep the lower expert first, as torch.topk does
-                order.sort_by(|&a, &b| p[b].total_cmp(&p[a]));
-                let mut top: Route = order[..self.cfg.experts_per_token]
-                    .iter()
-                    .map(|&e| (e, p[e]))
-                    .collect();
-                if self.cfg.norm_topk_prob {
-                    let sum: f32 = top.iter().map(|(_, w)| w).sum();
-                    top.iter_mut().for_each(|(_, w)| *w /= sum);
-                }
-                top
-            })
-            .collect())
+        ops::moe_route(&logits, self.cfg.experts_per_token, self.cfg.norm_topk_prob)
     }
 
-    /// `residual` plus the experts' weighted outputs for `x` (`[tokens, hidden]`, normed).
-    /// `routes`: where to record every token's experts (tests and diagnostics). Each expert's
-    /// MLP is profiled under the MLP's stages.
+    /// `residual` plus the weighted sum of each token's experts. The routed tokens are sorted
+    /// by expert and gathered once; each expert runs on its contiguous rows (its weights
+    /// dequantized right before its GEMMs, one expert's alive at a time); the outputs are
+    /// weighted and added back per token in ascending expert order by one kernel.
     pub fn forward(
         &self,
         x: &Tensor,
@@ -93,45 +86,44 @@ impl Moe {
         let dev = x.device().clone();
         let dtype = x.dtype();
         let hidden = x.dims()[1];
-        let route = stage("router", &dev, || self.route(x))?;
-        // tokens grouped by expert: (token, routing weight)
-        let mut groups: Vec<Vec<(u32, f32)>> = vec![Vec::new(); self.experts.len()];
-        for (t, r) in route.iter().enumerate() {
-            for &(e, w) in r {
-                groups[e].push((t as u32, w));
-            }
-        }
-        profile::record_expert_load(groups.iter().map(Vec::len));
-        let mut out = Tensor::zeros(x.dims(), dtype, &dev)?;
-        for (expert, group) in self.experts.iter().zip(&groups) {
-            if group.is_empty() {
+        let top = stage("router", &dev, || self.route(x))?;
+        let plan = ExpertRows::new(&top, self.experts.len());
+        profile::record_expert_load(plan.ranges.iter().map(|r| r.len()));
+        let (rows_token, positions, weights, xs) = stage("experts", &dev, || {
+            let rows_token = Tensor::new(plan.token.as_slice(), &dev)?;
+            let tokens = plan.positions.len() / top.k.max(1);
+            let positions = Tensor::from_slice(&plan.positions, (tokens, top.k), &dev)?;
+            let weights = Tensor::from_slice(&plan.weight, (plan.token.len(), 1), &dev)?;
+            let xs = ops::gather_rows(x, &rows_token)?;
+            Ok((rows_token, positions, weights, xs))
+        })?;
+        let mut ys = Vec::new();
+        for (expert, rows) in self.experts.iter().zip(&plan.ranges) {
+            if rows.is_empty() {
                 continue;
             }
-            let n = group.len();
-            let idx: Vec<u32> = group.iter().map(|(t, _)| *t).collect();
-            let w: Vec<f32> = group.iter().map(|(_, w)| *w).collect();
-            let idx = Tensor::from_vec(idx, n, &dev)?;
-            let w = Tensor::from_vec(w, (n, 1), &dev)?;
-            let xs = stage("experts", &dev, || ops::gather_rows(x, &idx))?;
-            // The expert's output alone: added into a zero stream (0 + y = y exactly).
-            let y = expert.forward(xs, Tensor::zeros((n, hidden), dtype, &dev)?, false)?;
-            out = stage("experts", &dev, || {
-                // Qwen3-MoE weights the expert in the compute dtype; Mixtral in f32, then rounds.
-                let y = if self.cfg.weights_in_compute_dtype {
-                    y.broadcast_mul(&w.to_dtype(dtype)?)?
-                } else {
-                    y.to_dtype(DType::F32)?.broadcast_mul(&w)?.to_dtype(dtype)?
-                };
-                out.index_add(&idx, &y, 0)
-            })?;
+            let n = rows.len();
+            let xs = xs.narrow(0, rows.start, n)?;
+            ys.push(expert.forward(xs, Tensor::zeros((n, hidden), dtype, &dev)?, false)?);
         }
+        let out = stage("experts", &dev, || {
+            ops::moe_combine(
+                &Tensor::cat(&ys, 0)?,
+                &weights,
+                self.cfg.weights_in_compute_dtype,
+                &rows_token,
+                &positions,
+                &residual,
+            )
+        })?;
         if let Some(routes) = routes {
-            routes.extend(route);
+            let pairs = top.experts.iter().map(|&e| e as usize).zip(top.weights);
+            let pairs: Vec<(usize, f32)> = pairs.collect();
+            routes.extend(pairs.chunks(top.k.max(1)).map(<[_]>::to_vec));
         }
-        residual + out
+        Ok(out)
     }
 
-    /// Every Linear of the experts with its name suffix (`experts.E.gate_proj` ...).
     pub fn linears(&self) -> impl Iterator<Item = (String, &QuantLinear)> {
         self.experts.iter().enumerate().flat_map(|(e, x)| {
             x.linears()
@@ -147,5 +139,46 @@ impl Moe {
                 .into_iter()
                 .map(move |(n, l)| (format!("experts.{e}.{n}"), l))
         })
+    }
+}
+
+/// The routed tokens sorted by expert: one row per (token, expert) pair.
+struct ExpertRows {
+    /// Each row's token.
+    token: Vec<u32>,
+    /// Each row's router weight.
+    weight: Vec<f32>,
+    /// Each expert's rows.
+    ranges: Vec<std::ops::Range<usize>>,
+    /// `[tokens, k]`: each token's rows, in ascending expert order.
+    positions: Vec<u32>,
+}
+
+impl ExpertRows {
+    fn new(top: &TopExperts, experts: usize) -> Self {
+        let k = top.k;
+        let mut groups: Vec<Vec<(u32, f32)>> = vec![Vec::new(); experts];
+        for (i, (&e, &w)) in top.experts.iter().zip(&top.weights).enumerate() {
+            groups[e as usize].push(((i / k) as u32, w));
+        }
+        let mut rows = ExpertRows {
+            token: Vec::with_capacity(top.experts.len()),
+            weight: Vec::with_capacity(top.experts.len()),
+            ranges: Vec::with_capacity(experts),
+            positions: vec![0; top.experts.len()],
+        };
+        let mut filled = vec![0usize; top.experts.len() / k.max(1)];
+        for group in groups {
+            let start = rows.token.len();
+            for (t, w) in group {
+                let t = t as usize;
+                rows.positions[t * k + filled[t]] = rows.token.len() as u32;
+                filled[t] += 1;
+                rows.token.push(t as u32);
+                rows.weight.push(w);
+            }
+            rows.ranges.push(start..rows.token.len());
+        }
+        rows
     }
 }

@@ -1,6 +1,6 @@
 //! RMSNorm in the two conventions the served families use.
 
-use candle_core::{DType, Device, Result, Tensor, D};
+use candle_core::{DType, Device, Result, Tensor};
 
 use crate::checkpoint::LoadError;
 use crate::model::loader::Loader;
@@ -21,7 +21,6 @@ pub struct RmsNorm {
     /// `w` in the compute dtype, or `1 + w` in f32 for [`NormKind::OnePlusWeight`].
     weight: Tensor,
     eps: f64,
-    kind: NormKind,
 }
 
 impl RmsNorm {
@@ -40,31 +39,13 @@ impl RmsNorm {
                 (w + 1.0)?.to_device(&vb.options().device)?
             }
         };
-        Ok(Self { weight, eps, kind })
+        Ok(Self { weight, eps })
     }
 
     /// The normalised `x`, put through `qdq` (the activation QDQ of the Linears that read it)
-    /// when there is one.
+    /// when there is one. [`NormKind::OnePlusWeight`]'s f32 `1 + w` makes it transformers'
+    /// GemmaRMSNorm: normalise in f32, multiply by `1 + w` in f32, cast back.
     pub fn forward(&self, x: &Tensor, qdq: Option<&ActivationQdq>) -> Result<Tensor> {
-        match self.kind {
-            NormKind::Weight => ops::rms_norm(x, &self.weight, self.eps, qdq),
-            NormKind::OnePlusWeight => {
-                let normed = self.one_plus_weight(x)?;
-                match qdq {
-                    Some(qdq) => qdq.apply(&normed),
-                    None => Ok(normed),
-                }
-            }
-        }
-    }
-
-    /// transformers' GemmaRMSNorm: normalise in f32, multiply by `1 + w` in f32, cast back.
-    /// (Candle ops on every device: the fused GPU kernel rounds the weight to the compute dtype.)
-    fn one_plus_weight(&self, x: &Tensor) -> Result<Tensor> {
-        let dtype = x.dtype();
-        let x32 = x.to_dtype(DType::F32)?;
-        let variance = x32.sqr()?.mean_keepdim(D::Minus1)?;
-        let normed = x32.broadcast_mul(&(variance + self.eps)?.sqrt()?.recip()?)?;
-        normed.broadcast_mul(&self.weight)?.to_dtype(dtype)
+        ops::rms_norm(x, &self.weight, self.eps, qdq)
     }
 }
