@@ -429,14 +429,14 @@ fn whole_numbers(v: &f64) -> String {
 }
 
 /// One line with points per report: `value` of every layer, with a legend at `legend`.
-fn per_layer_lines<'a, DB: 'a, Y>(
+fn per_layer_lines<'a, DB, Y>(
     chart: &mut ChartContext<'a, DB, Cartesian2d<RangedCoordf64, Y>>,
     reports: &[(String, DiffReport)],
     value: impl Fn(&crate::diff::LayerSummary) -> f64,
     legend: SeriesLabelPosition,
 ) -> Result<(), String>
 where
-    DB: DrawingBackend,
+    DB: DrawingBackend + 'a,
     DB::ErrorType: 'static,
     Y: Ranged<ValueType = f64>,
 {

@@ -431,8 +431,9 @@ pub struct DiffResponse {
 pub struct ErrorBody {
     pub error: String,
     /// `invalid_json`, `validation`, `unauthorized`, `payload_too_large`, `overloaded`,
-    /// `not_ready`, `timeout`, `internal`, `not_found`, `method_not_allowed`,
-    /// `unsupported_media_type`, `no_reference_model`, `incompatible_reference`.
+    /// `not_ready`, `timeout`, `internal`, `numerical`, `not_found`, `method_not_allowed`,
+    /// `unsupported_media_type`, `headers_too_large`, `invalid_header`, `body_timeout`,
+    /// `no_reference_model`, `incompatible_reference`.
     pub kind: String,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub field: Option<String>,
