@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # schemathesis (from PyPI, in a venv under target/) against the debug server binary on the tiny
-# fixture model, on 127.0.0.1 with an API key. Every check schemathesis has, except
+# fixture model with the dense fixture as its reference (so that /kld and /diff compute rather
+# than answer 404), on 127.0.0.1 with an API key. Every check schemathesis has, except
 # positive_data_acceptance (see docs/reliability.md: the schema cannot state the vocabulary
 # size or the tokenizer's token count, so schema-valid bodies can be 422 by design).
 # Exits non-zero on any failure. SCHEMATHESIS_EXAMPLES (default 50) examples per operation;
@@ -22,6 +23,7 @@ key="st-$(od -An -N12 -tx1 /dev/urandom | tr -d ' \n')"
 log="$target/schemathesis-server.log"
 report="$target/schemathesis-report"
 EXACTSCORE_API_KEY="$key" RUST_LOG=warn,exactscore_server=info "$bin" --host 127.0.0.1 --port 0 \
+  --reference-model tests/fixtures/llama-dense-bf16 \
   --max-input-tokens 256 --max-batch-tokens 4096 >"$log" 2>&1 &
 pid=$!
 trap 'kill "$pid" 2>/dev/null || true; wait "$pid" 2>/dev/null || true' EXIT
