@@ -300,6 +300,50 @@ __device__ __forceinline__ Lse lse_merge(Lse a, Lse b) {
     return {m, a.sum * expf(a.max - m) + b.sum * expf(b.max - m)};
 }
 
+// The `limit` (<= CAP) best values of a row with their ids, best first (lowest id on ties): each
+// thread keeps its own sorted list, then `limit` rounds of a block-wide best over the lists'
+// heads, whose owner advances. Every thread calls `found(k, value, id)` for round k. Ids past a
+// row shorter than `limit` are 0x7fffffff. `s_val`, `s_idx`: the caller's shared scratch.
+template <int CAP, typename T, typename Found>
+__device__ void block_top(const T* row, int vocab, int limit, float* s_val, int* s_idx,
+                          Found found) {
+    __shared__ int s_owner[SCORE_THREADS];
+    const int tid = threadIdx.x;
+    float vals[CAP];
+    int ids[CAP];
+    int n = 0;
+    for (int i = tid; i < vocab; i += SCORE_THREADS) {
+        float v = to_f32(row[i]);
+        if (n == limit && !better(v, i, vals[n - 1], ids[n - 1])) continue;
+        int at = n < limit ? n++ : n - 1;
+        while (at > 0 && better(v, i, vals[at - 1], ids[at - 1])) {
+            vals[at] = vals[at - 1];
+            ids[at] = ids[at - 1];
+            --at;
+        }
+        vals[at] = v;
+        ids[at] = i;
+    }
+    int head = 0;
+    for (int k = 0; k < limit; ++k) {
+        s_val[tid] = head < n ? vals[head] : -INFINITY;
+        s_idx[tid] = head < n ? ids[head] : 0x7fffffff;
+        s_owner[tid] = tid;
+        __syncthreads();
+        for (int s = SCORE_THREADS / 2; s > 0; s >>= 1) {
+            if (tid < s && better(s_val[tid + s], s_idx[tid + s], s_val[tid], s_idx[tid])) {
+                s_val[tid] = s_val[tid + s];
+                s_idx[tid] = s_idx[tid + s];
+                s_owner[tid] = s_owner[tid + s];
+            }
+            __syncthreads();
+        }
+        found(k, s_val[0], s_idx[0]);
+        if (tid == s_owner[0]) ++head;
+        __syncthreads();
+    }
+}
+
 // Per row: log-softmax over the vocabulary (f32), log p(target), argmax (lowest id on ties) and
 // the top-k. `targets[row] < 0` means no target. Only these small vectors leave the GPU.
 // One pass over the row gives the argmax and the log-sum-exp (online, as flash attention
@@ -360,46 +404,12 @@ __device__ void score_rows(const T* logits, int vocab, const int32_t* targets, i
     if (top_k <= 0) return;
     __syncthreads();
 
-    // Top-k: each thread keeps its own sorted list, thread 0 merges the 256 lists.
-    float vals[MAX_TOP_K];
-    int ids[MAX_TOP_K];
-    int n = 0;
-    for (int i = tid; i < vocab; i += SCORE_THREADS) {
-        float v = to_f32(row[i]);
-        if (n == top_k && !better(v, i, vals[n - 1], ids[n - 1])) continue;
-        int at = n < top_k ? n++ : n - 1;
-        while (at > 0 && better(v, i, vals[at - 1], ids[at - 1])) {
-            vals[at] = vals[at - 1];
-            ids[at] = ids[at - 1];
-            --at;
-        }
-        vals[at] = v;
-        ids[at] = i;
-    }
-    // Merge: each round the block finds the best remaining head among all threads' lists and
-    // its owner advances.
-    __shared__ int s_owner[SCORE_THREADS];
-    int head = 0;
-    for (int out = 0; out < top_k; ++out) {
-        s_val[tid] = head < n ? vals[head] : -INFINITY;
-        s_idx[tid] = head < n ? ids[head] : 0x7fffffff;
-        s_owner[tid] = tid;
-        __syncthreads();
-        for (int s = SCORE_THREADS / 2; s > 0; s >>= 1) {
-            if (tid < s && better(s_val[tid + s], s_idx[tid + s], s_val[tid], s_idx[tid])) {
-                s_val[tid] = s_val[tid + s];
-                s_idx[tid] = s_idx[tid + s];
-                s_owner[tid] = s_owner[tid + s];
-            }
-            __syncthreads();
-        }
+    block_top<MAX_TOP_K>(row, vocab, top_k, s_val, s_idx, [&](int k, float v, int id) {
         if (tid == 0) {
-            topk_id[(long)blockIdx.x * top_k + out] = s_idx[0];
-            topk_lp[(long)blockIdx.x * top_k + out] = s_val[0] - s_lse;
+            topk_id[(long)blockIdx.x * top_k + k] = id;
+            topk_lp[(long)blockIdx.x * top_k + k] = v - s_lse;
         }
-        if (tid == s_owner[0]) ++head;
-        __syncthreads();
-    }
+    });
 }
 
 // ---- KL-divergence: one block (256 threads) per row of both models' logits --------------------
@@ -418,50 +428,16 @@ __device__ double block_sum(double v, double* s_sum) {
     return total;
 }
 
-// The KLD_TOP best ids of a row, best first (lowest id on ties; mirrors model/kld.rs:
-// top_ids_and_lse): each thread keeps its own sorted list, then KLD_TOP rounds of a block-wide
-// best over the lists' heads, whose owner advances. Thread 0 writes `out` (shared); every thread
-// gets the best value back. Ids past a vocabulary shorter than KLD_TOP are 0x7fffffff.
+// The KLD_TOP best ids of a row (block_top; mirrors model/kld.rs: top_ids_and_lse). Thread
+// 0 writes `out` (shared); every thread gets the best value back.
 #define KLD_TOP 5
 template <typename T>
-__device__ float block_top_ids(const T* row, int vocab, float* s_val, int* s_idx, int* s_owner,
-                               int* out) {
-    int tid = threadIdx.x;
-    float vals[KLD_TOP];
-    int ids[KLD_TOP];
-    int n = 0;
-    for (int i = tid; i < vocab; i += SCORE_THREADS) {
-        float v = to_f32(row[i]);
-        if (n == KLD_TOP && !better(v, i, vals[n - 1], ids[n - 1])) continue;
-        int at = n < KLD_TOP ? n++ : n - 1;
-        while (at > 0 && better(v, i, vals[at - 1], ids[at - 1])) {
-            vals[at] = vals[at - 1];
-            ids[at] = ids[at - 1];
-            --at;
-        }
-        vals[at] = v;
-        ids[at] = i;
-    }
+__device__ float block_top_ids(const T* row, int vocab, float* s_val, int* s_idx, int* out) {
     float best = -INFINITY;
-    int head = 0;
-    for (int k = 0; k < KLD_TOP; ++k) {
-        s_val[tid] = head < n ? vals[head] : -INFINITY;
-        s_idx[tid] = head < n ? ids[head] : 0x7fffffff;
-        s_owner[tid] = tid;
-        __syncthreads();
-        for (int s = SCORE_THREADS / 2; s > 0; s >>= 1) {
-            if (tid < s && better(s_val[tid + s], s_idx[tid + s], s_val[tid], s_idx[tid])) {
-                s_val[tid] = s_val[tid + s];
-                s_idx[tid] = s_idx[tid + s];
-                s_owner[tid] = s_owner[tid + s];
-            }
-            __syncthreads();
-        }
-        if (k == 0) best = s_val[0];
-        if (tid == 0) out[k] = s_idx[0];
-        if (tid == s_owner[0]) ++head;
-        __syncthreads();
-    }
+    block_top<KLD_TOP>(row, vocab, KLD_TOP, s_val, s_idx, [&](int k, float v, int id) {
+        if (k == 0) best = v;
+        if (threadIdx.x == 0) out[k] = id;
+    });
     return best;
 }
 
@@ -491,15 +467,14 @@ __device__ void kld_rows(const T* ref_logits, const T* logits, int vocab, const 
                          float* ref_lp, int32_t* top, int32_t* ref_top, int32_t* agreement) {
     __shared__ float s_val[SCORE_THREADS];
     __shared__ int s_idx[SCORE_THREADS];
-    __shared__ int s_owner[SCORE_THREADS];
     __shared__ double s_sum[SCORE_THREADS];
     __shared__ int s_top_r[KLD_TOP], s_top_m[KLD_TOP];
     const T* r = ref_logits + (long)blockIdx.x * vocab;
     const T* m = logits + (long)blockIdx.x * vocab;
     int tid = threadIdx.x;
 
-    const float best_r = block_top_ids(r, vocab, s_val, s_idx, s_owner, s_top_r);
-    const float best_m = block_top_ids(m, vocab, s_val, s_idx, s_owner, s_top_m);
+    const float best_r = block_top_ids(r, vocab, s_val, s_idx, s_top_r);
+    const float best_m = block_top_ids(m, vocab, s_val, s_idx, s_top_m);
 
     double sum_r = 0.0, sum_m = 0.0;
     for (int i = tid; i < vocab; i += SCORE_THREADS) {
