@@ -44,9 +44,11 @@ pub struct KldWindow {
     /// Positions whose top-K sets agree, K = 1..=5.
     #[serde(default)]
     pub top_k_agreement: Vec<usize>,
-    /// The reference's top-token probability per scored position, aligned with `kld`.
+    /// The reference's top-token probability per scored position, aligned with `kld` (f64 as
+    /// the server sends it: a rounded copy could change its confidence bucket, and its JSON
+    /// text would not read back to the same number in Python).
     #[serde(default)]
-    pub reference_top_p: Vec<f32>,
+    pub reference_top_p: Vec<f64>,
 }
 
 /// The KLD of the tokens whose reference top-token probability is in `[lower, upper)`.
@@ -149,7 +151,7 @@ impl KldStats {
                 *total += count;
             }
             for (&k, &p) in w.kld.iter().zip(&w.reference_top_p) {
-                by_confidence[confidence_bucket(f64::from(p))].push(k);
+                by_confidence[confidence_bucket(p)].push(k);
             }
         }
         let n = kld.len();

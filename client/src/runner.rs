@@ -432,7 +432,7 @@ fn window_kld(
         for (k, count) in part.top_k_agreement.iter_mut().enumerate() {
             *count += usize::from(mask & (1 << k) != 0);
         }
-        part.reference_top_p.push(top_p as f32);
+        part.reference_top_p.push(top_p);
         sum_nll += nll;
         part.reference_sum_nll += ref_nll;
         part.same_top += usize::from(same);

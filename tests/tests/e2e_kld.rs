@@ -266,8 +266,7 @@ async fn kld_runner_aggregates_equal_a_direct_computation() {
             for (k, a) in agreement.iter_mut().enumerate() {
                 *a += usize::from(t.top_k_agreement >> k & 1 == 1);
             }
-            // The client keeps the confidence in f32.
-            let top_p = f64::from(t.reference_top_p as f32);
+            let top_p = t.reference_top_p;
             let bucket = [0.25, 0.5, 0.75, 0.95]
                 .iter()
                 .position(|&upper| top_p < upper)
