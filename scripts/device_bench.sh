@@ -6,6 +6,7 @@
 #                                [wikitext FORMAT CONCURRENCY] [kld BATCHES] [coldstart MODEL]
 #                                [jit MODEL_DIR] [attention WINDOWS] [pipeline FORMATS LAYOUTS]
 #                                [same REPORT REPORT] [oom FORMAT FREE_GIB]
+#                                [speedup BASE_LABEL LABEL MIN_RATIO]
 # Binaries come gzipped in .device/ (see docs/performance.md); results go to $OUT. Exits 1 when a
 # step failed (a numerics miss, a crash, a failed client run, a missed SUMMARY_GATE).
 # Environment: SHAPE (llama3-8b), ATTENTION (kernels timed by `speed`), SERVER_ATTENTION (the
@@ -175,6 +176,19 @@ PY
   return $rc
 }
 
+# Whether the `wikitext` run labelled $2 was at least $3 times as fast as the one labelled $1
+# (their `ppl run` / `kld run` seconds in $OUT/wikitext.txt, the same task and shape).
+speedup() {
+  awk -v base="$1" -v fast="$2" -v min="$3" '
+    / run [0-9.]+ s / { for (i = 1; i < NF; i++) if ($i == "run") secs = $(i + 1)
+      for (i = 1; i < NF; i++) if ($(i + 1) ~ /^\(--device/) label = $i
+      t[label] = secs }
+    END { if (!(base in t) || !(fast in t)) { print "speedup: no run labelled " base " or " fast; exit 1 }
+      r = t[base] / t[fast]; ok = r >= min
+      printf "speedup: %s %.2f s vs %s %.2f s = %.2fx (min %s): %s\n", fast, t[fast], base, t[base], r, min, ok ? "ok" : "FAIL"
+      exit !ok }' "$OUT/wikitext.txt"
+}
+
 # Runs one step, its output also appended to $OUT/LOG; a failing step marks the run failed.
 step() {
   local log=$1; shift
@@ -197,6 +211,7 @@ while [ $# -gt 0 ]; do
       step pipeline.txt /tmp/exactscore-bench pipeline --shape "$SHAPE" --formats "$2" --layouts "$3" ${PIPELINE_ARGS:-}
       shift 3 ;;
     same) step same.txt same "$2" "$3"; shift 3 ;;
+    speedup) step speedup.txt speedup "$2" "$3" "$4"; shift 4 ;;
     oom) step oom-run.txt oom "$2" "$3"; shift 3 ;;
     summary)
       gates=()

@@ -6,7 +6,8 @@
 #                                               # with the reference on the other GPU
 #   bash scripts/device_multi_gpu.sh two-gpu-70b  # 70B W4A16 split vs one GPU, 1/2/4 stages
 #                                               # bitwise, a 70B bf16 reference split for /kld
-# Exits 1 when a step failed (a bitwise miss, a crash, a failed client run).
+# Exits 1 when a step failed (a bitwise miss, a crash, a failed client run, a speedup under
+# the issue's bound: replicas >= 1.9x and the 70B split >= 1.8x one GPU).
 set -uo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 bench() { bash "$here/device_bench.sh" "$@" || status=1; }
@@ -28,6 +29,7 @@ case "${1:-}" in
     LABEL=one-gpu bench wikitext w4a16 16
     LABEL=replicas SERVER_DEVICE=cuda:0,cuda:1 SERVER_ARGS="--replicas 2" bench wikitext w4a16 32
     bench same wikitext-ppl-w4a16-one-gpu.json wikitext-ppl-w4a16-replicas.json
+    bench speedup one-gpu replicas 1.9
     export TASK=kld MAX_WINDOWS=160
     LABEL=ref-same-gpu bench wikitext w4a16 16
     LABEL=ref-other-gpu SERVER_ARGS="--reference-device cuda:1" bench wikitext w4a16 16
@@ -40,6 +42,7 @@ case "${1:-}" in
     LABEL=four-stages SERVER_DEVICE=cuda:0,cuda:0,cuda:1,cuda:1 bench wikitext w4a16 32
     bench same wikitext-ppl-w4a16-one-gpu.json wikitext-ppl-w4a16-split.json
     bench same wikitext-ppl-w4a16-one-gpu.json wikitext-ppl-w4a16-four-stages.json
+    bench speedup one-gpu split 1.8
     # The bf16 70B (141 GB) fits no single GPU: split over both, beside an 8B W4A16 on GPU 0.
     SHAPE=llama3-8b PIPELINE_ARGS="--windows 2 --iters 2 --distinct-layers 2 \
       --reference-shape llama3-70b --reference-layout cuda:0,cuda:1 --reference-split 38,42" \
