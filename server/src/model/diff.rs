@@ -11,7 +11,7 @@ use std::ops::Range;
 use candle_core::{DType, Device, Result, Tensor};
 
 use super::decoder::{split_module_name, Model};
-use super::kld::{kld_hidden, SequenceKld};
+use super::kld::{kld_hidden, logit_chunks, SequenceKld};
 use crate::quant::dense::DenseWeight;
 use crate::quant::QuantLinear;
 
@@ -165,11 +165,12 @@ pub fn diff_batch(
     }
     let hidden = served.final_norm(&xs)?;
     let reference_hidden = reference.final_norm(&xr)?;
+    // Every attributed module's divergence compares with the same reference logits.
+    let keep = !options.attribute.is_empty();
+    let reference_logits = CachedLogits::new(reference, &reference_hidden, sequences, keep)?;
     let klds = kld_hidden(
-        |h| logits_on(reference, h, None),
-        &reference_hidden,
-        |h| logits_on(served, h, None),
-        &hidden,
+        |rows| reference_logits.get(rows),
+        |rows| logits_on(served, &hidden, rows, None),
         sequences,
         served.config().vocab_size,
     )?;
@@ -181,7 +182,7 @@ pub fn diff_batch(
             served,
             reference,
             sequences,
-            &reference_hidden,
+            &reference_logits,
             &options.attribute,
         )?;
         for (s, seq) in out.iter_mut().enumerate() {
@@ -199,19 +200,18 @@ fn attribution(
     served: &Model,
     reference: &Model,
     sequences: &[&[u32]],
-    reference_hidden: &Tensor,
+    reference_logits: &CachedLogits,
     modules: &[String],
 ) -> Result<Vec<Vec<f64>>> {
     let lens: Vec<usize> = sequences.iter().map(|s| s.len()).collect();
     let vocab = reference.config().vocab_size;
+    let reference_hidden = reference_logits.hidden;
     let mut sums = vec![Vec::new(); modules.len()];
     // The divergence of a run of the reference that ends in `hidden` (or in `head`'s logits).
     let kld_of = |hidden: &Tensor, head: Option<&QuantLinear>| -> Result<Vec<f64>> {
         let klds = kld_hidden(
-            |h| logits_on(reference, h, None),
-            reference_hidden,
-            |h| logits_on(reference, h, head),
-            hidden,
+            |rows| reference_logits.get(rows),
+            |rows| logits_on(reference, hidden, rows, head),
             sequences,
             vocab,
         )?;
@@ -246,12 +246,58 @@ fn attribution(
     Ok(sums)
 }
 
-/// `model`'s logits of `hidden` on its device, through `head` when given.
-fn logits_on(model: &Model, hidden: &Tensor, head: Option<&QuantLinear>) -> Result<Tensor> {
+/// The reference's logits of its own final states, which every module's divergence compares
+/// with: when asked, kept from the first computation if they fit [`CACHED_LOGITS_BYTES`] (on a
+/// CPU they cost as much as the swapped run's own head), else computed each time.
+struct CachedLogits<'a> {
+    model: &'a Model,
+    hidden: &'a Tensor,
+    chunks: BTreeMap<usize, Tensor>,
+}
+
+/// The most reference logits attribution keeps (4 windows of 512 tokens with a 49k vocabulary
+/// in f32 are 0.4 GB).
+const CACHED_LOGITS_BYTES: usize = 1 << 30;
+
+impl<'a> CachedLogits<'a> {
+    fn new(model: &'a Model, hidden: &'a Tensor, sequences: &[&[u32]], keep: bool) -> Result<Self> {
+        let vocab = model.config().vocab_size;
+        let chunks = logit_chunks(sequences, vocab);
+        let rows: usize = chunks.iter().map(|r| r.len()).sum();
+        let mut cached = Self {
+            model,
+            hidden,
+            chunks: BTreeMap::new(),
+        };
+        if keep && rows * vocab * hidden.dtype().size_in_bytes() <= CACHED_LOGITS_BYTES {
+            for rows in chunks {
+                let logits = logits_on(model, hidden, rows.clone(), None)?;
+                cached.chunks.insert(rows.start, logits);
+            }
+        }
+        Ok(cached)
+    }
+
+    fn get(&self, rows: Range<usize>) -> Result<Tensor> {
+        match self.chunks.get(&rows.start) {
+            Some(logits) if logits.dim(0)? == rows.len() => Ok(logits.clone()),
+            _ => logits_on(self.model, self.hidden, rows, None),
+        }
+    }
+}
+
+/// `model`'s logits of rows `rows` of `hidden` on its device, through `head` when given.
+fn logits_on(
+    model: &Model,
+    hidden: &Tensor,
+    rows: Range<usize>,
+    head: Option<&QuantLinear>,
+) -> Result<Tensor> {
     crate::device::bind(hidden.device())?;
+    let hidden = hidden.narrow(0, rows.start, rows.len())?;
     match head {
-        Some(head) => model.logits_with(hidden, head),
-        None => model.logits(hidden),
+        Some(head) => model.logits_with(&hidden, head),
+        None => model.logits(&hidden),
     }
 }
 

@@ -2,6 +2,8 @@
 //! unquantized original), computed where both full distributions are: per row, from the two
 //! models' logits, only a few numbers per token leave the device.
 
+use std::ops::Range;
+
 use candle_core::{Result, Tensor};
 
 use super::decoder::{lm_head_rows, Model};
@@ -48,45 +50,52 @@ pub fn kld_batch(
     let hidden = model.hidden_states(sequences)?;
     let reference_hidden = reference.hidden_states(sequences)?;
     kld_hidden(
-        |h| reference.logits(h),
-        &reference_hidden,
-        |h| model.logits(h),
-        &hidden,
+        |rows| reference.logits(&reference_hidden.narrow(0, rows.start, rows.len())?),
+        |rows| model.logits(&hidden.narrow(0, rows.start, rows.len())?),
         sequences,
         model.config().vocab_size,
     )
 }
 
-/// The divergences of `sequences` from their final-norm hidden states `[sum of lengths,
-/// hidden]` on both sides, each side's logits (over `vocab` tokens) computed by its `logits`,
-/// [`lm_head_rows`] rows at a time.
+/// The rows whose logits a divergence of `sequences` needs, as ranges of the batch's rows
+/// (the sequences concatenated), [`lm_head_rows`] of a `vocab`-token head at a time. The last
+/// position of a sequence predicts nothing that is known: its row is never computed.
+pub fn logit_chunks(sequences: &[&[u32]], vocab: usize) -> Vec<Range<usize>> {
+    let chunk = lm_head_rows(vocab);
+    let mut offset = 0;
+    let mut out = Vec::new();
+    for tokens in sequences {
+        let rows = tokens.len().saturating_sub(1);
+        out.extend((0..rows).step_by(chunk).map(|start| {
+            let len = chunk.min(rows - start);
+            offset + start..offset + start + len
+        }));
+        offset += tokens.len();
+    }
+    out
+}
+
+/// The divergences of `sequences`, each side's logits (over `vocab` tokens) of a range of the
+/// batch's rows given by its `logits`, the ranges of [`logit_chunks`] in order.
 pub fn kld_hidden(
-    reference_logits: impl Fn(&Tensor) -> Result<Tensor>,
-    reference_hidden: &Tensor,
-    logits: impl Fn(&Tensor) -> Result<Tensor>,
-    hidden: &Tensor,
+    reference_logits: impl Fn(Range<usize>) -> Result<Tensor>,
+    logits: impl Fn(Range<usize>) -> Result<Tensor>,
     sequences: &[&[u32]],
     vocab: usize,
 ) -> Result<Vec<SequenceKld>> {
+    let mut out: Vec<SequenceKld> = sequences.iter().map(|_| SequenceKld::default()).collect();
+    let mut chunks = logit_chunks(sequences, vocab).into_iter().peekable();
     let mut offset = 0;
-    let mut out = Vec::with_capacity(sequences.len());
-    for tokens in sequences {
-        // The last position predicts nothing that is known: its rows are never computed.
-        let rows = tokens.len().saturating_sub(1);
-        let mut seq = SequenceKld {
-            tokens: Vec::with_capacity(rows),
-        };
-        let chunk = lm_head_rows(vocab);
-        for start in (0..rows).step_by(chunk) {
-            let len = chunk.min(rows - start);
-            let model_logits = logits(&hidden.narrow(0, offset + start, len)?)?;
-            let reference = reference_logits(&reference_hidden.narrow(0, offset + start, len)?)?;
-            let targets = &tokens[start + 1..start + 1 + len];
+    for (tokens, seq) in sequences.iter().zip(&mut out) {
+        let end = offset + tokens.len();
+        while let Some(rows) = chunks.next_if(|rows| rows.start < end) {
+            let model_logits = logits(rows.clone())?;
+            let reference = reference_logits(rows.clone())?;
+            let targets = &tokens[rows.start - offset + 1..rows.end - offset + 1];
             seq.tokens
                 .extend(kld_logits(&reference, &model_logits, targets)?);
         }
-        offset += tokens.len();
-        out.push(seq);
+        offset = end;
     }
     Ok(out)
 }
