@@ -68,14 +68,16 @@ __device__ void dequant_int(const int32_t* packed, const float* scales, const in
 // Grid (rows, word blocks of DEQUANT_ITEMS * blockDim): thread i of a block takes the words
 // i + j * blockDim, so no thread divides a 64-bit index to find its row, all its loads are in
 // flight before the first is decoded, and every store stays coalesced across the warp.
+// The `_stacked` entries dequantize several weights of one shape in one launch (a mixture's
+// experts): grid z picks the weight, whose packed, scale and zero-point (or 0) addresses are
+// ptrs[3z..3z + 3], and its output follows the previous one's.
 #define DEQUANT_ITEMS 2
 template <typename T, int BITS>
 __device__ void dequant_int_words(const int32_t* packed, const float* scales, const int32_t* zps, T* out,
-                                  int rows, int cols, int group) {
+                                  int rows, int cols, int group, int r, int word_block) {
     constexpr int PER = 32 / BITS;
     const int words_per_row = cols / PER;
-    const int r = blockIdx.x;
-    const int w0 = blockIdx.y * blockDim.x * DEQUANT_ITEMS + threadIdx.x;
+    const int w0 = word_block * blockDim.x * DEQUANT_ITEMS + threadIdx.x;
     uint32_t words[DEQUANT_ITEMS];
 #pragma unroll
     for (int j = 0; j < DEQUANT_ITEMS; ++j) {
@@ -897,11 +899,23 @@ extern "C" __global__ void __launch_bounds__(GEMM_THREADS, 2)
     }                                                                                                \
     extern "C" __global__ void dequant_int4_words_##SUFFIX(const int32_t* p, const float* s, const int32_t* z, \
                                                            T* o, int rows, int cols, int g) {        \
-        dequant_int_words<T, 4>(p, s, z, o, rows, cols, g);                                          \
+        dequant_int_words<T, 4>(p, s, z, o, rows, cols, g, blockIdx.x, blockIdx.y);                  \
     }                                                                                                \
     extern "C" __global__ void dequant_int8_words_##SUFFIX(const int32_t* p, const float* s, const int32_t* z, \
                                                            T* o, int rows, int cols, int g) {        \
-        dequant_int_words<T, 8>(p, s, z, o, rows, cols, g);                                          \
+        dequant_int_words<T, 8>(p, s, z, o, rows, cols, g, blockIdx.x, blockIdx.y);                  \
+    }                                                                                                \
+    extern "C" __global__ void dequant_int4_words_stacked_##SUFFIX(const uint64_t* ptrs, T* o, int rows, \
+                                                                   int cols, int g) {                \
+        const uint64_t* p = ptrs + 3 * blockIdx.z;                                                   \
+        dequant_int_words<T, 4>((const int32_t*)p[0], (const float*)p[1], (const int32_t*)p[2],      \
+                                o + (long)blockIdx.z * rows * cols, rows, cols, g, blockIdx.x, blockIdx.y); \
+    }                                                                                                \
+    extern "C" __global__ void dequant_int8_words_stacked_##SUFFIX(const uint64_t* ptrs, T* o, int rows, \
+                                                                   int cols, int g) {                \
+        const uint64_t* p = ptrs + 3 * blockIdx.z;                                                   \
+        dequant_int_words<T, 8>((const int32_t*)p[0], (const float*)p[1], (const int32_t*)p[2],      \
+                                o + (long)blockIdx.z * rows * cols, rows, cols, g, blockIdx.x, blockIdx.y); \
     }                                                                                                \
     extern "C" __global__ void dequant_nvfp4_##SUFFIX(const uint8_t* p, const uint8_t* s, float gs,  \
                                                       T* o, int rows, int cols) {                    \

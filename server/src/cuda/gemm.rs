@@ -74,16 +74,39 @@ pub fn matmul_t_f32(x: &Tensor, w: &Tensor) -> Result<Tensor> {
 /// Adds `x · wᵀ` (`x`: `[m, k]`, `w`: `[n, k]`, both contiguous, bf16 or f16) to rows
 /// `row0..row0 + m` of `out` (`[rows, n]`, contiguous, same dtype), in place.
 pub fn matmul_t_add_into_rows(out: &Tensor, row0: usize, x: &Tensor, w: &Tensor) -> Result<()> {
-    out.inplace_op3(x, w, &MatmulTAddIntoRows { row0 })
+    out.inplace_op3(
+        x,
+        w,
+        &MatmulTIntoRows {
+            row0,
+            accumulate: true,
+        },
+    )
 }
 
-struct MatmulTAddIntoRows {
+/// Writes `x_i · w_iᵀ` for each of the `g` weights `w` (`[g, n, k]`) and their `m`-row blocks
+/// of `x` (`[g · m, k]`) into rows `row0..row0 + g · m` of `out` (`[rows, n]`): one batched
+/// GEMM, each block as candle's `x.matmul(&w.t())` computes it, straight into place.
+pub fn matmul_t_stacked_into_rows(out: &Tensor, row0: usize, x: &Tensor, w: &Tensor) -> Result<()> {
+    out.inplace_op3(
+        x,
+        w,
+        &MatmulTIntoRows {
+            row0,
+            accumulate: false,
+        },
+    )
+}
+
+struct MatmulTIntoRows {
     row0: usize,
+    /// Add to what the rows hold (beta = 1), else overwrite them (beta = 0).
+    accumulate: bool,
 }
 
-impl InplaceOp3 for MatmulTAddIntoRows {
+impl InplaceOp3 for MatmulTIntoRows {
     fn name(&self) -> &'static str {
-        "matmul-t-add-into-rows"
+        "matmul-t-into-rows"
     }
 
     fn cpu_fwd(
@@ -95,7 +118,7 @@ impl InplaceOp3 for MatmulTAddIntoRows {
         _: &CpuStorage,
         _: &Layout,
     ) -> Result<()> {
-        bail!("matmul_t_add_into_rows runs on CUDA devices only")
+        bail!("matmul_t_*_into_rows run on CUDA devices only")
     }
 
     fn cuda_fwd(
@@ -107,13 +130,22 @@ impl InplaceOp3 for MatmulTAddIntoRows {
         w: &CudaStorage,
         w_l: &Layout,
     ) -> Result<()> {
-        let (m, k) = x_l.shape().dims2()?;
-        let (n, w_k) = w_l.shape().dims2()?;
+        let (x_rows, k) = x_l.shape().dims2()?;
+        let (batch, n, w_k) = match *w_l.dims() {
+            [n, k] => (1, n, k),
+            [g, n, k] => (g, n, k),
+            _ => bail!(
+                "matmul_t_*_into_rows: w {:?} is not [n, k] or [g, n, k]",
+                w_l.dims()
+            ),
+        };
         let (rows, out_n) = out_l.shape().dims2()?;
         let contiguous = [out_l, x_l, w_l].iter().all(|l| l.is_contiguous());
-        if w_k != k || out_n != n || self.row0 + m > rows || !contiguous {
+        let m = x_rows / batch.max(1);
+        if w_k != k || out_n != n || m * batch != x_rows || self.row0 + x_rows > rows || !contiguous
+        {
             bail!(
-                "matmul_t_add_into_rows: x {:?} w {:?} into rows {}.. of {:?} (all contiguous)",
+                "matmul_t_*_into_rows: x {:?} w {:?} into rows {}.. of {:?} (all contiguous)",
                 x_l.dims(),
                 w_l.dims(),
                 self.row0,
@@ -124,6 +156,8 @@ impl InplaceOp3 for MatmulTAddIntoRows {
             m,
             n,
             k,
+            batch,
+            beta: if self.accumulate { 1.0 } else { 0.0 },
             out_offset: out_l.start_offset() + self.row0 * n,
         };
         // Only candle's default (f32-accumulating) GEMM is mirrored.
@@ -132,7 +166,7 @@ impl InplaceOp3 for MatmulTAddIntoRows {
             _ => gemm_reduced_precision_f16(),
         };
         if reduced {
-            bail!("matmul_t_add_into_rows: reduced-precision bf16/f16 GEMMs are not mirrored");
+            bail!("matmul_t_*_into_rows: reduced-precision bf16/f16 GEMMs are not mirrored");
         }
         // cuBLAS resolves candle's per-thread stream against the current context.
         out.device.cuda_stream().context().bind_to_thread().w()?;
@@ -158,7 +192,7 @@ impl InplaceOp3 for MatmulTAddIntoRows {
                     sys::cudaDataType_t::CUDA_R_16F,
                 )
             },
-            _ => bail!("matmul_t_add_into_rows: bf16 or f16 operands of one dtype"),
+            _ => bail!("matmul_t_*_into_rows: bf16 or f16 operands of one dtype"),
         }
     }
 }
@@ -167,15 +201,20 @@ struct Gemm {
     m: usize,
     n: usize,
     k: usize,
+    /// Products: the i-th multiplies rows `i·m..` of x by weight i into rows `i·m..` of out.
+    batch: usize,
+    /// 1: add to `out`; 0: overwrite it.
+    beta: f32,
     out_offset: usize,
 }
 
 impl Gemm {
-    /// candle's call for `x.matmul(&w.t())` with beta = 1: cuBLAS sees the column-major
-    /// product `out[n, m] += op(w)[n, k] · x[k, m]` with `w` transposed, f32 accumulation.
+    /// candle's call for `x.matmul(&w.t())` with `beta`: cuBLAS sees the column-major product
+    /// `out[n, m] = op(w)[n, k] · x[k, m] + beta · out[n, m]` with `w` transposed, f32
+    /// accumulation, `batch` times with strides of one block.
     ///
     /// # Safety
-    /// `x` holds `m * k` values, `w` `n * k`, `out` `out_offset + m * n`.
+    /// `x` holds `batch * m * k` values, `w` `batch * n * k`, `out` `out_offset + batch * m * n`.
     unsafe fn run<T: DeviceRepr>(
         &self,
         blas: &CudaBlas,
@@ -184,13 +223,13 @@ impl Gemm {
         w: CudaView<'_, T>,
         data_type: sys::cudaDataType_t,
     ) -> Result<()> {
-        let Self { m, n, k, .. } = *self;
+        let Self { m, n, k, batch, .. } = *self;
         let stream = out.stream().clone();
-        let mut c = out.slice_mut(self.out_offset..self.out_offset + m * n);
+        let mut c = out.slice_mut(self.out_offset..self.out_offset + batch * m * n);
         let (a, _a) = w.device_ptr(&stream);
         let (b, _b) = x.device_ptr(&stream);
         let (c, _c) = c.device_ptr_mut(&stream);
-        let (alpha, beta) = (1f32, 1f32);
+        let (alpha, beta) = (1f32, self.beta);
         gemm_strided_batched_ex(
             *blas.handle(),
             sys::cublasOperation_t::CUBLAS_OP_T,
@@ -212,7 +251,7 @@ impl Gemm {
             data_type,
             n as i32,
             (m * n) as i64,
-            1,
+            batch as i32,
             sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
             sys::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT_TENSOR_OP,
         )

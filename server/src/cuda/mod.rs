@@ -4,7 +4,7 @@
 #![allow(unsafe_code)]
 
 use candle_core::cuda_backend::cudarc::driver::{
-    sys, CudaSlice, CudaView, DeviceRepr, LaunchConfig, PinnedHostSlice, PushKernelArg,
+    sys, CudaSlice, CudaView, DevicePtr, DeviceRepr, LaunchConfig, PinnedHostSlice, PushKernelArg,
 };
 use candle_core::cuda_backend::{CudaDType, CudaDevice, CudaStorage, WrapErr};
 use candle_core::op::BackpropOp;
@@ -40,7 +40,7 @@ pub use attention::{
     flash_attention, flash_attention_supported, rope_rotate_half, FlashMma, FlashOptions,
     FlashTiling,
 };
-pub use gemm::{matmul_t_add_into_rows, matmul_t_f32};
+pub use gemm::{matmul_t_add_into_rows, matmul_t_f32, matmul_t_stacked_into_rows};
 use module::{kernel, EXACTSCORE};
 
 fn kernel_name(base: &str, dtype: DType) -> String {
@@ -239,6 +239,76 @@ pub fn dequant_int(
         Some(zp) => with_slice::<i32, _>(zp, |z, zo, _| launch(Some((z, zo)))),
         None => launch(None),
     }
+}
+
+/// Pack-quantized int weights of one shape, width and group (a mixture's experts) → `[weights,
+/// rows, cols]` in `dtype` by one launch of the words kernel, each weight's tensors named to it
+/// by address. Words that straddle groups (no real model) take [`dequant_int`] per weight.
+pub fn dequant_int_stacked(
+    weights: &[(&Tensor, &Tensor, Option<&Tensor>)],
+    (rows, cols): (usize, usize),
+    bits: usize,
+    group: usize,
+    dtype: DType,
+) -> Result<Tensor> {
+    let Some(&(first, _, _)) = weights.first() else {
+        bail!("dequant_int_stacked: no weights");
+    };
+    let per = 32 / bits;
+    if !(group.is_multiple_of(per) && cols.is_multiple_of(per)) {
+        let each = weights
+            .iter()
+            .map(|&(c, s, z)| dequant_int(c, s, z, (rows, cols), bits, group, dtype))
+            .collect::<Result<Vec<_>>>()?;
+        return Tensor::stack(&each, 0);
+    }
+    let mut addresses = Vec::with_capacity(3 * weights.len());
+    for &(codes, scales, zero_points) in weights {
+        if codes.dims() != [rows, cols / per] || scales.dims() != [rows, cols / group] {
+            bail!(
+                "dequant_int_stacked: codes {:?} and scales {:?} for a [{rows}, {cols}] weight",
+                codes.dims(),
+                scales.dims()
+            );
+        }
+        addresses.push(device_address::<i32>(codes)?);
+        addresses.push(device_address::<f32>(scales)?);
+        addresses.push(match zero_points {
+            Some(z) => device_address::<i32>(z)?,
+            None => 0,
+        });
+    }
+    let name = kernel_name(&format!("dequant_int{bits}_words_stacked"), dtype);
+    with_slice::<i32, _>(first, |_, _, dev| {
+        with_float_type!(dtype, T => {
+            let func = kernel(dev, &EXACTSCORE, &name)?;
+            let addresses = dev.clone_htod(&addresses)?;
+            let n = weights.len();
+            // SAFETY: the kernel writes every element.
+            let out = unsafe { dev.alloc::<T>(n * rows * cols) }?;
+            let (r, c, g) = (rows as i32, cols as i32, group as i32);
+            let mut b = func.builder();
+            b.arg(&addresses).arg(&out).arg(&r).arg(&c).arg(&g);
+            let mut config = grid_row_items(rows, cols / per);
+            config.grid_dim.2 = n as u32;
+            // SAFETY: arguments match `dequant_int{4,8}_words_stacked_*`; every address was
+            // checked against its weight's shape above, and the weights outlive the launch
+            // (the caller holds them; the stream orders it before any later free).
+            unsafe { b.launch(config) }.w()?;
+            Ok(wrap(out, dev, (n, rows, cols)))
+        })
+    })
+}
+
+/// The device address of `t`'s first element (contiguous, on a GPU), for kernels that take
+/// tensors by address.
+fn device_address<T: CudaDType + DeviceRepr>(t: &Tensor) -> Result<u64> {
+    with_slice::<T, _>(t, |slice, offset, dev| {
+        let stream = dev.cuda_stream();
+        let view = slice.slice(offset..);
+        let (address, _sync) = view.device_ptr(&stream);
+        Ok(address)
+    })
 }
 
 /// nvfp4 → `[rows, cols]` in `dtype` (values rounded to bf16 first, as the reference does).
@@ -739,7 +809,7 @@ pub fn kld_rows(reference_logits: &Tensor, logits: &Tensor, targets: &[u32]) -> 
 /// and the copy used from any thread. Between GPUs the driver copies peer to peer where peer
 /// access is enabled ([`enable_peer_access`]) and through host memory where it is missing.
 pub fn transfer(t: &Tensor, device: &candle_core::Device) -> Result<Tensor> {
-    use candle_core::cuda_backend::cudarc::driver::{result, DevicePtr, DevicePtrMut};
+    use candle_core::cuda_backend::cudarc::driver::{result, DevicePtrMut};
     let candle_core::Device::Cuda(dst) = device else {
         bail!("transfer: {device:?} is not a CUDA device")
     };

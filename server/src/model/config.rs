@@ -86,6 +86,16 @@ pub enum Activation {
     GeluTanh,
 }
 
+impl Activation {
+    /// The profile stage of the gated product `act(gate) * up`.
+    pub fn stage_name(self) -> &'static str {
+        match self {
+            Self::Silu => "silu_mul",
+            Self::GeluTanh => "gelu_mul",
+        }
+    }
+}
+
 /// A mixture-of-experts feed-forward (Qwen3-MoE, Mixtral).
 #[derive(Debug, Clone, PartialEq)]
 pub struct MoeConfig {

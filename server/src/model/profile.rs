@@ -46,20 +46,31 @@ pub fn stage<R>(name: &'static str, device: &Device, f: impl FnOnce() -> Result<
 /// (recorded only while profiling): how evenly a batch spreads over the experts.
 static EXPERT_LOAD: Mutex<Vec<u64>> = Mutex::new(Vec::new());
 
+/// (sparse layer calls, experts with tokens summed over them) since the last take.
+static ACTIVE_EXPERTS: Mutex<(u64, u64)> = Mutex::new((0, 0));
+
 pub fn record_expert_load(tokens_per_expert: impl Iterator<Item = usize>) {
     if !ENABLED.load(Ordering::Relaxed) {
         return;
     }
     let mut load = EXPERT_LOAD.lock().unwrap_or_else(|e| e.into_inner());
+    let mut active = 0;
     for (e, n) in tokens_per_expert.enumerate() {
         if load.len() <= e {
             load.resize(e + 1, 0);
         }
         load[e] += n as u64;
+        active += u64::from(n > 0);
     }
+    let mut calls = ACTIVE_EXPERTS.lock().unwrap_or_else(|e| e.into_inner());
+    *calls = (calls.0 + 1, calls.1 + active);
 }
 
-/// Tokens routed to each expert since the last call (empty for dense models), and a fresh start.
-pub fn take_expert_load() -> Vec<u64> {
-    std::mem::take(&mut *EXPERT_LOAD.lock().unwrap_or_else(|e| e.into_inner()))
+/// Tokens routed to each expert since the last call (empty for dense models), and the mean
+/// number of experts a sparse layer ran (that had tokens) per call; a fresh start.
+pub fn take_expert_load() -> (Vec<u64>, f64) {
+    let load = std::mem::take(&mut *EXPERT_LOAD.lock().unwrap_or_else(|e| e.into_inner()));
+    let (calls, active) =
+        std::mem::take(&mut *ACTIVE_EXPERTS.lock().unwrap_or_else(|e| e.into_inner()));
+    (load, active as f64 / calls.max(1) as f64)
 }

@@ -437,6 +437,54 @@ pub fn dequantize(
     }
 }
 
+/// Weights of one shape `[out, in]` (a mixture's experts) as one `[weights, out, in]` tensor in
+/// `dtype`: pack-quantized int weights of one width and group on a GPU by one launch
+/// (bit-identical to [`dequantize`] of each); anything else by `each(i)`, stacked.
+pub fn dequantize_stacked(
+    packed: &[Option<Packed<'_>>],
+    shape: (usize, usize),
+    dtype: DType,
+    each: impl Fn(usize) -> Result<Tensor>,
+) -> Result<Tensor> {
+    let mut ints = Vec::with_capacity(packed.len());
+    let mut format = None;
+    for p in packed {
+        match p {
+            Some(Packed::Int {
+                codes,
+                scale,
+                zero_point,
+                bits,
+                group,
+            }) if codes.device().is_cuda() => {
+                let this = (*bits, *group, zero_point.is_some());
+                if *format.get_or_insert(this) != this {
+                    break;
+                }
+                ints.push((*codes, *scale, *zero_point));
+            }
+            _ => break,
+        }
+    }
+    match format {
+        Some((bits, group, _)) if ints.len() == packed.len() => {
+            gpu::dequant_int_stacked(&ints, shape, bits, group, dtype)
+        }
+        _ => {
+            let each: Vec<Tensor> = (0..packed.len()).map(each).collect::<Result<_>>()?;
+            Tensor::stack(&each, 0)
+        }
+    }
+}
+
+/// Whether a mixture's experts run as batched GEMMs over their stacked weights
+/// (`Mlp::forward_stacked`: a few launches per layer instead of several per expert) rather than
+/// one by one: on a GPU in bf16/f16. f32 keeps one GEMM per expert, on the GPU kernel that sums
+/// every output in one order (`quant::gemm`).
+pub fn stacks_experts(x: &Tensor) -> bool {
+    x.device().is_cuda() && x.dtype() != DType::F32
+}
+
 /// Whether [`matmul_t_add_into_rows`] can add into `out`: a contiguous GPU tensor in bf16/f16.
 pub fn adds_into_rows(out: &Tensor) -> bool {
     out.device().is_cuda() && out.is_contiguous() && matches!(out.dtype(), DType::BF16 | DType::F16)
@@ -447,6 +495,14 @@ pub fn adds_into_rows(out: &Tensor) -> bool {
 pub fn matmul_t_add_into_rows(out: &Tensor, row0: usize, x: &Tensor, w: &Tensor) -> Result<()> {
     gpu_only("matmul_t_add_into_rows", out)?;
     gpu::matmul_t_add_into_rows(out, row0, x, w)
+}
+
+/// Writes `x_i · w_iᵀ` for each weight of `w` (`[g, n, k]`) and its `m`-row block of `x`
+/// (`[g · m, k]`) into rows `row0..row0 + g · m` of `out`, as one batched GEMM: a GPU kernel
+/// only, for an `out` that [`adds_into_rows`] accepts.
+pub fn matmul_t_stacked_into_rows(out: &Tensor, row0: usize, x: &Tensor, w: &Tensor) -> Result<()> {
+    gpu_only("matmul_t_stacked_into_rows", out)?;
+    gpu::matmul_t_stacked_into_rows(out, row0, x, w)
 }
 
 /// Whether the kernel that produces a Linear input (RMSNorm, SwiGLU) applies `qdq` in its own

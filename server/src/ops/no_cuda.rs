@@ -145,6 +145,16 @@ pub fn dequant_int(
     no_cuda()
 }
 
+pub fn dequant_int_stacked(
+    _weights: &[(&Tensor, &Tensor, Option<&Tensor>)],
+    _shape: (usize, usize),
+    _bits: usize,
+    _group: usize,
+    _dtype: DType,
+) -> Result<Tensor> {
+    no_cuda()
+}
+
 pub fn dequant_nvfp4(
     _packed: &Tensor,
     _scales: &Tensor,
@@ -166,6 +176,15 @@ pub fn dequant_fp8(
 }
 
 pub fn matmul_t_add_into_rows(_out: &Tensor, _row0: usize, _x: &Tensor, _w: &Tensor) -> Result<()> {
+    no_cuda()
+}
+
+pub fn matmul_t_stacked_into_rows(
+    _out: &Tensor,
+    _row0: usize,
+    _x: &Tensor,
+    _w: &Tensor,
+) -> Result<()> {
     no_cuda()
 }
 

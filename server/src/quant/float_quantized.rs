@@ -8,7 +8,7 @@ use super::compressed_tensors::{LayerScheme, Strategy};
 use super::minifloat::fp8_e4m3_to_f32;
 use super::{to_f32_vec, QuantizedWeight, SCALE_DTYPES};
 use crate::checkpoint::{Checkpoint, LoadError};
-use crate::ops::{self, Packed};
+use crate::ops::Packed;
 
 pub struct Fp8Weight {
     out: usize,
@@ -102,14 +102,11 @@ impl QuantizedWeight for Fp8Weight {
         Ok(w)
     }
 
-    fn dequantize(&self, dtype: DType, device: &Device) -> Result<Tensor> {
-        let packed = Packed::Fp8 {
+    fn packed(&self) -> Option<Packed<'_>> {
+        Some(Packed::Fp8 {
             weight: &self.weight,
             scale: &self.scale,
             block: self.block,
-        };
-        ops::dequantize(packed, (self.out, self.inp), dtype, || {
-            self.dequantize_reference(dtype, device)
         })
     }
 }

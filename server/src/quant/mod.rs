@@ -31,10 +31,19 @@ pub trait QuantizedWeight: Send + Sync {
     /// The specification: the dequantized weight as compressed-tensors computes it for a float32
     /// model, row-major. Plain Rust over slices; the reference for every faster path.
     fn dequantize_f32(&self) -> Result<Vec<f32>>;
-    /// The dequantized weight `[out, in]` in `dtype` on the layer's device. Formats override
-    /// this with a GPU kernel; on the CPU it is the reference.
+    /// The tensors a GPU dequantization kernel reads, for the formats that have one.
+    fn packed(&self) -> Option<ops::Packed<'_>> {
+        None
+    }
+    /// The dequantized weight `[out, in]` in `dtype` on the layer's device: by the format's
+    /// GPU kernel where its [`Self::packed`] tensors lie on a GPU, else the reference.
     fn dequantize(&self, dtype: DType, device: &Device) -> Result<Tensor> {
-        self.dequantize_reference(dtype, device)
+        match self.packed() {
+            Some(packed) => ops::dequantize(packed, self.shape(), dtype, || {
+                self.dequantize_reference(dtype, device)
+            }),
+            None => self.dequantize_reference(dtype, device),
+        }
     }
     /// [`Self::dequantize_f32`] rounded to `dtype` (nearest even) and moved to `device`.
     fn dequantize_reference(&self, dtype: DType, device: &Device) -> Result<Tensor> {
@@ -186,6 +195,21 @@ impl RowChunks<'_> {
         };
         self.residual + self.linear.add_bias(y)?
     }
+}
+
+/// The weights of `linears` (of one shape: a mixture's experts) dequantized into one `[linears,
+/// out, in]` tensor in `dtype` on `device`, by one launch where the format allows it
+/// ([`ops::dequantize_stacked`]).
+pub fn dequantize_stacked(
+    linears: &[&QuantLinear],
+    dtype: DType,
+    device: &Device,
+) -> Result<Tensor> {
+    let shape = linears.first().map_or((0, 0), |l| l.weight.shape());
+    let packed: Vec<_> = linears.iter().map(|l| l.weight.packed()).collect();
+    ops::dequantize_stacked(&packed, shape, dtype, |i| {
+        linears[i].weight.dequantize(dtype, device)
+    })
 }
 
 /// The activation QDQ that every layer of `linears` applies to its input, when they all apply

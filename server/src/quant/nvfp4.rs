@@ -10,7 +10,7 @@ use safetensors::Dtype as StDtype;
 use super::minifloat::{bf16_round, fp4_e2m1_to_f32, fp8_e4m3_to_f32};
 use super::{load_scalar, QuantizedWeight};
 use crate::checkpoint::{Checkpoint, LoadError};
-use crate::ops::{self, Packed};
+use crate::ops::Packed;
 
 pub const GROUP: usize = 16;
 
@@ -99,14 +99,11 @@ impl QuantizedWeight for Nvfp4Weight {
         Ok(w)
     }
 
-    fn dequantize(&self, dtype: candle_core::DType, device: &Device) -> Result<Tensor> {
-        let packed = Packed::Nvfp4 {
+    fn packed(&self) -> Option<Packed<'_>> {
+        Some(Packed::Nvfp4 {
             packed: &self.packed,
             scale: &self.scale,
             global_scale: self.global_scale,
-        };
-        ops::dequantize(packed, (self.out, self.inp), dtype, || {
-            self.dequantize_reference(dtype, device)
         })
     }
 }

@@ -10,7 +10,7 @@ use safetensors::Dtype as StDtype;
 use super::compressed_tensors::{Format, LayerScheme, Strategy};
 use super::{to_f32_vec, QuantizedWeight, SCALE_DTYPES};
 use crate::checkpoint::{Checkpoint, LoadError};
-use crate::ops::{self, Packed};
+use crate::ops::Packed;
 
 /// Name of the tensor that holds the codes in `format`.
 pub fn codes_tensor(format: Format) -> &'static str {
@@ -241,16 +241,13 @@ impl QuantizedWeight for IntWeight {
         Ok(w)
     }
 
-    fn dequantize(&self, dtype: DType, device: &Device) -> Result<Tensor> {
-        let packed = Packed::Int {
+    fn packed(&self) -> Option<Packed<'_>> {
+        Some(Packed::Int {
             codes: &self.codes,
             scale: &self.scale,
             zero_point: self.zero_point.as_ref(),
             bits: self.bits,
             group: self.group,
-        };
-        ops::dequantize(packed, (self.out, self.inp), dtype, || {
-            self.dequantize_reference(dtype, device)
         })
     }
 }

@@ -467,8 +467,16 @@ fn ranking_agreement(a: &[SequenceScores], b: &[SequenceScores]) -> (f64, f64) {
 }
 
 fn bits_equal(a: &Tensor, b: &Tensor) -> Result<bool> {
-    let a = a.to_device(&Device::Cpu)?.flatten_all()?.to_vec1::<f32>()?;
-    let b = b.to_device(&Device::Cpu)?.flatten_all()?.to_vec1::<f32>()?;
+    let a = a
+        .to_device(&Device::Cpu)?
+        .to_dtype(DType::F32)?
+        .flatten_all()?
+        .to_vec1::<f32>()?;
+    let b = b
+        .to_device(&Device::Cpu)?
+        .to_dtype(DType::F32)?
+        .flatten_all()?
+        .to_vec1::<f32>()?;
     Ok(a.len() == b.len() && a.iter().zip(&b).all(|(x, y)| x.to_bits() == y.to_bits()))
 }
 
@@ -572,6 +580,28 @@ fn check(fixtures: &Path, device: &Device) -> Result<()> {
                 let (o, i) = w.shape();
                 let cpu_w = Tensor::from_vec(w.dequantize_f32()?, (o, i), &Device::Cpu)?;
                 dequant_exact &= bits_equal(&gpu_w, &cpu_w)?;
+            }
+            // Weights of one shape and format dequantized in one launch (a mixture's experts,
+            // stacked) vs one at a time, bit for bit, in both compute dtypes.
+            let mut same_kind: std::collections::BTreeMap<_, Vec<_>> = Default::default();
+            for (_, linear) in gpu32.linears() {
+                let w = linear.weight();
+                same_kind
+                    .entry((w.shape(), w.describe()))
+                    .or_default()
+                    .push(linear);
+            }
+            for linears in same_kind.values().filter(|l| l.len() > 1) {
+                let linears = &linears[..linears.len().min(16)];
+                for dtype in [DType::F32, DType::BF16] {
+                    let stacked =
+                        exactscore_server::quant::dequantize_stacked(linears, dtype, device)?;
+                    let each = linears
+                        .iter()
+                        .map(|l| l.weight().dequantize(dtype, device))
+                        .collect::<candle_core::Result<Vec<_>>>()?;
+                    dequant_exact &= bits_equal(&stacked, &Tensor::stack(&each, 0)?)?;
+                }
             }
             let label = format!(
                 "{variant}{}{}",
@@ -851,14 +881,15 @@ fn print_profile(model: &Model, windows: &[ScoreInput], device: &Device) -> Resu
         "|   profile, ms/window (calls): {} ; sum {covered:.1} of {total:.1} synchronized |",
         line.join(", ")
     );
-    let mut load = stages::take_expert_load();
+    let (mut load, active_per_layer) = stages::take_expert_load();
     if !load.is_empty() {
         // Tokens each expert received in this batch, summed over the sparse layers.
         load.sort_unstable();
         let mean = load.iter().sum::<u64>() as f64 / load.len() as f64;
         println!(
             "|   expert load, tokens per expert summed over the sparse layers: min {}, median {}, \
-             max {} (max / mean {:.2}), {} of {} experts never chosen |",
+             max {} (max / mean {:.2}), {} of {} experts never chosen; a sparse layer ran \
+             {active_per_layer:.1} experts on average |",
             load[0],
             load[load.len() / 2],
             load[load.len() - 1],

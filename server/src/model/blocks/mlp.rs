@@ -10,7 +10,7 @@ use crate::model::config::{Activation, ModelConfig};
 use crate::model::loader::Loader;
 use crate::model::profile::stage;
 use crate::ops;
-use crate::quant::{common_qdq, ActivationQdq, QuantLinear};
+use crate::quant::{common_qdq, dequantize_stacked, ActivationQdq, QuantLinear};
 
 /// Rows of the MLP input processed at once. The `[rows, intermediate]` activations (gate, up
 /// and their product) are the largest tensors of a forward pass (3.5 residual streams each for
@@ -96,11 +96,9 @@ impl Mlp {
             })?;
             drop((gate_in, up_in));
             let qdq = self.down_proj.activation();
-            let name = match self.act {
-                Activation::Silu => "silu_mul",
-                Activation::GeluTanh => "gelu_mul",
-            };
-            let down_in = stage(name, dev, || ops::gated_mul(self.act, &gate, &up, qdq))?;
+            let down_in = stage(self.act.stage_name(), dev, || {
+                ops::gated_mul(self.act, &gate, &up, qdq)
+            })?;
             drop((gate, up));
             // Dequantized once gate/up of the first chunk are gone (one weight fewer alive).
             let w = match w_down.take() {
@@ -114,6 +112,49 @@ impl Mlp {
         }
         stage("down_proj", dev, || out.finish())
     }
+}
+
+/// Several MLPs of one shape and one activation QDQ (a mixture's experts), each on its own `m`
+/// rows of `x` (`[experts × m, hidden]`, expert by expert): each projection is one batched
+/// GEMM over the experts' weights, dequantized together right before it ([`dequantize_stacked`]).
+/// The experts' outputs are written into rows `row0..` of `out` (`[rows, hidden]`, a GPU tensor
+/// that [`ops::adds_into_rows`] accepts), without a residual.
+pub fn forward_stacked(
+    experts: &[&Mlp],
+    x: Tensor,
+    m: usize,
+    out: &Tensor,
+    row0: usize,
+) -> Result<()> {
+    let (dev, dtype) = (x.device().clone(), x.dtype());
+    let g = experts.len();
+    let Some(first) = experts.first() else {
+        return Ok(());
+    };
+    let pick = |proj: fn(&Mlp) -> &QuantLinear| experts.iter().map(|e| proj(e)).collect::<Vec<_>>();
+    let [gate_in, up_in] = layer_inputs([&first.gate_proj, &first.up_proj], &x, false)?;
+    drop(x);
+    let project = |x: &Tensor, linears: &[&QuantLinear]| -> Result<Tensor> {
+        let w = dequantize_stacked(linears, dtype, &dev)?;
+        let (_, n, k) = w.dims3()?;
+        x.reshape((g, m, k))?.matmul(&w.t()?)?.reshape((g * m, n))
+    };
+    let (gate, up) = stage("gate_up_proj", &dev, || {
+        Ok((
+            project(&gate_in, &pick(|e| &e.gate_proj))?,
+            project(&up_in, &pick(|e| &e.up_proj))?,
+        ))
+    })?;
+    drop((gate_in, up_in));
+    let qdq = first.down_proj.activation();
+    let down_in = stage(first.act.stage_name(), &dev, || {
+        ops::gated_mul(first.act, &gate, &up, qdq)
+    })?;
+    drop((gate, up));
+    stage("down_proj", &dev, || {
+        let w = dequantize_stacked(&pick(|e| &e.down_proj), dtype, &dev)?;
+        ops::matmul_t_stacked_into_rows(out, row0, &down_in, &w)
+    })
 }
 
 /// The feed-forward of a decoder layer.

@@ -1,17 +1,18 @@
 //! Mixture-of-experts feed-forward (Qwen3-MoE, Mixtral): a router picks `top_k` experts per
-//! token; each expert is a gated MLP. Tokens are grouped by expert, and an expert's weights are
-//! dequantized right before its GEMMs and dropped after: never all experts at once (a 30B-A3B
-//! checkpoint is ~60 GB in bf16).
+//! token; each expert is a gated MLP. Tokens are grouped by expert, and experts' weights are
+//! dequantized right before their GEMMs and dropped after: never all experts at once (a 30B-A3B
+//! checkpoint is ~60 GB in bf16). On a GPU in bf16/f16 the experts run stacked, a group at a
+//! time, so that a layer costs a few launches rather than several per expert.
 
 use candle_core::{Result, Tensor};
 
-use super::mlp::{Mlp, PROJ_NAMES};
+use super::mlp::{forward_stacked, Mlp, PROJ_NAMES};
 use crate::checkpoint::LoadError;
 use crate::model::config::{ModelConfig, MoeConfig};
 use crate::model::loader::Loader;
 use crate::model::profile::{self, stage};
 use crate::ops::{self, TopExperts};
-use crate::quant::QuantLinear;
+use crate::quant::{common_qdq, QuantLinear};
 
 #[derive(Clone)]
 pub struct Moe {
@@ -20,7 +21,18 @@ pub struct Moe {
     /// Gated MLPs whose Linears may be in any supported format.
     experts: Vec<Mlp>,
     cfg: MoeConfig,
+    /// Every expert's gate/up apply one activation QDQ, and every down one: the experts can
+    /// run stacked ([`forward_stacked`]).
+    uniform_qdq: bool,
 }
+
+/// Experts whose weights are dequantized and multiplied together, at most: enough to fill a
+/// GPU with one batched GEMM.
+const STACK_EXPERTS: usize = 16;
+/// Dequantized expert weights alive at once, at most.
+const STACK_BYTES: usize = 256 << 20;
+/// Padding rows an expert may always add to its group.
+const STACK_PAD_ROWS: usize = 64;
 
 /// The experts a token goes to, with their routing weights (f32), best first.
 pub type Route = Vec<(usize, f32)>;
@@ -58,10 +70,16 @@ impl Moe {
                 Mlp::load(&expert, names, (h, inter), false, c.hidden_act)
             })
             .collect::<std::result::Result<Vec<_>, LoadError>>()?;
+        let uniform = |proj: fn(&Mlp) -> Vec<&QuantLinear>| {
+            common_qdq(&experts.iter().flat_map(proj).collect::<Vec<_>>()).is_some()
+        };
+        let uniform_qdq = uniform(|e| vec![e.linears()[0].1, e.linears()[1].1])
+            && uniform(|e| vec![e.linears()[2].1]);
         Ok(Self {
             router,
             experts,
             cfg: cfg.clone(),
+            uniform_qdq,
         })
     }
 
@@ -74,9 +92,9 @@ impl Moe {
     }
 
     /// `residual` plus the weighted sum of each token's experts. The routed tokens are sorted
-    /// by expert and gathered once; each expert runs on its contiguous rows (its weights
-    /// dequantized right before its GEMMs, one expert's alive at a time); the outputs are
-    /// weighted and added back per token in ascending expert order by one kernel.
+    /// by expert; the experts run one by one on their rows ([`Self::experts_one_by_one`]) or
+    /// stacked in groups ([`Self::experts_stacked`]), and their outputs are weighted and added
+    /// back per token in ascending expert order by one kernel.
     pub fn forward(
         &self,
         x: &Tensor,
@@ -84,35 +102,28 @@ impl Moe {
         routes: Option<&mut Vec<Route>>,
     ) -> Result<Tensor> {
         let dev = x.device().clone();
-        let dtype = x.dtype();
-        let hidden = x.dims()[1];
         let top = stage("router", &dev, || self.route(x))?;
         let plan = ExpertRows::new(&top, self.experts.len());
         profile::record_expert_load(plan.ranges.iter().map(|r| r.len()));
-        let (rows_token, positions, weights, xs) = stage("experts", &dev, || {
-            let rows_token = Tensor::new(plan.token.as_slice(), &dev)?;
-            let tokens = plan.positions.len() / top.k.max(1);
-            let positions = Tensor::from_slice(&plan.positions, (tokens, top.k), &dev)?;
-            let weights = Tensor::from_slice(&plan.weight, (plan.token.len(), 1), &dev)?;
-            let xs = ops::gather_rows(x, &rows_token)?;
-            Ok((rows_token, positions, weights, xs))
-        })?;
-        let mut ys = Vec::new();
-        for (expert, rows) in self.experts.iter().zip(&plan.ranges) {
-            if rows.is_empty() {
-                continue;
-            }
-            let n = rows.len();
-            let xs = xs.narrow(0, rows.start, n)?;
-            ys.push(expert.forward(xs, Tensor::zeros((n, hidden), dtype, &dev)?, false)?);
-        }
+        let combined = if ops::stacks_experts(x) && self.uniform_qdq {
+            self.experts_stacked(x, plan, top.k)?
+        } else {
+            self.experts_one_by_one(x, plan, top.k)?
+        };
         let out = stage("experts", &dev, || {
+            let Combined {
+                y,
+                weights,
+                rows_token,
+                positions,
+            } = combined;
+            let tokens = positions.len() / top.k.max(1);
             ops::moe_combine(
-                &Tensor::cat(&ys, 0)?,
-                &weights,
+                &y,
+                &Tensor::from_slice(&weights, (weights.len(), 1), &dev)?,
                 self.cfg.weights_in_compute_dtype,
-                &rows_token,
-                &positions,
+                &Tensor::new(rows_token.as_slice(), &dev)?,
+                &Tensor::from_slice(&positions, (tokens, top.k), &dev)?,
                 &residual,
             )
         })?;
@@ -122,6 +133,82 @@ impl Moe {
             routes.extend(pairs.chunks(top.k.max(1)).map(<[_]>::to_vec));
         }
         Ok(out)
+    }
+
+    /// Each expert on its contiguous rows, its weights dequantized right before its GEMMs (one
+    /// expert's alive at a time).
+    fn experts_one_by_one(&self, x: &Tensor, plan: ExpertRows, k: usize) -> Result<Combined> {
+        let (dev, dtype, hidden) = (x.device(), x.dtype(), x.dims()[1]);
+        let xs = stage("experts", dev, || {
+            ops::gather_rows(x, &Tensor::new(plan.token.as_slice(), dev)?)
+        })?;
+        let mut ys = Vec::new();
+        for (expert, rows) in self.experts.iter().zip(&plan.ranges) {
+            if rows.is_empty() {
+                continue;
+            }
+            let n = rows.len();
+            let xs = xs.narrow(0, rows.start, n)?;
+            ys.push(expert.forward(xs, Tensor::zeros((n, hidden), dtype, dev)?, false)?);
+        }
+        debug_assert_eq!(plan.positions.len() % k.max(1), 0);
+        Ok(Combined {
+            y: Tensor::cat(&ys, 0)?,
+            weights: plan.weight,
+            rows_token: plan.token,
+            positions: plan.positions,
+        })
+    }
+
+    /// The experts in groups, most rows first: each group's rows are padded to its first
+    /// expert's count (the padding rows repeat a real token, weigh 0 and are never added back),
+    /// and each projection runs as one batched GEMM over the group ([`forward_stacked`]), the
+    /// outputs written in place into one buffer.
+    fn experts_stacked(&self, x: &Tensor, plan: ExpertRows, k: usize) -> Result<Combined> {
+        let (dev, dtype, hidden) = (x.device(), x.dtype(), x.dims()[1]);
+        let expert_bytes = 3 * self.cfg.expert_intermediate_size * hidden * dtype.size_in_bytes();
+        let most = (STACK_BYTES / expert_bytes.max(1)).clamp(1, STACK_EXPERTS);
+        let groups = stack_groups(&plan.ranges, most);
+        let padded: usize = groups
+            .iter()
+            .map(|g| g.len() * plan.ranges[g[0]].len())
+            .sum();
+        let y = Tensor::zeros((padded, hidden), dtype, dev)?;
+        // Where each of the plan's rows lands among the padded rows.
+        let mut padded_row = vec![0u32; plan.token.len()];
+        let (mut rows_token, mut weights) =
+            (Vec::with_capacity(padded), Vec::with_capacity(padded));
+        for group in &groups {
+            let m = plan.ranges[group[0]].len();
+            let first_row = rows_token.len();
+            for &e in group {
+                let range = plan.ranges[e].clone();
+                let pad = m - range.len();
+                for r in range.clone() {
+                    padded_row[r] = (rows_token.len() + r - range.start) as u32;
+                }
+                rows_token.extend_from_slice(&plan.token[range.clone()]);
+                weights.extend_from_slice(&plan.weight[range.clone()]);
+                rows_token.extend(std::iter::repeat_n(plan.token[range.start], pad));
+                weights.extend(std::iter::repeat_n(0.0, pad));
+            }
+            let xs = stage("experts", dev, || {
+                ops::gather_rows(x, &Tensor::new(&rows_token[first_row..], dev)?)
+            })?;
+            let experts: Vec<&Mlp> = group.iter().map(|&e| &self.experts[e]).collect();
+            forward_stacked(&experts, xs, m, &y, first_row)?;
+        }
+        debug_assert_eq!(plan.positions.len() % k.max(1), 0);
+        Ok(Combined {
+            y,
+            weights,
+            rows_token,
+            positions: plan
+                .positions
+                .iter()
+                .map(|&r| padded_row[r as usize])
+                .collect(),
+        })
     }
 
     pub fn linears(&self) -> impl Iterator<Item = (String, &QuantLinear)> {
@@ -140,6 +227,44 @@ impl Moe {
                 .map(move |(n, l)| (format!("experts.{e}.{n}"), l))
         })
     }
+}
+
+/// The experts that have rows, in groups that run stacked: most rows first, at most `most` to a
+/// group, and an expert joins the group while padding it to the group's first expert costs at
+/// most a quarter of that count or [`STACK_PAD_ROWS`] rows (a GEMM tile's worth).
+fn stack_groups(ranges: &[std::ops::Range<usize>], most: usize) -> Vec<Vec<usize>> {
+    let mut order: Vec<usize> = (0..ranges.len())
+        .filter(|&e| !ranges[e].is_empty())
+        .collect();
+    order.sort_by_key(|&e| std::cmp::Reverse(ranges[e].len()));
+    let mut groups: Vec<Vec<usize>> = Vec::new();
+    for e in order {
+        let rows = ranges[e].len();
+        match groups.last_mut() {
+            Some(group)
+                if group.len() < most && {
+                    let m = ranges[group[0]].len();
+                    m - rows <= (m / 4).max(STACK_PAD_ROWS)
+                } =>
+            {
+                group.push(e)
+            }
+            _ => groups.push(vec![e]),
+        }
+    }
+    groups
+}
+
+/// The experts' outputs and how [`ops::moe_combine`] adds them back.
+struct Combined {
+    /// One row per routed (token, expert) pair, and any padding rows.
+    y: Tensor,
+    /// Each row's router weight.
+    weights: Vec<f32>,
+    /// Each row's token.
+    rows_token: Vec<u32>,
+    /// `[tokens, k]`: each token's rows of `y`, in ascending expert order.
+    positions: Vec<u32>,
 }
 
 /// The routed tokens sorted by expert: one row per (token, expert) pair.
@@ -180,5 +305,36 @@ impl ExpertRows {
             rows.ranges.push(start..rows.token.len());
         }
         rows
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn ranges(counts: &[usize]) -> Vec<std::ops::Range<usize>> {
+        let mut start = 0;
+        counts
+            .iter()
+            .map(|&n| {
+                start += n;
+                start - n..start
+            })
+            .collect()
+    }
+
+    #[test]
+    fn stack_groups_sort_by_rows_and_bound_the_padding() {
+        let r = ranges(&[0, 100, 90, 10, 5, 1000, 800, 700]);
+        // 800 pads 1000 by 200 (within a quarter), 700 by 300 (not); 90 pads 100 by 10 and 5
+        // pads 10 by 5 (within a tile); the empty expert runs nowhere.
+        assert_eq!(
+            stack_groups(&r, 16),
+            vec![vec![5, 6], vec![7], vec![1, 2], vec![3, 4]]
+        );
+        assert_eq!(
+            stack_groups(&ranges(&[3, 3, 3, 3, 3]), 2),
+            vec![vec![0, 1], vec![2, 3], vec![4]]
+        );
     }
 }
