@@ -137,22 +137,23 @@ def random_float(shape, exponents, mantissa_bits):
 FP4_E2M1 = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0]
 
 
-def dequantized(kind, out_features, in_features):
+def dequantized(kind, out_features, in_features, shift=0):
     """A decoder Linear's weight as transformers holds it after decompressing a random
     checkpoint of `kind`, with exactscore-bench's distributions (random_model.rs): the values,
-    and the activations they lead to, set how much power (and so clock) the GEMMs get."""
+    and the activations they lead to, set how much power (and so clock) the GEMMs get. `shift`:
+    scales 2^-shift smaller (random_model.rs `scale_shift`: a mixture's residual writers)."""
     shape = (out_features, in_features)
     if kind == "w4a16":  # int4 codes, one scale per 128 inputs in 2^-8..2^-6
         codes = torch.randint(-8, 8, (out_features, in_features // 128, 128), device=dev)
-        w = codes * random_float((out_features, in_features // 128, 1), (-8, -6), 7)
+        w = codes * random_float((out_features, in_features // 128, 1), (-8 - shift, -6 - shift), 7)
     elif kind == "nvfp4":  # e2m1 codes, e4m3 block scales in 16..240 per 16, global 20000
         codes = torch.tensor(FP4_E2M1, device=dev)[
             torch.randint(0, 16, (out_features, in_features // 16, 16), device=dev)]
-        w = codes * (random_float((out_features, in_features // 16, 1), (4, 8), 3) / 20000)
+        w = codes * (random_float((out_features, in_features // 16, 1), (4, 8), 3) / (20000 * 2.0 ** shift))
     else:  # fp8: e4m3 codes (exponents 2^-6..2^7), one bf16 scale per output in 2^-12..2^-10
         codes = random_float(shape, (-6, 8), 3)
         sign = torch.randint(0, 2, shape, device=dev) * 2 - 1
-        w = sign * codes * random_float((out_features, 1), (-12, -10), 7)
+        w = sign * codes * random_float((out_features, 1), (-12 - shift, -10 - shift), 7)
     return w.reshape(shape).bfloat16()
 
 
@@ -179,13 +180,17 @@ def decoder_linears(layer):
 with torch.no_grad():
     if args.weights != "init":
         for layer in model.model.layers:
-            for linear in decoder_linears(layer):
-                linear.weight.copy_(dequantized(args.weights, *linear.weight.shape))
             experts = getattr(layer.mlp, "experts", None)
+            # A mixture's residual writers 2^-16 smaller, as random_model.rs draws them, so
+            # that the router sees each token's embedding and spreads the tokens.
+            shift = 16 if experts is not None else 0
+            for linear in decoder_linears(layer):
+                linear.weight.copy_(dequantized(args.weights, *linear.weight.shape,
+                                                shift if linear is layer.self_attn.o_proj else 0))
             for e in range(experts.num_experts if experts is not None else 0):
                 # gate and up stacked as [gate; up] rows, each with its own group scales
                 experts.gate_up_proj[e].copy_(dequantized(args.weights, *experts.gate_up_proj[e].shape))
-                experts.down_proj[e].copy_(dequantized(args.weights, *experts.down_proj[e].shape))
+                experts.down_proj[e].copy_(dequantized(args.weights, *experts.down_proj[e].shape, shift))
     if not llama_shape:
         fill_rows(model.model.embed_tokens.weight, bench_bf16)
         if not cfg.tie_word_embeddings:

@@ -212,6 +212,23 @@ impl Shape {
     }
 
     /// The norms of one decoder layer: (name suffix, size).
+    /// Binary orders of magnitude by which decoder Linear `name`'s scales are drawn below a
+    /// trained layer's: 16 for the Linears that write a mixture's residual stream (`o_proj`,
+    /// the experts' `down_proj`), else 0. With a trained layer's scales the random layers add a
+    /// component common to every position (their attention is near uniform), the router sees
+    /// nearly one state for every token, and a 2048-token window reaches about 20 of 128
+    /// experts per layer, where a trained router reaches nearly all. Scaled below the
+    /// residual's bf16 resolution, these layers leave each token's embedding as the router's
+    /// input, and the random router spreads the tokens over the experts as a trained one does.
+    /// The kernels' work does not depend on the values (the mantissas stay random).
+    fn scale_shift(&self, name: &str) -> u16 {
+        let writes_residual = name.ends_with("o_proj") || name.ends_with("down_proj");
+        match self.arch {
+            Arch::Qwen3Moe { .. } if writes_residual => 16,
+            _ => 0,
+        }
+    }
+
     fn norms(&self) -> Vec<(&'static str, usize)> {
         let (h, d) = (self.hidden, self.head_dim);
         let mut norms = vec![("input_layernorm", h), ("post_attention_layernorm", h)];
@@ -492,6 +509,7 @@ fn tensors(
         }
         for (name, out, inp) in shape.linears() {
             let n = format!("{p}.{name}");
+            let shift = shape.scale_shift(&name);
             match format {
                 "bf16" => {
                     t.insert(format!("{n}.weight"), rng.bf16(vec![out, inp]));
@@ -507,7 +525,7 @@ fn tensors(
                     // faster) than a real checkpoint's.
                     t.insert(
                         format!("{n}.weight_scale"),
-                        rng.bf16_in(vec![out, inp / 128], 119..121, false),
+                        rng.bf16_in(vec![out, inp / 128], 119 - shift..121 - shift, false),
                     );
                 }
                 "nvfp4" | "nvfp4a16" => {
@@ -525,7 +543,12 @@ fn tensors(
                     );
                     t.insert(
                         format!("{n}.weight_global_scale"),
-                        constant(Dtype::F32, vec![1], 20000.0f32, f32_bytes),
+                        constant(
+                            Dtype::F32,
+                            vec![1],
+                            20000.0 * 2f32.powi(shift.into()),
+                            f32_bytes,
+                        ),
                     );
                     if format == "nvfp4" {
                         t.insert(
@@ -543,7 +566,7 @@ fn tensors(
                     // own, like the W4A16 group scales above.
                     t.insert(
                         format!("{n}.weight_scale"),
-                        rng.bf16_in(vec![out, 1], 115..117, false),
+                        rng.bf16_in(vec![out, 1], 115 - shift..117 - shift, false),
                     );
                 }
             }

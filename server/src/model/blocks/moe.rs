@@ -26,11 +26,12 @@ pub struct Moe {
     uniform_qdq: bool,
 }
 
-/// Experts whose weights are dequantized and multiplied together, at most: enough to fill a
-/// GPU with one batched GEMM.
-const STACK_EXPERTS: usize = 16;
-/// Dequantized expert weights alive at once, at most.
-const STACK_BYTES: usize = 256 << 20;
+/// Experts whose weights are dequantized and multiplied together, at most: enough that one
+/// batched GEMM fills a GPU when each expert has a window's share of rows (128 experts, 8 per
+/// token: 128 rows of a 2048-token window each).
+const STACK_EXPERTS: usize = 64;
+/// Dequantized expert weights alive at once, at most (64 of Qwen3-30B-A3B's experts in bf16).
+const STACK_BYTES: usize = 640 << 20;
 /// Padding rows an expert may always add to its group.
 const STACK_PAD_ROWS: usize = 64;
 
