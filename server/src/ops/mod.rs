@@ -446,35 +446,45 @@ pub fn dequantize_stacked(
     dtype: DType,
     each: impl Fn(usize) -> Result<Tensor>,
 ) -> Result<Tensor> {
-    let mut ints = Vec::with_capacity(packed.len());
-    let mut format = None;
-    for p in packed {
-        match p {
-            Some(Packed::Int {
-                codes,
-                scale,
-                zero_point,
-                bits,
-                group,
-            }) if codes.device().is_cuda() => {
-                let this = (*bits, *group, zero_point.is_some());
-                if *format.get_or_insert(this) != this {
-                    break;
-                }
-                ints.push((*codes, *scale, *zero_point));
-            }
-            _ => break,
-        }
-    }
-    match format {
-        Some((bits, group, _)) if ints.len() == packed.len() => {
-            gpu::dequant_int_stacked(&ints, shape, bits, group, dtype)
-        }
-        _ => {
+    match gpu_ints(packed) {
+        Some((ints, bits, group)) => gpu::dequant_int_stacked(&ints, shape, bits, group, dtype),
+        None => {
             let each: Vec<Tensor> = (0..packed.len()).map(each).collect::<Result<_>>()?;
             Tensor::stack(&each, 0)
         }
     }
+}
+
+/// A stack's weights as (codes, scales, zero points) with their width and group, when every one
+/// is pack-quantized on a GPU with the same width, group and zero-point presence.
+#[allow(clippy::type_complexity)]
+fn gpu_ints<'a>(
+    packed: &[Option<Packed<'a>>],
+) -> Option<(
+    Vec<(&'a Tensor, &'a Tensor, Option<&'a Tensor>)>,
+    usize,
+    usize,
+)> {
+    let mut ints = Vec::with_capacity(packed.len());
+    let mut format = None;
+    for p in packed {
+        let Some(Packed::Int {
+            codes,
+            scale,
+            zero_point,
+            bits,
+            group,
+        }) = p
+        else {
+            return None;
+        };
+        let this = (*bits, *group, zero_point.is_some());
+        if !codes.device().is_cuda() || *format.get_or_insert(this) != this {
+            return None;
+        }
+        ints.push((*codes, *scale, *zero_point));
+    }
+    format.map(|(bits, group, _)| (ints, bits, group))
 }
 
 /// Whether a mixture's experts run as batched GEMMs over their stacked weights

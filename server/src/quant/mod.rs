@@ -212,6 +212,19 @@ pub fn dequantize_stacked(
     })
 }
 
+/// Writes `x_z · w_zᵀ` for each of `linears` (one shape `[n, k]`: a mixture's experts) and its
+/// `m`-row block of `x` (`[linears · m, k]`) into rows `row0..` of `out` (a GPU tensor that
+/// [`ops::adds_into_rows`] accepts): the weights dequantized together, then one batched GEMM.
+pub fn matmul_t_stacked_into_rows(
+    linears: &[&QuantLinear],
+    x: &Tensor,
+    out: &Tensor,
+    row0: usize,
+) -> Result<()> {
+    let w = dequantize_stacked(linears, x.dtype(), x.device())?;
+    ops::matmul_t_stacked_into_rows(out, row0, x, &w)
+}
+
 /// The activation QDQ that every layer of `linears` applies to its input, when they all apply
 /// the same one (`Some(None)`: none of them quantizes its input); `None` when they differ.
 /// Where it is `Some`, whatever produces the shared input may apply it once (fused into its own

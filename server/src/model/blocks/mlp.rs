@@ -10,7 +10,7 @@ use crate::model::config::{Activation, ModelConfig};
 use crate::model::loader::Loader;
 use crate::model::profile::stage;
 use crate::ops;
-use crate::quant::{common_qdq, dequantize_stacked, ActivationQdq, QuantLinear};
+use crate::quant::{common_qdq, matmul_t_stacked_into_rows, ActivationQdq, QuantLinear};
 
 /// Rows of the MLP input processed at once. The `[rows, intermediate]` activations (gate, up
 /// and their product) are the largest tensors of a forward pass (3.5 residual streams each for
@@ -115,8 +115,9 @@ impl Mlp {
 }
 
 /// Several MLPs of one shape and one activation QDQ (a mixture's experts), each on its own `m`
-/// rows of `x` (`[experts × m, hidden]`, expert by expert): each projection is one batched
-/// GEMM over the experts' weights, dequantized together right before it ([`dequantize_stacked`]).
+/// rows of `x` (`[experts × m, hidden]`, expert by expert): each projection is one batched GEMM
+/// over the experts' weights, dequantized together right before it
+/// ([`matmul_t_stacked_into_rows`]).
 /// The experts' outputs are written into rows `row0..` of `out` (`[rows, hidden]`, a GPU tensor
 /// that [`ops::adds_into_rows`] accepts), without a residual.
 pub fn forward_stacked(
@@ -135,9 +136,9 @@ pub fn forward_stacked(
     let [gate_in, up_in] = layer_inputs([&first.gate_proj, &first.up_proj], &x, false)?;
     drop(x);
     let project = |x: &Tensor, linears: &[&QuantLinear]| -> Result<Tensor> {
-        let w = dequantize_stacked(linears, dtype, &dev)?;
-        let (_, n, k) = w.dims3()?;
-        x.reshape((g, m, k))?.matmul(&w.t()?)?.reshape((g * m, n))
+        let y = Tensor::zeros((g * m, linears[0].weight().shape().0), dtype, &dev)?;
+        matmul_t_stacked_into_rows(linears, x, &y, 0)?;
+        Ok(y)
     };
     let (gate, up) = stage("gate_up_proj", &dev, || {
         Ok((
@@ -152,8 +153,7 @@ pub fn forward_stacked(
     })?;
     drop((gate, up));
     stage("down_proj", &dev, || {
-        let w = dequantize_stacked(&pick(|e| &e.down_proj), dtype, &dev)?;
-        ops::matmul_t_stacked_into_rows(out, row0, &down_in, &w)
+        matmul_t_stacked_into_rows(&pick(|e| &e.down_proj), &down_in, out, row0)
     })
 }
 
