@@ -1,7 +1,8 @@
 //! Typed async client over the ExactScore wire types, with retries.
 //!
 //! Retries (jittered exponential backoff, `Retry-After` honoured) happen on 429, 502, 503, 504
-//! and on connection errors (the request never reached the server). Any other 4xx — notably a 422
+//! and on connection errors (the request never reached the server), except a 504 of the
+//! server's own time limit (kind `timeout`), which the same request would hit again. Any other 4xx — notably a 422
 //! validation error — is returned at once as [`ClientError::Api`] carrying the server's
 //! [`ErrorBody`]; 401/403 become [`ClientError::Unauthorized`].
 
@@ -445,6 +446,9 @@ impl Client {
                 value: None,
             }),
         );
+        // The server's own time limit (504 `timeout`): the same request would run as long
+        // again, so it is not retried (a 504 from a proxy in between still is).
+        let own_time_limit = status == StatusCode::GATEWAY_TIMEOUT && body.kind == "timeout";
         let err = if status == StatusCode::UNAUTHORIZED || status == StatusCode::FORBIDDEN {
             ClientError::Unauthorized {
                 url: url.to_string(),
@@ -459,6 +463,7 @@ impl Client {
             }
         };
         match status.as_u16() {
+            504 if own_time_limit => Attempt::Fail(err),
             429 | 502 | 503 | 504 => Attempt::Retry(err, retry_after),
             _ => Attempt::Fail(err),
         }

@@ -49,6 +49,7 @@ fn scripted(script: Script) -> (Router, Arc<AtomicUsize>) {
                     429 => "overloaded",
                     503 => "not_ready",
                     401 => "unauthorized",
+                    504 => "timeout",
                     _ => "validation",
                 }
                 .into(),
@@ -107,6 +108,49 @@ async fn gives_up_after_max_retries() {
     );
     assert_eq!(e.status(), Some(429));
     assert_eq!(calls.load(Ordering::SeqCst), 4);
+}
+
+#[tokio::test]
+async fn the_servers_own_time_limit_is_not_retried() {
+    // A 504 `timeout` from ExactScore: the same request would run as long again.
+    let (app, calls) = scripted(vec![(504, None), (504, None)]);
+    let url = spawn(app).await;
+    let e = client(&url, None).score_tokens(&[1, 2]).await.unwrap_err();
+    assert_eq!(
+        calls.load(Ordering::SeqCst),
+        1,
+        "no retry on the server's own 504"
+    );
+    assert_eq!(e.status(), Some(504));
+}
+
+#[tokio::test]
+async fn a_proxys_504_is_retried() {
+    let calls = Arc::new(AtomicUsize::new(0));
+    let counted = calls.clone();
+    let app = Router::new().route(
+        "/score",
+        post(move || {
+            let counted = counted.clone();
+            async move {
+                if counted.fetch_add(1, Ordering::SeqCst) == 0 {
+                    return (StatusCode::GATEWAY_TIMEOUT, "upstream timed out").into_response();
+                }
+                Json(serde_json::json!({
+                    "model": "m",
+                    "sequences": [{"index": 0, "tokens": [1, 2], "token_logprobs": [null, -0.5],
+                                   "sum_nll": 0.5, "num_scored": 1, "mean_nll": 0.5,
+                                   "perplexity": 1.6487}],
+                    "usage": {"input_tokens": 2, "scored_tokens": 1, "queue_ms": 0.0,
+                              "compute_ms": 0.0}
+                }))
+                .into_response()
+            }
+        }),
+    );
+    let url = spawn(app).await;
+    client(&url, None).score_tokens(&[1, 2]).await.unwrap();
+    assert_eq!(calls.load(Ordering::SeqCst), 2);
 }
 
 #[tokio::test]
