@@ -102,6 +102,14 @@ __device__ void dequant_int_words(const int32_t* packed, const float* scales, co
     }
 }
 
+template <typename T, int BITS>
+__device__ void dequant_int_words_stacked(const uint64_t* ptrs, T* out, int rows, int cols, int group) {
+    const uint64_t* p = ptrs + 3 * blockIdx.z;
+    dequant_int_words<T, BITS>((const int32_t*)p[0], (const float*)p[1], (const int32_t*)p[2],
+                               out + (long)blockIdx.z * rows * cols, rows, cols, group, blockIdx.x,
+                               blockIdx.y);
+}
+
 // nvfp4: w = bf16(fp4(code) * (fp8(scale) / global)), two codes per byte, low nibble first.
 // One thread per group of 16 weights (8 bytes, one scale).
 template <typename T>
@@ -907,15 +915,11 @@ extern "C" __global__ void __launch_bounds__(GEMM_THREADS, 2)
     }                                                                                                \
     extern "C" __global__ void dequant_int4_words_stacked_##SUFFIX(const uint64_t* ptrs, T* o, int rows, \
                                                                    int cols, int g) {                \
-        const uint64_t* p = ptrs + 3 * blockIdx.z;                                                   \
-        dequant_int_words<T, 4>((const int32_t*)p[0], (const float*)p[1], (const int32_t*)p[2],      \
-                                o + (long)blockIdx.z * rows * cols, rows, cols, g, blockIdx.x, blockIdx.y); \
+        dequant_int_words_stacked<T, 4>(ptrs, o, rows, cols, g);                                     \
     }                                                                                                \
     extern "C" __global__ void dequant_int8_words_stacked_##SUFFIX(const uint64_t* ptrs, T* o, int rows, \
                                                                    int cols, int g) {                \
-        const uint64_t* p = ptrs + 3 * blockIdx.z;                                                   \
-        dequant_int_words<T, 8>((const int32_t*)p[0], (const float*)p[1], (const int32_t*)p[2],      \
-                                o + (long)blockIdx.z * rows * cols, rows, cols, g, blockIdx.x, blockIdx.y); \
+        dequant_int_words_stacked<T, 8>(ptrs, o, rows, cols, g);                                     \
     }                                                                                                \
     extern "C" __global__ void dequant_nvfp4_##SUFFIX(const uint8_t* p, const uint8_t* s, float gs,  \
                                                       T* o, int rows, int cols) {                    \

@@ -243,24 +243,21 @@ pub fn dequant_int(
 
 /// Pack-quantized int weights of one shape, width and group (a mixture's experts) → `[weights,
 /// rows, cols]` in `dtype` by one launch of the words kernel, each weight's tensors named to it
-/// by address. Words that straddle groups (no real model) take [`dequant_int`] per weight.
+/// by address. `None` where that kernel does not apply (words that straddle groups: no real
+/// model, and no weights).
 pub fn dequant_int_stacked(
     weights: &[(&Tensor, &Tensor, Option<&Tensor>)],
     (rows, cols): (usize, usize),
     bits: usize,
     group: usize,
     dtype: DType,
-) -> Result<Tensor> {
-    let Some(&(first, _, _)) = weights.first() else {
-        bail!("dequant_int_stacked: no weights");
-    };
+) -> Result<Option<Tensor>> {
     let per = 32 / bits;
+    let Some(&(first, _, _)) = weights.first() else {
+        return Ok(None);
+    };
     if !(group.is_multiple_of(per) && cols.is_multiple_of(per)) {
-        let each = weights
-            .iter()
-            .map(|&(c, s, z)| dequant_int(c, s, z, (rows, cols), bits, group, dtype))
-            .collect::<Result<Vec<_>>>()?;
-        return Tensor::stack(&each, 0);
+        return Ok(None);
     }
     let mut addresses = Vec::with_capacity(3 * weights.len());
     for &(codes, scales, zero_points) in weights {
@@ -295,7 +292,7 @@ pub fn dequant_int_stacked(
             // checked against its weight's shape above, and the weights outlive the launch
             // (the caller holds them; the stream orders it before any later free).
             unsafe { b.launch(config) }.w()?;
-            Ok(wrap(out, dev, (n, rows, cols)))
+            Ok(Some(wrap(out, dev, (n, rows, cols))))
         })
     })
 }

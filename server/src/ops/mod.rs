@@ -129,21 +129,22 @@ pub fn moe_route(logits: &Tensor, k: usize, norm: bool) -> Result<TopExperts> {
 
 /// `residual` plus, per token, the sum of its weighted rows of `y` (the expert outputs, one
 /// row per routed token): row `r` weighted by `weights[r]` (f32 `[rows, 1]`; in the compute
-/// dtype with `compute_dtype_weights`, else in f32 and rounded). `rows_token` (u32 `[rows]`)
-/// names each row's token, `positions` (u32 `[tokens, k]`) each token's rows in the order they
+/// dtype with `compute_dtype_weights`, else in f32 and rounded). `rows_token` names each row's
+/// token (the CPU adds by it; the GPU kernel gathers by `positions` instead), `positions` (u32 `[tokens, k]`) each token's rows in the order they
 /// are added, which is the order of the rows. Every add is rounded to the compute dtype, as an
 /// `index_add` into zeros does.
 pub fn moe_combine(
     y: &Tensor,
     weights: &Tensor,
     compute_dtype_weights: bool,
-    rows_token: &Tensor,
+    rows_token: &[u32],
     positions: &Tensor,
     residual: &Tensor,
 ) -> Result<Tensor> {
     if y.device().is_cuda() {
         return gpu::moe_combine(y, weights, compute_dtype_weights, positions, residual);
     }
+    let rows_token = Tensor::new(rows_token, y.device())?;
     let dtype = y.dtype();
     let y = if compute_dtype_weights {
         y.broadcast_mul(&weights.to_dtype(dtype)?)?
@@ -152,7 +153,7 @@ pub fn moe_combine(
             .broadcast_mul(weights)?
             .to_dtype(dtype)?
     };
-    residual + residual.zeros_like()?.index_add(rows_token, &y, 0)?
+    residual + residual.zeros_like()?.index_add(&rows_token, &y, 0)?
 }
 
 /// Per row of two states `[rows, hidden]` on one device: (Σ a·b, Σ a², Σ b², Σ (a − b)²),
@@ -446,13 +447,13 @@ pub fn dequantize_stacked(
     dtype: DType,
     each: impl Fn(usize) -> Result<Tensor>,
 ) -> Result<Tensor> {
-    match gpu_ints(packed) {
-        Some((ints, bits, group)) => gpu::dequant_int_stacked(&ints, shape, bits, group, dtype),
-        None => {
-            let each: Vec<Tensor> = (0..packed.len()).map(each).collect::<Result<_>>()?;
-            Tensor::stack(&each, 0)
+    if let Some((ints, bits, group)) = gpu_ints(packed) {
+        if let Some(stacked) = gpu::dequant_int_stacked(&ints, shape, bits, group, dtype)? {
+            return Ok(stacked);
         }
     }
+    let each: Vec<Tensor> = (0..packed.len()).map(each).collect::<Result<_>>()?;
+    Tensor::stack(&each, 0)
 }
 
 /// A stack's weights as (codes, scales, zero points) with their width and group, when every one

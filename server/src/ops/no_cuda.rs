@@ -151,7 +151,7 @@ pub fn dequant_int_stacked(
     _bits: usize,
     _group: usize,
     _dtype: DType,
-) -> Result<Tensor> {
+) -> Result<Option<Tensor>> {
     no_cuda()
 }
 

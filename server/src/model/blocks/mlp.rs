@@ -10,7 +10,9 @@ use crate::model::config::{Activation, ModelConfig};
 use crate::model::loader::Loader;
 use crate::model::profile::stage;
 use crate::ops;
-use crate::quant::{common_qdq, matmul_t_stacked_into_rows, ActivationQdq, QuantLinear};
+use crate::quant::{
+    common_qdq, dequantize_stacked, matmul_t_stacked_into_rows, ActivationQdq, QuantLinear,
+};
 
 /// Rows of the MLP input processed at once. The `[rows, intermediate]` activations (gate, up
 /// and their product) are the largest tensors of a forward pass (3.5 residual streams each for
@@ -114,12 +116,23 @@ impl Mlp {
     }
 }
 
-/// Several MLPs of one shape and one activation QDQ (a mixture's experts), each on its own `m`
-/// rows of `x` (`[experts × m, hidden]`, expert by expert): each projection is one batched GEMM
-/// over the experts' weights, dequantized together right before it
-/// ([`matmul_t_stacked_into_rows`]).
-/// The experts' outputs are written into rows `row0..` of `out` (`[rows, hidden]`, a GPU tensor
-/// that [`ops::adds_into_rows`] accepts), without a residual.
+/// Whether `experts` can run as one stack ([`forward_stacked`]): every gate and up apply one
+/// activation QDQ, and every down one, so the first expert's stand for all.
+pub fn stackable(experts: &[Mlp]) -> bool {
+    let all_same = |linears: Vec<&QuantLinear>| common_qdq(&linears).is_some();
+    all_same(
+        experts
+            .iter()
+            .flat_map(|e| [&e.gate_proj, &e.up_proj])
+            .collect(),
+    ) && all_same(experts.iter().map(|e| &e.down_proj).collect())
+}
+
+/// Several [`stackable`] MLPs of one shape (a mixture's experts), each on its own `m` rows of
+/// `x` (`[experts × m, hidden]`, expert by expert): each projection is one batched GEMM over
+/// the experts' weights, dequantized together right before it ([`dequantize_stacked`]); down
+/// writes the experts' outputs into rows `row0..` of `out` (`[rows, hidden]`, a GPU tensor that
+/// [`ops::adds_into_rows`] accepts), without a residual ([`matmul_t_stacked_into_rows`]).
 pub fn forward_stacked(
     experts: &[&Mlp],
     x: Tensor,
@@ -136,9 +149,9 @@ pub fn forward_stacked(
     let [gate_in, up_in] = layer_inputs([&first.gate_proj, &first.up_proj], &x, false)?;
     drop(x);
     let project = |x: &Tensor, linears: &[&QuantLinear]| -> Result<Tensor> {
-        let y = Tensor::zeros((g * m, linears[0].weight().shape().0), dtype, &dev)?;
-        matmul_t_stacked_into_rows(linears, x, &y, 0)?;
-        Ok(y)
+        let w = dequantize_stacked(linears, dtype, &dev)?;
+        let (_, n, k) = w.dims3()?;
+        x.reshape((g, m, k))?.matmul(&w.t()?)?.reshape((g * m, n))
     };
     let (gate, up) = stage("gate_up_proj", &dev, || {
         Ok((

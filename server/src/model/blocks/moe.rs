@@ -6,13 +6,13 @@
 
 use candle_core::{Result, Tensor};
 
-use super::mlp::{forward_stacked, Mlp, PROJ_NAMES};
+use super::mlp::{forward_stacked, stackable, Mlp, PROJ_NAMES};
 use crate::checkpoint::LoadError;
 use crate::model::config::{ModelConfig, MoeConfig};
 use crate::model::loader::Loader;
 use crate::model::profile::{self, stage};
 use crate::ops::{self, TopExperts};
-use crate::quant::{common_qdq, QuantLinear};
+use crate::quant::QuantLinear;
 
 #[derive(Clone)]
 pub struct Moe {
@@ -21,9 +21,8 @@ pub struct Moe {
     /// Gated MLPs whose Linears may be in any supported format.
     experts: Vec<Mlp>,
     cfg: MoeConfig,
-    /// Every expert's gate/up apply one activation QDQ, and every down one: the experts can
-    /// run stacked ([`forward_stacked`]).
-    uniform_qdq: bool,
+    /// The experts can run stacked ([`stackable`]).
+    stackable: bool,
 }
 
 /// Experts whose weights are dequantized and multiplied together, at most: enough that one
@@ -71,16 +70,11 @@ impl Moe {
                 Mlp::load(&expert, names, (h, inter), false, c.hidden_act)
             })
             .collect::<std::result::Result<Vec<_>, LoadError>>()?;
-        let uniform = |proj: fn(&Mlp) -> Vec<&QuantLinear>| {
-            common_qdq(&experts.iter().flat_map(proj).collect::<Vec<_>>()).is_some()
-        };
-        let uniform_qdq = uniform(|e| vec![e.linears()[0].1, e.linears()[1].1])
-            && uniform(|e| vec![e.linears()[2].1]);
         Ok(Self {
             router,
+            stackable: stackable(&experts),
             experts,
             cfg: cfg.clone(),
-            uniform_qdq,
         })
     }
 
@@ -106,10 +100,10 @@ impl Moe {
         let top = stage("router", &dev, || self.route(x))?;
         let plan = ExpertRows::new(&top, self.experts.len());
         profile::record_expert_load(plan.ranges.iter().map(|r| r.len()));
-        let combined = if ops::stacks_experts(x) && self.uniform_qdq {
-            self.experts_stacked(x, plan, top.k)?
+        let combined = if ops::stacks_experts(x) && self.stackable {
+            self.experts_stacked(x, plan)?
         } else {
-            self.experts_one_by_one(x, plan, top.k)?
+            self.experts_one_by_one(x, plan)?
         };
         let out = stage("experts", &dev, || {
             let Combined {
@@ -123,7 +117,7 @@ impl Moe {
                 &y,
                 &Tensor::from_slice(&weights, (weights.len(), 1), &dev)?,
                 self.cfg.weights_in_compute_dtype,
-                &Tensor::new(rows_token.as_slice(), &dev)?,
+                &rows_token,
                 &Tensor::from_slice(&positions, (tokens, top.k), &dev)?,
                 &residual,
             )
@@ -138,7 +132,7 @@ impl Moe {
 
     /// Each expert on its contiguous rows, its weights dequantized right before its GEMMs (one
     /// expert's alive at a time).
-    fn experts_one_by_one(&self, x: &Tensor, plan: ExpertRows, k: usize) -> Result<Combined> {
+    fn experts_one_by_one(&self, x: &Tensor, plan: ExpertRows) -> Result<Combined> {
         let (dev, dtype, hidden) = (x.device(), x.dtype(), x.dims()[1]);
         let xs = stage("experts", dev, || {
             ops::gather_rows(x, &Tensor::new(plan.token.as_slice(), dev)?)
@@ -152,7 +146,6 @@ impl Moe {
             let xs = xs.narrow(0, rows.start, n)?;
             ys.push(expert.forward(xs, Tensor::zeros((n, hidden), dtype, dev)?, false)?);
         }
-        debug_assert_eq!(plan.positions.len() % k.max(1), 0);
         Ok(Combined {
             y: Tensor::cat(&ys, 0)?,
             weights: plan.weight,
@@ -165,7 +158,7 @@ impl Moe {
     /// expert's count (the padding rows repeat a real token, weigh 0 and are never added back),
     /// and each projection runs as one batched GEMM over the group ([`forward_stacked`]), the
     /// outputs written in place into one buffer.
-    fn experts_stacked(&self, x: &Tensor, plan: ExpertRows, k: usize) -> Result<Combined> {
+    fn experts_stacked(&self, x: &Tensor, plan: ExpertRows) -> Result<Combined> {
         let (dev, dtype, hidden) = (x.device(), x.dtype(), x.dims()[1]);
         let expert_bytes = 3 * self.cfg.expert_intermediate_size * hidden * dtype.size_in_bytes();
         let most = (STACK_BYTES / expert_bytes.max(1)).clamp(1, STACK_EXPERTS);
@@ -199,7 +192,6 @@ impl Moe {
             let experts: Vec<&Mlp> = group.iter().map(|&e| &self.experts[e]).collect();
             forward_stacked(&experts, xs, m, &y, first_row)?;
         }
-        debug_assert_eq!(plan.positions.len() % k.max(1), 0);
         Ok(Combined {
             y,
             weights,
