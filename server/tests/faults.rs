@@ -208,7 +208,6 @@ async fn a_failing_replica_leaves_the_rotation_while_the_other_serves() {
     );
     // Out of rotation after its third failure: every later request is served.
     assert!(statuses.ends_with(&[200; 10]), "{statuses:?}");
-    assert!(statuses.iter().filter(|&&s| s == 200).count() > 10);
     let (status, body) = send(&app, get("/health/ready")).await;
     assert_eq!(status, StatusCode::OK);
     let health: Health = serde_json::from_slice(&body).unwrap();
