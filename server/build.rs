@@ -1,4 +1,4 @@
-//! Compiles server/kernels/{exactscore,attention}.cu with nvcc when the `cuda` feature is on,
+//! Compiles server/kernels/{exactscore,attention,int4_gemm}.cu with nvcc when the `cuda` feature is on,
 //! each into one fatbin: machine code (SASS) for every architecture in $EXACTSCORE_CUDA_ARCHS
 //! (default `80,89,90`: A100, L40S/RTX 4090, H100/H200) and $CUDA_COMPUTE_CAP, plus PTX of the
 //! newest one so that later GPUs can still JIT it. Machine code loads without the driver's PTX
@@ -25,7 +25,7 @@ fn main() {
         "-gencode=arch=compute_{newest},code=compute_{newest}"
     ));
     let out = std::path::PathBuf::from(std::env::var("OUT_DIR").unwrap());
-    for name in ["exactscore", "attention"] {
+    for name in ["exactscore", "attention", "int4_gemm"] {
         let src = format!("kernels/{name}.cu");
         let fatbin = out.join(format!("{name}.fatbin"));
         let status = std::process::Command::new(&nvcc)

@@ -55,21 +55,6 @@ __device__ void rope_rotate_half(const T* x, T* out, const int32_t* pos, const T
 // values (conflict-free ldmatrix): (64 * MT + 2 * KEYS) * (D + 8) values; the launcher
 // (cuda/attention.rs) computes the same size.
 
-// Four 8x8 b16 matrices from shared memory (lane i gives the address of row i % 8 of matrix
-// i / 8): as stored, or transposed (the B operand of P·V from row-major V).
-__device__ __forceinline__ void ldmatrix_x4(uint32_t* r, const void* smem) {
-    uint32_t addr = (uint32_t)__cvta_generic_to_shared(smem);
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-                 : "r"(addr));
-}
-__device__ __forceinline__ void ldmatrix_x4_trans(uint32_t* r, const void* smem) {
-    uint32_t addr = (uint32_t)__cvta_generic_to_shared(smem);
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-                 : "r"(addr));
-}
-
 // q: [tokens, hq, D], k and v: [tokens, hkv, D], out: [tokens, hq, D]; grid (hq, query blocks of
 // the longest sequence, sequences). `scale_log2` = softmax scale * log2(e); `window` 0 = none.
 template <typename T, int D, int MT, int KEYS>

@@ -41,7 +41,7 @@ pub use attention::{
     FlashTiling,
 };
 pub use gemm::{matmul_t_add_into_rows, matmul_t_f32, matmul_t_stacked_into_rows};
-use module::{kernel, EXACTSCORE};
+use module::{kernel, EXACTSCORE, INT4_GEMM};
 
 fn kernel_name(base: &str, dtype: DType) -> String {
     let suffix = match dtype {
@@ -259,22 +259,7 @@ pub fn dequant_int_stacked(
     if !(group.is_multiple_of(per) && cols.is_multiple_of(per)) {
         return Ok(None);
     }
-    let mut addresses = Vec::with_capacity(3 * weights.len());
-    for &(codes, scales, zero_points) in weights {
-        if codes.dims() != [rows, cols / per] || scales.dims() != [rows, cols / group] {
-            bail!(
-                "dequant_int_stacked: codes {:?} and scales {:?} for a [{rows}, {cols}] weight",
-                codes.dims(),
-                scales.dims()
-            );
-        }
-        addresses.push(device_address::<i32>(codes)?);
-        addresses.push(device_address::<f32>(scales)?);
-        addresses.push(match zero_points {
-            Some(z) => device_address::<i32>(z)?,
-            None => 0,
-        });
-    }
+    let addresses = stack_addresses(weights, (rows, cols), bits, group)?;
     let name = kernel_name(&format!("dequant_int{bits}_words_stacked"), dtype);
     with_slice::<i32, _>(first, |_, _, dev| {
         with_float_type!(dtype, T => {
@@ -295,6 +280,167 @@ pub fn dequant_int_stacked(
             Ok(Some(wrap(out, dev, (n, rows, cols))))
         })
     })
+}
+
+/// Rows of x per block of `matmul_t_int4_stacked` (its two tilings), and each tiling's dynamic
+/// shared memory: 3 stages of 64-wide k-tiles (x rows padded to 72 values, 128 weight rows' int4
+/// words, two scales and zero points each), and two decoded 128-row weight tiles.
+pub const INT4_GEMM_TILE_ROWS: [usize; 2] = [64, 128];
+fn int4_gemm_shared_bytes(tile_rows: usize) -> usize {
+    3 * (tile_rows * 72 * 2 + 128 * 8 * 4 + 2 * 128 * 8) + 2 * 128 * 72 * 2
+}
+
+/// The tiling for blocks of `rows`: 64 rows where none has more, else 128 (each weight tile is
+/// decoded once per block: 64-row blocks decode twice as often).
+pub fn int4_gemm_tile_rows(rows: &[usize]) -> usize {
+    if rows.iter().all(|&r| r <= 64) {
+        64
+    } else {
+        128
+    }
+}
+
+/// Whether `matmul_t_int4_stacked` multiplies these weights (one shape `[n, k]` of `bits`-bit
+/// codes in groups of `group`) in `dtype`: int4, k a multiple of 64 and the group of 32, n even,
+/// bf16/f16, and codes aligned for its 16-byte copies.
+pub fn int4_gemm_applies(
+    weights: &[(&Tensor, &Tensor, Option<&Tensor>)],
+    (n, k): (usize, usize),
+    bits: usize,
+    group: usize,
+    dtype: DType,
+) -> Result<bool> {
+    if bits != 4
+        || !k.is_multiple_of(64)
+        || !group.is_multiple_of(32)
+        || !n.is_multiple_of(2)
+        || dtype == DType::F32
+    {
+        return Ok(false);
+    }
+    for (codes, _, _) in weights {
+        if !device_address::<i32>(codes)?.is_multiple_of(16) {
+            return Ok(false);
+        }
+    }
+    Ok(true)
+}
+
+/// `x_z · w_zᵀ` for the int4 weights `weights` (one shape `[n, k]`, one group: a mixture's
+/// experts, where [`int4_gemm_applies`]) and their blocks of `rows[z]` consecutive rows of `x`
+/// (`[Σ rows, k]`, bf16/f16; any counts, 0 included), written into rows `row0..` of `out`
+/// (`[.., n]`, x's dtype): one launch of `matmul_t_int4_stacked` with `tile_rows` rows per block
+/// ([`INT4_GEMM_TILE_ROWS`]; `None`: [`int4_gemm_tile_rows`]), which decodes
+/// each weight value as [`dequant_int_stacked`] would (the same values) and multiplies on tensor
+/// cores.
+#[allow(clippy::too_many_arguments)]
+pub fn matmul_t_int4_stacked_into_rows(
+    out: &Tensor,
+    row0: usize,
+    x: &Tensor,
+    weights: &[(&Tensor, &Tensor, Option<&Tensor>)],
+    rows: &[usize],
+    (n, k): (usize, usize),
+    group: usize,
+    tile_rows: Option<usize>,
+) -> Result<()> {
+    let dtype = x.dtype();
+    let total: usize = rows.iter().sum();
+    let (x_rows, x_k) = x.dims2()?;
+    let (out_rows, out_n) = out.dims2()?;
+    if x_k != k
+        || x_rows != total
+        || rows.len() != weights.len()
+        || out_n != n
+        || row0 + total > out_rows
+        || out.dtype() != dtype
+        || !out.is_contiguous()
+        || !int4_gemm_applies(weights, (n, k), 4, group, dtype)?
+    {
+        bail!(
+            "matmul_t_int4_stacked_into_rows: x {:?} ({dtype:?}) for {} weights [{n}, {k}] g{group} \
+             of {total} rows into rows {row0}.. of {:?}",
+            x.dims(),
+            weights.len(),
+            out.dims()
+        );
+    }
+    let most = rows.iter().copied().max().unwrap_or(0);
+    if most == 0 {
+        return Ok(());
+    }
+    let tile_rows = tile_rows.unwrap_or_else(|| int4_gemm_tile_rows(rows));
+    if !INT4_GEMM_TILE_ROWS.contains(&tile_rows) {
+        bail!("matmul_t_int4_stacked_into_rows: {tile_rows} rows per tile");
+    }
+    // The weights' addresses, then each block's first row.
+    let mut args = stack_addresses(weights, (n, k), 4, group)?;
+    args.extend(std::iter::once(0).chain(rows.iter().scan(0u64, |end, &r| {
+        *end += r as u64;
+        Some(*end)
+    })));
+    let x = x.contiguous()?;
+    let name = kernel_name(&format!("matmul_t_int4_stacked_m{tile_rows}"), dtype);
+    let shared = int4_gemm_shared_bytes(tile_rows);
+    with_float_type!(dtype, T => {
+        if !device_address::<T>(&x)?.is_multiple_of(16) {
+            bail!("matmul_t_int4_stacked_into_rows: x is not 16-byte aligned");
+        }
+        let y = device_address::<T>(out)? + (row0 * n * std::mem::size_of::<T>()) as u64;
+        with_slice::<T, _>(&x, |xs, xo, dev| {
+            let func = kernel(dev, &INT4_GEMM, &name)?;
+            func.allow_shared_bytes(shared)?;
+            let args = dev.clone_htod(&args)?;
+            let xs = xs.slice(xo..);
+            let (n32, k32, g32) = (n as i32, k as i32, group as i32);
+            let mut b = func.builder();
+            b.arg(&args).arg(&xs).arg(&y).arg(&n32).arg(&k32).arg(&g32);
+            let config = LaunchConfig {
+                grid_dim: (
+                    n.div_ceil(128) as u32,
+                    most.div_ceil(tile_rows) as u32,
+                    weights.len() as u32,
+                ),
+                block_dim: (256, 1, 1),
+                shared_mem_bytes: shared as u32,
+            };
+            // SAFETY: arguments match `matmul_t_int4_stacked_m*`; the weights' shapes, x's and
+            // out's were checked above, and `out` (contiguous, x's dtype) holds rows
+            // row0..row0 + Σ rows of n values, which the kernel alone writes. The weights and
+            // out outlive the launch (the caller holds them; the stream orders any later free).
+            unsafe { b.launch(config) }.w()?;
+            Ok(())
+        })
+    })
+}
+
+/// The device addresses of a stack's (codes, scales, zero points or 0), three per weight, as the
+/// `_stacked` kernels take them; every weight must be `[rows, cols]` of `bits`-bit codes in
+/// groups of `group`.
+fn stack_addresses(
+    weights: &[(&Tensor, &Tensor, Option<&Tensor>)],
+    (rows, cols): (usize, usize),
+    bits: usize,
+    group: usize,
+) -> Result<Vec<u64>> {
+    let per = 32 / bits;
+    let mut addresses = Vec::with_capacity(3 * weights.len());
+    for &(codes, scales, zero_points) in weights {
+        if codes.dims() != [rows, cols / per] || scales.dims() != [rows, cols / group] {
+            bail!(
+                "stacked int{bits} weights: codes {:?} and scales {:?} for a [{rows}, {cols}] weight",
+                codes.dims(),
+                scales.dims()
+            );
+        }
+        addresses.push(device_address::<i32>(codes)?);
+        addresses.push(device_address::<f32>(scales)?);
+        addresses.push(match zero_points {
+            Some(z) => device_address::<i32>(z)?,
+            None => 0,
+        });
+    }
+    Ok(addresses)
 }
 
 /// The device address of `t`'s first element (contiguous, on a GPU), for kernels that take

@@ -22,6 +22,11 @@ pub(crate) const EXACTSCORE: KernelModule = KernelModule {
     image: include_bytes!(concat!(env!("OUT_DIR"), "/exactscore.fatbin")),
 };
 
+pub(crate) const INT4_GEMM: KernelModule = KernelModule {
+    name: "int4_gemm",
+    image: include_bytes!(concat!(env!("OUT_DIR"), "/int4_gemm.fatbin")),
+};
+
 pub(crate) const ATTENTION: KernelModule = KernelModule {
     name: "attention",
     image: include_bytes!(concat!(env!("OUT_DIR"), "/attention.fatbin")),

@@ -488,6 +488,38 @@ fn gpu_ints<'a>(
     format.map(|(bits, group, _)| (ints, bits, group))
 }
 
+/// Whether a stack of weights (`packed`, one shape `[n, k]`: a mixture's experts) multiplies in
+/// `dtype` by the kernel that decodes int4 weights inside the GEMM
+/// ([`matmul_t_int4_stacked_into_rows`]): pack-quantized int4 on a GPU, in a layout it reads.
+pub fn decodes_int4_in_gemm(
+    packed: &[Option<Packed<'_>>],
+    shape: (usize, usize),
+    dtype: DType,
+) -> Result<bool> {
+    match gpu_ints(packed) {
+        Some((ints, bits, group)) => gpu::int4_gemm_applies(&ints, shape, bits, group, dtype),
+        None => Ok(false),
+    }
+}
+
+/// Writes `x_z · w_zᵀ` for each weight of a stack that [`decodes_int4_in_gemm`] and its block of
+/// `rows[z]` consecutive rows of `x` (`[Σ rows, k]`) into rows `row0..` of `out`, by one launch
+/// of the kernel that decodes the int4 weights inside the GEMM (the products of the dequantized
+/// weights, without writing them to memory).
+pub fn matmul_t_int4_stacked_into_rows(
+    out: &Tensor,
+    row0: usize,
+    x: &Tensor,
+    packed: &[Option<Packed<'_>>],
+    shape: (usize, usize),
+    rows: &[usize],
+) -> Result<()> {
+    let Some((ints, _, group)) = gpu_ints(packed) else {
+        candle_core::bail!("matmul_t_int4_stacked_into_rows: weights that are not int4 on a GPU");
+    };
+    gpu::matmul_t_int4_stacked_into_rows(out, row0, x, &ints, rows, shape, group, None)
+}
+
 /// Whether a mixture's experts run as batched GEMMs over their stacked weights
 /// (`Mlp::forward_stacked`: a few launches per layer instead of several per expert) rather than
 /// one by one: on a GPU in bf16/f16. f32 keeps one GEMM per expert, on the GPU kernel that sums

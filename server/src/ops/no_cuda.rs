@@ -155,6 +155,30 @@ pub fn dequant_int_stacked(
     no_cuda()
 }
 
+pub fn int4_gemm_applies(
+    _weights: &[(&Tensor, &Tensor, Option<&Tensor>)],
+    _shape: (usize, usize),
+    _bits: usize,
+    _group: usize,
+    _dtype: DType,
+) -> Result<bool> {
+    no_cuda()
+}
+
+#[allow(clippy::too_many_arguments)]
+pub fn matmul_t_int4_stacked_into_rows(
+    _out: &Tensor,
+    _row0: usize,
+    _x: &Tensor,
+    _weights: &[(&Tensor, &Tensor, Option<&Tensor>)],
+    _rows: &[usize],
+    _shape: (usize, usize),
+    _group: usize,
+    _tile_rows: Option<usize>,
+) -> Result<()> {
+    no_cuda()
+}
+
 pub fn dequant_nvfp4(
     _packed: &Tensor,
     _scales: &Tensor,

@@ -212,17 +212,82 @@ pub fn dequantize_stacked(
     })
 }
 
-/// Writes `x_z · w_zᵀ` for each of `linears` (one shape `[n, k]`: a mixture's experts) and its
-/// `m`-row block of `x` (`[linears · m, k]`) into rows `row0..` of `out` (a GPU tensor that
-/// [`ops::adds_into_rows`] accepts): the weights dequantized together, then one batched GEMM.
+/// Rows per weight, on average, up to which a stack of int4 weights multiplies by the kernel
+/// that decodes them inside the GEMM: above it, cuBLAS on the stack dequantized into memory is
+/// faster (H100, Qwen3-30B-A3B's experts, `exactscore-bench moe-gemm`: 0.23 against 0.40 ms at
+/// 128 rows per expert, 1.5 against 0.78 ms at 1024).
+const DECODE_IN_GEMM_MAX_ROWS: usize = 256;
+
+/// Whether [`matmul_t_stacked_into_rows`] multiplies `linears` (one shape: a mixture's experts),
+/// `mean_rows` rows each on average, by the kernel that decodes int4 weights inside the GEMM,
+/// which takes any number of rows per weight (no padding to a common count).
+pub fn decodes_in_gemm(linears: &[&QuantLinear], mean_rows: usize, dtype: DType) -> Result<bool> {
+    if mean_rows > DECODE_IN_GEMM_MAX_ROWS {
+        return Ok(false);
+    }
+    let shape = linears.first().map_or((0, 0), |l| l.weight.shape());
+    let packed: Vec<_> = linears.iter().map(|l| l.weight.packed()).collect();
+    ops::decodes_int4_in_gemm(&packed, shape, dtype)
+}
+
+/// `x_z · w_zᵀ` for each of `linears` (one shape `[n, k]`: a mixture's experts) and its block of
+/// `rows[z]` consecutive rows of `x` (`[Σ rows, k]`), as one `[Σ rows, n]` tensor: by the kernel
+/// that decodes the weights inside the GEMM where [`decodes_in_gemm`], else (every block the
+/// same size) the weights dequantized together and one batched GEMM.
+pub fn matmul_t_stacked(linears: &[&QuantLinear], x: &Tensor, rows: &[usize]) -> Result<Tensor> {
+    let n = linears.first().map_or(0, |l| l.weight.shape().0);
+    let total: usize = rows.iter().sum();
+    match dequantized_unless_decoded(linears, x, rows)? {
+        Some(w) => {
+            let m = rows.first().copied().unwrap_or(0);
+            x.reshape((rows.len(), m, x.dim(1)?))?
+                .matmul(&w.t()?)?
+                .reshape((total, n))
+        }
+        None => {
+            let y = Tensor::zeros((total, n), x.dtype(), x.device())?;
+            matmul_t_stacked_into_rows(linears, x, rows, &y, 0)?;
+            Ok(y)
+        }
+    }
+}
+
+/// [`matmul_t_stacked`] written into rows `row0..` of `out` (a GPU tensor that
+/// [`ops::adds_into_rows`] accepts).
 pub fn matmul_t_stacked_into_rows(
     linears: &[&QuantLinear],
     x: &Tensor,
+    rows: &[usize],
     out: &Tensor,
     row0: usize,
 ) -> Result<()> {
-    let w = dequantize_stacked(linears, x.dtype(), x.device())?;
-    ops::matmul_t_stacked_into_rows(out, row0, x, &w)
+    match dequantized_unless_decoded(linears, x, rows)? {
+        Some(w) => ops::matmul_t_stacked_into_rows(out, row0, x, &w),
+        None => {
+            let shape = linears.first().map_or((0, 0), |l| l.weight.shape());
+            let packed: Vec<_> = linears.iter().map(|l| l.weight.packed()).collect();
+            ops::matmul_t_int4_stacked_into_rows(out, row0, x, &packed, shape, rows)
+        }
+    }
+}
+
+/// `None` where `linears` decode inside the GEMM for these rows, else their weights dequantized
+/// into one `[linears, n, k]` tensor (which needs blocks of one size).
+fn dequantized_unless_decoded(
+    linears: &[&QuantLinear],
+    x: &Tensor,
+    rows: &[usize],
+) -> Result<Option<Tensor>> {
+    let total: usize = rows.iter().sum();
+    if decodes_in_gemm(linears, total / rows.len().max(1), x.dtype())? {
+        return Ok(None);
+    }
+    if rows.windows(2).any(|w| w[0] != w[1]) {
+        candle_core::bail!(
+            "stacked GEMM: blocks of different sizes need weights that decode in the GEMM"
+        );
+    }
+    Ok(Some(dequantize_stacked(linears, x.dtype(), x.device())?))
 }
 
 /// The activation QDQ that every layer of `linears` applies to its input, when they all apply

@@ -41,6 +41,8 @@ mod diff_bench;
 #[cfg(feature = "cuda")]
 mod jit_report;
 mod kld_bench;
+#[cfg(feature = "cuda")]
+mod moe_gemm_bench;
 mod pipeline_bench;
 mod random_model;
 
@@ -68,6 +70,19 @@ enum Command {
         /// 2048-token windows per launch.
         #[arg(long, value_delimiter = ',', default_value = "1,4")]
         windows: Vec<usize>,
+        #[arg(long, default_value = "cuda:0")]
+        device: String,
+    },
+    /// One projection of a stack of int4 experts, decoded inside the GEMM vs dequantized first.
+    #[cfg(feature = "cuda")]
+    MoeGemm {
+        #[arg(long, default_value_t = 128)]
+        experts: usize,
+        /// Rows per expert (a 2048-token window gives each of 128 top-8 experts ~128).
+        #[arg(long, value_delimiter = ',', default_value = "128,192,1024")]
+        rows: Vec<usize>,
+        #[arg(long, default_value_t = 128)]
+        group: usize,
         #[arg(long, default_value = "cuda:0")]
         device: String,
     },
@@ -222,6 +237,13 @@ fn main() -> Result<()> {
                 .iter()
                 .try_for_each(|&w| attention_check::timing(&device, w))
         }
+        #[cfg(feature = "cuda")]
+        Command::MoeGemm {
+            experts,
+            rows,
+            group,
+            device,
+        } => moe_gemm_bench::run(&parse_device(&device)?, experts, &rows, group),
         Command::Speed {
             shape,
             formats,
@@ -603,19 +625,30 @@ fn check(fixtures: &Path, device: &Device) -> Result<()> {
                         .collect::<candle_core::Result<Vec<_>>>()?;
                     dequant_exact &= bits_equal(&stacked, &Tensor::stack(&each, 0)?)?;
                 }
-                // The stacked GEMM in bf16 against f32 products of the same weights, over a
-                // ragged 37 rows each.
-                let (g, m) = (linears.len(), 37);
+                // The stacked GEMM in bf16 against f32 products of the same weights: 37 rows
+                // each, or, where the int4 weights decode inside the GEMM (which takes each
+                // weight's own count), 0..210 rows, so that every tiling and tail runs.
+                let g = linears.len();
                 let (n, k) = linears[0].weight().shape();
-                let x = Tensor::randn(0f32, 1.0, (g * m, k), device)?.to_dtype(DType::BF16)?;
-                let out = Tensor::zeros((g * m, n), DType::BF16, device)?;
-                exactscore_server::quant::matmul_t_stacked_into_rows(linears, &x, &out, 0)?;
+                let rows: Vec<usize> =
+                    if exactscore_server::quant::decodes_in_gemm(linears, 100, DType::BF16)? {
+                        (0..g).map(|i| (i * 53 + 37) % 211).collect()
+                    } else {
+                        vec![37; g]
+                    };
+                let total: usize = rows.iter().sum();
+                let x = Tensor::randn(0f32, 1.0, (total, k), device)?.to_dtype(DType::BF16)?;
+                let out = Tensor::zeros((total, n), DType::BF16, device)?;
+                exactscore_server::quant::matmul_t_stacked_into_rows(linears, &x, &rows, &out, 0)?;
                 let w = exactscore_server::quant::dequantize_stacked(linears, DType::F32, device)?;
-                let reference = x
-                    .to_dtype(DType::F32)?
-                    .reshape((g, m, k))?
-                    .matmul(&w.t()?)?
-                    .reshape((g * m, n))?;
+                let x32 = x.to_dtype(DType::F32)?;
+                let mut blocks = Vec::with_capacity(g);
+                let mut first = 0;
+                for (i, &r) in rows.iter().enumerate() {
+                    blocks.push(x32.narrow(0, first, r)?.matmul(&w.get(i)?.t()?)?);
+                    first += r;
+                }
+                let reference = Tensor::cat(&blocks, 0)?;
                 let scale = reference.abs()?.max_all()?.to_scalar::<f32>()?;
                 let error = (out.to_dtype(DType::F32)? - &reference)?
                     .abs()?

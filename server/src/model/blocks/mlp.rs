@@ -1,7 +1,7 @@
 //! The feed-forward of a decoder layer: a gated MLP (SwiGLU or GeGLU), or a mixture of such
 //! experts ([`Moe`]).
 
-use candle_core::{Result, Tensor};
+use candle_core::{DType, Result, Tensor};
 
 use super::layer_inputs;
 use super::moe::{Moe, Route};
@@ -11,7 +11,8 @@ use crate::model::loader::Loader;
 use crate::model::profile::stage;
 use crate::ops;
 use crate::quant::{
-    common_qdq, dequantize_stacked, matmul_t_stacked_into_rows, ActivationQdq, QuantLinear,
+    common_qdq, decodes_in_gemm, matmul_t_stacked, matmul_t_stacked_into_rows, ActivationQdq,
+    QuantLinear,
 };
 
 /// Rows of the MLP input processed at once. The `[rows, intermediate]` activations (gate, up
@@ -128,35 +129,45 @@ pub fn stackable(experts: &[Mlp]) -> bool {
     ) && all_same(experts.iter().map(|e| &e.down_proj).collect())
 }
 
-/// Several [`stackable`] MLPs of one shape (a mixture's experts), each on its own `m` rows of
-/// `x` (`[experts × m, hidden]`, expert by expert): each projection is one batched GEMM over
-/// the experts' weights, dequantized together right before it ([`dequantize_stacked`]); down
-/// writes the experts' outputs into rows `row0..` of `out` (`[rows, hidden]`, a GPU tensor that
-/// [`ops::adds_into_rows`] accepts), without a residual ([`matmul_t_stacked_into_rows`]).
+/// Whether [`forward_stacked`] multiplies every projection of `experts`, `mean_rows` rows each
+/// on average, by the kernel that decodes int4 weights inside the GEMM ([`decodes_in_gemm`]),
+/// which takes each expert's own row count: then the experts need no padding to a common count.
+pub fn stack_decodes_in_gemm(experts: &[&Mlp], mean_rows: usize, dtype: DType) -> Result<bool> {
+    let projections: [fn(&Mlp) -> &QuantLinear; 3] =
+        [|e| &e.gate_proj, |e| &e.up_proj, |e| &e.down_proj];
+    for proj in projections {
+        let linears: Vec<&QuantLinear> = experts.iter().map(|e| proj(e)).collect();
+        if !decodes_in_gemm(&linears, mean_rows, dtype)? {
+            return Ok(false);
+        }
+    }
+    Ok(true)
+}
+
+/// Several [`stackable`] MLPs of one shape (a mixture's experts), each on its own block of
+/// `rows[i]` consecutive rows of `x` (`[Σ rows, hidden]`, expert by expert; the counts all equal
+/// unless [`stack_decodes_in_gemm`]): each projection is one launch over the experts' weights
+/// ([`matmul_t_stacked`]: decoded inside the GEMM, or dequantized together right before one
+/// batched GEMM); down writes the experts' outputs into rows `row0..` of `out`
+/// (`[rows, hidden]`, a GPU tensor that [`ops::adds_into_rows`] accepts), without a residual.
 pub fn forward_stacked(
     experts: &[&Mlp],
     x: Tensor,
-    m: usize,
+    rows: &[usize],
     out: &Tensor,
     row0: usize,
 ) -> Result<()> {
-    let (dev, dtype) = (x.device().clone(), x.dtype());
-    let g = experts.len();
+    let dev = x.device().clone();
     let Some(first) = experts.first() else {
         return Ok(());
     };
     let pick = |proj: fn(&Mlp) -> &QuantLinear| experts.iter().map(|e| proj(e)).collect::<Vec<_>>();
     let [gate_in, up_in] = layer_inputs([&first.gate_proj, &first.up_proj], &x, false)?;
     drop(x);
-    let project = |x: &Tensor, linears: &[&QuantLinear]| -> Result<Tensor> {
-        let w = dequantize_stacked(linears, dtype, &dev)?;
-        let (_, n, k) = w.dims3()?;
-        x.reshape((g, m, k))?.matmul(&w.t()?)?.reshape((g * m, n))
-    };
     let (gate, up) = stage("gate_up_proj", &dev, || {
         Ok((
-            project(&gate_in, &pick(|e| &e.gate_proj))?,
-            project(&up_in, &pick(|e| &e.up_proj))?,
+            matmul_t_stacked(&pick(|e| &e.gate_proj), &gate_in, rows)?,
+            matmul_t_stacked(&pick(|e| &e.up_proj), &up_in, rows)?,
         ))
     })?;
     drop((gate_in, up_in));
@@ -166,7 +177,7 @@ pub fn forward_stacked(
     })?;
     drop((gate, up));
     stage("down_proj", &dev, || {
-        matmul_t_stacked_into_rows(&pick(|e| &e.down_proj), &down_in, out, row0)
+        matmul_t_stacked_into_rows(&pick(|e| &e.down_proj), &down_in, rows, out, row0)
     })
 }
 

@@ -6,7 +6,7 @@
 
 use candle_core::{Result, Tensor};
 
-use super::mlp::{forward_stacked, stackable, Mlp, PROJ_NAMES};
+use super::mlp::{forward_stacked, stack_decodes_in_gemm, stackable, Mlp, PROJ_NAMES};
 use crate::checkpoint::LoadError;
 use crate::model::config::{ModelConfig, MoeConfig};
 use crate::model::loader::Loader;
@@ -157,25 +157,41 @@ impl Moe {
     /// The experts in groups, most rows first: each group's rows are padded to its first
     /// expert's count (the padding rows repeat a real token, weigh 0 and are never added back),
     /// and each projection runs as one batched GEMM over the group ([`forward_stacked`]), the
-    /// outputs written in place into one buffer.
+    /// outputs written in place into one buffer. Where the experts' weights decode inside the
+    /// GEMM ([`stack_decodes_in_gemm`]), all of them are one group with no padding.
     fn experts_stacked(&self, x: &Tensor, plan: ExpertRows) -> Result<Combined> {
         let (dev, dtype, hidden) = (x.device(), x.dtype(), x.dims()[1]);
-        let expert_bytes = 3 * self.cfg.expert_intermediate_size * hidden * dtype.size_in_bytes();
-        let most = (STACK_BYTES / expert_bytes.max(1)).clamp(1, STACK_EXPERTS);
-        let groups = stack_groups(&plan.ranges, most);
-        let padded: usize = groups
-            .iter()
-            .map(|g| g.len() * plan.ranges[g[0]].len())
-            .sum();
+        let with_rows: Vec<usize> = (0..plan.ranges.len())
+            .filter(|&e| !plan.ranges[e].is_empty())
+            .collect();
+        let all: Vec<&Mlp> = with_rows.iter().map(|&e| &self.experts[e]).collect();
+        let mean_rows = plan.token.len() / with_rows.len().max(1);
+        // Each group's experts, and the rows each gets: its own count, or its group's first's.
+        let groups: Vec<(Vec<usize>, Vec<usize>)> =
+            if stack_decodes_in_gemm(&all, mean_rows, dtype)? {
+                let rows = with_rows.iter().map(|&e| plan.ranges[e].len()).collect();
+                vec![(with_rows, rows)]
+            } else {
+                let expert_bytes =
+                    3 * self.cfg.expert_intermediate_size * hidden * dtype.size_in_bytes();
+                let most = (STACK_BYTES / expert_bytes.max(1)).clamp(1, STACK_EXPERTS);
+                stack_groups(&plan.ranges, most)
+                    .into_iter()
+                    .map(|group| {
+                        let rows = vec![plan.ranges[group[0]].len(); group.len()];
+                        (group, rows)
+                    })
+                    .collect()
+            };
+        let padded: usize = groups.iter().flat_map(|(_, rows)| rows).sum();
         let y = Tensor::zeros((padded, hidden), dtype, dev)?;
         // Where each of the plan's rows lands among the padded rows.
         let mut padded_row = vec![0u32; plan.token.len()];
         let (mut rows_token, mut weights) =
             (Vec::with_capacity(padded), Vec::with_capacity(padded));
-        for group in &groups {
-            let m = plan.ranges[group[0]].len();
+        for (group, rows) in &groups {
             let first_row = rows_token.len();
-            for &e in group {
+            for (&e, &m) in group.iter().zip(rows) {
                 let range = plan.ranges[e].clone();
                 let pad = m - range.len();
                 for r in range.clone() {
@@ -190,7 +206,7 @@ impl Moe {
                 ops::gather_rows(x, &Tensor::new(&rows_token[first_row..], dev)?)
             })?;
             let experts: Vec<&Mlp> = group.iter().map(|&e| &self.experts[e]).collect();
-            forward_stacked(&experts, xs, m, &y, first_row)?;
+            forward_stacked(&experts, xs, rows, &y, first_row)?;
         }
         Ok(Combined {
             y,

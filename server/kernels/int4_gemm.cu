@@ -1,0 +1,289 @@
+// A stack of int4 experts' GEMMs with the dequantization inside: y[r, c] = Σ_k x[r, k] · w_z[c, k]
+// for the rows r = offsets[z]..offsets[z + 1] of each expert slot z (any number, 0 included: no
+// padding), w_z given by the addresses of its packed int4 words, f32 scales and int32 zero
+// points (or 0) at ptrs[3z..3z + 3] (as dequant_int4_words_stacked in exactscore.cu takes them),
+// the offsets following at ptrs[3·slots..]. For few rows per expert (a 2048-token window gives
+// each of 128 experts ~128 rows), where writing every dequantized weight to memory and reading
+// it back costs several times the GEMM itself.
+//
+// Each weight value is dequant_int_words' T((q - 8 - zp) · scale), one f32 product rounded once,
+// so the products are those of the dequantized weight; they are summed in f32 on tensor cores
+// (mma.sync m16n8k16) and rounded once to T.
+//
+// Tile BM rows × 128 outputs × 64 k, 8 warps of BM/2 × 32, a 3-stage cp.async pipeline of x's rows, the raw int4 words, scales and zero points. Each k-tile's
+// words are decoded once per block into a 16-bit tile in shared memory, one k-tile ahead of the MMAs that read it (and
+// after them in program order, so the decoding's ALU work issues while the tensor cores run),
+// and one barrier per k-tile orders both. Each weight is read from memory once per BM rows, as
+// 4 bits. Grid (n / 128, the most rows of a slot / BM, slots): a block past its slot's rows
+// returns at once, and a warp skips the 16-row MMA tiles past them. Needs k % 64 == 0, group %
+// 32 == 0 (a 32-wide half k-tile has one scale per row), n even and 16-byte aligned x and words
+// (checked by the caller); n may be ragged.
+#include <type_traits>
+
+#include "mma.cuh"
+
+#define IG_BN 128
+#define IG_BK 64
+#define IG_HALVES (IG_BK / 32)  // scales per row and k-tile
+#define IG_LD (IG_BK + 8)  // 16-bit rows padded: conflict-free ldmatrix
+#define IG_STAGES 3
+#define IG_THREADS 256
+
+// 4-byte asynchronous copy (scales, zero points); `valid` false writes zero.
+__device__ __forceinline__ void ig_cp_async4(void* smem, const void* gmem, bool valid) {
+    uint32_t addr = (uint32_t)__cvta_generic_to_shared(smem);
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(addr), "l"(gmem),
+                 "r"(valid ? 4 : 0));
+}
+
+// The 8 values T((q - zp)·s) of an int4 word, q = nibble - 8, lowest nibble first, with
+// dequant_int_words' arithmetic (one exact product, one rounding to T), two ways:
+//  * bf16 with a scale that is itself a bf16 value (as checkpoints store them) and 136 + zp a
+//    bf16 integer: a pair of nibbles, OR-ed into the mantissas of two bf16 128.0s, is the pair
+//    128 + nibble exactly; minus 136 + zp that is q - zp exactly, and a bf16x2 multiply by the
+//    scale rounds the exact product (at most 13 significant bits, and normal: |s| >= 2^-100)
+//    once, as the f32 product rounded to bf16 does. 4 instructions per pair.
+//  * otherwise in f32, without integer-to-float conversions (a quarter of the FP32 rate): a
+//    nibble at bit p of a 16-bit half, OR-ed into the mantissa of 2^23, is the exact f32
+//    2^23 + c·nibble (c = 2^p); minus 2^23 + c·(8 + zp) that is c·(q - zp), exactly, and
+//    c·(q - zp) · (s / c) is exactly the product (q - zp) · s, since s / c is exact wherever
+//    |s| >= 2^-114 (smaller scales take shifts instead).
+template <typename T>
+struct IgDecodeF32 {
+    float scale[4], bias[4];
+    bool tiny;
+    __device__ __forceinline__ IgDecodeF32(float s, int zp) {
+        tiny = s != 0.0f && fabsf(s) < 0x1p-100f;
+#pragma unroll
+        for (int p = 0; p < 4; ++p) {
+            const float c = (float)(1 << (4 * p));
+            scale[p] = tiny ? s : s / c;
+            bias[p] = 8388608.0f + c * (float)(8 + zp);
+        }
+    }
+    // Nibbles 4p of `half` (bits 0..15), positions p and p + 1, as a pair.
+    __device__ __forceinline__ uint32_t pair(uint32_t half, int p) const {
+        const float lo = __uint_as_float((half & (15u << (4 * p))) | 0x4B000000u) - bias[p];
+        const float hi = __uint_as_float((half & (15u << (4 * p + 4))) | 0x4B000000u) - bias[p + 1];
+        return Mma<T>::pack(lo * scale[p], hi * scale[p + 1]);
+    }
+    __device__ __forceinline__ uint32_t pair_shifted(uint32_t v) const {
+        const float lo = __uint_as_float((v & 15u) | 0x4B000000u) - bias[0];
+        const float hi = __uint_as_float(((v >> 4) & 15u) | 0x4B000000u) - bias[0];
+        return Mma<T>::pack(lo * scale[0], hi * scale[0]);
+    }
+    __device__ __forceinline__ uint4 word(uint32_t w) const {
+        if (tiny) return {pair_shifted(w), pair_shifted(w >> 8), pair_shifted(w >> 16), pair_shifted(w >> 24)};
+        const uint32_t high = w >> 16;
+        return {pair(w, 0), pair(w, 2), pair(high, 0), pair(high, 2)};
+    }
+};
+
+struct IgDecodeBf16 {
+    __nv_bfloat162 scale, bias;
+    // Whether (s, zp) take this way: s a normal bf16 value, 136 + zp an exact bf16 integer.
+    static __device__ __forceinline__ bool applies(float s, int zp) {
+        return fabsf(s) >= 0x1p-100f && __bfloat162float(__float2bfloat16_rn(s)) == s &&
+               zp >= -136 && zp <= 120;
+    }
+    __device__ __forceinline__ IgDecodeBf16(float s, int zp)
+        : scale(__float2bfloat162_rn(s)), bias(__float2bfloat162_rn(-(float)(136 + zp))) {}
+    // Byte j of w in the low half and byte j of w >> 4 in the high half: nibbles 2j and 2j + 1.
+    __device__ __forceinline__ uint32_t pair(uint32_t w, uint32_t w4, int j) const {
+        const uint32_t v = (__byte_perm(w, w4, j | (j << 4) | ((4 + j) << 8) | ((4 + j) << 12)) &
+                            0x000F000Fu) | 0x43004300u;
+        __nv_bfloat162 r = __hmul2(__hadd2(*reinterpret_cast<const __nv_bfloat162*>(&v), bias), scale);
+        return *reinterpret_cast<uint32_t*>(&r);
+    }
+    __device__ __forceinline__ uint4 word(uint32_t w) const {
+        const uint32_t w4 = w >> 4;
+        return {pair(w, w4, 0), pair(w, w4, 1), pair(w, w4, 2), pair(w, w4, 3)};
+    }
+};
+
+template <int BM>
+struct IgStage {
+    uint16_t x[BM * IG_LD];             // x rows, 16-bit values
+    uint32_t words[IG_BN * IG_BK / 8];  // the tile's int4 words, 8 per weight row
+    float scales[IG_HALVES][IG_BN];
+    int32_t zps[IG_HALVES][IG_BN];
+};
+
+template <int BM>
+constexpr int ig_shared_bytes() {
+    return IG_STAGES * sizeof(IgStage<BM>) + 2 * IG_BN * IG_LD * sizeof(uint16_t);
+}
+
+template <typename T, int BM>
+__device__ void int4_gemm_stacked(const uint64_t* ptrs, const T* x, T* y, int n, int k, int group) {
+#if __CUDA_ARCH__ >= 800
+    constexpr int ROWS_W = BM / 2, MT = ROWS_W / 16;  // rows and 16-row MMA tiles per warp
+    const int z = blockIdx.z;
+    const uint64_t* offsets = ptrs + 3 * gridDim.z;
+    const long first = (long)offsets[z];
+    const int m = (int)((long)offsets[z + 1] - first);
+    const int n0 = blockIdx.x * IG_BN, row0 = blockIdx.y * BM;
+    if (row0 >= m) return;  // the whole block: no barrier is waiting
+    const int32_t* packed = (const int32_t*)ptrs[3 * z];
+    const float* scales = (const float*)ptrs[3 * z + 1];
+    const int32_t* zps = (const int32_t*)ptrs[3 * z + 2];
+    x += first * k;
+    y += first * n;
+    extern __shared__ __align__(128) unsigned char ig_smem[];
+    IgStage<BM>* stages = reinterpret_cast<IgStage<BM>*>(ig_smem);
+    uint16_t* decoded = reinterpret_cast<uint16_t*>(stages + IG_STAGES);  // [2][IG_BN][IG_LD]
+    const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
+    const int wm = warp / 4, wn = warp % 4;  // this warp: rows wm·ROWS_W.., outputs wn·32..
+    const int words_per_row = k / 8, groups = k / group, tiles = k / IG_BK;
+
+    // Copies per k-tile: 16-byte chunks of x (chunk tid % 8 of rows tid / 8 + XSTEP·j), one
+    // weight row's words (threads < 128, two chunks) or its scales (threads >= 128), and its
+    // zero points (threads < 128). Pointers advance with the k-tile; no division in the loop.
+    constexpr int XSTEP = IG_THREADS / 8, XROWS = BM / XSTEP;
+    const int xr = tid / 8, xc = (tid % 8) * 8;
+    const T* x_src = x + (long)(row0 + xr) * k + xc;
+    uint32_t x_valid = 0;
+#pragma unroll
+    for (int j = 0; j < XROWS; ++j) x_valid |= (uint32_t)(row0 + xr + XSTEP * j < m) << j;
+    const int wr = tid % IG_BN;
+    const bool w_valid = n0 + wr < n;
+    const long w_row = (long)(w_valid ? n0 + wr : 0);
+    const int32_t* w_src = packed + w_row * words_per_row;
+    const float* s_src = scales + w_row * groups;
+    const int32_t* z_src = zps ? zps + w_row * groups : nullptr;
+    const int halves_per_group = group / 32;
+    int next_group = 0, halves_left = halves_per_group;  // of the next 32-wide half k-tile
+    auto load = [&](int t) {
+        IgStage<BM>& s = stages[t % IG_STAGES];
+        const int k0 = t * IG_BK;
+#pragma unroll
+        for (int j = 0; j < XROWS; ++j) {
+            const bool valid = (x_valid >> j) & 1;
+            cp_async16(&s.x[(xr + XSTEP * j) * IG_LD + xc], valid ? x_src + (long)XSTEP * j * k + k0 : x, valid);
+        }
+#pragma unroll
+        for (int h = 0; h < IG_HALVES; ++h) {
+            if (tid < IG_BN) {
+                if (h == 0) {
+                    cp_async16(&s.words[wr * 8], w_src + k0 / 8, w_valid);
+                    cp_async16(&s.words[wr * 8 + 4], w_src + k0 / 8 + 4, w_valid);
+                }
+                if (z_src) ig_cp_async4(&s.zps[h][wr], z_src + next_group, w_valid);
+            } else {
+                ig_cp_async4(&s.scales[h][wr], s_src + next_group, w_valid);
+            }
+            if (--halves_left == 0) {
+                ++next_group;
+                halves_left = halves_per_group;
+            }
+        }
+    };
+    // Thread pairs decode a weight row of a k-tile: 32 values each, the 4 words of one half.
+    const int dr = tid / 2, dh = tid % 2;
+    auto decode = [&](int t) {
+        const IgStage<BM>& s = stages[t % IG_STAGES];
+        const uint4 w = *reinterpret_cast<const uint4*>(&s.words[dr * 8 + dh * 4]);
+        const float sc = s.scales[dh][dr];
+        const int zp = zps ? s.zps[dh][dr] : 0;
+        uint4* d = reinterpret_cast<uint4*>(decoded + (t % 2) * IG_BN * IG_LD + dr * IG_LD + dh * 32);
+        auto write = [&](const auto& dq) {
+            d[0] = dq.word(w.x);
+            d[1] = dq.word(w.y);
+            d[2] = dq.word(w.z);
+            d[3] = dq.word(w.w);
+        };
+        if (std::is_same<T, __nv_bfloat16>::value && IgDecodeBf16::applies(sc, zp)) write(IgDecodeBf16(sc, zp));
+        else write(IgDecodeF32<T>(sc, zp));
+    };
+
+    float acc[MT][4][4];
+#pragma unroll
+    for (int i = 0; i < MT; ++i)
+#pragma unroll
+        for (int j = 0; j < 4; ++j) acc[i][j][0] = acc[i][j][1] = acc[i][j][2] = acc[i][j][3] = 0.0f;
+    // 16-row MMA tiles of this warp that hold rows; a warp with none only copies and decodes.
+    const int tiles_m = min(MT, max(0, (m - row0 - wm * ROWS_W + 15) / 16));
+
+    // Tile t's MMAs: every 16-row tile of the warp (`full`), or those holding rows.
+    auto multiply = [&](int t, auto full) {
+        constexpr bool FULL = decltype(full)::value;
+        const IgStage<BM>& s = stages[t % IG_STAGES];
+        const uint16_t* bs = decoded + (t % 2) * IG_BN * IG_LD;
+#pragma unroll
+        for (int kk = 0; kk < IG_BK / 16; ++kk) {
+            uint32_t a[MT][4];
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt)
+                if (FULL || mt < tiles_m)
+                    ldmatrix_x4(a[mt], &s.x[(wm * ROWS_W + mt * 16 + (lane & 15)) * IG_LD + kk * 16 + (lane >> 4) * 8]);
+#pragma unroll
+            for (int np = 0; np < 2; ++np) {
+                // b[0], b[1]: outputs wn·32 + np·16 + 0..7; b[2], b[3]: + 8..15
+                uint32_t b[4];
+                const int row = wn * 32 + np * 16 + (lane & 7) + (lane >> 4) * 8;
+                ldmatrix_x4(b, bs + row * IG_LD + kk * 16 + ((lane >> 3) & 1) * 8);
+#pragma unroll
+                for (int mt = 0; mt < MT; ++mt) {
+                    if (FULL || mt < tiles_m) {
+                        Mma<T>::run(acc[mt][2 * np], a[mt], b[0], b[1]);
+                        Mma<T>::run(acc[mt][2 * np + 1], a[mt], b[2], b[3]);
+                    }
+                }
+            }
+        }
+    };
+
+#pragma unroll
+    for (int t = 0; t < IG_STAGES - 1; ++t) {
+        if (t < tiles) load(t);
+        cp_async_commit();
+    }
+    cp_async_wait<IG_STAGES - 2>();
+    __syncthreads();
+    decode(0);
+    for (int t = 0; t < tiles; ++t) {
+        // Tile t + 1 has landed, everyone decoded tile t and is done with tile t - 1.
+        cp_async_wait<IG_STAGES - 3>();
+        __syncthreads();
+        if (t + IG_STAGES - 1 < tiles) load(t + IG_STAGES - 1);
+        cp_async_commit();
+        if (tiles_m == MT) multiply(t, std::true_type{});
+        else if (tiles_m > 0) multiply(t, std::false_type{});
+        if (t + 1 < tiles) decode(t + 1);
+    }
+    cp_async_wait<0>();
+    if (tiles_m == 0) return;
+    // c0, c1: row lane / 4, outputs 2·(lane % 4) + {0, 1}; c2, c3: 8 rows further.
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) {
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+            const int r = row0 + wm * ROWS_W + mt * 16 + half * 8 + lane / 4;
+            if (r >= m) continue;
+#pragma unroll
+            for (int nt = 0; nt < 4; ++nt) {
+                const int c = n0 + wn * 32 + nt * 8 + 2 * (lane % 4);
+                if (c < n) {  // n is even: the pair is whole
+                    *reinterpret_cast<uint32_t*>(y + (long)r * n + c) =
+                        Mma<T>::pack(acc[mt][nt][2 * half], acc[mt][nt][2 * half + 1]);
+                }
+            }
+        }
+    }
+#endif
+}
+
+// One entry per dtype and tile height; the launcher's int4_gemm_shared_bytes (cuda/mod.rs) gives
+// each one's dynamic shared memory, as asserted below.
+#define INT4_GEMM_ENTRY(SUFFIX, T, BM)                                                               \
+    extern "C" __global__ void __launch_bounds__(IG_THREADS, 2)                                      \
+        matmul_t_int4_stacked_m##BM##_##SUFFIX(const uint64_t* ptrs, const T* x, T* y, int n, int k,  \
+                                               int g) {                                              \
+        int4_gemm_stacked<T, BM>(ptrs, x, y, n, k, g);                                               \
+    }
+INT4_GEMM_ENTRY(bf16, __nv_bfloat16, 128)
+INT4_GEMM_ENTRY(f16, __half, 128)
+INT4_GEMM_ENTRY(bf16, __nv_bfloat16, 64)
+INT4_GEMM_ENTRY(f16, __half, 64)
+static_assert(ig_shared_bytes<128>() == 110592, "int4_gemm_shared_bytes in cuda/mod.rs");
+static_assert(ig_shared_bytes<64>() == 82944, "int4_gemm_shared_bytes in cuda/mod.rs");

@@ -1,0 +1,130 @@
+//! One projection of a stack of int4 experts (a Qwen3-30B-A3B layer's 128 experts) timed alone:
+//! the kernel that decodes the int4 weights inside the GEMM, in each tiling, against dequantizing
+//! the stack into memory and one batched cuBLAS GEMM, with both results compared. Counts the
+//! useful FLOPs (2·rows·n·k). Scales are bf16 values, as checkpoints store them (the kernel's
+//! packed bf16 decoding), and once arbitrary f32 values (its f32 decoding).
+
+use std::time::Instant;
+
+use anyhow::Result;
+use candle_core::{DType, Device, Tensor};
+use exactscore_server::cuda::{
+    dequant_int_stacked, matmul_t_int4_stacked_into_rows, INT4_GEMM_TILE_ROWS,
+};
+use exactscore_server::ops::matmul_t_stacked_into_rows;
+
+/// xorshift64*: random int4 codes without a dependency.
+fn random_words(len: usize, mut state: u64) -> Vec<i32> {
+    (0..len)
+        .map(|_| {
+            state ^= state >> 12;
+            state ^= state << 25;
+            state ^= state >> 27;
+            (state.wrapping_mul(0x2545_f491_4f6c_dd1d) >> 32) as u32 as i32
+        })
+        .collect()
+}
+
+/// Median milliseconds of `iters` synchronized runs of `f`, after one warm-up.
+fn time_ms(device: &Device, iters: usize, mut f: impl FnMut() -> Result<()>) -> Result<f64> {
+    f()?;
+    device.synchronize()?;
+    let mut ms = Vec::with_capacity(iters);
+    for _ in 0..iters {
+        let t = Instant::now();
+        f()?;
+        device.synchronize()?;
+        ms.push(t.elapsed().as_secs_f64() * 1e3);
+    }
+    ms.sort_by(f64::total_cmp);
+    Ok(ms[iters / 2])
+}
+
+pub fn run(device: &Device, experts: usize, rows: &[usize], group: usize) -> Result<()> {
+    println!("| projection [n, k] | experts × rows | scales | path | ms | useful TFLOP/s | max |Δ| / max |ref| |");
+    println!("|---|---|---|---|---|---|---|");
+    for (name, n, k) in [("gate or up", 768usize, 2048usize), ("down", 2048, 768)] {
+        let codes: Vec<Tensor> = (0..experts)
+            .map(|e| {
+                Tensor::from_vec(
+                    random_words(n * k / 8, 0x9e37_79b9 + e as u64),
+                    (n, k / 8),
+                    device,
+                )
+            })
+            .collect::<candle_core::Result<_>>()?;
+        let f32_scales: Vec<Tensor> = (0..experts)
+            .map(|_| Tensor::rand(0.5e-2f32, 1.5e-2, (n, k / group), device))
+            .collect::<candle_core::Result<_>>()?;
+        let bf16_scales: Vec<Tensor> = f32_scales
+            .iter()
+            .map(|s| s.to_dtype(DType::BF16)?.to_dtype(DType::F32))
+            .collect::<candle_core::Result<_>>()?;
+        for (kind, scales, rows) in [
+            ("bf16", &bf16_scales, rows),
+            ("f32", &f32_scales, &rows[..1]),
+        ] {
+            let weights: Vec<_> = codes
+                .iter()
+                .zip(scales)
+                .map(|(c, s)| (c, s, None))
+                .collect();
+            for &m in rows {
+                time_row(device, (name, n, k), (experts, m), group, kind, &weights)?;
+            }
+        }
+    }
+    Ok(())
+}
+
+#[allow(clippy::type_complexity)]
+fn time_row(
+    device: &Device,
+    (name, n, k): (&str, usize, usize),
+    (experts, m): (usize, usize),
+    group: usize,
+    kind: &str,
+    weights: &[(&Tensor, &Tensor, Option<&Tensor>)],
+) -> Result<()> {
+    let x = Tensor::randn(0f32, 1.0, (experts * m, k), device)?.to_dtype(DType::BF16)?;
+    let flops = 2.0 * (experts * m * n * k) as f64;
+    let reference = Tensor::zeros((experts * m, n), DType::BF16, device)?;
+    let dequantized = time_ms(device, 5, || {
+        let w = dequant_int_stacked(weights, (n, k), 4, group, DType::BF16)?
+            .expect("int4 stacks dequantize in one launch");
+        matmul_t_stacked_into_rows(&reference, 0, &x, &w)?;
+        Ok(())
+    })?;
+    println!(
+        "| {name} [{n}, {k}] | {experts} × {m} | {kind} | dequantize + cuBLAS | {dequantized:.3} | {:.0} | |",
+        flops / dequantized / 1e9
+    );
+    let reference = reference.to_dtype(DType::F32)?;
+    let scale = reference.abs()?.max_all()?.to_scalar::<f32>()?;
+    for tile in INT4_GEMM_TILE_ROWS {
+        let out = Tensor::zeros((experts * m, n), DType::BF16, device)?;
+        let ms = time_ms(device, 5, || {
+            matmul_t_int4_stacked_into_rows(
+                &out,
+                0,
+                &x,
+                weights,
+                &vec![m; experts],
+                (n, k),
+                group,
+                Some(tile),
+            )?;
+            Ok(())
+        })?;
+        let error = (out.to_dtype(DType::F32)? - &reference)?
+            .abs()?
+            .max_all()?
+            .to_scalar::<f32>()?;
+        println!(
+            "| {name} [{n}, {k}] | {experts} × {m} | {kind} | int4 kernel, {tile} rows per block | {ms:.3} | {:.0} | {:.1e} |",
+            flops / ms / 1e9,
+            error / scale
+        );
+    }
+    Ok(())
+}
