@@ -25,7 +25,6 @@
 #define IG_BN 128
 #define IG_BK 64
 #define IG_HALVES (IG_BK / 32)  // scales per row and k-tile
-#define IG_LD (IG_BK + 8)  // 16-bit rows padded: conflict-free ldmatrix
 #define IG_STAGES 3
 #define IG_THREADS 256
 
@@ -101,9 +100,14 @@ struct IgDecodeBf16 {
     }
 };
 
+// Where 16-bit value 8·chunk of a 64-value (128-byte) row lies in a tile: the 16-byte chunks of
+// row r are permuted by r % 8, so that ldmatrix's 8 rows of one chunk, a row's cp.async copies
+// and the decoded stores all hit distinct banks without padding the rows.
+__device__ __forceinline__ int ig_at(int row, int chunk) { return row * IG_BK + ((chunk ^ (row & 7)) * 8); }
+
 template <int BM>
 struct IgStage {
-    uint16_t x[BM * IG_LD];             // x rows, 16-bit values
+    uint16_t x[BM * IG_BK];             // x rows, 16-bit values, chunks permuted (ig_at)
     uint32_t words[IG_BN * IG_BK / 8];  // the tile's int4 words, 8 per weight row
     float scales[IG_HALVES][IG_BN];
     int32_t zps[IG_HALVES][IG_BN];
@@ -111,7 +115,7 @@ struct IgStage {
 
 template <int BM>
 constexpr int ig_shared_bytes() {
-    return IG_STAGES * sizeof(IgStage<BM>) + 2 * IG_BN * IG_LD * sizeof(uint16_t);
+    return IG_STAGES * sizeof(IgStage<BM>) + 2 * IG_BN * IG_BK * sizeof(uint16_t);
 }
 
 template <typename T, int BM>
@@ -131,7 +135,7 @@ __device__ void int4_gemm_stacked(const uint64_t* ptrs, const T* x, T* y, int n,
     y += first * n;
     extern __shared__ __align__(128) unsigned char ig_smem[];
     IgStage<BM>* stages = reinterpret_cast<IgStage<BM>*>(ig_smem);
-    uint16_t* decoded = reinterpret_cast<uint16_t*>(stages + IG_STAGES);  // [2][IG_BN][IG_LD]
+    uint16_t* decoded = reinterpret_cast<uint16_t*>(stages + IG_STAGES);  // [2][IG_BN][IG_BK], ig_at
     const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
     const int wm = warp / 4, wn = warp % 4;  // this warp: rows wm·ROWS_W.., outputs wn·32..
     const int words_per_row = k / 8, groups = k / group, tiles = k / IG_BK;
@@ -140,7 +144,7 @@ __device__ void int4_gemm_stacked(const uint64_t* ptrs, const T* x, T* y, int n,
     // weight row's words (threads < 128, two chunks) or its scales (threads >= 128), and its
     // zero points (threads < 128). Pointers advance with the k-tile; no division in the loop.
     constexpr int XSTEP = IG_THREADS / 8, XROWS = BM / XSTEP;
-    const int xr = tid / 8, xc = (tid % 8) * 8;
+    const int xr = tid / 8, xc = (tid % 8) * 8;  // row and first value of this thread's chunk
     const T* x_src = x + (long)(row0 + xr) * k + xc;
     uint32_t x_valid = 0;
 #pragma unroll
@@ -159,7 +163,7 @@ __device__ void int4_gemm_stacked(const uint64_t* ptrs, const T* x, T* y, int n,
 #pragma unroll
         for (int j = 0; j < XROWS; ++j) {
             const bool valid = (x_valid >> j) & 1;
-            cp_async16(&s.x[(xr + XSTEP * j) * IG_LD + xc], valid ? x_src + (long)XSTEP * j * k + k0 : x, valid);
+            cp_async16(&s.x[ig_at(xr + XSTEP * j, tid % 8)], valid ? x_src + (long)XSTEP * j * k + k0 : x, valid);
         }
 #pragma unroll
         for (int h = 0; h < IG_HALVES; ++h) {
@@ -185,12 +189,11 @@ __device__ void int4_gemm_stacked(const uint64_t* ptrs, const T* x, T* y, int n,
         const uint4 w = *reinterpret_cast<const uint4*>(&s.words[dr * 8 + dh * 4]);
         const float sc = s.scales[dh][dr];
         const int zp = zps ? s.zps[dh][dr] : 0;
-        uint4* d = reinterpret_cast<uint4*>(decoded + (t % 2) * IG_BN * IG_LD + dr * IG_LD + dh * 32);
+        uint16_t* d = decoded + (t % 2) * IG_BN * IG_BK;
         auto write = [&](const auto& dq) {
-            d[0] = dq.word(w.x);
-            d[1] = dq.word(w.y);
-            d[2] = dq.word(w.z);
-            d[3] = dq.word(w.w);
+            const uint32_t ws[4] = {w.x, w.y, w.z, w.w};
+#pragma unroll
+            for (int j = 0; j < 4; ++j) *reinterpret_cast<uint4*>(d + ig_at(dr, dh * 4 + j)) = dq.word(ws[j]);
         };
         if (std::is_same<T, __nv_bfloat16>::value && IgDecodeBf16::applies(sc, zp)) write(IgDecodeBf16(sc, zp));
         else write(IgDecodeF32<T>(sc, zp));
@@ -208,26 +211,25 @@ __device__ void int4_gemm_stacked(const uint64_t* ptrs, const T* x, T* y, int n,
     auto multiply = [&](int t, auto full) {
         constexpr bool FULL = decltype(full)::value;
         const IgStage<BM>& s = stages[t % IG_STAGES];
-        const uint16_t* bs = decoded + (t % 2) * IG_BN * IG_LD;
+        const uint16_t* bs = decoded + (t % 2) * IG_BN * IG_BK;
 #pragma unroll
         for (int kk = 0; kk < IG_BK / 16; ++kk) {
-            uint32_t a[MT][4];
+            // b[np][0], b[np][1]: outputs wn·32 + np·16 + 0..7; b[np][2], b[np][3]: + 8..15
+            uint32_t b[2][4];
 #pragma unroll
-            for (int mt = 0; mt < MT; ++mt)
-                if (FULL || mt < tiles_m)
-                    ldmatrix_x4(a[mt], &s.x[(wm * ROWS_W + mt * 16 + (lane & 15)) * IG_LD + kk * 16 + (lane >> 4) * 8]);
+            for (int np = 0; np < 2; ++np)
+                ldmatrix_x4(b[np], bs + ig_at(wn * 32 + np * 16 + (lane & 7) + (lane >> 4) * 8,
+                                              kk * 2 + ((lane >> 3) & 1)));
+            // One 16-row tile's A fragments at a time, both output halves' B fragments held.
 #pragma unroll
-            for (int np = 0; np < 2; ++np) {
-                // b[0], b[1]: outputs wn·32 + np·16 + 0..7; b[2], b[3]: + 8..15
-                uint32_t b[4];
-                const int row = wn * 32 + np * 16 + (lane & 7) + (lane >> 4) * 8;
-                ldmatrix_x4(b, bs + row * IG_LD + kk * 16 + ((lane >> 3) & 1) * 8);
+            for (int mt = 0; mt < MT; ++mt) {
+                if (!FULL && mt >= tiles_m) break;
+                uint32_t a[4];
+                ldmatrix_x4(a, &s.x[ig_at(wm * ROWS_W + mt * 16 + (lane & 15), kk * 2 + (lane >> 4))]);
 #pragma unroll
-                for (int mt = 0; mt < MT; ++mt) {
-                    if (FULL || mt < tiles_m) {
-                        Mma<T>::run(acc[mt][2 * np], a[mt], b[0], b[1]);
-                        Mma<T>::run(acc[mt][2 * np + 1], a[mt], b[2], b[3]);
-                    }
+                for (int np = 0; np < 2; ++np) {
+                    Mma<T>::run(acc[mt][2 * np], a, b[np][0], b[np][1]);
+                    Mma<T>::run(acc[mt][2 * np + 1], a, b[np][2], b[np][3]);
                 }
             }
         }
@@ -285,5 +287,5 @@ INT4_GEMM_ENTRY(bf16, __nv_bfloat16, 128)
 INT4_GEMM_ENTRY(f16, __half, 128)
 INT4_GEMM_ENTRY(bf16, __nv_bfloat16, 64)
 INT4_GEMM_ENTRY(f16, __half, 64)
-static_assert(ig_shared_bytes<128>() == 110592, "int4_gemm_shared_bytes in cuda/mod.rs");
-static_assert(ig_shared_bytes<64>() == 82944, "int4_gemm_shared_bytes in cuda/mod.rs");
+static_assert(ig_shared_bytes<64>() == 75776, "int4_gemm_shared_bytes in cuda/mod.rs");
+static_assert(ig_shared_bytes<128>() == 100352, "int4_gemm_shared_bytes in cuda/mod.rs");

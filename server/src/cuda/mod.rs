@@ -283,11 +283,11 @@ pub fn dequant_int_stacked(
 }
 
 /// Rows of x per block of `matmul_t_int4_stacked` (its two tilings), and each tiling's dynamic
-/// shared memory: 3 stages of 64-wide k-tiles (x rows padded to 72 values, 128 weight rows' int4
-/// words, two scales and zero points each), and two decoded 128-row weight tiles.
+/// shared memory: 3 stages of 64-wide k-tiles (x rows, 128 weight rows' int4 words, two scales
+/// and zero points each), and two decoded 128-row weight tiles.
 pub const INT4_GEMM_TILE_ROWS: [usize; 2] = [64, 128];
 fn int4_gemm_shared_bytes(tile_rows: usize) -> usize {
-    3 * (tile_rows * 72 * 2 + 128 * 8 * 4 + 2 * 128 * 8) + 2 * 128 * 72 * 2
+    3 * (tile_rows * 64 * 2 + 128 * 8 * 4 + 2 * 128 * 8) + 2 * 128 * 64 * 2
 }
 
 /// The tiling for blocks of `rows`: 64 rows where none has more, else 128 (each weight tile is
