@@ -300,30 +300,37 @@ pub fn int4_gemm_tile_rows(rows: &[usize]) -> usize {
     }
 }
 
+/// Whether `matmul_t_int4_stacked` takes weights of this shape `[n, k]`, width and group in
+/// `dtype`: int4, k a multiple of 64 and the group of 32, n even, bf16/f16.
+fn int4_gemm_takes((n, k): (usize, usize), bits: usize, group: usize, dtype: DType) -> bool {
+    bits == 4
+        && k.is_multiple_of(64)
+        && group.is_multiple_of(32)
+        && n.is_multiple_of(2)
+        && dtype != DType::F32
+}
+
+/// Whether the codes at `addresses` ([`stack_addresses`]) are aligned for the kernel's 16-byte
+/// copies.
+fn int4_codes_aligned(addresses: &[u64]) -> bool {
+    addresses
+        .iter()
+        .step_by(3)
+        .all(|codes| codes.is_multiple_of(16))
+}
+
 /// Whether `matmul_t_int4_stacked` multiplies these weights (one shape `[n, k]` of `bits`-bit
-/// codes in groups of `group`) in `dtype`: int4, k a multiple of 64 and the group of 32, n even,
-/// bf16/f16, and codes aligned for its 16-byte copies.
+/// codes in groups of `group`) in `dtype` ([`int4_gemm_takes`]), their codes aligned for its
+/// 16-byte copies.
 pub fn int4_gemm_applies(
     weights: &[(&Tensor, &Tensor, Option<&Tensor>)],
-    (n, k): (usize, usize),
+    shape: (usize, usize),
     bits: usize,
     group: usize,
     dtype: DType,
 ) -> Result<bool> {
-    if bits != 4
-        || !k.is_multiple_of(64)
-        || !group.is_multiple_of(32)
-        || !n.is_multiple_of(2)
-        || dtype == DType::F32
-    {
-        return Ok(false);
-    }
-    for (codes, _, _) in weights {
-        if !device_address::<i32>(codes)?.is_multiple_of(16) {
-            return Ok(false);
-        }
-    }
-    Ok(true)
+    Ok(int4_gemm_takes(shape, bits, group, dtype)
+        && int4_codes_aligned(&stack_addresses(weights, shape, bits, group)?))
 }
 
 /// `x_z · w_zᵀ` for the int4 weights `weights` (one shape `[n, k]`, one group: a mixture's
@@ -355,7 +362,7 @@ pub fn matmul_t_int4_stacked_into_rows(
         || row0 + total > out_rows
         || out.dtype() != dtype
         || !out.is_contiguous()
-        || !int4_gemm_applies(weights, (n, k), 4, group, dtype)?
+        || !int4_gemm_takes((n, k), 4, group, dtype)
     {
         bail!(
             "matmul_t_int4_stacked_into_rows: x {:?} ({dtype:?}) for {} weights [{n}, {k}] g{group} \
@@ -375,6 +382,9 @@ pub fn matmul_t_int4_stacked_into_rows(
     }
     // The weights' addresses, then each block's first row.
     let mut args = stack_addresses(weights, (n, k), 4, group)?;
+    if !int4_codes_aligned(&args) {
+        bail!("matmul_t_int4_stacked_into_rows: codes not 16-byte aligned");
+    }
     args.extend(std::iter::once(0).chain(rows.iter().scan(0u64, |end, &r| {
         *end += r as u64;
         Some(*end)
