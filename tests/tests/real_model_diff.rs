@@ -1,7 +1,9 @@
 //! Opt-in: the README's SmolLM2-135M `/diff` figures, run again and held to the recorded report
 //! (`docs/bench/2026-11-26-cpu-smollm2-attribution.json`): W4A16 g64 served against its bf16
 //! original, f32 on CPU, the first 4 WikiText-2 windows of 512 tokens, through the real server
-//! and `exactscore diff`. Build the checkpoints with `scripts/make_real_smollm2.py`, then
+//! and `exactscore diff`; and the README's `exactscore kld` figures on the same windows with the
+//! bf16 noise floor (the bf16 original in bf16 against itself in f32), held to the digits the
+//! README prints. Build the checkpoints with `scripts/make_real_smollm2.py`, then
 //! `EXACTSCORE_REAL_MODELS=DIR cargo test --release -p exactscore-tests --test real_model_diff
 //! -- --ignored --nocapture` (the attribution takes ~18 minutes on 2 cores, the per-layer
 //! comparison ~15 s).
@@ -12,6 +14,7 @@ use std::time::Duration;
 use exactscore_api::AttributeInput;
 use exactscore_client::dataset::{DatasetOptions, DatasetSpec};
 use exactscore_client::diff::{run_diff, DiffConfig, DiffReport};
+use exactscore_client::{run_ppl, Method, PplConfig, Task};
 
 mod common;
 
@@ -45,15 +48,19 @@ async fn server() -> Running {
     .await
 }
 
-async fn diff(base: &str, attribute: bool) -> DiffReport {
-    let mut config = DiffConfig::new(base.to_string(), DatasetSpec::Wikitext2);
-    config.dataset_options = DatasetOptions {
+fn wikitext() -> DatasetOptions {
+    DatasetOptions {
         wikitext_path: Some(
             PathBuf::from(env!("CARGO_MANIFEST_DIR"))
                 .join("fixtures/corpus/wikitext-2-raw-test.txt.gz"),
         ),
         ..DatasetOptions::default()
-    };
+    }
+}
+
+async fn diff(base: &str, attribute: bool) -> DiffReport {
+    let mut config = DiffConfig::new(base.to_string(), DatasetSpec::Wikitext2);
+    config.dataset_options = wikitext();
     (config.ctx, config.windows) = (512, 4);
     config.attribute = attribute.then_some(AttributeInput::All(true));
     config.timeout = Duration::from_secs(7200);
@@ -151,4 +158,50 @@ async fn smollm2_module_attribution_reproduces_the_recorded_run() {
     // ExLlamaV3 measures 0.8-1.05 on models with KL 0.02-0.5: anything far outside means the
     // per-module swaps or the full KLD went wrong.
     assert!((0.8..=1.25).contains(&ratio), "additivity ratio {ratio}");
+}
+
+/// `exactscore kld --method disjoint --ctx 512 --max-windows 4 --noise-floor-server`: README
+/// prints mean KLD 0.4636 ± 0.0109, and a floor of 0.00102 ± 0.00003 with the same top token at
+/// 96.9 % of positions; each must come back to the printed digits.
+#[tokio::test(flavor = "multi_thread")]
+#[ignore = "needs the real SmolLM2 checkpoints (EXACTSCORE_REAL_MODELS); ~2 minutes"]
+async fn smollm2_kld_and_noise_floor_reproduce_the_readme() {
+    let running = server().await;
+    let dense = real_dir("smollm2-135m-dense-bf16");
+    let dense = dense.to_str().unwrap();
+    let floor = start_dir(
+        &real_dir("smollm2-135m-dense-bf16"),
+        &[
+            "--dtype",
+            "bf16",
+            "--reference-model",
+            dense,
+            "--reference-dtype",
+            "f32",
+        ],
+    )
+    .await;
+    let mut config = PplConfig::new(vec![running.base.clone()], DatasetSpec::Wikitext2);
+    config.dataset_options = wikitext();
+    config.task = Task::Kld;
+    (config.method, config.ctx, config.stride) = (Method::Disjoint, 512, 512);
+    config.max_windows = Some(4);
+    config.noise_floor_server = Some(floor.base.clone());
+    let report = run_ppl(config).await.unwrap();
+    let kld = report.kld.as_ref().unwrap();
+    let floor = &report.noise_floor.as_ref().unwrap().kld;
+    println!(
+        "mean KLD {:.6} ± {:?}; noise floor {:.6} ± {:?}, same top {:.2} %",
+        kld.mean_kld,
+        kld.mean_kld_stderr,
+        floor.mean_kld,
+        floor.mean_kld_stderr,
+        100.0 * floor.same_top
+    );
+    let printed = |x: f64, digits: i32, want: f64| (x * 10f64.powi(digits)).round() == want;
+    assert!(printed(kld.mean_kld, 4, 4636.0), "{kld:?}");
+    assert!(printed(kld.mean_kld_stderr.unwrap(), 4, 109.0), "{kld:?}");
+    assert!(printed(floor.mean_kld, 5, 102.0), "{floor:?}");
+    assert!(printed(floor.mean_kld_stderr.unwrap(), 5, 3.0), "{floor:?}");
+    assert!(printed(100.0 * floor.same_top, 1, 969.0), "{floor:?}");
 }
