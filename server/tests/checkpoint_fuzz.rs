@@ -158,6 +158,8 @@ fn any_json() -> impl Strategy<Value = Value> {
         Just(json!({})),
         Just(json!([1, "x", null])),
         Just(json!({"rope_type": "llama3"})),
+        Just(json!({"rope_type": "yarn", "factor": null, "beta_fast": 0})),
+        Just(json!({"rope_type": "dynamic", "factor": 1e300})),
     ]
 }
 

@@ -4,7 +4,7 @@
 use serde::Deserialize;
 use serde_json::Value;
 
-use super::rope::inv_freq;
+pub use super::rope::{Rope, RopeScaling};
 use crate::checkpoint::LoadError;
 
 /// The model families we serve.
@@ -121,22 +121,6 @@ pub struct SlidingLayers {
     pub local_rope: Option<Rope>,
 }
 
-/// RoPE frequency schedule.
-#[derive(Debug, Clone, PartialEq)]
-pub enum RopeScaling {
-    Default,
-    /// Position interpolation: every frequency divided by `factor`.
-    Linear {
-        factor: f32,
-    },
-    Llama3 {
-        factor: f32,
-        low_freq_factor: f32,
-        high_freq_factor: f32,
-        original_max_position_embeddings: f32,
-    },
-}
-
 #[derive(Debug, Clone)]
 pub struct ModelConfig {
     pub architecture: Architecture,
@@ -148,8 +132,8 @@ pub struct ModelConfig {
     pub num_kv_heads: usize,
     pub head_dim: usize,
     pub rms_norm_eps: f64,
-    pub rope_theta: f32,
-    pub rope_scaling: RopeScaling,
+    /// RoPE of every layer (of the global ones where `sliding_layers` has a local RoPE).
+    pub rope: Rope,
     pub max_position_embeddings: usize,
     pub tie_word_embeddings: bool,
     /// q/k/v projections carry a bias (Qwen2, or Llama with `attention_bias`).
@@ -466,26 +450,31 @@ impl ModelConfig {
             "num_hidden_layers",
             1 << 12,
         )?;
-        let (rope_theta, rope_scaling, local_rope) = if architecture.is_gemma() {
+        let (rope, local_rope) = if architecture.is_gemma() {
             parse_gemma_rope(&root, architecture)?
         } else {
-            let (theta, scaling) =
-                parse_rope(&raw.rope_parameters, &raw.rope_scaling, raw.rope_theta)?;
-            (theta, scaling, None)
+            let rope = parse_rope(
+                &raw.rope_parameters,
+                &raw.rope_scaling,
+                raw.rope_theta,
+                &root,
+            )?;
+            (rope, None)
         };
         // Each parameter in its range can still combine into a frequency that is not (a theta
-        // near the smallest f32 gives infinite ones).
-        let local = local_rope
-            .as_ref()
-            .map(|(theta, scaling)| (*theta, scaling));
-        for (theta, scaling) in std::iter::once((rope_theta, &rope_scaling)).chain(local) {
-            if let Some(f) = inv_freq(head_dim, theta, scaling)
+        // near the smallest f32 gives infinite ones, YaRN's betas at or below 0 NaN).
+        for r in std::iter::once(&rope).chain(&local_rope) {
+            if let Some(f) = r
+                .inv_freq(head_dim)
                 .into_iter()
                 .find(|f| !(f.is_finite() && *f > 0.0))
             {
                 return Err(LoadError::config(
                     "rope_theta",
-                    format!("{theta} gives a RoPE frequency of {f} (must be finite and > 0)"),
+                    format!(
+                        "{} with {:?} gives a RoPE frequency of {f} (must be finite and > 0)",
+                        r.theta, r.scaling
+                    ),
                 ));
             }
         }
@@ -538,8 +527,7 @@ impl ModelConfig {
             num_kv_heads,
             head_dim,
             rms_norm_eps: positive_finite(raw.rms_norm_eps.unwrap_or(1e-6), "rms_norm_eps")?,
-            rope_theta,
-            rope_scaling,
+            rope,
             max_position_embeddings: size(
                 raw.max_position_embeddings.unwrap_or(4096),
                 "max_position_embeddings",
@@ -674,33 +662,31 @@ fn gemma_layer_types(
 /// Gemma's RoPE: one schedule for every layer (Gemma 2), or a global one and a local one for the
 /// sliding layers (Gemma 3: `rope_parameters.{full,sliding}_attention` in transformers 5;
 /// `rope_theta` + `rope_scaling` for the global and `rope_local_base_freq` in 4.x files).
-/// A RoPE base and its frequency schedule.
-type Rope = (f32, RopeScaling);
-
 fn parse_gemma_rope(
     root: &Value,
     architecture: Architecture,
-) -> Result<(f32, RopeScaling, Option<Rope>), LoadError> {
+) -> Result<(Rope, Option<Rope>), LoadError> {
     let params = root.get("rope_parameters").filter(|p| !p.is_null());
+    let v4_scaling = root.get("rope_scaling").cloned();
+    let theta = root.get("rope_theta").and_then(Value::as_f64);
     if architecture == Architecture::Gemma2 {
-        let theta = root.get("rope_theta").and_then(Value::as_f64);
-        let (theta, scaling) =
-            parse_rope(&params.cloned(), &root.get("rope_scaling").cloned(), theta)?;
-        return Ok((theta, scaling, None));
+        return Ok((
+            parse_rope(&params.cloned(), &v4_scaling, theta, root)?,
+            None,
+        ));
     }
     let (global, local) = match params {
         Some(p) if p.get("full_attention").is_some() => (
-            parse_rope(&p.get("full_attention").cloned(), &None, None)?,
-            parse_rope(&p.get("sliding_attention").cloned(), &None, None)?,
+            parse_rope(&p.get("full_attention").cloned(), &None, None, root)?,
+            parse_rope(&p.get("sliding_attention").cloned(), &None, None, root)?,
         ),
         _ => {
-            let theta = root.get("rope_theta").and_then(Value::as_f64);
-            let global = parse_rope(&params.cloned(), &root.get("rope_scaling").cloned(), theta)?;
+            let global = parse_rope(&params.cloned(), &v4_scaling, theta, root)?;
             let local_theta = root.get("rope_local_base_freq").and_then(Value::as_f64);
-            (global, parse_rope(&None, &None, local_theta)?)
+            (global, parse_rope(&None, &None, local_theta, root)?)
         }
     };
-    Ok((global.0, global.1, Some(local)))
+    Ok((global, Some(local)))
 }
 
 /// The experts of Qwen3-MoE (`num_experts`, `moe_intermediate_size`, `decoder_sparse_step`,
@@ -784,12 +770,14 @@ fn parse_moe(
 }
 
 /// v5 puts everything in `rope_parameters`; v4 has `rope_theta` at the top level and the
-/// schedule in `rope_scaling` (whose type key is `rope_type`, or `type` in old files).
+/// schedule in `rope_scaling` (whose type key is `rope_type`, or `type` in old files). `root`
+/// gives the context lengths that transformers' `standardize_rope_params` fills in.
 fn parse_rope(
     v5: &Option<Value>,
     v4_scaling: &Option<Value>,
     v4_theta: Option<f64>,
-) -> Result<(f32, RopeScaling), LoadError> {
+    root: &Value,
+) -> Result<Rope, LoadError> {
     let (field, params) = match (v5, v4_scaling) {
         (Some(p), _) => ("rope_parameters", Some(p)),
         (None, Some(Value::Null)) | (None, None) => ("rope_scaling", None),
@@ -811,37 +799,53 @@ fn parse_rope(
         .and_then(|p| p.get("rope_type").or_else(|| p.get("type")))
         .and_then(Value::as_str)
         .unwrap_or("default");
+    let need = |key: &str| {
+        let name = format!("{field}.{key}");
+        let value = get(key).ok_or_else(|| {
+            LoadError::config(&name, format!("missing for rope_type {rope_type}"))
+        })?;
+        positive_finite(value, &name)
+    };
+    let max_positions = || {
+        optional_f64(root, "max_position_embeddings")?.ok_or_else(|| {
+            LoadError::config(
+                "max_position_embeddings",
+                format!("missing; rope_type {rope_type} needs it"),
+            )
+        })
+    };
+    // The pretraining context: a top-level `original_max_position_embeddings` wins (Phi-3
+    // style), then the schedule's own, then `max_position_embeddings`.
+    let original_context = || match optional_f64(root, "original_max_position_embeddings")? {
+        Some(v) => Ok(v),
+        None => match get("original_max_position_embeddings") {
+            Some(_) => need("original_max_position_embeddings"),
+            None => max_positions(),
+        },
+    };
     let scaling = match rope_type {
         "default" => RopeScaling::Default,
         "linear" => RopeScaling::Linear {
-            factor: get("factor")
-                .map(|v| v as f32)
-                .filter(|f| *f > 0.0)
-                .ok_or_else(|| {
-                    LoadError::config(
-                        format!("{field}.factor"),
-                        "missing or not positive for rope_type linear",
-                    )
-                })?,
+            factor: need("factor")? as f32,
+        },
+        "dynamic" => RopeScaling::DynamicNtk {
+            factor: need("factor")?,
+            max_position_embeddings: max_positions()? as usize,
         },
         "llama3" => {
             // Each is a divisor of the schedule (transformers' own checks: factor >= 1 and
             // low_freq_factor < high_freq_factor, else the smoothing divides by zero or less).
-            let need = |key: &str| {
-                let name = format!("{field}.{key}");
-                let value = get(key)
-                    .ok_or_else(|| LoadError::config(&name, "missing for rope_type llama3"))?;
-                positive_finite(value, &name).map(|v| v as f32)
-            };
-            let factor = need("factor")?;
+            let factor = need("factor")? as f32;
             if factor < 1.0 {
                 return Err(LoadError::config(
                     format!("{field}.factor"),
                     format!("{factor} is out of range (>= 1)"),
                 ));
             }
-            let (low_freq_factor, high_freq_factor) =
-                (need("low_freq_factor")?, need("high_freq_factor")?);
+            let (low_freq_factor, high_freq_factor) = (
+                need("low_freq_factor")? as f32,
+                need("high_freq_factor")? as f32,
+            );
             if low_freq_factor >= high_freq_factor {
                 return Err(LoadError::config(
                     format!("{field}.high_freq_factor"),
@@ -855,17 +859,58 @@ fn parse_rope(
                 factor,
                 low_freq_factor,
                 high_freq_factor,
-                original_max_position_embeddings: need("original_max_position_embeddings")?,
+                original_max_position_embeddings: original_context()? as f32,
+            }
+        }
+        "yarn" => {
+            let original = original_context()?;
+            // An explicit null factor is the ratio of the two contexts (DeepSeek-V3 style).
+            let factor = match params.and_then(|p| p.get("factor")) {
+                Some(Value::Null) => max_positions()? / original,
+                _ => need("factor")?,
+            };
+            // Unset betas and zeros fall back to the paper's 32 and 1, as in transformers.
+            let beta = |key: &str, default: f64| get(key).filter(|b| *b != 0.0).unwrap_or(default);
+            let mscale = |m: f64| match factor {
+                f if f <= 1.0 => 1.0,
+                f => 0.1 * m * f.ln() + 1.0,
+            };
+            let attention_factor = match get("attention_factor") {
+                Some(_) => need("attention_factor")?,
+                None => match (
+                    get("mscale").filter(|m| *m != 0.0),
+                    get("mscale_all_dim").filter(|m| *m != 0.0),
+                ) {
+                    (Some(m), Some(all)) => mscale(m) / mscale(all),
+                    _ => mscale(1.0),
+                },
+            };
+            RopeScaling::Yarn {
+                factor,
+                attention_factor: positive_finite(
+                    attention_factor,
+                    &format!("{field}.attention_factor"),
+                )?,
+                beta_fast: beta("beta_fast", 32.0),
+                beta_slow: beta("beta_slow", 1.0),
+                original_max_position_embeddings: original,
+                truncate: params
+                    .and_then(|p| p.get("truncate"))
+                    .and_then(Value::as_bool)
+                    .unwrap_or(true),
             }
         }
         other => {
             return Err(LoadError::config(
                 format!("{field}.rope_type"),
-                format!("`{other}` is not supported (supported: default, linear, llama3)"),
+                format!(
+                    "`{other}` is not supported (supported: default, linear, dynamic, llama3, \
+                     yarn)"
+                ),
             ))
         }
     };
-    Ok((theta as f32, scaling))
+    Ok(Rope { theta, scaling })
 }
 
 #[cfg(test)]
@@ -881,13 +926,16 @@ mod tests {
         "rope_theta":500000.0,"rope_scaling":{"rope_type":"llama3","factor":8.0,"low_freq_factor":1.0,
         "high_freq_factor":4.0,"original_max_position_embeddings":8192},"torch_dtype":"bfloat16","eos_token_id":3}"#;
 
+    fn rope(theta: f64, scaling: RopeScaling) -> Rope {
+        Rope { theta, scaling }
+    }
+
     #[test]
     fn v4_and_v5_styles_agree() {
         let a = ModelConfig::from_json(V5).unwrap();
         let b = ModelConfig::from_json(V4).unwrap();
-        assert_eq!(a.rope_scaling, b.rope_scaling);
-        assert_eq!(a.rope_theta, 500000.0);
-        assert_eq!(b.rope_theta, 500000.0);
+        assert_eq!(a.rope, b.rope);
+        assert_eq!(a.rope.theta, 500000.0);
         assert_eq!(a.checkpoint_dtype, "bfloat16");
         assert_eq!(b.checkpoint_dtype, "bfloat16");
         assert_eq!(a.eos_token_ids, vec![3, 4]);
@@ -897,12 +945,52 @@ mod tests {
 
     #[test]
     fn unknown_rope_type_is_refused_with_field() {
-        let text = V4.replace("\"rope_type\":\"llama3\"", "\"rope_type\":\"yarn\"");
+        let text = V4.replace("\"rope_type\":\"llama3\"", "\"rope_type\":\"longrope\"");
         let err = ModelConfig::from_json(&text).unwrap_err().to_string();
         assert!(
-            err.contains("rope_scaling.rope_type") && err.contains("yarn"),
+            err.contains("rope_scaling.rope_type") && err.contains("longrope"),
             "{err}"
         );
+    }
+
+    #[test]
+    fn schedules_that_need_a_context_name_what_is_missing() {
+        let yarn = |params: &str| {
+            V5.replace(
+                r#""rope_type":"llama3","rope_theta":500000.0,"factor":8.0,"low_freq_factor":1.0,
+        "high_freq_factor":4.0,"original_max_position_embeddings":8192"#,
+                params,
+            )
+        };
+        for (params, field) in [
+            (
+                r#""rope_type":"yarn","rope_theta":1e4,"original_max_position_embeddings":64"#,
+                "rope_parameters.factor",
+            ),
+            (
+                r#""rope_type":"yarn","rope_theta":1e4,"factor":2"#,
+                "max_position_embeddings",
+            ),
+            (
+                r#""rope_type":"dynamic","rope_theta":1e4,"factor":2"#,
+                "max_position_embeddings",
+            ),
+            (
+                r#""rope_type":"yarn","rope_theta":1e4,"factor":2,"original_max_position_embeddings":64,
+                "attention_factor":0"#,
+                "rope_parameters.attention_factor",
+            ),
+        ] {
+            let text = yarn(params);
+            assert!(text.contains(params), "{text}");
+            let err = ModelConfig::from_json(&text).unwrap_err().to_string();
+            assert!(err.starts_with(&format!("config field `{field}`")), "{err}");
+        }
+        let c = ModelConfig::from_json(&yarn(
+            r#""rope_type":"yarn","rope_theta":1e4,"factor":2,"original_max_position_embeddings":64"#,
+        ))
+        .unwrap();
+        assert_eq!(c.rope.attention_factor(), (0.1 * 2f64.ln() + 1.0) as f32);
     }
 
     #[test]
@@ -939,7 +1027,7 @@ mod tests {
         "intermediate_size":16,"num_hidden_layers":1,"num_attention_heads":2,"rope_theta":10000.0,
         "rope_scaling":null,"sliding_window":4096}"#;
         let c = ModelConfig::from_json(text).unwrap();
-        assert_eq!(c.rope_scaling, RopeScaling::Default);
+        assert_eq!(c.rope.scaling, RopeScaling::Default);
         assert_eq!(c.num_kv_heads, 2);
         assert_eq!(c.sliding_window, Some(4096));
     }
@@ -969,9 +1057,8 @@ mod tests {
         let c = ModelConfig::from_json(GEMMA3).unwrap();
         let s = c.sliding_layers.as_ref().unwrap();
         assert_eq!(s.sliding, vec![true, false, true]);
-        assert_eq!(s.local_rope, Some((10000.0, RopeScaling::Default)));
-        assert_eq!(c.rope_scaling, RopeScaling::Linear { factor: 8.0 });
-        assert_eq!(c.rope_theta, 1000000.0);
+        assert_eq!(s.local_rope, Some(rope(10000.0, RopeScaling::Default)));
+        assert_eq!(c.rope, rope(1000000.0, RopeScaling::Linear { factor: 8.0 }));
         assert_eq!((c.layer_window(0), c.layer_window(1)), (Some(2), None));
         assert_eq!(c.attention_scale(), 1.0 / 48f64.sqrt());
         assert_eq!(c.hidden_act, Activation::GeluTanh);
@@ -988,8 +1075,8 @@ mod tests {
         assert_eq!(c.architecture, Architecture::Gemma3Multimodal);
         let s = c.sliding_layers.unwrap();
         assert_eq!(s.sliding, vec![true, true, true, true, true, false, true]);
-        assert_eq!(s.local_rope, Some((10000.0, RopeScaling::Default)));
-        assert_eq!(c.rope_scaling, RopeScaling::Linear { factor: 8.0 });
+        assert_eq!(s.local_rope, Some(rope(10000.0, RopeScaling::Default)));
+        assert_eq!(c.rope.scaling, RopeScaling::Linear { factor: 8.0 });
         assert_eq!(c.vocab_size, 262208);
         assert_eq!(c.eos_token_ids, vec![1, 106]);
     }
@@ -1046,8 +1133,8 @@ mod tests {
                 "use_bidirectional_attention",
             ),
             (
-                GEMMA3.replace("\"rope_type\":\"linear\"", "\"rope_type\":\"yarn\""),
-                "yarn",
+                GEMMA3.replace("\"rope_type\":\"linear\"", "\"rope_type\":\"longrope\""),
+                "longrope",
             ),
             (
                 GEMMA3.replace("\"full_attention\",", "\"chunked_attention\","),

@@ -14,7 +14,7 @@ use super::blocks::{Attention, BatchLayout, FeedForward, NormKind, RmsNorm, Rout
 use super::config::{Architecture, ModelConfig};
 use super::loader::Loader;
 use super::profile::stage;
-use super::rope::{inv_freq, RopeTables};
+use super::rope::{Rope, RopeTables};
 use super::scoring::{score_logits, SequenceScores};
 use super::{gemma, llama};
 use crate::checkpoint::{read_to_string, Checkpoint, LoadError};
@@ -197,6 +197,7 @@ impl Model {
         stages: Vec<(Device, Range<usize>)>,
     ) -> std::result::Result<Self, LoadError> {
         check_stages(&stages, config.num_layers)?;
+        check_rope_window(&config, opts.max_seq_len)?;
         let stage_options = |k: usize| LinearOptions {
             device: stages[k].0.clone(),
             ..opts.linear.clone()
@@ -261,18 +262,17 @@ impl Model {
         };
         ckpt.refuse_unread(c.architecture.hf_name(), c.architecture.unread_prefixes())?;
         let max_len = opts.max_seq_len.max(1);
-        let freqs = inv_freq(c.head_dim, c.rope_theta, &c.rope_scaling);
-        let local_freqs = c
+        let local = c
             .sliding_layers
             .as_ref()
-            .and_then(|s| s.local_rope.as_ref())
-            .map(|(theta, scaling)| inv_freq(c.head_dim, *theta, scaling));
+            .and_then(|s| s.local_rope.as_ref());
         let stages = stages
             .into_iter()
             .map(|(device, layers)| {
-                let tables = |f: &[f32]| RopeTables::new(f, max_len, first.dtype, &device);
-                let rope = tables(&freqs)?;
-                let local_rope = local_freqs.as_deref().map(tables).transpose()?;
+                let tables =
+                    |r: &Rope| RopeTables::new(r, c.head_dim, max_len, first.dtype, &device);
+                let rope = tables(&c.rope)?;
+                let local_rope = local.map(tables).transpose()?;
                 // Weights were copied on this thread's stream; the stage computes on its own.
                 device.synchronize()?;
                 Ok(Stage {
@@ -307,6 +307,28 @@ pub fn split_module_name(name: &str) -> Option<(usize, &str)> {
     let rest = name.strip_prefix("model.layers.")?;
     let (i, module) = rest.split_once('.')?;
     Some((i.parse().ok()?, module))
+}
+
+/// Windows of up to `max_seq_len` tokens get the RoPE frequencies transformers gives them.
+fn check_rope_window(c: &ModelConfig, max_seq_len: usize) -> std::result::Result<(), LoadError> {
+    let local = c
+        .sliding_layers
+        .as_ref()
+        .and_then(|s| s.local_rope.as_ref());
+    for rope in std::iter::once(&c.rope).chain(local) {
+        if let Some(longest) = rope.longest_window().filter(|&n| max_seq_len > n) {
+            return Err(LoadError::config(
+                "rope_parameters.rope_type",
+                format!(
+                    "dynamic RoPE has fixed frequencies up to max_position_embeddings = \
+                     {longest} tokens; windows of up to {max_seq_len} (--max-input-tokens) would \
+                     get frequencies that transformers recomputes per length. Lower \
+                     --max-input-tokens to {longest} or less"
+                ),
+            ));
+        }
+    }
+    Ok(())
 }
 
 /// `stages` cover `0..layers` with consecutive, non-empty ranges.

@@ -627,7 +627,7 @@ mod tests {
             (2048, 48, 151936)
         );
         assert_eq!((c.num_heads, c.num_kv_heads, c.head_dim), (32, 4, 128));
-        assert!(c.qk_norm && c.sliding_window.is_none() && c.rope_theta == 1e6);
+        assert!(c.qk_norm && c.sliding_window.is_none() && c.rope.theta == 1e6);
 
         let c = config("gemma3-27b");
         assert_eq!(c.architecture, Architecture::Gemma3);
@@ -639,9 +639,13 @@ mod tests {
         let layers = c.sliding_layers.as_ref().unwrap();
         let globals: Vec<usize> = (0..62).filter(|&i| !layers.sliding[i]).collect();
         assert_eq!(globals, (5..62).step_by(6).collect::<Vec<_>>());
-        assert_eq!(c.rope_theta, 1e6);
-        assert_eq!(c.rope_scaling, RopeScaling::Linear { factor: 8.0 });
-        assert_eq!(layers.local_rope, Some((10000.0, RopeScaling::Default)));
+        assert_eq!(c.rope.theta, 1e6);
+        assert_eq!(c.rope.scaling, RopeScaling::Linear { factor: 8.0 });
+        let local = layers.local_rope.as_ref().unwrap();
+        assert_eq!(
+            (local.theta, &local.scaling),
+            (10000.0, &RopeScaling::Default)
+        );
         assert!(c.tie_word_embeddings && c.final_logit_softcapping.is_none());
     }
 
