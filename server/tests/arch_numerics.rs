@@ -1,5 +1,6 @@
-//! Qwen3-MoE, Mixtral, Gemma 3 and Gemma 2 fixtures scored in f32 on the CPU against the
-//! references of scripts/make_arch_fixtures.py (transformers, float32, per-expert Linears).
+//! Qwen3-MoE, Mixtral, Gemma 3, Gemma 2 and Mistral 3 fixtures scored in f32 on the CPU against
+//! the references of scripts/make_arch_fixtures.py (transformers, float32, per-expert Linears)
+//! and scripts/make_mistral3_fixture.py.
 
 mod common;
 
@@ -189,17 +190,73 @@ fn qwen3moe_fp8_dynamic_per_token_mean_nll_matches_reference() {
     assert_mean_nll("qwen3moe-fp8-dynamic");
 }
 
+/// The tensors of `file` as a vision-language checkpoint holds its text model: `model.*` under
+/// `base.*`, the lm_head as `head`.
+fn text_model_under(
+    file: &str,
+    base: &str,
+    head: &str,
+) -> std::collections::HashMap<String, exactscore_server::checkpoint::HostTensor> {
+    tensors_of(file, |name| match name {
+        "lm_head.weight" => format!("{head}.weight"),
+        _ => format!("{base}.{}", name.strip_prefix("model.").unwrap()),
+    })
+}
+
+fn tensors_of(
+    file: &str,
+    rename: impl Fn(&str) -> String,
+) -> std::collections::HashMap<String, exactscore_server::checkpoint::HostTensor> {
+    let bytes = std::fs::read(fixtures().join(file)).unwrap();
+    let file = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    file.tensors()
+        .into_iter()
+        .map(|(name, view)| {
+            let t = exactscore_server::checkpoint::HostTensor {
+                dtype: view.dtype(),
+                shape: view.shape().to_vec(),
+                data: view.data().to_vec(),
+            };
+            (rename(&name), t)
+        })
+        .collect()
+}
+
+/// transformers 5 (`model.language_model.`, `lm_head`) and 4.x (`language_model.model.`,
+/// `language_model.lm_head`) layouts of a vision-language checkpoint's text model.
+const TEXT_LAYOUTS: [(&str, &str); 2] = [
+    ("model.language_model", "lm_head"),
+    ("language_model.model", "language_model.lm_head"),
+];
+
+/// Max |Δ| of `tensors` loaded with `config` against the sequences of `reference`.
+fn max_delta(
+    config: &str,
+    tensors: std::collections::HashMap<String, exactscore_server::checkpoint::HostTensor>,
+    reference: &Value,
+    act: ActivationQuantMode,
+) -> f64 {
+    use exactscore_server::checkpoint::Checkpoint;
+    use exactscore_server::model::ModelConfig;
+    let model = Model::from_checkpoint(
+        ModelConfig::from_json(config).unwrap(),
+        &Checkpoint::from_memory(tensors),
+        &options(candle_core::DType::F32, act),
+    )
+    .unwrap_or_else(|e| panic!("{e}"));
+    let d = deltas(
+        &score_all(&model, &sequences(reference)),
+        &reference_logprobs(&reference["sequences"]),
+    );
+    d.iter().copied().fold(0.0, f64::max)
+}
+
 /// A Gemma 3 vision-language checkpoint's text model: the gemma3-w4a16-g32 tensors renamed to
-/// the transformers 5 (`model.language_model.`) and 4.x (`language_model.model.`) layouts, its
-/// config nested as `text_config`, score exactly as the text-only checkpoint's reference.
+/// the transformers 5 and 4.x layouts, its config nested as `text_config`, score exactly as
+/// the text-only checkpoint's reference.
 #[test]
 fn gemma3_conditional_generation_text_weights_match_reference() {
-    use exactscore_server::checkpoint::{Checkpoint, HostTensor};
-    use exactscore_server::model::ModelConfig;
-
     let dir = fixtures().join("gemma3-w4a16-g32");
-    let bytes = std::fs::read(dir.join("model.safetensors")).unwrap();
-    let file = safetensors::SafeTensors::deserialize(&bytes).unwrap();
     let mut text: Value =
         serde_json::from_str(&std::fs::read_to_string(dir.join("config.json")).unwrap()).unwrap();
     let quantization = text.as_object_mut().unwrap().remove("quantization_config");
@@ -211,33 +268,37 @@ fn gemma3_conditional_generation_text_weights_match_reference() {
     })
     .to_string();
     let reference = reference("gemma3-w4a16-g32");
-    let seqs = sequences(&reference);
-    for prefix in ["model.language_model.", "language_model.model."] {
-        let tensors = file
-            .tensors()
-            .into_iter()
-            .map(|(name, view)| {
-                let name = format!("{prefix}{}", name.strip_prefix("model.").unwrap());
-                let t = HostTensor {
-                    dtype: view.dtype(),
-                    shape: view.shape().to_vec(),
-                    data: view.data().to_vec(),
-                };
-                (name, t)
-            })
-            .collect();
-        let model = Model::from_checkpoint(
-            ModelConfig::from_json(&config).unwrap(),
-            &Checkpoint::from_memory(tensors),
-            &options(candle_core::DType::F32, Emulate),
-        )
-        .unwrap_or_else(|e| panic!("{prefix}: {e}"));
-        let d = deltas(
-            &score_all(&model, &seqs),
-            &reference_logprobs(&reference["sequences"]),
-        );
-        let max = d.iter().copied().fold(0.0, f64::max);
-        println!("Gemma3ForConditionalGeneration, {prefix}*: max |Δ| {max:.2e}");
-        assert!(max <= 1e-4, "{prefix}: max |Δlogprob| {max:e}");
+    // Tied: the checkpoint has no lm_head under either name.
+    for (base, head) in TEXT_LAYOUTS {
+        let tensors = text_model_under("gemma3-w4a16-g32/model.safetensors", base, head);
+        let max = max_delta(&config, tensors, &reference, Emulate);
+        println!("Gemma3ForConditionalGeneration, {base}.*: max |Δ| {max:.2e}");
+        assert!(max <= 1e-4, "{base}: max |Δlogprob| {max:e}");
+    }
+}
+
+/// Mistral 3 (Mistral Small 3.x): tests/fixtures/mistral3 (scripts/make_mistral3_fixture.py)
+/// holds the config transformers wrote, the vision tower and projector, and the reference of
+/// the whole checkpoint; the text model is llama-dense-bf16's weights as a Mistral with a
+/// 64-token sliding window. The top-level `tie_word_embeddings` is true, but the checkpoint has
+/// its own lm_head, which transformers (and we) must use.
+#[test]
+fn mistral3_conditional_generation_text_weights_match_reference() {
+    let config = std::fs::read_to_string(fixtures().join("mistral3/config.json")).unwrap();
+    let reference: Value = serde_json::from_str(
+        &std::fs::read_to_string(fixtures().join("mistral3/reference.json")).unwrap(),
+    )
+    .unwrap();
+    for (base, head) in TEXT_LAYOUTS {
+        let mut tensors = text_model_under("llama-dense-bf16/model.safetensors", base, head);
+        let vision = tensors_of("mistral3/vision.safetensors", |name| match base {
+            "model.language_model" => format!("model.{name}"),
+            _ => name.to_string(),
+        });
+        assert!(vision.len() >= 10);
+        tensors.extend(vision);
+        let max = max_delta(&config, tensors, &reference, Off);
+        println!("Mistral3ForConditionalGeneration, {base}.*: max |Δ| {max:.2e}");
+        assert!(max <= 1e-4, "{base}: max |Δlogprob| {max:e}");
     }
 }

@@ -20,10 +20,13 @@ pub enum Architecture {
     Gemma3,
     /// The text part of a Gemma 3 vision-language checkpoint (`language_model.` weights).
     Gemma3Multimodal,
+    /// The text part of a Mistral 3 vision-language checkpoint (Mistral Small 3.x): a Mistral
+    /// under `language_model.`.
+    Mistral3Multimodal,
 }
 
 impl Architecture {
-    const ALL: [Self; 9] = [
+    const ALL: [Self; 10] = [
         Self::Llama,
         Self::Mistral,
         Self::Qwen2,
@@ -33,6 +36,7 @@ impl Architecture {
         Self::Gemma2,
         Self::Gemma3,
         Self::Gemma3Multimodal,
+        Self::Mistral3Multimodal,
     ];
 
     fn from_hf(name: &str) -> Option<Self> {
@@ -50,6 +54,7 @@ impl Architecture {
             Self::Gemma2 => "Gemma2ForCausalLM",
             Self::Gemma3 => "Gemma3ForCausalLM",
             Self::Gemma3Multimodal => "Gemma3ForConditionalGeneration",
+            Self::Mistral3Multimodal => "Mistral3ForConditionalGeneration",
         }
     }
 
@@ -58,23 +63,29 @@ impl Architecture {
         matches!(self, Self::Gemma2 | Self::Gemma3 | Self::Gemma3Multimodal)
     }
 
+    /// A vision-language checkpoint whose text model is served: config under `text_config`,
+    /// weights under `model.language_model` (transformers 5) or `language_model.model` (4.x).
+    pub fn is_vision_language(self) -> bool {
+        matches!(self, Self::Gemma3Multimodal | Self::Mistral3Multimodal)
+    }
+
     fn supported_list() -> String {
         Self::ALL.map(Self::hf_name).join(", ")
     }
 
     /// Tensor prefixes a checkpoint of this architecture may hold that scoring never reads:
-    /// the vision tower and projector of a Gemma 3 vision-language checkpoint (only its text
-    /// model is served).
+    /// the vision tower and projector of a vision-language checkpoint (only its text model is
+    /// served).
     pub fn unread_prefixes(self) -> &'static [&'static str] {
-        match self {
-            Self::Gemma3Multimodal => &[
-                "vision_tower.",
-                "multi_modal_projector.",
-                "model.vision_tower.",
-                "model.multi_modal_projector.",
-            ],
-            _ => &[],
+        if !self.is_vision_language() {
+            return &[];
         }
+        &[
+            "vision_tower.",
+            "multi_modal_projector.",
+            "model.vision_tower.",
+            "model.multi_modal_projector.",
+        ]
     }
 }
 
@@ -255,16 +266,38 @@ fn gemma_defaults(architecture: Architecture) -> Value {
     }
 }
 
-/// The text model's keys: for a Gemma 3 vision-language checkpoint those of `text_config`
-/// (plus the top-level quantization and token ids), with transformers' Gemma defaults under
-/// whatever the file says.
+/// The text model's keys: for a vision-language checkpoint those of `text_config` (plus the
+/// top-level quantization and token ids), with transformers' Gemma defaults under whatever the
+/// file says.
 fn text_config(mut root: Value, architecture: Architecture) -> Result<Value, LoadError> {
-    if architecture == Architecture::Gemma3Multimodal {
+    if architecture.is_vision_language() {
         let mut text = root
             .get("text_config")
             .filter(|t| t.is_object())
             .cloned()
             .ok_or_else(|| LoadError::config("text_config", "missing or not an object"))?;
+        // transformers builds Mistral 3's text model from `text_config.model_type`: another one
+        // (Ministral 3's) is another architecture.
+        if architecture == Architecture::Mistral3Multimodal {
+            match text.get("model_type") {
+                None | Some(Value::Null) => {}
+                Some(t) if t == "mistral" => {}
+                Some(other) => {
+                    return Err(LoadError::config(
+                        "text_config.model_type",
+                        format!("{other} is not supported (supported: \"mistral\")"),
+                    ))
+                }
+            }
+        }
+        // Mistral 3 ties the lm_head by the top-level flag (default true) where the checkpoint
+        // has none; the text model's own flag is not read.
+        if architecture == Architecture::Mistral3Multimodal {
+            text["tie_word_embeddings"] = root
+                .get("tie_word_embeddings")
+                .cloned()
+                .unwrap_or(Value::Bool(true));
+        }
         for key in [
             "quantization_config",
             "bos_token_id",
@@ -480,6 +513,14 @@ impl ModelConfig {
         }
         // A window of 0 would leave a token nothing to attend to (a softmax over nothing).
         let window_value = match &raw.sliding_window {
+            // transformers' MistralConfig defaults to a 4096-token window.
+            None if matches!(
+                architecture,
+                Architecture::Mistral | Architecture::Mistral3Multimodal
+            ) =>
+            {
+                Some(4096)
+            }
             None | Some(Value::Null) => None,
             Some(v) => Some(size(
                 v.as_u64().map_or(0, |v| v as usize),
@@ -991,6 +1032,27 @@ mod tests {
         ))
         .unwrap();
         assert_eq!(c.rope.attention_factor(), (0.1 * 2f64.ln() + 1.0) as f32);
+    }
+
+    #[test]
+    fn mistral3_reads_its_text_config_and_refuses_other_text_models() {
+        let text = r#"{"architectures":["Mistral3ForConditionalGeneration"],"text_config":
+            {"model_type":"mistral","vocab_size":10,"hidden_size":8,"intermediate_size":16,
+            "num_hidden_layers":1,"num_attention_heads":2,"rope_theta":1e9,
+            "tie_word_embeddings":false}}"#;
+        let c = ModelConfig::from_json(text).unwrap();
+        assert_eq!(c.architecture, Architecture::Mistral3Multimodal);
+        // MistralConfig's default window; the top-level tie flag (default true) governs.
+        assert_eq!(c.sliding_window, Some(4096));
+        assert!(c.tie_word_embeddings);
+        assert_eq!(c.rope.theta, 1e9);
+        let err = ModelConfig::from_json(&text.replace("\"mistral\"", "\"ministral3\""))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("text_config.model_type") && err.contains("ministral3"),
+            "{err}"
+        );
     }
 
     #[test]

@@ -123,8 +123,19 @@ pub(crate) trait Family: Sync {
     }
 
     /// The prefix of the text model's tensors (`model`: `model.embed_tokens`, `model.layers.N`,
-    /// `model.norm`) and the lm_head's name.
-    fn text_names(&self, _ckpt: &Checkpoint, _c: &ModelConfig) -> (&'static str, &'static str) {
+    /// `model.norm`) and the lm_head's name; a vision-language checkpoint keeps its text model
+    /// under `model.language_model` (transformers 5) or `language_model.model` (4.x).
+    fn text_names(&self, ckpt: &Checkpoint, c: &ModelConfig) -> (&'static str, &'static str) {
+        if c.architecture.is_vision_language() {
+            for names in [
+                ("model.language_model", "lm_head"),
+                ("language_model.model", "language_model.lm_head"),
+            ] {
+                if ckpt.contains(&format!("{}.embed_tokens.weight", names.0)) {
+                    return names;
+                }
+            }
+        }
         ("model", "lm_head")
     }
 }
@@ -137,7 +148,8 @@ fn family(architecture: Architecture) -> &'static dyn Family {
         | Architecture::Qwen2
         | Architecture::Qwen3
         | Architecture::Qwen3Moe
-        | Architecture::Mixtral => &llama::Llama,
+        | Architecture::Mixtral
+        | Architecture::Mistral3Multimodal => &llama::Llama,
         Architecture::Gemma2 | Architecture::Gemma3 | Architecture::Gemma3Multimodal => {
             &gemma::Gemma
         }

@@ -7,12 +7,12 @@
 use candle_core::{Result, Tensor};
 
 use super::blocks::{Attention, BatchLayout, FeedForward, NormKind, RmsNorm, Route};
-use super::config::{Architecture, ModelConfig};
+use super::config::ModelConfig;
 use super::decoder::{Family, Layer};
 use super::loader::Loader;
 use super::profile::stage;
 use super::rope::RopeTables;
-use crate::checkpoint::{Checkpoint, LoadError};
+use crate::checkpoint::LoadError;
 
 /// The Gemma family.
 pub struct Gemma;
@@ -33,22 +33,6 @@ impl Family for Gemma {
 
     fn embed_scale(&self, c: &ModelConfig) -> Option<f64> {
         Some((c.hidden_size as f64).sqrt())
-    }
-
-    /// A Gemma 3 vision-language checkpoint keeps its text model under
-    /// `model.language_model` (transformers 5) or `language_model.model` (4.x).
-    fn text_names(&self, ckpt: &Checkpoint, c: &ModelConfig) -> (&'static str, &'static str) {
-        if c.architecture == Architecture::Gemma3Multimodal {
-            for names in [
-                ("model.language_model", "lm_head"),
-                ("language_model.model", "language_model.lm_head"),
-            ] {
-                if ckpt.contains(&format!("{}.embed_tokens.weight", names.0)) {
-                    return names;
-                }
-            }
-        }
-        ("model", "lm_head")
     }
 }
 

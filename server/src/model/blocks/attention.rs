@@ -51,7 +51,10 @@ impl Attention {
             c.num_heads * c.head_dim,
         );
         let o_bias = c.attention_bias
-            && matches!(c.architecture, Architecture::Llama | Architecture::Mistral);
+            && matches!(
+                c.architecture,
+                Architecture::Llama | Architecture::Mistral | Architecture::Mistral3Multimodal
+            );
         let head_norm = |name: &str| -> std::result::Result<Option<RmsNorm>, LoadError> {
             c.qk_norm
                 .then(|| RmsNorm::load(&vb.pp(name), c.head_dim, c.rms_norm_eps, norm))
