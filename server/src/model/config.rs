@@ -246,17 +246,39 @@ fn token_ids(value: Option<&Value>) -> Vec<u32> {
     }
 }
 
-/// transformers' defaults for the Gemma keys a config may leave out (`Gemma2Config`,
-/// `Gemma3TextConfig`): an absent key means what transformers makes of it.
-fn gemma_defaults(architecture: Architecture) -> Value {
+/// transformers' defaults (5.17) for the keys we read that a config may leave out and that
+/// change the math: an absent key means what transformers' config class makes of it (an
+/// explicit `null` is read as the file says). Sizes and vocabularies have no default here: a
+/// config without them is refused.
+fn transformers_defaults(architecture: Architecture) -> Value {
+    use serde_json::json;
     match architecture {
-        Architecture::Gemma2 => serde_json::json!({
+        Architecture::Llama => json!({
+            "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "max_position_embeddings": 2048,
+        }),
+        Architecture::Mistral | Architecture::Mistral3Multimodal => json!({
+            "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "max_position_embeddings": 131072,
+            "num_key_value_heads": 8, "sliding_window": 4096,
+        }),
+        Architecture::Qwen2 | Architecture::Qwen3 => json!({
+            "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "max_position_embeddings": 32768,
+            "num_key_value_heads": 32,
+        }),
+        Architecture::Qwen3Moe => json!({
+            "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "max_position_embeddings": 32768,
+            "num_key_value_heads": 4,
+        }),
+        Architecture::Mixtral => json!({
+            "rms_norm_eps": 1e-5, "rope_theta": 1000000.0, "max_position_embeddings": 131072,
+            "num_key_value_heads": 8,
+        }),
+        Architecture::Gemma2 => json!({
             "hidden_activation": "gelu_pytorch_tanh", "rms_norm_eps": 1e-6,
             "rope_theta": 10000.0, "query_pre_attn_scalar": 256, "sliding_window": 4096,
             "final_logit_softcapping": 30.0, "attn_logit_softcapping": 50.0,
             "tie_word_embeddings": true, "max_position_embeddings": 8192, "head_dim": 256,
         }),
-        _ => serde_json::json!({
+        Architecture::Gemma3 | Architecture::Gemma3Multimodal => json!({
             "vocab_size": 262208, "hidden_activation": "gelu_pytorch_tanh", "rms_norm_eps": 1e-6,
             "rope_theta": 1000000.0, "rope_local_base_freq": 10000.0,
             "query_pre_attn_scalar": 256, "sliding_window": 4096, "sliding_window_pattern": 6,
@@ -267,8 +289,8 @@ fn gemma_defaults(architecture: Architecture) -> Value {
 }
 
 /// The text model's keys: for a vision-language checkpoint those of `text_config` (plus the
-/// top-level quantization and token ids), with transformers' Gemma defaults under whatever the
-/// file says.
+/// top-level quantization and token ids), with transformers' defaults under whatever the file
+/// says.
 fn text_config(mut root: Value, architecture: Architecture) -> Result<Value, LoadError> {
     if architecture.is_vision_language() {
         let mut text = root
@@ -312,10 +334,7 @@ fn text_config(mut root: Value, architecture: Architecture) -> Result<Value, Loa
         }
         root = text;
     }
-    if !architecture.is_gemma() {
-        return Ok(root);
-    }
-    let mut merged = gemma_defaults(architecture);
+    let mut merged = transformers_defaults(architecture);
     for (k, v) in root.as_object().into_iter().flatten() {
         merged[k.as_str()] = v.clone();
     }
@@ -513,14 +532,6 @@ impl ModelConfig {
         }
         // A window of 0 would leave a token nothing to attend to (a softmax over nothing).
         let window_value = match &raw.sliding_window {
-            // transformers' MistralConfig defaults to a 4096-token window.
-            None if matches!(
-                architecture,
-                Architecture::Mistral | Architecture::Mistral3Multimodal
-            ) =>
-            {
-                Some(4096)
-            }
             None | Some(Value::Null) => None,
             Some(v) => Some(size(
                 v.as_u64().map_or(0, |v| v as usize),
@@ -1009,14 +1020,6 @@ mod tests {
                 "rope_parameters.factor",
             ),
             (
-                r#""rope_type":"yarn","rope_theta":1e4,"factor":2"#,
-                "max_position_embeddings",
-            ),
-            (
-                r#""rope_type":"dynamic","rope_theta":1e4,"factor":2"#,
-                "max_position_embeddings",
-            ),
-            (
                 r#""rope_type":"yarn","rope_theta":1e4,"factor":2,"original_max_position_embeddings":64,
                 "attention_factor":0"#,
                 "rope_parameters.attention_factor",
@@ -1032,18 +1035,32 @@ mod tests {
         ))
         .unwrap();
         assert_eq!(c.rope.attention_factor(), (0.1 * 2f64.ln() + 1.0) as f32);
+        // Without a context anywhere, LlamaConfig's default 2048 is the original one.
+        let c = ModelConfig::from_json(&yarn(r#""rope_type":"yarn","rope_theta":1e4,"factor":2"#))
+            .unwrap();
+        let RopeScaling::Yarn {
+            original_max_position_embeddings,
+            ..
+        } = c.rope.scaling
+        else {
+            panic!("{:?}", c.rope)
+        };
+        assert_eq!(
+            (original_max_position_embeddings, c.max_position_embeddings),
+            (2048.0, 2048)
+        );
     }
 
     #[test]
     fn mistral3_reads_its_text_config_and_refuses_other_text_models() {
         let text = r#"{"architectures":["Mistral3ForConditionalGeneration"],"text_config":
-            {"model_type":"mistral","vocab_size":10,"hidden_size":8,"intermediate_size":16,
-            "num_hidden_layers":1,"num_attention_heads":2,"rope_theta":1e9,
+            {"model_type":"mistral","vocab_size":10,"hidden_size":32,"intermediate_size":16,
+            "num_hidden_layers":1,"num_attention_heads":8,"rope_theta":1e9,
             "tie_word_embeddings":false}}"#;
         let c = ModelConfig::from_json(text).unwrap();
         assert_eq!(c.architecture, Architecture::Mistral3Multimodal);
-        // MistralConfig's default window; the top-level tie flag (default true) governs.
-        assert_eq!(c.sliding_window, Some(4096));
+        // MistralConfig's defaults (window, 8 KV heads); the top-level tie flag governs.
+        assert_eq!((c.sliding_window, c.num_kv_heads), (Some(4096), 8));
         assert!(c.tie_word_embeddings);
         assert_eq!(c.rope.theta, 1e9);
         let err = ModelConfig::from_json(&text.replace("\"mistral\"", "\"ministral3\""))
@@ -1087,9 +1104,10 @@ mod tests {
     fn old_type_key_and_plain_theta() {
         let text = r#"{"architectures":["MistralForCausalLM"],"vocab_size":10,"hidden_size":8,
         "intermediate_size":16,"num_hidden_layers":1,"num_attention_heads":2,"rope_theta":10000.0,
-        "rope_scaling":null,"sliding_window":4096}"#;
+        "rope_scaling":null,"sliding_window":4096,"num_key_value_heads":null}"#;
         let c = ModelConfig::from_json(text).unwrap();
         assert_eq!(c.rope.scaling, RopeScaling::Default);
+        // An explicit null is transformers' "as many as the query heads".
         assert_eq!(c.num_kv_heads, 2);
         assert_eq!(c.sliding_window, Some(4096));
     }
@@ -1215,7 +1233,7 @@ mod tests {
     fn qwen3_moe_sparse_layers() {
         let text = r#"{"architectures":["Qwen3MoeForCausalLM"],"vocab_size":10,"hidden_size":8,
             "intermediate_size":16,"num_hidden_layers":4,"num_attention_heads":2,"rope_theta":1e6,
-            "num_experts":8,"num_experts_per_tok":2,"moe_intermediate_size":4,"norm_topk_prob":true,
+            "num_key_value_heads":1,"num_experts":8,"num_experts_per_tok":2,"moe_intermediate_size":4,"norm_topk_prob":true,
             "decoder_sparse_step":2,"mlp_only_layers":[3]}"#;
         let m = ModelConfig::from_json(text).unwrap().moe.unwrap();
         assert_eq!(m.sparse_layers, vec![false, true, false, false]);
