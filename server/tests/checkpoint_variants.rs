@@ -1,7 +1,7 @@
 //! Checkpoint shapes and architectures without their own Python reference, checked against the
 //! Llama fixture they must reduce to: a sharded copy, Qwen2 with zero q/k/v biases, Mistral with
 //! a sliding window longer than the text, and the window actually applied when shorter. Qwen3
-//! must find its q/k norms.
+//! must find its q/k norms, and `attention_bias` is read only where the architecture reads it.
 
 mod common;
 
@@ -74,6 +74,49 @@ fn qwen2_with_zero_biases_scores_like_llama() {
         .err()
         .expect("Qwen2 without q/k/v biases loaded");
     assert!(err.to_string().contains("self_attn.q_proj.bias"), "{err}");
+}
+
+/// `attention_bias` means what each architecture's transformers class makes of it: Llama reads
+/// q/k/v and o biases, Mistral has none whatever the config says.
+#[test]
+fn attention_bias_is_read_where_the_architecture_reads_it() {
+    let (seqs, want) = base_scores();
+    let config = load_config(BASE);
+    let dims = [
+        ("q_proj", config.num_heads * config.head_dim),
+        ("k_proj", config.num_kv_heads * config.head_dim),
+        ("v_proj", config.num_kv_heads * config.head_dim),
+        ("o_proj", config.hidden_size),
+    ];
+    let zero_biases = |skip: &'static str| {
+        move |t: &mut Tensors| {
+            for layer in 0..config.num_layers {
+                for (proj, out) in dims.iter().filter(|(p, _)| *p != skip) {
+                    let name = format!("model.layers.{layer}.self_attn.{proj}.bias");
+                    t.insert(name, (Dtype::F32, vec![*out], vec![0u8; out * 4]));
+                }
+            }
+        }
+    };
+    let with_bias = |c: &mut serde_json::Value| c["attention_bias"] = serde_json::json!(true);
+    let llama = edited_copy(BASE, 1, zero_biases(""), with_bias);
+    assert_eq!(score(llama.path(), &seqs), want);
+    let no_o = edited_copy(BASE, 1, zero_biases("o_proj"), with_bias);
+    let err = Model::load(no_o.path(), &options(DType::F32, Default::default()))
+        .err()
+        .expect("Llama with attention_bias but no o_proj bias loaded");
+    assert!(err.to_string().contains("self_attn.o_proj.bias"), "{err}");
+    let mistral = edited_copy(
+        BASE,
+        1,
+        |_| {},
+        |c| {
+            with_bias(c);
+            architecture("MistralForCausalLM")(c);
+            c["sliding_window"] = serde_json::Value::Null;
+        },
+    );
+    assert_eq!(score(mistral.path(), &seqs), want);
 }
 
 #[test]

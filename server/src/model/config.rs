@@ -147,8 +147,12 @@ pub struct ModelConfig {
     pub rope: Rope,
     pub max_position_embeddings: usize,
     pub tie_word_embeddings: bool,
-    /// q/k/v projections carry a bias (Qwen2, or Llama with `attention_bias`).
-    pub attention_bias: bool,
+    /// q/k/v projections carry a bias (always in Qwen2; `attention_bias` where the
+    /// architecture reads it).
+    pub qkv_bias: bool,
+    /// o_proj carries a bias (`attention_bias` in Llama, Qwen3 and Gemma; never in Qwen2).
+    pub o_bias: bool,
+    /// The dense MLP's projections carry a bias (`mlp_bias`, read by Llama only).
     pub mlp_bias: bool,
     /// Per-head RMSNorm of q and k before RoPE (Qwen3).
     pub qk_norm: bool,
@@ -564,6 +568,16 @@ impl ModelConfig {
             1 << 20,
         )?;
         let moe = parse_moe(&root, architecture, num_layers)?;
+        // Which projections have biases is the architecture's: transformers' Mistral and
+        // Mixtral have none whatever the config says, Qwen2 always has q/k/v ones.
+        let attention_bias = raw.attention_bias.unwrap_or(false);
+        let (qkv_bias, o_bias) = match architecture {
+            Architecture::Qwen2 => (true, false),
+            Architecture::Mistral | Architecture::Mistral3Multimodal | Architecture::Mixtral => {
+                (false, false)
+            }
+            _ => (attention_bias, attention_bias),
+        };
         let is_gemma = architecture.is_gemma();
         Ok(Self {
             architecture,
@@ -586,9 +600,9 @@ impl ModelConfig {
                 1 << 30,
             )?,
             tie_word_embeddings: raw.tie_word_embeddings.unwrap_or(false),
-            attention_bias: architecture == Architecture::Qwen2
-                || raw.attention_bias.unwrap_or(false),
-            mlp_bias: raw.mlp_bias.unwrap_or(false),
+            qkv_bias,
+            o_bias,
+            mlp_bias: architecture == Architecture::Llama && raw.mlp_bias.unwrap_or(false),
             qk_norm: matches!(
                 architecture,
                 Architecture::Qwen3

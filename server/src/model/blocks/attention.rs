@@ -9,7 +9,7 @@ use candle_core::{Device, Result, Tensor};
 use super::layer_inputs;
 use super::norm::{NormKind, RmsNorm};
 use crate::checkpoint::LoadError;
-use crate::model::config::{Architecture, ModelConfig};
+use crate::model::config::ModelConfig;
 use crate::model::loader::Loader;
 use crate::model::profile::stage;
 use crate::model::rope::RopeTables;
@@ -50,21 +50,16 @@ impl Attention {
             c.num_kv_heads * c.head_dim,
             c.num_heads * c.head_dim,
         );
-        let o_bias = c.attention_bias
-            && matches!(
-                c.architecture,
-                Architecture::Llama | Architecture::Mistral | Architecture::Mistral3Multimodal
-            );
         let head_norm = |name: &str| -> std::result::Result<Option<RmsNorm>, LoadError> {
             c.qk_norm
                 .then(|| RmsNorm::load(&vb.pp(name), c.head_dim, c.rms_norm_eps, norm))
                 .transpose()
         };
         Ok(Self {
-            q_proj: vb.linear("q_proj", (q_dim, h), c.attention_bias)?,
-            k_proj: vb.linear("k_proj", (kv_dim, h), c.attention_bias)?,
-            v_proj: vb.linear("v_proj", (kv_dim, h), c.attention_bias)?,
-            o_proj: vb.linear("o_proj", (h, q_dim), o_bias)?,
+            q_proj: vb.linear("q_proj", (q_dim, h), c.qkv_bias)?,
+            k_proj: vb.linear("k_proj", (kv_dim, h), c.qkv_bias)?,
+            v_proj: vb.linear("v_proj", (kv_dim, h), c.qkv_bias)?,
+            o_proj: vb.linear("o_proj", (h, q_dim), c.o_bias)?,
             q_norm: head_norm("q_norm")?,
             k_norm: head_norm("k_norm")?,
             num_heads: c.num_heads,
