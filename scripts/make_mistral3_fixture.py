@@ -29,6 +29,8 @@ import transformers
 from safetensors.torch import load_file, save_file
 from transformers import Mistral3Config, Mistral3ForConditionalGeneration
 
+from make_rope_fixtures import reference_sequences
+
 REPO = Path(__file__).resolve().parent.parent
 FIXTURES = REPO / "tests" / "fixtures"
 DENSE = FIXTURES / "llama-dense-bf16"
@@ -79,16 +81,7 @@ def main():
         f32 = Mistral3ForConditionalGeneration.from_pretrained(saved, dtype=torch.float32,
                                                                attn_implementation="eager")
         f32.eval()
-        sequences = []
-        with torch.no_grad():
-            for seq in dense["sequences"]:
-                ids = seq["token_ids"]
-                logits = f32(input_ids=torch.tensor([ids])).logits[0].to(torch.float64)
-                lsm = torch.log_softmax(logits, dim=-1)[:-1]
-                lp = lsm.gather(1, torch.tensor(ids[1:])[:, None])[:, 0]
-                sequences.append({"token_ids": ids,
-                                  "token_logprobs": [None] + [float(v) for v in lp],
-                                  "sum_nll": float(-lp.sum())})
+        sequences = reference_sequences(f32, dense["sequences"])
         OUT.mkdir(parents=True, exist_ok=True)
         (OUT / "config.json").write_text((saved / "config.json").read_text())
     # transformers 5.17 writes the 4.x layout: `language_model.model.*`, `language_model.lm_head`.

@@ -169,6 +169,27 @@ def rope_case(config_json):
     }
 
 
+@torch.no_grad()
+def reference_sequences(model, sequences):
+    """`model`'s log-probs of each sequence's `token_ids`, in the fixtures' convention: f32
+    logits upcast to f64 before log_softmax, no log-prob for the first id."""
+    out = []
+    for seq in sequences:
+        ids = seq["token_ids"]
+        logits = model(input_ids=torch.tensor([ids])).logits[0].to(torch.float64)
+        logprobs = torch.log_softmax(logits, dim=-1)[:-1]
+        target = torch.tensor(ids[1:])
+        token_logprobs = logprobs.gather(1, target[:, None])[:, 0]
+        out.append(
+            {
+                "token_ids": ids,
+                "token_logprobs": [None] + [float(v) for v in token_logprobs],
+                "sum_nll": float(-token_logprobs.sum()),
+            }
+        )
+    return out
+
+
 def yarn_reference():
     dense = json.loads((DENSE / "reference.json").read_text())
     config = json.loads((DENSE / "config.json").read_text())
@@ -184,22 +205,7 @@ def yarn_reference():
             tmp, dtype=torch.float32, attn_implementation="eager"
         )
     model.eval()
-    sequences = []
-    with torch.no_grad():
-        for seq in dense["sequences"]:
-            ids = seq["token_ids"]
-            # The fixtures' convention: f32 logits upcast to f64, no log-prob for the first id.
-            logits = model(torch.tensor([ids])).logits[0].to(torch.float64)
-            logprobs = torch.log_softmax(logits, dim=-1)[:-1]
-            target = torch.tensor(ids[1:])
-            token_logprobs = logprobs.gather(1, target[:, None])[:, 0]
-            sequences.append(
-                {
-                    "token_ids": ids,
-                    "token_logprobs": [None] + [float(v) for v in token_logprobs],
-                    "sum_nll": float(-token_logprobs.sum()),
-                }
-            )
+    sequences = reference_sequences(model, dense["sequences"])
     return {
         "weights": "llama-dense-bf16",
         "rope_parameters": YARN_E2E,

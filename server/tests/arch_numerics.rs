@@ -5,34 +5,9 @@
 mod common;
 
 use common::*;
-use exactscore_server::model::{Model, ScoreInput, SequenceScores};
+use exactscore_server::model::{Model, SequenceScores};
 use exactscore_server::quant::ActivationQuantMode::{self, Emulate, Off};
 use serde_json::Value;
-
-fn score_all(model: &Model, seqs: &[Vec<u32>]) -> Vec<SequenceScores> {
-    let batch: Vec<ScoreInput> = seqs
-        .iter()
-        .map(|t| ScoreInput {
-            tokens: t,
-            top_k: 1,
-        })
-        .collect();
-    model.score(&batch).unwrap()
-}
-
-/// Per-token |Δ| between our log-probs and a reference block, flattened.
-fn deltas(ours: &[SequenceScores], reference: &[Vec<f64>]) -> Vec<f64> {
-    ours.iter()
-        .zip(reference)
-        .flat_map(|(s, r)| {
-            assert_eq!(s.num_scored(), r.len());
-            s.token_logprobs()
-                .zip(r)
-                .map(|(a, b)| (a as f64 - b).abs())
-                .collect::<Vec<_>>()
-        })
-        .collect()
-}
 
 fn mean_nll(scores: &[SequenceScores]) -> f64 {
     let n: usize = scores.iter().map(|s| s.num_scored()).sum();
@@ -95,7 +70,7 @@ fn assert_exact(variant: &str, act: ActivationQuantMode, block_name: &str) -> f6
     let reference = reference(variant);
     let model = load(variant, act);
     let seqs = sequences(&reference);
-    let ours = score_all(&model, &seqs);
+    let ours = score_all(&model, &seqs, 1);
     let expected = &block(&reference, block_name)["sequences"];
     let d = deltas(&ours, &reference_logprobs(expected));
     let (worst, max) =
@@ -165,7 +140,7 @@ fn assert_mean_nll(variant: &str) {
     let reference = reference(variant);
     let model = load(variant, Emulate);
     let seqs = sequences(&reference);
-    let ours = score_all(&model, &seqs);
+    let ours = score_all(&model, &seqs, 1);
     let d = deltas(&ours, &reference_logprobs(&reference["sequences"]));
     let ref_nll = reference["mean_nll"].as_f64().unwrap();
     let rel = (mean_nll(&ours) - ref_nll).abs() / ref_nll;
@@ -245,7 +220,7 @@ fn max_delta(
     )
     .unwrap_or_else(|e| panic!("{e}"));
     let d = deltas(
-        &score_all(&model, &sequences(reference)),
+        &score_all(&model, &sequences(reference), 1),
         &reference_logprobs(&reference["sequences"]),
     );
     d.iter().copied().fold(0.0, f64::max)

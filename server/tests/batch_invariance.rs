@@ -6,7 +6,7 @@
 mod common;
 
 use common::*;
-use exactscore_server::model::{Model, ScoreInput, SequenceScores};
+use exactscore_server::model::{Model, SequenceScores};
 use exactscore_server::quant::ActivationQuantMode::Emulate;
 
 /// A small deterministic generator (xorshift), so a failure names a reproducible case.
@@ -21,23 +21,15 @@ impl Rng {
     }
 }
 
-fn score(model: &Model, seqs: &[Vec<u32>], top_k: usize) -> Vec<SequenceScores> {
-    let batch: Vec<ScoreInput> = seqs
-        .iter()
-        .map(|t| ScoreInput { tokens: t, top_k })
-        .collect();
-    model.score(&batch).unwrap()
-}
-
 /// The reproduction: `[1474, 618]` alone (a batch of two tokens) and next to `[1992]`
 /// (three) gave -13.269267 and -13.269264.
 #[test]
 fn two_tokens_alone_and_beside_one_more_are_identical() {
     let model = load("llama-w4a16-g128", Emulate);
-    let alone = score(&model, &[vec![1474, 618]], 0);
-    let shared = score(&model, &[vec![1474, 618], vec![1992]], 0);
+    let alone = score_all(&model, &[vec![1474, 618]], 0);
+    let shared = score_all(&model, &[vec![1474, 618], vec![1992]], 0);
     assert_eq!(alone[0], shared[0]);
-    let one = score(&model, &[vec![1992]], 0);
+    let one = score_all(&model, &[vec![1992]], 0);
     assert_eq!(one[0], shared[1]);
 }
 
@@ -54,7 +46,7 @@ fn random_compositions(variant: &str, dtype: candle_core::DType, batches: usize,
         .collect();
     let alone: Vec<SequenceScores> = pool
         .iter()
-        .map(|s| score(&model, std::slice::from_ref(s), 3).remove(0))
+        .map(|s| score_all(&model, std::slice::from_ref(s), 3).remove(0))
         .collect();
     let mut tokens_per_batch = Vec::new();
     for b in 0..batches {
@@ -63,7 +55,7 @@ fn random_compositions(variant: &str, dtype: candle_core::DType, batches: usize,
             .collect();
         let seqs: Vec<Vec<u32>> = picks.iter().map(|&p| pool[p].clone()).collect();
         tokens_per_batch.push(seqs.iter().map(Vec::len).sum::<usize>());
-        for (scores, &p) in score(&model, &seqs, 3).iter().zip(&picks) {
+        for (scores, &p) in score_all(&model, &seqs, 3).iter().zip(&picks) {
             assert_eq!(
                 *scores, alone[p],
                 "{variant} {dtype:?}: batch {b} {picks:?}: sequence {p} ({:?}) differs from alone",

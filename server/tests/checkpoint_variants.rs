@@ -7,7 +7,7 @@ mod common;
 
 use candle_core::DType;
 use common::*;
-use exactscore_server::model::{Model, ScoreInput, SequenceScores};
+use exactscore_server::model::{Model, SequenceScores};
 use exactscore_server::quant::ActivationQuantMode;
 use safetensors::Dtype;
 
@@ -16,14 +16,7 @@ const BASE: &str = "llama-w4a16-g128";
 fn score(dir: &std::path::Path, seqs: &[Vec<u32>]) -> Vec<SequenceScores> {
     let model = Model::load(dir, &options(DType::F32, ActivationQuantMode::Emulate))
         .unwrap_or_else(|e| panic!("{}: {e}", dir.display()));
-    let batch: Vec<ScoreInput> = seqs
-        .iter()
-        .map(|s| ScoreInput {
-            tokens: s,
-            top_k: 2,
-        })
-        .collect();
-    model.score(&batch).unwrap()
+    score_all(&model, seqs, 2)
 }
 
 fn base_scores() -> (Vec<Vec<u32>>, Vec<SequenceScores>) {
@@ -45,26 +38,32 @@ fn sharded_checkpoint_scores_identically() {
     assert_eq!(score(dir.path(), &seqs), want);
 }
 
+/// Adds zero f32 biases of the attention projections `projs` to every layer of the BASE
+/// fixture's tensors.
+fn zero_attention_biases(projs: &'static [&'static str]) -> impl FnOnce(&mut Tensors) {
+    let config = load_config(BASE);
+    move |t| {
+        for layer in 0..config.num_layers {
+            for &proj in projs {
+                let out = match proj {
+                    "q_proj" => config.num_heads * config.head_dim,
+                    "k_proj" | "v_proj" => config.num_kv_heads * config.head_dim,
+                    _ => config.hidden_size,
+                };
+                let name = format!("model.layers.{layer}.self_attn.{proj}.bias");
+                t.insert(name, (Dtype::F32, vec![out], vec![0u8; out * 4]));
+            }
+        }
+    }
+}
+
 #[test]
 fn qwen2_with_zero_biases_scores_like_llama() {
     let (seqs, want) = base_scores();
-    let config = load_config(BASE);
-    let dims = [
-        ("q_proj", config.num_heads * config.head_dim),
-        ("k_proj", config.num_kv_heads * config.head_dim),
-        ("v_proj", config.num_kv_heads * config.head_dim),
-    ];
     let dir = edited_copy(
         BASE,
         1,
-        |t| {
-            for layer in 0..config.num_layers {
-                for (proj, out) in dims {
-                    let name = format!("model.layers.{layer}.self_attn.{proj}.bias");
-                    t.insert(name, (Dtype::F32, vec![out], vec![0u8; out * 4]));
-                }
-            }
-        },
+        zero_attention_biases(&["q_proj", "k_proj", "v_proj"]),
         architecture("Qwen2ForCausalLM"),
     );
     assert_eq!(score(dir.path(), &seqs), want);
@@ -81,27 +80,16 @@ fn qwen2_with_zero_biases_scores_like_llama() {
 #[test]
 fn attention_bias_is_read_where_the_architecture_reads_it() {
     let (seqs, want) = base_scores();
-    let config = load_config(BASE);
-    let dims = [
-        ("q_proj", config.num_heads * config.head_dim),
-        ("k_proj", config.num_kv_heads * config.head_dim),
-        ("v_proj", config.num_kv_heads * config.head_dim),
-        ("o_proj", config.hidden_size),
-    ];
-    let zero_biases = |skip: &'static str| {
-        move |t: &mut Tensors| {
-            for layer in 0..config.num_layers {
-                for (proj, out) in dims.iter().filter(|(p, _)| *p != skip) {
-                    let name = format!("model.layers.{layer}.self_attn.{proj}.bias");
-                    t.insert(name, (Dtype::F32, vec![*out], vec![0u8; out * 4]));
-                }
-            }
-        }
-    };
     let with_bias = |c: &mut serde_json::Value| c["attention_bias"] = serde_json::json!(true);
-    let llama = edited_copy(BASE, 1, zero_biases(""), with_bias);
+    let all = zero_attention_biases(&["q_proj", "k_proj", "v_proj", "o_proj"]);
+    let llama = edited_copy(BASE, 1, all, with_bias);
     assert_eq!(score(llama.path(), &seqs), want);
-    let no_o = edited_copy(BASE, 1, zero_biases("o_proj"), with_bias);
+    let no_o = edited_copy(
+        BASE,
+        1,
+        zero_attention_biases(&["q_proj", "k_proj", "v_proj"]),
+        with_bias,
+    );
     let err = Model::load(no_o.path(), &options(DType::F32, Default::default()))
         .err()
         .expect("Llama with attention_bias but no o_proj bias loaded");

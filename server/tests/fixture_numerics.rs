@@ -3,34 +3,8 @@
 mod common;
 
 use common::*;
-use exactscore_server::model::{ScoreInput, SequenceScores};
+use exactscore_server::model::SequenceScores;
 use exactscore_server::quant::ActivationQuantMode::{Emulate, Off};
-
-fn score_all(
-    model: &exactscore_server::model::Model,
-    seqs: &[Vec<u32>],
-    top_k: usize,
-) -> Vec<SequenceScores> {
-    let batch: Vec<ScoreInput> = seqs
-        .iter()
-        .map(|t| ScoreInput { tokens: t, top_k })
-        .collect();
-    model.score(&batch).unwrap()
-}
-
-/// Per-token |Δ| between our log-probs and a reference block, flattened.
-fn deltas(ours: &[SequenceScores], reference: &[Vec<f64>]) -> Vec<f64> {
-    ours.iter()
-        .zip(reference)
-        .flat_map(|(s, r)| {
-            assert_eq!(s.num_scored(), r.len());
-            s.token_logprobs()
-                .zip(r)
-                .map(|(a, b)| (a as f64 - b).abs())
-                .collect::<Vec<_>>()
-        })
-        .collect()
-}
 
 fn mean(v: &[f64]) -> f64 {
     v.iter().sum::<f64>() / v.len() as f64

@@ -7,7 +7,7 @@ mod common;
 use candle_core::{DType, Device, IndexOp};
 use common::*;
 use exactscore_server::model::rope::RopeTables;
-use exactscore_server::model::{Model, ModelConfig, ModelOptions, ScoreInput};
+use exactscore_server::model::{Model, ModelConfig, ModelOptions};
 use exactscore_server::quant::ActivationQuantMode::Off;
 use serde_json::Value;
 
@@ -110,15 +110,7 @@ fn with_rope(reference: &Value) -> tempfile::TempDir {
 
 /// Every sequence's log-probs of its tokens after the first.
 fn token_logprobs(model: &Model, seqs: &[Vec<u32>]) -> Vec<Vec<f32>> {
-    let batch: Vec<ScoreInput> = seqs
-        .iter()
-        .map(|t| ScoreInput {
-            tokens: t,
-            top_k: 0,
-        })
-        .collect();
-    let scores = model.score(&batch).unwrap();
-    scores
+    score_all(model, seqs, 0)
         .iter()
         .map(|s| s.token_logprobs().collect())
         .collect()

@@ -302,8 +302,9 @@ fn text_config(mut root: Value, architecture: Architecture) -> Result<Value, Loa
             .filter(|t| t.is_object())
             .cloned()
             .ok_or_else(|| LoadError::config("text_config", "missing or not an object"))?;
-        // transformers builds Mistral 3's text model from `text_config.model_type`: another one
-        // (Ministral 3's) is another architecture.
+        // transformers builds Mistral 3's text model from `text_config.model_type` (another
+        // one, Ministral 3's, is another architecture), and ties its lm_head by the top-level
+        // flag (default true) where the checkpoint has none; the text model's own is not read.
         if architecture == Architecture::Mistral3Multimodal {
             match text.get("model_type") {
                 None | Some(Value::Null) => {}
@@ -315,10 +316,6 @@ fn text_config(mut root: Value, architecture: Architecture) -> Result<Value, Loa
                     ))
                 }
             }
-        }
-        // Mistral 3 ties the lm_head by the top-level flag (default true) where the checkpoint
-        // has none; the text model's own flag is not read.
-        if architecture == Architecture::Mistral3Multimodal {
             text["tie_word_embeddings"] = root
                 .get("tie_word_embeddings")
                 .cloned()

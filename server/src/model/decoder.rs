@@ -104,8 +104,8 @@ impl dyn Layer {
     }
 }
 
-/// What an architecture family brings to the stack: its decoder layer, how its norms weigh
-/// (the final norm's too), and where its checkpoints keep the text model.
+/// What an architecture family brings to the stack: its decoder layer and how its norms weigh
+/// (the final norm's too).
 pub(crate) trait Family: Sync {
     /// Decoder layer `layer`, whose tensors `vb` names (`model.layers.N`).
     fn load_layer(
@@ -121,23 +121,23 @@ pub(crate) trait Family: Sync {
     fn embed_scale(&self, _c: &ModelConfig) -> Option<f64> {
         None
     }
+}
 
-    /// The prefix of the text model's tensors (`model`: `model.embed_tokens`, `model.layers.N`,
-    /// `model.norm`) and the lm_head's name; a vision-language checkpoint keeps its text model
-    /// under `model.language_model` (transformers 5) or `language_model.model` (4.x).
-    fn text_names(&self, ckpt: &Checkpoint, c: &ModelConfig) -> (&'static str, &'static str) {
-        if c.architecture.is_vision_language() {
-            for names in [
-                ("model.language_model", "lm_head"),
-                ("language_model.model", "language_model.lm_head"),
-            ] {
-                if ckpt.contains(&format!("{}.embed_tokens.weight", names.0)) {
-                    return names;
-                }
+/// The prefix of the text model's tensors (`model`: `model.embed_tokens`, `model.layers.N`,
+/// `model.norm`) and the lm_head's name; a vision-language checkpoint keeps its text model
+/// under `model.language_model` (transformers 5) or `language_model.model` (4.x).
+fn text_names(ckpt: &Checkpoint, c: &ModelConfig) -> (&'static str, &'static str) {
+    if c.architecture.is_vision_language() {
+        for names in [
+            ("model.language_model", "lm_head"),
+            ("language_model.model", "language_model.lm_head"),
+        ] {
+            if ckpt.contains(&format!("{}.embed_tokens.weight", names.0)) {
+                return names;
             }
         }
-        ("model", "lm_head")
     }
+    ("model", "lm_head")
 }
 
 /// The family `architecture` belongs to.
@@ -231,7 +231,7 @@ impl Model {
         }
         let c = &config;
         let family = family(c.architecture);
-        let (base, head_name) = family.text_names(ckpt, c);
+        let (base, head_name) = text_names(ckpt, c);
         let h = c.hidden_size;
         // On the CPU first: converted there to the compute dtype (no GPU conversion kernel).
         let stored_embed = ckpt.tensor(

@@ -5,7 +5,7 @@ use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
 use candle_core::{DType, Device, Tensor};
-use exactscore_server::model::{Model, ModelOptions};
+use exactscore_server::model::{Model, ModelOptions, ScoreInput, SequenceScores};
 use exactscore_server::quant::{ActivationQdq, ActivationQuantMode, LinearOptions};
 use serde_json::Value;
 
@@ -43,6 +43,29 @@ pub fn load(variant: &str, act: ActivationQuantMode) -> Model {
 pub fn reference(variant: &str) -> Value {
     let text = std::fs::read_to_string(fixtures().join(variant).join("reference.json")).unwrap();
     serde_json::from_str(&text).unwrap()
+}
+
+/// `model`'s scores of `seqs` in one batch, with the `top_k` alternatives of each position.
+pub fn score_all(model: &Model, seqs: &[Vec<u32>], top_k: usize) -> Vec<SequenceScores> {
+    let batch: Vec<ScoreInput> = seqs
+        .iter()
+        .map(|t| ScoreInput { tokens: t, top_k })
+        .collect();
+    model.score(&batch).unwrap()
+}
+
+/// Per-token |Δ| between our log-probs and a reference block, flattened.
+pub fn deltas(ours: &[SequenceScores], reference: &[Vec<f64>]) -> Vec<f64> {
+    ours.iter()
+        .zip(reference)
+        .flat_map(|(s, r)| {
+            assert_eq!(s.num_scored(), r.len());
+            s.token_logprobs()
+                .zip(r)
+                .map(|(a, b)| (a as f64 - b).abs())
+                .collect::<Vec<_>>()
+        })
+        .collect()
 }
 
 /// Token ids of every reference sequence.
