@@ -1,0 +1,186 @@
+//! The refactoring guard: the sha256 of every `/score`, `/kld` and `/diff` response on every
+//! fixture, in f32 and bf16 on the CPU, equals the digest recorded in `tests/golden/digests.json`.
+//!
+//! A change that moves any bit of any answer fails here. When a change of numbers is intended,
+//! record the new digests and say why in the commit:
+//!     EXACTSCORE_UPDATE_GOLDEN=1 cargo test -p exactscore-tests --test golden_digest
+//! The timing fields of `usage` (`queue_ms`, `compute_ms`) are left out of the digest; every
+//! other byte of the response body counts.
+
+mod common;
+
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+
+use common::{fixture, start};
+use serde_json::{json, Value};
+use sha2::{Digest, Sha256};
+
+/// Each fixture with its reference for `/kld` and `/diff`: the family's dense checkpoint, or
+/// another quantization of the family where it has no dense one.
+const CASES: [(&str, &str); 16] = [
+    ("llama-dense-bf16", "llama-w4a16-g128"),
+    ("llama-fp8-dynamic", "llama-dense-bf16"),
+    ("llama-nvfp4", "llama-dense-bf16"),
+    ("llama-nvfp4a16", "llama-dense-bf16"),
+    ("llama-w4a16-asym-g64", "llama-dense-bf16"),
+    ("llama-w4a16-g128", "llama-dense-bf16"),
+    ("llama-w8a16-channel", "llama-dense-bf16"),
+    ("gemma2-dense-bf16", "gemma2-w4a16-g32"),
+    ("gemma2-w4a16-g32", "gemma2-dense-bf16"),
+    ("gemma3-dense-bf16", "gemma3-w4a16-g32"),
+    ("gemma3-nvfp4a16", "gemma3-dense-bf16"),
+    ("gemma3-w4a16-g32", "gemma3-dense-bf16"),
+    ("mixtral-w4a16-g32", "mixtral-w4a16-g32"),
+    ("qwen3moe-fp8-dynamic", "qwen3moe-w4a16-g32"),
+    ("qwen3moe-nvfp4", "qwen3moe-w4a16-g32"),
+    ("qwen3moe-w4a16-g32", "qwen3moe-fp8-dynamic"),
+];
+
+/// Extra device layouts, on two fixtures: the pipeline's stage walking is guarded too.
+const LAYOUTS: [(&str, &str); 2] = [
+    ("llama-w4a16-g128", "cpu,cpu"),
+    ("qwen3moe-w4a16-g32", "cpu,cpu"),
+];
+
+fn golden_file() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("golden/digests.json")
+}
+
+/// The fixture's four reference sequences (17, 59, 223 and 256 ids).
+fn sequences(variant: &str) -> Vec<Vec<u32>> {
+    let text = std::fs::read_to_string(fixture(variant).join("reference.json")).unwrap();
+    let v: Value = serde_json::from_str(&text).unwrap();
+    v["sequences"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|s| serde_json::from_value(s["token_ids"].clone()).unwrap())
+        .collect()
+}
+
+/// Every route's request, with every optional output turned on; attribution where the
+/// reference is another checkpoint (a model against itself has no module to attribute).
+fn requests(seqs: &[Vec<u32>], attribute: bool) -> [(&'static str, Value); 4] {
+    [
+        (
+            "score",
+            json!({ "tokens": seqs, "top_k": 5,
+                    "return": {"token_logprobs": true, "top_k": true, "greedy": true,
+                               "token_strings": true} }),
+        ),
+        (
+            "kld",
+            json!({ "tokens": seqs, "per_token": true }),
+        ),
+        (
+            "diff",
+            json!({ "tokens": seqs, "per_position": true, "attribute": attribute }),
+        ),
+        (
+            "diff_until",
+            json!({ "tokens": seqs[..2], "reference_until": 1 }),
+        ),
+    ]
+}
+
+fn without_timings(mut v: Value) -> Value {
+    fn walk(v: &mut Value) {
+        match v {
+            Value::Object(map) => {
+                map.remove("queue_ms");
+                map.remove("compute_ms");
+                map.values_mut().for_each(walk);
+            }
+            Value::Array(items) => items.iter_mut().for_each(walk),
+            _ => {}
+        }
+    }
+    walk(&mut v);
+    v
+}
+
+fn sha256_hex(bytes: &[u8]) -> String {
+    Sha256::digest(bytes)
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect()
+}
+
+/// The digests of one server configuration, keyed `variant/dtype/device/route`.
+async fn digests_of(variant: &str, reference: &str, dtype: &str, device: &str) -> Vec<(String, String)> {
+    let reference_dir = fixture(reference);
+    let server = start(
+        variant,
+        &[
+            "--dtype",
+            dtype,
+            "--device",
+            device,
+            "--reference-model",
+            reference_dir.to_str().unwrap(),
+        ],
+    )
+    .await;
+    let client = reqwest::Client::new();
+    let mut out = Vec::new();
+    for (name, body) in requests(&sequences(variant), variant != reference) {
+        let route = if name.starts_with("diff") { "diff" } else { name };
+        let res = client
+            .post(format!("{}/{route}", server.base))
+            .json(&body)
+            .send()
+            .await
+            .unwrap();
+        let status = res.status().as_u16();
+        let text = res.text().await.unwrap();
+        assert_eq!(status, 200, "{variant} {dtype} {device} /{route}: {text}");
+        let canonical = serde_json::to_vec(&without_timings(serde_json::from_str(&text).unwrap()))
+            .unwrap();
+        out.push((
+            format!("{variant}/{dtype}/{device}/{name}"),
+            sha256_hex(&canonical),
+        ));
+    }
+    let _ = server.stop.send(());
+    server.done.await.unwrap().unwrap();
+    out
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_response_on_every_fixture_equals_the_recorded_digest() {
+    let mut now = BTreeMap::new();
+    for (variant, reference) in CASES {
+        for dtype in ["f32", "bf16"] {
+            now.extend(digests_of(variant, reference, dtype, "cpu").await);
+        }
+    }
+    for (variant, device) in LAYOUTS {
+        let reference = CASES.iter().find(|c| c.0 == variant).unwrap().1;
+        now.extend(digests_of(variant, reference, "f32", device).await);
+    }
+
+    if std::env::var_os("EXACTSCORE_UPDATE_GOLDEN").is_some() {
+        let text = serde_json::to_string_pretty(&now).unwrap() + "\n";
+        std::fs::create_dir_all(golden_file().parent().unwrap()).unwrap();
+        std::fs::write(golden_file(), text).unwrap();
+        println!("recorded {} digests in {}", now.len(), golden_file().display());
+        return;
+    }
+    let recorded: BTreeMap<String, String> =
+        serde_json::from_str(&std::fs::read_to_string(golden_file()).unwrap()).unwrap();
+    let differing: Vec<&String> = recorded
+        .keys()
+        .chain(now.keys())
+        .filter(|k| recorded.get(*k) != now.get(*k))
+        .collect();
+    assert!(
+        differing.is_empty(),
+        "{} of {} responses differ from tests/golden/digests.json: {differing:?}\n\
+         If the change of numbers is intended, record them with\n    \
+         EXACTSCORE_UPDATE_GOLDEN=1 cargo test -p exactscore-tests --test golden_digest",
+        differing.len(),
+        recorded.len()
+    );
+    println!("{} digests equal", now.len());
+}
