@@ -69,10 +69,7 @@ fn requests(seqs: &[Vec<u32>], attribute: bool) -> [(&'static str, Value); 4] {
                     "return": {"token_logprobs": true, "top_k": true, "greedy": true,
                                "token_strings": true} }),
         ),
-        (
-            "kld",
-            json!({ "tokens": seqs, "per_token": true }),
-        ),
+        ("kld", json!({ "tokens": seqs, "per_token": true })),
         (
             "diff",
             json!({ "tokens": seqs, "per_position": true, "attribute": attribute }),
@@ -108,7 +105,12 @@ fn sha256_hex(bytes: &[u8]) -> String {
 }
 
 /// The digests of one server configuration, keyed `variant/dtype/device/route`.
-async fn digests_of(variant: &str, reference: &str, dtype: &str, device: &str) -> Vec<(String, String)> {
+async fn digests_of(
+    variant: &str,
+    reference: &str,
+    dtype: &str,
+    device: &str,
+) -> Vec<(String, String)> {
     let reference_dir = fixture(reference);
     let server = start(
         variant,
@@ -125,7 +127,11 @@ async fn digests_of(variant: &str, reference: &str, dtype: &str, device: &str) -
     let client = reqwest::Client::new();
     let mut out = Vec::new();
     for (name, body) in requests(&sequences(variant), variant != reference) {
-        let route = if name.starts_with("diff") { "diff" } else { name };
+        let route = if name.starts_with("diff") {
+            "diff"
+        } else {
+            name
+        };
         let res = client
             .post(format!("{}/{route}", server.base))
             .json(&body)
@@ -135,8 +141,8 @@ async fn digests_of(variant: &str, reference: &str, dtype: &str, device: &str) -
         let status = res.status().as_u16();
         let text = res.text().await.unwrap();
         assert_eq!(status, 200, "{variant} {dtype} {device} /{route}: {text}");
-        let canonical = serde_json::to_vec(&without_timings(serde_json::from_str(&text).unwrap()))
-            .unwrap();
+        let canonical =
+            serde_json::to_vec(&without_timings(serde_json::from_str(&text).unwrap())).unwrap();
         out.push((
             format!("{variant}/{dtype}/{device}/{name}"),
             sha256_hex(&canonical),
@@ -164,7 +170,11 @@ async fn every_response_on_every_fixture_equals_the_recorded_digest() {
         let text = serde_json::to_string_pretty(&now).unwrap() + "\n";
         std::fs::create_dir_all(golden_file().parent().unwrap()).unwrap();
         std::fs::write(golden_file(), text).unwrap();
-        println!("recorded {} digests in {}", now.len(), golden_file().display());
+        println!(
+            "recorded {} digests in {}",
+            now.len(),
+            golden_file().display()
+        );
         return;
     }
     let recorded: BTreeMap<String, String> =
