@@ -1,5 +1,5 @@
-//! Compiles server/kernels/{exactscore,attention,int4_gemm}.cu with nvcc when the `cuda` feature is on,
-//! each into one fatbin: machine code (SASS) for every architecture in $EXACTSCORE_CUDA_ARCHS
+//! Compiles every op family's server/kernels/*.cu with nvcc when the `cuda` feature is on, each
+//! into one fatbin (loaded by `cuda/module.rs`): machine code (SASS) for every architecture in $EXACTSCORE_CUDA_ARCHS
 //! (default `80,89,90`: A100, L40S/RTX 4090, H100/H200) and $CUDA_COMPUTE_CAP, plus PTX of the
 //! newest one so that later GPUs can still JIT it. Machine code loads without the driver's PTX
 //! JIT, which costs seconds on a fresh machine. kernels/attention_sm90.cu (Hopper's wgmma) is
@@ -25,7 +25,7 @@ fn main() {
         "-gencode=arch=compute_{newest},code=compute_{newest}"
     ));
     let out = std::path::PathBuf::from(std::env::var("OUT_DIR").unwrap());
-    for name in ["exactscore", "attention", "int4_gemm"] {
+    for name in families() {
         let src = format!("kernels/{name}.cu");
         let fatbin = out.join(format!("{name}.fatbin"));
         let status = std::process::Command::new(&nvcc)
@@ -84,4 +84,18 @@ fn architectures() -> Vec<u32> {
     archs.sort_unstable();
     archs.dedup();
     archs
+}
+
+/// The op families' kernel files: every `kernels/*.cu` but the sm_90a-only one, built apart.
+fn families() -> Vec<String> {
+    let mut names: Vec<String> = std::fs::read_dir("kernels")
+        .expect("server/kernels is readable")
+        .filter_map(|entry| {
+            let name = entry.ok()?.file_name().into_string().ok()?;
+            let stem = name.strip_suffix(".cu")?;
+            (stem != "attention_sm90").then(|| stem.to_string())
+        })
+        .collect();
+    names.sort();
+    names
 }

@@ -4,6 +4,43 @@
 // sequences at once (`starts`: prefix offsets of the sequences), so no transposes or GQA copies.
 #include "flash.cuh"
 
+#define ROW_THREADS 256
+
+// ---- attention: fused scale + causal (sliding-window) mask + softmax over f32 scores ----------
+
+// `scores` is [heads * t, t] (row = head * t + query). Out-of-window entries become 0.
+template <typename T>
+__device__ void causal_softmax(const float* scores, T* out, int t, float scale, int window) {
+    __shared__ float s_red[ROW_THREADS];
+    long row = blockIdx.x;
+    int i = row % t;
+    int lo = window > 0 ? max(0, i - window + 1) : 0;
+    const float* src = scores + row * t;
+    T* dst = out + row * t;
+    int tid = threadIdx.x;
+    float m = -INFINITY;
+    for (int j = lo + tid; j <= i; j += ROW_THREADS) m = fmaxf(m, src[j] * scale);
+    s_red[tid] = m;
+    __syncthreads();
+    for (int s = ROW_THREADS / 2; s > 0; s >>= 1) {
+        if (tid < s) s_red[tid] = fmaxf(s_red[tid], s_red[tid + s]);
+        __syncthreads();
+    }
+    m = s_red[0];
+    __syncthreads();
+    float sum = 0.0f;
+    for (int j = lo + tid; j <= i; j += ROW_THREADS) sum += expf(src[j] * scale - m);
+    s_red[tid] = sum;
+    __syncthreads();
+    for (int s = ROW_THREADS / 2; s > 0; s >>= 1) {
+        if (tid < s) s_red[tid] += s_red[tid + s];
+        __syncthreads();
+    }
+    sum = s_red[0];
+    for (int j = tid; j < t; j += ROW_THREADS)
+        dst[j] = from_f32<T>((j >= lo && j <= i) ? expf(src[j] * scale - m) / sum : 0.0f);
+}
+
 // ---- RoPE ------------------------------------------------------------------------------------
 
 // transformers' `x * cos + rotate_half(x) * sin` with every product and the sum rounded to T,
@@ -205,3 +242,11 @@ ROPE_ENTRY(bf16, __nv_bfloat16)
 ROPE_ENTRY(f16, __half)
 FLASH_ENTRIES(bf16, __nv_bfloat16)
 FLASH_ENTRIES(f16, __half)
+
+#define CAUSAL_SOFTMAX_ENTRIES(SUFFIX, T)                                                          \
+    extern "C" __global__ void causal_softmax_##SUFFIX(const float* s, T* o, int t, float scale, int w) { \
+        causal_softmax<T>(s, o, t, scale, w);                                                      \
+    }
+CAUSAL_SOFTMAX_ENTRIES(f32, float)
+CAUSAL_SOFTMAX_ENTRIES(bf16, __nv_bfloat16)
+CAUSAL_SOFTMAX_ENTRIES(f16, __half)

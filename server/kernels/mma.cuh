@@ -1,5 +1,5 @@
 // Tensor-core pieces shared by the mma.sync kernels (attention.cu, attention_sm90.cu through
-// flash.cuh, int4_gemm.cu): the MMA and its pair packing, ldmatrix, asynchronous tile copies.
+// flash.cuh, int4_gemm.cuh): the MMA and its pair packing, ldmatrix, asynchronous tile copies.
 #pragma once
 #include "common.cuh"
 

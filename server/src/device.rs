@@ -1,10 +1,36 @@
 //! Opening a compute device the way every entry point (server, benchmark) needs it, and moving
-//! tensors between devices. Like [`crate::ops`], each function dispatches to `crate::cuda` or
-//! answers for the CPU, without a `cfg` of its own.
+//! tensors between devices. Each function dispatches to `crate::cuda`'s launch plumbing or
+//! answers for the CPU; a build without the `cuda` feature has the stubs below, which answer
+//! as for the CPU (no CUDA device can be opened in such a build).
 
 use candle_core::{Device, Result, Tensor};
 
-use crate::ops::gpu;
+#[cfg(feature = "cuda")]
+use crate::cuda as gpu;
+
+#[cfg(not(feature = "cuda"))]
+mod gpu {
+    use candle_core::{bail, Device, Result, Tensor};
+
+    pub fn transfer(_t: &Tensor, _device: &Device) -> Result<Tensor> {
+        bail!("this build has no CUDA kernels (built without the `cuda` feature)")
+    }
+    pub fn retain_freed_memory(_device: &Device) -> Result<()> {
+        Ok(())
+    }
+    pub fn release_freed_memory(_device: &Device) -> Result<()> {
+        Ok(())
+    }
+    pub fn bind(_device: &Device) -> Result<()> {
+        Ok(())
+    }
+    pub fn enable_peer_access(_devices: &[&Device]) -> Result<Vec<(usize, usize)>> {
+        Ok(Vec::new())
+    }
+    pub fn memory_total(_device: &Device) -> Result<Option<u64>> {
+        Ok(None)
+    }
+}
 
 /// CUDA device `ordinal`, its memory pool set to keep freed blocks (see
 /// `cuda::retain_freed_memory`). Without the `cuda` feature candle's own error says so.

@@ -6,124 +6,58 @@ use candle_core::cuda_backend::WrapErr;
 use candle_core::{bail, DType, Device, Result, Tensor};
 
 use super::module::{kernel, KernelModule, ATTENTION, ATTENTION_SM90};
-use super::{grid_1d, kernel_name, rows_of_vectors, vector_kernel_name, with_slice, wrap};
+use super::{
+    grid_1d, grid_rows, kernel_name, rows_of_vectors, vector_kernel_name, with_slice, wrap,
+};
 
 /// Threads per block of `flash_attention_*` (attention.cu).
 const THREADS: u32 = 128;
 
-/// The tensor-core instructions of a flash kernel.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum FlashMma {
-    /// `mma.sync` (attention.cu): every architecture from sm_80.
-    Sync,
-    /// Hopper's warpgroup MMA (attention_sm90.cu): sm_90 only, head_dim 128, 128 x 64, two
-    /// K/V buffers.
-    Wgmma,
-}
-
-/// How the flash kernel tiles the work: query rows per block (64 per 16-row MMA tile of each of
-/// its 4 warps) and keys per step of the online softmax, and its MMA instructions. Every tiling
-/// gives a row the same arithmetic in the same order except for where the key steps fall (the
-/// two MMA kinds accumulate in the same order: `exactscore-bench check` compares their bits).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct FlashTiling {
-    pub rows: usize,
-    pub keys: usize,
-    pub mma: FlashMma,
-}
-
-impl FlashTiling {
-    /// What the model runs: two MMA row tiles per warp (each K/V fragment feeds two MMAs).
-    pub const DEFAULT: Self = Self {
-        rows: 128,
-        keys: 64,
-        mma: FlashMma::Sync,
+/// Whether the wgmma flash kernel was built (for sm_90) and runs on `device` (a Hopper GPU).
+pub fn wgmma_runs_on(device: &Device) -> Result<bool> {
+    let Device::Cuda(dev) = device else {
+        return Ok(false);
     };
+    Ok(
+        ATTENTION_SM90.is_built()
+            && dev.cuda_stream().context().compute_capability().w()? == (9, 0),
+    )
+}
 
-    /// The tilings compiled for head size `head_dim` (attention.cu's `FLASH_ENTRIES`,
-    /// attention_sm90.cu's `WG_ENTRY`).
-    pub fn compiled(head_dim: usize) -> &'static [FlashTiling] {
-        // 64 x 64 (one MMA row tile per warp) for comparison: 13 % slower on an H100 at 4
-        // windows of Llama-3-8B (and 128 x 32 7 %, no longer built); docs/performance.md.
-        const D128: &[FlashTiling] = &[
-            FlashTiling::DEFAULT,
-            FlashTiling {
-                rows: 64,
-                ..FlashTiling::DEFAULT
-            },
-            FlashTiling {
-                mma: FlashMma::Wgmma,
-                ..FlashTiling::DEFAULT
-            },
-        ];
-        match head_dim {
-            64 => &[FlashTiling::DEFAULT],
-            128 => D128,
-            _ => &[],
-        }
-    }
-
-    /// What the model runs for `head_dim` on `device`: the wgmma kernel where it is compiled
-    /// and runs, else [`Self::DEFAULT`]. Both give the same bits (`exactscore-bench check`).
-    pub fn for_device(head_dim: usize, device: &Device) -> Result<Self> {
-        let wgmma = Self {
-            mma: FlashMma::Wgmma,
-            ..Self::DEFAULT
-        };
-        Ok(
-            if Self::compiled(head_dim).contains(&wgmma) && wgmma.runs_on(device)? {
-                wgmma
-            } else {
-                Self::DEFAULT
-            },
+/// The flash kernel of a tiling (`rows` x `keys`, wgmma or mma.sync) for `head_dim`: its name
+/// (without the dtype suffix), module, and dynamic shared memory per block. `mma.sync`: the Q
+/// tile and one K and one V tile, rows padded by 8 for a conflict-free `ldmatrix`. wgmma: the Q
+/// tile and two K and two V tiles, swizzled instead of padded, plus room to align them to 1024
+/// bytes.
+fn flash_kernel(
+    (rows, keys, wgmma): (usize, usize, bool),
+    head_dim: usize,
+    elem: usize,
+) -> (String, &'static KernelModule, usize) {
+    if wgmma {
+        (
+            format!("flash_attention_wgmma_d{head_dim}_r{rows}_k{keys}"),
+            &ATTENTION_SM90,
+            (rows + 4 * keys) * head_dim * elem + 1024,
+        )
+    } else {
+        (
+            format!("flash_attention_d{head_dim}_r{rows}_k{keys}"),
+            &ATTENTION,
+            (rows + 2 * keys) * (head_dim + 8) * elem,
         )
     }
-
-    /// Whether this tiling's kernel runs on `device`: wgmma needs a Hopper GPU (sm_90) and a
-    /// build that included sm_90.
-    pub fn runs_on(self, device: &Device) -> Result<bool> {
-        let Device::Cuda(dev) = device else {
-            return Ok(false);
-        };
-        Ok(match self.mma {
-            FlashMma::Sync => true,
-            FlashMma::Wgmma => {
-                ATTENTION_SM90.is_built()
-                    && dev.cuda_stream().context().compute_capability().w()? == (9, 0)
-            }
-        })
-    }
-
-    /// The kernel's name (without the dtype suffix) and its module.
-    fn kernel(self, head_dim: usize) -> (String, &'static KernelModule) {
-        let (rows, keys) = (self.rows, self.keys);
-        match self.mma {
-            FlashMma::Sync => (
-                format!("flash_attention_d{head_dim}_r{rows}_k{keys}"),
-                &ATTENTION,
-            ),
-            FlashMma::Wgmma => (
-                format!("flash_attention_wgmma_d{head_dim}_r{rows}_k{keys}"),
-                &ATTENTION_SM90,
-            ),
-        }
-    }
-
-    /// Dynamic shared memory of one block. `Sync`: the Q tile and one K and one V tile, rows
-    /// padded by 8 for a conflict-free `ldmatrix`. `Wgmma`: the Q tile and two K and two V
-    /// tiles, swizzled instead of padded, plus room to align them to 1024 bytes.
-    fn shared_bytes(self, head_dim: usize, elem: usize) -> usize {
-        let (rows, keys) = (self.rows, self.keys);
-        match self.mma {
-            FlashMma::Sync => (rows + 2 * keys) * (head_dim + 8) * elem,
-            FlashMma::Wgmma => (rows + 4 * keys) * head_dim * elem + 1024,
-        }
-    }
 }
 
-/// Whether [`flash_attention`] has a kernel for this head size and compute dtype.
-pub fn flash_attention_supported(head_dim: usize, dtype: DType) -> bool {
-    matches!(head_dim, 64 | 128) && matches!(dtype, DType::BF16 | DType::F16)
+/// `a · b` with cuBLAS f32 GEMMs on TF32 tensor cores. Used for Q·Kᵀ in bf16/f16 compute:
+/// bf16 and f16 values are exact in TF32, so the scores keep f32 accumulation and f32 output
+/// (as fused bf16 attention kernels do), at tensor-core speed.
+pub fn matmul_tf32(a: &Tensor, b: &Tensor) -> Result<Tensor> {
+    let before = candle_core::cuda_backend::gemm_reduced_precision_f32();
+    candle_core::cuda_backend::set_gemm_reduced_precision_f32(true);
+    let result = a.matmul(b);
+    candle_core::cuda_backend::set_gemm_reduced_precision_f32(before);
+    result
 }
 
 /// RoPE (`rotate_half` convention) of `x` `[tokens, heads, head_dim]`; `positions[token]` indexes
@@ -164,42 +98,25 @@ pub fn rope_rotate_half(
     }))
 }
 
-/// How [`flash_attention`] runs.
-#[derive(Debug, Clone, Copy)]
-pub struct FlashOptions {
-    /// Softmax scale (usually `1 / sqrt(head_dim)`).
-    pub scale: f32,
-    /// Sliding window: a query sees at most this many keys (itself included).
-    pub window: Option<usize>,
-    pub tiling: FlashTiling,
-}
-
-impl FlashOptions {
-    /// Scale `1 / sqrt(head_dim)`, no window, the default tiling.
-    pub fn plain(head_dim: usize) -> Self {
-        Self {
-            scale: 1.0 / (head_dim as f32).sqrt(),
-            window: None,
-            tiling: FlashTiling::DEFAULT,
-        }
-    }
-}
-
 /// Causal softmax attention of `q` `[tokens, hq, d]` over `k`, `v` `[tokens, hkv, d]` for the
 /// sequences whose token ranges are `starts[i]..starts[i + 1]` (i32, on the device); `max_len`
 /// is the longest of them. Returns `[tokens, hq * d]` in the compute dtype. Scores and the
-/// softmax state stay in f32 on chip; nothing of size T×T is written.
+/// softmax state stay in f32 on chip; nothing of size T×T is written. `tile`: the tiling
+/// (`ops::FlashTiling`, which checks that it was compiled for this head size).
+#[allow(clippy::too_many_arguments)]
 pub fn flash_attention(
     q: &Tensor,
     k: &Tensor,
     v: &Tensor,
     starts: &Tensor,
     max_len: usize,
-    opts: &FlashOptions,
+    scale: f32,
+    window: Option<usize>,
+    tile: (usize, usize, bool),
 ) -> Result<Tensor> {
     let (tokens, hq, dim) = q.dims3()?;
     let (_, hkv, _) = k.dims3()?;
-    if !flash_attention_supported(dim, q.dtype()) || hq % hkv != 0 || v.dims3()? != k.dims3()? {
+    if hq % hkv != 0 || v.dims3()? != k.dims3()? {
         bail!(
             "flash attention: unsupported shapes q {:?} k {:?} v {:?} ({:?})",
             q.dims(),
@@ -208,27 +125,18 @@ pub fn flash_attention(
             q.dtype()
         );
     }
-    let tiling = opts.tiling;
-    if !FlashTiling::compiled(dim).contains(&tiling) {
-        bail!("flash attention: no kernel for {tiling:?} at head_dim {dim}");
-    }
     let sequences = starts.elem_count() - 1;
-    let (base, module) = tiling.kernel(dim);
+    let (base, module, shared) = flash_kernel(tile, dim, q.dtype().size_in_bytes());
     let name = kernel_name(&base, q.dtype());
-    let shared = tiling.shared_bytes(dim, q.dtype().size_in_bytes());
     let config = LaunchConfig {
         // Heads fastest, so that the longest query blocks of all heads start first (flash.cuh).
-        grid_dim: (
-            hq as u32,
-            max_len.div_ceil(tiling.rows) as u32,
-            sequences as u32,
-        ),
+        grid_dim: (hq as u32, max_len.div_ceil(tile.0) as u32, sequences as u32),
         block_dim: (THREADS, 1, 1),
         shared_mem_bytes: shared as u32,
     };
     let (hq32, hkv32) = (hq as i32, hkv as i32);
-    let scale_log2 = opts.scale * std::f32::consts::LOG2_E;
-    let w32 = opts.window.map_or(0, |w| w as i32);
+    let scale_log2 = scale * std::f32::consts::LOG2_E;
+    let w32 = window.map_or(0, |w| w as i32);
     with_float_type!(q.dtype(), T => with_slice::<T, _>(q, |qs, qo, dev| {
         with_slice::<T, _>(k, |ks, ko, _| {
             with_slice::<T, _>(v, |vs, vo, _| {
@@ -248,4 +156,34 @@ pub fn flash_attention(
             })
         })
     }))
+}
+
+/// `softmax(scale * scores)` under a causal (optionally sliding-window) mask, for f32 scores
+/// `[heads, t, t]`, written in `dtype`; masked entries are 0. One pass instead of scale + mask
+/// add + softmax.
+pub fn causal_softmax(
+    scores: &Tensor,
+    scale: f32,
+    window: Option<usize>,
+    dtype: DType,
+) -> Result<Tensor> {
+    let scores = scores.contiguous()?;
+    let dims = scores.dims().to_vec();
+    let t = *dims.last().unwrap_or(&0);
+    let rows = scores.elem_count() / t.max(1);
+    let name = kernel_name("causal_softmax", dtype);
+    with_slice::<f32, _>(&scores, |s, so, dev| {
+        with_float_type!(dtype, T => {
+            let func = kernel(dev, &ATTENTION, &name)?;
+            // SAFETY: the kernel writes every element.
+            let out = unsafe { dev.alloc::<T>(rows * t) }?;
+            let s = s.slice(so..);
+            let (t32, w32) = (t as i32, window.map_or(0, |w| w as i32));
+            let mut b = func.builder();
+            b.arg(&s).arg(&out).arg(&t32).arg(&scale).arg(&w32);
+            // SAFETY: arguments match `causal_softmax_*`.
+            unsafe { b.launch(grid_rows(rows)) }.w()?;
+            Ok(wrap(out, dev, dims))
+        })
+    })
 }

@@ -17,12 +17,12 @@ use candle_core::cuda_backend::{
 };
 use candle_core::{bail, CpuStorage, CudaStorage, DType, InplaceOp3, Layout, Result, Tensor};
 
-use super::module::{kernel, EXACTSCORE};
+use super::module::{kernel, GEMM};
 use super::{with_slice, wrap};
 
 /// `x · wᵀ` (`x`: `[m, k]`, `w`: `[n, k]`, f32) with every output summed by fused multiply-adds
-/// over k in order (`matmul_t_f32` in exactscore.cu; its CPU reference is
-/// [`crate::quant::gemm::matmul_t_sequential_fma`]): a row's result is the same bits whatever
+/// over k in order (`matmul_t_f32` in gemm.cu; its CPU reference is
+/// [`crate::ops::gemm::matmul_t_sequential_fma`]): a row's result is the same bits whatever
 /// other rows share the call.
 pub fn matmul_t_f32(x: &Tensor, w: &Tensor) -> Result<Tensor> {
     let (x, w) = (x.contiguous()?, w.contiguous()?);
@@ -51,7 +51,7 @@ pub fn matmul_t_f32(x: &Tensor, w: &Tensor) -> Result<Tensor> {
             } else {
                 "matmul_t_f32"
             };
-            let func = kernel(dev, &EXACTSCORE, name)?;
+            let func = kernel(dev, &GEMM, name)?;
             // SAFETY: the kernel writes every element.
             let out = unsafe { dev.alloc::<f32>(m * n) }?;
             let (xs, ws) = (xs.slice(xo..), ws.slice(wo..));

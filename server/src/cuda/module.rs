@@ -1,6 +1,6 @@
-//! The compiled kernel modules (fatbins built by `build.rs`) and their loading. Machine code for
-//! the GPU's architecture loads in milliseconds; only a GPU newer than every built architecture
-//! falls back to JIT-compiling the embedded PTX.
+//! The compiled kernel modules (fatbins built by `build.rs`, one per op family) and their
+//! loading. Machine code for the GPU's architecture loads in milliseconds; only a GPU newer than
+//! every built architecture falls back to JIT-compiling the embedded PTX.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, OnceLock};
@@ -17,27 +17,32 @@ pub(crate) struct KernelModule {
     image: &'static [u8],
 }
 
-pub(crate) const EXACTSCORE: KernelModule = KernelModule {
-    name: "exactscore",
-    image: include_bytes!(concat!(env!("OUT_DIR"), "/exactscore.fatbin")),
-};
+/// `NAME: "file"`: the module built from `kernels/file.cu`.
+macro_rules! kernel_modules {
+    ($($(#[$doc:meta])* $const_name:ident: $file:literal,)*) => {
+        $(
+            $(#[$doc])*
+            pub(crate) const $const_name: KernelModule = KernelModule {
+                name: $file,
+                image: include_bytes!(concat!(env!("OUT_DIR"), "/", $file, ".fatbin")),
+            };
+        )*
+    };
+}
 
-pub(crate) const INT4_GEMM: KernelModule = KernelModule {
-    name: "int4_gemm",
-    image: include_bytes!(concat!(env!("OUT_DIR"), "/int4_gemm.fatbin")),
-};
-
-pub(crate) const ATTENTION: KernelModule = KernelModule {
-    name: "attention",
-    image: include_bytes!(concat!(env!("OUT_DIR"), "/attention.fatbin")),
-};
-
-/// Hopper-only kernels (wgmma): machine code for sm_90a, empty where build.rs did not build
-/// for sm_90 (loading it then fails, and its kernels are reported missing).
-pub(crate) const ATTENTION_SM90: KernelModule = KernelModule {
-    name: "attention_sm90",
-    image: include_bytes!(concat!(env!("OUT_DIR"), "/attention_sm90.fatbin")),
-};
+// One module per op family.
+kernel_modules! {
+    ATTENTION: "attention",
+    /// Hopper-only kernels (wgmma): machine code for sm_90a, empty where build.rs did not build
+    /// for sm_90 (loading it then fails, and its kernels are reported missing).
+    ATTENTION_SM90: "attention_sm90",
+    DEQUANT: "dequant",
+    EMBEDDING: "embedding",
+    GEMM: "gemm",
+    MOE: "moe",
+    NORM: "norm",
+    SCORING: "scoring",
+}
 
 impl KernelModule {
     /// Whether build.rs built machine code into this module (see [`ATTENTION_SM90`]).

@@ -6,6 +6,7 @@ use serde_json::Value;
 
 pub use super::rope::{Rope, RopeScaling};
 use crate::checkpoint::LoadError;
+pub use crate::ops::Activation;
 
 /// The model families we serve.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
@@ -86,24 +87,6 @@ impl Architecture {
             "model.vision_tower.",
             "model.multi_modal_projector.",
         ]
-    }
-}
-
-/// The MLP's gate activation.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Activation {
-    Silu,
-    /// `gelu_pytorch_tanh`: GELU with the tanh approximation (GeGLU).
-    GeluTanh,
-}
-
-impl Activation {
-    /// The profile stage of the gated product `act(gate) * up`.
-    pub fn stage_name(self) -> &'static str {
-        match self {
-            Self::Silu => "silu_mul",
-            Self::GeluTanh => "gelu_mul",
-        }
     }
 }
 

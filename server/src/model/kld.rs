@@ -7,31 +7,7 @@ use std::ops::Range;
 use candle_core::{Result, Tensor};
 
 use super::decoder::{lm_head_rows, Model};
-use super::scoring::log_sum_exp;
-
-/// One position that has a next token: how the served model's distribution differs from the
-/// reference's there.
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub struct TokenKld {
-    /// KL(reference ‖ model) = Σ_v p_ref(v) · (log p_ref(v) − log p_model(v)), in nats, from the
-    /// f32 log-softmax rows of both models, accumulated in f64.
-    pub kld: f64,
-    /// KL(model ‖ reference) = Σ_v p_model(v) · (log p_model(v) − log p_ref(v)), likewise.
-    pub reverse_kld: f64,
-    /// The served model's log p(next token).
-    pub logprob: f32,
-    /// The reference model's log p(next token).
-    pub reference_logprob: f32,
-    /// Whether both models' most likely token (lowest id on ties) is the same.
-    pub same_top: bool,
-    /// Bit K − 1 set when both models' K most likely tokens (best first, lowest id on ties)
-    /// are the same set, K = 1..=[`TOP_K_AGREEMENT_MAX`]; bit 0 equals `same_top`.
-    pub top_k_agreement: u8,
-    /// The reference's probability of its most likely token, in f64.
-    pub reference_top_p: f64,
-}
-
-pub use exactscore_api::TOP_K_AGREEMENT_MAX;
+pub use crate::ops::{kld_row, top_k_agreement, TokenKld, TOP_K_AGREEMENT_MAX};
 
 /// Per-token divergences of one sequence of `n` tokens: `tokens[i]` is about the distribution
 /// after token `i` (predicting token `i + 1`), so there are `n − 1` of them.
@@ -76,13 +52,15 @@ pub fn logit_chunks(sequences: &[&[u32]], vocab: usize) -> Vec<Range<usize>> {
 }
 
 /// The divergences of `sequences`, each side's logits (over `vocab` tokens) of a range of the
-/// batch's rows given by its `logits`, the ranges of [`logit_chunks`] in order.
-pub fn kld_hidden(
-    reference_logits: impl Fn(Range<usize>) -> Result<Tensor>,
-    logits: impl Fn(Range<usize>) -> Result<Tensor>,
+/// batch's rows given by its `logits`, the ranges of [`logit_chunks`] in order. The one chunk
+/// loop of every divergence: the model's, `/diff`'s and the pipelined engine's (whose reference
+/// side hands its chunks over a channel, hence the error type of the caller's choice).
+pub fn kld_hidden<E: From<candle_core::Error>>(
+    mut reference_logits: impl FnMut(Range<usize>) -> std::result::Result<Tensor, E>,
+    mut logits: impl FnMut(Range<usize>) -> std::result::Result<Tensor, E>,
     sequences: &[&[u32]],
     vocab: usize,
-) -> Result<Vec<SequenceKld>> {
+) -> std::result::Result<Vec<SequenceKld>, E> {
     let mut out: Vec<SequenceKld> = sequences.iter().map(|_| SequenceKld::default()).collect();
     let mut chunks = logit_chunks(sequences, vocab).into_iter().peekable();
     let mut offset = 0;
@@ -116,65 +94,6 @@ pub fn kld_logits(
         );
     }
     crate::ops::kld_rows(reference_logits, logits, targets)
-}
-
-/// The divergence at one position, in f64 from f32 logits: the CPU reference of the kernel.
-pub fn kld_row(reference: &[f32], model: &[f32], target: u32) -> TokenKld {
-    let (reference_top, reference_lse) = top_ids_and_lse(reference);
-    let (top, lse) = top_ids_and_lse(model);
-    let (mut kld, mut reverse_kld) = (0f64, 0f64);
-    for (&r, &m) in reference.iter().zip(model) {
-        let (log_p_ref, log_p) = (r as f64 - reference_lse, m as f64 - lse);
-        kld += log_p_ref.exp() * (log_p_ref - log_p);
-        reverse_kld += log_p.exp() * (log_p - log_p_ref);
-    }
-    let t = target as usize;
-    TokenKld {
-        kld,
-        reverse_kld,
-        logprob: (model[t] as f64 - lse) as f32,
-        reference_logprob: (reference[t] as f64 - reference_lse) as f32,
-        same_top: top[0] == reference_top[0],
-        top_k_agreement: top_k_agreement(&reference_top, &top),
-        reference_top_p: (reference[reference_top[0] as usize] as f64 - reference_lse).exp(),
-    }
-}
-
-/// The bit mask of [`TokenKld::top_k_agreement`] from both rows' best ids, best first.
-pub fn top_k_agreement(reference_top: &[u32], top: &[u32]) -> u8 {
-    (1..=TOP_K_AGREEMENT_MAX).fold(0, |mask, k| {
-        // A vocabulary of fewer than K tokens: its whole set.
-        let n = k.min(top.len()).min(reference_top.len());
-        let same = reference_top[..n].iter().all(|id| top[..n].contains(id));
-        mask | (u8::from(same) << (k - 1))
-    })
-}
-
-/// The [`TOP_K_AGREEMENT_MAX`] best ids of a row (fewer when the row is shorter), best first
-/// and the lowest id first on ties, with log Σ exp(logits) in f64. Each value enters the sorted
-/// list from its end, as in the kernel.
-fn top_ids_and_lse(logits: &[f32]) -> (Vec<u32>, f64) {
-    // (value, id) is better than (value', id') when larger, or equal with a lower id.
-    let better = |i: usize, j: usize| logits[i] > logits[j] || (logits[i] == logits[j] && i < j);
-    let mut top: Vec<usize> = Vec::with_capacity(TOP_K_AGREEMENT_MAX);
-    for i in 0..logits.len() {
-        if top.len() == TOP_K_AGREEMENT_MAX {
-            if !better(i, top[TOP_K_AGREEMENT_MAX - 1]) {
-                continue;
-            }
-            top.pop();
-        }
-        let mut at = top.len();
-        while at > 0 && better(i, top[at - 1]) {
-            at -= 1;
-        }
-        top.insert(at, i);
-    }
-    let best = top.first().map_or(f32::NEG_INFINITY, |&i| logits[i]);
-    (
-        top.into_iter().map(|i| i as u32).collect(),
-        log_sum_exp(logits, best),
-    )
 }
 
 impl SequenceKld {

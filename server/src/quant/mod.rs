@@ -5,10 +5,10 @@ pub mod act_qdq;
 pub mod compressed_tensors;
 pub mod dense;
 pub mod float_quantized;
-pub mod gemm;
-pub mod minifloat;
 pub mod nvfp4;
 pub mod pack_quantized;
+
+pub use crate::ops::minifloat;
 
 use std::sync::Arc;
 
@@ -93,7 +93,7 @@ impl QuantLinear {
 
     /// [`Self::forward_quantized`] with the weight [`Self::dequantized_like`] gave.
     pub fn forward_dequantized(&self, x: &Tensor, w: &Tensor) -> Result<Tensor> {
-        self.add_bias(gemm::matmul_t(x, w)?)
+        self.add_bias(ops::matmul_t(x, w)?)
     }
 
     /// `residual + x · Wᵀ (+ b)` of an input that has been through this layer's activation QDQ
@@ -175,7 +175,7 @@ impl RowChunks<'_> {
         if self.in_place {
             ops::matmul_t_add_into_rows(&self.residual, self.filled, x, w)?;
         } else {
-            self.parts.push(gemm::matmul_t(x, w)?);
+            self.parts.push(ops::matmul_t(x, w)?);
         }
         self.filled += n;
         Ok(())

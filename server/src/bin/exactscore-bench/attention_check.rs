@@ -6,8 +6,8 @@
 
 use anyhow::{bail, Result};
 use candle_core::{DType, Device, Tensor, D};
-use exactscore_server::cuda::{flash_attention, rope_rotate_half, FlashOptions, FlashTiling};
 use exactscore_server::model::causal_mask;
+use exactscore_server::ops::{flash_attention, rope_rotate_half, FlashOptions, FlashTiling};
 use half::bf16;
 
 /// f32 causal attention of one sequence `[len, heads, dim]` → `[len, heads * dim]`.

@@ -720,12 +720,12 @@ fn check(fixtures: &Path, device: &Device) -> Result<()> {
 /// cuBLAS's on the Llama-3-8B MLP shape.
 #[cfg(feature = "cuda")]
 fn gemm_f32_check(device: &Device) -> Result<bool> {
-    use exactscore_server::quant::gemm::matmul_t_sequential_fma;
+    use exactscore_server::ops::gemm::matmul_t_sequential_fma;
     let (mut reference_exact, mut invariant) = (true, true);
     for (n, k) in [(200, 130), (257, 1000), (1024, 4096)] {
         let x = Tensor::randn(0f32, 1.0, (300, k), device)?;
         let w = Tensor::randn(0f32, 1.0, (n, k), device)?;
-        let all = exactscore_server::cuda::matmul_t_f32(&x, &w)?;
+        let all = exactscore_server::cuda::gemm::matmul_t_f32(&x, &w)?;
         let cpu = matmul_t_sequential_fma(
             &x.flatten_all()?.to_vec1::<f32>()?,
             &w.flatten_all()?.to_vec1::<f32>()?,
@@ -733,7 +733,8 @@ fn gemm_f32_check(device: &Device) -> Result<bool> {
         );
         reference_exact &= bits_equal(&all, &Tensor::from_vec(cpu, (300, n), &Device::Cpu)?)?;
         for rows in 1..=130 {
-            let part = exactscore_server::cuda::matmul_t_f32(&x.narrow(0, 300 - rows, rows)?, &w)?;
+            let part =
+                exactscore_server::cuda::gemm::matmul_t_f32(&x.narrow(0, 300 - rows, rows)?, &w)?;
             invariant &= bits_equal(&part, &all.narrow(0, 300 - rows, rows)?)?;
         }
     }
@@ -750,7 +751,7 @@ fn gemm_f32_check(device: &Device) -> Result<bool> {
         device.synchronize()?;
         Ok(start.elapsed().as_secs_f64() / 10.0 * 1e3)
     };
-    let ours = time(&|| exactscore_server::cuda::matmul_t_f32(&x, &w))?;
+    let ours = time(&|| exactscore_server::cuda::gemm::matmul_t_f32(&x, &w))?;
     let cublas = time(&|| x.matmul(&w.t()?))?;
     let tflops = |ms: f64| 2.0 * (m * n * k) as f64 / ms / 1e9;
     println!(

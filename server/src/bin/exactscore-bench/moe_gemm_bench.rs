@@ -8,7 +8,7 @@ use std::time::Instant;
 
 use anyhow::Result;
 use candle_core::{DType, Device, Tensor};
-use exactscore_server::cuda::{
+use exactscore_server::cuda::dequant::{
     dequant_int_stacked, matmul_t_int4_stacked_into_rows, INT4_GEMM_TILE_ROWS,
 };
 use exactscore_server::ops::matmul_t_stacked_into_rows;

@@ -1,4 +1,4 @@
-//! `x · wᵀ` for the Linears, whose rows are the tokens of every sequence of a batch: each row
+//! The GEMM family. `x · wᵀ` for the Linears, whose rows are the tokens of every sequence of a batch: each row
 //! must come out with the same bits whatever other rows share the call, so that a sequence
 //! scores identically alone and in any batch.
 //!
@@ -14,17 +14,24 @@
 //!
 //! On a GPU in f32, cuBLAS picks its kernel by the shape, and some of them split k: up to 1e-5
 //! between a sequence alone and batched. f32 runs ExactScore's own kernel instead
-//! (`crate::cuda::matmul_t_f32`), which sums each output in order over k whatever the shape
+//! (kernels/gemm.cu), which sums each output in order over k whatever the shape
 //! ([`matmul_t_sequential_fma`] is its reference). bf16 and f16 keep cuBLAS: bitwise invariant
 //! as measured, and the fast path.
 
-use candle_core::{Result, Tensor};
+use candle_core::{DType, Result, Tensor};
+
+use super::gpu_only;
+
+super::gpu_entry_points!(gemm {
+    fn matmul_t_f32(x: &Tensor, w: &Tensor) -> Result<Tensor>;
+    fn matmul_t_add_into_rows(out: &Tensor, row0: usize, x: &Tensor, w: &Tensor) -> Result<()>;
+    fn matmul_t_stacked_into_rows(out: &Tensor, row0: usize, x: &Tensor, w: &Tensor) -> Result<()>;
+});
 
 /// `x` (`[rows, k]`) times the transpose of `w` (`[n, k]`): `[rows, n]`.
 pub fn matmul_t(x: &Tensor, w: &Tensor) -> Result<Tensor> {
-    #[cfg(feature = "cuda")]
-    if x.device().is_cuda() && x.dtype() == candle_core::DType::F32 {
-        return crate::cuda::matmul_t_f32(x, w);
+    if x.device().is_cuda() && x.dtype() == DType::F32 {
+        return gpu::matmul_t_f32(x, w);
     }
     let rows = x.dims()[0];
     let (n, k) = w.dims2()?;
@@ -68,10 +75,38 @@ pub fn matmul_t_sequential_fma(x: &[f32], w: &[f32], (m, n, k): (usize, usize, u
     out
 }
 
+/// Whether a mixture's experts run as batched GEMMs over their stacked weights
+/// (`Mlp::forward_stacked`: a few launches per layer instead of several per expert) rather than
+/// one by one: on a GPU in bf16/f16. f32 keeps one GEMM per expert, on the GPU kernel that sums
+/// every output in one order ([`matmul_t`]).
+pub fn stacks_experts(x: &Tensor) -> bool {
+    x.device().is_cuda() && x.dtype() != DType::F32
+}
+
+/// Whether [`matmul_t_add_into_rows`] can add into `out`: a contiguous GPU tensor in bf16/f16.
+pub fn adds_into_rows(out: &Tensor) -> bool {
+    out.device().is_cuda() && out.is_contiguous() && matches!(out.dtype(), DType::BF16 | DType::F16)
+}
+
+/// Adds `x · wᵀ` to rows `row0..` of `out` in place, in the GEMM's epilogue (rounded once): a
+/// GPU kernel only, for an `out` that [`adds_into_rows`] accepts.
+pub fn matmul_t_add_into_rows(out: &Tensor, row0: usize, x: &Tensor, w: &Tensor) -> Result<()> {
+    gpu_only("matmul_t_add_into_rows", out)?;
+    gpu::matmul_t_add_into_rows(out, row0, x, w)
+}
+
+/// Writes `x_i · w_iᵀ` for each weight of `w` (`[g, n, k]`) and its `m`-row block of `x`
+/// (`[g · m, k]`) into rows `row0..row0 + g · m` of `out`, as one batched GEMM: a GPU kernel
+/// only, for an `out` that [`adds_into_rows`] accepts.
+pub fn matmul_t_stacked_into_rows(out: &Tensor, row0: usize, x: &Tensor, w: &Tensor) -> Result<()> {
+    gpu_only("matmul_t_stacked_into_rows", out)?;
+    gpu::matmul_t_stacked_into_rows(out, row0, x, w)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
-    use candle_core::{DType, Device};
+    use candle_core::Device;
 
     /// Every row of every row count from 1 to 80, for output widths and depths on both sides
     /// of each threshold, equals the same row computed in a call of 300 rows, bit for bit;

@@ -1,7 +1,8 @@
+#pragma once
 // A stack of int4 experts' GEMMs with the dequantization inside: y[r, c] = Σ_k x[r, k] · w_z[c, k]
 // for the rows r = offsets[z]..offsets[z + 1] of each expert slot z (any number, 0 included: no
 // padding), w_z given by the addresses of its packed int4 words, f32 scales and int32 zero
-// points (or 0) at ptrs[3z..3z + 3] (as dequant_int4_words_stacked in exactscore.cu takes them),
+// points (or 0) at ptrs[3z..3z + 3] (as dequant_int4_words_stacked in dequant.cu takes them),
 // the offsets following at ptrs[3·slots..]. For few rows per expert (a 2048-token window gives
 // each of 128 experts ~128 rows), where writing every dequantized weight to memory and reading
 // it back costs several times the GEMM itself.
@@ -274,18 +275,3 @@ __device__ void int4_gemm_stacked(const uint64_t* ptrs, const T* x, T* y, int n,
     }
 #endif
 }
-
-// One entry per dtype and tile height; the launcher's int4_gemm_shared_bytes (cuda/mod.rs) gives
-// each one's dynamic shared memory, as asserted below.
-#define INT4_GEMM_ENTRY(SUFFIX, T, BM)                                                               \
-    extern "C" __global__ void __launch_bounds__(IG_THREADS, 2)                                      \
-        matmul_t_int4_stacked_m##BM##_##SUFFIX(const uint64_t* ptrs, const T* x, T* y, int n, int k,  \
-                                               int g) {                                              \
-        int4_gemm_stacked<T, BM>(ptrs, x, y, n, k, g);                                               \
-    }
-INT4_GEMM_ENTRY(bf16, __nv_bfloat16, 128)
-INT4_GEMM_ENTRY(f16, __half, 128)
-INT4_GEMM_ENTRY(bf16, __nv_bfloat16, 64)
-INT4_GEMM_ENTRY(f16, __half, 64)
-static_assert(ig_shared_bytes<64>() == 75776, "int4_gemm_shared_bytes in cuda/mod.rs");
-static_assert(ig_shared_bytes<128>() == 100352, "int4_gemm_shared_bytes in cuda/mod.rs");

@@ -1,0 +1,238 @@
+// The dequant family (ops/dequant.rs, cuda/dequant.rs): compressed-tensors weights decoded to
+// the compute dtype, activation QDQ, and the int4 GEMM that decodes inside the product
+// (int4_gemm.cuh). Every kernel mirrors a CPU reference in ops/dequant.rs or quant/; all
+// arithmetic is IEEE f32 (no fast math), so dequantization and QDQ are bit-identical to the CPU.
+#include "int4_gemm.cuh"
+#include "qdq.cuh"
+
+// ---- dequantization: one thread per packed word / byte -------------------------------------
+
+// pack-quantized int4/int8: w = (q - zp) * scale. `zps` may be null (symmetric).
+template <typename T>
+__device__ void dequant_int(const int32_t* packed, const float* scales, const int32_t* zps, T* out,
+                            int rows, int cols, int words_per_row, int bits, int group) {
+    long idx = (long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (idx >= (long)rows * words_per_row) return;
+    int r = idx / words_per_row;
+    int w = idx % words_per_row;
+    uint32_t word = (uint32_t)packed[idx];
+    int per = 32 / bits;
+    uint32_t mask = (1u << bits) - 1;
+    int offset = 1 << (bits - 1);
+    int groups = cols / group;
+    for (int i = 0; i < per; ++i) {
+        int c = w * per + i;
+        if (c >= cols) break;
+        int g = r * groups + c / group;
+        int q = (int)((word >> (i * bits)) & mask) - offset;
+        int zp = zps ? zps[g] : 0;
+        out[(long)r * cols + c] = from_f32<T>((float)(q - zp) * scales[g]);
+    }
+}
+
+// Fast path of dequant_int when every word lies inside one group (group % (32 / BITS) == 0 and
+// cols % (32 / BITS) == 0, true for real models): one scale lookup and vector stores per word.
+// Grid (rows, word blocks of DEQUANT_ITEMS * blockDim): thread i of a block takes the words
+// i + j * blockDim, so no thread divides a 64-bit index to find its row, all its loads are in
+// flight before the first is decoded, and every store stays coalesced across the warp.
+// The `_stacked` entries dequantize several weights of one shape in one launch (a mixture's
+// experts): grid z picks the weight, whose packed, scale and zero-point (or 0) addresses are
+// ptrs[3z..3z + 3], and its output follows the previous one's.
+#define DEQUANT_ITEMS 2
+template <typename T, int BITS>
+__device__ void dequant_int_words(const int32_t* packed, const float* scales, const int32_t* zps, T* out,
+                                  int rows, int cols, int group, int r, int word_block) {
+    constexpr int PER = 32 / BITS;
+    const int words_per_row = cols / PER;
+    const int w0 = word_block * blockDim.x * DEQUANT_ITEMS + threadIdx.x;
+    uint32_t words[DEQUANT_ITEMS];
+#pragma unroll
+    for (int j = 0; j < DEQUANT_ITEMS; ++j) {
+        const int w = w0 + j * blockDim.x;
+        if (w < words_per_row) words[j] = (uint32_t)packed[(long)r * words_per_row + w];
+    }
+#pragma unroll
+    for (int j = 0; j < DEQUANT_ITEMS; ++j) {
+        const int w = w0 + j * blockDim.x;
+        if (w >= words_per_row) return;
+        const int c0 = w * PER;
+        const long g = (long)r * (cols / group) + c0 / group;
+        float s = scales[g];
+        int zp = zps ? zps[g] : 0;
+        Pack<T, PER> p;
+#pragma unroll
+        for (int i = 0; i < PER; ++i) {
+            int q = (int)((words[j] >> (i * BITS)) & ((1u << BITS) - 1)) - (1 << (BITS - 1));
+            p.v[i] = from_f32<T>((float)(q - zp) * s);
+        }
+        *reinterpret_cast<Pack<T, PER>*>(out + (long)r * cols + c0) = p;
+    }
+}
+
+template <typename T, int BITS>
+__device__ void dequant_int_words_stacked(const uint64_t* ptrs, T* out, int rows, int cols, int group) {
+    const uint64_t* p = ptrs + 3 * blockIdx.z;
+    dequant_int_words<T, BITS>((const int32_t*)p[0], (const float*)p[1], (const int32_t*)p[2],
+                               out + (long)blockIdx.z * rows * cols, rows, cols, group, blockIdx.x,
+                               blockIdx.y);
+}
+
+// nvfp4: w = bf16(fp4(code) * (fp8(scale) / global)), two codes per byte, low nibble first.
+// One thread per group of 16 weights (8 bytes, one scale).
+template <typename T>
+__device__ void dequant_nvfp4(const uint8_t* packed, const uint8_t* scales, float global_scale, T* out,
+                              int rows, int cols) {
+    long g = (long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (g >= (long)rows * (cols / 16)) return;
+    float s = fp8_e4m3_to_f32(scales[g]) / global_scale;
+    uint2 bytes = reinterpret_cast<const uint2*>(packed)[g];
+    Pack<T, 16> p;
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+        uint8_t b = ((i < 4 ? bytes.x : bytes.y) >> ((i % 4) * 8)) & 0xFF;
+        p.v[2 * i] = from_f32<T>(bf16_round(fp4_e2m1_to_f32(b & 0xF) * s));
+        p.v[2 * i + 1] = from_f32<T>(bf16_round(fp4_e2m1_to_f32(b >> 4) * s));
+    }
+    reinterpret_cast<Pack<T, 16>*>(out)[g] = p;
+}
+
+// float-quantized fp8: w = fp8(code) * scale[r / block_rows, c / block_cols].
+// Grid (rows, column blocks of DEQUANT_ITEMS * blockDim * 8): thread i of a block takes the
+// groups of 8 weights i + j * blockDim, as in dequant_int_words (cols % 8 == 0, checked by the
+// caller).
+template <typename T>
+__device__ void dequant_fp8(const uint8_t* codes, const float* scales, T* out, int rows, int cols,
+                            int block_rows, int block_cols, int scale_cols) {
+    const int r = blockIdx.x;
+    const int v0 = blockIdx.y * blockDim.x * DEQUANT_ITEMS + threadIdx.x;
+    uint2 bytes[DEQUANT_ITEMS];
+#pragma unroll
+    for (int j = 0; j < DEQUANT_ITEMS; ++j) {
+        const int c0 = (v0 + j * blockDim.x) * 8;
+        if (c0 < cols) bytes[j] = *reinterpret_cast<const uint2*>(codes + (long)r * cols + c0);
+    }
+    const float* srow = scales + (long)(r / block_rows) * scale_cols;
+    // The 8 weights share one scale when scale blocks are whole multiples of 8 columns (channel,
+    // tensor and every real block size): one lookup instead of 8 divisions.
+    const bool one_scale = block_cols % 8 == 0;
+#pragma unroll
+    for (int j = 0; j < DEQUANT_ITEMS; ++j) {
+        const int c0 = (v0 + j * blockDim.x) * 8;
+        if (c0 >= cols) return;
+        const float s0 = srow[c0 / block_cols];
+        Pack<T, 8> p;
+#pragma unroll
+        for (int i = 0; i < 8; ++i) {
+            uint8_t b = ((i < 4 ? bytes[j].x : bytes[j].y) >> ((i % 4) * 8)) & 0xFF;
+            p.v[i] = from_f32<T>(fp8_e4m3_to_f32(b) * (one_scale ? s0 : srow[(c0 + i) / block_cols]));
+        }
+        *reinterpret_cast<Pack<T, 8>*>(out + (long)r * cols + c0) = p;
+    }
+}
+
+// ---- activation QDQ (x -> out) ------------------------------------------------------------
+
+// Dynamic per-token scale, or `static_scale` when it is > 0.
+template <typename T, int VEC>
+__device__ void qdq_fp8_token(const T* x, T* out, int k, float static_scale) {
+    using V = Pack<T, VEC>;
+    const T* row = x + (long)blockIdx.x * k;
+    float scale = static_scale;
+    if (scale <= 0.0f) {
+        float amax = 0.0f;
+        for (int i = threadIdx.x * VEC; i < k; i += 256 * VEC) {
+            const V v = *reinterpret_cast<const V*>(row + i);
+#pragma unroll
+            for (int j = 0; j < VEC; ++j) amax = fmaxf(amax, fabsf(to_f32(v.v[j])));
+        }
+        scale = fp8_token_scale(amax);
+    }
+    fp8_qdq_row<T, VEC>(row, out + (long)blockIdx.x * k, k, scale);
+}
+
+// nvfp4: one thread per group of 16 values, read and written as vectors (x and out 16-byte
+// aligned, checked by the caller).
+template <typename T>
+__device__ void qdq_nvfp4(const T* x, T* out, long groups, float global_scale) {
+    long g = (long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (g >= groups) return;
+    Pack<T, 16> v = reinterpret_cast<const Pack<T, 16>*>(x)[g];
+    float lo = 0.0f, hi = 0.0f;
+#pragma unroll
+    for (int i = 0; i < 16; ++i) {
+        float f = to_f32(v.v[i]);
+        lo = fminf(lo, f);
+        hi = fmaxf(hi, f);
+    }
+    float s = global_scale * (fmaxf(fabsf(lo), fabsf(hi)) / 6.0f);
+    s = round_to_grid(fminf(fmaxf(s, -448.0f), 448.0f), -6, 3);
+    if (s == 0.0f) s = 0.125f;
+    float eff = s / global_scale;
+#pragma unroll
+    for (int i = 0; i < 16; ++i) {
+        float q = fminf(fmaxf(to_f32(v.v[i]) / eff + 0.0f, -6.0f), 6.0f);
+        v.v[i] = from_f32<T>(round_to_grid(q, 0, 1) * eff);
+    }
+    reinterpret_cast<Pack<T, 16>*>(out)[g] = v;
+}
+
+// ---- extern "C" entry points, one per dtype -------------------------------------------------
+
+#define DEQUANT_ENTRIES(SUFFIX, T)                                                                 \
+    extern "C" __global__ void dequant_int_##SUFFIX(const int32_t* p, const float* s, const int32_t* z, \
+                                                    T* o, int rows, int cols, int wpr, int bits, int g) { \
+        dequant_int<T>(p, s, z, o, rows, cols, wpr, bits, g);                                      \
+    }                                                                                              \
+    extern "C" __global__ void dequant_int4_words_##SUFFIX(const int32_t* p, const float* s, const int32_t* z, \
+                                                           T* o, int rows, int cols, int g) {      \
+        dequant_int_words<T, 4>(p, s, z, o, rows, cols, g, blockIdx.x, blockIdx.y);                \
+    }                                                                                              \
+    extern "C" __global__ void dequant_int8_words_##SUFFIX(const int32_t* p, const float* s, const int32_t* z, \
+                                                           T* o, int rows, int cols, int g) {      \
+        dequant_int_words<T, 8>(p, s, z, o, rows, cols, g, blockIdx.x, blockIdx.y);                \
+    }                                                                                              \
+    extern "C" __global__ void dequant_int4_words_stacked_##SUFFIX(const uint64_t* ptrs, T* o, int rows, \
+                                                                   int cols, int g) {              \
+        dequant_int_words_stacked<T, 4>(ptrs, o, rows, cols, g);                                   \
+    }                                                                                              \
+    extern "C" __global__ void dequant_int8_words_stacked_##SUFFIX(const uint64_t* ptrs, T* o, int rows, \
+                                                                   int cols, int g) {              \
+        dequant_int_words_stacked<T, 8>(ptrs, o, rows, cols, g);                                   \
+    }                                                                                              \
+    extern "C" __global__ void dequant_nvfp4_##SUFFIX(const uint8_t* p, const uint8_t* s, float gs, \
+                                                      T* o, int rows, int cols) {                  \
+        dequant_nvfp4<T>(p, s, gs, o, rows, cols);                                                 \
+    }                                                                                              \
+    extern "C" __global__ void dequant_fp8_##SUFFIX(const uint8_t* c, const float* s, T* o, int rows, \
+                                                    int cols, int br, int bc, int sc) {            \
+        dequant_fp8<T>(c, s, o, rows, cols, br, bc, sc);                                           \
+    }                                                                                              \
+    extern "C" __global__ void qdq_fp8_token_##SUFFIX(const T* x, T* o, int k, float static_scale) { \
+        qdq_fp8_token<T, 1>(x, o, k, static_scale);                                                \
+    }                                                                                              \
+    extern "C" __global__ void qdq_fp8_token_v8_##SUFFIX(const T* x, T* o, int k,                  \
+                                                         float static_scale) {                     \
+        qdq_fp8_token<T, 8>(x, o, k, static_scale);                                                \
+    }                                                                                              \
+    extern "C" __global__ void qdq_nvfp4_##SUFFIX(const T* x, T* o, long groups, float gs) {       \
+        qdq_nvfp4<T>(x, o, groups, gs);                                                            \
+    }
+
+DEQUANT_ENTRIES(f32, float)
+DEQUANT_ENTRIES(bf16, __nv_bfloat16)
+DEQUANT_ENTRIES(f16, __half)
+
+// One entry per dtype and tile height; the launcher's int4_gemm_shared_bytes (cuda/dequant.rs) gives
+// each one's dynamic shared memory, as asserted below.
+#define INT4_GEMM_ENTRY(SUFFIX, T, BM)                                                               \
+    extern "C" __global__ void __launch_bounds__(IG_THREADS, 2)                                      \
+        matmul_t_int4_stacked_m##BM##_##SUFFIX(const uint64_t* ptrs, const T* x, T* y, int n, int k,  \
+                                               int g) {                                              \
+        int4_gemm_stacked<T, BM>(ptrs, x, y, n, k, g);                                               \
+    }
+INT4_GEMM_ENTRY(bf16, __nv_bfloat16, 128)
+INT4_GEMM_ENTRY(f16, __half, 128)
+INT4_GEMM_ENTRY(bf16, __nv_bfloat16, 64)
+INT4_GEMM_ENTRY(f16, __half, 64)
+static_assert(ig_shared_bytes<64>() == 75776, "int4_gemm_shared_bytes in cuda/dequant.rs");
+static_assert(ig_shared_bytes<128>() == 100352, "int4_gemm_shared_bytes in cuda/dequant.rs");

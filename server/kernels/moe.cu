@@ -1,0 +1,110 @@
+// The mixture-of-experts family (ops/moe.rs, cuda/moe.rs): the router's top-k and the weighted
+// combine of the experts' outputs.
+#include "common.cuh"
+
+// ---- mixture of experts ----------------------------------------------------------------------
+
+// Router, one warp per token: softmax in f32 over `experts` logits (each lane holds experts
+// lane, lane + 32, ...), the top `k` by probability (ties to the lowest expert id, as a stable
+// sort), renormalised to sum 1 when `norm`, summed in the order chosen. A token with a NaN
+// probability gets the id `experts` everywhere, which the caller refuses.
+constexpr int MOE_MAX_PER_LANE = 16;  // up to 512 experts
+
+__device__ __forceinline__ bool moe_before(float p, int e, float q, int f) {
+    return p > q || (p == q && e < f);
+}
+
+template <typename T>
+__device__ void moe_topk(const T* logits, int experts, int k, int norm, uint32_t* ids,
+                         float* weights, int rows) {
+    const int warp = (blockIdx.x * blockDim.x + threadIdx.x) / 32, lane = threadIdx.x % 32;
+    if (warp >= rows) return;
+    const T* l = logits + (long)warp * experts;
+    float p[MOE_MAX_PER_LANE];
+    float m = -INFINITY;
+#pragma unroll
+    for (int i = 0; i < MOE_MAX_PER_LANE; ++i) {
+        const int e = lane + 32 * i;
+        p[i] = e < experts ? to_f32(l[e]) : -INFINITY;
+        m = fmaxf(m, p[i]);
+    }
+    for (int s = 16; s > 0; s >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffff, m, s));
+    float sum = 0.0f;
+    bool nan = false;
+#pragma unroll
+    for (int i = 0; i < MOE_MAX_PER_LANE; ++i) {
+        const int e = lane + 32 * i;
+        if (e < experts) {
+            p[i] = expf(p[i] - m);
+            sum += p[i];
+            nan |= isnan(p[i]);
+        }
+    }
+    for (int s = 16; s > 0; s >>= 1) sum += __shfl_xor_sync(0xffffffff, sum, s);
+    nan = __any_sync(0xffffffff, nan) || isnan(sum);
+#pragma unroll
+    for (int i = 0; i < MOE_MAX_PER_LANE; ++i) p[i] = lane + 32 * i < experts ? p[i] / sum : -1.0f;
+    float total = 0.0f;
+    for (int j = 0; j < k; ++j) {
+        float best = -1.0f;
+        int best_e = experts;
+#pragma unroll
+        for (int i = 0; i < MOE_MAX_PER_LANE; ++i)
+            if (moe_before(p[i], lane + 32 * i, best, best_e)) { best = p[i]; best_e = lane + 32 * i; }
+        for (int s = 16; s > 0; s >>= 1) {
+            const float q = __shfl_xor_sync(0xffffffff, best, s);
+            const int f = __shfl_xor_sync(0xffffffff, best_e, s);
+            if (moe_before(q, f, best, best_e)) { best = q; best_e = f; }
+        }
+#pragma unroll
+        for (int i = 0; i < MOE_MAX_PER_LANE; ++i)
+            if (lane + 32 * i == best_e) p[i] = -1.0f;  // taken
+        total += best;
+        if (lane == 0) {
+            ids[(long)warp * k + j] = nan ? (uint32_t)experts : (uint32_t)best_e;
+            weights[(long)warp * k + j] = best;
+        }
+    }
+    if (norm && lane == 0)
+        for (int j = 0; j < k; ++j) weights[(long)warp * k + j] /= total;
+}
+
+// out[t] = residual[t] + (((0 + w_0 y[pos[t][0]]) + w_1 y[pos[t][1]]) + ...): a token's
+// expert outputs weighted by their router weights (in f32 and rounded to T, or, with
+// `compute_dtype_weights`, by the weight rounded to T), summed in the order of `pos` (ascending
+// expert), every add rounded to T (an add in f32 rounded once is the correctly rounded add in
+// bf16/f16), as a weighted multiply, an index_add into zeros and the residual add give it. One
+// thread per output value.
+template <typename T>
+__device__ void moe_combine(const T* y, const float* w, const uint32_t* pos, const T* residual,
+                            T* out, int k, int cols, int compute_dtype_weights, long n) {
+    const long idx = (long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (idx >= n) return;
+    const long t = idx / cols;
+    const int c = idx % cols;
+    T acc = from_f32<T>(0.0f);
+    for (int j = 0; j < k; ++j) {
+        const long row = pos[t * k + j];
+        const float weight = compute_dtype_weights ? to_f32(from_f32<T>(w[row])) : w[row];
+        const T term = from_f32<T>(to_f32(y[row * cols + c]) * weight);
+        acc = from_f32<T>(to_f32(acc) + to_f32(term));
+    }
+    out[idx] = from_f32<T>(to_f32(residual[idx]) + to_f32(acc));
+}
+
+// ---- extern "C" entry points, one per dtype -------------------------------------------------
+
+#define MOE_ENTRIES(SUFFIX, T)                                                                     \
+    extern "C" __global__ void moe_topk_##SUFFIX(const T* l, int e, int k, int norm, uint32_t* ids, \
+                                                 float* w, int rows) {                             \
+        moe_topk<T>(l, e, k, norm, ids, w, rows);                                                  \
+    }                                                                                              \
+    extern "C" __global__ void moe_combine_##SUFFIX(const T* y, const float* w, const uint32_t* pos, \
+                                                    const T* r, T* o, int k, int cols, int cw,     \
+                                                    long n) {                                      \
+        moe_combine<T>(y, w, pos, r, o, k, cols, cw, n);                                           \
+    }
+
+MOE_ENTRIES(f32, float)
+MOE_ENTRIES(bf16, __nv_bfloat16)
+MOE_ENTRIES(f16, __half)

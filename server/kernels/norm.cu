@@ -1,0 +1,163 @@
+// The norm and activation family (ops/norm.rs, cuda/norm.rs): RMSNorm and the gated
+// activations (SwiGLU, GeGLU), each optionally followed in the same pass by the per-token fp8 QDQ
+// of the Linear that reads its output.
+#include "qdq.cuh"
+
+#define ROW_THREADS 256
+
+// ---- RMSNorm: one block (256 threads) per row ---------------------------------------------
+
+// The sum of every thread's `v` (ROW_THREADS threads), broadcast: a tree that adds value
+// tid + s to value tid for s = 128, 64, ..., 1. The last five levels run inside warp 0 through
+// shuffles, which pair the same values in the same order as shared memory did (same bits), with
+// four barriers instead of nine.
+__device__ float tree_sum(float v, float* s_red) {
+    const int tid = threadIdx.x;
+    s_red[tid] = v;
+    __syncthreads();
+    for (int s = ROW_THREADS / 2; s >= 32; s >>= 1) {
+        if (tid < s) s_red[tid] += s_red[tid + s];
+        __syncthreads();
+    }
+    if (tid < 32) {
+        v = s_red[tid];
+        for (int s = 16; s > 0; s >>= 1) v += __shfl_down_sync(0xffffffff, v, s);
+        if (tid == 0) s_red[0] = v;
+    }
+    __syncthreads();
+    return s_red[0];
+}
+
+// LlamaRMSNorm of x, normalised and scaled by the weight in f32 with one rounding at the end.
+// PyTorch rounds twice (after the normalisation, after the weight); one rounding is closer to
+// the f32 reference, and in f32 the two are the same. (The residual add before it happens in the
+// epilogue of the GEMM that produced the addend: cuda/gemm.rs.)
+// VEC values per load and store: 8 (16-byte vectors) when cols % 8 == 0 and every row start is
+// 16-byte aligned (checked by the caller), else 1.
+// W = float with T narrower: GemmaRMSNorm, whose weight (1 + w) is kept in f32 and multiplied in
+// f32, as transformers does, before the one rounding.
+template <typename T, typename W, int VEC, bool FP8_QDQ>
+__device__ void rms_norm(const T* x, const W* weight, T* out, int cols, float eps) {
+    using V = Pack<T, VEC>;
+    __shared__ float s_red[ROW_THREADS];
+    const long base = (long)blockIdx.x * cols;
+    const int tid = threadIdx.x;
+    float squares = 0.0f;
+    for (int i = tid * VEC; i < cols; i += ROW_THREADS * VEC) {
+        const V h = *reinterpret_cast<const V*>(x + base + i);
+#pragma unroll
+        for (int j = 0; j < VEC; ++j) squares += to_f32(h.v[j]) * to_f32(h.v[j]);
+    }
+    const float inv = rsqrtf(tree_sum(squares, s_red) / cols + eps);
+    float amax = 0.0f;
+    for (int i = tid * VEC; i < cols; i += ROW_THREADS * VEC) {
+        const V hv = *reinterpret_cast<const V*>(x + base + i);
+        const Pack<W, VEC> w = *reinterpret_cast<const Pack<W, VEC>*>(weight + i);
+        V o;
+#pragma unroll
+        for (int j = 0; j < VEC; ++j) {
+            o.v[j] = from_f32<T>(to_f32(hv.v[j]) * inv * to_f32(w.v[j]));
+            if (FP8_QDQ) amax = fmaxf(amax, fabsf(to_f32(o.v[j])));
+        }
+        *reinterpret_cast<V*>(out + base + i) = o;
+    }
+    // the input of the Linears that read this norm, when they all quantize it per token to fp8
+    if (FP8_QDQ) fp8_qdq_row<T, VEC>(out + base, out + base, cols, fp8_token_scale(amax));
+}
+
+// ---- gated activations: out = act(gate) * up (SwiGLU, GeGLU) ---------------------------------------------------------
+
+// Rounded as PyTorch does in T: silu in f32 rounded to T once, then the product in f32 rounded
+// once.
+struct Silu {
+    __device__ __forceinline__ static float f(float x) { return x / (1.0f + expf(-x)); }
+};
+// PyTorch's gelu(approximate="tanh") in f32 (its opmath for bf16/f16), term for term.
+struct GeluTanh {
+    __device__ __forceinline__ static float f(float x) {
+        const float beta = 0.7978845608028654f, kappa = 0.044715f;  // sqrt(2 / pi)
+        return 0.5f * x * (1.0f + tanhf(beta * (x + kappa * (x * x * x))));
+    }
+};
+
+template <typename T, typename Act>
+__device__ __forceinline__ Pack<T, 8> glu_mul8(const Pack<T, 8>& g, const Pack<T, 8>& u) {
+    Pack<T, 8> o;
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+        float s = to_f32(from_f32<T>(Act::f(to_f32(g.v[j]))));
+        o.v[j] = from_f32<T>(s * to_f32(u.v[j]));
+    }
+    return o;
+}
+
+// One thread per 8 elements (n % 8 == 0 and 16-byte aligned rows, checked by the caller).
+template <typename T, typename Act>
+__device__ void glu_mul(const T* gate, const T* up, T* out, long n) {
+    long i = ((long)blockIdx.x * blockDim.x + threadIdx.x) * 8;
+    if (i >= n) return;
+    // Loaded into registers first: passed straight through, the packs were read as 16 two-byte loads.
+    const Pack<T, 8> g = *reinterpret_cast<const Pack<T, 8>*>(gate + i);
+    const Pack<T, 8> u = *reinterpret_cast<const Pack<T, 8>*>(up + i);
+    *reinterpret_cast<Pack<T, 8>*>(out + i) = glu_mul8<T, Act>(g, u);
+}
+
+// The same, one block (256 threads) per row of k values, followed by the per-token fp8 QDQ of the
+// down projection's input.
+template <typename T, typename Act>
+__device__ void glu_mul_fp8_qdq(const T* gate, const T* up, T* out, int k) {
+    const long base = (long)blockIdx.x * k;
+    float amax = 0.0f;
+    for (int i = threadIdx.x * 8; i < k; i += 256 * 8) {
+        const Pack<T, 8> g = *reinterpret_cast<const Pack<T, 8>*>(gate + base + i);
+        const Pack<T, 8> u = *reinterpret_cast<const Pack<T, 8>*>(up + base + i);
+        Pack<T, 8> o = glu_mul8<T, Act>(g, u);
+#pragma unroll
+        for (int j = 0; j < 8; ++j) amax = fmaxf(amax, fabsf(to_f32(o.v[j])));
+        *reinterpret_cast<Pack<T, 8>*>(out + base + i) = o;
+    }
+    fp8_qdq_row<T, 8>(out + base, out + base, k, fp8_token_scale(amax));
+}
+
+// ---- extern "C" entry points, one per dtype -------------------------------------------------
+
+#define NORM_ENTRIES(SUFFIX, T)                                                                    \
+    extern "C" __global__ void rms_norm_##SUFFIX(const T* x, const T* w, T* o, int cols, float eps) { \
+        rms_norm<T, T, 1, false>(x, w, o, cols, eps);                                              \
+    }                                                                                              \
+    extern "C" __global__ void rms_norm_v8_##SUFFIX(const T* x, const T* w, T* o, int cols,        \
+                                                    float eps) {                                   \
+        rms_norm<T, T, 8, false>(x, w, o, cols, eps);                                              \
+    }                                                                                              \
+    extern "C" __global__ void rms_norm_v8_fp8_qdq_##SUFFIX(const T* x, const T* w, T* o, int cols, \
+                                                            float eps) {                           \
+        rms_norm<T, T, 8, true>(x, w, o, cols, eps);                                               \
+    }                                                                                              \
+    extern "C" __global__ void rms_norm_f32w_##SUFFIX(const T* x, const float* w, T* o, int cols,  \
+                                                      float eps) {                                 \
+        rms_norm<T, float, 1, false>(x, w, o, cols, eps);                                          \
+    }                                                                                              \
+    extern "C" __global__ void rms_norm_f32w_v8_##SUFFIX(const T* x, const float* w, T* o, int cols, \
+                                                         float eps) {                              \
+        rms_norm<T, float, 8, false>(x, w, o, cols, eps);                                          \
+    }                                                                                              \
+    extern "C" __global__ void rms_norm_f32w_v8_fp8_qdq_##SUFFIX(const T* x, const float* w, T* o, \
+                                                                 int cols, float eps) {            \
+        rms_norm<T, float, 8, true>(x, w, o, cols, eps);                                           \
+    }                                                                                              \
+    extern "C" __global__ void silu_mul_##SUFFIX(const T* g, const T* u, T* o, long n) {           \
+        glu_mul<T, Silu>(g, u, o, n);                                                              \
+    }                                                                                              \
+    extern "C" __global__ void silu_mul_fp8_qdq_##SUFFIX(const T* g, const T* u, T* o, int k) {    \
+        glu_mul_fp8_qdq<T, Silu>(g, u, o, k);                                                      \
+    }                                                                                              \
+    extern "C" __global__ void gelu_tanh_mul_##SUFFIX(const T* g, const T* u, T* o, long n) {      \
+        glu_mul<T, GeluTanh>(g, u, o, n);                                                          \
+    }                                                                                              \
+    extern "C" __global__ void gelu_tanh_mul_fp8_qdq_##SUFFIX(const T* g, const T* u, T* o, int k) { \
+        glu_mul_fp8_qdq<T, GeluTanh>(g, u, o, k);                                                  \
+    }
+
+NORM_ENTRIES(f32, float)
+NORM_ENTRIES(bf16, __nv_bfloat16)
+NORM_ENTRIES(f16, __half)

@@ -1,0 +1,35 @@
+// The per-token fp8 QDQ of one row, shared by the QDQ kernel (dequant.cu) and the RMSNorm and
+// gated-activation kernels that apply it in their own pass (norm.cu).
+#pragma once
+#include "minifloat.cuh"
+
+// ---- per-token fp8 QDQ, as a kernel and as the last step of the RMSNorm and SwiGLU kernels ----
+// One block of 256 threads per row of k values; each thread handles VEC values per step at
+// tid * VEC + n * 256 * VEC.
+
+// The row's scale from each thread's largest |value| (block-wide max / 448; the max does not
+// depend on the order it is reduced in, so every VEC and every caller gets the same bits).
+__device__ __forceinline__ float fp8_token_scale(float amax) {
+    __shared__ float s_max[32];
+    for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffff, amax, o));
+    if (threadIdx.x % 32 == 0) s_max[threadIdx.x / 32] = amax;
+    __syncthreads();
+    for (int w = 0; w < 256 / 32; ++w) amax = fmaxf(amax, s_max[w]);
+    float scale = amax / 448.0f;
+    return scale == 0.0f ? 1.1920929e-07f : scale;
+}
+
+// src -> dst (may be the same row: each thread reads only the values it then writes).
+template <typename T, int VEC>
+__device__ void fp8_qdq_row(const T* src, T* dst, int k, float scale) {
+    using V = Pack<T, VEC>;
+    for (int i = threadIdx.x * VEC; i < k; i += 256 * VEC) {
+        V v = *reinterpret_cast<const V*>(src + i);
+#pragma unroll
+        for (int j = 0; j < VEC; ++j) {
+            float q = fminf(fmaxf(to_f32(v.v[j]) / scale + 0.0f, -448.0f), 448.0f);
+            v.v[j] = from_f32<T>(round_to_grid(q, -6, 3) * scale);
+        }
+        *reinterpret_cast<V*>(dst + i) = v;
+    }
+}

@@ -1,0 +1,396 @@
+//! Launches of kernels/dequant.cu: the packed formats' dequantization, the int4 GEMM that
+//! decodes inside the product, and the activation QDQ.
+// Kernel launches are FFI: the argument lists below must match the kernel signatures.
+
+use candle_core::cuda_backend::cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
+use candle_core::cuda_backend::WrapErr;
+use candle_core::{bail, DType, Result, Tensor};
+
+use super::module::{kernel, DEQUANT};
+use super::{
+    device_address, grid_1d, grid_row_items, grid_rows, kernel_name, rows_of_vectors,
+    vector_kernel_name, with_slice, wrap,
+};
+
+/// pack-quantized int4/int8 → `[rows, cols]` in `dtype`. `scales`: f32 `[rows, groups]`;
+/// `zero_points`: i32 `[rows, groups]` or `None` (symmetric).
+pub fn dequant_int(
+    codes: &Tensor,
+    scales: &Tensor,
+    zero_points: Option<&Tensor>,
+    (rows, cols): (usize, usize),
+    bits: usize,
+    group: usize,
+    dtype: DType,
+) -> Result<Tensor> {
+    let words_per_row = codes.dims()[1];
+    let per = 32 / bits;
+    // Fast kernel when each int32 word lies inside one group (every real model).
+    let words_kernel = group.is_multiple_of(per) && cols.is_multiple_of(per);
+    let name = match (words_kernel, bits) {
+        (true, 4) => kernel_name("dequant_int4_words", dtype),
+        (true, _) => kernel_name("dequant_int8_words", dtype),
+        (false, _) => kernel_name("dequant_int", dtype),
+    };
+    let launch = |zp: Option<(&CudaSlice<i32>, usize)>| -> Result<Tensor> {
+        with_slice::<i32, _>(codes, |codes, co, dev| {
+            with_slice::<f32, _>(scales, |scales, so, _| {
+                with_float_type!(dtype, T => {
+                    let func = kernel(dev, &DEQUANT, &name)?;
+                    // SAFETY: the kernel writes every element.
+                    let out = unsafe { dev.alloc::<T>(rows * cols) }?;
+                    let (codes, scales) = (codes.slice(co..), scales.slice(so..));
+                    let zp_view = zp.map(|(z, zo)| z.slice(zo..));
+                    let null = 0u64;
+                    let mut b = func.builder();
+                    b.arg(&codes);
+                    b.arg(&scales);
+                    match &zp_view {
+                        Some(z) => b.arg(z),
+                        None => b.arg(&null),
+                    };
+                    b.arg(&out);
+                    let (r, c, w, bi, g) = (rows as i32, cols as i32, words_per_row as i32, bits as i32, group as i32);
+                    b.arg(&r).arg(&c);
+                    if !words_kernel {
+                        b.arg(&w).arg(&bi);
+                    }
+                    b.arg(&g);
+                    let config = if words_kernel {
+                        grid_row_items(rows, words_per_row)
+                    } else {
+                        grid_1d(rows * words_per_row)
+                    };
+                    // SAFETY: arguments match `dequant_int_*` / `dequant_int{4,8}_words_*`.
+                    unsafe { b.launch(config) }.w()?;
+                    Ok(wrap(out, dev, (rows, cols)))
+                })
+            })
+        })
+    };
+    match zero_points {
+        Some(zp) => with_slice::<i32, _>(zp, |z, zo, _| launch(Some((z, zo)))),
+        None => launch(None),
+    }
+}
+
+/// Pack-quantized int weights of one shape, width and group (a mixture's experts) → `[weights,
+/// rows, cols]` in `dtype` by one launch of the words kernel, each weight's tensors named to it
+/// by address. `None` where that kernel does not apply (words that straddle groups: no real
+/// model, and no weights).
+pub fn dequant_int_stacked(
+    weights: &[(&Tensor, &Tensor, Option<&Tensor>)],
+    (rows, cols): (usize, usize),
+    bits: usize,
+    group: usize,
+    dtype: DType,
+) -> Result<Option<Tensor>> {
+    let per = 32 / bits;
+    let Some(&(first, _, _)) = weights.first() else {
+        return Ok(None);
+    };
+    if !(group.is_multiple_of(per) && cols.is_multiple_of(per)) {
+        return Ok(None);
+    }
+    let addresses = stack_addresses(weights, (rows, cols), bits, group)?;
+    let name = kernel_name(&format!("dequant_int{bits}_words_stacked"), dtype);
+    with_slice::<i32, _>(first, |_, _, dev| {
+        with_float_type!(dtype, T => {
+            let func = kernel(dev, &DEQUANT, &name)?;
+            let addresses = dev.clone_htod(&addresses)?;
+            let n = weights.len();
+            // SAFETY: the kernel writes every element.
+            let out = unsafe { dev.alloc::<T>(n * rows * cols) }?;
+            let (r, c, g) = (rows as i32, cols as i32, group as i32);
+            let mut b = func.builder();
+            b.arg(&addresses).arg(&out).arg(&r).arg(&c).arg(&g);
+            let mut config = grid_row_items(rows, cols / per);
+            config.grid_dim.2 = n as u32;
+            // SAFETY: arguments match `dequant_int{4,8}_words_stacked_*`; every address was
+            // checked against its weight's shape above, and the weights outlive the launch
+            // (the caller holds them; the stream orders it before any later free).
+            unsafe { b.launch(config) }.w()?;
+            Ok(Some(wrap(out, dev, (n, rows, cols))))
+        })
+    })
+}
+
+/// Rows of x per block of `matmul_t_int4_stacked` (its two tilings), and each tiling's dynamic
+/// shared memory: 3 stages of 64-wide k-tiles (x rows, 128 weight rows' int4 words, two scales
+/// and zero points each), and two decoded 128-row weight tiles.
+pub const INT4_GEMM_TILE_ROWS: [usize; 2] = [64, 128];
+fn int4_gemm_shared_bytes(tile_rows: usize) -> usize {
+    3 * (tile_rows * 64 * 2 + 128 * 8 * 4 + 2 * 128 * 8) + 2 * 128 * 64 * 2
+}
+
+/// The tiling for blocks of `rows`: 64 rows where none has more, else 128 (each weight tile is
+/// decoded once per block: 64-row blocks decode twice as often).
+pub fn int4_gemm_tile_rows(rows: &[usize]) -> usize {
+    if rows.iter().all(|&r| r <= 64) {
+        64
+    } else {
+        128
+    }
+}
+
+/// Whether `matmul_t_int4_stacked` takes weights of this shape `[n, k]`, width and group in
+/// `dtype`: int4, k a multiple of 64 and the group of 32, n even, bf16/f16.
+fn int4_gemm_takes((n, k): (usize, usize), bits: usize, group: usize, dtype: DType) -> bool {
+    bits == 4
+        && k.is_multiple_of(64)
+        && group.is_multiple_of(32)
+        && n.is_multiple_of(2)
+        && dtype != DType::F32
+}
+
+/// Whether the codes at `addresses` ([`stack_addresses`]) are aligned for the kernel's 16-byte
+/// copies.
+fn int4_codes_aligned(addresses: &[u64]) -> bool {
+    addresses
+        .iter()
+        .step_by(3)
+        .all(|codes| codes.is_multiple_of(16))
+}
+
+/// Whether `matmul_t_int4_stacked` multiplies these weights (one shape `[n, k]` of `bits`-bit
+/// codes in groups of `group`) in `dtype` ([`int4_gemm_takes`]), their codes aligned for its
+/// 16-byte copies.
+pub fn int4_gemm_applies(
+    weights: &[(&Tensor, &Tensor, Option<&Tensor>)],
+    shape: (usize, usize),
+    bits: usize,
+    group: usize,
+    dtype: DType,
+) -> Result<bool> {
+    Ok(int4_gemm_takes(shape, bits, group, dtype)
+        && int4_codes_aligned(&stack_addresses(weights, shape, bits, group)?))
+}
+
+/// `x_z · w_zᵀ` for the int4 weights `weights` (one shape `[n, k]`, one group: a mixture's
+/// experts, where [`int4_gemm_applies`]) and their blocks of `rows[z]` consecutive rows of `x`
+/// (`[Σ rows, k]`, bf16/f16; any counts, 0 included), written into rows `row0..` of `out`
+/// (`[.., n]`, x's dtype): one launch of `matmul_t_int4_stacked` with `tile_rows` rows per block
+/// ([`INT4_GEMM_TILE_ROWS`]; `None`: [`int4_gemm_tile_rows`]), which decodes
+/// each weight value as [`dequant_int_stacked`] would (the same values) and multiplies on tensor
+/// cores.
+#[allow(clippy::too_many_arguments)]
+pub fn matmul_t_int4_stacked_into_rows(
+    out: &Tensor,
+    row0: usize,
+    x: &Tensor,
+    weights: &[(&Tensor, &Tensor, Option<&Tensor>)],
+    rows: &[usize],
+    (n, k): (usize, usize),
+    group: usize,
+    tile_rows: Option<usize>,
+) -> Result<()> {
+    let dtype = x.dtype();
+    let total: usize = rows.iter().sum();
+    let (x_rows, x_k) = x.dims2()?;
+    let (out_rows, out_n) = out.dims2()?;
+    if x_k != k
+        || x_rows != total
+        || rows.len() != weights.len()
+        || out_n != n
+        || row0 + total > out_rows
+        || out.dtype() != dtype
+        || !out.is_contiguous()
+        || !int4_gemm_takes((n, k), 4, group, dtype)
+    {
+        bail!(
+            "matmul_t_int4_stacked_into_rows: x {:?} ({dtype:?}) for {} weights [{n}, {k}] g{group} \
+             of {total} rows into rows {row0}.. of {:?}",
+            x.dims(),
+            weights.len(),
+            out.dims()
+        );
+    }
+    let most = rows.iter().copied().max().unwrap_or(0);
+    if most == 0 {
+        return Ok(());
+    }
+    let tile_rows = tile_rows.unwrap_or_else(|| int4_gemm_tile_rows(rows));
+    if !INT4_GEMM_TILE_ROWS.contains(&tile_rows) {
+        bail!("matmul_t_int4_stacked_into_rows: {tile_rows} rows per tile");
+    }
+    // The weights' addresses, then each block's first row.
+    let mut args = stack_addresses(weights, (n, k), 4, group)?;
+    if !int4_codes_aligned(&args) {
+        bail!("matmul_t_int4_stacked_into_rows: codes not 16-byte aligned");
+    }
+    args.extend(std::iter::once(0).chain(rows.iter().scan(0u64, |end, &r| {
+        *end += r as u64;
+        Some(*end)
+    })));
+    let x = x.contiguous()?;
+    let name = kernel_name(&format!("matmul_t_int4_stacked_m{tile_rows}"), dtype);
+    let shared = int4_gemm_shared_bytes(tile_rows);
+    with_float_type!(dtype, T => {
+        if !device_address::<T>(&x)?.is_multiple_of(16) {
+            bail!("matmul_t_int4_stacked_into_rows: x is not 16-byte aligned");
+        }
+        let y = device_address::<T>(out)? + (row0 * n * std::mem::size_of::<T>()) as u64;
+        with_slice::<T, _>(&x, |xs, xo, dev| {
+            let func = kernel(dev, &DEQUANT, &name)?;
+            func.allow_shared_bytes(shared)?;
+            let args = dev.clone_htod(&args)?;
+            let xs = xs.slice(xo..);
+            let (n32, k32, g32) = (n as i32, k as i32, group as i32);
+            let mut b = func.builder();
+            b.arg(&args).arg(&xs).arg(&y).arg(&n32).arg(&k32).arg(&g32);
+            let config = LaunchConfig {
+                grid_dim: (
+                    n.div_ceil(128) as u32,
+                    most.div_ceil(tile_rows) as u32,
+                    weights.len() as u32,
+                ),
+                block_dim: (256, 1, 1),
+                shared_mem_bytes: shared as u32,
+            };
+            // SAFETY: arguments match `matmul_t_int4_stacked_m*`; the weights' shapes, x's and
+            // out's were checked above, and `out` (contiguous, x's dtype) holds rows
+            // row0..row0 + Σ rows of n values, which the kernel alone writes. The weights and
+            // out outlive the launch (the caller holds them; the stream orders any later free).
+            unsafe { b.launch(config) }.w()?;
+            Ok(())
+        })
+    })
+}
+
+/// The device addresses of a stack's (codes, scales, zero points or 0), three per weight, as the
+/// `_stacked` kernels take them; every weight must be `[rows, cols]` of `bits`-bit codes in
+/// groups of `group`.
+fn stack_addresses(
+    weights: &[(&Tensor, &Tensor, Option<&Tensor>)],
+    (rows, cols): (usize, usize),
+    bits: usize,
+    group: usize,
+) -> Result<Vec<u64>> {
+    let per = 32 / bits;
+    let mut addresses = Vec::with_capacity(3 * weights.len());
+    for &(codes, scales, zero_points) in weights {
+        if codes.dims() != [rows, cols / per] || scales.dims() != [rows, cols / group] {
+            bail!(
+                "stacked int{bits} weights: codes {:?} and scales {:?} for a [{rows}, {cols}] weight",
+                codes.dims(),
+                scales.dims()
+            );
+        }
+        addresses.push(device_address::<i32>(codes)?);
+        addresses.push(device_address::<f32>(scales)?);
+        addresses.push(match zero_points {
+            Some(z) => device_address::<i32>(z)?,
+            None => 0,
+        });
+    }
+    Ok(addresses)
+}
+
+/// nvfp4 → `[rows, cols]` in `dtype` (values rounded to bf16 first, as the reference does).
+pub fn dequant_nvfp4(
+    packed: &Tensor,
+    scales: &Tensor,
+    global_scale: f32,
+    (rows, cols): (usize, usize),
+    dtype: DType,
+) -> Result<Tensor> {
+    let name = kernel_name("dequant_nvfp4", dtype);
+    with_slice::<u8, _>(packed, |packed, po, dev| {
+        with_slice::<u8, _>(scales, |scales, so, _| {
+            with_float_type!(dtype, T => {
+                let func = kernel(dev, &DEQUANT, &name)?;
+                // SAFETY: the kernel writes every element.
+                let out = unsafe { dev.alloc::<T>(rows * cols) }?;
+                let (packed, scales) = (packed.slice(po..), scales.slice(so..));
+                let (r, c) = (rows as i32, cols as i32);
+                let mut b = func.builder();
+                b.arg(&packed).arg(&scales).arg(&global_scale).arg(&out).arg(&r).arg(&c);
+                // SAFETY: arguments match `dequant_nvfp4_*` (one thread per 16 weights).
+                unsafe { b.launch(grid_1d(rows * cols / 16)) }.w()?;
+                Ok(wrap(out, dev, (rows, cols)))
+            })
+        })
+    })
+}
+
+/// float-quantized fp8 → `[rows, cols]` in `dtype`; `scales`: f32, one per `block`.
+pub fn dequant_fp8(
+    codes: &Tensor,
+    scales: &Tensor,
+    (rows, cols): (usize, usize),
+    block: (usize, usize),
+    dtype: DType,
+) -> Result<Tensor> {
+    if cols % 8 != 0 {
+        bail!("the fp8 dequantization kernel needs in_features divisible by 8, got {cols}");
+    }
+    let name = kernel_name("dequant_fp8", dtype);
+    with_slice::<u8, _>(codes, |codes, co, dev| {
+        with_slice::<f32, _>(scales, |scales, so, _| {
+            with_float_type!(dtype, T => {
+                let func = kernel(dev, &DEQUANT, &name)?;
+                // SAFETY: the kernel writes every element.
+                let out = unsafe { dev.alloc::<T>(rows * cols) }?;
+                let (codes, scales) = (codes.slice(co..), scales.slice(so..));
+                let args = [rows, cols, block.0, block.1, cols.div_ceil(block.1)].map(|v| v as i32);
+                let mut b = func.builder();
+                b.arg(&codes).arg(&scales).arg(&out);
+                for a in &args {
+                    b.arg(a);
+                }
+                // SAFETY: arguments match `dequant_fp8_*` (items: groups of 8 weights).
+                unsafe { b.launch(grid_row_items(rows, cols / 8)) }.w()?;
+                Ok(wrap(out, dev, (rows, cols)))
+            })
+        })
+    })
+}
+
+/// fp8 QDQ of `x` `[rows, k]`: per-token dynamic when `static_scale` is `None`.
+pub fn qdq_fp8(x: &Tensor, static_scale: Option<f32>) -> Result<Tensor> {
+    let x = x.contiguous()?;
+    let (rows, k) = x.dims2()?;
+    let vectors = rows_of_vectors(k, &[&x]);
+    let name = vector_kernel_name("qdq_fp8_token", vectors, x.dtype());
+    with_float_type!(x.dtype(), T => with_slice::<T, _>(&x, |xs, xo, dev| {
+        let func = kernel(dev, &DEQUANT, &name)?;
+        // SAFETY: the kernel writes every element.
+        let out = unsafe { dev.alloc::<T>(rows * k) }?;
+        let xs = xs.slice(xo..);
+        let (k32, scale) = (k as i32, static_scale.unwrap_or(0.0));
+        let mut b = func.builder();
+        b.arg(&xs).arg(&out).arg(&k32).arg(&scale);
+        // SAFETY: arguments match `qdq_fp8_token_*` / `qdq_fp8_token_v8_*` (256-thread blocks,
+        // aligned vectors checked above).
+        unsafe { b.launch(grid_rows(rows)) }.w()?;
+        Ok(wrap(out, dev, (rows, k)))
+    }))
+}
+
+/// NVFP4 QDQ of `x` `[rows, k]` (k a multiple of 16) against `global_scale`.
+pub fn qdq_nvfp4(x: &Tensor, global_scale: f32) -> Result<Tensor> {
+    let x = x.contiguous()?;
+    let (rows, k) = x.dims2()?;
+    if k % 16 != 0 {
+        bail!("NVFP4 activations need a multiple of 16 features, got {k}");
+    }
+    // The kernel reads 16-value vectors: a view that starts mid-vector is copied first.
+    let x = if (x.layout().start_offset() * x.dtype().size_in_bytes()) % 16 != 0 {
+        x.copy()?
+    } else {
+        x
+    };
+    let name = kernel_name("qdq_nvfp4", x.dtype());
+    with_float_type!(x.dtype(), T => with_slice::<T, _>(&x, |xs, xo, dev| {
+        let func = kernel(dev, &DEQUANT, &name)?;
+        // SAFETY: the kernel writes every element.
+        let out = unsafe { dev.alloc::<T>(rows * k) }?;
+        let xs = xs.slice(xo..);
+        let groups = (rows * k / 16) as i64;
+        let mut b = func.builder();
+        b.arg(&xs).arg(&out).arg(&groups).arg(&global_scale);
+        // SAFETY: arguments match `qdq_nvfp4_*`.
+        unsafe { b.launch(grid_1d(groups as usize)) }.w()?;
+        Ok(wrap(out, dev, (rows, k)))
+    }))
+}

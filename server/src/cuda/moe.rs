@@ -1,0 +1,85 @@
+//! Launches of kernels/moe.cu: the router's top-k and the combine of the experts' outputs.
+// Kernel launches are FFI: the argument lists below must match the kernel signatures.
+
+use candle_core::cuda_backend::cudarc::driver::PushKernelArg;
+use candle_core::cuda_backend::WrapErr;
+use candle_core::{bail, DType, Result, Tensor};
+
+use super::module::{kernel, MOE};
+use super::{grid_1d, kernel_name, with_slice, wrap};
+
+/// The router of a mixture of experts on its logits `[tokens, experts]`: per token the ids and
+/// weights of its top `k` experts by f32 softmax probability (ties to the lowest id), the
+/// weights renormalised to sum 1 when `norm`, flat `[tokens × k]`. A token whose
+/// probabilities hold a NaN gets the id `experts`. Only these pairs leave the GPU. At most
+/// 512 experts (`MOE_MAX_PER_LANE` in moe.cu), which `ops::moe_route` checks.
+pub fn moe_topk(logits: &Tensor, k: usize, norm: bool) -> Result<(Vec<u32>, Vec<f32>)> {
+    let logits = logits.contiguous()?;
+    let (rows, experts) = logits.dims2()?;
+    let name = kernel_name("moe_topk", logits.dtype());
+    let (ids, weights) = with_float_type!(logits.dtype(), T => with_slice::<T, _>(&logits, |ls, lo, dev| {
+        let func = kernel(dev, &MOE, &name)?;
+        // SAFETY: the kernel writes every element of both.
+        let (ids, weights) = unsafe { (dev.alloc::<u32>(rows * k)?, dev.alloc::<f32>(rows * k)?) };
+        let ls = ls.slice(lo..);
+        let (e32, k32, n32, r32) = (experts as i32, k as i32, i32::from(norm), rows as i32);
+        let mut b = func.builder();
+        b.arg(&ls).arg(&e32).arg(&k32).arg(&n32).arg(&ids).arg(&weights).arg(&r32);
+        // SAFETY: arguments match `moe_topk_*` (one warp per token).
+        unsafe { b.launch(grid_1d(rows * 32)) }.w()?;
+        Ok((wrap(ids, dev, rows * k), wrap(weights, dev, rows * k)))
+    }))?;
+    Ok((ids.to_vec1()?, weights.to_vec1()?))
+}
+
+/// `residual[t] + Σ_j weights[r] · y[r]` over `r = positions[t, j]` per token `t` (u32
+/// `[tokens, k]`), the sum taken in the order of `positions`: each term rounded to the
+/// compute dtype from the f32 product (with `compute_dtype_weights`, from the product with the
+/// weight rounded to the compute dtype first), every add rounded to it.
+pub fn moe_combine(
+    y: &Tensor,
+    weights: &Tensor,
+    compute_dtype_weights: bool,
+    positions: &Tensor,
+    residual: &Tensor,
+) -> Result<Tensor> {
+    let (y, residual) = (y.contiguous()?, residual.contiguous()?);
+    let (tokens, k) = positions.dims2()?;
+    let (rows, cols) = y.dims2()?;
+    if residual.dims() != [tokens, cols]
+        || residual.dtype() != y.dtype()
+        || weights.elem_count() != rows
+        || weights.dtype() != DType::F32
+    {
+        bail!(
+            "moe_combine: y {:?}, weights {:?}, residual {:?}",
+            y.dims(),
+            weights.dims(),
+            residual.dims()
+        );
+    }
+    let n = tokens * cols;
+    let name = kernel_name("moe_combine", y.dtype());
+    with_float_type!(y.dtype(), T => with_slice::<T, _>(&y, |ys, yo, dev| {
+        with_slice::<f32, _>(weights, |ws, wo, _| {
+            with_slice::<u32, _>(positions, |ps, po, _| {
+                with_slice::<T, _>(&residual, |rs, ro, _| {
+                    let func = kernel(dev, &MOE, &name)?;
+                    // SAFETY: the kernel writes every element.
+                    let out = unsafe { dev.alloc::<T>(n) }?;
+                    let (ys, ws) = (ys.slice(yo..), ws.slice(wo..));
+                    let (ps, rs) = (ps.slice(po..), rs.slice(ro..));
+                    let (k32, c32, cw, n64) =
+                        (k as i32, cols as i32, i32::from(compute_dtype_weights), n as i64);
+                    let mut b = func.builder();
+                    b.arg(&ys).arg(&ws).arg(&ps).arg(&rs).arg(&out);
+                    b.arg(&k32).arg(&c32).arg(&cw).arg(&n64);
+                    // SAFETY: arguments match `moe_combine_*` (one thread per output; every
+                    // position < rows of y, built by the caller).
+                    unsafe { b.launch(grid_1d(n)) }.w()?;
+                    Ok(wrap(out, dev, (tokens, cols)))
+                })
+            })
+        })
+    }))
+}

@@ -1,0 +1,119 @@
+//! Launches of kernels/norm.cu: RMSNorm and the gated activations.
+// Kernel launches are FFI: the argument lists below must match the kernel signatures.
+
+use candle_core::cuda_backend::cudarc::driver::PushKernelArg;
+use candle_core::cuda_backend::WrapErr;
+use candle_core::{bail, DType, Result, Tensor};
+
+use super::module::{kernel, NORM};
+use super::{dequant::qdq_fp8, grid_1d, grid_rows, kernel_name, rows_of_vectors, with_slice, wrap};
+
+/// transformers' RMSNorm of `x` over the last dimension, in one pass: the normalised,
+/// weighted rows. With `fp8_qdq`, they then go through the per-token fp8 QDQ (as [`qdq_fp8`]
+/// without a static scale), in the same kernel when the rows allow vectors.
+pub fn rms_norm(x: &Tensor, weight: &Tensor, eps: f32, fp8_qdq: bool) -> Result<Tensor> {
+    let x = x.contiguous()?;
+    let dims = x.dims().to_vec();
+    let cols = *dims.last().unwrap_or(&0);
+    let rows = x.elem_count() / cols.max(1);
+    // An f32 weight beside a narrower x: multiplied in f32 (GemmaRMSNorm's `1 + w`).
+    let f32_weight = weight.dtype() == DType::F32 && x.dtype() != DType::F32;
+    if weight.dims() != [cols] || !(weight.dtype() == x.dtype() || f32_weight) {
+        bail!(
+            "rms_norm: x {dims:?} {:?}, weight {:?} {:?}",
+            x.dtype(),
+            weight.dims(),
+            weight.dtype()
+        );
+    }
+    let vectors = rows_of_vectors(cols, &[&x, weight]);
+    let base = if f32_weight {
+        "rms_norm_f32w"
+    } else {
+        "rms_norm"
+    };
+    let variant = match (vectors, fp8_qdq) {
+        (true, true) => format!("{base}_v8_fp8_qdq"),
+        (true, false) => format!("{base}_v8"),
+        (false, _) => base.to_string(),
+    };
+    let name = kernel_name(&variant, x.dtype());
+    with_float_type!(x.dtype(), T => with_slice::<T, _>(&x, |xs, xo, dev| {
+        with_float_type!(weight.dtype(), W => with_slice::<W, _>(weight, |ws, wo, _| {
+            let func = kernel(dev, &NORM, &name)?;
+            // SAFETY: the kernel writes every element of `out`.
+            let out = unsafe { dev.alloc::<T>(rows * cols) }?;
+            let (xs, ws) = (xs.slice(xo..), ws.slice(wo..));
+            let c32 = cols as i32;
+            let mut b = func.builder();
+            b.arg(&xs).arg(&ws).arg(&out).arg(&c32).arg(&eps);
+            // SAFETY: arguments match `rms_norm{,_f32w}{,_v8,_v8_fp8_qdq}_*` (one 256-thread
+            // block per row; aligned vectors checked above; the weight's type by `f32_weight`).
+            unsafe { b.launch(grid_rows(rows)) }.w()?;
+            let out = wrap(out, dev, dims.clone());
+            if fp8_qdq && !vectors { qdq_fp8(&out, None) } else { Ok(out) }
+        }))
+    }))
+}
+
+/// `silu(gate) * up` in one pass (SwiGLU), rounded as PyTorch rounds it in the compute dtype;
+/// with `fp8_qdq` followed in the same kernel by the per-token fp8 QDQ (as [`qdq_fp8`] without a
+/// static scale).
+pub fn silu_mul(gate: &Tensor, up: &Tensor, fp8_qdq: bool) -> Result<Tensor> {
+    gated_mul("silu_mul", gate, up, fp8_qdq)
+}
+
+/// `gelu_tanh(gate) * up` (GeGLU), as [`silu_mul`].
+pub fn gelu_tanh_mul(gate: &Tensor, up: &Tensor, fp8_qdq: bool) -> Result<Tensor> {
+    gated_mul("gelu_tanh_mul", gate, up, fp8_qdq)
+}
+
+/// `act(gate) * up` by the kernel family `base` (`silu_mul`, `gelu_tanh_mul`).
+fn gated_mul(base: &str, gate: &Tensor, up: &Tensor, fp8_qdq: bool) -> Result<Tensor> {
+    let (gate, up) = (gate.contiguous()?, up.contiguous()?);
+    if gate.dims() != up.dims() || gate.dtype() != up.dtype() {
+        bail!(
+            "{base}: gate {:?} and up {:?} differ",
+            gate.dims(),
+            up.dims()
+        );
+    }
+    let n = gate.elem_count();
+    let row = *gate.dims().last().unwrap_or(&0);
+    if n % 8 != 0 || row % 8 != 0 {
+        bail!(
+            "{base} needs rows of a multiple of 8 elements, got {:?}",
+            gate.dims()
+        );
+    }
+    let variant = if fp8_qdq {
+        format!("{base}_fp8_qdq")
+    } else {
+        base.to_string()
+    };
+    let name = kernel_name(&variant, gate.dtype());
+    with_float_type!(gate.dtype(), T => with_slice::<T, _>(&gate, |gs, go, dev| {
+        with_slice::<T, _>(&up, |us, uo, _| {
+            if go % 8 != 0 || uo % 8 != 0 {
+                bail!("{base} needs 16-byte aligned inputs");
+            }
+            let func = kernel(dev, &NORM, &name)?;
+            // SAFETY: the kernel writes every element.
+            let out = unsafe { dev.alloc::<T>(n) }?;
+            let (gs, us) = (gs.slice(go..), us.slice(uo..));
+            let mut b = func.builder();
+            b.arg(&gs).arg(&us).arg(&out);
+            let (n64, row32) = (n as i64, row as i32);
+            if fp8_qdq {
+                b.arg(&row32);
+                // SAFETY: arguments match `{silu,gelu_tanh}_mul_fp8_qdq_*` (one 256-thread block per row).
+                unsafe { b.launch(grid_rows(n / row.max(1))) }.w()?;
+            } else {
+                b.arg(&n64);
+                // SAFETY: arguments match `{silu,gelu_tanh}_mul_*` (one thread per 8 elements).
+                unsafe { b.launch(grid_1d(n / 8)) }.w()?;
+            }
+            Ok(wrap(out, dev, gate.dims()))
+        })
+    }))
+}

@@ -1,0 +1,117 @@
+//! The mixture-of-experts family: the router's top-k choice and the weighted combine of the
+//! experts' outputs.
+
+use candle_core::{DType, Device, Result, Tensor};
+
+super::gpu_entry_points!(moe {
+    fn moe_topk(logits: &Tensor, k: usize, norm: bool) -> Result<(Vec<u32>, Vec<f32>)>;
+    fn moe_combine(
+        y: &Tensor,
+        weights: &Tensor,
+        compute_dtype_weights: bool,
+        positions: &Tensor,
+        residual: &Tensor,
+    ) -> Result<Tensor>;
+});
+
+/// The most experts the GPU router holds per token (16 per lane of a warp: `MOE_MAX_PER_LANE`
+/// in kernels/moe.cu).
+const GPU_MAX_EXPERTS: usize = 512;
+
+/// Every token's experts, flat: token `t`'s are `experts[t * k..][..k]`, with their router
+/// weights at the same places.
+#[derive(Debug, Clone, PartialEq)]
+pub struct TopExperts {
+    pub k: usize,
+    pub experts: Vec<u32>,
+    pub weights: Vec<f32>,
+}
+
+/// The most experts a router may choose from on `device`.
+pub fn moe_max_experts(device: &Device) -> usize {
+    if device.is_cuda() {
+        GPU_MAX_EXPERTS
+    } else {
+        usize::MAX
+    }
+}
+
+/// A mixture-of-experts router on its logits `[tokens, experts]`: per token its top `k`
+/// experts by softmax probability in f32 (ties to the lowest id), with their probabilities,
+/// renormalised to sum 1 when `norm`. A NaN among a token's probabilities is an error.
+pub fn moe_route(logits: &Tensor, k: usize, norm: bool) -> Result<TopExperts> {
+    let (tokens, num_experts) = logits.dims2()?;
+    let (experts, weights) = if logits.device().is_cuda() {
+        if num_experts > GPU_MAX_EXPERTS {
+            candle_core::bail!(
+                "the GPU router handles up to {GPU_MAX_EXPERTS} experts, the model has {num_experts}"
+            );
+        }
+        gpu::moe_topk(logits, k, norm)?
+    } else {
+        route_on_cpu(logits, k, norm)?
+    };
+    if let Some(at) = experts.iter().position(|&e| e as usize >= num_experts) {
+        candle_core::bail!(
+            "the router probabilities of token {} of {tokens} are NaN",
+            at / k.max(1)
+        );
+    }
+    Ok(TopExperts {
+        k,
+        experts,
+        weights,
+    })
+}
+
+/// The CPU reference of the router kernel: a token with a NaN probability gets the id
+/// `experts` everywhere, which [`moe_route`] refuses.
+fn route_on_cpu(logits: &Tensor, k: usize, norm: bool) -> Result<(Vec<u32>, Vec<f32>)> {
+    let num_experts = logits.dims2()?.1;
+    let probs = candle_nn::ops::softmax_last_dim(&logits.to_dtype(DType::F32)?)?;
+    let (mut experts, mut weights) = (Vec::new(), Vec::new());
+    for p in probs.to_vec2::<f32>()? {
+        if p.iter().any(|v| v.is_nan()) {
+            experts.extend(std::iter::repeat_n(num_experts as u32, k));
+            weights.extend(std::iter::repeat_n(f32::NAN, k));
+            continue;
+        }
+        // A stable sort: equal probabilities keep the lower id first.
+        let mut order: Vec<usize> = (0..p.len()).collect();
+        order.sort_by(|&a, &b| p[b].total_cmp(&p[a]));
+        let top = &order[..k];
+        let sum: f32 = top.iter().map(|&e| p[e]).sum();
+        experts.extend(top.iter().map(|&e| e as u32));
+        weights.extend(top.iter().map(|&e| if norm { p[e] / sum } else { p[e] }));
+    }
+    Ok((experts, weights))
+}
+
+/// `residual` plus, per token, the sum of its weighted rows of `y` (the expert outputs, one
+/// row per routed token): row `r` weighted by `weights[r]` (f32 `[rows, 1]`; in the compute
+/// dtype with `compute_dtype_weights`, else in f32 and rounded). `rows_token` names each row's
+/// token (the CPU adds by it; the GPU kernel gathers by `positions` instead), `positions` (u32
+/// `[tokens, k]`) each token's rows in the order they are added, which is the order of the rows.
+/// Every add is rounded to the compute dtype, as an `index_add` into zeros does.
+pub fn moe_combine(
+    y: &Tensor,
+    weights: &Tensor,
+    compute_dtype_weights: bool,
+    rows_token: &[u32],
+    positions: &Tensor,
+    residual: &Tensor,
+) -> Result<Tensor> {
+    if y.device().is_cuda() {
+        return gpu::moe_combine(y, weights, compute_dtype_weights, positions, residual);
+    }
+    let rows_token = Tensor::new(rows_token, y.device())?;
+    let dtype = y.dtype();
+    let y = if compute_dtype_weights {
+        y.broadcast_mul(&weights.to_dtype(dtype)?)?
+    } else {
+        y.to_dtype(DType::F32)?
+            .broadcast_mul(weights)?
+            .to_dtype(dtype)?
+    };
+    residual + residual.zeros_like()?.index_add(&rows_token, &y, 0)?
+}

@@ -1,0 +1,93 @@
+//! The norm and activation family: RMSNorm and the gated activations (SwiGLU, GeGLU), each able
+//! to apply the per-token fp8 QDQ of the Linear that reads its output in the same GPU pass.
+
+use candle_core::{DType, Device, Module, Result, Tensor, D};
+
+use super::dequant::{activation_qdq, ActivationQdq};
+
+super::gpu_entry_points!(norm {
+    fn rms_norm(x: &Tensor, weight: &Tensor, eps: f32, fp8_qdq: bool) -> Result<Tensor>;
+    fn silu_mul(gate: &Tensor, up: &Tensor, fp8_qdq: bool) -> Result<Tensor>;
+    fn gelu_tanh_mul(gate: &Tensor, up: &Tensor, fp8_qdq: bool) -> Result<Tensor>;
+});
+
+/// The MLP's gate activation.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Activation {
+    Silu,
+    /// `gelu_pytorch_tanh`: GELU with the tanh approximation (GeGLU).
+    GeluTanh,
+}
+
+impl Activation {
+    /// The profile stage of the gated product `act(gate) * up`.
+    pub fn stage_name(self) -> &'static str {
+        match self {
+            Self::Silu => "silu_mul",
+            Self::GeluTanh => "gelu_mul",
+        }
+    }
+}
+
+/// transformers' LlamaRMSNorm of `x` over its last dimension (normalise in f32, cast back, then
+/// scale by `weight`), put through `qdq` (the activation QDQ of the Linears that read it) when
+/// there is one. One kernel on a GPU, which rounds the norm once instead of twice (identical in
+/// f32; closer to f32 in bf16/f16) and applies a per-token fp8 QDQ in the same pass.
+///
+/// An f32 `weight` beside a narrower `x` is GemmaRMSNorm's `1 + w`: the normalised row is
+/// scaled in f32 and rounded once, as transformers does, on every device.
+pub fn rms_norm(
+    x: &Tensor,
+    weight: &Tensor,
+    eps: f64,
+    qdq: Option<&ActivationQdq>,
+) -> Result<Tensor> {
+    let fused = fuses_qdq(qdq, x.device());
+    let normed = if x.device().is_cuda() {
+        gpu::rms_norm(x, weight, eps as f32, fused)?
+    } else {
+        let dtype = x.dtype();
+        let x32 = x.to_dtype(DType::F32)?;
+        let variance = x32.sqr()?.mean_keepdim(D::Minus1)?;
+        let normed = x32.broadcast_mul(&(variance + eps)?.sqrt()?.recip()?)?;
+        if weight.dtype() == DType::F32 {
+            normed.broadcast_mul(weight)?.to_dtype(dtype)?
+        } else {
+            normed.to_dtype(dtype)?.broadcast_mul(weight)?
+        }
+    };
+    finish_qdq(normed, qdq, fused)
+}
+
+/// The gated activation `act(gate) * up` (SwiGLU, GeGLU), put through `qdq` (the down
+/// projection's activation QDQ) when there is one: one kernel on a GPU, rounded as PyTorch
+/// rounds it in the compute dtype, which applies a per-token fp8 QDQ in the same pass.
+pub fn gated_mul(
+    act: Activation,
+    gate: &Tensor,
+    up: &Tensor,
+    qdq: Option<&ActivationQdq>,
+) -> Result<Tensor> {
+    let fused = fuses_qdq(qdq, gate.device());
+    let product = match (gate.device().is_cuda(), act) {
+        (true, Activation::Silu) => gpu::silu_mul(gate, up, fused)?,
+        (true, Activation::GeluTanh) => gpu::gelu_tanh_mul(gate, up, fused)?,
+        (false, Activation::Silu) => (candle_nn::Activation::Silu.forward(gate)? * up)?,
+        (false, Activation::GeluTanh) => (gate.gelu()? * up)?,
+    };
+    finish_qdq(product, qdq, fused)
+}
+
+/// Whether the kernel that produces a Linear input (RMSNorm, SwiGLU) applies `qdq` in its own
+/// pass: the per-token fp8 QDQ, which needs nothing but the row the GPU kernel already holds.
+fn fuses_qdq(qdq: Option<&ActivationQdq>, device: &Device) -> bool {
+    device.is_cuda() && qdq == Some(&ActivationQdq::Fp8PerToken)
+}
+
+/// `x` through `qdq`, unless the kernel that produced it applied it already (`fused`).
+fn finish_qdq(x: Tensor, qdq: Option<&ActivationQdq>, fused: bool) -> Result<Tensor> {
+    match qdq {
+        Some(qdq) if !fused => activation_qdq(&x, qdq),
+        _ => Ok(x),
+    }
+}
