@@ -56,6 +56,14 @@ pub fn classify(error: &candle_core::Error) -> EngineError {
     }
 }
 
+/// A model error as the engine reports it ([`classify`]), so that engine code can use `?` on
+/// model calls.
+impl From<candle_core::Error> for EngineError {
+    fn from(error: candle_core::Error) -> Self {
+        classify(&error)
+    }
+}
+
 /// Runs `compute` over `items`; when it fails with out-of-memory, runs each half of `items`
 /// the same way, recursively, and joins the halves' results in order. A single item that does
 /// not fit fails with the out-of-memory error. Each retry is counted in

@@ -15,10 +15,8 @@ use super::fault::{classify, guarded};
 use super::stage_thread::{IdleHook, StageThread};
 use super::{DiffSupport, Engine, EngineError};
 use crate::model::diff::{attributable_modules, diff_batch, incompatibility};
-use crate::model::kld::kld_logits;
-use crate::model::{
-    lm_head_rows, DiffOptions, Model, ScoreInput, SequenceDiff, SequenceKld, SequenceScores,
-};
+use crate::model::kld::{kld_hidden, logit_chunks};
+use crate::model::{DiffOptions, Model, ScoreInput, SequenceDiff, SequenceKld, SequenceScores};
 
 /// A model and one thread per stage.
 struct Chain {
@@ -288,7 +286,7 @@ impl Engine for ModelEngine {
             let served = self.served.model.clone();
             let target = served.stage_device(served.stage_count() - 1).clone();
             let reference_model = reference.model.clone();
-            let rows = part.clone();
+            let part_of_reference = part.clone();
             reference.submit(part.clone(), &self.abandoned, move |hidden| {
                 let h = match hidden {
                     Ok(h) => h,
@@ -297,12 +295,12 @@ impl Engine for ModelEngine {
                         return;
                     }
                 };
-                for (offset, len) in logit_chunks(&rows, reference_model.config().vocab_size) {
+                let vocab = reference_model.config().vocab_size;
+                for rows in logit_chunks(&part_of_reference.tokens(), vocab) {
                     let logits = guarded(|| {
-                        let logits = reference_model
-                            .logits(&h.narrow(0, offset, len).map_err(|e| classify(&e))?)
-                            .map_err(|e| classify(&e))?;
-                        crate::device::transfer(&logits, &target).map_err(|e| classify(&e))
+                        let logits =
+                            reference_model.logits(&h.narrow(0, rows.start, rows.len())?)?;
+                        Ok(crate::device::transfer(&logits, &target)?)
                     });
                     let failed = logits.is_err();
                     // The served side hung up (it failed): stop.
@@ -314,36 +312,20 @@ impl Engine for ModelEngine {
             self.served
                 .submit(part.clone(), &self.abandoned, move |hidden| {
                     let result = hidden.and_then(|h| {
-                        let mut out: Vec<SequenceKld> = part
-                            .sequences
-                            .iter()
-                            .map(|_| SequenceKld::default())
-                            .collect();
-                        let vocab = served.config().vocab_size;
-                        let mut chunks = logit_chunks(&part, vocab).into_iter();
-                        for (i, tokens) in part.sequences.iter().enumerate() {
-                            let rows = tokens.len().saturating_sub(1);
-                            for start in (0..rows).step_by(lm_head_rows(vocab)) {
-                                let (offset, len) = chunks.next().ok_or_else(|| {
-                                    EngineError::Compute("reference chunks out of step".into())
-                                })?;
-                                let reference_logits = chunks_rx.recv().unwrap_or_else(|_| {
-                                    Err(EngineError::Compute("the reference stopped".into()))
-                                })?;
-                                let klds = guarded(|| {
-                                    let logits = served
-                                        .logits(
-                                            &h.narrow(0, offset, len).map_err(|e| classify(&e))?,
-                                        )
-                                        .map_err(|e| classify(&e))?;
-                                    let targets = &tokens[start + 1..start + 1 + len];
-                                    kld_logits(&reference_logits, &logits, targets)
-                                        .map_err(|e| classify(&e))
-                                })?;
-                                out[i].tokens.extend(klds);
-                            }
-                        }
-                        Ok(out)
+                        guarded(|| {
+                            kld_hidden(
+                                |_| {
+                                    chunks_rx.recv().unwrap_or_else(|_| {
+                                        Err(EngineError::Compute("the reference stopped".into()))
+                                    })
+                                },
+                                |rows| {
+                                    Ok(served.logits(&h.narrow(0, rows.start, rows.len())?)?)
+                                },
+                                &part.tokens(),
+                                served.config().vocab_size,
+                            )
+                        })
                     });
                     let _ = done.send(result);
                 });
@@ -403,21 +385,4 @@ impl Engine for ModelEngine {
     fn abandon(&self) {
         self.abandoned.store(true, Ordering::SeqCst);
     }
-}
-
-/// (row offset in the micro-batch's hidden state, rows) of every logit chunk of a divergence
-/// over a vocabulary of `vocab`: each sequence's positions that have a next token, in
-/// [`lm_head_rows`] rows at a time (both models share the vocabulary, so the same chunks).
-fn logit_chunks(batch: &MicroBatch, vocab: usize) -> Vec<(usize, usize)> {
-    let chunk = lm_head_rows(vocab);
-    let mut chunks = Vec::new();
-    let mut offset = 0;
-    for tokens in &batch.sequences {
-        let rows = tokens.len().saturating_sub(1);
-        for start in (0..rows).step_by(chunk) {
-            chunks.push((offset + start, chunk.min(rows - start)));
-        }
-        offset += tokens.len();
-    }
-    chunks
 }

@@ -479,16 +479,11 @@ impl Model {
     fn hidden_states_routed(
         &self,
         sequences: &[&[u32]],
-        mut routes: Option<&mut Vec<(usize, Vec<Route>)>>,
+        routes: Option<&mut Vec<(usize, Vec<Route>)>>,
     ) -> Result<Tensor> {
         let lens: Vec<usize> = sequences.iter().map(|s| s.len()).collect();
-        let mut x = self.embed(sequences)?;
-        for k in 0..self.stages.len() {
-            if k > 0 {
-                x = crate::device::transfer(&x, &self.stages[k].device)?;
-            }
-            x = self.forward_stage_routed(k, x, &lens, routes.as_deref_mut())?;
-        }
+        let x = self.embed(sequences)?;
+        let x = self.walk_layers(0..self.layers.len(), x, &lens, routes)?;
         self.final_norm(&x)
     }
 
@@ -523,23 +518,39 @@ impl Model {
     /// Stage `k`'s decoder layers over the residual stream `x` (on that stage's device) of
     /// sequences of lengths `lens`, concatenated.
     pub fn forward_stage(&self, k: usize, x: Tensor, lens: &[usize]) -> Result<Tensor> {
-        self.forward_stage_routed(k, x, lens, None)
+        self.run_layers(k, self.stages[k].layers.clone(), x, lens, None, None)
     }
 
-    /// The decoder layers `layers`, all of one stage, over `x` on that stage's device: a
-    /// stage one layer at a time, for `/diff`, which compares two models after every layer.
+    /// The decoder layers `layers` over `x`, stage by stage, the state carried to each stage's
+    /// device: `/diff` runs them one layer at a time, comparing two models after every layer.
     pub fn forward_layers(
         &self,
         layers: Range<usize>,
         x: Tensor,
         lens: &[usize],
     ) -> Result<Tensor> {
-        let k = self.layer_stage(layers.start);
-        let stage = &self.stages[k].layers;
-        if layers.start < stage.start || layers.end > stage.end {
-            candle_core::bail!("layers {layers:?} are not all in one stage ({stage:?})");
+        self.walk_layers(layers, x, lens, None)
+    }
+
+    /// The one walk over the stages of a forward pass on this thread (the pipelined engine runs
+    /// [`Self::forward_stage`] on each stage's own thread instead): each stage's part of
+    /// `layers` on its device, the state carried from one device to the next.
+    fn walk_layers(
+        &self,
+        layers: Range<usize>,
+        mut x: Tensor,
+        lens: &[usize],
+        mut routes: Option<&mut Vec<(usize, Vec<Route>)>>,
+    ) -> Result<Tensor> {
+        let mut start = layers.start;
+        while start < layers.end {
+            let k = self.layer_stage(start);
+            let end = self.stages[k].layers.end.min(layers.end);
+            x = crate::device::transfer(&x, &self.stages[k].device)?;
+            x = self.run_layers(k, start..end, x, lens, routes.as_deref_mut(), None)?;
+            start = end;
         }
-        self.run_layers(k, layers, x, lens, None, None)
+        Ok(x)
     }
 
     /// Decoder layer `i` with its Linear `module` (named under the layer: `self_attn.q_proj`)
@@ -558,16 +569,6 @@ impl Model {
             None => candle_core::bail!("decoder layer {i} has no Linear `{module}`"),
         }
         self.run_layers(self.layer_stage(i), i..i + 1, x, lens, None, Some(&*layer))
-    }
-
-    fn forward_stage_routed(
-        &self,
-        k: usize,
-        x: Tensor,
-        lens: &[usize],
-        routes: Option<&mut Vec<(usize, Vec<Route>)>>,
-    ) -> Result<Tensor> {
-        self.run_layers(k, self.stages[k].layers.clone(), x, lens, routes, None)
     }
 
     /// `layers` of stage `k`; `replaced` stands in for the first of them.

@@ -147,9 +147,7 @@ pub fn diff_batch(
     let mut out: Vec<SequenceDiff> = sequences.iter().map(|_| SequenceDiff::default()).collect();
     let (mut xs, mut xr) = (served.embed(sequences)?, reference.embed(sequences)?);
     for i in 0..layers {
-        xs = to_layer(served, i, xs)?;
         xs = served.forward_layers(i..i + 1, xs, &lens)?;
-        xr = to_layer(reference, i, xr)?;
         xr = reference.forward_layers(i..i + 1, xr, &lens)?;
         let errors: Vec<(f64, f64)> = position_sums(&xs, &xr)?
             .into_iter()
@@ -238,7 +236,8 @@ fn attribution(
         for &(m, module) in by_layer.get(&i).into_iter().flatten() {
             let linear = transplant(served, &modules[m], x.dtype(), x.device())?;
             let y = reference.forward_layer_with(i, module, linear, x.clone(), &lens)?;
-            let y = forward_from(reference, i + 1, y, &lens)?;
+            let rest = i + 1..reference.config().num_layers;
+            let y = reference.forward_layers(rest, y, &lens)?;
             sums[m] = kld_of(&reference.final_norm(&y)?, None)?;
         }
         x = reference.forward_layers(i..i + 1, x, &lens)?;
@@ -323,19 +322,6 @@ fn transplant(served: &Model, name: &str, dtype: DType, device: &Device) -> Resu
         Box::new(DenseWeight::from_tensor(weight)),
         bias,
     ))
-}
-
-/// Decoder layers `first..` of `model` over `x`, stage by stage.
-fn forward_from(model: &Model, first: usize, mut x: Tensor, lens: &[usize]) -> Result<Tensor> {
-    let layers = model.config().num_layers;
-    let mut start = first;
-    while start < layers {
-        let end = model.stage_layers(model.layer_stage(start)).end;
-        x = to_layer(model, start, x)?;
-        x = model.forward_layers(start..end, x, lens)?;
-        start = end;
-    }
-    Ok(x)
 }
 
 /// `x` on the device of `model`'s decoder layer `i`.

@@ -22,7 +22,6 @@ pub mod scoring;
 pub use crate::checkpoint::LoadError;
 pub use crate::ops::causal_mask;
 pub use config::{Architecture, ModelConfig};
-pub(crate) use decoder::lm_head_rows;
 pub use decoder::{AttentionKernel, Model, ModelOptions, ScoreInput};
 pub use diff::{diff_batch, DiffOptions, LayerError, SequenceDiff};
 pub use kld::{kld_batch, SequenceKld, TokenKld};
