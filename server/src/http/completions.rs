@@ -16,7 +16,7 @@ use serde_json::Value;
 
 use super::error::{preview, ApiError};
 use super::json::ApiJson;
-use super::score::compute;
+use super::submit::submit_and_wait;
 use super::validate::{check_batch_len, check_length, token_ids, Rules, MAX_TOP_K};
 use super::{off_runtime, SharedState};
 use crate::model::SequenceScores;
@@ -57,7 +57,7 @@ pub async fn completions(
     let valid = off_runtime(&state, move |s| validate(req, &s.info.model, &s.rules())).await?;
     let sequences: Vec<Vec<u32>> = valid.prompts.iter().map(|p| p.ids.clone()).collect();
     let top_k = valid.logprobs.unwrap_or(0);
-    let scored = compute(&state, &sequences, |s, ids| s.submit(ids, top_k)).await?;
+    let scored = submit_and_wait(&state, &sequences, |s, ids| s.submit(ids, top_k)).await?;
     let mut choices = Vec::with_capacity(scored.len());
     let mut usage = CompletionUsage {
         prompt_tokens: 0,

@@ -12,10 +12,10 @@ use exactscore_api::{
     SequenceLayerDiff,
 };
 
+use super::divergence::sequence_divergence;
 use super::error::ApiError;
 use super::json::ApiJson;
-use super::kld::sequence_divergence;
-use super::score::{compute, UsageMeter};
+use super::submit::{submit_and_wait, UsageMeter};
 use super::validate::{self, ValidDiff};
 use super::{off_runtime, SharedState};
 use crate::engine::{Computed, DiffSupport};
@@ -52,7 +52,7 @@ pub async fn diff(
     })
     .await?;
     let options = Arc::new(valid.options.clone());
-    let done = compute(&state, &valid.sequences, |s, ids| {
+    let done = submit_and_wait(&state, &valid.sequences, |s, ids| {
         s.submit_diff(ids, options.clone())
     })
     .await?;

@@ -3,6 +3,7 @@
 
 pub mod completions;
 pub mod diff;
+mod divergence;
 pub mod error;
 pub mod health;
 pub mod info;
@@ -11,6 +12,7 @@ pub mod kld;
 pub mod metrics;
 pub mod score;
 pub mod serve;
+mod submit;
 pub mod tokenize;
 pub mod validate;
 

@@ -1,21 +1,18 @@
 //! `POST /score`: validate, queue every sequence, wait for all of them, answer in request
 //! order. Logprobs are the f32 numbers of the model, unchanged.
 
-use std::collections::HashSet;
-use std::time::Duration;
-
 use axum::extract::State;
 use axum::Json;
 use exactscore_api::{
-    ErrorBody, ReturnOptions, ScoreRequest, ScoreResponse, SequenceScore, TopToken, Usage,
+    ErrorBody, ReturnOptions, ScoreRequest, ScoreResponse, SequenceScore, TopToken,
 };
 
 use super::error::ApiError;
 use super::json::ApiJson;
+use super::submit::{submit_and_wait, UsageMeter};
 use super::validate::{self, ValidScore};
 use super::{off_runtime, SharedState};
-use crate::engine::batcher::ReplyReceiver;
-use crate::engine::{Computed, EngineError, Finite, Scheduler, ScoredSequence};
+use crate::engine::ScoredSequence;
 use crate::model::SequenceScores;
 use crate::tokenizer::TextTokenizer;
 
@@ -58,93 +55,11 @@ async fn handle(state: SharedState, req: ScoreRequest) -> Result<Json<ScoreRespo
     state.ready().map_err(ApiError::NotReady)?;
     let valid = off_runtime(&state, move |s| validate::score_request(req, &s.rules())).await?;
     let top_k = valid.top_k;
-    let scored = compute(&state, &valid.sequences, |s, ids| s.submit(ids, top_k)).await?;
+    let scored = submit_and_wait(&state, &valid.sequences, |s, ids| s.submit(ids, top_k)).await?;
     let response = respond(&state, valid, scored)?;
     metrics::counter!("exactscore_tokens_scored_total")
         .increment(response.usage.scored_tokens as u64);
     Ok(Json(response))
-}
-
-/// Queues every sequence with `submit` and waits for all of them: bounded by the admission
-/// semaphore (429) and the request timeout (504). Shared by `/score`, `/v1/completions` and
-/// `/kld`.
-pub(crate) async fn compute<T: Finite>(
-    state: &SharedState,
-    sequences: &[Vec<u32>],
-    submit: impl Fn(&Scheduler, Vec<u32>) -> ReplyReceiver<T>,
-) -> Result<Vec<Computed<T>>, ApiError> {
-    // Held until the answer is built: bounds requests queued or computing.
-    let _permit = state
-        .admission
-        .clone()
-        .try_acquire_owned()
-        .map_err(|_| match state.ready() {
-            // Draining holds every permit: a request that passed the readiness check
-            // just before the signal is refused like the ones after it.
-            Err(why) => ApiError::NotReady(why),
-            Ok(()) => ApiError::Overloaded {
-                max_queued: state.limits().max_queued_requests,
-            },
-        })?;
-    let receivers: Vec<_> = sequences
-        .iter()
-        .map(|ids| submit(&state.scheduler, ids.clone()))
-        .collect();
-    // Dropping the receivers (timeout, or the client hanging up and this future being
-    // dropped) cancels whatever has not been computed yet.
-    let wait = async {
-        let mut out = Vec::with_capacity(receivers.len());
-        for rx in receivers {
-            out.push(
-                rx.await
-                    .unwrap_or(Err(EngineError::Stopped))
-                    .and_then(Computed::checked),
-            );
-        }
-        out
-    };
-    let timeout = state.http.request_timeout;
-    // After the drain timeout, a request still waiting is answered at once, not when (or if)
-    // its batch finishes.
-    let results = tokio::select! {
-        results = tokio::time::timeout(timeout, wait) => {
-            results.map_err(|_| ApiError::Timeout(timeout))?
-        }
-        () = state.scheduler.abandoned() => return Err(EngineError::Abandoned.into()),
-    };
-    results
-        .into_iter()
-        .enumerate()
-        .map(|(sequence, result)| {
-            result.map_err(|e| match e {
-                EngineError::NonFinite { position } => ApiError::Numerical { sequence, position },
-                e => ApiError::from(e),
-            })
-        })
-        .collect()
-}
-
-/// Sums the work of a request's sequences; a batch shared by several of them counts once.
-#[derive(Default)]
-pub(crate) struct UsageMeter {
-    usage: Usage,
-    batches: HashSet<u64>,
-}
-
-impl UsageMeter {
-    pub fn add<T>(&mut self, input_tokens: usize, scored_tokens: usize, done: &Computed<T>) {
-        let u = &mut self.usage;
-        u.input_tokens += input_tokens;
-        u.scored_tokens += scored_tokens;
-        u.queue_ms = u.queue_ms.max(ms(done.queue_time));
-        if self.batches.insert(done.batch_id) {
-            u.compute_ms += ms(done.compute_time);
-        }
-    }
-
-    pub fn usage(self) -> Usage {
-        self.usage
-    }
 }
 
 fn respond(
@@ -172,10 +87,6 @@ fn respond(
         sequences,
         usage: usage.usage(),
     })
-}
-
-fn ms(d: Duration) -> f64 {
-    d.as_secs_f64() * 1e3
 }
 
 /// Shapes one sequence's scores as the wire type asks.
