@@ -1,0 +1,80 @@
+#!/usr/bin/env bash
+# Runs on the lent GPU machine: two builds of ExactScore on one card, to show that a change
+# moved no number and no time. The builds come gzipped in .device/ as for device_bench.sh:
+# the new one as exactscore-server.gz / exactscore-bench.gz, the old one as
+# old-exactscore-server.gz / old-exactscore-bench.gz.
+#   bash scripts/device_compare_builds.sh [golden] [check] [speed SHAPE FORMAT BATCHES ROUNDS]...
+# golden: scripts/golden_digest.py with both servers on cuda:0 (f32 and bf16), compared.
+# check:  `exactscore-bench check` of the new build (every row must be ok).
+# speed:  `exactscore-bench speed` of SHAPE, old and new interleaved ROUNDS times each; the
+#         table at the end gives each build's median ms/window per batch, and their ratio.
+# Results go to $OUT; exits 1 when a step failed.
+set -uo pipefail
+export LD_LIBRARY_PATH=${CUDA_LIB_DIR:-/opt/torch/.venv/lib/python3.12/site-packages/nvidia/cu13/lib}:${LD_LIBRARY_PATH:-}
+OUT=${OUT:-/tmp/exactscore-out}
+mkdir -p "$OUT"
+for b in .device/*.gz; do
+  name=$(basename "$b" .gz)
+  gzip -dc "$b" > "/tmp/$name" && chmod +x "/tmp/$name"
+done
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/device.txt"
+status=0
+
+golden() {
+  python3 scripts/golden_digest.py /tmp/old-exactscore-server > "$OUT/golden-old.json" &&
+    python3 scripts/golden_digest.py /tmp/exactscore-server > "$OUT/golden-new.json" &&
+    python3 scripts/golden_digest.py --compare "$OUT/golden-old.json" "$OUT/golden-new.json"
+}
+
+# One `speed` run of $1 (old or new) appends its table rows, labelled, to speed-rows.txt.
+speed_once() {
+  local build=$1 shape=$2 format=$3 batches=$4 bin=/tmp/exactscore-bench
+  [ "$build" = old ] && bin=/tmp/old-exactscore-bench
+  "$bin" speed --shape "$shape" --formats "$format" --batch "$batches" --attention flash \
+    > "$OUT/speed-$build-$shape.log" 2>&1 || { tail -20 "$OUT/speed-$build-$shape.log"; return 1; }
+  grep "^| $format " "$OUT/speed-$build-$shape.log" | sed "s/^/$build $shape /" >> "$OUT/speed-rows.txt"
+}
+
+speed() {
+  local shape=$1 format=$2 batches=$3 rounds=$4
+  for _ in $(seq "$rounds"); do
+    speed_once old "$shape" "$format" "$batches" || return 1
+    speed_once new "$shape" "$format" "$batches" || return 1
+  done
+}
+
+# Median ms/window per (shape, batch) of each build, and new / old.
+speed_table() {
+  python3 - "$OUT/speed-rows.txt" <<'PY'
+import statistics, sys
+rows = {}
+for line in open(sys.argv[1]):
+    build, shape, rest = line.split(" ", 2)
+    cells = [c.strip() for c in rest.strip().strip("|").split("|")]
+    batch, ms = int(cells[3]), float(cells[4])
+    rows.setdefault((shape, batch), {}).setdefault(build, []).append(ms)
+print("| shape | batch | old ms/window (runs) | new ms/window (runs) | new / old |")
+print("|---|---|---|---|---|")
+for (shape, batch), by in sorted(rows.items()):
+    old, new = statistics.median(by["old"]), statistics.median(by["new"])
+    print(f"| {shape} | {batch} | {old:.2f} ({', '.join(f'{v:.2f}' for v in by['old'])}) "
+          f"| {new:.2f} ({', '.join(f'{v:.2f}' for v in by['new'])}) | {new / old:.4f} |")
+PY
+}
+
+step() {
+  local log=$1; shift
+  "$@" 2>&1 | tee -a "$OUT/$log"
+  [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+}
+
+while [ $# -gt 0 ]; do
+  case "$1" in
+    golden) step golden.txt golden; shift ;;
+    check) step check.txt /tmp/exactscore-bench check --fixtures tests/fixtures; shift ;;
+    speed) step speed.txt speed "$2" "$3" "$4" "$5"; shift 5 ;;
+    *) echo "unknown step $1"; exit 2 ;;
+  esac
+done
+[ -f "$OUT/speed-rows.txt" ] && speed_table | tee "$OUT/speed-table.txt"
+exit $status
