@@ -503,9 +503,8 @@ impl Model {
             );
         }
         let device = &self.stages[0].device;
-        crate::device::bind(device)?;
-        let ids = Tensor::new(ids.as_slice(), device)?;
         stage("embed", device, || {
+            let ids = Tensor::new(ids.as_slice(), device)?;
             let x = ops::gather_rows(&self.embed_tokens, &ids)?;
             match self.embed_scale {
                 // the scale rounded to the compute dtype, as transformers multiplies
@@ -587,10 +586,11 @@ impl Model {
             local_rope,
             ..
         } = &self.stages[k];
-        crate::device::bind(device)?;
         // `set_attention` never leaves `Auto` in the options.
         let flash = self.opts.attention == AttentionKernel::Flash;
-        let batch = BatchLayout::new(lens, flash, self.config.head_dim, device)?;
+        let batch = stage("layout", device, || {
+            BatchLayout::new(lens, flash, self.config.head_dim, device)
+        })?;
         let first = layers.start;
         for i in layers {
             let layer = match replaced {
@@ -615,7 +615,6 @@ impl Model {
 
     /// The final norm of the last stage's output (on the last stage's device).
     pub fn final_norm(&self, x: &Tensor) -> Result<Tensor> {
-        crate::device::bind(x.device())?;
         stage("norm", x.device(), || self.norm.forward(x, None))
     }
 

@@ -12,6 +12,7 @@ use candle_core::{DType, Device, Result, Tensor};
 
 use super::decoder::{split_module_name, Model};
 use super::kld::{kld_hidden, logit_chunks, SequenceKld};
+use super::profile;
 use crate::quant::dense::DenseWeight;
 use crate::quant::QuantLinear;
 
@@ -292,7 +293,6 @@ fn logits_on(
     rows: Range<usize>,
     head: Option<&QuantLinear>,
 ) -> Result<Tensor> {
-    crate::device::bind(hidden.device())?;
     let hidden = hidden.narrow(0, rows.start, rows.len())?;
     match head {
         Some(head) => model.logits_with(&hidden, head),
@@ -312,8 +312,8 @@ fn transplant(served: &Model, name: &str, dtype: DType, device: &Device) -> Resu
         None => served.stage_count() - 1,
     };
     let own = served.stage_device(stage);
-    crate::device::bind(own)?;
-    let weight = crate::device::transfer(&linear.weight().dequantize(dtype, own)?, device)?;
+    let weight = profile::stage("transplant", own, || linear.weight().dequantize(dtype, own))?;
+    let weight = crate::device::transfer(&weight, device)?;
     let bias = linear
         .bias()
         .map(|b| crate::device::transfer(&b.to_dtype(dtype)?, device))
@@ -357,17 +357,18 @@ pub fn position_sums(served: &Tensor, reference: &Tensor) -> Result<Vec<[f64; 4]
             crate::device::transfer(reference, served.device())?,
         )
     };
-    crate::device::bind(s.device())?;
-    let rows = s.dims2()?.0;
-    let mut out = Vec::with_capacity(rows);
-    for start in (0..rows).step_by(COMPARE_ROWS) {
-        let len = COMPARE_ROWS.min(rows - start);
-        out.extend(crate::ops::row_pair_sums(
-            &s.narrow(0, start, len)?,
-            &r.narrow(0, start, len)?,
-        )?);
-    }
-    Ok(out)
+    profile::stage("compare", s.device(), || {
+        let rows = s.dims2()?.0;
+        let mut out = Vec::with_capacity(rows);
+        for start in (0..rows).step_by(COMPARE_ROWS) {
+            let len = COMPARE_ROWS.min(rows - start);
+            out.extend(crate::ops::row_pair_sums(
+                &s.narrow(0, start, len)?,
+                &r.narrow(0, start, len)?,
+            )?);
+        }
+        Ok(out)
+    })
 }
 
 /// (cosine error, SQNR in dB) of one position from its [`position_sums`]. A zero state: cosine

@@ -1,4 +1,4 @@
-//! Opt-in wall time per stage of the forward pass (`exactscore-bench speed --profile`). Each
+//! The stages of the model's device work, and their opt-in wall time (`exactscore-bench speed --profile`). Each
 //! stage synchronizes its device before and after, so asynchronous GPU work is charged to the
 //! stage that queued it. Off by default: then a stage costs one relaxed atomic load.
 
@@ -21,8 +21,12 @@ pub fn take() -> Vec<(&'static str, Duration, u64)> {
     std::mem::take(&mut *TOTALS.lock().unwrap_or_else(|e| e.into_inner()))
 }
 
-/// Runs `f` as the stage `name`. Stages must not nest (their times would be counted twice).
+/// Runs `f` as the stage `name` on `device`. Every piece of the model's device work runs in a
+/// stage, so this is where a thread is bound to the device it works on (cuBLAS and candle's
+/// per-thread stream resolve against the thread's current context, which work on another
+/// device may have left behind). Stages must not nest (their times would be counted twice).
 pub fn stage<R>(name: &'static str, device: &Device, f: impl FnOnce() -> Result<R>) -> Result<R> {
+    crate::device::bind(device)?;
     if !ENABLED.load(Ordering::Relaxed) {
         return f();
     }
