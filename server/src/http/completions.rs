@@ -10,11 +10,11 @@ use axum::extract::State;
 use axum::Json;
 use exactscore_api::{
     CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse, CompletionUsage,
-    ErrorBody, PromptInput,
+    PromptInput,
 };
 use serde_json::Value;
 
-use super::error::{preview, ApiError};
+use super::error::{preview, ApiError, QueuedRouteErrors};
 use super::json::ApiJson;
 use super::submit::submit_and_wait;
 use super::validate::{check_batch_len, check_length, token_ids, Rules, MAX_TOP_K};
@@ -43,11 +43,7 @@ struct Prompt {
 #[utoipa::path(post, path = "/v1/completions", tag = "scoring", request_body = CompletionRequest,
     responses(
         (status = 200, description = "OpenAI completions shape; logprobs as `/score`", body = CompletionResponse),
-        (status = 400, body = ErrorBody), (status = 401, body = ErrorBody),
-        (status = 413, body = ErrorBody),
-        (status = 422, description = "Invalid or unsupported parameter (named)", body = ErrorBody),
-        (status = 429, body = ErrorBody), (status = 503, body = ErrorBody),
-        (status = 504, body = ErrorBody), (status = 500, body = ErrorBody)
+        QueuedRouteErrors
     ))]
 pub async fn completions(
     State(state): State<SharedState>,

@@ -13,7 +13,7 @@ use exactscore_api::{
 };
 
 use super::divergence::sequence_divergence;
-use super::error::ApiError;
+use super::error::{ApiError, QueuedRouteErrors};
 use super::json::ApiJson;
 use super::submit::{submit_and_wait, UsageMeter};
 use super::validate::{self, ValidDiff};
@@ -24,15 +24,9 @@ use crate::model::SequenceDiff;
 #[utoipa::path(post, path = "/diff", tag = "scoring", request_body = DiffRequest,
     responses(
         (status = 200, description = "Per-layer errors and the final divergence, in request order", body = DiffResponse),
-        (status = 400, description = "Malformed JSON", body = ErrorBody),
-        (status = 401, description = "Missing or wrong API key", body = ErrorBody),
         (status = 404, description = "No reference model loaded (`no_reference_model`)", body = ErrorBody),
         (status = 409, description = "The reference differs in layer count or hidden size (`incompatible_reference`)", body = ErrorBody),
-        (status = 413, description = "Body too large", body = ErrorBody),
-        (status = 422, description = "Invalid request: names the field, rule and value", body = ErrorBody),
-        (status = 429, description = "Queue full; see Retry-After", body = ErrorBody),
-        (status = 503, description = "Starting or draining; see Retry-After", body = ErrorBody),
-        (status = 504, description = "Request timed out", body = ErrorBody)
+        QueuedRouteErrors
     ))]
 pub async fn diff(
     State(state): State<SharedState>,

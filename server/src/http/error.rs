@@ -296,3 +296,32 @@ pub fn preview(value: &Value) -> Value {
         other => other.clone(),
     }
 }
+
+/// The error answers that every route which queues work for the model shares, for their
+/// OpenAPI `responses` (each route adds its own, such as `/kld`'s 404).
+#[derive(utoipa::IntoResponses)]
+#[allow(dead_code)] // only read by the OpenAPI derive
+pub enum QueuedRouteErrors {
+    #[response(status = 400, description = "Malformed JSON")]
+    Malformed(ErrorBody),
+    #[response(status = 401, description = "Missing or wrong API key")]
+    Unauthorized(ErrorBody),
+    #[response(status = 413, description = "Body too large")]
+    TooLarge(ErrorBody),
+    #[response(
+        status = 422,
+        description = "Invalid request: names the field, rule and value"
+    )]
+    Invalid(ErrorBody),
+    #[response(status = 429, description = "Queue full; see Retry-After")]
+    Overloaded(ErrorBody),
+    #[response(
+        status = 500,
+        description = "The model's output is not finite (`numerical`: names the sequence and position)"
+    )]
+    Numerical(ErrorBody),
+    #[response(status = 503, description = "Starting or draining; see Retry-After")]
+    NotReady(ErrorBody),
+    #[response(status = 504, description = "Request timed out")]
+    Timeout(ErrorBody),
+}

@@ -6,7 +6,7 @@ use axum::Json;
 use exactscore_api::{ErrorBody, KldRequest, KldResponse};
 
 use super::divergence::sequence_divergence;
-use super::error::ApiError;
+use super::error::{ApiError, QueuedRouteErrors};
 use super::json::ApiJson;
 use super::submit::{submit_and_wait, UsageMeter};
 use super::validate;
@@ -15,15 +15,8 @@ use super::{off_runtime, SharedState};
 #[utoipa::path(post, path = "/kld", tag = "scoring", request_body = KldRequest,
     responses(
         (status = 200, description = "Per-token divergences, in request order", body = KldResponse),
-        (status = 400, description = "Malformed JSON", body = ErrorBody),
-        (status = 401, description = "Missing or wrong API key", body = ErrorBody),
         (status = 404, description = "No reference model loaded (`no_reference_model`)", body = ErrorBody),
-        (status = 413, description = "Body too large", body = ErrorBody),
-        (status = 422, description = "Invalid request: names the field, rule and value", body = ErrorBody),
-        (status = 429, description = "Queue full; see Retry-After", body = ErrorBody),
-        (status = 503, description = "Starting or draining; see Retry-After", body = ErrorBody),
-        (status = 504, description = "Request timed out", body = ErrorBody),
-        (status = 500, description = "The model's output is not finite (`numerical`: names the sequence and position)", body = ErrorBody)
+        QueuedRouteErrors
     ))]
 pub async fn kld(
     State(state): State<SharedState>,

@@ -3,11 +3,9 @@
 
 use axum::extract::State;
 use axum::Json;
-use exactscore_api::{
-    ErrorBody, ReturnOptions, ScoreRequest, ScoreResponse, SequenceScore, TopToken,
-};
+use exactscore_api::{ReturnOptions, ScoreRequest, ScoreResponse, SequenceScore, TopToken};
 
-use super::error::ApiError;
+use super::error::{ApiError, QueuedRouteErrors};
 use super::json::ApiJson;
 use super::submit::{submit_and_wait, UsageMeter};
 use super::validate::{self, ValidScore};
@@ -19,14 +17,7 @@ use crate::tokenizer::TextTokenizer;
 #[utoipa::path(post, path = "/score", tag = "scoring", request_body = ScoreRequest,
     responses(
         (status = 200, description = "Scores, in request order", body = ScoreResponse),
-        (status = 400, description = "Malformed JSON", body = ErrorBody),
-        (status = 401, description = "Missing or wrong API key", body = ErrorBody),
-        (status = 413, description = "Body too large", body = ErrorBody),
-        (status = 422, description = "Invalid request: names the field, rule and value", body = ErrorBody),
-        (status = 429, description = "Queue full; see Retry-After", body = ErrorBody),
-        (status = 503, description = "Starting or draining; see Retry-After", body = ErrorBody),
-        (status = 504, description = "Request timed out", body = ErrorBody),
-        (status = 500, description = "The model's output is not finite (`numerical`: names the sequence and position)", body = ErrorBody)
+        QueuedRouteErrors
     ))]
 pub async fn score(
     State(state): State<SharedState>,
@@ -39,10 +30,7 @@ pub async fn score(
 #[utoipa::path(post, path = "/v1/score", tag = "scoring", request_body = ScoreRequest,
     responses(
         (status = 200, description = "Same as `/score`", body = ScoreResponse),
-        (status = 400, body = ErrorBody), (status = 401, body = ErrorBody),
-        (status = 413, body = ErrorBody), (status = 422, body = ErrorBody),
-        (status = 429, body = ErrorBody), (status = 503, body = ErrorBody),
-        (status = 504, body = ErrorBody), (status = 500, body = ErrorBody)
+        QueuedRouteErrors
     ))]
 pub async fn score_v1(
     state: State<SharedState>,
