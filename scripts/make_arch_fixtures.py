@@ -1101,6 +1101,9 @@ def compute_reference(name, spec, path, texts):
         _, lps_fp = run_all(mp, texts, attn)
         numerics["manual_vs_from_pretrained_f32"] = diff_stats(seqs, lps_fp)
         del mp
+    if "text_kw" in ARCHS[arch]:
+        numerics["text_only_class_vs_conditional_generation_f32"] = text_only_vs_composite(
+            m_w if act else m32, texts, attn)
     if is_hybrid(arch):
         res["mutations"] = mutation_references(path, arch, texts, attn)
     # bf16 run: the same construction in bfloat16 (activation quant as in `sequences`)
@@ -1151,6 +1154,31 @@ def linear_vs_fused(linear, texts, attn):
     fused.load_state_dict(state, strict=True)
     seqs, _ = run_all(linear, texts, attn)
     _, lps = run_all(fused, texts, attn)
+    return diff_stats(seqs, lps)
+
+
+def text_only_vs_composite(composite, texts, attn):
+    """The ForConditionalGeneration reference against its text-only ForCausalLM class holding the
+    same weights (model.language_model.* -> model.*): text-only positions through mrope are the
+    plain positions, so 0.0 is expected."""
+    import transformers
+
+    name = type(composite).__name__.replace("ForConditionalGeneration", "ForCausalLM")
+    text = getattr(transformers, name)(composite.config.get_text_config()).to(torch.float32).eval()
+    arch = next(a for a, s in ARCHS.items() if s["model"] == type(composite).__name__)
+    if "experts" in ARCHS[arch]:
+        linearize_experts(text, ARCHS[arch]["experts"])
+    state = {}
+    for k, v in composite.state_dict().items():
+        if k.startswith("model.language_model."):
+            state["model." + k.removeprefix("model.language_model.")] = v
+        elif not k.startswith("model.visual."):
+            state[k] = v
+    text.load_state_dict(state, strict=True)
+    hooks = [h for h in composite.modules() if h._forward_pre_hooks]
+    assert not hooks, "compare weights-only models"
+    seqs, _ = run_all(composite, texts, attn)
+    _, lps = run_all(text, texts, attn)
     return diff_stats(seqs, lps)
 
 
