@@ -255,7 +255,7 @@ ARCHS.update({
         config="Qwen3_5MoeConfig",
         model="Qwen3_5MoeForConditionalGeneration",
         seed=2502,
-        text_kw=dict(HYBRID, hidden_size=64, moe_intermediate_size=32, shared_expert_intermediate_size=96,
+        text_kw=dict(HYBRID, hidden_size=64, moe_intermediate_size=32, shared_expert_intermediate_size=64,
                      num_experts=8, num_experts_per_tok=2, rope_parameters=QWEN35_ROPE),
         vision_kw=dict(TINY_VISION, out_hidden_size=64),
         experts=("gate_proj", "up_proj", "down_proj"),
