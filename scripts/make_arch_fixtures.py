@@ -1,5 +1,6 @@
 #!/usr/bin/env python3
-"""Builds the Qwen3-MoE, Mixtral, Gemma 3 and Gemma 2 test fixtures under tests/fixtures/.
+"""Builds the Qwen3-MoE, Mixtral, Gemma 3, Gemma 2, Qwen3.5, Qwen3.5-MoE and Qwen3-Next test
+fixtures under tests/fixtures/.
 
 Tiny seeded random-weight checkpoints, quantized with llm-compressor (round-to-nearest, as the
 Llama fixtures are), plus float32 reference log-probs from transformers. The conventions are the
@@ -22,6 +23,12 @@ What differs from a plain `from_pretrained` reference, and why:
     calibration turns w into 1 + w and back). Every reference reads the written checkpoint.
   * Gemma 3 configs: transformers writes a stale `_sliding_window_pattern`; `layer_types` is what
     counts and is always written explicitly here.
+  * Qwen3.5 / Qwen3.5-MoE / Qwen3-Next (docs/architectures/qwen3_5.md): quantized as
+    llm-compressor's examples for them quantize (EXAMPLE_IGNORE: no linear_attn module, router,
+    shared-expert gate, embedding, lm_head or vision tower), except `-linattn`, which quantizes
+    the linear-attention Linears too. The MoE checkpoints get bf16 `mtp.*` tensors
+    (add_mtp_tensors), which the references skip as transformers does. Each reference.json adds
+    `mutations`: the log-prob shift when one mechanism is broken on purpose (MUTATIONS).
 
 Every reference is built the same way: the architecture from config.json in float32 (experts
 linearized), every tensor from model.safetensors (quantized Linears dequantized), activation
