@@ -18,6 +18,7 @@ pub(crate) use crate::cuda as gpu;
 #[cfg(not(feature = "cuda"))]
 #[path = "no_cuda.rs"]
 pub(crate) mod gpu;
+pub mod linear_attention;
 
 pub use gpu::{FlashOptions, FlashTiling};
 
