@@ -248,12 +248,16 @@ QWEN35_ROPE = {"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary
 TINY_VISION = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, in_channels=3,
                    patch_size=4, temporal_patch_size=2, spatial_merge_size=2, out_hidden_size=128,
                    num_position_embeddings=16)
+# The Qwen3.5 releases store these two linear-attention parameters in float32 (every other tensor
+# in bf16); transformers 5.17 has no keep-in-fp32 rule for them, so a bf16 load rounds them.
+QWEN35_F32_PARAMS = ("linear_attn.A_log", "linear_attn.norm.weight")
 ARCHS.update({
     # Qwen3.5 dense, the text-only class (model_type qwen3_5_text, names model.layers.*)
     "qwen3_5": dict(
         config="Qwen3_5TextConfig",
         model="Qwen3_5ForCausalLM",
         seed=2501,
+        f32_params=QWEN35_F32_PARAMS,
         kw=dict(HYBRID, intermediate_size=256, rope_parameters=QWEN35_ROPE),
     ),
     # Qwen3.5-MoE as published: ForConditionalGeneration (model.language_model.*, model.visual.*),
@@ -262,6 +266,7 @@ ARCHS.update({
         config="Qwen3_5MoeConfig",
         model="Qwen3_5MoeForConditionalGeneration",
         seed=2502,
+        f32_params=QWEN35_F32_PARAMS,
         text_kw=dict(HYBRID, hidden_size=64, moe_intermediate_size=32, shared_expert_intermediate_size=64,
                      num_experts=8, num_experts_per_tok=2, rope_parameters=QWEN35_ROPE),
         vision_kw=dict(TINY_VISION, out_hidden_size=64),
@@ -438,7 +443,13 @@ def build_model(arch, dtype, tok=None, init=True):
         if cfg.tie_word_embeddings:
             model.tie_weights()
             assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
+    keep = {}
+    if spec.get("f32_params") and dtype != torch.float32:
+        keep = {n: p.detach().to(torch.float32).clone() for n, p in model.named_parameters()
+                if n.endswith(spec["f32_params"])}
     model = model.to(dtype)
+    for n, v in keep.items():  # stored in f32 as the published checkpoints store them
+        model.get_parameter(n).data = v
     model.eval()
     return model
 
@@ -1009,6 +1020,12 @@ def mut_qkvz_contiguous(model):
     return _set_params(pairs)
 
 
+def mut_f32_params_as_bf16(model):
+    """the float32-stored A_log and gated-norm weights rounded to bf16 (a uniform bf16 load)."""
+    params = [p for n, p in model.named_parameters() if n.endswith(QWEN35_F32_PARAMS)]
+    return _set_params([(p, p.to(torch.bfloat16).to(torch.float32)) for p in params])
+
+
 MUTATIONS = {
     "conv1d_taps_dropped": (mut_conv_taps, "any"),
     "conv1d_silu_dropped": (mut_conv_silu, "any"),
@@ -1023,6 +1040,7 @@ MUTATIONS = {
     "shared_expert_gate_dropped": (mut_shared_gate_dropped, "moe"),
     "norm_topk_prob_flipped": (mut_topk_norm_flipped, "next"),
     "qkvz_ba_read_contiguous": (mut_qkvz_contiguous, "next"),
+    "f32_params_rounded_to_bf16": (mut_f32_params_as_bf16, "f32_params"),
 }
 
 
@@ -1037,13 +1055,15 @@ def mutation_references(path, arch, texts, attn):
             continue
         if kind == "next" and arch != "qwen3_next":
             continue
+        if kind == "f32_params" and not ARCHS[arch].get("f32_params"):
+            continue
         undo = fn(model)
         try:
             _, lps = run_all(model, texts, attn)
         finally:
             undo()
         out[name] = {"description": fn.__doc__.strip() if fn.__doc__ else name, **diff_stats(base, lps)}
-        assert out[name]["max"] > 1e-3, (name, out[name])
+        assert out[name]["max"] > (1e-5 if kind == "f32_params" else 1e-3), (name, out[name])
     _, lps = run_all(model, texts, attn)  # every undo restored the model
     assert diff_stats(base, lps)["max"] == 0.0
     del model
