@@ -203,3 +203,22 @@ fn chunked_equals_recurrent() {
         );
     }
 }
+
+/// Heads run in parallel, each in a fixed order: the result is the same bits on one thread.
+#[test]
+fn thread_count_does_not_change_the_bits() {
+    let (t, cases) = delta_cases();
+    let one = rayon::ThreadPoolBuilder::new()
+        .num_threads(1)
+        .build()
+        .unwrap();
+    for c in &cases {
+        let x = inputs(&t, &c.name);
+        let many = chunk_gated_delta_rule(&call(c, &x), 64);
+        let single = one.install(|| chunk_gated_delta_rule(&call(c, &x), 64));
+        assert_eq!(many, single, "{}", c.name);
+        let many = recurrent_gated_delta_rule(&call(c, &x));
+        let single = one.install(|| recurrent_gated_delta_rule(&call(c, &x)));
+        assert_eq!(many, single, "{}", c.name);
+    }
+}

@@ -23,6 +23,7 @@
 //! head `h / (v_heads / k_heads)`, as `repeat_interleave` on the head dimension gives it.
 
 use candle_core::{bail, DType, Device, Result, Tensor};
+use rayon::prelude::*;
 
 /// The activation applied after the convolution (`config.hidden_act` of the layer).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -209,17 +210,41 @@ fn head_inputs(x: &DeltaRuleInputs, h: usize) -> HeadInputs {
 pub fn chunk_gated_delta_rule(inputs: &DeltaRuleInputs, chunk_size: usize) -> DeltaRuleOutput {
     inputs.check();
     assert!(chunk_size > 0, "chunk_size 0");
+    per_head(inputs, |h| chunk_head(inputs, h, chunk_size))
+}
+
+/// Runs `head` for every value head (in parallel: heads are independent, so the result does
+/// not depend on the thread count) and gathers their `[tokens, v_dim]` outputs and states.
+fn per_head<F>(inputs: &DeltaRuleInputs, head: F) -> DeltaRuleOutput
+where
+    F: Fn(usize) -> (Vec<f32>, Vec<f32>) + Sync + Send,
+{
+    let d = inputs.dims;
+    let heads: Vec<(Vec<f32>, Vec<f32>)> = (0..d.v_heads).into_par_iter().map(&head).collect();
+    let mut out = vec![0f32; d.tokens * d.v_heads * d.v_dim];
+    let mut state = Vec::with_capacity(d.v_heads * d.k_dim * d.v_dim);
+    for (h, (o, s)) in heads.into_iter().enumerate() {
+        for t in 0..d.tokens {
+            let at = (t * d.v_heads + h) * d.v_dim;
+            out[at..at + d.v_dim].copy_from_slice(&o[t * d.v_dim..(t + 1) * d.v_dim]);
+        }
+        state.extend_from_slice(&s);
+    }
+    DeltaRuleOutput { out, state }
+}
+
+/// One value head of [`chunk_gated_delta_rule`]: its output `[tokens, v_dim]` and final state.
+fn chunk_head(inputs: &DeltaRuleInputs, h: usize, chunk_size: usize) -> (Vec<f32>, Vec<f32>) {
     let d = inputs.dims;
     let (dk, dv, c) = (d.k_dim, d.v_dim, chunk_size);
     // torch multiplies by the python float k_dim ** -0.5, rounded to f32
     let scale = (dk as f64).powf(-0.5) as f32;
     let chunks = d.tokens.div_ceil(c);
-    let mut out = vec![0f32; d.tokens * d.v_heads * dv];
-    let mut states = vec![0f32; d.v_heads * dk * dv];
-    for h in 0..d.v_heads {
+    let mut out = vec![0f32; d.tokens * dv];
+    let mut state = vec![0f32; dk * dv];
+    {
         let mut x = head_inputs(inputs, h);
         x.q.iter_mut().for_each(|e| *e *= scale);
-        let state = &mut states[h * dk * dv..(h + 1) * dk * dv];
         for ci in 0..chunks {
             let start = ci * c;
             let len = (d.tokens - start).min(c); // rows past `len` are the zero padding
@@ -285,7 +310,7 @@ pub fn chunk_gated_delta_rule(inputs: &DeltaRuleInputs, chunk_size: usize) -> De
                 for e in 0..dv {
                     let inter = (0..dk).fold(0f32, |s, r| s + qd[r] * state[r * dv + e]);
                     let intra = (0..len).fold(0f32, |s, j| s + attn[j] * v_new[j * dv + e]);
-                    out[((start + i) * d.v_heads + h) * dv + e] = inter + intra;
+                    out[(start + i) * dv + e] = inter + intra;
                 }
             }
             // S = S * exp(cum[last]) + (k * exp(cum[last] - cum))^T v_new
@@ -301,7 +326,7 @@ pub fn chunk_gated_delta_rule(inputs: &DeltaRuleInputs, chunk_size: usize) -> De
             }
         }
     }
-    DeltaRuleOutput { out, state: states }
+    (out, state)
 }
 
 /// `torch_recurrent_gated_delta_rule(..., use_qk_l2norm_in_kernel=l2)` with a zero initial
@@ -309,14 +334,18 @@ pub fn chunk_gated_delta_rule(inputs: &DeltaRuleInputs, chunk_size: usize) -> De
 /// `delta = (v - k^T S) * beta`, `S += k delta^T`, `out = q^T S`.
 pub fn recurrent_gated_delta_rule(inputs: &DeltaRuleInputs) -> DeltaRuleOutput {
     inputs.check();
+    per_head(inputs, |h| recurrent_head(inputs, h))
+}
+
+/// One value head of [`recurrent_gated_delta_rule`]: its output `[tokens, v_dim]` and state.
+fn recurrent_head(inputs: &DeltaRuleInputs, h: usize) -> (Vec<f32>, Vec<f32>) {
     let d = inputs.dims;
     let (dk, dv) = (d.k_dim, d.v_dim);
     let root = (dk as f64).sqrt() as f32;
-    let mut out = vec![0f32; d.tokens * d.v_heads * dv];
-    let mut states = vec![0f32; d.v_heads * dk * dv];
-    for h in 0..d.v_heads {
+    let mut out = vec![0f32; d.tokens * dv];
+    let mut s = vec![0f32; dk * dv];
+    {
         let x = head_inputs(inputs, h);
-        let s = &mut states[h * dk * dv..(h + 1) * dk * dv];
         for t in 0..d.tokens {
             let qt: Vec<f32> = x.q[t * dk..(t + 1) * dk]
                 .iter()
@@ -334,12 +363,11 @@ pub fn recurrent_gated_delta_rule(inputs: &DeltaRuleInputs) -> DeltaRuleOutput {
                 }
             }
             for e in 0..dv {
-                out[(t * d.v_heads + h) * dv + e] =
-                    (0..dk).fold(0f32, |acc, r| acc + s[r * dv + e] * qt[r]);
+                out[t * dv + e] = (0..dk).fold(0f32, |acc, r| acc + s[r * dv + e] * qt[r]);
             }
         }
     }
-    DeltaRuleOutput { out, state: states }
+    (out, s)
 }
 
 fn f32_data(t: &Tensor) -> Result<Vec<f32>> {
