@@ -1,5 +1,6 @@
 #!/usr/bin/env python3
-"""Builds the Qwen3-MoE, Mixtral, Gemma 3 and Gemma 2 test fixtures under tests/fixtures/.
+"""Builds the Qwen3-MoE, Mixtral, Gemma 3, Gemma 2, Qwen3.5, Qwen3.5-MoE and Qwen3-Next test
+fixtures under tests/fixtures/.
 
 Tiny seeded random-weight checkpoints, quantized with llm-compressor (round-to-nearest, as the
 Llama fixtures are), plus float32 reference log-probs from transformers. The conventions are the
@@ -22,6 +23,12 @@ What differs from a plain `from_pretrained` reference, and why:
     calibration turns w into 1 + w and back). Every reference reads the written checkpoint.
   * Gemma 3 configs: transformers writes a stale `_sliding_window_pattern`; `layer_types` is what
     counts and is always written explicitly here.
+  * Qwen3.5 / Qwen3.5-MoE / Qwen3-Next (docs/architectures/qwen3_5.md): quantized as
+    llm-compressor's examples for them quantize (EXAMPLE_IGNORE: no linear_attn module, router,
+    shared-expert gate, embedding, lm_head or vision tower), except `-linattn`, which quantizes
+    the linear-attention Linears too. The MoE checkpoints get bf16 `mtp.*` tensors
+    (add_mtp_tensors), which the references skip as transformers does. Each reference.json adds
+    `mutations`: the log-prob shift when one mechanism is broken on purpose (MUTATIONS).
 
 Every reference is built the same way: the architecture from config.json in float32 (experts
 linearized), every tensor from model.safetensors (quantized Linears dequantized), activation
@@ -50,7 +57,7 @@ import numpy as np
 import torch
 from torch import nn
 
-torch.set_num_threads(max(1, os.cpu_count() or 1))
+torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS") or max(1, os.cpu_count() or 1)))
 
 REPO = Path(__file__).resolve().parent.parent
 FIXTURES = REPO / "tests" / "fixtures"
@@ -212,6 +219,76 @@ ARCHS = {
     ),
 }
 
+# The hybrid Gated-DeltaNet families (docs/architectures/qwen3_5.md). Four layers, linear and full
+# attention mixed as the real configs mix them (3 linear : 1 full, here 1:1 so that both kinds
+# repeat); two key heads and four value heads, so the key/query heads are repeated; head_dim 64
+# with partial rotary 0.25 (16 rotary dims) and an interleaved mrope section that sums to 8.
+# The MoE variants use hidden_size 64 (!= heads * head_dim, as in the real configs) to stay small.
+HYBRID = dict(
+    hidden_size=128,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=64,
+    max_position_embeddings=4096,
+    num_hidden_layers=4,
+    layer_types=["linear_attention", "full_attention", "linear_attention", "full_attention"],
+    linear_conv_kernel_dim=4,
+    linear_key_head_dim=32,
+    linear_value_head_dim=32,
+    linear_num_key_heads=2,
+    linear_num_value_heads=4,
+    rms_norm_eps=1e-6,
+    hidden_act="silu",
+    tie_word_embeddings=False,
+)
+QWEN35_ROPE = {"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25,
+               "mrope_section": [3, 3, 2], "mrope_interleaved": True}
+# The vision tower of the ForConditionalGeneration checkpoints: one block, tiny; the scoring path
+# never runs it, but its tensors are in the checkpoint as in the published ones.
+TINY_VISION = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, in_channels=3,
+                   patch_size=4, temporal_patch_size=2, spatial_merge_size=2, out_hidden_size=128,
+                   num_position_embeddings=16)
+# The Qwen3.5 releases store these two linear-attention parameters in float32 (every other tensor
+# in bf16); transformers 5.17 has no keep-in-fp32 rule for them, so a bf16 load rounds them.
+QWEN35_F32_PARAMS = ("linear_attn.A_log", "linear_attn.norm.weight")
+ARCHS.update({
+    # Qwen3.5 dense, the text-only class (model_type qwen3_5_text, names model.layers.*)
+    "qwen3_5": dict(
+        config="Qwen3_5TextConfig",
+        model="Qwen3_5ForCausalLM",
+        seed=2501,
+        f32_params=QWEN35_F32_PARAMS,
+        kw=dict(HYBRID, intermediate_size=256, rope_parameters=QWEN35_ROPE),
+    ),
+    # Qwen3.5-MoE as published: ForConditionalGeneration (model.language_model.*, model.visual.*),
+    # every layer sparse with a gated shared expert; mtp.* tensors added to the checkpoint
+    "qwen3_5_moe": dict(
+        config="Qwen3_5MoeConfig",
+        model="Qwen3_5MoeForConditionalGeneration",
+        seed=2502,
+        f32_params=QWEN35_F32_PARAMS,
+        text_kw=dict(HYBRID, hidden_size=64, moe_intermediate_size=32, shared_expert_intermediate_size=64,
+                     num_experts=8, num_experts_per_tok=2, rope_parameters=QWEN35_ROPE),
+        vision_kw=dict(TINY_VISION, out_hidden_size=64),
+        experts=("gate_proj", "up_proj", "down_proj"),
+        mtp=True,
+    ),
+    # Qwen3-Next: fused, head-grouped in_proj_qkvz / in_proj_ba; plain rope (no mrope); layer 2
+    # dense through mlp_only_layers, norm_topk_prob off so the un-renormalised top-k is exercised
+    "qwen3_next": dict(
+        config="Qwen3NextConfig",
+        model="Qwen3NextForCausalLM",
+        seed=2503,
+        kw=dict(HYBRID, hidden_size=64, intermediate_size=192, moe_intermediate_size=32,
+                shared_expert_intermediate_size=96, num_experts=8, num_experts_per_tok=2,
+                norm_topk_prob=False, decoder_sparse_step=1, mlp_only_layers=[2],
+                rope_parameters={"rope_type": "default", "rope_theta": 10000000.0,
+                                 "partial_rotary_factor": 0.25}),
+        experts=("gate_proj", "up_proj", "down_proj"),
+        mtp=True,
+    ),
+})
+
 INIT_STD = {
     "embed": 0.5,
     "tied_embed": 0.12,  # tied: the embedding doubles as lm_head
@@ -227,6 +304,15 @@ INIT_STD = {
     "w2": 0.06,
     "w3": 0.06,
     "gate": 0.1,  # MoE router
+    "shared_expert_gate": 0.15,
+    "in_proj_qkv": 0.08,
+    "in_proj_qkvz": 0.08,
+    "in_proj_z": 0.08,
+    "in_proj_b": 0.15,
+    "in_proj_a": 0.15,
+    "in_proj_ba": 0.15,
+    "out_proj": 0.06,
+    "conv1d": 0.35,
 }
 
 MOE_ROUTER_NAMES = ("mlp.gate",)
@@ -236,6 +322,16 @@ def is_gemma(arch):
     return arch.startswith("gemma")
 
 
+def is_hybrid(arch):
+    return arch.startswith("qwen3_5") or arch == "qwen3_next"
+
+
+def zero_centred_norms(model):
+    """Names of the (1 + w) RMSNorm weights (Qwen3NextRMSNorm and its copies)."""
+    return {f"{n}.weight" for n, m in model.named_modules()
+            if type(m).__name__.endswith("RMSNorm") and type(m).__name__.startswith("Qwen3")}
+
+
 @torch.no_grad()
 def init_weights(model, seed, arch):
     """Deterministic init (sorted parameter names). Norm weights are ~U(0.6, 1.4) as multipliers:
@@ -243,10 +339,18 @@ def init_weights(model, seed, arch):
     fails loudly."""
     g = torch.Generator().manual_seed(seed)
     tied = bool(model.config.tie_word_embeddings)
+    centred = zero_centred_norms(model) if is_hybrid(arch) else set()
     for name, p in sorted(model.named_parameters(), key=lambda kv: kv[0]):
-        if name.endswith("norm.weight"):
+        if ".visual." in name or name.startswith("visual."):
+            v = 0.05 * torch.randn(p.shape, generator=g)
+        elif name.endswith(".A_log"):
+            # decays exp(-A * softplus(a + dt_bias)) between ~0.3 and ~0.99 per token
+            v = torch.log(0.02 + 0.98 * torch.rand(p.shape, generator=g))
+        elif name.endswith(".dt_bias"):
+            v = -1.0 + 2.0 * torch.rand(p.shape, generator=g)
+        elif name.endswith("norm.weight"):
             v = 0.6 + 0.8 * torch.rand(p.shape, generator=g)
-            if is_gemma(arch):
+            if is_gemma(arch) or name in centred:
                 v = v - 1.0
         elif "embed_tokens" in name:
             v = (INIT_STD["tied_embed"] if tied else INIT_STD["embed"]) * torch.randn(p.shape, generator=g)
@@ -325,7 +429,12 @@ def build_model(arch, dtype, tok=None, init=True):
     tok_ids = {}
     if tok is not None:
         tok_ids = dict(bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=None)
-    cfg = getattr(transformers, spec["config"])(vocab_size=2000, **tok_ids, **spec["kw"])
+    if "text_kw" in spec:  # ForConditionalGeneration: text_config + vision_config
+        cfg = getattr(transformers, spec["config"])(
+            text_config=dict(vocab_size=2000, **tok_ids, **spec["text_kw"]),
+            vision_config=dict(spec["vision_kw"]), tie_word_embeddings=False, **tok_ids)
+    else:
+        cfg = getattr(transformers, spec["config"])(vocab_size=2000, **tok_ids, **spec["kw"])
     model = getattr(transformers, spec["model"])(cfg).to(torch.float32)
     if "experts" in spec:
         linearize_experts(model, spec["experts"])
@@ -334,7 +443,13 @@ def build_model(arch, dtype, tok=None, init=True):
         if cfg.tie_word_embeddings:
             model.tie_weights()
             assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
+    keep = {}
+    if spec.get("f32_params") and dtype != torch.float32:
+        keep = {n: p.detach().to(torch.float32).clone() for n, p in model.named_parameters()
+                if n.endswith(spec["f32_params"])}
     model = model.to(dtype)
+    for n, v in keep.items():  # stored in f32 as the published checkpoints store them
+        model.get_parameter(n).data = v
     model.eval()
     return model
 
@@ -361,7 +476,25 @@ VARIANTS = {
     "gemma3-nvfp4a16": dict(arch="gemma3", scheme="NVFP4A16"),
     "gemma2-dense-bf16": dict(arch="gemma2", scheme=None),
     "gemma2-w4a16-g32": dict(arch="gemma2", scheme=scheme_w4a16_g32),
+    # the hybrid families, quantized as llm-compressor's Qwen3.5 / Qwen3-Next examples quantize
+    # (EXAMPLE_IGNORE: every linear_attn module, routers, shared-expert gates, lm_head, vision)
+    "qwen3_5-w4a16-g32": dict(arch="qwen3_5", scheme=scheme_w4a16_g32),
+    "qwen3_5-nvfp4": dict(arch="qwen3_5", scheme="NVFP4", calib=True, act=True),
+    # the linear-attention projections quantized too (a recipe without the linear_attn rule)
+    "qwen3_5-w4a16-g32-linattn": dict(arch="qwen3_5", scheme=scheme_w4a16_g32, quantize_linear_attn=True),
+    "qwen3_5_moe-w4a16-g32": dict(arch="qwen3_5_moe", scheme=scheme_w4a16_g32),
+    "qwen3_5_moe-fp8-dynamic": dict(arch="qwen3_5_moe", scheme="FP8_DYNAMIC", act=True),
+    "qwen3_next-w4a16-g32": dict(arch="qwen3_next", scheme=scheme_w4a16_g32),
+    "qwen3_next-fp8-dynamic": dict(arch="qwen3_next", scheme="FP8_DYNAMIC", act=True),
 }
+
+# What llm-compressor's examples for these families leave out (examples/quantization_w4a4_fp4/
+# qwen3_5_example.py, qwen3_next_example.py, quantization_w8a8_fp8/qwen3_5_moe.py): lm_head,
+# the vision tower, the MoE routers, the shared-expert gates, the embeddings and every module of
+# the Gated DeltaNet layers (in_proj_*, out_proj; conv1d, A_log, dt_bias and the gated norm are
+# not Linears anyway). The mtp.* tensors are not part of the transformers model at all.
+EXAMPLE_IGNORE = ["lm_head", "re:.*visual.*", "re:.*mlp.gate$", "re:.*shared_expert_gate$",
+                  "re:.*embed_tokens$", "re:.*linear_attn.*"]
 
 
 def calibration_dataset(tok, n=32, seqlen=128):
@@ -386,6 +519,9 @@ def quantize_and_save(model, spec, out_dir, tok):
     from llmcompressor.modifiers.quantization import QuantizationModifier
 
     ignore = ["lm_head", "re:.*mlp.gate$"]
+    if is_hybrid(spec["arch"]):
+        ignore = [p for p in EXAMPLE_IGNORE
+                  if not (spec.get("quantize_linear_attn") and "linear_attn" in p)]
     scheme = spec["scheme"]
     if callable(scheme):
         mod = QuantizationModifier(config_groups={"group_0": scheme()}, ignore=ignore)
@@ -415,13 +551,15 @@ def build_variant(name, spec, tok, work):
     if out.exists():
         shutil.rmtree(out)
     arch = spec["arch"]
-    if "experts" in ARCHS[arch]:
+    if "experts" in ARCHS[arch] or is_hybrid(arch):
         # transformers 5 would fuse per-expert weights again on reload: quantize in memory.
         model = build_model(arch, torch.bfloat16, tok)
         config_dir = work / f"{arch}-config"  # oneshot reads the config from name_or_path
         model.config.save_pretrained(str(config_dir))
         model.config._name_or_path = str(config_dir)
         quantize_and_save(model, spec, out, tok)
+        if ARCHS[arch].get("mtp"):
+            add_mtp_tensors(out, model.config.get_text_config(), ARCHS[arch]["seed"])
     else:
         dense = work / f"{arch}-dense-bf16"
         if not dense.exists():
@@ -436,6 +574,50 @@ def build_variant(name, spec, tok, work):
             model = AutoModelForCausalLM.from_pretrained(str(dense), dtype=torch.bfloat16)
             quantize_and_save(model, spec, out, tok)
     gc.collect()
+
+
+def add_mtp_tensors(out_dir, cfg, seed):
+    """The published checkpoints carry a multi-token-prediction head (`mtp.*`, bf16, never
+    quantized, not part of any transformers class): one full-attention MoE layer plus `fc`
+    (2H -> H) and three norms. Random bf16 tensors of those names and shapes are added so that a
+    loader has to ignore them by rule, as transformers does (_keys_to_ignore_on_load_unexpected)."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    g = torch.Generator().manual_seed(seed + 7)
+    h, hd = cfg.hidden_size, cfg.head_dim
+    nh, nkv = cfg.num_attention_heads, cfg.num_key_value_heads
+    shapes = {
+        "mtp.fc.weight": (h, 2 * h),
+        "mtp.pre_fc_norm_embedding.weight": (h,),
+        "mtp.pre_fc_norm_hidden.weight": (h,),
+        "mtp.norm.weight": (h,),
+        "mtp.layers.0.input_layernorm.weight": (h,),
+        "mtp.layers.0.post_attention_layernorm.weight": (h,),
+        "mtp.layers.0.self_attn.q_proj.weight": (2 * nh * hd, h),
+        "mtp.layers.0.self_attn.k_proj.weight": (nkv * hd, h),
+        "mtp.layers.0.self_attn.v_proj.weight": (nkv * hd, h),
+        "mtp.layers.0.self_attn.o_proj.weight": (h, nh * hd),
+        "mtp.layers.0.self_attn.q_norm.weight": (hd,),
+        "mtp.layers.0.self_attn.k_norm.weight": (hd,),
+        "mtp.layers.0.mlp.gate.weight": (cfg.num_experts, h),
+        "mtp.layers.0.mlp.shared_expert_gate.weight": (1, h),
+    }
+    for proj, shape in (("gate_proj", (cfg.shared_expert_intermediate_size, h)),
+                        ("up_proj", (cfg.shared_expert_intermediate_size, h)),
+                        ("down_proj", (h, cfg.shared_expert_intermediate_size))):
+        shapes[f"mtp.layers.0.mlp.shared_expert.{proj}.weight"] = shape
+    for e in range(cfg.num_experts):
+        shapes[f"mtp.layers.0.mlp.experts.{e}.gate_proj.weight"] = (cfg.moe_intermediate_size, h)
+        shapes[f"mtp.layers.0.mlp.experts.{e}.up_proj.weight"] = (cfg.moe_intermediate_size, h)
+        shapes[f"mtp.layers.0.mlp.experts.{e}.down_proj.weight"] = (h, cfg.moe_intermediate_size)
+    path = Path(out_dir) / "model.safetensors"
+    with safe_open(str(path), "pt") as f:
+        meta = f.metadata()
+        tensors = {k: f.get_tensor(k) for k in f.keys()}
+    for k, shape in sorted(shapes.items()):
+        tensors[k] = (0.05 * torch.randn(shape, generator=g)).to(torch.bfloat16)
+    save_file(tensors, str(path), metadata=meta)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -542,6 +724,8 @@ def reference_model(path, arch, dtype, act=True):
     modules = dict(model.named_modules())
     by_module = {}
     for key, t in tensors.items():
+        if key.startswith("mtp."):
+            continue  # multi-token prediction: not part of the scoring model (add_mtp_tensors)
         mod_name, local = checkpoint_key_to_module(arch, key).rsplit(".", 1)
         by_module.setdefault(mod_name, {})[local] = t
     hooks, quantized = [], []
@@ -550,7 +734,7 @@ def reference_model(path, arch, dtype, act=True):
     for mod_name, local in sorted(by_module.items()):
         if mod_name not in modules:
             raise KeyError(f"checkpoint module {mod_name} has no counterpart in the model")
-        if "weight" in local and local["weight"].dtype != torch.float8_e4m3fn:
+        if "weight_scale" not in local:  # not quantized (A_log / dt_bias have no weight at all)
             for k, v in local.items():
                 state[f"{mod_name}.{k}"] = v.to(dtype)
             continue
@@ -675,6 +859,217 @@ def attn_impl(arch):
     return "eager" if arch == "gemma2" else "sdpa"
 
 
+# ----------------------------------------------------------------------------------------------
+# Mutations of the hybrid families: one mechanism broken on purpose, as a loader could break it
+# ----------------------------------------------------------------------------------------------
+def _modules_of(model, suffix):
+    return [(n, m) for n, m in model.named_modules() if type(m).__name__.endswith(suffix)]
+
+
+def _delta_rule_wrapper(model, **override):
+    """Replaces the chunked delta rule the Gated DeltaNet layers call (a module global of their
+    modeling file) by one that overrides some of its arguments; returns the undo."""
+    mods = {sys.modules[type(m).__module__] for _, m in _modules_of(model, "GatedDeltaNet")}
+    saved = {mod: mod.torch_chunk_gated_delta_rule for mod in mods}
+
+    def patched(orig):
+        def f(query, key, value, g, beta, **kw):
+            if override.get("beta_one"):
+                beta = torch.ones_like(beta)
+            if override.get("decay_zero"):
+                g = torch.zeros_like(g)
+            if override.get("no_l2norm"):
+                kw["use_qk_l2norm_in_kernel"] = False
+            return orig(query, key, value, g=g, beta=beta, **kw)
+        return f
+
+    for mod, orig in saved.items():
+        mod.torch_chunk_gated_delta_rule = patched(orig)
+    return lambda: [setattr(mod, "torch_chunk_gated_delta_rule", orig) for mod, orig in saved.items()]
+
+
+def _set_params(pairs):
+    """Sets (param, new value) pairs in place; returns the undo."""
+    old = [(p, p.detach().clone()) for p, _ in pairs]
+    with torch.no_grad():
+        for p, v in pairs:
+            p.copy_(v)
+
+    def undo():
+        with torch.no_grad():
+            for p, v in old:
+                p.copy_(v)
+    return undo
+
+
+def _hooks(handles):
+    return lambda: [h.remove() for h in handles]
+
+
+def mut_conv_taps(model):
+    """conv1d dropped: each channel keeps only its current-token tap (weight 1), SiLU kept."""
+    pairs = []
+    for _, m in _modules_of(model, "GatedDeltaNet"):
+        w = torch.zeros_like(m.conv1d.weight)
+        w[..., -1] = 1.0
+        pairs.append((m.conv1d.weight, w))
+    return _set_params(pairs)
+
+
+def mut_conv_silu(model):
+    """the conv1d's SiLU dropped (the taps kept)."""
+    mods = [m for _, m in _modules_of(model, "GatedDeltaNet")]
+    for m in mods:
+        m.activation = None
+    return lambda: [setattr(m, "activation", model_act(model)) for m in mods]
+
+
+def model_act(model):
+    return model.config.get_text_config().hidden_act
+
+
+def mut_attn_gate_ignored(model):
+    """full attention's sigmoid output gate ignored (attention output straight into o_proj)."""
+    handles = []
+    for _, m in _modules_of(model, "Attention"):
+        if not hasattr(m, "q_proj") or ".visual." in repr(type(m)):
+            continue
+        box = {}
+        hd = m.head_dim
+
+        def grab(mod, args, out, box=box, hd=hd):
+            q = out.view(*out.shape[:-1], -1, 2 * hd)
+            box["gate"] = q[..., hd:].reshape(*out.shape[:-1], -1)
+
+        def ungate(mod, args, box=box):
+            return (args[0] / torch.sigmoid(box["gate"]),)
+
+        handles.append(m.q_proj.register_forward_hook(grab))
+        handles.append(m.o_proj.register_forward_pre_hook(ungate, prepend=True))
+    return _hooks(handles)
+
+
+def mut_attn_gate_contiguous(model):
+    """q_proj read as [all queries | all gates] instead of [query_h | gate_h] per head."""
+    pairs = []
+    for _, m in _modules_of(model, "Attention"):
+        if not hasattr(m, "q_proj"):
+            continue
+        w = m.q_proj.weight
+        hd = m.head_dim
+        nh = w.shape[0] // (2 * hd)
+        q, g = w[: nh * hd], w[nh * hd:]
+        new = torch.stack([q.view(nh, hd, -1), g.view(nh, hd, -1)], dim=1).reshape(w.shape)
+        pairs.append((w, new))
+    return _set_params(pairs)
+
+
+def mut_centred_norm_as_w(model):
+    """every (1 + w) RMSNorm read as a plain w multiplier."""
+    params = dict(model.named_parameters())
+    return _set_params([(params[n], params[n] - 1.0) for n in zero_centred_norms(model)])
+
+
+def mut_gated_norm_as_1_plus_w(model):
+    """the gated RMSNorm of the linear-attention output read as (1 + w)."""
+    return _set_params([(m.norm.weight, m.norm.weight + 1.0)
+                        for _, m in _modules_of(model, "GatedDeltaNet")])
+
+
+def mut_full_rotary(model):
+    """rotary applied to the whole head_dim instead of partial_rotary_factor of it."""
+    cfg = model.config.get_text_config()
+    hd = cfg.head_dim
+    base = cfg.rope_parameters["rope_theta"]
+    mods = [m for n, m in model.named_modules() if n.endswith("rotary_emb") and "visual" not in n]
+    saved = [m.inv_freq for m in mods]
+    for m in mods:
+        m.inv_freq = 1.0 / (base ** (torch.arange(0, hd, 2, dtype=torch.float) / hd))
+    return lambda: [setattr(m, "inv_freq", f) for m, f in zip(mods, saved)]
+
+
+def mut_shared_gate_dropped(model):
+    """the shared expert's sigmoid gate dropped (shared expert added with weight 1)."""
+    handles = [m.shared_expert_gate.register_forward_hook(lambda mod, a, out: torch.full_like(out, 40.0))
+               for _, m in _modules_of(model, "SparseMoeBlock")]
+    return _hooks(handles)
+
+
+def mut_topk_norm_flipped(model):
+    """norm_topk_prob read the other way (top-k weights renormalised or not)."""
+    routers = [m for _, m in _modules_of(model, "TopKRouter") if hasattr(m, "norm_topk_prob")]
+    for r in routers:
+        r.norm_topk_prob = not r.norm_topk_prob
+    return lambda: [setattr(r, "norm_topk_prob", not r.norm_topk_prob) for r in routers]
+
+
+def mut_qkvz_contiguous(model):
+    """Qwen3-Next's head-grouped in_proj_qkvz / in_proj_ba read as contiguous [q|k|v|z], [b|a]
+    (Qwen3.5's layout)."""
+    pairs = []
+    for _, m in _modules_of(model, "GatedDeltaNet"):
+        n_qkvz, n_ba = m.in_proj_qkvz.weight.shape[0], m.in_proj_ba.weight.shape[0]
+        rows = m.fix_query_key_value_ordering(torch.arange(n_qkvz, dtype=torch.float64)[None, None],
+                                              torch.arange(n_ba, dtype=torch.float64)[None, None])
+        order_qkvz = torch.cat([t.reshape(-1) for t in rows[:4]]).long()
+        order_ba = torch.cat([t.reshape(-1) for t in rows[4:]]).long()
+        for w, order in ((m.in_proj_qkvz.weight, order_qkvz), (m.in_proj_ba.weight, order_ba)):
+            new = torch.empty_like(w)
+            new[order] = w  # the grouped reading of `new` is the contiguous reading of `w`
+            pairs.append((w, new))
+    return _set_params(pairs)
+
+
+def mut_f32_params_as_bf16(model):
+    """the float32-stored A_log and gated-norm weights rounded to bf16 (a uniform bf16 load)."""
+    params = [p for n, p in model.named_parameters() if n.endswith(QWEN35_F32_PARAMS)]
+    return _set_params([(p, p.to(torch.bfloat16).to(torch.float32)) for p in params])
+
+
+MUTATIONS = {
+    "conv1d_taps_dropped": (mut_conv_taps, "any"),
+    "conv1d_silu_dropped": (mut_conv_silu, "any"),
+    "decay_gate_ignored": (lambda m: _delta_rule_wrapper(m, decay_zero=True), "any"),
+    "beta_ignored": (lambda m: _delta_rule_wrapper(m, beta_one=True), "any"),
+    "qk_l2norm_dropped": (lambda m: _delta_rule_wrapper(m, no_l2norm=True), "any"),
+    "attn_output_gate_ignored": (mut_attn_gate_ignored, "any"),
+    "attn_gate_read_contiguous": (mut_attn_gate_contiguous, "any"),
+    "zero_centred_norms_read_as_w": (mut_centred_norm_as_w, "any"),
+    "gated_norm_read_as_1_plus_w": (mut_gated_norm_as_1_plus_w, "any"),
+    "full_instead_of_partial_rotary": (mut_full_rotary, "any"),
+    "shared_expert_gate_dropped": (mut_shared_gate_dropped, "moe"),
+    "norm_topk_prob_flipped": (mut_topk_norm_flipped, "next"),
+    "qkvz_ba_read_contiguous": (mut_qkvz_contiguous, "next"),
+    "f32_params_rounded_to_bf16": (mut_f32_params_as_bf16, "f32_params"),
+}
+
+
+def mutation_references(path, arch, texts, attn):
+    """Log-prob shifts of each mutation on the weights-only float32 reference (so activation
+    quantization plays no part): the f32 noise floor is numerics.eager_vs_sdpa_f32."""
+    model, _ = reference_model(path, arch, torch.float32, act=False)
+    base, _ = run_all(model, texts, attn)
+    out = {}
+    for name, (fn, kind) in MUTATIONS.items():
+        if kind == "moe" and "experts" not in ARCHS[arch]:
+            continue
+        if kind == "next" and arch != "qwen3_next":
+            continue
+        if kind == "f32_params" and not ARCHS[arch].get("f32_params"):
+            continue
+        undo = fn(model)
+        try:
+            _, lps = run_all(model, texts, attn)
+        finally:
+            undo()
+        out[name] = {"description": fn.__doc__.strip() if fn.__doc__ else name, **diff_stats(base, lps)}
+        assert out[name]["max"] > (1e-5 if kind == "f32_params" else 1e-3), (name, out[name])
+    _, lps = run_all(model, texts, attn)  # every undo restored the model
+    assert diff_stats(base, lps)["max"] == 0.0
+    del model
+    return out
+
+
 def compute_reference(name, spec, path, texts):
     arch, act = spec["arch"], spec.get("act", False)
     FP8_CHECK.update(elements=0, bit_identical=True)
@@ -733,6 +1128,11 @@ def compute_reference(name, spec, path, texts):
         _, lps_fp = run_all(mp, texts, attn)
         numerics["manual_vs_from_pretrained_f32"] = diff_stats(seqs, lps_fp)
         del mp
+    if "text_kw" in ARCHS[arch]:
+        numerics["text_only_class_vs_conditional_generation_f32"] = text_only_vs_composite(
+            m_w if act else m32, texts, attn)
+    if is_hybrid(arch):
+        res["mutations"] = mutation_references(path, arch, texts, attn)
     # bf16 run: the same construction in bfloat16 (activation quant as in `sequences`)
     m16, _ = reference_model(path, arch, torch.bfloat16, act=True)
     seqs16, lps16 = run_all(m16, texts, attn)
@@ -781,6 +1181,31 @@ def linear_vs_fused(linear, texts, attn):
     fused.load_state_dict(state, strict=True)
     seqs, _ = run_all(linear, texts, attn)
     _, lps = run_all(fused, texts, attn)
+    return diff_stats(seqs, lps)
+
+
+def text_only_vs_composite(composite, texts, attn):
+    """The ForConditionalGeneration reference against its text-only ForCausalLM class holding the
+    same weights (model.language_model.* -> model.*): text-only positions through mrope are the
+    plain positions, so 0.0 is expected."""
+    import transformers
+
+    name = type(composite).__name__.replace("ForConditionalGeneration", "ForCausalLM")
+    text = getattr(transformers, name)(composite.config.get_text_config()).to(torch.float32).eval()
+    arch = next(a for a, s in ARCHS.items() if s["model"] == type(composite).__name__)
+    if "experts" in ARCHS[arch]:
+        linearize_experts(text, ARCHS[arch]["experts"])
+    state = {}
+    for k, v in composite.state_dict().items():
+        if k.startswith("model.language_model."):
+            state["model." + k.removeprefix("model.language_model.")] = v
+        elif not k.startswith("model.visual."):
+            state[k] = v
+    text.load_state_dict(state, strict=True)
+    hooks = [h for h in composite.modules() if h._forward_pre_hooks]
+    assert not hooks, "compare weights-only models"
+    seqs, _ = run_all(composite, texts, attn)
+    _, lps = run_all(text, texts, attn)
     return diff_stats(seqs, lps)
 
 
@@ -864,6 +1289,8 @@ def main():
             "bf16_vs_f32": ref["bf16_run"]["diff_stats_vs_f32"],
             **ref["numerics"],
             "dequant": ref.get("dequant_verification"),
+            **({"mutations_mean_abs_dlogprob": {k: v["mean"] for k, v in ref["mutations"].items()}}
+               if "mutations" in ref else {}),
             "size_bytes": dir_size(path),
         }
         print(f"[{name}] mean NLL {ref['mean_nll']:.4f}, {dir_size(path) / 1e6:.2f} MB, "
