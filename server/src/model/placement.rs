@@ -149,8 +149,12 @@ pub enum PlacementError {
     Device { device: String, message: String },
     #[error("{stages} pipeline stages for {layers} decoder layers: every stage needs a layer")]
     TooManyStages { stages: usize, layers: usize },
-    #[error("the layer split sums to {sum}, the model has {layers} decoder layers")]
-    SplitSum { sum: usize, layers: usize },
+    /// `sum`: `None` where it overflows.
+    #[error(
+        "the layer split sums to {}, the model has {layers} decoder layers",
+        sum.map_or("more than any count of layers".to_string(), |s| s.to_string())
+    )]
+    SplitSum { sum: Option<usize>, layers: usize },
     #[error("a layer split needs one count per stage ({stages}), got {given}")]
     SplitLength { stages: usize, given: usize },
 }
@@ -225,8 +229,9 @@ pub fn from_split(
     counts: &[usize],
 ) -> Result<Vec<StagePlan>, PlacementError> {
     let layers = parts.layers.len();
-    let sum: usize = counts.iter().sum();
-    if sum != layers {
+    // Checked: counts come from a flag and may be as large as usize allows.
+    let sum = counts.iter().try_fold(0usize, |sum, &c| sum.checked_add(c));
+    if sum != Some(layers) {
         return Err(PlacementError::SplitSum { sum, layers });
     }
     if counts.contains(&0) {
@@ -472,8 +477,23 @@ mod tests {
         assert_eq!(plans[2].weight_bytes, 320);
         assert_eq!(
             from_split(&p, &ACT, &[1, 2]),
-            Err(PlacementError::SplitSum { sum: 3, layers: 6 })
+            Err(PlacementError::SplitSum {
+                sum: Some(3),
+                layers: 6
+            })
         );
+        // Counts whose sum overflows (the flag takes any usize) are refused, not a panic.
+        for counts in [[usize::MAX, 3], [1 << 63, (1 << 63) + 2]] {
+            let err = from_split(&p, &ACT, &counts).unwrap_err();
+            assert_eq!(
+                err,
+                PlacementError::SplitSum {
+                    sum: None,
+                    layers: 6
+                }
+            );
+            assert!(err.to_string().contains("more than any count"), "{err}");
+        }
         assert_eq!(
             balance(&p, &ACT, &no_work(&p), None, 7),
             Err(PlacementError::TooManyStages {
