@@ -34,6 +34,8 @@ pub enum AppError {
     Device { device: String, message: String },
     #[error("reference model {dir}: {message}")]
     Reference { dir: String, message: String },
+    #[error("loading the reference model: {0}")]
+    ReferenceLoad(LoadError),
     #[error("placing the layers of {model} on {devices}: {message}")]
     Placement {
         model: String,
@@ -309,9 +311,12 @@ fn load_models(config: &Config) -> Result<Loaded, AppError> {
         None => None,
         Some(r) => {
             let dir = &r.model_dir;
-            let reference_config =
-                ModelConfig::from_json(&read_to_string(&dir.join("config.json"))?)?;
-            Some((Source::open(dir, reference_config)?, r))
+            let open = || -> Result<Source, AppError> {
+                let reference_config =
+                    ModelConfig::from_json(&read_to_string(&dir.join("config.json"))?)?;
+                Source::open(dir, reference_config)
+            };
+            Some((open().map_err(of_the_reference)?, r))
         }
     };
     let mut replicas = Vec::new();
@@ -327,12 +332,14 @@ fn load_models(config: &Config) -> Result<Loaded, AppError> {
                     },
                     ..options.clone()
                 };
-                let placed = source.load(
-                    &r.device.replicas[index],
-                    r.layer_split.as_deref(),
-                    &reference_options,
-                    config,
-                )?;
+                let placed = source
+                    .load(
+                        &r.device.replicas[index],
+                        r.layer_split.as_deref(),
+                        &reference_options,
+                        config,
+                    )
+                    .map_err(of_the_reference)?;
                 check_same_vocabulary(&model.model, &tokenizer, &placed.model, &r.model_dir)?;
                 Some(placed)
             }
@@ -447,6 +454,14 @@ fn enable_peer_access(replicas: &[LoadedReplica]) -> Result<(), AppError> {
         tracing::info!(?pairs, "peer-to-peer access between GPUs");
     }
     Ok(())
+}
+
+/// A load error met while loading the reference model, said to be the reference's.
+fn of_the_reference(error: AppError) -> AppError {
+    match error {
+        AppError::Load(e) => AppError::ReferenceLoad(e),
+        other => other,
+    }
 }
 
 fn open_device(name: &DeviceName) -> Result<Device, AppError> {

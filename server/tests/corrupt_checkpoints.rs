@@ -431,3 +431,33 @@ async fn logits_that_overflow_fail_the_warm_up() {
     let err = server.warm_up().await.unwrap_err().to_string();
     assert_mentions(&err, &["warm-up", "not finite", "position 0"]);
 }
+
+/// A missing or broken reference model is named as the reference, not as the served model.
+#[tokio::test]
+async fn a_missing_reference_directory_is_named_as_the_reference() {
+    use exactscore_server::app::Server;
+    use exactscore_server::config::{Args, Config};
+    let missing = tempfile::tempdir()
+        .unwrap()
+        .path()
+        .join("no-such-reference");
+    let model = fixtures().join(BASE);
+    let args = <Args as clap::Parser>::try_parse_from([
+        "exactscore-server",
+        "--model",
+        model.to_str().unwrap(),
+        "--reference-model",
+        missing.to_str().unwrap(),
+    ]);
+    let config = Config::from_args(args.unwrap()).unwrap();
+    let err = Server::load(&config)
+        .await
+        .err()
+        .expect("no reference to load");
+    let message = err.to_string();
+    assert_mentions(
+        &message,
+        &["loading the reference model", "no-such-reference"],
+    );
+    assert!(!message.starts_with("loading the model"), "{message}");
+}
