@@ -153,6 +153,30 @@ async fn kld_over_http_equals_the_model_computation() {
     server.done.await.unwrap().unwrap();
 }
 
+/// A one-token sequence scores nothing: its sums are 0, never -0 (an empty float sum).
+#[tokio::test]
+async fn a_one_token_sequence_sums_to_positive_zero() {
+    let reference_dir = fixture(REFERENCE);
+    let server = start(
+        SERVED,
+        &["--reference-model", reference_dir.to_str().unwrap()],
+    )
+    .await;
+    for route in ["/score", "/kld"] {
+        let (status, text) = post(&server.base, route, json!({ "tokens": [[1], [1, 2, 3]] })).await;
+        assert_eq!(status, 200, "{text}");
+        assert!(!text.contains("-0.0"), "{route}: {text}");
+        let v: Value = serde_json::from_str(&text).unwrap();
+        let first = &v["sequences"][0];
+        assert_eq!(first["num_scored"], 0, "{route}");
+        assert_eq!(
+            first["sum_nll"].as_f64().unwrap().to_bits(),
+            0f64.to_bits(),
+            "{route}"
+        );
+    }
+}
+
 #[tokio::test]
 async fn kld_without_a_reference_is_a_named_404() {
     let server = start(SERVED, &[]).await;

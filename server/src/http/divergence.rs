@@ -2,6 +2,7 @@
 
 use exactscore_api::{ConfidenceBucket, SequenceDivergence, CONFIDENCE_BUCKETS};
 
+use crate::model::scoring::sum;
 use crate::model::SequenceKld;
 
 /// Shapes one sequence's divergences: per-token arrays (position 0 `null`) and their sums.
@@ -34,8 +35,8 @@ pub fn sequence_divergence(
         sum_nll: kld.sum_nll(),
         reference_sum_nll: kld.reference_sum_nll(),
         same_top_count: kld.same_top_count(),
-        sum_delta_p: delta_p.iter().sum(),
-        sum_delta_p_squared: delta_p.iter().map(|d| d * d).sum(),
+        sum_delta_p: sum(delta_p.iter().copied()),
+        sum_delta_p_squared: sum(delta_p.iter().map(|d| d * d)),
         reverse_kld: per_token.then(|| column(kld.tokens.iter().map(|t| t.reverse_kld))),
         top_k_agreement: per_token.then(|| column(kld.tokens.iter().map(|t| t.top_k_agreement))),
         reference_top_p: per_token.then(|| column(kld.tokens.iter().map(|t| t.reference_top_p))),

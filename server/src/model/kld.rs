@@ -7,6 +7,7 @@ use std::ops::Range;
 use candle_core::{Result, Tensor};
 
 use super::decoder::{lm_head_rows, Model};
+use super::scoring::sum;
 pub use crate::ops::{kld_row, top_k_agreement, TokenKld, TOP_K_AGREEMENT_MAX};
 
 /// Per-token divergences of one sequence of `n` tokens: `tokens[i]` is about the distribution
@@ -113,20 +114,17 @@ impl SequenceKld {
     }
 
     pub fn sum_kld(&self) -> f64 {
-        self.tokens.iter().map(|t| t.kld).sum()
+        sum(self.tokens.iter().map(|t| t.kld))
     }
 
     /// Σ −log p(next token) of the served model, in f64.
     pub fn sum_nll(&self) -> f64 {
-        self.tokens.iter().map(|t| -(t.logprob as f64)).sum()
+        sum(self.tokens.iter().map(|t| -(t.logprob as f64)))
     }
 
     /// Σ −log p(next token) of the reference model, in f64.
     pub fn reference_sum_nll(&self) -> f64 {
-        self.tokens
-            .iter()
-            .map(|t| -(t.reference_logprob as f64))
-            .sum()
+        sum(self.tokens.iter().map(|t| -(t.reference_logprob as f64)))
     }
 
     pub fn same_top_count(&self) -> usize {
@@ -134,7 +132,7 @@ impl SequenceKld {
     }
 
     pub fn sum_reverse_kld(&self) -> f64 {
-        self.tokens.iter().map(|t| t.reverse_kld).sum()
+        sum(self.tokens.iter().map(|t| t.reverse_kld))
     }
 
     /// Positions whose top-K sets agree, K = 1..=[`TOP_K_AGREEMENT_MAX`].

@@ -24,7 +24,7 @@ impl SequenceScores {
 
     /// Sum of negative log-likelihoods, accumulated in f64.
     pub fn sum_nll(&self) -> f64 {
-        self.token_logprobs().map(|lp| -(lp as f64)).sum()
+        sum(self.token_logprobs().map(|lp| -(lp as f64)))
     }
 
     pub fn num_scored(&self) -> usize {
@@ -50,6 +50,12 @@ pub fn score_logits(
     top_k: usize,
 ) -> Result<Vec<RowScore>> {
     crate::ops::score_rows(logits, targets, top_k)
+}
+
+/// The sum of `values` from +0: an empty sum (a one-token sequence scores nothing) is 0, not
+/// the -0 of `Iterator::sum` for floats. Any other sum has the same bits either way.
+pub fn sum(values: impl Iterator<Item = f64>) -> f64 {
+    values.fold(0.0, |total, v| total + v)
 }
 
 #[cfg(test)]
