@@ -1,11 +1,14 @@
 //! `config.json` of a Hugging Face causal LM, in both key styles: transformers v4
 //! (`rope_theta` + `rope_scaling`, `torch_dtype`) and v5 (`rope_parameters`, `dtype`).
 
+mod rope_parameters;
+
 use serde::Deserialize;
 use serde_json::Value;
 
 pub use super::rope::{Rope, RopeScaling};
 use crate::checkpoint::LoadError;
+use rope_parameters::parse_rope;
 
 /// The model families we serve.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
@@ -830,150 +833,6 @@ fn parse_moe(
         mixtral_names: architecture == Architecture::Mixtral,
         weights_in_compute_dtype: architecture == Architecture::Qwen3Moe,
     }))
-}
-
-/// v5 puts everything in `rope_parameters`; v4 has `rope_theta` at the top level and the
-/// schedule in `rope_scaling` (whose type key is `rope_type`, or `type` in old files). `root`
-/// gives the context lengths that transformers' `standardize_rope_params` fills in.
-fn parse_rope(
-    v5: &Option<Value>,
-    v4_scaling: &Option<Value>,
-    v4_theta: Option<f64>,
-    root: &Value,
-) -> Result<Rope, LoadError> {
-    let (field, params) = match (v5, v4_scaling) {
-        (Some(p), _) => ("rope_parameters", Some(p)),
-        (None, Some(Value::Null)) | (None, None) => ("rope_scaling", None),
-        (None, Some(s)) => ("rope_scaling", Some(s)),
-    };
-    let get = |key: &str| params.and_then(|p| p.get(key)).and_then(Value::as_f64);
-    let theta_field = match get("rope_theta") {
-        Some(_) => format!("{field}.rope_theta"),
-        None => "rope_theta".into(),
-    };
-    let theta = get("rope_theta").or(v4_theta).ok_or_else(|| {
-        LoadError::config(
-            "rope_theta",
-            "missing (neither rope_parameters.rope_theta nor rope_theta)",
-        )
-    })?;
-    let theta = positive_finite(theta, &theta_field)?;
-    let rope_type = params
-        .and_then(|p| p.get("rope_type").or_else(|| p.get("type")))
-        .and_then(Value::as_str)
-        .unwrap_or("default");
-    let need = |key: &str| {
-        let name = format!("{field}.{key}");
-        let value = get(key).ok_or_else(|| {
-            LoadError::config(&name, format!("missing for rope_type {rope_type}"))
-        })?;
-        positive_finite(value, &name)
-    };
-    let max_positions = || {
-        optional_f64(root, "max_position_embeddings")?.ok_or_else(|| {
-            LoadError::config(
-                "max_position_embeddings",
-                format!("missing; rope_type {rope_type} needs it"),
-            )
-        })
-    };
-    // The pretraining context: a top-level `original_max_position_embeddings` wins (Phi-3
-    // style), then the schedule's own, then `max_position_embeddings`.
-    let original_context = || match optional_f64(root, "original_max_position_embeddings")? {
-        Some(v) => Ok(v),
-        None => match get("original_max_position_embeddings") {
-            Some(_) => need("original_max_position_embeddings"),
-            None => max_positions(),
-        },
-    };
-    let scaling = match rope_type {
-        "default" => RopeScaling::Default,
-        "linear" => RopeScaling::Linear {
-            factor: need("factor")? as f32,
-        },
-        "dynamic" => RopeScaling::DynamicNtk {
-            factor: need("factor")?,
-            max_position_embeddings: max_positions()? as usize,
-        },
-        "llama3" => {
-            // Each is a divisor of the schedule (transformers' own checks: factor >= 1 and
-            // low_freq_factor < high_freq_factor, else the smoothing divides by zero or less).
-            let factor = need("factor")? as f32;
-            if factor < 1.0 {
-                return Err(LoadError::config(
-                    format!("{field}.factor"),
-                    format!("{factor} is out of range (>= 1)"),
-                ));
-            }
-            let (low_freq_factor, high_freq_factor) = (
-                need("low_freq_factor")? as f32,
-                need("high_freq_factor")? as f32,
-            );
-            if low_freq_factor >= high_freq_factor {
-                return Err(LoadError::config(
-                    format!("{field}.high_freq_factor"),
-                    format!(
-                        "{high_freq_factor} must be greater than low_freq_factor = \
-                         {low_freq_factor}"
-                    ),
-                ));
-            }
-            RopeScaling::Llama3 {
-                factor,
-                low_freq_factor,
-                high_freq_factor,
-                original_max_position_embeddings: original_context()? as f32,
-            }
-        }
-        "yarn" => {
-            let original = original_context()?;
-            // An explicit null factor is the ratio of the two contexts (DeepSeek-V3 style).
-            let factor = match params.and_then(|p| p.get("factor")) {
-                Some(Value::Null) => max_positions()? / original,
-                _ => need("factor")?,
-            };
-            // Unset betas and zeros fall back to the paper's 32 and 1, as in transformers.
-            let beta = |key: &str, default: f64| get(key).filter(|b| *b != 0.0).unwrap_or(default);
-            let mscale = |m: f64| match factor {
-                f if f <= 1.0 => 1.0,
-                f => 0.1 * m * f.ln() + 1.0,
-            };
-            let attention_factor = match get("attention_factor") {
-                Some(_) => need("attention_factor")?,
-                None => match (
-                    get("mscale").filter(|m| *m != 0.0),
-                    get("mscale_all_dim").filter(|m| *m != 0.0),
-                ) {
-                    (Some(m), Some(all)) => mscale(m) / mscale(all),
-                    _ => mscale(1.0),
-                },
-            };
-            RopeScaling::Yarn {
-                factor,
-                attention_factor: positive_finite(
-                    attention_factor,
-                    &format!("{field}.attention_factor"),
-                )?,
-                beta_fast: beta("beta_fast", 32.0),
-                beta_slow: beta("beta_slow", 1.0),
-                original_max_position_embeddings: original,
-                truncate: params
-                    .and_then(|p| p.get("truncate"))
-                    .and_then(Value::as_bool)
-                    .unwrap_or(true),
-            }
-        }
-        other => {
-            return Err(LoadError::config(
-                format!("{field}.rope_type"),
-                format!(
-                    "`{other}` is not supported (supported: default, linear, dynamic, llama3, \
-                     yarn)"
-                ),
-            ))
-        }
-    };
-    Ok(Rope { theta, scaling })
 }
 
 #[cfg(test)]
