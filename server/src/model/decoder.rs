@@ -11,7 +11,7 @@ use std::path::Path;
 use candle_core::{Device, Result, Tensor};
 
 use super::blocks::{Attention, BatchLayout, FeedForward, NormKind, RmsNorm, Route};
-use super::config::{Architecture, ModelConfig};
+use super::config::{Architecture, DecoderFamily, ModelConfig};
 use super::loader::Loader;
 use super::profile::stage;
 use super::rope::{Rope, RopeTables};
@@ -219,17 +219,9 @@ fn text_names(ckpt: &Checkpoint, c: &ModelConfig) -> (&'static str, &'static str
 
 /// The family `architecture` belongs to.
 fn family(architecture: Architecture) -> &'static dyn Family {
-    match architecture {
-        Architecture::Llama
-        | Architecture::Mistral
-        | Architecture::Qwen2
-        | Architecture::Qwen3
-        | Architecture::Qwen3Moe
-        | Architecture::Mixtral
-        | Architecture::Mistral3Multimodal => &llama::Llama,
-        Architecture::Gemma2 | Architecture::Gemma3 | Architecture::Gemma3Multimodal => {
-            &gemma::Gemma
-        }
+    match architecture.decoder_family() {
+        DecoderFamily::Llama => &llama::Llama,
+        DecoderFamily::Gemma => &gemma::Gemma,
     }
 }
 
