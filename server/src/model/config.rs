@@ -1,13 +1,13 @@
 //! `config.json` of a Hugging Face causal LM, in both key styles: transformers v4
 //! (`rope_theta` + `rope_scaling`, `torch_dtype`) and v5 (`rope_parameters`, `dtype`).
 //!
-//! This file holds what every architecture shares: the [`ModelConfig`] the blocks read, the keys
-//! every architecture reads (`SharedKeys`), the range checks, and the order in which
-//! [`ModelConfig::from_json`] reads a file. What one architecture knows (transformers' defaults,
-//! the keys it refuses, its RoPE, sliding layers, experts and biases) is an
-//! `ArchitectureConfig` in its own file below. A new architecture is one such file, its `mod`
-//! line here and one line in the registry (`architecture.rs`).
-
+//! This file holds the [`ModelConfig`] the blocks read and the order in which
+//! [`ModelConfig::from_json`] reads a file, asking the architecture at each step. Below it, in
+//! import order: `shared.rs` (the keys every architecture reads, the range checks, the parts an
+//! architecture reads itself), `rope_parameters.rs`, `architecture.rs` (what an architecture
+//! brings: the `ArchitectureConfig` trait), one file per architecture (transformers' defaults,
+//! the keys it refuses, its RoPE, sliding layers, experts and biases), and `registry.rs`. A new
+//! architecture is one such file, its `mod` line here and one line in the registry.
 mod architecture;
 mod gemma2;
 mod gemma3;
@@ -18,95 +18,22 @@ mod mixtral;
 mod qwen2;
 mod qwen3;
 mod qwen3_moe;
+mod registry;
 mod rope_parameters;
+mod shared;
 #[cfg(test)]
 mod tests;
 mod vision_language;
 
-use serde::Deserialize;
 use serde_json::Value;
 
 pub use super::rope::{Rope, RopeScaling};
 use crate::checkpoint::LoadError;
 use architecture::ArchitectureConfig;
-pub use architecture::{Architecture, DecoderFamily};
-
-/// The MLP's gate activation.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Activation {
-    Silu,
-    /// `gelu_pytorch_tanh`: GELU with the tanh approximation (GeGLU).
-    GeluTanh,
-}
-
-impl Activation {
-    /// The profile stage of the gated product `act(gate) * up`.
-    pub fn stage_name(self) -> &'static str {
-        match self {
-            Self::Silu => "silu_mul",
-            Self::GeluTanh => "gelu_mul",
-        }
-    }
-}
-
-/// A mixture-of-experts feed-forward (Qwen3-MoE, Mixtral).
-#[derive(Debug, Clone, PartialEq)]
-pub struct MoeConfig {
-    pub num_experts: usize,
-    pub experts_per_token: usize,
-    pub expert_intermediate_size: usize,
-    /// Renormalise the top-k router probabilities to sum to 1.
-    pub norm_topk_prob: bool,
-    /// Which decoder layers are sparse (the others have a dense MLP of `intermediate_size`).
-    pub sparse_layers: Vec<bool>,
-    /// Mixtral names: `block_sparse_moe.experts.E.{w1,w3,w2}`; Qwen: `mlp.experts.E.{gate,up,down}_proj`.
-    pub mixtral_names: bool,
-    /// Qwen3-MoE casts the routing weights to the compute dtype before weighting the experts;
-    /// Mixtral keeps them in f32.
-    pub weights_in_compute_dtype: bool,
-}
-
-/// Per-layer attention: which layers use the sliding window, and the RoPE of those layers
-/// when it differs from the global one (Gemma 3's local base).
-#[derive(Debug, Clone, PartialEq)]
-pub struct SlidingLayers {
-    pub sliding: Vec<bool>,
-    pub local_rope: Option<Rope>,
-}
-
-/// Which Linears of a decoder layer carry a bias.
-struct ProjectionBiases {
-    qkv: bool,
-    o: bool,
-    mlp: bool,
-}
-
-impl ProjectionBiases {
-    /// q/k/v and o_proj as `attention_bias` says (absent: none), the MLP without.
-    fn attention_bias(keys: &SharedKeys) -> Self {
-        let attention_bias = keys.attention_bias.unwrap_or(false);
-        Self {
-            qkv: attention_bias,
-            o: attention_bias,
-            mlp: false,
-        }
-    }
-
-    /// transformers' Mistral and Mixtral build no bias whatever the config says.
-    const NONE: Self = Self {
-        qkv: false,
-        o: false,
-        mlp: false,
-    };
-}
-
-/// Gemma's changes to the attention and final scores; none elsewhere.
-#[derive(Default)]
-struct ScoreShaping {
-    query_pre_attn_scalar: Option<f64>,
-    attn_logit_softcapping: Option<f64>,
-    final_logit_softcapping: Option<f64>,
-}
+pub use architecture::DecoderFamily;
+pub use registry::Architecture;
+use shared::{positive_finite, required_size, size, SharedKeys};
+pub use shared::{Activation, MoeConfig, SlidingLayers};
 
 #[derive(Debug, Clone)]
 pub struct ModelConfig {
@@ -152,51 +79,6 @@ pub struct ModelConfig {
     pub eos_token_ids: Vec<u32>,
     /// The raw `quantization_config`, parsed by `quant::compressed_tensors`.
     pub quantization_config: Option<Value>,
-}
-
-/// The keys every architecture reads, type-checked for all of them (`mlp_bias` and
-/// `use_sliding_window` too, which only some use); an architecture reads its other keys from
-/// the file as it is. Everything else in config.json is ignored.
-#[derive(Deserialize)]
-struct SharedKeys {
-    vocab_size: Option<usize>,
-    hidden_size: Option<usize>,
-    intermediate_size: Option<usize>,
-    num_hidden_layers: Option<usize>,
-    num_attention_heads: Option<usize>,
-    num_key_value_heads: Option<usize>,
-    head_dim: Option<usize>,
-    rms_norm_eps: Option<f64>,
-    hidden_act: Option<String>,
-    hidden_activation: Option<String>,
-    rope_theta: Option<f64>,
-    rope_scaling: Option<Value>,
-    rope_parameters: Option<Value>,
-    max_position_embeddings: Option<usize>,
-    tie_word_embeddings: Option<bool>,
-    attention_bias: Option<bool>,
-    mlp_bias: Option<bool>,
-    sliding_window: Option<Value>,
-    use_sliding_window: Option<bool>,
-    torch_dtype: Option<String>,
-    dtype: Option<String>,
-    bos_token_id: Option<Value>,
-    eos_token_id: Option<Value>,
-    quantization_config: Option<Value>,
-}
-
-impl SharedKeys {
-    /// The keys of `root`; an error names the member of a wrong type (`num_hidden_layers: -1`
-    /// is not a size).
-    fn read(root: &Value) -> Result<Self, LoadError> {
-        serde_path_to_error::deserialize(root.clone()).map_err(|e| {
-            let field = match e.path().to_string() {
-                path if path == "." => "config.json".to_string(),
-                path => path,
-            };
-            LoadError::config(field, e.into_inner().to_string())
-        })
-    }
 }
 
 /// The attention's dimensions and the depth.
@@ -251,66 +133,6 @@ impl Dimensions {
     }
 }
 
-fn required<T>(value: Option<T>, field: &str) -> Result<T, LoadError> {
-    value.ok_or_else(|| LoadError::config(field, "missing"))
-}
-
-/// A [`size`] the config must give.
-fn required_size(value: Option<usize>, field: &str, max: usize) -> Result<usize, LoadError> {
-    size(required(value, field)?, field, max)
-}
-
-/// A size from config.json, checked before anything is allocated from it: a corrupt or
-/// hostile file must fail here, not ask for 10^15 layers. The bounds are far above any real
-/// model (Llama 3.1 405B: 126 layers, hidden 16384, intermediate 53248, vocab 128256).
-fn size(value: usize, field: &str, max: usize) -> Result<usize, LoadError> {
-    if value == 0 || value > max {
-        return Err(LoadError::config(
-            field,
-            format!("{value} is out of range (1..={max})"),
-        ));
-    }
-    Ok(value)
-}
-
-/// A float from config.json that the math divides by, takes the root or the power of: NaN, ±∞,
-/// 0 and negative values would turn every logit into NaN (`rms_norm_eps: -1` is a square root
-/// of a negative number for a row of zeros; `rope_theta: 0` makes every frequency infinite).
-/// The model computes in f32, so the value must also be finite and non-zero as an f32.
-fn positive_finite(value: f64, field: &str) -> Result<f64, LoadError> {
-    let as_f32 = value as f32;
-    if !(as_f32.is_finite() && as_f32 > 0.0) {
-        return Err(LoadError::config(
-            field,
-            format!("{value} is out of range (finite and > 0 in f32)"),
-        ));
-    }
-    Ok(value)
-}
-
-/// `Some(None)` for an explicit `null`, `None` when the key is absent.
-fn optional_f64(root: &Value, key: &str) -> Result<Option<f64>, LoadError> {
-    match root.get(key) {
-        None | Some(Value::Null) => Ok(None),
-        Some(v) => v
-            .as_f64()
-            .filter(|v| v.is_finite() && *v > 0.0)
-            .map(Some)
-            .ok_or_else(|| LoadError::config(key, format!("{v} is not a positive number"))),
-    }
-}
-
-/// An integer key; `None` when absent or `null`.
-fn optional_usize(root: &Value, key: &str) -> Result<Option<usize>, LoadError> {
-    match root.get(key) {
-        None | Some(Value::Null) => Ok(None),
-        Some(v) => v
-            .as_u64()
-            .map(|v| Some(v as usize))
-            .ok_or_else(|| LoadError::config(key, format!("{v} is not an integer"))),
-    }
-}
-
 fn token_ids(value: Option<&Value>) -> Vec<u32> {
     match value {
         Some(Value::Number(n)) => n.as_u64().map(|v| vec![v as u32]).unwrap_or_default(),
@@ -320,15 +142,6 @@ fn token_ids(value: Option<&Value>) -> Vec<u32> {
             .collect(),
         _ => Vec::new(),
     }
-}
-
-/// Gemma's logit soft-capping keys, refused by the architectures that do not apply them.
-const SOFTCAPPING_KEYS: [&str; 2] = ["attn_logit_softcapping", "final_logit_softcapping"];
-
-/// Those of `keys` that `root` sets to something other than `null` or `false`.
-fn keys_set(root: &Value, keys: &[&'static str]) -> Vec<&'static str> {
-    let set = |key: &str| root.get(key).is_some_and(|v| !v.is_null() && v != false);
-    keys.iter().copied().filter(|k| set(k)).collect()
 }
 
 /// Keys that change the math in ways we do not implement: refused rather than ignored.
@@ -353,31 +166,6 @@ fn refuse_unimplemented(root: &Value, architecture: Architecture) -> Result<(), 
             ),
         )),
     }
-}
-
-/// The gate activation `name` (`silu` when absent), one of `supported`; `field` is the key that
-/// an error names.
-fn gate_activation(
-    architecture: &str,
-    field: &str,
-    name: Option<&str>,
-    supported: &[(&str, Activation)],
-) -> Result<Activation, LoadError> {
-    let name = name.unwrap_or("silu");
-    supported
-        .iter()
-        .find(|(n, _)| *n == name)
-        .map(|&(_, act)| act)
-        .ok_or_else(|| {
-            let names: Vec<&str> = supported.iter().map(|(n, _)| *n).collect();
-            LoadError::config(
-                field,
-                format!(
-                    "`{name}` is not supported for {architecture} (supported: {})",
-                    names.join(", ")
-                ),
-            )
-        })
 }
 
 /// Each parameter in its range can still combine into a frequency that is not (a theta near
@@ -512,32 +300,4 @@ impl ModelConfig {
     pub fn is_sparse_layer(&self, layer: usize) -> bool {
         self.moe.as_ref().is_some_and(|m| m.sparse_layers[layer])
     }
-}
-
-/// The experts' counts and sizes (`experts_key`, `num_experts_per_tok`, `inter_key`) of a
-/// mixture sparse in every layer, with neither Mixtral's names nor Qwen's weighting: each
-/// architecture changes what its mixture does otherwise.
-fn experts(
-    root: &Value,
-    experts_key: &str,
-    inter_key: &str,
-    num_layers: usize,
-) -> Result<MoeConfig, LoadError> {
-    let num_experts = required_size(optional_usize(root, experts_key)?, experts_key, 1 << 12)?;
-    let experts_per_token = required_size(
-        optional_usize(root, "num_experts_per_tok")?,
-        "num_experts_per_tok",
-        num_experts,
-    )?;
-    let expert_intermediate_size =
-        required_size(optional_usize(root, inter_key)?, inter_key, 1 << 20)?;
-    Ok(MoeConfig {
-        num_experts,
-        experts_per_token,
-        expert_intermediate_size,
-        norm_topk_prob: false,
-        sparse_layers: vec![true; num_layers],
-        mixtral_names: false,
-        weights_in_compute_dtype: false,
-    })
 }

@@ -3,7 +3,7 @@
 //!
 //! A new architecture is one file in `config/`: what it makes of its config.json (transformers'
 //! defaults, the keys it reads and those it refuses), and which family's decoder layers it is
-//! built from; then one line in the registry (`config/architecture.rs`). A new family is one
+//! built from; then one line in the registry (`config/registry.rs`). A new family is one
 //! file too: its norms around the attention and feed-forward built from [`blocks`] (each block
 //! loads itself from a [`loader::Loader`]), implementing `decoder::LayerNorms`, and a
 //! `decoder::Family` saying how to load it; then one arm in `decoder::family`. Device-specific

@@ -4,11 +4,12 @@
 
 use serde_json::{json, Value};
 
-use super::{
-    gate_activation, optional_f64, Activation, ArchitectureConfig, DecoderFamily, Rope,
-    ScoreShaping, SharedKeys, SlidingLayers,
+use super::architecture::{ArchitectureConfig, DecoderFamily};
+use super::shared::{
+    gate_activation, optional_f64, Activation, ScoreShaping, SharedKeys, SlidingLayers,
 };
 use crate::checkpoint::LoadError;
+use crate::model::rope::Rope;
 
 pub(super) struct Gemma2ForCausalLM;
 

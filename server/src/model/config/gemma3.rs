@@ -4,13 +4,13 @@
 
 use serde_json::{json, Value};
 
+use super::architecture::{ArchitectureConfig, DecoderFamily};
 use super::gemma2::{gemma_activation, layer_types};
 use super::rope_parameters::parse_rope;
-use super::{
-    keys_set, optional_f64, vision_language, Activation, ArchitectureConfig, DecoderFamily, Rope,
-    ScoreShaping, SharedKeys, SlidingLayers,
-};
+use super::shared::{keys_set, optional_f64, Activation, ScoreShaping, SharedKeys, SlidingLayers};
+use super::vision_language;
 use crate::checkpoint::LoadError;
+use crate::model::rope::Rope;
 
 pub(super) struct Gemma3 {
     pub(super) vision_language: bool,

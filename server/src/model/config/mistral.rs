@@ -3,7 +3,8 @@
 
 use serde_json::{json, Value};
 
-use super::{ArchitectureConfig, ProjectionBiases, SharedKeys};
+use super::architecture::ArchitectureConfig;
+use super::shared::{ProjectionBiases, SharedKeys};
 
 pub(super) struct MistralForCausalLM;
 

@@ -3,8 +3,10 @@
 
 use serde_json::Value;
 
+use super::architecture::ArchitectureConfig;
 use super::mistral::MistralForCausalLM;
-use super::{vision_language, ArchitectureConfig, ProjectionBiases, SharedKeys};
+use super::shared::{ProjectionBiases, SharedKeys};
+use super::vision_language;
 use crate::checkpoint::LoadError;
 
 pub(super) struct Mistral3ForConditionalGeneration;

@@ -4,7 +4,8 @@
 
 use serde_json::{json, Value};
 
-use super::{experts, ArchitectureConfig, MoeConfig, ProjectionBiases, SharedKeys};
+use super::architecture::ArchitectureConfig;
+use super::shared::{experts, MoeConfig, ProjectionBiases, SharedKeys};
 use crate::checkpoint::LoadError;
 
 pub(super) struct MixtralForCausalLM;

@@ -2,8 +2,9 @@
 
 use serde_json::Value;
 
+use super::architecture::ArchitectureConfig;
 use super::qwen2::{window_if_used, Qwen2ForCausalLM};
-use super::{ArchitectureConfig, SharedKeys};
+use super::shared::SharedKeys;
 
 pub(super) struct Qwen3ForCausalLM;
 

@@ -3,9 +3,11 @@
 
 use serde_json::{json, Value};
 
+use super::architecture::ArchitectureConfig;
 use super::qwen2::window_if_used;
-use super::{experts, keys_set, size, ArchitectureConfig, MoeConfig, SharedKeys};
-use super::{optional_usize, SOFTCAPPING_KEYS};
+use super::shared::{
+    experts, keys_set, optional_usize, size, MoeConfig, SharedKeys, SOFTCAPPING_KEYS,
+};
 use crate::checkpoint::LoadError;
 
 pub(super) struct Qwen3MoeForCausalLM;

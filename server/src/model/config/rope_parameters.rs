@@ -4,8 +4,9 @@
 
 use serde_json::Value;
 
-use super::{optional_f64, positive_finite, Rope, RopeScaling};
+use super::shared::{optional_f64, positive_finite};
 use crate::checkpoint::LoadError;
+use crate::model::rope::{Rope, RopeScaling};
 
 /// The RoPE that `v5` (`rope_parameters`) or else `v4_scaling` and `v4_theta` describe; `root`
 /// gives the context lengths that transformers fills in.
