@@ -11,7 +11,7 @@ use std::path::Path;
 use candle_core::{Device, Result, Tensor};
 
 use super::blocks::{Attention, BatchLayout, FeedForward, NormKind, RmsNorm, Route};
-use super::config::{Architecture, ModelConfig};
+use super::config::{Architecture, DecoderFamily, ModelConfig};
 use super::loader::Loader;
 use super::profile::stage;
 use super::rope::{Rope, RopeTables};
@@ -84,6 +84,83 @@ pub(crate) trait Layer: Send + Sync {
     fn clone_box(&self) -> Box<dyn Layer>;
 }
 
+/// A decoder layer of any family: the attention and the feed-forward every family has, and
+/// the family's norms around them, which decide how the residual stream flows through the two.
+#[derive(Clone)]
+pub(crate) struct DecoderLayer<N> {
+    pub(crate) self_attn: Attention,
+    pub(crate) mlp: FeedForward,
+    pub(crate) norms: N,
+}
+
+/// Loads one of a family's norms by name.
+pub(crate) type NormLoader<'a> = dyn Fn(&str) -> std::result::Result<RmsNorm, LoadError> + 'a;
+
+impl<N: LayerNorms> DecoderLayer<N> {
+    /// Decoder layer `layer`, whose tensors `vb` names (`model.layers.N`): the attention, the
+    /// feed-forward, then the family's norms of `kind`, which `norms` loads by name.
+    pub(crate) fn load(
+        vb: &Loader,
+        c: &ModelConfig,
+        layer: usize,
+        kind: NormKind,
+        norms: impl FnOnce(&NormLoader) -> std::result::Result<N, LoadError>,
+    ) -> std::result::Result<Self, LoadError> {
+        let self_attn = Attention::load(&vb.pp("self_attn"), c, layer, kind)?;
+        let mlp = FeedForward::load(vb, c, layer)?;
+        let norm = |name: &str| RmsNorm::load(&vb.pp(name), c.hidden_size, c.rms_norm_eps, kind);
+        Ok(Self {
+            self_attn,
+            mlp,
+            norms: norms(&norm)?,
+        })
+    }
+}
+
+/// A family's norms around a decoder layer's attention and feed-forward.
+pub(crate) trait LayerNorms: Clone + Send + Sync + 'static {
+    /// [`Layer::forward`] of `layer`.
+    fn forward(
+        layer: &DecoderLayer<Self>,
+        x: Tensor,
+        batch: &BatchLayout,
+        rope: &RopeTables,
+        routes: Option<&mut Vec<Route>>,
+    ) -> Result<Tensor>;
+}
+
+impl<N: LayerNorms> Layer for DecoderLayer<N> {
+    fn forward(
+        &self,
+        x: Tensor,
+        batch: &BatchLayout,
+        rope: &RopeTables,
+        routes: Option<&mut Vec<Route>>,
+    ) -> Result<Tensor> {
+        N::forward(self, x, batch, rope, routes)
+    }
+
+    fn attention(&self) -> &Attention {
+        &self.self_attn
+    }
+
+    fn feed_forward(&self) -> &FeedForward {
+        &self.mlp
+    }
+
+    fn attention_mut(&mut self) -> &mut Attention {
+        &mut self.self_attn
+    }
+
+    fn feed_forward_mut(&mut self) -> &mut FeedForward {
+        &mut self.mlp
+    }
+
+    fn clone_box(&self) -> Box<dyn Layer> {
+        Box::new(self.clone())
+    }
+}
+
 impl dyn Layer {
     /// The Linear named `module` under the layer (`self_attn.q_proj`, `mlp.down_proj`), as
     /// [`Model::linears`] names it after `model.layers.N.`.
@@ -142,17 +219,9 @@ fn text_names(ckpt: &Checkpoint, c: &ModelConfig) -> (&'static str, &'static str
 
 /// The family `architecture` belongs to.
 fn family(architecture: Architecture) -> &'static dyn Family {
-    match architecture {
-        Architecture::Llama
-        | Architecture::Mistral
-        | Architecture::Qwen2
-        | Architecture::Qwen3
-        | Architecture::Qwen3Moe
-        | Architecture::Mixtral
-        | Architecture::Mistral3Multimodal => &llama::Llama,
-        Architecture::Gemma2 | Architecture::Gemma3 | Architecture::Gemma3Multimodal => {
-            &gemma::Gemma
-        }
+    match architecture.decoder_family() {
+        DecoderFamily::Llama => &llama::Llama,
+        DecoderFamily::Gemma => &gemma::Gemma,
     }
 }
 

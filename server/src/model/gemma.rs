@@ -6,9 +6,9 @@
 
 use candle_core::{Result, Tensor};
 
-use super::blocks::{Attention, BatchLayout, FeedForward, NormKind, RmsNorm, Route};
+use super::blocks::{BatchLayout, NormKind, RmsNorm, Route};
 use super::config::ModelConfig;
-use super::decoder::{Family, Layer};
+use super::decoder::{DecoderLayer, Family, Layer, LayerNorms};
 use super::loader::Loader;
 use super::profile::stage;
 use super::rope::RopeTables;
@@ -24,7 +24,18 @@ impl Family for Gemma {
         c: &ModelConfig,
         layer: usize,
     ) -> std::result::Result<Box<dyn Layer>, LoadError> {
-        Ok(Box::new(DecoderLayer::load(vb, c, layer)?))
+        let layer = DecoderLayer::load(vb, c, layer, self.norm(), |norm| {
+            let post_attention_layernorm = norm("post_attention_layernorm")?;
+            let pre_feedforward_layernorm = norm("pre_feedforward_layernorm")?;
+            let post_feedforward_layernorm = norm("post_feedforward_layernorm")?;
+            Ok(Norms {
+                input_layernorm: norm("input_layernorm")?,
+                post_attention_layernorm,
+                pre_feedforward_layernorm,
+                post_feedforward_layernorm,
+            })
+        })?;
+        Ok(Box::new(layer))
     }
 
     fn norm(&self) -> NormKind {
@@ -36,48 +47,21 @@ impl Family for Gemma {
     }
 }
 
+/// The norms before the attention, on its output, and around the feed-forward.
 #[derive(Clone)]
-pub struct DecoderLayer {
+pub struct Norms {
     input_layernorm: RmsNorm,
-    self_attn: Attention,
     /// On the attention's output, before the residual add.
     post_attention_layernorm: RmsNorm,
     pre_feedforward_layernorm: RmsNorm,
-    mlp: FeedForward,
     post_feedforward_layernorm: RmsNorm,
 }
 
-impl DecoderLayer {
-    /// Decoder layer `layer`, whose tensors `vb` names (`model.layers.N`).
-    pub fn load(
-        vb: &Loader,
-        c: &ModelConfig,
-        layer: usize,
-    ) -> std::result::Result<Self, LoadError> {
-        let norm = |name: &str| {
-            RmsNorm::load(
-                &vb.pp(name),
-                c.hidden_size,
-                c.rms_norm_eps,
-                NormKind::OnePlusWeight,
-            )
-        };
-        Ok(Self {
-            self_attn: Attention::load(&vb.pp("self_attn"), c, layer, NormKind::OnePlusWeight)?,
-            mlp: FeedForward::load(vb, c, layer)?,
-            post_attention_layernorm: norm("post_attention_layernorm")?,
-            pre_feedforward_layernorm: norm("pre_feedforward_layernorm")?,
-            post_feedforward_layernorm: norm("post_feedforward_layernorm")?,
-            input_layernorm: norm("input_layernorm")?,
-        })
-    }
-}
-
-impl Layer for DecoderLayer {
+impl LayerNorms for Norms {
     /// Each block adds into a zero stream (0 + y = y exactly), whose sum is normed and then
     /// added to the residual stream.
     fn forward(
-        &self,
+        layer: &DecoderLayer<Self>,
         x: Tensor,
         batch: &BatchLayout,
         rope: &RopeTables,
@@ -85,45 +69,26 @@ impl Layer for DecoderLayer {
     ) -> Result<Tensor> {
         let dev = x.device().clone();
         let dev = &dev;
-        let qdq = self.self_attn.input_qdq();
+        let norms = &layer.norms;
+        let qdq = layer.self_attn.input_qdq();
         let normed = stage("norm", dev, || {
-            self.input_layernorm.forward(&x, qdq.flatten())
+            norms.input_layernorm.forward(&x, qdq.flatten())
         })?;
-        let out = self
+        let out = layer
             .self_attn
             .forward(normed, x.zeros_like()?, qdq.is_some(), batch, rope)?;
         let x = (x + stage("norm", dev, || {
-            self.post_attention_layernorm.forward(&out, None)
+            norms.post_attention_layernorm.forward(&out, None)
         })?)?;
-        let qdq = self.mlp.input_qdq();
+        let qdq = layer.mlp.input_qdq();
         let normed = stage("norm", dev, || {
-            self.pre_feedforward_layernorm.forward(&x, qdq.flatten())
+            norms.pre_feedforward_layernorm.forward(&x, qdq.flatten())
         })?;
-        let out = self
+        let out = layer
             .mlp
             .forward(normed, x.zeros_like()?, qdq.is_some(), routes)?;
         x + stage("norm", dev, || {
-            self.post_feedforward_layernorm.forward(&out, None)
+            norms.post_feedforward_layernorm.forward(&out, None)
         })?
-    }
-
-    fn attention(&self) -> &Attention {
-        &self.self_attn
-    }
-
-    fn feed_forward(&self) -> &FeedForward {
-        &self.mlp
-    }
-
-    fn attention_mut(&mut self) -> &mut Attention {
-        &mut self.self_attn
-    }
-
-    fn feed_forward_mut(&mut self) -> &mut FeedForward {
-        &mut self.mlp
-    }
-
-    fn clone_box(&self) -> Box<dyn Layer> {
-        Box::new(self.clone())
     }
 }

@@ -5,9 +5,9 @@
 
 use candle_core::{Result, Tensor};
 
-use super::blocks::{Attention, BatchLayout, FeedForward, NormKind, RmsNorm, Route};
+use super::blocks::{BatchLayout, NormKind, RmsNorm, Route};
 use super::config::ModelConfig;
-use super::decoder::{Family, Layer};
+use super::decoder::{DecoderLayer, Family, Layer, LayerNorms};
 use super::loader::Loader;
 use super::profile::stage;
 use super::rope::RopeTables;
@@ -23,7 +23,14 @@ impl Family for Llama {
         c: &ModelConfig,
         layer: usize,
     ) -> std::result::Result<Box<dyn Layer>, LoadError> {
-        Ok(Box::new(DecoderLayer::load(vb, c, layer)?))
+        let layer = DecoderLayer::load(vb, c, layer, self.norm(), |norm| {
+            let post_attention_layernorm = norm("post_attention_layernorm")?;
+            Ok(Norms {
+                input_layernorm: norm("input_layernorm")?,
+                post_attention_layernorm,
+            })
+        })?;
+        Ok(Box::new(layer))
     }
 
     fn norm(&self) -> NormKind {
@@ -31,44 +38,19 @@ impl Family for Llama {
     }
 }
 
+/// The norms before the attention and before the feed-forward.
 #[derive(Clone)]
-pub struct DecoderLayer {
+pub struct Norms {
     input_layernorm: RmsNorm,
-    self_attn: Attention,
     post_attention_layernorm: RmsNorm,
-    mlp: FeedForward,
 }
 
-impl DecoderLayer {
-    /// Decoder layer `layer`, whose tensors `vb` names (`model.layers.N`).
-    pub fn load(
-        vb: &Loader,
-        c: &ModelConfig,
-        layer: usize,
-    ) -> std::result::Result<Self, LoadError> {
-        let norm = |name: &str| {
-            RmsNorm::load(
-                &vb.pp(name),
-                c.hidden_size,
-                c.rms_norm_eps,
-                NormKind::Weight,
-            )
-        };
-        Ok(Self {
-            self_attn: Attention::load(&vb.pp("self_attn"), c, layer, NormKind::Weight)?,
-            mlp: FeedForward::load(vb, c, layer)?,
-            post_attention_layernorm: norm("post_attention_layernorm")?,
-            input_layernorm: norm("input_layernorm")?,
-        })
-    }
-}
-
-impl Layer for DecoderLayer {
+impl LayerNorms for Norms {
     /// The attention's and the feed-forward's last Linears add their outputs into the stream
     /// (see [`crate::quant::RowChunks`]); every other tensor is dropped as soon as it is
     /// consumed: the forward's peak memory is what is alive at once.
     fn forward(
-        &self,
+        layer: &DecoderLayer<Self>,
         x: Tensor,
         batch: &BatchLayout,
         rope: &RopeTables,
@@ -76,38 +58,19 @@ impl Layer for DecoderLayer {
     ) -> Result<Tensor> {
         let dev = x.device().clone();
         let dev = &dev;
+        let norms = &layer.norms;
         // A QDQ that q/k/v (gate/up) share is applied by the norm that feeds them.
-        let qdq = self.self_attn.input_qdq();
+        let qdq = layer.self_attn.input_qdq();
         let normed = stage("norm", dev, || {
-            self.input_layernorm.forward(&x, qdq.flatten())
+            norms.input_layernorm.forward(&x, qdq.flatten())
         })?;
-        let x = self
+        let x = layer
             .self_attn
             .forward(normed, x, qdq.is_some(), batch, rope)?;
-        let qdq = self.mlp.input_qdq();
+        let qdq = layer.mlp.input_qdq();
         let normed = stage("norm", dev, || {
-            self.post_attention_layernorm.forward(&x, qdq.flatten())
+            norms.post_attention_layernorm.forward(&x, qdq.flatten())
         })?;
-        self.mlp.forward(normed, x, qdq.is_some(), routes)
-    }
-
-    fn attention(&self) -> &Attention {
-        &self.self_attn
-    }
-
-    fn feed_forward(&self) -> &FeedForward {
-        &self.mlp
-    }
-
-    fn attention_mut(&mut self) -> &mut Attention {
-        &mut self.self_attn
-    }
-
-    fn feed_forward_mut(&mut self) -> &mut FeedForward {
-        &mut self.mlp
-    }
-
-    fn clone_box(&self) -> Box<dyn Layer> {
-        Box::new(self.clone())
+        layer.mlp.forward(normed, x, qdq.is_some(), routes)
     }
 }

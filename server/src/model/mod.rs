@@ -1,10 +1,13 @@
 //! The model: config, the shared stack ([`Model`]), the blocks decoder layers are built from,
 //! one file per architecture family, placement and scoring.
 //!
-//! A new architecture family is one file: its decoder layer built from [`blocks`] (each block
-//! loads itself from a [`loader::Loader`]) implementing `decoder::Layer`, and a
-//! `decoder::Family` saying how to load it; then its name in [`config::Architecture`] and one
-//! arm in `decoder::family`. Device-specific work goes through [`crate::ops`].
+//! A new architecture is one file in `config/`: what it makes of its config.json (transformers'
+//! defaults, the keys it reads and those it refuses), and which family's decoder layers it is
+//! built from; then one line in the registry (`config/registry.rs`). A new family is one
+//! file too: its norms around the attention and feed-forward built from [`blocks`] (each block
+//! loads itself from a [`loader::Loader`]), implementing `decoder::LayerNorms`, and a
+//! `decoder::Family` saying how to load it; then one arm in `decoder::family`. Device-specific
+//! work goes through [`crate::ops`].
 
 pub mod blocks;
 pub mod config;

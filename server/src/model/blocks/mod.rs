@@ -4,12 +4,14 @@
 //! [`crate::ops`]; nothing here asks which device it runs on.
 
 mod attention;
+mod feed_forward;
 mod mlp;
 mod moe;
 mod norm;
 
 pub use attention::{Attention, BatchLayout};
-pub use mlp::{FeedForward, Mlp, MLP_CHUNK};
+pub use feed_forward::FeedForward;
+pub use mlp::{Mlp, MLP_CHUNK};
 pub use moe::{Moe, Route};
 pub use norm::{NormKind, RmsNorm};
 

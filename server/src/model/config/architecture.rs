@@ -1,0 +1,107 @@
+//! What one architecture brings to the reading of a config.json (`ArchitectureConfig`,
+//! implemented in each architecture's file), and whose decoder layers it is built from.
+
+use serde_json::Value;
+
+use super::rope_parameters;
+use super::shared::{
+    gate_activation, keys_set, Activation, MoeConfig, ProjectionBiases, ScoreShaping, SharedKeys,
+    SlidingLayers, SOFTCAPPING_KEYS,
+};
+use crate::checkpoint::LoadError;
+use crate::model::rope::Rope;
+
+/// The decoder layers an architecture is built from (`model::llama`, `model::gemma`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DecoderFamily {
+    /// Pre-norm layers: Llama, Mistral, Qwen and their mixtures of experts.
+    Llama,
+    /// `(1 + w)` norms, scaled embeddings, norms after attention and MLP.
+    Gemma,
+}
+
+/// What one architecture (a transformers `*ForCausalLM` class) makes of its config.json, step by
+/// step in the order [`super::ModelConfig::from_json`] reads. The provided methods are what most
+/// architectures do (Llama's reading); an architecture overrides where its class differs.
+pub(super) trait ArchitectureConfig: Sync {
+    /// The name in config.json's `architectures`.
+    fn hf_name(&self) -> &'static str;
+
+    /// transformers' defaults (5.17) for the keys we read that a config may leave out and that
+    /// change the math: an absent key means what transformers' config class makes of it (an
+    /// explicit `null` is read as the file says). Sizes and vocabularies have no default: a
+    /// config without them is refused.
+    fn transformers_defaults(&self) -> Value;
+
+    fn decoder_family(&self) -> DecoderFamily {
+        DecoderFamily::Llama
+    }
+
+    fn is_vision_language(&self) -> bool {
+        false
+    }
+
+    /// The text model's keys, from the whole file (a vision-language config nests them).
+    fn text_config(&self, root: Value) -> Result<Value, LoadError> {
+        Ok(root)
+    }
+
+    /// Keys set in `root` that change the math in ways this architecture does not implement.
+    /// Soft-capping is Gemma's.
+    fn unimplemented_keys(&self, root: &Value) -> Vec<&'static str> {
+        keys_set(root, &SOFTCAPPING_KEYS)
+    }
+
+    fn activation(&self, keys: &SharedKeys) -> Result<Activation, LoadError> {
+        gate_activation(
+            self.hf_name(),
+            "hidden_act",
+            keys.hidden_act.as_deref(),
+            &[("silu", Activation::Silu)],
+        )
+    }
+
+    /// The RoPE of every layer, and a second one for the sliding layers where they differ.
+    fn rope(&self, root: &Value, keys: &SharedKeys) -> Result<(Rope, Option<Rope>), LoadError> {
+        let rope = rope_parameters::parse_rope(
+            &keys.rope_parameters,
+            &keys.rope_scaling,
+            keys.rope_theta,
+            root,
+        )?;
+        Ok((rope, None))
+    }
+
+    /// The window of the sliding layers, from the file's `window`.
+    fn sliding_window(&self, window: Option<usize>, _keys: &SharedKeys) -> Option<usize> {
+        window
+    }
+
+    /// Which layers slide (`None`: every one, when there is a window), with `local_rope`.
+    fn sliding_layers(
+        &self,
+        _root: &Value,
+        _num_layers: usize,
+        _local_rope: Option<Rope>,
+    ) -> Result<Option<SlidingLayers>, LoadError> {
+        Ok(None)
+    }
+
+    fn moe(&self, _root: &Value, _num_layers: usize) -> Result<Option<MoeConfig>, LoadError> {
+        Ok(None)
+    }
+
+    /// Which projections have biases is the architecture's, whatever the config says.
+    fn biases(&self, keys: &SharedKeys) -> ProjectionBiases {
+        ProjectionBiases::attention_bias(keys)
+    }
+
+    /// Per-head RMSNorm of q and k before RoPE.
+    fn qk_norm(&self) -> bool {
+        false
+    }
+
+    fn score_shaping(&self, _root: &Value) -> Result<ScoreShaping, LoadError> {
+        Ok(ScoreShaping::default())
+    }
+}

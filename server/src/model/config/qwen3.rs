@@ -1,0 +1,28 @@
+//! `Qwen3ForCausalLM`: Qwen2 with q/k norms, and biases where `attention_bias` says.
+
+use serde_json::Value;
+
+use super::architecture::ArchitectureConfig;
+use super::qwen2::{window_if_used, Qwen2ForCausalLM};
+use super::shared::SharedKeys;
+
+pub(super) struct Qwen3ForCausalLM;
+
+impl ArchitectureConfig for Qwen3ForCausalLM {
+    fn hf_name(&self) -> &'static str {
+        "Qwen3ForCausalLM"
+    }
+
+    /// Qwen3Config's defaults are Qwen2Config's.
+    fn transformers_defaults(&self) -> Value {
+        Qwen2ForCausalLM.transformers_defaults()
+    }
+
+    fn sliding_window(&self, window: Option<usize>, keys: &SharedKeys) -> Option<usize> {
+        window_if_used(window, keys)
+    }
+
+    fn qk_norm(&self) -> bool {
+        true
+    }
+}

@@ -1,0 +1,101 @@
+//! The registry of the architectures we serve: one line each declares a variant of
+//! [`Architecture`] and binds it to the `ArchitectureConfig` (in its own file) that reads it.
+
+use serde_json::Value;
+
+use super::architecture::{ArchitectureConfig, DecoderFamily};
+use super::shared::required;
+use super::{
+    gemma2, gemma3, llama, mistral, mistral3, mixtral, qwen2, qwen3, qwen3_moe, vision_language,
+};
+use crate::checkpoint::LoadError;
+
+/// The registry: declares [`Architecture`], one variant per line (in the order an unsupported
+/// architecture's error lists them), each bound to the [`ArchitectureConfig`] that reads it.
+macro_rules! architectures {
+    ($($(#[$doc:meta])* $variant:ident => $config:expr,)*) => {
+        /// The model families we serve.
+        #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+        pub enum Architecture {
+            $($(#[$doc])* $variant,)*
+        }
+
+        impl Architecture {
+            const ALL: &'static [Self] = &[$(Self::$variant,)*];
+
+            /// What this architecture makes of its config.json.
+            pub(super) fn config(self) -> &'static dyn ArchitectureConfig {
+                match self {
+                    $(Self::$variant => &$config,)*
+                }
+            }
+        }
+    };
+}
+
+architectures! {
+    Llama => llama::LlamaForCausalLM,
+    Mistral => mistral::MistralForCausalLM,
+    Qwen2 => qwen2::Qwen2ForCausalLM,
+    Qwen3 => qwen3::Qwen3ForCausalLM,
+    Qwen3Moe => qwen3_moe::Qwen3MoeForCausalLM,
+    Mixtral => mixtral::MixtralForCausalLM,
+    Gemma2 => gemma2::Gemma2ForCausalLM,
+    Gemma3 => gemma3::Gemma3 { vision_language: false },
+    /// The text part of a Gemma 3 vision-language checkpoint (`language_model.` weights).
+    Gemma3Multimodal => gemma3::Gemma3 { vision_language: true },
+    /// The text part of a Mistral 3 vision-language checkpoint (Mistral Small 3.x): a Mistral
+    /// under `language_model.`.
+    Mistral3Multimodal => mistral3::Mistral3ForConditionalGeneration,
+}
+
+impl Architecture {
+    fn from_hf(name: &str) -> Option<Self> {
+        Self::ALL.iter().copied().find(|a| a.hf_name() == name)
+    }
+
+    /// The first architecture of config.json's `architectures` that we serve.
+    pub(super) fn of(root: &Value) -> Result<Self, LoadError> {
+        let names: Vec<String> = required(
+            root.get("architectures")
+                .and_then(|a| serde_json::from_value(a.clone()).ok()),
+            "architectures",
+        )?;
+        names.iter().find_map(|a| Self::from_hf(a)).ok_or_else(|| {
+            let supported: Vec<&str> = Self::ALL.iter().map(|a| a.hf_name()).collect();
+            LoadError::config(
+                "architectures",
+                format!(
+                    "unsupported architecture {names:?}; supported: {}",
+                    supported.join(", ")
+                ),
+            )
+        })
+    }
+
+    pub fn hf_name(self) -> &'static str {
+        self.config().hf_name()
+    }
+
+    /// Whose decoder layer the stack builds.
+    pub fn decoder_family(self) -> DecoderFamily {
+        self.config().decoder_family()
+    }
+
+    /// A vision-language checkpoint whose text model is served: config under `text_config`,
+    /// weights under `model.language_model` (transformers 5) or `language_model.model` (4.x).
+    pub fn is_vision_language(self) -> bool {
+        self.config().is_vision_language()
+    }
+
+    /// Tensor prefixes a checkpoint of this architecture may hold that scoring never reads:
+    /// the vision tower and projector of a vision-language checkpoint (only its text model is
+    /// served).
+    pub fn unread_prefixes(self) -> &'static [&'static str] {
+        if self.is_vision_language() {
+            &vision_language::UNREAD_PREFIXES
+        } else {
+            &[]
+        }
+    }
+}
