@@ -57,8 +57,10 @@ fn profiling_records_every_stage_and_changes_nothing() {
     // for this weights-only model).
     assert_eq!(calls("act_qdq"), layers);
     assert_eq!(calls("embed"), 1);
+    // The batch layout (positions, sequence starts) of each pipeline stage: one stage here.
+    assert_eq!(calls("layout"), 1);
     // The lm_head runs per sequence (in row chunks); both sequences are shorter than a chunk.
     assert_eq!(calls("lm_head"), 2);
     assert_eq!(calls("scoring"), 2);
-    assert_eq!(stages.len(), 11, "{stages:?}");
+    assert_eq!(stages.len(), 12, "{stages:?}");
 }
