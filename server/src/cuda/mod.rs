@@ -6,7 +6,7 @@
 #![allow(unsafe_code)]
 
 use candle_core::cuda_backend::cudarc::driver::{
-    sys, CudaSlice, CudaView, DevicePtr, DeviceRepr, LaunchConfig, PinnedHostSlice, PushKernelArg,
+    sys, CudaSlice, CudaView, DevicePtr, DeviceRepr, LaunchConfig, PinnedHostSlice,
 };
 use candle_core::cuda_backend::{CudaDType, CudaDevice, CudaStorage, WrapErr};
 use candle_core::op::BackpropOp;
