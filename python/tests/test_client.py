@@ -6,6 +6,7 @@ import io
 import json
 import os
 import pydoc
+import re
 import shutil
 import signal
 import subprocess
@@ -183,7 +184,8 @@ def test_no_server_is_a_connection_error():
         closed.info()
     assert isinstance(e.value, builtins.ConnectionError)
     assert isinstance(e.value, exactscore.ExactScoreError)
-    assert "cannot connect" in str(e.value) and e.value.url == "http://127.0.0.1:9/info"
+    assert "no server answers there" in str(e.value) and e.value.url == "http://127.0.0.1:9"
+    assert "cargo run --release -p exactscore-server" in str(e.value)
 
 
 def test_refused_arguments_are_validation_errors(client, tmp_path):
@@ -194,7 +196,7 @@ def test_refused_arguments_are_validation_errors(client, tmp_path):
         client.ppl(TEXTS, method="bogus", **RUN)
     with pytest.raises(exactscore.ValidationError, match="unknown dataset type"):
         client.ppl("data.csv", **RUN)
-    with pytest.raises(exactscore.ValidationError, match="--ctx 9000 exceeds the server's max_input_tokens 8192"):
+    with pytest.raises(exactscore.ValidationError, match="^ctx=9000 exceeds the server's max_input_tokens 8192"):
         client.ppl(LONG, ctx=9000, max_windows=1, progress=False)
     existing = tmp_path / "partial.jsonl"
     existing.write_text("{}\n")
@@ -216,6 +218,8 @@ def test_ppl_equals_the_clis_report(client, server, tmp_path):
     assert all(getattr(ours, k) == v for k, v in ours.to_dict().items())
     assert json.loads(ours.to_json()) == ours.to_dict()
     assert exactscore.Report.from_json(out.read_text()).to_dict() == theirs
+    assert exactscore.Report.from_json(out).to_dict() == theirs
+    assert exactscore.Report.from_json(str(out)).to_dict() == theirs
     assert "perplexity" in str(ours) and repr(ours).startswith("Report(dataset='wikitext2'")
     with pytest.raises(AttributeError):
         ours.no_such_field
@@ -268,6 +272,50 @@ def test_to_pandas(client):
     windows = report.to_pandas(per_window=True)
     assert list(windows["window"]) == list(range(report.windows))
     assert windows["sum_nll"].sum() == pytest.approx(report.total_nll, rel=1e-12)
+
+
+def test_diff_per_layer_and_its_round_trip(client, server, tmp_path):
+    report = client.diff(TEXTS, ctx=32, windows=2)
+    info = client.info()
+    assert isinstance(report, exactscore.DiffReport)
+    assert len(report.layers) == info["num_layers"] and report.windows == 2
+    assert report.kld["mean_kld"] > 0 and "layer" in str(report)
+    layers = report.to_pandas()
+    assert list(layers["layer"]) == list(range(info["num_layers"]))
+    saved = tmp_path / "diff.json"
+    saved.write_text(report.to_json())
+    assert exactscore.DiffReport.from_json(saved).to_dict() == report.to_dict()
+    report.plot(tmp_path / "layers.png")
+    assert (tmp_path / "layers.png").read_bytes()[:4] == b"\x89PNG"
+    with pytest.raises(exactscore.ValidationError, match="attribute=True"):
+        client.diff(TEXTS, ctx=32, windows=2, attribute_pattern="*.down_proj")
+    with pytest.raises(exactscore.ValidationError, match="no attribution"):
+        report.to_pandas("attribution")
+
+
+def test_compare_reports_and_refuse_mismatches(client, tmp_path):
+    a = client.kld_eval(TEXTS, **RUN)
+    b = client.ppl(TEXTS, **RUN)
+    path = tmp_path / "b.json"
+    path.write_text(b.to_json())
+    table = exactscore.compare([a, path], plot=tmp_path / "cmp.png")
+    assert table.splitlines()[0].startswith("model") and len(table.splitlines()) == 3
+    assert (tmp_path / "cmp.png").read_bytes()[:4] == b"\x89PNG"
+    fewer = client.ppl(TEXTS, max_windows=1, **RUN)
+    with pytest.raises(exactscore.ValidationError, match="windows 1 vs"):
+        exactscore.compare([a, fewer])
+    assert "(≠ windows 1 vs" in exactscore.compare([a, fewer], allow_mismatch=True)
+    with pytest.raises(exactscore.ValidationError, match=r"\.png and \.svg"):
+        exactscore.compare([a], plot=tmp_path / "cmp.pdf")
+
+
+def test_python_defaults_are_the_clis():
+    help_text = cli("ppl", "--help").stdout
+    signature = exactscore.Client.ppl.__text_signature__
+    for name, flag in [("ctx", "ctx"), ("stride", "stride"), ("concurrency", "concurrency")]:
+        default = re.search(rf"--{flag} <\w+>\n.*?\[default: (\d+)\]", help_text, re.S).group(1)
+        assert f"{name}={default}" in signature, (name, default, signature)
+    assert "http://127.0.0.1:8000" in help_text
 
 
 def test_interrupted_ppl_resumes_to_the_same_report(client, tmp_path):
