@@ -223,7 +223,10 @@ impl Client {
 #[pymethods]
 impl Client {
     #[new]
-    #[pyo3(signature = (url = Urls::One("http://127.0.0.1:8000".into()), api_key = None, timeout = 600.0, retries = 8))]
+    #[pyo3(
+        signature = (url = Urls::One("http://127.0.0.1:8000".into()), api_key = None, timeout = 600.0, retries = 8),
+        text_signature = "(url='http://127.0.0.1:8000', api_key=None, timeout=600.0, retries=8)"
+    )]
     fn new(
         py: Python<'_>,
         url: Urls,

@@ -255,11 +255,20 @@ def test_kld_eval_equals_the_clis_report(client, server, tmp_path):
     jsonl = tmp_path / "docs.jsonl"
     jsonl.write_text("".join(json.dumps({"text": t}) + "\n" for t in TEXTS))
     out = tmp_path / "cli.json"
-    cli("kld", "--server", server.url, "--api-key", API_KEY, "--dataset", str(jsonl),
-        "--ctx", "32", "--stride", "16", "--no-progress", "--json", str(out))
+    args = ["kld", "--server", server.url, "--api-key", API_KEY, "--dataset", str(jsonl),
+            "--ctx", "32", "--stride", "16", "--no-progress"]
+    cli(*args, "--per-token", "--json", str(out))
     theirs = json.loads(out.read_text())
     ours = client.kld_eval(jsonl, **RUN)
     assert without_timings(ours.to_dict()) == without_timings(theirs)
+    # Without --per-token the CLI's report keeps the statistics and the histogram, not each
+    # token's KLD.
+    compact = tmp_path / "compact.json"
+    cli(*args, "--json", str(compact))
+    small = json.loads(compact.read_text())
+    assert small["kld"] == theirs["kld"] and small["kld"]["histogram"]
+    assert all(w["kld"]["kld"] == [] for w in small["per_window"])
+    assert compact.stat().st_size < out.stat().st_size
     assert ours.kld["mean_kld"] > 0 and "mean_kld" in repr(ours)
 
 
@@ -398,8 +407,8 @@ def test_jupyter_counts_as_seen(monkeypatch):
 
 def test_help_reads_well():
     text = pydoc.render_doc(exactscore.Client, renderer=pydoc.plaintext)
-    assert "Client(url, api_key=None, timeout=600.0, retries=8)" in text
-    assert "ppl(self, dataset='wikitext2', *, method='exl3', ctx=2048, stride=512, concurrency=8" in text
+    assert "Client(url='http://127.0.0.1:8000', api_key=None, timeout=600.0, retries=8)" in text
+    assert "ppl(self, dataset='wikitext2', *, method='exl3', ctx=2048, stride=512, concurrency=4" in text
     assert "score(self, input, /, *, top_k=0, add_special_tokens=True)" in text
     for method in ("info", "score", "kld", "ppl", "kld_eval"):
         assert getattr(exactscore.Client, method).__doc__, method
