@@ -9,8 +9,11 @@
 # maturin cannot put a crate's binary and its Python extension module into one wheel, so cargo
 # builds the CLI first and the wheel carries it as data: exactscore.data/scripts/ is installed
 # into the environment's bin/ (on PATH), exactscore.data/data/share/exactscore/ into its share/,
-# where the CLI and the Python module look for `wikitext2`. MATURIN (default: `maturin` on PATH)
-# is maturin from PyPI (>= 1.16).
+# where the CLI and the Python module look for `wikitext2`. maturin comes from PyPI, pinned in
+# scripts/requirements-wheel.txt, into a venv of its own under the target directory (made once,
+# reused while the pin is unchanged); MATURIN=/path/to/maturin uses another one instead.
+#
+#   pip install "$(scripts/build_wheel.sh)"     # the CLI on PATH and the Python module
 set -euo pipefail
 cd "$(dirname "$0")/.."
 profile=release
@@ -22,6 +25,19 @@ esac
 mkdir -p "${CARGO_TARGET_DIR:-target}"
 target="$(cd "${CARGO_TARGET_DIR:-target}" && pwd)"
 profile_flags=(--profile "$profile")
+
+if [ -z "${MATURIN:-}" ]; then
+  tools="$target/maturin-venv"
+  pins=scripts/requirements-wheel.txt
+  if ! cmp -s "$pins" "$tools/requirements-wheel.txt"; then
+    echo "installing the wheel tools of $pins into $tools" >&2
+    rm -rf "$tools"
+    python3 -m venv "$tools"
+    "$tools/bin/pip" install -q -r "$pins" >&2
+    cp "$pins" "$tools/requirements-wheel.txt"
+  fi
+  MATURIN="$tools/bin/maturin"
+fi
 
 # Selecting exactscore-python too gives the CLI's dependencies the features the extension's get:
 # maturin's build below then reuses them instead of compiling them a second time.
@@ -37,6 +53,6 @@ cp tests/fixtures/corpus/wikitext-2-raw-test.txt.gz "$data/data/share/exactscore
 
 out="$target/wheels"
 rm -f "$out"/exactscore-*.whl
-"${MATURIN:-maturin}" build --quiet "${profile_flags[@]}" --locked \
+"$MATURIN" build --quiet "${profile_flags[@]}" --locked \
   --manifest-path python/Cargo.toml --out "$out" >&2
 ls "$out"/exactscore-*.whl

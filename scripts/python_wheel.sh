@@ -2,8 +2,9 @@
 # CI step for the Python wheel: builds it with maturin from PyPI (scripts/build_wheel.sh
 # --profile wheel-ci), installs it into a fresh venv, checks that `exactscore --help` runs from
 # PATH, and runs python/tests (pytest) against the debug server binary (`cargo test` builds it;
-# EXACTSCORE_SERVER_BIN to use another) on the bundled tiny model. maturin lives in a venv of its
-# own under target/ and is reused when its version matches; the test venv is made anew every run.
+# EXACTSCORE_SERVER_BIN to use another) on the bundled tiny model, among them one `Client.diff`
+# and one `exactscore.compare` against a server with a reference model. build_wheel.sh installs
+# its own maturin (scripts/requirements-wheel.txt); the test venv is made anew every run.
 #
 # Cost on a fresh target/ (as in CI): 407 s user + 29 s system CPU, of which the build (profile
 # wheel-ci: the extension's dependencies compiled once more, see Cargo.toml) is nearly all;
@@ -12,14 +13,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 mkdir -p "${CARGO_TARGET_DIR:-target}"
 target="$(cd "${CARGO_TARGET_DIR:-target}" && pwd)"
-maturin_version=1.16.0
-tools="$target/maturin-venv"
-if [ "$("$tools/bin/maturin" --version 2>/dev/null)" != "maturin $maturin_version" ]; then
-  python3 -m venv "$tools"
-  "$tools/bin/pip" install -q "maturin==$maturin_version"
-fi
 start=$(date +%s)
-wheel="$(MATURIN="$tools/bin/maturin" bash scripts/build_wheel.sh --profile wheel-ci)"
+wheel="$(bash scripts/build_wheel.sh --profile wheel-ci)"
 built=$(date +%s)
 
 venv="$target/wheel-test-venv"

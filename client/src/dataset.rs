@@ -54,6 +54,11 @@ pub enum DatasetError {
     WikitextMissing { tried: String },
     #[error("{0}: unknown dataset type (expected wikitext2, .txt, .txt.gz, .jsonl or .parquet)")]
     UnknownKind(String),
+    #[error(
+        "{0}: a directory, not a dataset file: give one .txt, .txt.gz, .jsonl or .parquet file \
+         (join the files first), or wikitext2"
+    )]
+    Directory(PathBuf),
 }
 
 /// What to load.
@@ -73,6 +78,9 @@ impl DatasetSpec {
     pub fn parse(s: &str) -> Result<Self, DatasetError> {
         let lower = s.to_ascii_lowercase();
         let p = PathBuf::from(s);
+        if p.is_dir() {
+            return Err(DatasetError::Directory(p));
+        }
         Ok(if lower == "wikitext2" || lower == "wikitext-2" {
             DatasetSpec::Wikitext2
         } else if lower.ends_with(".txt.gz") {
@@ -86,6 +94,17 @@ impl DatasetSpec {
         } else {
             return Err(DatasetError::UnknownKind(s.to_string()));
         })
+    }
+
+    /// The file it is read from, if any.
+    pub fn path(&self) -> Option<&Path> {
+        match self {
+            DatasetSpec::Txt(p)
+            | DatasetSpec::TxtGz(p)
+            | DatasetSpec::Jsonl(p)
+            | DatasetSpec::Parquet(p) => Some(p),
+            DatasetSpec::Wikitext2 | DatasetSpec::Texts(_) => None,
+        }
     }
 
     pub fn name(&self) -> String {
@@ -298,6 +317,9 @@ fn parquet_text(path: &Path, column: &str) -> Result<(String, usize), DatasetErr
 /// Load a dataset into one text.
 pub fn load(spec: &DatasetSpec, opts: &DatasetOptions) -> Result<Dataset, DatasetError> {
     let field = opts.field.as_deref().unwrap_or("text");
+    if let Some(p) = spec.path().filter(|p| p.is_dir()) {
+        return Err(DatasetError::Directory(p.to_path_buf()));
+    }
     let (text, documents) = match spec {
         DatasetSpec::Wikitext2 => {
             let p = resolve_wikitext(opts)?;

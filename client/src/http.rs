@@ -2,11 +2,15 @@
 //!
 //! Retries (jittered exponential backoff, `Retry-After` honoured) happen on 429, 502, 503, 504
 //! and on connection errors (the request never reached the server), except a 504 of the
-//! server's own time limit (kind `timeout`), which the same request would hit again. Any other 4xx — notably a 422
+//! server's own time limit (kind `timeout`), which the same request would hit again, and a 503
+//! `out_of_memory` (the sequence did not fit even alone). The first request to a server that
+//! finds nothing listening fails at once ([`ClientError::NoServer`]). Any other 4xx — notably a 422
 //! validation error — is returned at once as [`ClientError::Api`] carrying the server's
 //! [`ErrorBody`]; 401/403 become [`ClientError::Unauthorized`].
 
 use std::net::SocketAddr;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
 use std::time::Duration;
 
 use exactscore_api::{
@@ -35,6 +39,14 @@ pub enum ClientError {
     },
     #[error("{url}: cannot connect: {message}")]
     Connect { url: String, message: String },
+    /// The first request to a server found nothing listening: not retried, since a server
+    /// that never answered is more likely absent than restarting.
+    #[error(
+        "{url}: no server answers there ({message}). Start one on the bundled tiny model with \
+         `cargo run --release -p exactscore-server`, or point the client at a running server \
+         (--server URL)"
+    )]
+    NoServer { url: String, message: String },
     #[error("{url}: request timed out after {timeout:?}")]
     Timeout { url: String, timeout: Duration },
     #[error("{url}: {message}")]
@@ -52,6 +64,8 @@ pub enum ClientError {
     },
     #[error("invalid server URL {0:?}")]
     BadUrl(String),
+    #[error("the API key (--api-key / EXACTSCORE_API_KEY) {0}")]
+    BadKey(String),
 }
 
 fn field_suffix(body: &ErrorBody) -> String {
@@ -156,6 +170,9 @@ pub struct Client {
     http: reqwest::Client,
     base: String,
     config: ClientConfig,
+    /// Whether any request of this client (or a clone) got an answer: until one did, a refused
+    /// connection fails at once ([`ClientError::NoServer`]) instead of being retried.
+    reached: Arc<AtomicBool>,
 }
 
 enum Attempt<T> {
@@ -187,7 +204,30 @@ impl Client {
             url: base.clone(),
             message: e.to_string(),
         })?;
-        Ok(Self { http, base, config })
+        if config
+            .api_key
+            .as_deref()
+            .is_some_and(|k| k.trim() != k || k.is_empty())
+        {
+            return Err(ClientError::BadKey(
+                "has leading or trailing white space (a newline from a file?) or is empty: \
+                 strip it"
+                    .into(),
+            ));
+        }
+        if let Some(k) = config.api_key.as_deref() {
+            if let Err(e) = reqwest::header::HeaderValue::from_str(&format!("Bearer {k}")) {
+                return Err(ClientError::BadKey(format!(
+                    "cannot be sent in an HTTP header: {e}"
+                )));
+            }
+        }
+        Ok(Self {
+            http,
+            base,
+            config,
+            reached: Arc::new(AtomicBool::new(false)),
+        })
     }
 
     /// Base URL without a trailing slash.
@@ -415,6 +455,7 @@ impl Client {
             Ok(r) => r,
             Err(e) => return self.transport_error(url, e),
         };
+        self.reached.store(true, Ordering::Relaxed);
         let status = resp.status();
         let retry_after = resp
             .headers()
@@ -449,6 +490,9 @@ impl Client {
         // The server's own time limit (504 `timeout`): the same request would run as long
         // again, so it is not retried (a 504 from a proxy in between still is).
         let own_time_limit = status == StatusCode::GATEWAY_TIMEOUT && body.kind == "timeout";
+        // A 503 `out_of_memory` is sent only once the sequence failed in a batch of its own:
+        // the same sequence would fail again.
+        let cannot_fit = status == StatusCode::SERVICE_UNAVAILABLE && body.kind == "out_of_memory";
         let err = if status == StatusCode::UNAUTHORIZED || status == StatusCode::FORBIDDEN {
             ClientError::Unauthorized {
                 url: url.to_string(),
@@ -464,6 +508,7 @@ impl Client {
         };
         match status.as_u16() {
             504 if own_time_limit => Attempt::Fail(err),
+            503 if cannot_fit => Attempt::Fail(err),
             429 | 502 | 503 | 504 => Attempt::Retry(err, retry_after),
             _ => Attempt::Fail(err),
         }
@@ -475,6 +520,11 @@ impl Client {
             Attempt::Fail(ClientError::Timeout {
                 url: url.to_string(),
                 timeout: self.config.timeout,
+            })
+        } else if e.is_connect() && !self.reached.load(Ordering::Relaxed) {
+            Attempt::Fail(ClientError::NoServer {
+                url: self.label(),
+                message: root_cause(&e),
             })
         } else if e.is_connect() {
             Attempt::Retry(
@@ -496,6 +546,15 @@ impl Client {
             )
         }
     }
+}
+
+/// The innermost cause of `e` (`Connection refused (os error 111)`), on one line.
+fn root_cause(e: &dyn std::error::Error) -> String {
+    let mut cur = e;
+    while let Some(c) = cur.source() {
+        cur = c;
+    }
+    cur.to_string().replace('\n', " ")
 }
 
 /// `e: cause: cause` on one line.

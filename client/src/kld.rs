@@ -106,6 +106,12 @@ pub struct KldStats {
     /// KLD by the reference's confidence.
     #[serde(default)]
     pub confidence_buckets: Vec<KldBucket>,
+    /// The per-token KLD histogram: percent of the tokens per log-spaced bin, from
+    /// [`crate::plot::KLD_FLOOR`] up, [`crate::plot::BINS_PER_DECADE`] bins per decade (what
+    /// `compare --plot` draws when a report keeps no per-token values). Absent from older
+    /// reports.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub histogram: Vec<f64>,
 }
 
 /// Standard error of a mean from the sums of the values and of their squares.
@@ -156,6 +162,10 @@ impl KldStats {
         }
         let n = kld.len();
         let nf = n as f64;
+        let histogram = crate::plot::kld_histogram(&kld)
+            .into_iter()
+            .map(|(_, share)| share)
+            .collect();
         let sum: f64 = kld.iter().sum();
         let sum_squares: f64 = kld.iter().map(|k| k * k).sum();
         kld.sort_by(f64::total_cmp);
@@ -206,6 +216,7 @@ impl KldStats {
             mean_reverse_kld_stderr: stderr_of_mean(reverse, reverse2, n),
             top_k_agreement: agreement.iter().map(|&a| a as f64 / nf).collect(),
             confidence_buckets,
+            histogram,
         }
     }
 }

@@ -4,11 +4,14 @@
 //! one endpoint per address of a server name ([`resolve`]), reports ([`report`]), the
 //! per-layer comparison of `exactscore diff` ([`diff`]) and plots ([`plot`]).
 
+pub mod compare;
 pub mod dataset;
 pub mod diff;
+pub mod fingerprint;
 pub mod http;
 pub mod kld;
 pub mod plot;
+pub mod progress;
 pub mod report;
 pub mod resolve;
 pub mod runner;

@@ -12,8 +12,8 @@ use exactscore_client::dataset::{DatasetOptions, DatasetSpec};
 use exactscore_client::term::{self, ColorChoice};
 use exactscore_client::tokenize::TokenizeMode;
 use exactscore_client::{
-    plot, run_diff, run_ppl, Client, ClientConfig, DiffConfig, DiffReport, Method, PplConfig,
-    PplError, Report, RetryPolicy, Task,
+    compare, plot, run_diff, run_ppl, Client, ClientConfig, DiffConfig, DiffReport, Method,
+    PplConfig, PplError, Report, RetryPolicy, Task,
 };
 
 #[derive(Parser)]
@@ -46,13 +46,13 @@ enum Command {
 #[derive(Args)]
 struct ConnArgs {
     /// Server base URL.
-    #[arg(long, env = "EXACTSCORE_SERVER")]
+    #[arg(long, env = "EXACTSCORE_SERVER", default_value = DEFAULT_SERVER)]
     server: String,
     /// Bearer API key.
     #[arg(long, env = "EXACTSCORE_API_KEY", hide_env_values = true)]
     api_key: Option<String>,
-    /// Per-request timeout, seconds.
-    #[arg(long, default_value_t = 600)]
+    /// Per-request timeout, seconds (at least 1).
+    #[arg(long, default_value_t = 600, value_parser = seconds)]
     timeout: u64,
 }
 
@@ -62,9 +62,9 @@ struct PplArgs {
     /// every address it resolves to (e.g. a Kubernetes headless Service: one per pod).
     #[arg(
         long = "server",
-        required = true,
         env = "EXACTSCORE_SERVER",
-        value_delimiter = ','
+        value_delimiter = ',',
+        default_value = DEFAULT_SERVER
     )]
     servers: Vec<String>,
     #[arg(long, env = "EXACTSCORE_API_KEY", hide_env_values = true)]
@@ -104,15 +104,22 @@ struct PplArgs {
     /// Write the report as JSON here.
     #[arg(long)]
     json: Option<PathBuf>,
-    /// Per-request timeout, seconds.
-    #[arg(long, default_value_t = 600)]
+    /// Per-request timeout, seconds (at least 1).
+    #[arg(long, default_value_t = 600, value_parser = seconds)]
     timeout: u64,
     /// Retries of a request on 429/503/connection errors.
     #[arg(long, default_value_t = 8)]
     retries: u32,
-    /// No progress bar.
+    /// `kld --json`: keep every token's KLD in the report (large: ~100 MB for WikiText-2); by
+    /// default the report keeps the statistics and a histogram only.
+    #[arg(long)]
+    per_token: bool,
+    /// No progress bar (and no progress lines).
     #[arg(long)]
     no_progress: bool,
+    /// When stderr is not a terminal (a log file, nohup): seconds between two progress lines.
+    #[arg(long, default_value_t = 10)]
+    progress_every: u64,
 }
 
 #[derive(Args)]
@@ -128,8 +135,9 @@ struct KldArgs {
 
 #[derive(Args)]
 struct DiffArgs {
-    /// Server base URL; its `--reference-model` is the reference.
-    #[arg(long, env = "EXACTSCORE_SERVER", required_unless_present = "from")]
+    /// Server base URL; its `--reference-model` is the reference [default:
+    /// http://127.0.0.1:8000 unless --from is given].
+    #[arg(long, env = "EXACTSCORE_SERVER")]
     server: Option<String>,
     #[arg(long, env = "EXACTSCORE_API_KEY", hide_env_values = true)]
     api_key: Option<String>,
@@ -177,8 +185,8 @@ struct DiffArgs {
     /// Reports of earlier `exactscore diff --json` runs: printed, and drawn with --plot.
     #[arg(long)]
     from: Vec<PathBuf>,
-    /// Time limit of the request, seconds.
-    #[arg(long, default_value_t = 3600)]
+    /// Time limit of the request, seconds (at least 1).
+    #[arg(long, default_value_t = 3600, value_parser = seconds)]
     timeout: u64,
 }
 
@@ -190,6 +198,10 @@ struct CompareArgs {
     /// Write a plot (`.png` or `.svg`).
     #[arg(long)]
     plot: Option<PathBuf>,
+    /// Show reports whose dataset, tokenizer, method, ctx, stride or window count differ from
+    /// the first report's, each marked with what differs (refused without this flag).
+    #[arg(long)]
+    allow_mismatch: bool,
 }
 
 #[derive(Args)]
@@ -208,6 +220,35 @@ struct ScoreArgs {
     /// Colour surprising tokens (`auto`: on a terminal, unless NO_COLOR is set).
     #[arg(long, value_enum, default_value_t = ColorChoice::Auto)]
     color: ColorChoice,
+}
+
+/// Where the client looks for a server unless told otherwise: what
+/// `cargo run --release -p exactscore-server` listens on.
+const DEFAULT_SERVER: &str = "http://127.0.0.1:8000";
+
+/// A time limit in whole seconds, at least 1.
+fn seconds(s: &str) -> Result<u64, String> {
+    match s.parse::<u64>() {
+        Ok(0) => Err("0 would fail every request at once: give at least 1 (seconds)".into()),
+        Ok(v) => Ok(v),
+        Err(e) => Err(format!("{e}: expected whole seconds, e.g. 600")),
+    }
+}
+
+/// `println!` that returns an error instead of panicking when stdout is closed (`| head`).
+macro_rules! outln {
+    ($($arg:tt)*) => {{
+        use std::io::Write as _;
+        writeln!(std::io::stdout().lock(), $($arg)*)?
+    }};
+}
+
+/// `print!` that returns an error instead of panicking when stdout is closed.
+macro_rules! out {
+    ($($arg:tt)*) => {{
+        use std::io::Write as _;
+        write!(std::io::stdout().lock(), $($arg)*)?
+    }};
 }
 
 fn client(conn: &ConnArgs) -> anyhow::Result<Client> {
@@ -239,6 +280,7 @@ async fn ppl(args: PplArgs, task: Task, noise_floor_server: Option<String>) -> a
     cfg.output = args.output;
     cfg.resume = args.resume;
     cfg.progress = !args.no_progress;
+    cfg.progress_every = Duration::from_secs(args.progress_every);
     cfg.timeout = Duration::from_secs(args.timeout);
     cfg.retry = RetryPolicy {
         max_retries: args.retries,
@@ -255,8 +297,12 @@ async fn ppl(args: PplArgs, task: Task, noise_floor_server: Option<String>) -> a
         }
     });
     let report = run_ppl(cfg).await?;
-    print!("{}", report.to_table());
+    out!("{}", report.to_table());
     if let Some(path) = args.json {
+        let report = match args.per_token {
+            true => report,
+            false => report.without_per_token(),
+        };
         let s = serde_json::to_string_pretty(&report)?;
         std::fs::write(&path, s).with_context(|| format!("writing {}", path.display()))?;
     }
@@ -264,102 +310,20 @@ async fn ppl(args: PplArgs, task: Task, noise_floor_server: Option<String>) -> a
 }
 
 fn compare(args: CompareArgs) -> anyhow::Result<()> {
-    let mut reports = vec![];
+    args.plot.as_deref().map(plot::check_path).transpose()?;
+    let mut loaded = vec![];
     for p in &args.reports {
-        let s = std::fs::read_to_string(p).with_context(|| format!("reading {}", p.display()))?;
-        let r: Report =
-            serde_json::from_str(&s).with_context(|| format!("{}: not a report", p.display()))?;
-        let stem = p
-            .file_stem()
-            .map(|s| s.to_string_lossy().into_owned())
-            .unwrap_or_default();
-        let model = r.server_info.as_ref().map(|i| i.model.clone());
-        reports.push((model, stem, r));
+        let stem = p.file_stem().map(|s| s.to_string_lossy().into_owned());
+        loaded.push((stem.unwrap_or_default(), Report::from_path(p)?));
     }
-    // Label by model; where several reports share a model, add the file name.
-    let reports: Vec<(String, Report)> = {
-        let models: Vec<Option<String>> = reports.iter().map(|(m, _, _)| m.clone()).collect();
-        reports
-            .into_iter()
-            .map(|(m, stem, r)| {
-                let label = match m {
-                    Some(m) if models.iter().filter(|x| x.as_ref() == Some(&m)).count() == 1 => m,
-                    Some(m) => format!("{m} [{stem}]"),
-                    None => stem,
-                };
-                (label, r)
-            })
-            .collect()
-    };
-    let header = [
-        "model",
-        "bpw",
-        "method",
-        "ctx",
-        "windows",
-        "tokens",
-        "ppl",
-        "± se",
-        "bits/byte",
-        "mean KLD",
-        "same top %",
-    ];
-    let rows: Vec<[String; 11]> = reports
+    let mut reports = compare::labelled(loaded);
+    let names: Vec<String> = args
+        .reports
         .iter()
-        .map(|(label, r)| {
-            [
-                label.clone(),
-                r.server_info
-                    .as_ref()
-                    .map(|i| format!("{:.3}", i.bits_per_weight))
-                    .unwrap_or_else(|| "?".into()),
-                r.method.to_string(),
-                r.ctx.to_string(),
-                r.stats.windows.to_string(),
-                r.stats.tokens_scored.to_string(),
-                format!("{:.4}", r.stats.perplexity),
-                r.stats
-                    .perplexity_stderr
-                    .map(|s| format!("{s:.4}"))
-                    .unwrap_or_else(|| "n/a".into()),
-                format!("{:.4}", r.bits_per_byte),
-                r.kld
-                    .as_ref()
-                    .map_or("-".into(), |k| format!("{:.6}", k.mean_kld)),
-                r.kld
-                    .as_ref()
-                    .map_or("-".into(), |k| format!("{:.2}", 100.0 * k.same_top)),
-            ]
-        })
+        .map(|p| p.display().to_string())
         .collect();
-    let widths: Vec<usize> = (0..header.len())
-        .map(|c| {
-            rows.iter()
-                .map(|r| r[c].chars().count())
-                .chain([header[c].len()])
-                .max()
-                .unwrap_or(0)
-        })
-        .collect();
-    let line = |cells: Vec<&str>| {
-        cells
-            .iter()
-            .zip(&widths)
-            .enumerate()
-            .map(|(i, (c, w))| {
-                if i == 0 {
-                    format!("{c:<w$}")
-                } else {
-                    format!("{c:>w$}")
-                }
-            })
-            .collect::<Vec<_>>()
-            .join("  ")
-    };
-    println!("{}", line(header.to_vec()));
-    for r in &rows {
-        println!("{}", line(r.iter().map(String::as_str).collect()));
-    }
+    compare::check(&mut reports, &names, args.allow_mismatch).map_err(anyhow::Error::msg)?;
+    out!("{}", compare::table(&reports));
     if let Some(p) = args.plot {
         plot::plot(&reports, &p)?;
         eprintln!("wrote {}", p.display());
@@ -377,6 +341,7 @@ fn layer_range(s: &str) -> anyhow::Result<Vec<i64>> {
 }
 
 async fn diff(args: DiffArgs) -> anyhow::Result<()> {
+    args.plot.as_deref().map(plot::check_path).transpose()?;
     let mut reports: Vec<(String, DiffReport)> = Vec::new();
     for p in &args.from {
         let s = std::fs::read_to_string(p).with_context(|| format!("reading {}", p.display()))?;
@@ -385,7 +350,11 @@ async fn diff(args: DiffArgs) -> anyhow::Result<()> {
         let label = r.label();
         reports.push((label, r));
     }
-    if let Some(server) = args.server {
+    let server = match (args.server, args.from.is_empty()) {
+        (None, true) => Some(DEFAULT_SERVER.to_string()),
+        (server, _) => server,
+    };
+    if let Some(server) = server {
         let mut cfg = DiffConfig::new(server, DatasetSpec::parse(&args.dataset)?);
         cfg.api_key = args.api_key;
         cfg.dataset_options = DatasetOptions {
@@ -418,9 +387,9 @@ async fn diff(args: DiffArgs) -> anyhow::Result<()> {
     }
     for (i, (_, r)) in reports.iter().enumerate() {
         if i > 0 {
-            println!();
+            outln!();
         }
-        print!("{}", r.to_table(args.top));
+        out!("{}", r.to_table(args.top));
     }
     if let Some(p) = args.plot {
         plot::plot_diff(&reports, &p)?;
@@ -453,7 +422,7 @@ async fn score(args: ScoreArgs) -> anyhow::Result<()> {
     let strings = seq.token_strings.clone().unwrap_or_default();
     let lps = seq.token_logprobs.clone().unwrap_or_default();
     let greedy = seq.greedy.clone().unwrap_or_default();
-    println!(
+    outln!(
         "{:>5}  {:>7}  {:<20}  {:>9}  {:>8}  greedy{}",
         "pos",
         "id",
@@ -502,7 +471,7 @@ async fn score(args: ScoreArgs) -> anyhow::Result<()> {
             Some(col) => (term::paint(&tok, col, on), term::paint(&lp, col, on)),
             None => (term::paint(&tok, term::Color::Dim, on), lp),
         };
-        println!(
+        outln!(
             "{i:>5}  {id:>7}  {tok}  {lp}  {prob}  {g:>6}{}",
             if top.is_empty() {
                 String::new()
@@ -512,13 +481,13 @@ async fn score(args: ScoreArgs) -> anyhow::Result<()> {
         );
     }
     match (seq.mean_nll, seq.perplexity) {
-        (Some(m), Some(p)) => println!(
+        (Some(m), Some(p)) => outln!(
             "{} tokens, {} scored: sum NLL {:.4}, mean NLL {m:.4}, perplexity {p:.4}",
             seq.tokens.len(),
             seq.num_scored,
             seq.sum_nll
         ),
-        _ => println!("{} tokens, nothing scored", seq.tokens.len()),
+        _ => outln!("{} tokens, nothing scored", seq.tokens.len()),
     }
     Ok(())
 }
@@ -532,7 +501,7 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Score(a) => score(a).await,
         Command::Info(a) => {
             let info = client(&a)?.info().await?;
-            println!("{}", serde_json::to_string_pretty(&info)?);
+            outln!("{}", serde_json::to_string_pretty(&info)?);
             Ok(())
         }
     }
@@ -552,12 +521,38 @@ fn main() -> ExitCode {
     };
     match rt.block_on(run(cli)) {
         Ok(()) => ExitCode::SUCCESS,
+        // The reader went away (`exactscore info | head`): nothing left to say.
+        Err(e) if is_broken_pipe(&e) => ExitCode::SUCCESS,
         Err(e) => {
-            eprintln!("error: {}", format!("{e:#}").replace('\n', " "));
+            eprintln!("error: {}", one_line(&e));
             match e.downcast_ref::<PplError>() {
                 Some(PplError::Interrupted { .. }) => ExitCode::from(130),
                 _ => ExitCode::FAILURE,
             }
         }
     }
+}
+
+fn is_broken_pipe(e: &anyhow::Error) -> bool {
+    e.chain().any(|c| {
+        c.downcast_ref::<std::io::Error>()
+            .is_some_and(|io| io.kind() == std::io::ErrorKind::BrokenPipe)
+    })
+}
+
+/// The error and its causes on one line, a cause whose text is already shown left out (an
+/// error that prints its source would otherwise show the OS error twice).
+fn one_line(e: &anyhow::Error) -> String {
+    let mut s = String::new();
+    for c in e.chain() {
+        let t = c.to_string();
+        if s.contains(&t) {
+            continue;
+        }
+        if !s.is_empty() {
+            s.push_str(": ");
+        }
+        s.push_str(&t);
+    }
+    s.replace('\n', " ")
 }

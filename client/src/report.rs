@@ -140,9 +140,108 @@ pub const STDERR_METHOD: &str =
     "per-window ratio estimator: SE(mean_nll) = sqrt(W/(W-1) * sum_j (s_j - mean_nll*c_j)^2) / C; \
      SE(ppl) = ppl * SE(mean_nll)";
 
+/// A standard error with `digits` decimals, or two significant digits where those decimals
+/// would show only zeros (`± 3.1e-8`, never `± 0.000000`).
 fn fmt_opt(v: Option<f64>, digits: usize) -> String {
-    v.map(|v| format!("{v:.digits$}"))
-        .unwrap_or_else(|| "n/a".into())
+    match v {
+        None => "n/a".into(),
+        Some(v) if v != 0.0 && v.abs() < 0.5 * 10f64.powi(-(digits as i32)) => format!("{v:.1e}"),
+        Some(v) => format!("{v:.digits$}"),
+    }
+}
+
+/// Why a file cannot be read as a report.
+#[derive(Debug, thiserror::Error)]
+#[error("{path}: {message}")]
+pub struct ReportFileError {
+    pub path: String,
+    pub message: String,
+}
+
+impl Report {
+    /// Reads a report that `exactscore ppl/kld --json` wrote, telling apart the files that are
+    /// often given instead: a partial file of a run (`--output`) and an `exactscore diff` report.
+    pub fn from_path(path: &std::path::Path) -> Result<Report, ReportFileError> {
+        let err = |message: String| ReportFileError {
+            path: path.display().to_string(),
+            message,
+        };
+        let text =
+            std::fs::read_to_string(path).map_err(|e| err(format!("cannot read it: {e}")))?;
+        Report::from_json_text(&text).map_err(err)
+    }
+
+    /// [`Report::from_path`] on a text already read.
+    pub fn from_json_text(text: &str) -> Result<Report, String> {
+        if text.trim_start().starts_with("{\"exactscore_partial\"") {
+            return Err(
+                "a partial file of a run (--output), not a report: finish the run \
+                        with --resume and --json REPORT.json, then use REPORT.json"
+                    .into(),
+            );
+        }
+        let v: serde_json::Value =
+            serde_json::from_str(text).map_err(|e| format!("not JSON ({e})"))?;
+        if v.get("layers").is_some() && v.get("per_window").is_none() {
+            return Err(
+                "an `exactscore diff` report: show or plot it with `exactscore diff \
+                        --from FILE`; compare takes `exactscore ppl` and `kld` --json reports"
+                    .into(),
+            );
+        }
+        serde_json::from_value(v)
+            .map_err(|e| format!("not an `exactscore ppl` or `kld` --json report ({e})"))
+    }
+
+    /// The report without its per-token values (each window's `kld` and `reference_top_p`):
+    /// what `exactscore kld --json` writes unless `--per-token` (a WikiText-2 run's per-token
+    /// values are ~100 MB of JSON). Every statistic, the histogram included, stays.
+    pub fn without_per_token(&self) -> Report {
+        let mut r = self.clone();
+        for w in &mut r.per_window {
+            if let Some(k) = w.kld.as_mut() {
+                k.kld = Vec::new();
+                k.reference_top_p = Vec::new();
+            }
+        }
+        r
+    }
+
+    /// How this report differs from `first` in what makes their numbers comparable: dataset,
+    /// tokens (the tokenizer), method, ctx, stride and windows. Empty when comparable.
+    pub fn mismatches(&self, first: &Report) -> Vec<String> {
+        let mut d = vec![];
+        let mut cmp = |name: &str, a: String, b: String| {
+            if a != b {
+                d.push(format!("{name} {a} vs {b}"));
+            }
+        };
+        cmp(
+            "dataset",
+            self.dataset.name.clone() + " " + &short(&self.dataset.sha256),
+            first.dataset.name.clone() + " " + &short(&first.dataset.sha256),
+        );
+        // The same text tokenized for the same method (rolling adds no BOS) gives the same
+        // tokens unless the tokenizers differ.
+        let (a, b) = (&self.dataset.tokens_sha256, &first.dataset.tokens_sha256);
+        let same_input = self.dataset.sha256 == first.dataset.sha256 && self.method == first.method;
+        if same_input && !a.is_empty() && !b.is_empty() {
+            cmp("tokens (tokenizer)", short(a), short(b));
+        }
+        cmp("method", self.method.to_string(), first.method.to_string());
+        cmp("ctx", self.ctx.to_string(), first.ctx.to_string());
+        cmp("stride", self.stride.to_string(), first.stride.to_string());
+        cmp(
+            "windows",
+            self.stats.windows.to_string(),
+            first.stats.windows.to_string(),
+        );
+        d
+    }
+}
+
+fn short(sha: &str) -> String {
+    format!("sha256 {}", &sha[..sha.len().min(12)])
 }
 
 impl Report {
@@ -387,6 +486,14 @@ mod tests {
         let expected = 1.0 / 3f64.sqrt();
         assert!((s.mean_nll_stderr.unwrap() - expected).abs() < 1e-12);
         assert!((s.perplexity_stderr.unwrap() - expected * 2f64.exp()).abs() < 1e-9);
+    }
+
+    #[test]
+    fn a_tiny_standard_error_keeps_its_digits() {
+        assert_eq!(fmt_opt(Some(3.14e-8), 6), "3.1e-8");
+        assert_eq!(fmt_opt(Some(0.00123), 6), "0.001230");
+        assert_eq!(fmt_opt(Some(0.0), 6), "0.000000");
+        assert_eq!(fmt_opt(None, 6), "n/a");
     }
 
     #[test]

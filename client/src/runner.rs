@@ -18,8 +18,10 @@ use exactscore_api::ModelInfo;
 use serde::{Deserialize, Serialize};
 
 use crate::dataset::{self, DatasetError, DatasetOptions, DatasetSpec};
+use crate::fingerprint::{self, Fingerprint};
 use crate::http::{Client, ClientConfig, ClientError, RetryPolicy};
 use crate::kld::{KldStats, KldWindow};
+use crate::progress::{ProgressConfig, Reporter, Running};
 use crate::report::{DatasetSummary, NoiseFloor, Report, Stats, WindowResult, STDERR_METHOD};
 use crate::resolve::{self, Resolve, SystemResolver};
 use crate::tokenize::{self, TokenizeError, TokenizeMode};
@@ -57,7 +59,9 @@ pub struct PplConfig {
     /// Partial results file (JSON lines).
     pub output: Option<PathBuf>,
     pub resume: bool,
+    /// Show progress: a bar on a terminal, else a plain line every `progress_every`.
     pub progress: bool,
+    pub progress_every: Duration,
     pub timeout: Duration,
     pub retry: RetryPolicy,
     /// Stop dispatching once this many windows finished in this run (tests simulate an
@@ -113,6 +117,7 @@ impl PplConfig {
             output: None,
             resume: false,
             progress: false,
+            progress_every: Duration::from_secs(10),
             timeout: Duration::from_secs(600),
             retry: RetryPolicy::default(),
             stop_after: None,
@@ -135,7 +140,7 @@ pub enum PplError {
     Tokenize(#[from] TokenizeError),
     #[error("{0}")]
     Config(String),
-    #[error("servers serve different models: {0}")]
+    #[error("the servers of one run must be configured alike: {0}")]
     ServerMismatch(String),
     #[error("{url}: bad score response for window {window}: {message}")]
     BadResponse {
@@ -145,6 +150,13 @@ pub enum PplError {
     },
     #[error("partial file {path}: {message}")]
     Partial { path: PathBuf, message: String },
+    #[error("{source}; {done}/{total} windows finished{}", resume_hint(.output))]
+    Failed {
+        source: Box<PplError>,
+        done: usize,
+        total: usize,
+        output: Option<PathBuf>,
+    },
     #[error("interrupted after {done}/{total} windows{}", resume_hint(.output))]
     Interrupted {
         done: usize,
@@ -156,10 +168,10 @@ pub enum PplError {
 fn resume_hint(output: &Option<PathBuf>) -> String {
     match output {
         Some(p) => format!(
-            "; finished windows are in {}: rerun with --resume",
+            "; they are in {}: rerun the same command with --resume to continue",
             p.display()
         ),
-        None => "; pass --output to make runs resumable".into(),
+        None => "; pass --output FILE to make a run resumable (then --resume continues it)".into(),
     }
 }
 
@@ -179,6 +191,9 @@ struct PartialHeader {
     num_tokens: usize,
     num_windows: usize,
     model: String,
+    /// The server's numbers-changing configuration; absent from files of older clients.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    fingerprint: Option<Fingerprint>,
 }
 
 fn tokens_sha256(tokens: &[u32]) -> String {
@@ -251,6 +266,19 @@ fn header_diff(a: &PartialHeader, b: &PartialHeader) -> Option<String> {
     cmp!(tokens_sha256);
     cmp!(num_windows);
     cmp!(model);
+    match (&a.fingerprint, &b.fingerprint) {
+        (Some(fa), Some(fb)) => d.extend(
+            fingerprint::differences(fa, fb)
+                .into_iter()
+                .map(|x| format!("server {x} (file vs now)")),
+        ),
+        (None, _) => d.push(
+            "the file records no server configuration (an older exactscore wrote it), so \
+             its numbers cannot be checked against this server's: start a new --output file"
+                .into(),
+        ),
+        (Some(_), None) => {}
+    }
     (!d.is_empty()).then(|| d.join("; "))
 }
 
@@ -357,17 +385,15 @@ fn window_nll(
     })
 }
 
-/// A window's divergence from a `/kld` response, over the same positions as its NLL.
-fn window_kld(
-    url: &str,
-    w: &Window,
+/// Every per-token array of a `/kld` answer covers `seq`.
+fn check_kld_response(
+    bad: &impl Fn(String) -> PplError,
     seq: &[u32],
     d: &exactscore_api::SequenceDivergence,
-) -> Result<WindowResult, PplError> {
-    let bad = bad_response(url, w);
+) -> Result<(), PplError> {
     let len = |v: &Option<Vec<_>>| v.as_ref().map(Vec::len);
     check_response(
-        &bad,
+        bad,
         &d.tokens,
         seq,
         &[
@@ -383,19 +409,50 @@ fn window_kld(
             ("top_k_agreement", d.top_k_agreement.as_ref().map(Vec::len)),
             ("reference_top_p", len(&d.reference_top_p)),
         ],
-    )?;
-    let (reverse, agreement, top_p) = (
-        d.reverse_kld.as_deref().unwrap_or_default(),
-        d.top_k_agreement.as_deref().unwrap_or_default(),
-        d.reference_top_p.as_deref().unwrap_or_default(),
-    );
-    let (kld, lps, ref_lps, same, dps) = (
-        d.kld.as_deref().unwrap_or_default(),
-        d.logprobs.as_deref().unwrap_or_default(),
-        d.reference_logprobs.as_deref().unwrap_or_default(),
-        d.same_top.as_deref().unwrap_or_default(),
-        d.delta_p.as_deref().unwrap_or_default(),
-    );
+    )
+}
+
+/// One position of a `/kld` answer, checked: (kld, same top, Δp, reverse kld, top-K mask,
+/// reference top p).
+fn kld_position(
+    bad: &impl Fn(String) -> PplError,
+    d: &exactscore_api::SequenceDivergence,
+    p: usize,
+) -> Result<(f64, bool, f64, f64, u32, f64), PplError> {
+    let at = |v: &Option<Vec<Option<f64>>>| v.as_ref().and_then(|v| v[p]);
+    let same = d.same_top.as_ref().and_then(|v| v[p]);
+    let mask = d.top_k_agreement.as_ref().and_then(|v| v[p]);
+    let (Some(k), Some(same), Some(dp)) = (at(&d.kld), same, at(&d.delta_p)) else {
+        return Err(bad(format!(
+            "position {p}: missing kld, same_top or delta_p"
+        )));
+    };
+    let (Some(r), Some(mask), Some(top_p)) = (at(&d.reverse_kld), mask, at(&d.reference_top_p))
+    else {
+        return Err(bad(format!(
+            "position {p}: missing reverse_kld, top_k_agreement or reference_top_p"
+        )));
+    };
+    // A divergence is ≥ 0; rounding may leave it a hair below.
+    if !k.is_finite() || k < -1e-9 || !r.is_finite() || r < -1e-9 || !dp.is_finite() {
+        return Err(bad(format!(
+            "position {p}: kld {k}, reverse_kld {r}, delta_p {dp}"
+        )));
+    }
+    Ok((k, same, dp, r, u32::from(mask), top_p))
+}
+
+/// A window's divergence from a `/kld` response, over the same positions as its NLL.
+fn window_kld(
+    url: &str,
+    w: &Window,
+    seq: &[u32],
+    d: &exactscore_api::SequenceDivergence,
+) -> Result<WindowResult, PplError> {
+    let bad = bad_response(url, w);
+    check_kld_response(&bad, seq, d)?;
+    let lps = d.logprobs.as_deref().unwrap_or_default();
+    let ref_lps = d.reference_logprobs.as_deref().unwrap_or_default();
     let mut part = KldWindow {
         reference_sum_nll: 0.0,
         same_top: 0,
@@ -411,22 +468,7 @@ fn window_kld(
     let mut sum_nll = 0f64;
     for p in w.scored.clone() {
         let (nll, ref_nll) = (nll_at(&bad, lps, p)?, nll_at(&bad, ref_lps, p)?);
-        let (Some(k), Some(same), Some(dp)) = (kld[p], same[p], dps[p]) else {
-            return Err(bad(format!(
-                "position {p}: missing kld, same_top or delta_p"
-            )));
-        };
-        let (Some(r), Some(mask), Some(top_p)) = (reverse[p], agreement[p], top_p[p]) else {
-            return Err(bad(format!(
-                "position {p}: missing reverse_kld, top_k_agreement or reference_top_p"
-            )));
-        };
-        // A divergence is ≥ 0; rounding may leave it a hair below.
-        if !k.is_finite() || k < -1e-9 || !r.is_finite() || r < -1e-9 || !dp.is_finite() {
-            return Err(bad(format!(
-                "position {p}: kld {k}, reverse_kld {r}, delta_p {dp}"
-            )));
-        }
+        let (k, same, dp, r, mask, top_p) = kld_position(&bad, d, p)?;
         part.sum_reverse_kld += r;
         part.sum_reverse_kld_squared += r * r;
         for (k, count) in part.top_k_agreement.iter_mut().enumerate() {
@@ -449,79 +491,59 @@ fn window_kld(
     })
 }
 
-fn progress_bar(total: usize, done: usize, enabled: bool) -> indicatif::ProgressBar {
-    if !enabled {
-        return indicatif::ProgressBar::hidden();
-    }
-    let pb = indicatif::ProgressBar::new(total as u64);
-    pb.set_style(
-        indicatif::ProgressStyle::with_template(
-            "{bar:30.cyan/blue} {pos}/{len} windows [{elapsed_precise} < {eta_precise}] {msg}",
-        )
-        .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
-    );
-    pb.set_position(done as u64);
-    pb.reset_eta();
-    pb
-}
-
-/// Run a perplexity evaluation against `config.servers` and return the report.
-pub async fn run_ppl(config: PplConfig) -> Result<Report, PplError> {
-    let started = Instant::now();
+/// Checks of the configuration that need no server.
+fn validate(config: &PplConfig) -> Result<(), PplError> {
+    let refuse = |m: &str| Err(PplError::Config(m.into()));
     if config.servers.is_empty() {
-        return Err(PplError::Config("at least one --server is needed".into()));
+        return refuse("at least one --server is needed");
     }
     if config.concurrency == 0 {
-        return Err(PplError::Config("--concurrency must be at least 1".into()));
+        return refuse("--concurrency must be at least 1");
     }
     if config.resume && config.output.is_none() {
-        return Err(PplError::Config("--resume needs --output".into()));
+        return refuse("--resume needs --output (the partial file of the run to continue)");
     }
-    let base = ClientConfig {
-        api_key: config.api_key.clone(),
-        timeout: config.timeout,
-        retry: config.retry.clone(),
-        ..ClientConfig::new("")
-    };
-    let clients = resolve::clients(&config.servers, &base, config.resolver.as_ref()).await?;
+    if config.max_windows == Some(0) {
+        return refuse(
+            "--max-windows 0 would evaluate nothing: give at least 1, or leave it out to \
+             evaluate every window",
+        );
+    }
+    if config.timeout.is_zero() {
+        return refuse(
+            "--timeout 0 would fail every request at once: give the per-request time limit in \
+             seconds (at least 1)",
+        );
+    }
+    if config.noise_floor_server.is_some() && config.task == Task::Ppl {
+        return refuse("--noise-floor-server is an option of `exactscore kld`");
+    }
+    Ok(())
+}
 
-    // Servers: ready, and all serving the same model.
+/// The run's servers, each ready, all agreeing on everything that changes the numbers.
+async fn connect(
+    config: &PplConfig,
+    base: &ClientConfig,
+) -> Result<(Vec<Client>, Vec<ModelInfo>), PplError> {
+    let clients = resolve::clients(&config.servers, base, config.resolver.as_ref()).await?;
     let mut infos = vec![];
     for c in &clients {
         c.ready().await?;
         infos.push(c.info().await?);
     }
-    let info = infos[0].clone();
+    let first = Fingerprint::from(&infos[0]);
     for (c, i) in clients.iter().zip(&infos).skip(1) {
-        let reference = |i: &ModelInfo| i.reference.as_ref().map(|r| r.model.clone());
-        if i.model != info.model
-            || i.formats != info.formats
-            || i.dtype != info.dtype
-            || reference(i) != reference(&info)
-        {
+        let d = fingerprint::differences(&first, &Fingerprint::from(i));
+        if !d.is_empty() {
             return Err(PplError::ServerMismatch(format!(
-                "{} serves {} ({}), {} serves {} ({})",
+                "{} vs {}: {}",
                 clients[0].label(),
-                info.model,
-                info.dtype,
                 c.label(),
-                i.model,
-                i.dtype
+                d.join("; ")
             )));
         }
     }
-
-    match (&config.noise_floor_server, config.task) {
-        (None, _) => {}
-        (Some(_), Task::Ppl) => {
-            return Err(PplError::Config(
-                "--noise-floor-server is an option of `exactscore kld`".into(),
-            ))
-        }
-        // Checked before the main run, so that a wrong URL does not cost a whole run.
-        (Some(url), Task::Kld) => check_noise_floor_server(url, &base, &config).await?,
-    }
-
     if config.task == Task::Kld {
         if let Some((c, _)) = clients
             .iter()
@@ -535,34 +557,64 @@ pub async fn run_ppl(config: PplConfig) -> Result<Report, PplError> {
             )));
         }
     }
+    Ok((clients, infos))
+}
 
-    // Dataset and tokens.
+/// The dataset's text, its tokens, and the windows cut from them.
+struct Prepared {
+    ds: dataset::Dataset,
+    tokens: Vec<u32>,
+    /// Tokens of the text, a tokenizer-added BOS excluded.
+    text_tokens: usize,
+    prefix: Option<u32>,
+    all: Vec<Window>,
+}
+
+/// `--ctx` fits every server's `max_input_tokens`.
+fn check_ctx(config: &PplConfig, infos: &[ModelInfo]) -> Result<(), PplError> {
+    let max_len = infos
+        .iter()
+        .map(|i| i.limits.max_input_tokens)
+        .min()
+        .unwrap_or(usize::MAX);
+    if max_len > 0 && config.ctx > max_len {
+        return Err(PplError::Config(format!(
+            "--ctx {} exceeds the server's max_input_tokens {}",
+            config.ctx, max_len
+        )));
+    }
+    Ok(())
+}
+
+async fn prepare(
+    config: &PplConfig,
+    client: &Client,
+    infos: &[ModelInfo],
+) -> Result<Prepared, PplError> {
+    check_ctx(config, infos)?;
     let spec = config.dataset.clone();
     let opts = config.dataset_options.clone();
     let ds = tokio::task::spawn_blocking(move || dataset::load(&spec, &opts))
         .await
         .map_err(|e| PplError::Config(e.to_string()))??;
-    let tinfo = clients[0].tokenizer_info().await?;
+    let tinfo = client.tokenizer_info().await?;
     // exl3/disjoint: the tokenizer's own special-token rule (BOS at the very start when it adds
     // one); rolling: no special tokens, the prefix token (BOS, else EOS) prepended instead.
     let add_special = config.method != Method::Rolling;
-    let prefix = if config.method == Method::Rolling {
-        Some(
+    let prefix = match config.method {
+        Method::Rolling => Some(
             tinfo
                 .bos_token_id
                 .or(tinfo.eos_token_id)
                 .ok_or(WindowError::NoPrefix)?,
-        )
-    } else {
-        None
+        ),
+        _ => None,
     };
-    let tokens = tokenize::tokenize(&clients[0], &ds.text, add_special, config.tokenize).await?;
+    let tokens = tokenize::tokenize(client, &ds.text, add_special, config.tokenize).await?;
     let bos_added = add_special
         && tinfo.add_bos_token
         && tinfo.bos_token_id.is_some()
         && tokens.first().copied() == tinfo.bos_token_id;
-    let text_tokens = tokens.len() - usize::from(bos_added);
-
     let params = WindowParams {
         method: config.method,
         ctx: config.ctx,
@@ -579,20 +631,17 @@ pub async fn run_ppl(config: PplConfig) -> Result<Report, PplError> {
             config.ctx
         )));
     }
-    let max_len = infos
-        .iter()
-        .map(|i| i.limits.max_input_tokens)
-        .min()
-        .unwrap_or(usize::MAX);
-    if max_len > 0 && config.ctx > max_len {
-        return Err(PplError::Config(format!(
-            "--ctx {} exceeds the server's max_input_tokens {}",
-            config.ctx, max_len
-        )));
-    }
+    Ok(Prepared {
+        text_tokens: tokens.len() - usize::from(bos_added),
+        ds,
+        tokens,
+        prefix,
+        all,
+    })
+}
 
-    // Partial file.
-    let header = PartialHeader {
+fn partial_header(config: &PplConfig, p: &Prepared, info: &ModelInfo) -> PartialHeader {
+    PartialHeader {
         // 2: `kld` windows carry the reverse divergence, top-K agreement and confidences.
         exactscore_partial: if config.task == Task::Kld { 2 } else { 1 },
         task: config.task,
@@ -604,102 +653,115 @@ pub async fn run_ppl(config: PplConfig) -> Result<Report, PplError> {
             0
         },
         max_windows: config.max_windows,
-        prefix,
-        dataset_sha256: ds.sha256.clone(),
-        tokens_sha256: tokens_sha256(&tokens),
-        num_tokens: tokens.len(),
-        num_windows: all.len(),
+        prefix: p.prefix,
+        dataset_sha256: p.ds.sha256.clone(),
+        tokens_sha256: tokens_sha256(&p.tokens),
+        num_tokens: p.tokens.len(),
+        num_windows: p.all.len(),
         model: info.model.clone(),
-    };
-    let mut done: BTreeMap<usize, WindowResult> = BTreeMap::new();
-    let mut out_file = None;
-    if let Some(path) = &config.output {
-        let perr = |message: String| PplError::Partial {
-            path: path.clone(),
-            message,
-        };
-        let exists = path.exists()
-            && std::fs::metadata(path)
-                .map(|m| m.len() > 0)
-                .unwrap_or(false);
-        if exists && !config.resume {
-            return Err(perr(
-                "already exists: pass --resume to continue it, or remove it".into(),
-            ));
-        }
-        if exists {
-            let (h, results) = read_partial(path)?;
-            if let Some(d) = header_diff(&h, &header) {
-                return Err(perr(format!("made by a different run: {d}")));
-            }
-            for r in results {
-                done.insert(r.window, r);
-            }
-        }
-        let mut f = std::fs::OpenOptions::new()
-            .create(true)
-            .append(true)
-            .open(path)
-            .map_err(|e| perr(e.to_string()))?;
-        if !exists {
-            let line = serde_json::to_string(&header).map_err(|e| perr(e.to_string()))?;
-            writeln!(f, "{line}")
-                .and_then(|_| f.flush())
-                .map_err(|e| perr(e.to_string()))?;
-        }
-        out_file = Some(f);
+        fingerprint: Some(Fingerprint::from(info)),
     }
-    let resumed = done.len();
+}
 
-    // Dispatch.
-    let tokens = Arc::new(tokens);
-    let queue: Arc<Mutex<VecDeque<Window>>> = Arc::new(Mutex::new(
-        all.iter()
-            .filter(|w| !done.contains_key(&w.index))
-            .cloned()
-            .collect(),
-    ));
-    let pending = queue.lock().map(|q| q.len()).unwrap_or(0);
+type Finished = BTreeMap<usize, WindowResult>;
+
+/// The partial file: the windows it already holds (with `--resume`), and the file to append to.
+fn open_partial(
+    config: &PplConfig,
+    header: &PartialHeader,
+) -> Result<(Finished, Option<std::fs::File>), PplError> {
+    let mut done = Finished::new();
+    let Some(path) = &config.output else {
+        return Ok((done, None));
+    };
+    let perr = |message: String| PplError::Partial {
+        path: path.clone(),
+        message,
+    };
+    let exists = std::fs::metadata(path).is_ok_and(|m| m.len() > 0);
+    if exists && !config.resume {
+        return Err(perr(
+            "already exists: pass --resume to continue it, or remove it".into(),
+        ));
+    }
+    if exists {
+        let (h, results) = read_partial(path)?;
+        if let Some(d) = header_diff(&h, header) {
+            return Err(perr(format!("made by a different run: {d}")));
+        }
+        done.extend(results.into_iter().map(|r| (r.window, r)));
+    }
+    let mut f = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(path)
+        .map_err(|e| perr(e.to_string()))?;
+    if !exists {
+        let line = serde_json::to_string(header).map_err(|e| perr(e.to_string()))?;
+        writeln!(f, "{line}")
+            .and_then(|_| f.flush())
+            .map_err(|e| perr(e.to_string()))?;
+    }
+    Ok((done, Some(f)))
+}
+
+type Outcome = Result<WindowResult, PplError>;
+
+/// One window on one server.
+async fn evaluate(task: Task, client: &Client, w: &Window, tokens: &[u32]) -> Outcome {
+    let seq = w.sequence(tokens);
+    let url = &client.label();
+    match task {
+        Task::Ppl => client
+            .score_tokens(&seq)
+            .await
+            .map_err(PplError::from)
+            .and_then(|score| window_nll(url, w, &seq, &score)),
+        Task::Kld => client
+            .kld_tokens(&seq)
+            .await
+            .map_err(PplError::from)
+            .and_then(|d| window_kld(url, w, &seq, &d)),
+    }
+}
+
+/// Workers that take the windows not yet `done` off a queue, spread over `clients`; their
+/// results come through the returned channel until the queue is empty or `stop` is set.
+fn spawn_workers(
+    config: &PplConfig,
+    clients: &[Client],
+    p: &Prepared,
+    done: &Finished,
+    stop: &Arc<AtomicBool>,
+) -> tokio::sync::mpsc::Receiver<Outcome> {
+    let pending: VecDeque<Window> = p
+        .all
+        .iter()
+        .filter(|w| !done.contains_key(&w.index))
+        .cloned()
+        .collect();
+    let workers = config.concurrency.min(pending.len().max(1));
+    let queue = Arc::new(Mutex::new(pending));
+    let tokens = Arc::new(p.tokens.clone());
+    let clients: Arc<[Client]> = clients.into();
     let balancer = Arc::new(Balancer::new(clients.len()));
-    let stop = Arc::new(AtomicBool::new(false));
-    let (tx, mut rx) = tokio::sync::mpsc::channel::<Result<WindowResult, PplError>>(
-        config.concurrency.saturating_mul(2).max(4),
-    );
-    let workers = config.concurrency.min(pending.max(1));
-    let task = config.task;
+    let (tx, rx) = tokio::sync::mpsc::channel(config.concurrency.saturating_mul(2).max(4));
     for _ in 0..workers {
-        let (queue, tokens, balancer, clients, tx, stop, cancel) = (
+        let (queue, tokens, balancer, clients, tx) = (
             queue.clone(),
             tokens.clone(),
             balancer.clone(),
             clients.clone(),
             tx.clone(),
-            stop.clone(),
-            config.cancel.clone(),
         );
+        let (stop, cancel, task) = (stop.clone(), config.cancel.clone(), config.task);
         tokio::spawn(async move {
-            loop {
-                if stop.load(Ordering::SeqCst) || cancel.load(Ordering::SeqCst) {
-                    break;
-                }
+            while !stop.load(Ordering::SeqCst) && !cancel.load(Ordering::SeqCst) {
                 let Some(w) = queue.lock().ok().and_then(|mut q| q.pop_front()) else {
                     break;
                 };
-                let seq = w.sequence(&tokens);
                 let s = balancer.acquire();
-                let url = &clients[s].label();
-                let out = match task {
-                    Task::Ppl => clients[s]
-                        .score_tokens(&seq)
-                        .await
-                        .map_err(PplError::from)
-                        .and_then(|score| window_nll(url, &w, &seq, &score)),
-                    Task::Kld => clients[s]
-                        .kld_tokens(&seq)
-                        .await
-                        .map_err(PplError::from)
-                        .and_then(|d| window_kld(url, &w, &seq, &d)),
-                };
+                let out = evaluate(task, &clients[s], &w, &tokens).await;
                 balancer.release(s);
                 if tx.send(out).await.is_err() {
                     break;
@@ -707,78 +769,155 @@ pub async fn run_ppl(config: PplConfig) -> Result<Report, PplError> {
             }
         });
     }
-    drop(tx);
+    rx
+}
 
-    let pb = progress_bar(all.len(), resumed, config.progress);
-    let run_start = Instant::now();
-    let mut new_tokens = 0usize;
-    let mut new_windows = 0usize;
-    let mut first_err: Option<PplError> = None;
-    let (mut run_s, mut run_c) = done
-        .values()
-        .fold((0f64, 0usize), |(s, c), r| (s + r.sum_nll, c + r.count));
-    let report_progress = |done: usize, new_tokens: usize, run_s: f64, run_c: usize| {
-        let secs = run_start.elapsed().as_secs_f64().max(1e-9);
-        let p = Progress {
-            done,
-            total: all.len(),
-            tokens_per_s: new_tokens as f64 / secs,
-            perplexity: (run_s / run_c as f64).exp(),
-        };
-        if run_c > 0 {
-            pb.set_message(format!(
-                "{:.0} tok/s, ppl {:.4}",
-                p.tokens_per_s, p.perplexity
-            ));
-        }
-        if let Some(hook) = &config.on_progress {
-            (hook.0)(p);
-        }
+/// Appends one finished window to the partial file.
+fn append(f: &mut std::fs::File, path: &Path, r: &WindowResult) -> Result<(), PplError> {
+    let line = serde_json::to_string(r).unwrap_or_default();
+    writeln!(f, "{line}")
+        .and_then(|_| f.flush())
+        .map_err(|e| PplError::Partial {
+            path: path.to_path_buf(),
+            message: e.to_string(),
+        })
+}
+
+fn add_window(run: &mut Running, r: &WindowResult) {
+    run.sum_nll += r.sum_nll;
+    run.tokens += r.count;
+    run.sum_kld += r.kld.as_ref().map_or(0.0, |k| k.kld.iter().sum());
+}
+
+fn reporter(config: &PplConfig, total: usize, resumed: usize) -> Reporter {
+    let shown = ProgressConfig {
+        enabled: config.progress,
+        every: config.progress_every,
+        lines: false,
     };
-    report_progress(resumed, 0, run_s, run_c);
+    let hook = config.on_progress.clone();
+    Reporter::new(&shown, config.task, total, resumed, hook)
+}
+
+/// Receives the workers' results: written to the partial file, counted, shown. Returns the
+/// tokens scored in this run; a failure names how far the run got and how to resume it.
+async fn collect(
+    config: &PplConfig,
+    mut rx: tokio::sync::mpsc::Receiver<Outcome>,
+    stop: &AtomicBool,
+    done: &mut Finished,
+    mut out_file: Option<std::fs::File>,
+    total: usize,
+) -> Result<usize, PplError> {
+    let resumed = done.len();
+    let mut reporter = reporter(config, total, resumed);
+    let mut run = Running::default();
+    done.values().for_each(|r| add_window(&mut run, r));
+    run.done = resumed;
+    reporter.update(&run);
+    let mut first_err: Option<PplError> = None;
     while let Some(msg) = rx.recv().await {
-        match msg {
-            Ok(r) => {
-                if let (Some(f), Some(path)) = (out_file.as_mut(), config.output.as_ref()) {
-                    let line = serde_json::to_string(&r).unwrap_or_default();
-                    if let Err(e) = writeln!(f, "{line}").and_then(|_| f.flush()) {
-                        stop.store(true, Ordering::SeqCst);
-                        first_err.get_or_insert(PplError::Partial {
-                            path: path.clone(),
-                            message: e.to_string(),
-                        });
-                    }
-                }
-                new_tokens += r.count;
-                new_windows += 1;
-                run_s += r.sum_nll;
-                run_c += r.count;
-                done.insert(r.window, r);
-                pb.inc(1);
-                report_progress(done.len(), new_tokens, run_s, run_c);
-                if config.stop_after.is_some_and(|k| new_windows >= k) {
-                    stop.store(true, Ordering::SeqCst);
-                }
-            }
+        let r = match msg {
+            Ok(r) => r,
             Err(e) => {
+                stop.store(true, Ordering::SeqCst);
+                first_err.get_or_insert(e);
+                continue;
+            }
+        };
+        if let (Some(f), Some(path)) = (out_file.as_mut(), config.output.as_ref()) {
+            if let Err(e) = append(f, path, &r) {
                 stop.store(true, Ordering::SeqCst);
                 first_err.get_or_insert(e);
             }
         }
+        add_window(&mut run, &r);
+        run.new_tokens += r.count;
+        done.insert(r.window, r);
+        run.done = done.len();
+        reporter.update(&run);
+        if config.stop_after.is_some_and(|k| done.len() - resumed >= k) {
+            stop.store(true, Ordering::SeqCst);
+        }
     }
-    pb.finish_and_clear();
-    if let Some(e) = first_err {
-        return Err(e);
-    }
-    if done.len() < all.len() {
-        return Err(PplError::Interrupted {
-            done: done.len(),
-            total: all.len(),
-            output: config.output.clone(),
-        });
-    }
+    reporter.finish();
+    ending(config, first_err, done.len(), total).map(|()| run.new_tokens)
+}
 
+/// How a run that stopped receiving ended: failed (naming how far it got and how to resume),
+/// interrupted, or complete.
+fn ending(
+    config: &PplConfig,
+    first_err: Option<PplError>,
+    done: usize,
+    total: usize,
+) -> Result<(), PplError> {
+    let output = config.output.clone();
+    match first_err {
+        Some(e) => Err(PplError::Failed {
+            source: Box::new(e),
+            done,
+            total,
+            output,
+        }),
+        None if done < total => Err(PplError::Interrupted {
+            done,
+            total,
+            output,
+        }),
+        None => Ok(()),
+    }
+}
+
+/// Run a perplexity evaluation against `config.servers` and return the report.
+pub async fn run_ppl(config: PplConfig) -> Result<Report, PplError> {
+    let started = Instant::now();
+    validate(&config)?;
+    let base = ClientConfig {
+        api_key: config.api_key.clone(),
+        timeout: config.timeout,
+        retry: config.retry.clone(),
+        ..ClientConfig::new("")
+    };
+    let (clients, infos) = connect(&config, &base).await?;
+    let info = infos[0].clone();
+    if let Some(url) = &config.noise_floor_server {
+        // Checked before the main run, so that a wrong server does not cost a whole run.
+        check_noise_floor_server(url, &base, &config, &info).await?;
+    }
+    let prepared = prepare(&config, &clients[0], &infos).await?;
+    let header = partial_header(&config, &prepared, &info);
+    let (mut done, out_file) = open_partial(&config, &header)?;
+    let resumed = done.len();
+    let stop = Arc::new(AtomicBool::new(false));
+    let rx = spawn_workers(&config, &clients, &prepared, &done, &stop);
+    let run_start = Instant::now();
+    let total = prepared.all.len();
+    let new_tokens = collect(&config, rx, &stop, &mut done, out_file, total).await?;
+    let tokens_per_s = new_tokens as f64 / run_start.elapsed().as_secs_f64().max(1e-9);
     let per_window: Vec<WindowResult> = done.into_values().collect();
+    let noise_floor = match &config.noise_floor_server {
+        Some(url) => Some(noise_floor(&config, url, &header, total).await?),
+        None => None,
+    };
+    Ok(Report {
+        resumed_windows: resumed,
+        wall_time_s: started.elapsed().as_secs_f64(),
+        tokens_per_s,
+        servers: clients.iter().map(Client::label).collect(),
+        noise_floor,
+        ..report(&config, &prepared, &header, info, per_window)
+    })
+}
+
+/// The report of a finished run (timings and servers left for the caller to fill in).
+fn report(
+    config: &PplConfig,
+    p: &Prepared,
+    header: &PartialHeader,
+    info: ModelInfo,
+    per_window: Vec<WindowResult>,
+) -> Report {
     let stats = Stats::from_windows(&per_window);
     let kld = (config.task == Task::Kld).then(|| {
         KldStats::from_windows(
@@ -787,55 +926,92 @@ pub async fn run_ppl(config: PplConfig) -> Result<Report, PplError> {
                 .filter_map(|r| r.kld.as_ref().map(|k| (k, r.sum_nll))),
         )
     });
-    let noise_floor = match &config.noise_floor_server {
-        Some(url) => Some(noise_floor(&config, url, &header, all.len()).await?),
-        None => None,
-    };
-    let bytes = ds.text.len();
-    let wall = started.elapsed().as_secs_f64();
-    Ok(Report {
+    let bytes = p.ds.text.len();
+    Report {
         method: config.method,
         ctx: config.ctx,
         stride: header.stride,
         max_windows: config.max_windows,
         tokenize: config.tokenize,
         dataset: DatasetSummary {
-            name: ds.name.clone(),
+            name: p.ds.name.clone(),
             bytes,
-            sha256: ds.sha256.clone(),
-            documents: ds.documents,
-            text_tokens,
-            sequence_tokens: tokens.len(),
+            sha256: p.ds.sha256.clone(),
+            documents: p.ds.documents,
+            text_tokens: p.text_tokens,
+            sequence_tokens: p.tokens.len(),
             tokens_sha256: header.tokens_sha256.clone(),
         },
-        bits_per_byte: stats.bits_per_token * text_tokens as f64 / bytes.max(1) as f64,
+        bits_per_byte: stats.bits_per_token * p.text_tokens as f64 / bytes.max(1) as f64,
         stats,
         stderr_method: STDERR_METHOD.into(),
-        resumed_windows: resumed,
-        wall_time_s: wall,
-        tokens_per_s: new_tokens as f64 / run_start.elapsed().as_secs_f64().max(1e-9),
-        servers: clients.iter().map(Client::label).collect(),
+        resumed_windows: 0,
+        wall_time_s: 0.0,
+        tokens_per_s: 0.0,
+        servers: vec![],
         server_info: Some(info),
         kld,
         per_window,
-        noise_floor,
-    })
+        noise_floor: None,
+    }
 }
 
-/// The noise-floor server answers, and has a reference model.
+/// Why `nf` cannot measure the noise floor of a run whose server is `main`: it must serve one
+/// checkpoint in two dtypes, and that checkpoint must be `main`'s reference.
+fn noise_floor_mismatch(nf: &ModelInfo, main: &ModelInfo) -> Vec<String> {
+    let Some(r) = &nf.reference else {
+        return vec!["has no reference model".into()];
+    };
+    let mut why = vec![];
+    if nf.model != r.model || nf.formats != r.formats || nf.architecture != r.architecture {
+        why.push(format!(
+            "serves {} ({}) against the reference {} ({}), not one checkpoint twice",
+            nf.model,
+            formats_of(&nf.formats),
+            r.model,
+            formats_of(&r.formats)
+        ));
+    }
+    if r.dtype.as_deref() == Some(nf.dtype.as_str()) {
+        why.push(format!(
+            "serves and references in the same dtype {}",
+            nf.dtype
+        ));
+    }
+    if let Some(mr) = &main.reference {
+        if mr.model != r.model || mr.formats != r.formats {
+            why.push(format!(
+                "its checkpoint {} is not this run's reference {}",
+                r.model, mr.model
+            ));
+        }
+    }
+    why
+}
+
+fn formats_of(formats: &BTreeMap<String, String>) -> String {
+    let mut f: Vec<&str> = formats.values().map(String::as_str).collect();
+    f.sort_unstable();
+    f.dedup();
+    f.join(", ")
+}
+
+/// The noise-floor server answers and serves the run's reference checkpoint in two dtypes.
 async fn check_noise_floor_server(
     url: &str,
     base: &ClientConfig,
     config: &PplConfig,
+    main: &ModelInfo,
 ) -> Result<(), PplError> {
     for c in resolve::clients(&[url.to_string()], base, config.resolver.as_ref()).await? {
         c.ready().await?;
-        if c.info().await?.reference.is_none() {
+        let why = noise_floor_mismatch(&c.info().await?, main);
+        if !why.is_empty() {
             return Err(PplError::Config(format!(
-                "noise-floor server {} has no reference model: start it on the reference \
-                 checkpoint with --dtype bf16 --reference-model <the same directory> \
-                 --reference-dtype f32",
-                c.base_url()
+                "noise-floor server {}: {}. Start it on the reference checkpoint with --dtype \
+                 bf16 --reference-model <the same directory> --reference-dtype f32",
+                c.base_url(),
+                why.join("; ")
             )));
         }
     }

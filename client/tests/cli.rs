@@ -73,9 +73,21 @@ async fn ppl_compare_plot_and_score() {
         assert!(r.stats.perplexity > 1.0);
         reports.push(json.to_str().unwrap().to_string());
     }
+    // Issue 37: three methods are three measurements: refused, naming what differs...
+    let mut args = s(&["compare"]);
+    args.extend(reports.iter().cloned());
+    let out = exactscore(args).await;
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{stderr}");
+    assert!(
+        stderr.contains("r1.json: method disjoint vs exl3") && stderr.contains("--allow-mismatch"),
+        "{stderr}"
+    );
+    assert!(!stderr.contains("tokens (tokenizer)"), "{stderr}");
+    // ... and shown marked with --allow-mismatch.
     for ext in ["png", "svg"] {
         let plot = dir.path().join(format!("cmp.{ext}"));
-        let mut args = s(&["compare"]);
+        let mut args = s(&["compare", "--allow-mismatch"]);
         args.extend(reports.iter().cloned());
         args.extend(s(&["--plot", plot.to_str().unwrap()]));
         let out = exactscore(args).await;
@@ -90,19 +102,26 @@ async fn ppl_compare_plot_and_score() {
             table.contains("fake-llama") && table.contains("4.250"),
             "{table}"
         );
+        assert!(table.contains("(≠ method rolling vs exl3"), "{table}");
         let bytes = std::fs::read(&plot).unwrap();
         if ext == "png" {
             assert_eq!(&bytes[..4], b"\x89PNG");
         } else {
             let svg = String::from_utf8(bytes).unwrap();
-            assert!(svg.contains("<svg") && svg.contains("Perplexity vs bits per weight"));
+            assert!(
+                svg.contains("<svg")
+                    && svg.contains("Perplexity vs bits per weight")
+                    && svg.contains("(≠ method")
+            );
         }
     }
 
     // `exactscore kld` reports: the table gains their mean KLD and same-top, the plot's left
     // panel shows mean KLD against bits per weight.
     let mut kld_reports = vec![];
-    for (i, path) in reports.iter().enumerate() {
+    // Three of one run (the exl3 one), as three quantizations of one model would be.
+    for i in 0..reports.len() {
+        let path = &reports[0];
         let mut r: Report = serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
         let mean_kld = 0.125 * (i + 1) as f64;
         // Fewer bits, more divergence: 5, 4, 3 bits per weight.
@@ -150,6 +169,7 @@ async fn ppl_compare_plot_and_score() {
             mean_reverse_kld_stderr: None,
             top_k_agreement: vec![0.5; 5],
             confidence_buckets: vec![],
+            histogram: vec![],
         });
         if i == 0 {
             r.noise_floor = Some(NoiseFloor {

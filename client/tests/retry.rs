@@ -210,19 +210,94 @@ async fn cli_wrong_key_prints_one_line_and_fails() {
     assert!(!stderr.contains("panicked") && !stderr.contains("Backtrace"));
 }
 
+/// A server that never answered fails at once: more likely absent than restarting.
 #[tokio::test]
-async fn connection_refused_is_retried_then_reported() {
+async fn connection_refused_by_a_server_never_reached_fails_at_once() {
     let port = {
         let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
         l.local_addr().unwrap().port()
     };
     let url = format!("http://127.0.0.1:{port}");
+    let t = std::time::Instant::now();
     let e = client(&url, None).info().await.unwrap_err();
+    assert!(t.elapsed() < Duration::from_secs(2));
+    assert!(matches!(e, ClientError::NoServer { .. }), "{e:?}");
+    let msg = e.to_string();
+    assert!(
+        msg.contains(&url) && msg.contains("cargo run --release -p exactscore-server"),
+        "{msg}"
+    );
+}
+
+/// A server that answered once and then refuses connections is retried (a restart).
+#[tokio::test]
+async fn connection_refused_after_an_answer_is_retried_then_reported() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}", listener.local_addr().unwrap());
+    let server = tokio::spawn(async move {
+        let (mut sock, _) = listener.accept().await.unwrap();
+        let mut buf = [0u8; 4096];
+        let _ = sock.read(&mut buf).await.unwrap();
+        let body = r#"{"status":"ready","replicas_out_of_rotation":[]}"#;
+        let head = format!(
+            "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\
+             connection: close\r\n\r\n",
+            body.len()
+        );
+        sock.write_all(head.as_bytes()).await.unwrap();
+        sock.write_all(body.as_bytes()).await.unwrap();
+        // The listener is dropped here: later connections are refused.
+    });
+    let c = client(&url, None);
+    c.ready().await.unwrap();
+    server.await.unwrap();
+    let e = c.info().await.unwrap_err();
     match &e {
         ClientError::RetriesExhausted { attempts, last } => {
             assert_eq!(*attempts, 4);
             assert!(matches!(**last, ClientError::Connect { .. }), "{last:?}");
         }
         other => panic!("{other:?}"),
+    }
+}
+
+/// A 503 `out_of_memory` is sent for a sequence that failed even in a batch of its own: the
+/// same request would fail again, so it is not retried.
+#[tokio::test]
+async fn out_of_memory_for_a_sequence_alone_is_not_retried() {
+    let calls = Arc::new(AtomicUsize::new(0));
+    let counter = calls.clone();
+    let app = Router::new().route(
+        "/score",
+        post(move || {
+            let counter = counter.clone();
+            async move {
+                counter.fetch_add(1, Ordering::SeqCst);
+                common::error(
+                    StatusCode::SERVICE_UNAVAILABLE,
+                    "out_of_memory",
+                    "the device ran out of memory for this sequence even in a batch of its own",
+                )
+            }
+        }),
+    );
+    let url = spawn(app).await;
+    let e = client(&url, None).score_tokens(&[1, 2]).await.unwrap_err();
+    assert_eq!(calls.load(Ordering::SeqCst), 1, "{e}");
+    assert_eq!(e.status(), Some(503));
+    assert!(e.to_string().contains("out_of_memory"), "{e}");
+}
+
+/// A key with a trailing newline (read from a file) is refused before any request, naming the
+/// problem, instead of being retried as a transport error.
+#[tokio::test]
+async fn a_key_with_white_space_is_refused_when_the_client_is_made() {
+    for key in ["secret\n", " secret", ""] {
+        let mut c = ClientConfig::new("http://127.0.0.1:1");
+        c.api_key = Some(key.into());
+        let e = Client::new(c).unwrap_err();
+        assert!(matches!(e, ClientError::BadKey(_)), "{e:?}");
+        assert!(e.to_string().contains("white space"), "{e}");
     }
 }

@@ -319,3 +319,62 @@ async fn wikitext2_through_the_runner() {
     }
     assert_rel(r.stats.perplexity, (s / (3.0 * 2047.0)).exp());
 }
+
+/// Issue 37: a partial file records the server's configuration; resuming it against a server
+/// that computes other numbers (here: bf16 instead of f32) is refused, naming the field.
+#[tokio::test]
+async fn resume_refuses_a_server_configured_differently() {
+    let dir = tempfile::tempdir().unwrap();
+    let ds = write_dataset(dir.path());
+    let partial = dir.path().join("partial.jsonl");
+    let (urls, fakes) = servers(1).await;
+    let mut cfg = config(urls.clone(), ds.clone(), Method::Exl3, 1);
+    cfg.output = Some(partial.clone());
+    cfg.stop_after = Some(2);
+    let Err(PplError::Interrupted { done, .. }) = run_ppl(cfg.clone()).await else {
+        panic!("expected an interrupted run");
+    };
+    fakes[0].info.lock().unwrap().dtype = "bf16".into();
+    cfg.stop_after = None;
+    cfg.resume = true;
+    let e = run_ppl(cfg.clone()).await.unwrap_err().to_string();
+    assert!(
+        e.contains(r#"server dtype "f32" vs "bf16" (file vs now)"#),
+        "{e}"
+    );
+    // The same server as when the file was written: resumed.
+    fakes[0].info.lock().unwrap().dtype = "f32".into();
+    let r = run_ppl(cfg).await.unwrap();
+    assert_eq!(r.resumed_windows, done);
+}
+
+/// Issue 37: the servers of one run must agree on everything that changes the numbers, not only
+/// the model name.
+#[tokio::test]
+async fn servers_of_one_run_must_agree_on_their_configuration() {
+    let dir = tempfile::tempdir().unwrap();
+    let (urls, fakes) = servers(2).await;
+    fakes[1].info.lock().unwrap().activation_quant_mode = "emulate".into();
+    let cfg = config(urls.clone(), write_dataset(dir.path()), Method::Exl3, 2);
+    let e = run_ppl(cfg).await.unwrap_err().to_string();
+    assert!(
+        e.contains(r#"activation_quant_mode "off" vs "emulate""#) && e.contains(&urls[1]),
+        "{e}"
+    );
+}
+
+/// Issue 37: `--max-windows 0` and `--timeout 0` are refused before any request, saying why.
+#[tokio::test]
+async fn zero_windows_and_zero_timeout_are_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let (urls, fakes) = servers(1).await;
+    let mut cfg = config(urls.clone(), write_dataset(dir.path()), Method::Exl3, 2);
+    cfg.max_windows = Some(0);
+    let e = run_ppl(cfg).await.unwrap_err().to_string();
+    assert!(e.contains("--max-windows 0 would evaluate nothing"), "{e}");
+    let mut cfg = config(urls, write_dataset(dir.path()), Method::Exl3, 2);
+    cfg.timeout = Duration::ZERO;
+    let e = run_ppl(cfg).await.unwrap_err().to_string();
+    assert!(e.contains("--timeout 0"), "{e}");
+    assert_eq!(fakes[0].score_calls.load(Ordering::SeqCst), 0);
+}

@@ -13,7 +13,7 @@ class Client:
 
     def __init__(
         self,
-        url: Union[str, Sequence[str]],
+        url: Union[str, Sequence[str]] = "http://127.0.0.1:8000",
         api_key: Optional[str] = None,
         timeout: float = 600.0,
         retries: int = 8,
@@ -43,7 +43,7 @@ class Client:
         method: str = "exl3",
         ctx: int = 2048,
         stride: int = 512,
-        concurrency: int = 8,
+        concurrency: int = 4,
         max_windows: Optional[int] = None,
         field: str = "text",
         tokenize: str = "local",
@@ -59,7 +59,7 @@ class Client:
         method: str = "exl3",
         ctx: int = 2048,
         stride: int = 512,
-        concurrency: int = 8,
+        concurrency: int = 4,
         max_windows: Optional[int] = None,
         field: str = "text",
         tokenize: str = "local",
@@ -68,6 +68,21 @@ class Client:
         progress: bool = True,
         wikitext_path: Union[str, "os.PathLike[str]", None] = None,
     ) -> Report: ...
+    def diff(
+        self,
+        dataset: Union[str, "os.PathLike[str]", Sequence[str]] = "wikitext2",
+        *,
+        ctx: int = 2048,
+        windows: int = 4,
+        reference_until: Optional[int] = None,
+        attribute: bool = False,
+        attribute_layers: Optional[Tuple[int, int]] = None,
+        attribute_pattern: Optional[str] = None,
+        field: str = "text",
+        tokenize: str = "local",
+        timeout: float = 3600.0,
+        wikitext_path: Union[str, "os.PathLike[str]", None] = None,
+    ) -> DiffReport: ...
 
 class ScoreResult:
     """Per-token log-probabilities of one sequence."""
@@ -133,7 +148,34 @@ class Report:
     kld: Optional[Dict[str, Any]]
     per_window: List[Dict[str, Any]]
     @staticmethod
-    def from_json(text: str) -> Report: ...
+    def from_json(source: Union[str, "os.PathLike[str]"]) -> Report: ...
     def to_dict(self) -> Dict[str, Any]: ...
     def to_json(self) -> str: ...
     def to_pandas(self, per_window: bool = False) -> Any: ...
+
+class DiffReport:
+    """The report of ``Client.diff`` (``exactscore diff --json``)."""
+
+    server: str
+    server_info: Optional[Dict[str, Any]]
+    dataset: str
+    ctx: int
+    windows: int
+    tokens: int
+    reference_until: Optional[int]
+    layers: List[Dict[str, Any]]
+    kld: Dict[str, Any]
+    attribution: Optional[Dict[str, Any]]
+    wall_time_s: float
+    @staticmethod
+    def from_json(path: Union[str, "os.PathLike[str]"]) -> DiffReport: ...
+    def to_dict(self) -> Dict[str, Any]: ...
+    def to_json(self) -> str: ...
+    def to_pandas(self, rows: str = "layers") -> Any: ...
+    def plot(self, path: Union[str, "os.PathLike[str]"]) -> None: ...
+
+def compare(
+    reports: Sequence[Union[Report, str, "os.PathLike[str]"]],
+    plot: Union[str, "os.PathLike[str]", None] = None,
+    allow_mismatch: bool = False,
+) -> str: ...

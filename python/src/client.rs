@@ -5,16 +5,21 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use clap::ValueEnum;
-use exactscore_api::{KldRequest, ReturnOptions, ScoreRequest, TextInput, TokensInput};
+use exactscore_api::{
+    AttributeInput, AttributeSelection, KldRequest, ReturnOptions, ScoreRequest, TextInput,
+    TokensInput,
+};
 use exactscore_client::dataset::{DatasetOptions, DatasetSpec};
 use exactscore_client::tokenize::TokenizeMode;
 use exactscore_client::{
-    run_ppl, ClientConfig, Method, PplConfig, PplError, Progress, ProgressHook, RetryPolicy, Task,
+    run_diff, run_ppl, ClientConfig, DiffConfig, Method, PplConfig, PplError, Progress,
+    ProgressHook, RetryPolicy, Task,
 };
 use pyo3::exceptions::PyKeyboardInterrupt;
 use pyo3::prelude::*;
 
 use crate::convert::{py_str, to_py};
+use crate::diff::DiffReport;
 use crate::errors;
 use crate::report::Report;
 use crate::results::{KldResult, ScoreResult};
@@ -108,28 +113,37 @@ fn choice<T: ValueEnum>(py: Python<'_>, what: &str, value: &str) -> PyResult<T> 
     })
 }
 
+/// The dataset to load, and where `wikitext2` is (the argument, the environment, else the copy
+/// the wheel installs).
+fn dataset_spec(
+    py: Python<'_>,
+    dataset: Dataset,
+    wikitext_path: Option<PathBuf>,
+) -> PyResult<(DatasetSpec, Option<PathBuf>)> {
+    let spec = match dataset {
+        Dataset::Path(p) => match p.to_str() {
+            Some(s) => DatasetSpec::parse(s).map_err(|e| errors::validation(py, e))?,
+            None => return Err(errors::validation(py, "the dataset path is not UTF-8")),
+        },
+        Dataset::Texts(t) => DatasetSpec::Texts(t),
+    };
+    let given =
+        wikitext_path.or_else(|| std::env::var_os("EXACTSCORE_WIKITEXT_PATH").map(PathBuf::from));
+    let wikitext_path = match (&spec, given) {
+        (_, Some(p)) => Some(p),
+        (DatasetSpec::Wikitext2, None) => py
+            .import("exactscore._support")?
+            .call_method0("wikitext_path")?
+            .extract()?,
+        _ => None,
+    };
+    Ok((spec, wikitext_path))
+}
+
 impl Client {
     /// The run `args` describe, as the runner takes it.
     fn config(&self, py: Python<'_>, task: Task, args: RunArgs) -> PyResult<PplConfig> {
-        let spec = match args.dataset {
-            Dataset::Path(p) => match p.to_str() {
-                Some(s) => DatasetSpec::parse(s).map_err(|e| errors::validation(py, e))?,
-                None => return Err(errors::validation(py, "the dataset path is not UTF-8")),
-            },
-            Dataset::Texts(t) => DatasetSpec::Texts(t),
-        };
-        let given = args
-            .wikitext_path
-            .or_else(|| std::env::var_os("EXACTSCORE_WIKITEXT_PATH").map(PathBuf::from));
-        let wikitext_path = match (&spec, given) {
-            (_, Some(p)) => Some(p),
-            // The copy the wheel installs.
-            (DatasetSpec::Wikitext2, None) => py
-                .import("exactscore._support")?
-                .call_method0("wikitext_path")?
-                .extract()?,
-            _ => None,
-        };
+        let (spec, wikitext_path) = dataset_spec(py, args.dataset, args.wikitext_path)?;
         let mut cfg = PplConfig::new(self.servers.clone(), spec);
         cfg.task = task;
         cfg.api_key = self.api_key.clone();
@@ -209,7 +223,10 @@ impl Client {
 #[pymethods]
 impl Client {
     #[new]
-    #[pyo3(signature = (url, api_key = None, timeout = 600.0, retries = 8))]
+    #[pyo3(
+        signature = (url = Urls::One("http://127.0.0.1:8000".into()), api_key = None, timeout = 600.0, retries = 8),
+        text_signature = "(url='http://127.0.0.1:8000', api_key=None, timeout=600.0, retries=8)"
+    )]
     fn new(
         py: Python<'_>,
         url: Urls,
@@ -360,8 +377,8 @@ impl Client {
     /// KeyboardInterrupt; ``resume=True`` then continues, and the report equals an uninterrupted
     /// run's. Returns a ``Report``.
     #[pyo3(
-        signature = (dataset = Dataset::Path("wikitext2".into()), *, method = "exl3".to_string(), ctx = 2048, stride = 512, concurrency = 8, max_windows = None, field = "text".to_string(), tokenize = "local".to_string(), output = None, resume = false, progress = true, wikitext_path = None),
-        text_signature = "(self, dataset='wikitext2', *, method='exl3', ctx=2048, stride=512, concurrency=8, max_windows=None, field='text', tokenize='local', output=None, resume=False, progress=True, wikitext_path=None)"
+        signature = (dataset = Dataset::Path("wikitext2".into()), *, method = "exl3".to_string(), ctx = 2048, stride = 512, concurrency = 4, max_windows = None, field = "text".to_string(), tokenize = "local".to_string(), output = None, resume = false, progress = true, wikitext_path = None),
+        text_signature = "(self, dataset='wikitext2', *, method='exl3', ctx=2048, stride=512, concurrency=4, max_windows=None, field='text', tokenize='local', output=None, resume=False, progress=True, wikitext_path=None)"
     )]
     #[allow(clippy::too_many_arguments)]
     fn ppl(
@@ -401,8 +418,8 @@ impl Client {
     /// both perplexities (``exactscore kld``: llama.cpp's ``--kl-divergence`` statistics in
     /// ``Report.kld``). The same arguments, windows, partial file and resume as ``ppl``.
     #[pyo3(
-        signature = (dataset = Dataset::Path("wikitext2".into()), *, method = "exl3".to_string(), ctx = 2048, stride = 512, concurrency = 8, max_windows = None, field = "text".to_string(), tokenize = "local".to_string(), output = None, resume = false, progress = true, wikitext_path = None),
-        text_signature = "(self, dataset='wikitext2', *, method='exl3', ctx=2048, stride=512, concurrency=8, max_windows=None, field='text', tokenize='local', output=None, resume=False, progress=True, wikitext_path=None)"
+        signature = (dataset = Dataset::Path("wikitext2".into()), *, method = "exl3".to_string(), ctx = 2048, stride = 512, concurrency = 4, max_windows = None, field = "text".to_string(), tokenize = "local".to_string(), output = None, resume = false, progress = true, wikitext_path = None),
+        text_signature = "(self, dataset='wikitext2', *, method='exl3', ctx=2048, stride=512, concurrency=4, max_windows=None, field='text', tokenize='local', output=None, resume=False, progress=True, wikitext_path=None)"
     )]
     #[allow(clippy::too_many_arguments)]
     fn kld_eval(
@@ -436,6 +453,70 @@ impl Client {
             wikitext_path,
         };
         self.run(py, Task::Kld, args)
+    }
+
+    /// ``exactscore diff``: where the quantization error enters, from the first server's
+    /// ``/diff`` over the first ``windows`` non-overlapping stretches of ``ctx`` tokens of the
+    /// dataset (the server needs ``--reference-model``). Per decoder layer the cosine error and
+    /// SQNR of the hidden state against the reference's, and the final KLD; ``attribute=True``
+    /// also attributes the KLD to every quantized module (``attribute_layers=(first, last)``,
+    /// ``attribute_pattern="*.mlp.down_proj"`` narrow it). ``reference_until=N``: the served
+    /// model goes on from the reference's state after layer N. ``timeout``: seconds for the one
+    /// request. Returns a ``DiffReport``. The defaults are the CLI's.
+    #[pyo3(
+        signature = (dataset = Dataset::Path("wikitext2".into()), *, ctx = 2048, windows = 4, reference_until = None, attribute = false, attribute_layers = None, attribute_pattern = None, field = "text".to_string(), tokenize = "local".to_string(), timeout = 3600.0, wikitext_path = None),
+        text_signature = "(self, dataset='wikitext2', *, ctx=2048, windows=4, reference_until=None, attribute=False, attribute_layers=None, attribute_pattern=None, field='text', tokenize='local', timeout=3600.0, wikitext_path=None)"
+    )]
+    #[allow(clippy::too_many_arguments)]
+    fn diff(
+        &self,
+        py: Python<'_>,
+        dataset: Dataset,
+        ctx: usize,
+        windows: usize,
+        reference_until: Option<usize>,
+        attribute: bool,
+        attribute_layers: Option<(i64, i64)>,
+        attribute_pattern: Option<String>,
+        field: String,
+        tokenize: String,
+        timeout: f64,
+        wikitext_path: Option<PathBuf>,
+    ) -> PyResult<DiffReport> {
+        let (spec, wikitext_path) = dataset_spec(py, dataset, wikitext_path)?;
+        let mut cfg = DiffConfig::new(self.servers[0].clone(), spec);
+        cfg.api_key = self.api_key.clone();
+        cfg.dataset_options = DatasetOptions {
+            field: Some(field),
+            wikitext_path,
+        };
+        (cfg.ctx, cfg.windows, cfg.reference_until) = (ctx, windows, reference_until);
+        cfg.tokenize = choice::<TokenizeMode>(py, "tokenize", &tokenize)?;
+        cfg.timeout = Duration::try_from_secs_f64(timeout)
+            .ok()
+            .filter(|t| !t.is_zero())
+            .ok_or_else(|| {
+                errors::validation(py, format!("timeout {timeout}: expected seconds > 0"))
+            })?;
+        cfg.retry = self.retry.clone();
+        if !attribute && (attribute_layers.is_some() || attribute_pattern.is_some()) {
+            return Err(errors::validation(
+                py,
+                "attribute_layers and attribute_pattern narrow an attribution: pass \
+                 attribute=True too",
+            ));
+        }
+        cfg.attribute = match (attribute, attribute_layers, attribute_pattern) {
+            (false, ..) => None,
+            (true, None, None) => Some(AttributeInput::All(true)),
+            (true, layers, pattern) => Some(AttributeInput::Select(AttributeSelection {
+                layers: layers.map(|(a, b)| vec![a, b]),
+                pattern,
+            })),
+        };
+        let finished = wait(py, run_diff(cfg), OnInterrupt::Abort, |_| Ok(()))?;
+        let report = finished.value.map_err(|e| errors::ppl_error(py, &e))?;
+        DiffReport::new(report)
     }
 
     fn __repr__(&self) -> String {

@@ -11,6 +11,7 @@ use pyo3::prelude::*;
 
 mod client;
 mod convert;
+mod diff;
 mod errors;
 mod report;
 mod results;
@@ -22,6 +23,8 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<results::ScoreResult>()?;
     m.add_class::<results::KldResult>()?;
     m.add_class::<report::Report>()?;
+    m.add_class::<diff::DiffReport>()?;
+    m.add_function(wrap_pyfunction!(diff::compare, m)?)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     Ok(())
 }

@@ -22,7 +22,7 @@ use crate::errors;
 /// perplexities, ...) and ``per_window`` (list of ``{window, sum_nll, count}``).
 ///
 /// ``str(report)`` is the CLI's table; ``to_dict()``, ``to_json()`` and ``to_pandas()`` convert
-/// it; ``Report.from_json(text)`` reads a report the CLI wrote.
+/// it; ``Report.from_json(path)`` reads a report the CLI wrote.
 #[pyclass(frozen, module = "exactscore")]
 pub struct Report {
     report: exactscore_client::Report,
@@ -30,6 +30,11 @@ pub struct Report {
 }
 
 impl Report {
+    /// The client's report.
+    pub fn inner(&self) -> &exactscore_client::Report {
+        &self.report
+    }
+
     pub fn new(py: Python<'_>, report: exactscore_client::Report) -> PyResult<Self> {
         match serde_json::to_value(&report) {
             Ok(Value::Object(fields)) => Ok(Self { report, fields }),
@@ -43,11 +48,23 @@ impl Report {
 
 #[pymethods]
 impl Report {
-    /// Reads a report from its JSON text (``exactscore ppl --json`` or ``to_json()``).
+    /// Reads a report: a path to the file ``exactscore ppl/kld --json`` wrote (``str`` or
+    /// ``os.PathLike``), or the JSON text itself (``to_json()``; any text starting with ``{``).
+    /// A partial file (``output=``) or a diff report is refused, saying what it is.
     #[staticmethod]
-    fn from_json(py: Python<'_>, text: &str) -> PyResult<Self> {
-        let report = serde_json::from_str(text)
-            .map_err(|e| errors::validation(py, format!("not a report: {e}")))?;
+    fn from_json(py: Python<'_>, source: Bound<'_, PyAny>) -> PyResult<Self> {
+        let text: Option<String> = source.extract().ok();
+        let report = match text {
+            Some(t) if t.trim_start().starts_with('{') => {
+                exactscore_client::Report::from_json_text(&t)
+                    .map_err(|m| errors::validation(py, m))?
+            }
+            _ => {
+                let path: std::path::PathBuf = source.extract()?;
+                exactscore_client::Report::from_path(&path)
+                    .map_err(|e| errors::validation(py, e))?
+            }
+        };
         Self::new(py, report)
     }
 

@@ -6,6 +6,7 @@ import io
 import json
 import os
 import pydoc
+import re
 import shutil
 import signal
 import subprocess
@@ -183,7 +184,8 @@ def test_no_server_is_a_connection_error():
         closed.info()
     assert isinstance(e.value, builtins.ConnectionError)
     assert isinstance(e.value, exactscore.ExactScoreError)
-    assert "cannot connect" in str(e.value) and e.value.url == "http://127.0.0.1:9/info"
+    assert "no server answers there" in str(e.value) and e.value.url == "http://127.0.0.1:9"
+    assert "cargo run --release -p exactscore-server" in str(e.value)
 
 
 def test_refused_arguments_are_validation_errors(client, tmp_path):
@@ -194,7 +196,7 @@ def test_refused_arguments_are_validation_errors(client, tmp_path):
         client.ppl(TEXTS, method="bogus", **RUN)
     with pytest.raises(exactscore.ValidationError, match="unknown dataset type"):
         client.ppl("data.csv", **RUN)
-    with pytest.raises(exactscore.ValidationError, match="--ctx 9000 exceeds the server's max_input_tokens 8192"):
+    with pytest.raises(exactscore.ValidationError, match="^ctx=9000 exceeds the server's max_input_tokens 8192"):
         client.ppl(LONG, ctx=9000, max_windows=1, progress=False)
     existing = tmp_path / "partial.jsonl"
     existing.write_text("{}\n")
@@ -216,6 +218,8 @@ def test_ppl_equals_the_clis_report(client, server, tmp_path):
     assert all(getattr(ours, k) == v for k, v in ours.to_dict().items())
     assert json.loads(ours.to_json()) == ours.to_dict()
     assert exactscore.Report.from_json(out.read_text()).to_dict() == theirs
+    assert exactscore.Report.from_json(out).to_dict() == theirs
+    assert exactscore.Report.from_json(str(out)).to_dict() == theirs
     assert "perplexity" in str(ours) and repr(ours).startswith("Report(dataset='wikitext2'")
     with pytest.raises(AttributeError):
         ours.no_such_field
@@ -251,11 +255,20 @@ def test_kld_eval_equals_the_clis_report(client, server, tmp_path):
     jsonl = tmp_path / "docs.jsonl"
     jsonl.write_text("".join(json.dumps({"text": t}) + "\n" for t in TEXTS))
     out = tmp_path / "cli.json"
-    cli("kld", "--server", server.url, "--api-key", API_KEY, "--dataset", str(jsonl),
-        "--ctx", "32", "--stride", "16", "--no-progress", "--json", str(out))
+    args = ["kld", "--server", server.url, "--api-key", API_KEY, "--dataset", str(jsonl),
+            "--ctx", "32", "--stride", "16", "--no-progress"]
+    cli(*args, "--per-token", "--json", str(out))
     theirs = json.loads(out.read_text())
     ours = client.kld_eval(jsonl, **RUN)
     assert without_timings(ours.to_dict()) == without_timings(theirs)
+    # Without --per-token the CLI's report keeps the statistics and the histogram, not each
+    # token's KLD.
+    compact = tmp_path / "compact.json"
+    cli(*args, "--json", str(compact))
+    small = json.loads(compact.read_text())
+    assert small["kld"] == theirs["kld"] and small["kld"]["histogram"]
+    assert all(w["kld"]["kld"] == [] for w in small["per_window"])
+    assert compact.stat().st_size < out.stat().st_size
     assert ours.kld["mean_kld"] > 0 and "mean_kld" in repr(ours)
 
 
@@ -268,6 +281,50 @@ def test_to_pandas(client):
     windows = report.to_pandas(per_window=True)
     assert list(windows["window"]) == list(range(report.windows))
     assert windows["sum_nll"].sum() == pytest.approx(report.total_nll, rel=1e-12)
+
+
+def test_diff_per_layer_and_its_round_trip(client, server, tmp_path):
+    report = client.diff(TEXTS, ctx=32, windows=2)
+    info = client.info()
+    assert isinstance(report, exactscore.DiffReport)
+    assert len(report.layers) == info["num_layers"] and report.windows == 2
+    assert report.kld["mean_kld"] > 0 and "layer" in str(report)
+    layers = report.to_pandas()
+    assert list(layers["layer"]) == list(range(info["num_layers"]))
+    saved = tmp_path / "diff.json"
+    saved.write_text(report.to_json())
+    assert exactscore.DiffReport.from_json(saved).to_dict() == report.to_dict()
+    report.plot(tmp_path / "layers.png")
+    assert (tmp_path / "layers.png").read_bytes()[:4] == b"\x89PNG"
+    with pytest.raises(exactscore.ValidationError, match="attribute=True"):
+        client.diff(TEXTS, ctx=32, windows=2, attribute_pattern="*.down_proj")
+    with pytest.raises(exactscore.ValidationError, match="no attribution"):
+        report.to_pandas("attribution")
+
+
+def test_compare_reports_and_refuse_mismatches(client, tmp_path):
+    a = client.kld_eval(TEXTS, **RUN)
+    b = client.ppl(TEXTS, **RUN)
+    path = tmp_path / "b.json"
+    path.write_text(b.to_json())
+    table = exactscore.compare([a, path], plot=tmp_path / "cmp.png")
+    assert table.splitlines()[0].startswith("model") and len(table.splitlines()) == 3
+    assert (tmp_path / "cmp.png").read_bytes()[:4] == b"\x89PNG"
+    fewer = client.ppl(TEXTS, max_windows=1, **RUN)
+    with pytest.raises(exactscore.ValidationError, match="windows 1 vs"):
+        exactscore.compare([a, fewer])
+    assert "(≠ windows 1 vs" in exactscore.compare([a, fewer], allow_mismatch=True)
+    with pytest.raises(exactscore.ValidationError, match=r"\.png and \.svg"):
+        exactscore.compare([a], plot=tmp_path / "cmp.pdf")
+
+
+def test_python_defaults_are_the_clis():
+    help_text = cli("ppl", "--help").stdout
+    signature = exactscore.Client.ppl.__text_signature__
+    for name, flag in [("ctx", "ctx"), ("stride", "stride"), ("concurrency", "concurrency")]:
+        default = re.search(rf"--{flag} <\w+>\n.*?\[default: (\d+)\]", help_text, re.S).group(1)
+        assert f"{name}={default}" in signature, (name, default, signature)
+    assert "http://127.0.0.1:8000" in help_text
 
 
 def test_interrupted_ppl_resumes_to_the_same_report(client, tmp_path):
@@ -350,8 +407,8 @@ def test_jupyter_counts_as_seen(monkeypatch):
 
 def test_help_reads_well():
     text = pydoc.render_doc(exactscore.Client, renderer=pydoc.plaintext)
-    assert "Client(url, api_key=None, timeout=600.0, retries=8)" in text
-    assert "ppl(self, dataset='wikitext2', *, method='exl3', ctx=2048, stride=512, concurrency=8" in text
+    assert "Client(url='http://127.0.0.1:8000', api_key=None, timeout=600.0, retries=8)" in text
+    assert "ppl(self, dataset='wikitext2', *, method='exl3', ctx=2048, stride=512, concurrency=4" in text
     assert "score(self, input, /, *, top_k=0, add_special_tokens=True)" in text
     for method in ("info", "score", "kld", "ppl", "kld_eval"):
         assert getattr(exactscore.Client, method).__doc__, method

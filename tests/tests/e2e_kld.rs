@@ -466,6 +466,15 @@ async fn noise_floor_is_the_kld_of_bf16_arithmetic_on_the_same_windows() {
         "{table}"
     );
 
+    // Issue 37: a server of the quantized model against its original (W4A16 vs bf16) is no
+    // noise floor: refused before the main run, saying why.
+    config.noise_floor_server = Some(quantized.base.clone());
+    let err = run_ppl(config.clone()).await.unwrap_err().to_string();
+    assert!(
+        err.contains("not one checkpoint twice") && err.contains("--reference-dtype f32"),
+        "{err}"
+    );
+
     // A server without a reference is refused before the main run, naming the option.
     let plain_server = start(REFERENCE, &[]).await;
     config.noise_floor_server = Some(plain_server.base.clone());

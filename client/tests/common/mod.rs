@@ -62,6 +62,8 @@ pub struct Fake {
     pub scored_windows: std::sync::Mutex<Vec<usize>>,
     /// Answer 429 (Retry-After: 0) to every n-th /score call (0 = never).
     pub throttle_every: usize,
+    /// What /info answers ([`model_info`] unless a test changes it).
+    pub info: std::sync::Mutex<ModelInfo>,
 }
 
 impl Fake {
@@ -73,6 +75,7 @@ impl Fake {
             score_calls: AtomicUsize::new(0),
             scored_windows: Default::default(),
             throttle_every: 0,
+            info: std::sync::Mutex::new(model_info()),
         })
     }
 
@@ -248,7 +251,10 @@ pub fn fake_app(f: Arc<Fake>) -> Router {
                 })
             }),
         )
-        .route("/info", get(|| async { Json(model_info()) }))
+        .route(
+            "/info",
+            get(|State(f): State<Arc<Fake>>| async move { Json(f.info.lock().unwrap().clone()) }),
+        )
         .route(
             "/health/ready",
             get(|| async {

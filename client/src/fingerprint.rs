@@ -1,0 +1,183 @@
+//! What, besides the dataset and the windows, changes a run's numbers: a server's model, its
+//! reference, their formats and dtypes, the activation-quantization emulation, the attention
+//! kernel, the device kind and the server version, all read from `/info`. A partial file records
+//! it so that `--resume` cannot mix numbers of two configurations, and the servers of one run
+//! must agree on it.
+//!
+//! `/info` carries no checkpoint hash yet: the model is identified by its name, architecture,
+//! shape, formats and bits per weight.
+
+use std::collections::BTreeMap;
+
+use exactscore_api::{ModelInfo, ReferenceInfo};
+use serde::{Deserialize, Serialize};
+
+/// The numbers-changing configuration of one server.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Fingerprint {
+    pub model: String,
+    pub architecture: String,
+    pub vocab_size: usize,
+    pub num_layers: usize,
+    pub hidden_size: usize,
+    pub formats: BTreeMap<String, String>,
+    pub bits_per_weight: f64,
+    pub dtype: String,
+    pub activation_quant: BTreeMap<String, String>,
+    pub activation_quant_mode: String,
+    pub attention: String,
+    /// `cpu`, `cuda`: the kinds of the devices, not their count.
+    pub device_kinds: Vec<String>,
+    pub version: String,
+    pub reference: Option<ReferenceFingerprint>,
+}
+
+/// The numbers-changing configuration of a server's reference model.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ReferenceFingerprint {
+    pub model: String,
+    pub architecture: String,
+    pub formats: BTreeMap<String, String>,
+    pub bits_per_weight: f64,
+    pub dtype: Option<String>,
+    pub num_layers: usize,
+    pub hidden_size: usize,
+}
+
+fn device_kinds(devices: &[String]) -> Vec<String> {
+    let mut kinds: Vec<String> = devices
+        .iter()
+        .map(|d| d.split(':').next().unwrap_or(d).to_string())
+        .collect();
+    kinds.sort();
+    kinds.dedup();
+    kinds
+}
+
+impl From<&ReferenceInfo> for ReferenceFingerprint {
+    fn from(r: &ReferenceInfo) -> Self {
+        Self {
+            model: r.model.clone(),
+            architecture: r.architecture.clone(),
+            formats: r.formats.clone(),
+            bits_per_weight: r.bits_per_weight,
+            dtype: r.dtype.clone(),
+            num_layers: r.num_layers,
+            hidden_size: r.hidden_size,
+        }
+    }
+}
+
+impl From<&ModelInfo> for Fingerprint {
+    fn from(i: &ModelInfo) -> Self {
+        Self {
+            model: i.model.clone(),
+            architecture: i.architecture.clone(),
+            vocab_size: i.vocab_size,
+            num_layers: i.num_layers,
+            hidden_size: i.hidden_size,
+            formats: i.formats.clone(),
+            bits_per_weight: i.bits_per_weight,
+            dtype: i.dtype.clone(),
+            activation_quant: i.activation_quant.clone(),
+            activation_quant_mode: i.activation_quant_mode.clone(),
+            attention: i.attention.clone(),
+            device_kinds: device_kinds(&i.devices),
+            version: i.version.clone(),
+            reference: i.reference.as_ref().map(ReferenceFingerprint::from),
+        }
+    }
+}
+
+/// `field a vs b` for each field that differs, `a` from `left`, `b` from `right`.
+pub fn differences(left: &Fingerprint, right: &Fingerprint) -> Vec<String> {
+    let mut out = diff_fields("", &fields(left), &fields(right));
+    match (&left.reference, &right.reference) {
+        (Some(a), Some(b)) => out.extend(diff_fields("reference.", &fields(a), &fields(b))),
+        (None, None) => {}
+        (a, b) => {
+            let name = |r: &Option<ReferenceFingerprint>| {
+                r.as_ref().map_or("none".to_string(), |r| r.model.clone())
+            };
+            out.push(format!("reference {} vs {}", name(a), name(b)));
+        }
+    }
+    out
+}
+
+fn diff_fields(
+    prefix: &str,
+    l: &BTreeMap<String, String>,
+    r: &BTreeMap<String, String>,
+) -> Vec<String> {
+    l.iter()
+        .filter(|(k, a)| r.get(*k) != Some(*a))
+        .map(|(k, a)| {
+            let b = r.get(k).map_or("(none)", String::as_str);
+            format!("{prefix}{k} {a} vs {b}")
+        })
+        .collect()
+}
+
+/// Every top-level field but `reference`, as `name → JSON text`.
+fn fields(f: &impl Serialize) -> BTreeMap<String, String> {
+    match serde_json::to_value(f) {
+        Ok(serde_json::Value::Object(m)) => m
+            .into_iter()
+            .filter(|(k, _)| k != "reference")
+            .map(|(k, v)| (k, v.to_string()))
+            .collect(),
+        _ => BTreeMap::new(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn fp() -> Fingerprint {
+        Fingerprint {
+            model: "m".into(),
+            architecture: "LlamaForCausalLM".into(),
+            vocab_size: 10,
+            num_layers: 2,
+            hidden_size: 8,
+            formats: BTreeMap::from([("q_proj".into(), "w4a16".into())]),
+            bits_per_weight: 4.25,
+            dtype: "f32".into(),
+            activation_quant: BTreeMap::new(),
+            activation_quant_mode: "off".into(),
+            attention: "materialized".into(),
+            device_kinds: vec!["cpu".into()],
+            version: "0.1.0".into(),
+            reference: None,
+        }
+    }
+
+    #[test]
+    fn names_each_differing_field() {
+        let a = fp();
+        assert!(differences(&a, &a).is_empty());
+        let mut b = fp();
+        b.dtype = "bf16".into();
+        b.reference = Some(ReferenceFingerprint {
+            model: "r".into(),
+            architecture: "LlamaForCausalLM".into(),
+            formats: BTreeMap::new(),
+            bits_per_weight: 16.0,
+            dtype: Some("f32".into()),
+            num_layers: 2,
+            hidden_size: 8,
+        });
+        let d = differences(&a, &b);
+        assert_eq!(d, vec![r#"dtype "f32" vs "bf16""#, "reference none vs r"]);
+        let mut c = b.clone();
+        if let Some(r) = c.reference.as_mut() {
+            r.dtype = Some("bf16".into());
+        }
+        assert_eq!(
+            differences(&b, &c),
+            vec![r#"reference.dtype "f32" vs "bf16""#]
+        );
+    }
+}
