@@ -12,7 +12,7 @@ use exactscore_api::{Limits, ModelInfo, ReferenceInfo, ReplicaPlacement, StagePl
 use tokio::net::TcpListener;
 use tokio::sync::Semaphore;
 
-use crate::checkpoint::{read_to_string, Checkpoint, LoadError};
+use crate::checkpoint::{check_model_dir, read_to_string, Checkpoint, LoadError};
 use crate::config::{Config, DeviceName, HttpConfig};
 use crate::engine::batcher::EngineThread;
 use crate::engine::fault::FaultInjecting;
@@ -294,6 +294,7 @@ pub struct Loaded {
 
 fn load_models(config: &Config) -> Result<Loaded, AppError> {
     let dir = &config.model_dir;
+    check_model_dir(dir)?;
     let model_config = ModelConfig::from_json(&read_to_string(&dir.join("config.json"))?)?;
     let max_input_tokens = config.resolve_max_input_tokens(model_config.max_position_embeddings);
     let options = ModelOptions {
@@ -312,6 +313,7 @@ fn load_models(config: &Config) -> Result<Loaded, AppError> {
         Some(r) => {
             let dir = &r.model_dir;
             let open = || -> Result<Source, AppError> {
+                check_model_dir(dir)?;
                 let reference_config =
                     ModelConfig::from_json(&read_to_string(&dir.join("config.json"))?)?;
                 Source::open(dir, reference_config)
@@ -428,9 +430,9 @@ fn log_placement(replica: usize, which: &str, placed: &Placed) {
             which,
             stage = k,
             %device,
-            layers = ?plan.layers,
-            weight_gib = plan.weight_bytes as f64 / GIB,
-            expected_peak_gib = plan.expected_peak as f64 / GIB,
+            layers = %format!("{}..{}", plan.layers.start, plan.layers.end),
+            weight_gib = %format!("{:.3}", plan.weight_bytes as f64 / GIB),
+            expected_peak_gib = %format!("{:.3}", plan.expected_peak as f64 / GIB),
             "placement"
         );
     }

@@ -21,6 +21,10 @@ pub enum LoadError {
         path: PathBuf,
         source: std::io::Error,
     },
+    /// `--model` (or `--reference-model`) names no checkpoint directory: what it is instead,
+    /// and what to do.
+    #[error("{path}: {reason}")]
+    NotACheckpoint { path: PathBuf, reason: String },
     #[error("{path}: invalid JSON: {source}")]
     Json {
         path: PathBuf,
@@ -476,6 +480,82 @@ fn validate_header(file: &Path) -> Result<(), LoadError> {
         )));
     }
     Ok(())
+}
+
+/// Checks that `dir` is a checkpoint directory (it has a config.json) before anything is read
+/// from it; where it is not, says what it is (a GGUF file, a Hugging Face hub id, a hub cache
+/// folder) and what to pass instead.
+pub fn check_model_dir(dir: &Path) -> Result<(), LoadError> {
+    let refuse = |reason: String| {
+        Err(LoadError::NotACheckpoint {
+            path: dir.to_path_buf(),
+            reason,
+        })
+    };
+    const EXPECTED: &str = "ExactScore loads a Hugging Face checkpoint directory (config.json, \
+                            *.safetensors, tokenizer.json)";
+    if dir.is_file() {
+        let gguf = dir
+            .extension()
+            .is_some_and(|e| e.eq_ignore_ascii_case("gguf"))
+            || std::fs::File::open(dir)
+                .and_then(|mut f| {
+                    let mut magic = [0u8; 4];
+                    std::io::Read::read_exact(&mut f, &mut magic).map(|()| magic)
+                })
+                .is_ok_and(|magic| &magic == b"GGUF");
+        if gguf {
+            return refuse(format!(
+                "a GGUF file, which ExactScore does not read; {EXPECTED}: download the Hugging \
+                 Face checkpoint (`huggingface-cli download ORG/NAME --local-dir DIR`) and pass \
+                 --model DIR"
+            ));
+        }
+        return refuse(format!(
+            "a file, not a directory; {EXPECTED}: pass the directory that holds them"
+        ));
+    }
+    if !dir.exists() {
+        let text = dir.to_string_lossy();
+        let parts: Vec<&str> = text.split('/').collect();
+        let hub_id = parts.len() == 2
+            && parts
+                .iter()
+                .all(|p| !p.is_empty() && *p != "." && *p != "..")
+            && !text.starts_with('.');
+        if hub_id {
+            return refuse(format!(
+                "no such directory; it looks like a Hugging Face hub id, and ExactScore reads \
+                 local directories only: `huggingface-cli download {text} --local-dir DIR`, \
+                 then --model DIR"
+            ));
+        }
+        return refuse("no such directory".into());
+    }
+    if dir.join("config.json").is_file() {
+        return Ok(());
+    }
+    let snapshots = dir.join("snapshots");
+    if snapshots.is_dir() {
+        let mut revisions: Vec<String> = std::fs::read_dir(&snapshots)
+            .map(|entries| {
+                entries
+                    .filter_map(|e| e.ok()?.file_name().into_string().ok())
+                    .collect()
+            })
+            .unwrap_or_default();
+        revisions.sort();
+        return refuse(format!(
+            "a Hugging Face cache folder, not a checkpoint: pass {}/<revision>/ (found: {})",
+            snapshots.display(),
+            if revisions.is_empty() {
+                "none".to_string()
+            } else {
+                revisions.join(", ")
+            }
+        ));
+    }
+    refuse(format!("no config.json here; {EXPECTED}"))
 }
 
 pub(crate) fn read_to_string(path: &Path) -> Result<String, LoadError> {

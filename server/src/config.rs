@@ -166,29 +166,15 @@ pub struct Args {
     /// Devices of the reference model, in `--device`'s syntax; cut into `--replicas` groups like
     /// `--device` (default: the first device of each served replica). A CPU model needs a CPU
     /// reference, a GPU model a GPU one.
-    #[arg(
-        long,
-        env = "EXACTSCORE_REFERENCE_DEVICE",
-        requires = "reference_model"
-    )]
+    #[arg(long, env = "EXACTSCORE_REFERENCE_DEVICE")]
     pub reference_device: Option<String>,
     /// Compute dtype of the reference model (default: `--dtype`). The same checkpoint as
     /// `--model` in `f32` against a `bf16` served model measures what bf16 arithmetic alone
     /// costs: the noise floor of a KL-divergence.
-    #[arg(
-        long,
-        env = "EXACTSCORE_REFERENCE_DTYPE",
-        value_enum,
-        requires = "reference_model"
-    )]
+    #[arg(long, env = "EXACTSCORE_REFERENCE_DTYPE", value_enum)]
     pub reference_dtype: Option<DtypeArg>,
     /// `--layer-split` of the reference model.
-    #[arg(
-        long,
-        env = "EXACTSCORE_REFERENCE_LAYER_SPLIT",
-        value_delimiter = ',',
-        requires = "reference_model"
-    )]
+    #[arg(long, env = "EXACTSCORE_REFERENCE_LAYER_SPLIT", value_delimiter = ',')]
     pub reference_layer_split: Option<Vec<usize>>,
     /// Testing only: inject a fault into the engine (`device-lost-after:N` batches,
     /// `out-of-memory-above:N` tokens) to drive the failure paths of the real binary.
@@ -227,6 +213,21 @@ pub struct DeviceSpec {
     pub replicas: Vec<Vec<DeviceName>>,
 }
 
+/// As the flags take it: stages joined by `,`, replicas by ` | ` (`cuda:0,cuda:1 | cuda:2,cuda:3`).
+impl std::fmt::Display for DeviceSpec {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let replicas: Vec<String> = self
+            .replicas
+            .iter()
+            .map(|stages| {
+                let names: Vec<String> = stages.iter().map(|d| d.to_string()).collect();
+                names.join(",")
+            })
+            .collect();
+        f.write_str(&replicas.join(" | "))
+    }
+}
+
 impl DeviceSpec {
     /// One replica of one stage on the CPU.
     pub fn cpu() -> Self {
@@ -260,6 +261,27 @@ pub enum ConfigError {
         value: String,
         rule: String,
     },
+}
+
+/// The flags that place or shape the reference model, given without one: named, with what
+/// they need.
+fn check_no_reference_flags(args: &Args) -> Result<(), ConfigError> {
+    let needs = "needs --reference-model (the reference checkpoint it applies to)";
+    if let Some(device) = &args.reference_device {
+        return Err(invalid("reference-device", device, needs));
+    }
+    if let Some(dtype) = args.reference_dtype {
+        return Err(invalid(
+            "reference-dtype",
+            DType::from(dtype).as_str(),
+            needs,
+        ));
+    }
+    if let Some(split) = &args.reference_layer_split {
+        let split: Vec<String> = split.iter().map(|n| n.to_string()).collect();
+        return Err(invalid("reference-layer-split", split.join(","), needs));
+    }
+    Ok(())
 }
 
 fn invalid(flag: &'static str, value: impl ToString, rule: impl ToString) -> ConfigError {
@@ -390,6 +412,9 @@ impl Config {
         }
         if let Some(key) = &args.api_key {
             check_api_key(key)?;
+        }
+        if args.reference_model.is_none() {
+            check_no_reference_flags(&args)?;
         }
         let reference = args
             .reference_model
@@ -744,8 +769,7 @@ mod tests {
         let r = c.reference.unwrap();
         assert_eq!((r.name.as_str(), &r.device), ("bf16", &DeviceSpec::cpu()));
         assert!(parse(&[]).unwrap().reference.is_none());
-        let argv = ["exactscore-server", "--reference-device", "cpu"];
-        assert!(Args::try_parse_from(argv).is_err());
+        assert!(parse(&["--reference-device", "cpu"]).is_err());
     }
 
     #[test]
@@ -765,11 +789,26 @@ mod tests {
             (c.dtype, c.reference.unwrap().dtype),
             (DType::BF16, DType::F32)
         );
-        let argv = ["exactscore-server", "--reference-dtype", "f32"];
-        assert!(
-            Args::try_parse_from(argv).is_err(),
-            "needs --reference-model"
-        );
+    }
+
+    /// A reference flag without a reference model is refused naming the flag and what it needs
+    /// (clap's `requires` said only "the following required arguments were not provided").
+    #[test]
+    fn reference_flags_without_a_reference_model_name_themselves() {
+        for (args, flag) in [
+            (&["--reference-device", "cpu"][..], "--reference-device cpu"),
+            (&["--reference-dtype", "f32"][..], "--reference-dtype f32"),
+            (
+                &["--reference-layer-split", "1,1"][..],
+                "--reference-layer-split 1,1",
+            ),
+        ] {
+            let err = parse(args).unwrap_err().to_string();
+            assert!(
+                err.starts_with(flag) && err.contains("needs --reference-model"),
+                "{err}"
+            );
+        }
     }
 
     #[test]

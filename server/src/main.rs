@@ -25,11 +25,17 @@ fn main() -> ExitCode {
             return ExitCode::SUCCESS;
         }
         Err(e) => {
-            // clap's message without its usage block, on one line.
+            // clap's message without its usage block, on one line, with the values a flag
+            // takes where it lists them.
             let text = e.render().to_string();
             let first = text.lines().next().unwrap_or("invalid arguments");
             let first = first.strip_prefix("error: ").unwrap_or(first);
-            eprintln!("exactscore-server: error: {first} (see --help)");
+            let values = text
+                .lines()
+                .map(str::trim)
+                .find(|l| l.starts_with("[possible values:"))
+                .map_or(String::new(), |l| format!(" {l}"));
+            eprintln!("exactscore-server: error: {first}{values} (see --help)");
             return ExitCode::from(2);
         }
     };
@@ -84,12 +90,11 @@ async fn run(args: Args) -> anyhow::Result<()> {
     }
     let config = Config::from_args(args).context("invalid configuration")?;
     init_logging(config.log_format);
-    tracing::info!(model = %config.model_dir.display(), device = ?config.device, "loading");
+    // The port first: a port in use is found in a moment, not after the model has loaded.
+    let listener = bind(&config.host, config.port).await?;
+    tracing::info!(model = %config.model_dir.display(), device = %config.device, "loading");
 
     let server = Server::load(&config).await.context("starting the engine")?;
-    let listener = tokio::net::TcpListener::bind((config.host.as_str(), config.port))
-        .await
-        .with_context(|| format!("binding {}:{}", config.host, config.port))?;
     let addr = listener.local_addr()?;
     server.warm_up().await.context("warm-up")?;
     tracing::info!(%addr, model = %server.state.info.model, "ready");
@@ -112,6 +117,18 @@ async fn run(args: Args) -> anyhow::Result<()> {
         Shutdown::DeviceLost(message) => {
             anyhow::bail!("a device failed for good ({message}); exiting for a restart")
         }
+    }
+}
+
+/// The listening socket, with what to do when the address is taken.
+async fn bind(host: &str, port: u16) -> anyhow::Result<tokio::net::TcpListener> {
+    match tokio::net::TcpListener::bind((host, port)).await {
+        Ok(listener) => Ok(listener),
+        Err(e) if e.kind() == std::io::ErrorKind::AddrInUse => anyhow::bail!(
+            "cannot listen on {host}:{port}: the address is in use (another exactscore-server?): \
+             pass --port N, or stop what listens there"
+        ),
+        Err(e) => Err(anyhow::Error::new(e).context(format!("binding {host}:{port}"))),
     }
 }
 

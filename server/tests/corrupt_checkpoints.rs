@@ -461,3 +461,70 @@ async fn a_missing_reference_directory_is_named_as_the_reference() {
     );
     assert!(!message.starts_with("loading the model"), "{message}");
 }
+
+/// `--model` paths that are no checkpoint directory say what they are and what to pass.
+#[test]
+fn paths_that_are_not_checkpoints_say_what_they_are_and_what_to_do() {
+    use exactscore_server::checkpoint::check_model_dir;
+    let tmp = tempfile::tempdir().unwrap();
+    let gguf = tmp.path().join("model.bin");
+    std::fs::write(&gguf, b"GGUF\x03\x00\x00\x00").unwrap();
+    let file = tmp.path().join("weights.safetensors");
+    std::fs::write(&file, b"{}").unwrap();
+    let cache = tmp.path().join("models--org--name");
+    std::fs::create_dir_all(cache.join("snapshots/0123abcd")).unwrap();
+    let empty = tmp.path().join("empty");
+    std::fs::create_dir_all(&empty).unwrap();
+    let hub_id = std::path::PathBuf::from("some-org/Some-Model-8B");
+    for (path, needles) in [
+        (
+            &gguf,
+            &["GGUF file", "huggingface-cli download", "--model DIR"][..],
+        ),
+        (&file, &["a file, not a directory", "config.json"][..]),
+        (
+            &hub_id,
+            &["hub id", "huggingface-cli download some-org/Some-Model-8B"][..],
+        ),
+        (
+            &cache,
+            &["cache folder", "snapshots/<revision>", "0123abcd"][..],
+        ),
+        (&empty, &["no config.json"][..]),
+    ] {
+        let err = check_model_dir(path).unwrap_err().to_string();
+        assert_mentions(&err, needles);
+    }
+    check_model_dir(&fixtures().join(BASE)).unwrap();
+}
+
+/// GPTQ and AWQ checkpoints are refused naming the format, what is read instead and how to
+/// get it; any other method names itself.
+#[test]
+fn other_quantization_methods_say_what_to_do() {
+    use exactscore_server::quant::QuantizationConfig;
+    for (method, needles) in [
+        (
+            "gptq",
+            &[
+                "GPTQ checkpoint",
+                "GPTQModifier",
+                "llm-compressor",
+                "compressed-tensors",
+            ][..],
+        ),
+        ("awq", &["AWQ checkpoint", "AWQModifier"][..]),
+        (
+            "bitsandbytes",
+            &["\"bitsandbytes\" is not supported", "llm-compressor"][..],
+        ),
+    ] {
+        let raw = serde_json::json!({"quant_method": method, "bits": 4});
+        let err = QuantizationConfig::parse(&raw)
+            .err()
+            .expect("refused")
+            .to_string();
+        assert_mentions(&err, needles);
+        assert_mentions(&err, &["quantization_config.quant_method"]);
+    }
+}

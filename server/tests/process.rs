@@ -274,6 +274,11 @@ fn startup_errors_are_one_line() {
         (&["--device", "tpu"][..], 1, "--device tpu"),
         (&["--max-batch-tokens", "0"][..], 1, "--max-batch-tokens"),
         (&["--max-queued-requests", "eighty"][..], 2, "eighty"),
+        (
+            &["--dtype", "f64"][..],
+            2,
+            "[possible values: f32, bf16, f16]",
+        ),
         (&["--no-such-flag"][..], 2, "--no-such-flag"),
     ] {
         let (status, stdout, stderr) = run_to_exit(args, &[("RUST_BACKTRACE", "1")]);
@@ -294,6 +299,36 @@ fn startup_errors_are_one_line() {
         .skip_while(|l| !l.starts_with("exactscore-server: error: "))
         .collect();
     assert!(after.len() > 3, "no backtrace when asked: {stderr}");
+}
+
+/// A port in use is refused at once, before the model loads, saying what to do.
+#[test]
+fn a_port_in_use_is_refused_before_the_model_loads() {
+    let taken = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = taken.local_addr().unwrap().port().to_string();
+    let out = Command::new(BIN)
+        .args([
+            "--model",
+            &fixture(),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            &port,
+        ])
+        .env_remove("RUST_LOG")
+        .stdin(Stdio::null())
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    assert!(
+        stderr.contains(&format!("127.0.0.1:{port}"))
+            && stderr.contains("in use")
+            && stderr.contains("--port"),
+        "{stderr}"
+    );
+    // Nothing was loaded: the "loading" line comes after the bind.
+    assert!(!stderr.contains("loading"), "{stderr}");
 }
 
 /// Logs (at trace level) go to stderr, carry no ANSI codes when stderr is a pipe and never
@@ -339,6 +374,22 @@ async fn logs_are_plain_and_never_hold_the_key() {
         server.stdout.lock().unwrap().is_empty(),
         "logs went to stdout"
     );
+    // The start-up lines read as the flags do: no Rust Debug text, sizes to three decimals.
+    let startup: Vec<&str> = log
+        .lines()
+        .filter(|l| l.contains("loading") || l.contains("placement"))
+        .collect();
+    assert!(startup.len() >= 2, "{log}");
+    for line in startup {
+        assert!(
+            !line.contains("DeviceSpec") && !line.contains('['),
+            "{line}"
+        );
+        for field in line.split_whitespace().filter(|w| w.contains("_gib=")) {
+            let decimals = field.split('.').nth(1).map_or(0, str::len);
+            assert!(decimals <= 3, "{line}");
+        }
+    }
 }
 
 // ---- disconnects -----------------------------------------------------------------------

@@ -288,6 +288,29 @@ fn is_empty(v: &Value) -> bool {
     }
 }
 
+/// Why a checkpoint quantized by `method` is refused, and what to do instead.
+fn unsupported_method(method: Option<&str>) -> String {
+    const READS: &str = "ExactScore reads compressed-tensors checkpoints (quant_method \
+                         \"compressed-tensors\": what llm-compressor writes and vLLM serves)";
+    let modifier = match method {
+        Some("gptq") => Some(("a GPTQ checkpoint", "GPTQModifier")),
+        Some("awq") => Some(("an AWQ checkpoint", "AWQModifier")),
+        _ => None,
+    };
+    match (method, modifier) {
+        (Some(m), Some((what, modifier))) => format!(
+            "\"{m}\" is {what}, which ExactScore does not read yet. {READS}: quantize the \
+             original with llm-compressor ({modifier}, the same scheme) to score that, or \
+             score the unquantized original"
+        ),
+        (Some(m), None) => format!(
+            "\"{m}\" is not supported. {READS}: quantize the original with llm-compressor, \
+             or score the unquantized original"
+        ),
+        (None, _) => format!("missing. {READS}"),
+    }
+}
+
 impl QuantizationConfig {
     pub fn parse(raw: &Value) -> Result<Self, LoadError> {
         const ROOT: &str = "quantization_config";
@@ -298,7 +321,7 @@ impl QuantizationConfig {
             other => {
                 return Err(LoadError::config(
                     format!("{ROOT}.quant_method"),
-                    format!("{other:?} is not supported (only compressed-tensors)"),
+                    unsupported_method(other),
                 ))
             }
         }
