@@ -270,12 +270,17 @@ impl BatchRun<'_> {
                 }
             }
             Err(err) => {
-                tracing::error!(
-                    batch_id = self.batch_id,
-                    replica = self.state.index,
-                    error = %err,
-                    "batch failed"
-                );
+                // A batch the drain abandoned is the shutdown working, not a failure.
+                if matches!(err, EngineError::Abandoned) {
+                    tracing::info!(batch_id = self.batch_id, "batch abandoned by the drain");
+                } else {
+                    tracing::error!(
+                        batch_id = self.batch_id,
+                        replica = self.state.index,
+                        error = %err,
+                        "batch failed"
+                    );
+                }
                 for job in jobs {
                     let _ = job.reply.send(Err(err.clone()));
                 }

@@ -217,7 +217,7 @@ pub fn router(state: SharedState) -> Router {
         .layer(Extension(BodyLimit(limit)))
         .layer(Extension(BodyReadTimeout(state.http.body_read_timeout)))
         .layer(middleware::from_fn(metrics::track))
-        .layer(tower_http::trace::TraceLayer::new_for_http())
+        .layer(tower_http::trace::TraceLayer::new_for_http().on_failure(log_failure))
         .with_state(state)
 }
 
@@ -330,4 +330,21 @@ pub(crate) fn route_label(req: &Request) -> String {
     req.extensions()
         .get::<MatchedPath>()
         .map_or_else(|| "unmatched".to_string(), |p| p.as_str().to_string())
+}
+
+/// A 5xx answer in the log: 503 (not ready, draining, overloaded device, a drained request)
+/// is the server saying "later", logged as a warning; any other is an error.
+fn log_failure(
+    class: tower_http::classify::ServerErrorsFailureClass,
+    latency: std::time::Duration,
+    _span: &tracing::Span,
+) {
+    use tower_http::classify::ServerErrorsFailureClass::StatusCode;
+    let latency_ms = latency.as_millis();
+    match class {
+        StatusCode(code) if code == axum::http::StatusCode::SERVICE_UNAVAILABLE => {
+            tracing::warn!(status = 503, latency_ms, "service unavailable")
+        }
+        class => tracing::error!(classification = %class, latency_ms, "response failed"),
+    }
 }
