@@ -1,10 +1,13 @@
 #!/usr/bin/env bash
 # Runs on the lent GPU machine: two builds of ExactScore on one card, to show that a change
-# moved no number and no time. The builds come gzipped in .device/ as for device_bench.sh:
-# the new one as exactscore-server.gz / exactscore-bench.gz, the old one as
-# old-exactscore-server.gz / old-exactscore-bench.gz.
-#   bash scripts/device_compare_builds.sh [golden] [check] [speed SHAPE FORMAT BATCHES ROUNDS]...
-# golden: scripts/golden_digest.py with both servers on cuda:0 (f32 and bf16), compared.
+# moved no number and no time. The builds come compressed in .device/ (xz: two builds and the
+# fixtures fit the 64 MiB a device call carries; gzip as for device_bench.sh also works): the
+# new one as exactscore-server.xz / exactscore-bench.xz, the old one as
+# old-exactscore-server.xz / old-exactscore-bench.xz.
+#   bash scripts/device_compare_builds.sh [golden DEVICES DTYPES] [check]
+#                                         [speed SHAPE FORMAT BATCHES ROUNDS]...
+# golden: scripts/golden_digest.py with both servers on DEVICES (`cuda:0`, or `cuda:0,cuda:1`
+#         for a model split over two GPUs), in DTYPES (`f32,bf16`), compared.
 # check:  `exactscore-bench check` of the new build (every row must be ok).
 # speed:  `exactscore-bench speed` of SHAPE, old and new interleaved ROUNDS times each; the
 #         table at the end gives each build's median ms/window per batch, and their ratio.
@@ -13,17 +16,23 @@ set -uo pipefail
 export LD_LIBRARY_PATH=${CUDA_LIB_DIR:-/opt/torch/.venv/lib/python3.12/site-packages/nvidia/cu13/lib}:${LD_LIBRARY_PATH:-}
 OUT=${OUT:-/tmp/exactscore-out}
 mkdir -p "$OUT"
-for b in .device/*.gz; do
-  name=$(basename "$b" .gz)
-  gzip -dc "$b" > "/tmp/$name" && chmod +x "/tmp/$name"
+for b in .device/*.xz .device/*.gz; do
+  [ -f "$b" ] || continue
+  name=$(basename "${b%.*}")
+  python3 -c "import gzip, lzma, shutil, sys; o = lzma.open if sys.argv[1].endswith('.xz') else gzip.open
+shutil.copyfileobj(o(sys.argv[1]), open(sys.argv[2], 'wb'))" "$b" "/tmp/$name" && chmod +x "/tmp/$name"
 done
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/device.txt"
 status=0
 
+# golden DEVICES DTYPES: both builds' digests with --device DEVICES, compared.
 golden() {
-  python3 scripts/golden_digest.py /tmp/old-exactscore-server > "$OUT/golden-old.json" &&
-    python3 scripts/golden_digest.py /tmp/exactscore-server > "$OUT/golden-new.json" &&
-    python3 scripts/golden_digest.py --compare "$OUT/golden-old.json" "$OUT/golden-new.json"
+  local devices=$1 dtypes=$2 tag=${1//[:,]/-}
+  python3 scripts/golden_digest.py /tmp/old-exactscore-server --device "$devices" --dtypes "$dtypes" \
+    > "$OUT/golden-old-$tag.json" &&
+    python3 scripts/golden_digest.py /tmp/exactscore-server --device "$devices" --dtypes "$dtypes" \
+      > "$OUT/golden-new-$tag.json" &&
+    python3 scripts/golden_digest.py --compare "$OUT/golden-old-$tag.json" "$OUT/golden-new-$tag.json"
 }
 
 # One `speed` run of $1 (old or new) appends its table rows, labelled, to speed-rows.txt.
@@ -70,7 +79,7 @@ step() {
 
 while [ $# -gt 0 ]; do
   case "$1" in
-    golden) step golden.txt golden; shift ;;
+    golden) step golden.txt golden "$2" "$3"; shift 3 ;;
     check) step check.txt /tmp/exactscore-bench check --fixtures tests/fixtures; shift ;;
     speed) step speed.txt speed "$2" "$3" "$4" "$5"; shift 5 ;;
     *) echo "unknown step $1"; exit 2 ;;

@@ -24,25 +24,9 @@ from pathlib import Path
 
 FIXTURES = Path(__file__).resolve().parent.parent / "tests" / "fixtures"
 
-# (served fixture, reference fixture): tests/tests/golden_digest.rs's table.
-CASES = [
-    ("llama-dense-bf16", "llama-w4a16-g128"),
-    ("llama-fp8-dynamic", "llama-dense-bf16"),
-    ("llama-nvfp4", "llama-dense-bf16"),
-    ("llama-nvfp4a16", "llama-dense-bf16"),
-    ("llama-w4a16-asym-g64", "llama-dense-bf16"),
-    ("llama-w4a16-g128", "llama-dense-bf16"),
-    ("llama-w8a16-channel", "llama-dense-bf16"),
-    ("gemma2-dense-bf16", "gemma2-w4a16-g32"),
-    ("gemma2-w4a16-g32", "gemma2-dense-bf16"),
-    ("gemma3-dense-bf16", "gemma3-w4a16-g32"),
-    ("gemma3-nvfp4a16", "gemma3-dense-bf16"),
-    ("gemma3-w4a16-g32", "gemma3-dense-bf16"),
-    ("mixtral-w4a16-g32", "mixtral-w4a16-g32"),
-    ("qwen3moe-fp8-dynamic", "qwen3moe-w4a16-g32"),
-    ("qwen3moe-nvfp4", "qwen3moe-w4a16-g32"),
-    ("qwen3moe-w4a16-g32", "qwen3moe-fp8-dynamic"),
-]
+# (served fixture, reference fixture): the table tests/tests/golden_digest.rs reads too.
+CASES = [(c["served"], c["reference"]) for c in
+         json.loads((FIXTURES.parent / "golden" / "cases.json").read_text())["cases"]]
 
 
 def sequences(variant):

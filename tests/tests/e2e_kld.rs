@@ -17,14 +17,7 @@ const SERVED: &str = "llama-w4a16-g128";
 const REFERENCE: &str = "llama-dense-bf16";
 
 fn fixture_sequences() -> Vec<Vec<u32>> {
-    let text = std::fs::read_to_string(fixture(REFERENCE).join("reference.json")).unwrap();
-    let v: Value = serde_json::from_str(&text).unwrap();
-    v["sequences"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|s| serde_json::from_value(s["token_ids"].clone()).unwrap())
-        .collect()
+    common::reference_sequences(REFERENCE)
 }
 
 async fn post(base: &str, route: &str, body: Value) -> (u16, String) {

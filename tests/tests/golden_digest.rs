@@ -12,51 +12,35 @@ mod common;
 use std::collections::BTreeMap;
 use std::path::PathBuf;
 
-use common::{fixture, start};
+use common::{fixture, reference_sequences, start};
 use serde_json::{json, Value};
 use sha2::{Digest, Sha256};
 
-/// Each fixture with its reference for `/kld` and `/diff`: the family's dense checkpoint, or
-/// another quantization of the family where it has no dense one.
-const CASES: [(&str, &str); 16] = [
-    ("llama-dense-bf16", "llama-w4a16-g128"),
-    ("llama-fp8-dynamic", "llama-dense-bf16"),
-    ("llama-nvfp4", "llama-dense-bf16"),
-    ("llama-nvfp4a16", "llama-dense-bf16"),
-    ("llama-w4a16-asym-g64", "llama-dense-bf16"),
-    ("llama-w4a16-g128", "llama-dense-bf16"),
-    ("llama-w8a16-channel", "llama-dense-bf16"),
-    ("gemma2-dense-bf16", "gemma2-w4a16-g32"),
-    ("gemma2-w4a16-g32", "gemma2-dense-bf16"),
-    ("gemma3-dense-bf16", "gemma3-w4a16-g32"),
-    ("gemma3-nvfp4a16", "gemma3-dense-bf16"),
-    ("gemma3-w4a16-g32", "gemma3-dense-bf16"),
-    ("mixtral-w4a16-g32", "mixtral-w4a16-g32"),
-    ("qwen3moe-fp8-dynamic", "qwen3moe-w4a16-g32"),
-    ("qwen3moe-nvfp4", "qwen3moe-w4a16-g32"),
-    ("qwen3moe-w4a16-g32", "qwen3moe-fp8-dynamic"),
-];
+/// Pairs of fixture names and what goes with them.
+type Pairs = Vec<(String, String)>;
 
-/// Extra device layouts, on two fixtures: the pipeline's stage walking is guarded too.
-const LAYOUTS: [(&str, &str); 2] = [
-    ("llama-w4a16-g128", "cpu,cpu"),
-    ("qwen3moe-w4a16-g32", "cpu,cpu"),
-];
+/// tests/golden/cases.json: (served, reference) pairs and (served, device layout) pairs.
+fn cases() -> (Pairs, Pairs) {
+    let path = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("golden/cases.json");
+    let v: Value = serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
+    let pairs = |key: &str, second: &str| -> Pairs {
+        v[key]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|c| {
+                (
+                    c["served"].as_str().unwrap().into(),
+                    c[second].as_str().unwrap().into(),
+                )
+            })
+            .collect()
+    };
+    (pairs("cases", "reference"), pairs("layouts", "device"))
+}
 
 fn golden_file() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("golden/digests.json")
-}
-
-/// The fixture's four reference sequences (17, 59, 223 and 256 ids).
-fn sequences(variant: &str) -> Vec<Vec<u32>> {
-    let text = std::fs::read_to_string(fixture(variant).join("reference.json")).unwrap();
-    let v: Value = serde_json::from_str(&text).unwrap();
-    v["sequences"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|s| serde_json::from_value(s["token_ids"].clone()).unwrap())
-        .collect()
 }
 
 /// Every route's request, with every optional output turned on; attribution where the
@@ -126,7 +110,7 @@ async fn digests_of(
     .await;
     let client = reqwest::Client::new();
     let mut out = Vec::new();
-    for (name, body) in requests(&sequences(variant), variant != reference) {
+    for (name, body) in requests(&reference_sequences(variant), variant != reference) {
         let route = if name.starts_with("diff") {
             "diff"
         } else {
@@ -155,14 +139,15 @@ async fn digests_of(
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn every_response_on_every_fixture_equals_the_recorded_digest() {
+    let (served_cases, layouts) = cases();
     let mut now = BTreeMap::new();
-    for (variant, reference) in CASES {
+    for (variant, reference) in &served_cases {
         for dtype in ["f32", "bf16"] {
             now.extend(digests_of(variant, reference, dtype, "cpu").await);
         }
     }
-    for (variant, device) in LAYOUTS {
-        let reference = CASES.iter().find(|c| c.0 == variant).unwrap().1;
+    for (variant, device) in &layouts {
+        let reference = &served_cases.iter().find(|c| &c.0 == variant).unwrap().1;
         now.extend(digests_of(variant, reference, "f32", device).await);
     }
 

@@ -14,6 +14,18 @@ pub fn fixture(variant: &str) -> PathBuf {
         .join(variant)
 }
 
+/// The token ids of the fixture's reference sequences (17, 59, 223 and 256 ids).
+pub fn reference_sequences(variant: &str) -> Vec<Vec<u32>> {
+    let text = std::fs::read_to_string(fixture(variant).join("reference.json")).unwrap();
+    let v: serde_json::Value = serde_json::from_str(&text).unwrap();
+    v["sequences"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|s| serde_json::from_value(s["token_ids"].clone()).unwrap())
+        .collect()
+}
+
 /// A few KiB of WikiText-2 as a `.txt` dataset in `dir`.
 pub fn dataset(dir: &Path) -> exactscore_client::dataset::DatasetSpec {
     let gz = PathBuf::from(env!("CARGO_MANIFEST_DIR"))

@@ -149,17 +149,7 @@ pub fn speed(
 ) -> Result<()> {
     let shape =
         random_model::Shape::named(shape).with_context(|| format!("unknown shape {shape}"))?;
-    let build = |format: &str| -> Result<Model> {
-        let (config, ckpt) = random_model::build(&shape, format, None)?;
-        let opts = options(
-            device,
-            dtype,
-            ActivationQuantMode::Emulate,
-            ctx,
-            AttentionKernel::Auto,
-        );
-        Ok(Model::from_checkpoint(config, &ckpt, &opts)?)
-    };
+    let build = |format: &str| random_model::model(&shape, format, device, dtype, ctx);
     let (model, reference) = (build(format)?, build("bf16")?);
     let tokens: Vec<u32> = (0..ctx * windows)
         .map(|i| ((i * 7919) % shape.vocab) as u32)

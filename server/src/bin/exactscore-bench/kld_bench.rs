@@ -206,17 +206,7 @@ pub fn speed(
     min_ratio: f64,
 ) -> Result<()> {
     let shape = random_model::Shape::named(shape)?;
-    let build = |format: &str| -> Result<Model> {
-        let (config, ckpt) = random_model::build(&shape, format, None)?;
-        let opts = options(
-            device,
-            dtype,
-            ActivationQuantMode::Emulate,
-            ctx,
-            AttentionKernel::Auto,
-        );
-        Ok(Model::from_checkpoint(config, &ckpt, &opts)?)
-    };
+    let build = |format: &str| random_model::model(&shape, format, device, dtype, ctx);
     let model = build(format)?;
     let after_model = gpu_used_bytes();
     let reference = build("bf16")?;

@@ -422,6 +422,29 @@ pub fn build(
     Ok((config, Checkpoint::from_memory(tensors)))
 }
 
+/// A random model of `shape` in `format` loaded on `device` in `dtype` for sequences of up to
+/// `ctx` tokens (activation QDQ emulated, the attention kernel chosen for the device): what
+/// the `kld` and `diff` benchmarks time against `/score`.
+pub fn model(
+    shape: &Shape,
+    format: &str,
+    device: &candle_core::Device,
+    dtype: candle_core::DType,
+    ctx: usize,
+) -> Result<Model> {
+    use exactscore_server::model::AttentionKernel;
+    use exactscore_server::quant::ActivationQuantMode;
+    let (config, ckpt) = build(shape, format, None)?;
+    let opts = crate::options(
+        device,
+        dtype,
+        ActivationQuantMode::Emulate,
+        ctx,
+        AttentionKernel::Auto,
+    );
+    Ok(Model::from_checkpoint(config, &ckpt, &opts)?)
+}
+
 /// Writes a random checkpoint of `shape` in `format` to `dir` as a Hugging Face model directory
 /// (`config.json` + `model.safetensors`), so the real server can load it.
 pub fn write(shape: &Shape, format: &str, distinct: Option<usize>, dir: &Path) -> Result<()> {
