@@ -8,7 +8,7 @@ use serde_json::{json, Value};
 
 mod common;
 
-use common::{fixture, load_model, start};
+use common::{fixture, load_model, post_ok, start};
 
 const TOLERANCE: f64 = 1e-4;
 
@@ -30,19 +30,6 @@ fn reference(variant: &str) -> Vec<(String, Vec<u32>, Vec<Option<f64>>)> {
         .collect()
 }
 
-async fn post(base: &str, route: &str, body: Value) -> String {
-    let res = reqwest::Client::new()
-        .post(format!("{base}{route}"))
-        .json(&body)
-        .send()
-        .await
-        .unwrap();
-    let status = res.status().as_u16();
-    let text = res.text().await.unwrap();
-    assert_eq!(status, 200, "{route}: {text}");
-    text
-}
-
 fn assert_close(variant: &str, got: &[Option<f32>], want: &[Option<f64>]) {
     assert_eq!(got.len(), want.len());
     assert!(got[0].is_none());
@@ -60,7 +47,7 @@ async fn score_and_complete(variant: &str) {
     let sequences = reference(variant);
     let ids: Vec<&Vec<u32>> = sequences.iter().map(|(_, ids, _)| ids).collect();
     let r: ScoreResponse =
-        serde_json::from_str(&post(&server.base, "/score", json!({ "tokens": ids })).await)
+        serde_json::from_str(&post_ok(&server.base, "/score", json!({ "tokens": ids })).await)
             .unwrap();
     for (seq, (_, ids, want)) in r.sequences.iter().zip(&sequences) {
         assert_eq!(&seq.tokens, ids);
@@ -71,7 +58,7 @@ async fn score_and_complete(variant: &str) {
     let body = json!({"prompt": text, "echo": true, "logprobs": 1, "max_tokens": 0,
                       "add_special_tokens": true});
     let c: CompletionResponse =
-        serde_json::from_str(&post(&server.base, "/v1/completions", body).await).unwrap();
+        serde_json::from_str(&post_ok(&server.base, "/v1/completions", body).await).unwrap();
     let lp = c.choices[0].logprobs.as_ref().unwrap();
     assert_eq!(c.usage.prompt_tokens, ids.len());
     assert_close(variant, &lp.token_logprobs, want);
@@ -111,7 +98,8 @@ async fn gemma3_kld_against_its_dense_original() {
     .await;
     let seqs: Vec<Vec<u32>> = reference(REFERENCE).into_iter().map(|s| s.1).collect();
     let r: KldResponse =
-        serde_json::from_str(&post(&server.base, "/kld", json!({ "tokens": seqs })).await).unwrap();
+        serde_json::from_str(&post_ok(&server.base, "/kld", json!({ "tokens": seqs })).await)
+            .unwrap();
     let refs: Vec<&[u32]> = seqs.iter().map(Vec::as_slice).collect();
     let direct = kld_batch(&load_model(SERVED), &load_model(REFERENCE), &refs).unwrap();
     let served = reference(SERVED);

@@ -9,7 +9,7 @@ use serde_json::{json, Value};
 
 mod common;
 
-use common::{fixture, load_model, start, start_dir};
+use common::{fixture, load_model, post, start, start_dir};
 
 const SERVED: &str = "llama-w4a16-g128";
 const REFERENCE: &str = "llama-dense-bf16";
@@ -18,16 +18,6 @@ fn fixture_sequences() -> Vec<Vec<u32>> {
     let mut sequences = common::reference_sequences(REFERENCE);
     sequences.truncate(2);
     sequences
-}
-
-async fn post(base: &str, route: &str, body: Value) -> (u16, String) {
-    let res = reqwest::Client::new()
-        .post(format!("{base}{route}"))
-        .json(&body)
-        .send()
-        .await
-        .unwrap();
-    (res.status().as_u16(), res.text().await.unwrap())
 }
 
 fn error(text: &str) -> ErrorBody {

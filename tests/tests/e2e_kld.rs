@@ -11,23 +11,13 @@ use serde_json::{json, Value};
 
 mod common;
 
-use common::{fixture, load_model, start};
+use common::{fixture, load_model, post, start};
 
 const SERVED: &str = "llama-w4a16-g128";
 const REFERENCE: &str = "llama-dense-bf16";
 
 fn fixture_sequences() -> Vec<Vec<u32>> {
     common::reference_sequences(REFERENCE)
-}
-
-async fn post(base: &str, route: &str, body: Value) -> (u16, String) {
-    let res = reqwest::Client::new()
-        .post(format!("{base}{route}"))
-        .json(&body)
-        .send()
-        .await
-        .unwrap();
-    (res.status().as_u16(), res.text().await.unwrap())
 }
 
 #[tokio::test]

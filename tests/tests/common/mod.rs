@@ -26,6 +26,24 @@ pub fn reference_sequences(variant: &str) -> Vec<Vec<u32>> {
         .collect()
 }
 
+/// `POST {base}{route}` with a JSON body: the status and the body's text.
+pub async fn post(base: &str, route: &str, body: serde_json::Value) -> (u16, String) {
+    let res = reqwest::Client::new()
+        .post(format!("{base}{route}"))
+        .json(&body)
+        .send()
+        .await
+        .unwrap();
+    (res.status().as_u16(), res.text().await.unwrap())
+}
+
+/// [`post`] that must answer 200: the body's text.
+pub async fn post_ok(base: &str, route: &str, body: serde_json::Value) -> String {
+    let (status, text) = post(base, route, body).await;
+    assert_eq!(status, 200, "{route}: {text}");
+    text
+}
+
 /// A few KiB of WikiText-2 as a `.txt` dataset in `dir`.
 pub fn dataset(dir: &Path) -> exactscore_client::dataset::DatasetSpec {
     let gz = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
