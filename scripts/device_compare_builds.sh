@@ -9,8 +9,8 @@
 # golden: scripts/golden_digest.py with both servers on DEVICES (`cuda:0`, or `cuda:0,cuda:1`
 #         for a model split over two GPUs), in DTYPES (`f32,bf16`), compared.
 # check:  `exactscore-bench check` of the new build (every row must be ok).
-# speed:  `exactscore-bench speed` of SHAPE, old and new interleaved ROUNDS times each; the
-#         table at the end gives each build's median ms/window per batch, and their ratio.
+# speed:  `exactscore-bench speed` of SHAPE, a warm-up, then old and new ROUNDS times each in
+#         ABBA order; the table gives each build's median ms/window per batch, and their ratio.
 # Results go to $OUT; exits 1 when a step failed.
 set -uo pipefail
 export LD_LIBRARY_PATH=${CUDA_LIB_DIR:-/opt/torch/.venv/lib/python3.12/site-packages/nvidia/cu13/lib}:${LD_LIBRARY_PATH:-}
@@ -39,16 +39,21 @@ golden() {
 speed_once() {
   local build=$1 shape=$2 format=$3 batches=$4 bin=/tmp/exactscore-bench
   [ "$build" = old ] && bin=/tmp/old-exactscore-bench
-  "$bin" speed --shape "$shape" --formats "$format" --batch "$batches" --attention flash \
+  "$bin" speed --shape "$shape" --formats "$format" --batch "$batches" --attention flash ${ITERS:+--iters $ITERS} \
     > "$OUT/speed-$build-$shape.log" 2>&1 || { tail -20 "$OUT/speed-$build-$shape.log"; return 1; }
   grep "^| $format " "$OUT/speed-$build-$shape.log" | sed "s/^/$build $shape /" >> "$OUT/speed-rows.txt"
 }
 
+# A discarded warm-up run first (the card's first runs are the slowest), then the rounds in
+# ABBA order (old new, new old, ...), so that a drift over time favours neither build.
 speed() {
-  local shape=$1 format=$2 batches=$3 rounds=$4
-  for _ in $(seq "$rounds"); do
-    speed_once old "$shape" "$format" "$batches" || return 1
-    speed_once new "$shape" "$format" "$batches" || return 1
+  local shape=$1 format=$2 batches=$3 rounds=$4 first second
+  speed_once new "$shape" "$format" "$batches" || return 1
+  grep -v " $shape " "$OUT/speed-rows.txt" > "$OUT/speed-rows.tmp"; mv "$OUT/speed-rows.tmp" "$OUT/speed-rows.txt"
+  for round in $(seq "$rounds"); do
+    if [ $((round % 2)) = 1 ]; then first=old second=new; else first=new second=old; fi
+    speed_once $first "$shape" "$format" "$batches" || return 1
+    speed_once $second "$shape" "$format" "$batches" || return 1
   done
 }
 
