@@ -11,7 +11,8 @@
 # check:  `exactscore-bench check` of the new build (every row must be ok).
 # speed:  `exactscore-bench speed` of SHAPE, a warm-up, then old and new ROUNDS times each in
 #         ABBA order; the table gives each build's median ms/window per batch, and their ratio.
-# Results go to $OUT; exits 1 when a step failed.
+# Results go to $OUT; exits 1 when a step failed (a digest differs, a check row misses, or
+# the new build is slower than MAX_SLOWDOWN allows).
 set -uo pipefail
 export LD_LIBRARY_PATH=${CUDA_LIB_DIR:-/opt/torch/.venv/lib/python3.12/site-packages/nvidia/cu13/lib}:${LD_LIBRARY_PATH:-}
 OUT=${OUT:-/tmp/exactscore-out}
@@ -57,22 +58,29 @@ speed() {
   done
 }
 
-# Median ms/window per (shape, batch) of each build, and new / old.
+# Median ms/window per (shape, batch) of each build, and new / old; exits 1 where new / old
+# exceeds 1 + MAX_SLOWDOWN (default 0.01: the refactor issue's 1 %).
 speed_table() {
-  python3 - "$OUT/speed-rows.txt" <<'PY'
+  python3 - "$OUT/speed-rows.txt" "${MAX_SLOWDOWN:-0.01}" <<'PY'
 import statistics, sys
+limit = 1 + float(sys.argv[2])
+failed = False
 rows = {}
 for line in open(sys.argv[1]):
     build, shape, rest = line.split(" ", 2)
     cells = [c.strip() for c in rest.strip().strip("|").split("|")]
     batch, ms = int(cells[3]), float(cells[4])
     rows.setdefault((shape, batch), {}).setdefault(build, []).append(ms)
-print("| shape | batch | old ms/window (runs) | new ms/window (runs) | new / old |")
-print("|---|---|---|---|---|")
+print(f"| shape | batch | old ms/window (runs) | new ms/window (runs) | new / old | <= {limit:.3f} |")
+print("|---|---|---|---|---|---|")
 for (shape, batch), by in sorted(rows.items()):
     old, new = statistics.median(by["old"]), statistics.median(by["new"])
+    ok = new / old <= limit
+    failed |= not ok
     print(f"| {shape} | {batch} | {old:.2f} ({', '.join(f'{v:.2f}' for v in by['old'])}) "
-          f"| {new:.2f} ({', '.join(f'{v:.2f}' for v in by['new'])}) | {new / old:.4f} |")
+          f"| {new:.2f} ({', '.join(f'{v:.2f}' for v in by['new'])}) | {new / old:.4f} "
+          f"| {'ok' if ok else 'FAIL'} |")
+sys.exit(1 if failed else 0)
 PY
 }
 
@@ -90,5 +98,8 @@ while [ $# -gt 0 ]; do
     *) echo "unknown step $1"; exit 2 ;;
   esac
 done
-[ -f "$OUT/speed-rows.txt" ] && speed_table | tee "$OUT/speed-table.txt"
+if [ -f "$OUT/speed-rows.txt" ]; then
+  speed_table | tee "$OUT/speed-table.txt"
+  [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+fi
 exit $status
