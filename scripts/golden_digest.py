@@ -24,9 +24,9 @@ from pathlib import Path
 
 FIXTURES = Path(__file__).resolve().parent.parent / "tests" / "fixtures"
 
-# (served fixture, reference fixture): the table tests/tests/golden_digest.rs reads too.
-CASES = [(c["served"], c["reference"]) for c in
-         json.loads((FIXTURES.parent / "golden" / "cases.json").read_text())["cases"]]
+# The cases and requests that tests/tests/golden_digest.rs reads too.
+TABLE = json.loads((FIXTURES.parent / "golden" / "cases.json").read_text())
+CASES = [(c["served"], c["reference"]) for c in TABLE["cases"]]
 
 
 def sequences(variant):
@@ -35,14 +35,14 @@ def sequences(variant):
 
 
 def requests(seqs, attribute):
-    return [
-        ("score", "score", {"tokens": seqs, "top_k": 5,
-                            "return": {"token_logprobs": True, "top_k": True, "greedy": True,
-                                       "token_strings": True}}),
-        ("kld", "kld", {"tokens": seqs, "per_token": True}),
-        ("diff", "diff", {"tokens": seqs, "per_position": True, "attribute": attribute}),
-        ("diff_until", "diff", {"tokens": seqs[:2], "reference_until": 1}),
-    ]
+    """(name, route, body) of every request of the table, `tokens` (and `attribute`) filled in."""
+    out = []
+    for r in TABLE["requests"]:
+        body = dict(r["body"], tokens=seqs[: r.get("sequences", len(seqs))])
+        if r.get("attribute"):
+            body["attribute"] = attribute
+        out.append((r["name"], r["route"], body))
+    return out
 
 
 def without_timings(v):

@@ -19,10 +19,18 @@ use sha2::{Digest, Sha256};
 /// Pairs of fixture names and what goes with them.
 type Pairs = Vec<(String, String)>;
 
-/// tests/golden/cases.json: (served, reference) pairs and (served, device layout) pairs.
+/// tests/golden/cases.json: the cases, the layouts and the requests.
+fn table() -> &'static Value {
+    static TABLE: std::sync::OnceLock<Value> = std::sync::OnceLock::new();
+    TABLE.get_or_init(|| {
+        let path = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("golden/cases.json");
+        serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap()
+    })
+}
+
+/// (served, reference) pairs and (served, device layout) pairs of the table.
 fn cases() -> (Pairs, Pairs) {
-    let path = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("golden/cases.json");
-    let v: Value = serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
+    let v = table();
     let pairs = |key: &str, second: &str| -> Pairs {
         v[key]
             .as_array()
@@ -43,26 +51,24 @@ fn golden_file() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("golden/digests.json")
 }
 
-/// Every route's request, with every optional output turned on; attribution where the
-/// reference is another checkpoint (a model against itself has no module to attribute).
-fn requests(seqs: &[Vec<u32>], attribute: bool) -> [(&'static str, Value); 4] {
-    [
-        (
-            "score",
-            json!({ "tokens": seqs, "top_k": 5,
-                    "return": {"token_logprobs": true, "top_k": true, "greedy": true,
-                               "token_strings": true} }),
-        ),
-        ("kld", json!({ "tokens": seqs, "per_token": true })),
-        (
-            "diff",
-            json!({ "tokens": seqs, "per_position": true, "attribute": attribute }),
-        ),
-        (
-            "diff_until",
-            json!({ "tokens": seqs[..2], "reference_until": 1 }),
-        ),
-    ]
+/// The requests of tests/golden/cases.json for one fixture: (name, route, body), `tokens`
+/// (and `attribute`, where asked) filled in.
+fn requests(seqs: &[Vec<u32>], attribute: bool) -> Vec<(String, String, Value)> {
+    table()["requests"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|r| {
+            let mut body = r["body"].clone();
+            let n = r["sequences"].as_u64().map_or(seqs.len(), |n| n as usize);
+            body["tokens"] = json!(seqs[..n]);
+            if r["attribute"].as_bool() == Some(true) {
+                body["attribute"] = json!(attribute);
+            }
+            let text = |key: &str| r[key].as_str().unwrap().to_string();
+            (text("name"), text("route"), body)
+        })
+        .collect()
 }
 
 fn without_timings(mut v: Value) -> Value {
@@ -110,12 +116,7 @@ async fn digests_of(
     .await;
     let client = reqwest::Client::new();
     let mut out = Vec::new();
-    for (name, body) in requests(&reference_sequences(variant), variant != reference) {
-        let route = if name.starts_with("diff") {
-            "diff"
-        } else {
-            name
-        };
+    for (name, route, body) in requests(&reference_sequences(variant), variant != reference) {
         let res = client
             .post(format!("{}/{route}", server.base))
             .json(&body)
