@@ -9,7 +9,7 @@ use std::path::PathBuf;
 
 use candle_core::{Device, Tensor};
 use exactscore_server::ops::linear_attention::{
-    causal_conv1d, causal_conv1d_tensor, chunk_gated_delta_rule, chunk_gated_delta_rule_tensor,
+    causal_conv1d, causal_conv1d_tensor, chunk_gated_delta_rule, gated_delta_rule,
     recurrent_gated_delta_rule, ConvActivation, DeltaRuleDims, DeltaRuleInputs,
 };
 use serde_json::Value;
@@ -67,12 +67,17 @@ fn conv1d_matches_transformers() {
         let (err, _) = rel_err(&ours, &data(&t, &format!("{name}.out")));
         assert!(err <= 1e-6, "{name}: conv1d error {err:e}");
         // the tensor boundary gives the same numbers
-        let via = causal_conv1d_tensor(&t[&format!("{name}.x")], &t[&format!("{name}.w")], act)
-            .unwrap()
-            .flatten_all()
-            .unwrap()
-            .to_vec1::<f32>()
-            .unwrap();
+        let via = causal_conv1d_tensor(
+            &t[&format!("{name}.x")],
+            &t[&format!("{name}.w")],
+            None,
+            act,
+        )
+        .unwrap()
+        .flatten_all()
+        .unwrap()
+        .to_vec1::<f32>()
+        .unwrap();
         assert_eq!(via, ours, "{name}: tensor boundary");
     }
 }
@@ -142,13 +147,12 @@ fn chunked_delta_rule_matches_transformers() {
         assert!(serr <= 1e-6, "{}: final state error {serr:e}", c.name);
         // the tensor boundary gives the same numbers
         let key = |k: &str| t[&format!("{}.{k}", c.name)].clone();
-        let via = chunk_gated_delta_rule_tensor(
+        let via = gated_delta_rule(
             &key("q"),
             &key("k"),
             &key("v"),
             &key("g"),
             &key("beta"),
-            64,
             c.l2,
         )
         .unwrap()

@@ -374,41 +374,86 @@ fn f32_data(t: &Tensor) -> Result<Vec<f32>> {
     t.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()
 }
 
-/// [`causal_conv1d`] over tensors: `x` `[tokens, channels]`, `weight` `[channels, kernel]` or
-/// `[channels, 1, kernel]` (the stored `conv1d.weight`); computed in f32, returned as f32 on
-/// the CPU.
-pub fn causal_conv1d_tensor(x: &Tensor, weight: &Tensor, act: ConvActivation) -> Result<Tensor> {
+/// The error of a linear-attention op asked to run on a GPU: its kernels do not exist yet.
+fn no_gpu_kernel(op: &str, x: &Tensor) -> Result<()> {
+    if x.device().is_cuda() {
+        bail!(
+            "linear attention has no GPU kernel yet ({op} on {:?})",
+            x.device()
+        );
+    }
+    Ok(())
+}
+
+/// The causal depthwise conv1d of one sequence ([`causal_conv1d`]), on tensors:
+///
+/// * `x` `[tokens, channels]` f32 (row-major: token `t`, channel `c` at `t * channels + c`);
+/// * `weight` `[channels, kernel]` f32, or `[channels, 1, kernel]` (the stored
+///   `conv1d.weight`, same memory order): tap `j` of channel `c` multiplies token
+///   `t - kernel + 1 + j`;
+/// * `bias` `[channels]` f32, if any (Gated DeltaNet has none);
+/// * `act` applied to every output.
+///
+/// Returns `[tokens, channels]` f32 on `x`'s device. On the CPU this is the reference above;
+/// on a CUDA device it is an error for now (no kernel yet).
+pub fn causal_conv1d_tensor(
+    x: &Tensor,
+    weight: &Tensor,
+    bias: Option<&Tensor>,
+    act: ConvActivation,
+) -> Result<Tensor> {
+    no_gpu_kernel("causal_conv1d", x)?;
     let (tokens, channels) = x.dims2()?;
     let kernel = *weight.dims().last().unwrap_or(&0);
-    if weight.elem_count() != channels * kernel || weight.dims()[0] != channels {
+    if weight.elem_count() != channels * kernel || weight.dims()[0] != channels || kernel == 0 {
         bail!(
             "conv1d weight {:?} does not match {channels} channels",
             weight.dims()
         );
     }
+    if let Some(b) = bias {
+        if b.dims() != [channels] {
+            bail!("conv1d bias {:?} is not [{channels}]", b.dims());
+        }
+    }
+    let bias = bias.map(f32_data).transpose()?;
     let out = causal_conv1d(
         &f32_data(x)?,
         channels,
         &f32_data(weight)?,
         kernel,
-        None,
+        bias.as_deref(),
         act,
     );
-    Tensor::from_vec(out, (tokens, channels), &Device::Cpu)
+    Tensor::from_vec(out, (tokens, channels), x.device())
 }
 
-/// [`chunk_gated_delta_rule`] over tensors: q, k `[tokens, k_heads, k_dim]`, v
-/// `[tokens, v_heads, v_dim]`, g, beta `[tokens, v_heads]`; computed in f32, the output
-/// `[tokens, v_heads, v_dim]` returned as f32 on the CPU.
-pub fn chunk_gated_delta_rule_tensor(
+/// The chunk size of the gated delta rule (transformers' `chunk_size=64`).
+pub const DELTA_RULE_CHUNK: usize = 64;
+
+/// The gated delta rule of one sequence, with a zero initial state, on tensors, as
+/// transformers' `torch_chunk_gated_delta_rule` (chunks of [`DELTA_RULE_CHUNK`] tokens)
+/// computes it ([`chunk_gated_delta_rule`]). All f32, row-major, token first:
+///
+/// * `q`, `k` `[tokens, k_heads, k_dim]` (not yet l2-normalised nor scaled);
+/// * `v` `[tokens, v_heads, v_dim]`, `v_heads` a multiple of `k_heads`: value head `h` reads
+///   key/query head `h / (v_heads / k_heads)` (`repeat_interleave`);
+/// * `g` `[tokens, v_heads]`: the log of each token's state decay (`<= 0`);
+/// * `beta` `[tokens, v_heads]`: the write strength;
+/// * `use_qk_l2norm`: q and k are l2-normalised in the kernel (eps 1e-6), as every Gated
+///   DeltaNet asks; the query is then scaled by `k_dim^-0.5`.
+///
+/// Returns the output `[tokens, v_heads, v_dim]` f32 on `q`'s device. On the CPU this is the
+/// reference above; on a CUDA device it is an error for now (no kernel yet).
+pub fn gated_delta_rule(
     q: &Tensor,
     k: &Tensor,
     v: &Tensor,
     g: &Tensor,
     beta: &Tensor,
-    chunk_size: usize,
-    l2: bool,
+    use_qk_l2norm: bool,
 ) -> Result<Tensor> {
+    no_gpu_kernel("gated_delta_rule", q)?;
     let (tokens, k_heads, k_dim) = q.dims3()?;
     let (vt, v_heads, v_dim) = v.dims3()?;
     if k.dims() != q.dims()
@@ -425,7 +470,7 @@ pub fn chunk_gated_delta_rule_tensor(
             beta.dims()
         );
     }
-    if k_heads == 0 || !v_heads.is_multiple_of(k_heads) {
+    if k_heads == 0 || !v_heads.is_multiple_of(k_heads) || k_dim == 0 || v_dim == 0 {
         bail!("{v_heads} value heads are not a multiple of {k_heads} key heads");
     }
     let dims = DeltaRuleDims {
@@ -435,7 +480,7 @@ pub fn chunk_gated_delta_rule_tensor(
         k_dim,
         v_dim,
     };
-    let (q, k, v, g, beta) = (
+    let (qd, kd, vd, gd, bd) = (
         f32_data(q)?,
         f32_data(k)?,
         f32_data(v)?,
@@ -444,15 +489,55 @@ pub fn chunk_gated_delta_rule_tensor(
     );
     let inputs = DeltaRuleInputs {
         dims,
-        q: &q,
-        k: &k,
-        v: &v,
-        g: &g,
-        beta: &beta,
-        l2norm: l2,
+        q: &qd,
+        k: &kd,
+        v: &vd,
+        g: &gd,
+        beta: &bd,
+        l2norm: use_qk_l2norm,
     };
-    let res = chunk_gated_delta_rule(&inputs, chunk_size);
-    Tensor::from_vec(res.out, (tokens, v_heads, v_dim), &Device::Cpu)
+    let res = chunk_gated_delta_rule(&inputs, DELTA_RULE_CHUNK);
+    Tensor::from_vec(res.out, (tokens, v_heads, v_dim), q.device())
+}
+
+/// torch's `F.softplus(x)` (beta 1, threshold 20) in f32: `x` above 20, else `log1p(exp(x))`.
+fn softplus(x: f32) -> f32 {
+    if x > 20.0 {
+        x
+    } else {
+        x.exp().ln_1p()
+    }
+}
+
+/// The Gated DeltaNet's per-token decay `g = -exp(A_log) * softplus(a + dt_bias)`, all in f32
+/// as transformers computes it (`A_log.float().exp()`, `a.float() + dt_bias` promoted to f32):
+/// `a` `[tokens, v_heads]`, `dt_bias` and `a_log` `[v_heads]`, any float dtype; returns
+/// `[tokens, v_heads]` f32. On the CPU `softplus` is torch's (`log1p(exp(x))` below the
+/// threshold 20); on a CUDA device it is composed of candle ops as `log(1 + exp(x))`, which
+/// differs from `log1p` by at most an ulp of 1 where `exp(x)` is small.
+pub fn gated_delta_decay(a: &Tensor, dt_bias: &Tensor, a_log: &Tensor) -> Result<Tensor> {
+    let (tokens, heads) = a.dims2()?;
+    if dt_bias.dims() != [heads] || a_log.dims() != [heads] {
+        bail!(
+            "decay gate shapes: a {:?} dt_bias {:?} A_log {:?}",
+            a.dims(),
+            dt_bias.dims(),
+            a_log.dims()
+        );
+    }
+    if a.device().is_cuda() {
+        let x = a
+            .to_dtype(DType::F32)?
+            .broadcast_add(&dt_bias.to_dtype(DType::F32)?)?;
+        let soft = x.gt(20f64)?.where_cond(&x, &(x.exp()? + 1.0)?.log()?)?;
+        let decay = a_log.to_dtype(DType::F32)?.exp()?.neg()?;
+        return soft.broadcast_mul(&decay);
+    }
+    let (a, dt, al) = (f32_data(a)?, f32_data(dt_bias)?, f32_data(a_log)?);
+    let g = (0..tokens * heads)
+        .map(|i| -al[i % heads].exp() * softplus(a[i] + dt[i % heads]))
+        .collect();
+    Tensor::from_vec(g, (tokens, heads), &Device::Cpu)
 }
 
 #[cfg(test)]
