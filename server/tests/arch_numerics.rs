@@ -1,6 +1,6 @@
-//! Qwen3-MoE, Mixtral, Gemma 3, Gemma 2 and Mistral 3 fixtures scored in f32 on the CPU against
-//! the references of scripts/make_arch_fixtures.py (transformers, float32, per-expert Linears)
-//! and scripts/make_mistral3_fixture.py.
+//! Qwen3-MoE, Mixtral, Gemma 3, Gemma 2, Mistral 3, Qwen3.5, Qwen3.5-MoE and Qwen3-Next fixtures
+//! scored in f32 on the CPU against the references of scripts/make_arch_fixtures.py
+//! (transformers, float32, per-expert Linears) and scripts/make_mistral3_fixture.py.
 
 mod common;
 
@@ -36,7 +36,11 @@ fn routing_report(variant: &str, model: &Model, seqs: &[Vec<u32>], reference: &V
             "{variant}: a MoE model reported no sparse layer"
         );
         for (layer, routes) in ours {
-            let r = &reference_routes[s][format!("model.layers.{layer}")];
+            // a vision-language reference names the text model's layers under its prefix
+            let r = match &reference_routes[s][format!("model.layers.{layer}")] {
+                Value::Null => &reference_routes[s][format!("model.language_model.layers.{layer}")],
+                r => r,
+            };
             let experts = r["experts"].as_array().unwrap();
             assert_eq!(experts.len(), routes.len());
             for (t, (ours, theirs)) in routes.iter().zip(experts).enumerate() {
@@ -132,6 +136,41 @@ fn gemma2_dense_matches_reference_per_token() {
 #[test]
 fn gemma2_w4a16_matches_reference_per_token() {
     assert_exact("gemma2-w4a16-g32", Emulate, "sequences");
+}
+
+#[test]
+fn qwen3_5_w4a16_matches_reference_per_token() {
+    assert_exact("qwen3_5-w4a16-g32", Emulate, "sequences");
+}
+
+#[test]
+fn qwen3_5_w4a16_linear_attention_quantized_matches_reference_per_token() {
+    assert_exact("qwen3_5-w4a16-g32-linattn", Emulate, "sequences");
+}
+
+#[test]
+fn qwen3_5_nvfp4_weights_only_matches_reference_per_token() {
+    assert_exact("qwen3_5-nvfp4", Off, "weights_only");
+}
+
+#[test]
+fn qwen3_5_moe_w4a16_matches_reference_per_token() {
+    assert_exact("qwen3_5_moe-w4a16-g32", Emulate, "sequences");
+}
+
+#[test]
+fn qwen3_5_moe_fp8_weights_only_matches_reference_per_token() {
+    assert_exact("qwen3_5_moe-fp8-dynamic", Off, "weights_only");
+}
+
+#[test]
+fn qwen3_next_w4a16_matches_reference_per_token() {
+    assert_exact("qwen3_next-w4a16-g32", Emulate, "sequences");
+}
+
+#[test]
+fn qwen3_next_fp8_weights_only_matches_reference_per_token() {
+    assert_exact("qwen3_next-fp8-dynamic", Off, "weights_only");
 }
 
 /// With activation quantization the reference is discontinuous (a rounding flip anywhere moves

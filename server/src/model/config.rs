@@ -17,7 +17,10 @@ mod mistral3;
 mod mixtral;
 mod qwen2;
 mod qwen3;
+mod qwen3_5;
+mod qwen3_5_moe;
 mod qwen3_moe;
+mod qwen3_next;
 mod registry;
 mod rope_parameters;
 mod shared;
@@ -33,7 +36,7 @@ use architecture::ArchitectureConfig;
 pub use architecture::DecoderFamily;
 pub use registry::Architecture;
 use shared::{positive_finite, required_size, size, SharedKeys};
-pub use shared::{Activation, MoeConfig, SlidingLayers};
+pub use shared::{Activation, LinearAttentionConfig, MoeConfig, SlidingLayers};
 
 #[derive(Debug, Clone)]
 pub struct ModelConfig {
@@ -48,6 +51,15 @@ pub struct ModelConfig {
     pub rms_norm_eps: f64,
     /// RoPE of every layer (of the global ones where `sliding_layers` has a local RoPE).
     pub rope: Rope,
+    /// The leading dimensions of each head that RoPE rotates (`head_dim`, or
+    /// `int(head_dim * partial_rotary_factor)` where the architecture reads it); the others
+    /// pass through.
+    pub rotary_dim: usize,
+    /// q_proj yields `[query; gate]` per head and the attention output is multiplied by
+    /// `sigmoid(gate)` before o_proj (Qwen3-Next, Qwen3.5).
+    pub attn_output_gate: bool,
+    /// The Gated DeltaNet layers of a hybrid model (Qwen3-Next, Qwen3.5).
+    pub linear_attention: Option<LinearAttentionConfig>,
     pub max_position_embeddings: usize,
     pub tie_word_embeddings: bool,
     /// q/k/v projections carry a bias (always in Qwen2; `attention_bias` where the
@@ -146,10 +158,11 @@ fn token_ids(value: Option<&Value>) -> Vec<u32> {
 
 /// Keys that change the math in ways we do not implement: refused rather than ignored.
 fn refuse_unimplemented(root: &Value, architecture: Architecture) -> Result<(), LoadError> {
-    let partial_rotary = root
-        .get("partial_rotary_factor")
-        .and_then(Value::as_f64)
-        .is_some_and(|f| f != 1.0);
+    let partial_rotary = !architecture.config().reads_partial_rotary()
+        && root
+            .get("partial_rotary_factor")
+            .and_then(Value::as_f64)
+            .is_some_and(|f| f != 1.0);
     let refused: Vec<&str> = partial_rotary
         .then_some("partial_rotary_factor")
         .into_iter()
@@ -231,12 +244,22 @@ impl ModelConfig {
         let hidden_act = arch.activation(&keys)?;
         let dims = Dimensions::read(&keys)?;
         let (rope, local_rope) = arch.rope(root, &keys)?;
-        check_frequencies(std::iter::once(&rope).chain(&local_rope), dims.head_dim)?;
+        let rotary_dim = arch
+            .rotary_dim(root, dims.head_dim)?
+            .unwrap_or(dims.head_dim);
+        check_frequencies(std::iter::once(&rope).chain(&local_rope), rotary_dim)?;
         let sliding_window = arch.sliding_window(window_value(&keys)?, &keys);
         let sliding_layers = arch.sliding_layers(root, dims.num_layers, local_rope)?;
-        let intermediate_size =
-            required_size(keys.intermediate_size, "intermediate_size", 1 << 20)?;
         let moe = arch.moe(root, dims.num_layers)?;
+        let all_sparse = moe
+            .as_ref()
+            .is_some_and(|m| m.sparse_layers.iter().all(|&s| s));
+        // A model without a dense layer needs no dense width (Qwen3.5-MoE has none).
+        let intermediate_size = match keys.intermediate_size {
+            None if all_sparse => 0,
+            v => required_size(v, "intermediate_size", 1 << 20)?,
+        };
+        let linear_attention = arch.linear_attention(root, dims.num_layers)?;
         let biases = arch.biases(&keys);
         let vocab_size = required_size(keys.vocab_size, "vocab_size", 1 << 24)?;
         let rms_norm_eps = positive_finite(keys.rms_norm_eps.unwrap_or(1e-6), "rms_norm_eps")?;
@@ -257,6 +280,9 @@ impl ModelConfig {
             head_dim: dims.head_dim,
             rms_norm_eps,
             rope,
+            rotary_dim,
+            attn_output_gate: arch.attn_output_gate(),
+            linear_attention,
             max_position_embeddings,
             tie_word_embeddings: keys.tie_word_embeddings.unwrap_or(false),
             qkv_bias: biases.qkv,

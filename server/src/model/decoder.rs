@@ -1,7 +1,8 @@
 //! The decoder-only transformer that every architecture shares: token embedding, a stack of
 //! decoder layers split into pipeline stages (one device each), final norm, lm_head and
 //! scoring. What differs between architectures is the decoder layer, which each family's file
-//! builds from [`super::blocks`] ([`super::llama`], [`super::gemma`]); a [`Family`] says how.
+//! builds from [`super::blocks`] ([`super::llama`], [`super::gemma`], [`super::qwen3_next`]); a
+//! [`Family`] says how.
 //! Sequences of a batch are concatenated along the token axis for every Linear; attention runs
 //! per sequence, so a sequence's result does not depend on what shares its batch.
 
@@ -16,7 +17,7 @@ use super::loader::Loader;
 use super::profile::stage;
 use super::rope::{Rope, RopeTables};
 use super::scoring::{score_logits, SequenceScores};
-use super::{gemma, llama};
+use super::{gemma, llama, qwen3_next};
 use crate::checkpoint::{read_to_string, Checkpoint, LoadError};
 use crate::ops;
 use crate::quant::dense::DenseWeight;
@@ -72,13 +73,17 @@ pub(crate) trait Layer: Send + Sync {
         routes: Option<&mut Vec<Route>>,
     ) -> Result<Tensor>;
 
-    fn attention(&self) -> &Attention;
+    /// Whether the layer rotates with the local RoPE tables (Gemma 3's sliding layers).
+    fn local_rope(&self) -> bool;
 
     fn feed_forward(&self) -> &FeedForward;
 
-    fn attention_mut(&mut self) -> &mut Attention;
+    /// Every Linear with its name under the layer (`self_attn.q_proj`, `mlp.down_proj`,
+    /// `linear_attn.out_proj`), attention first.
+    fn linears(&self) -> Vec<(String, &QuantLinear)>;
 
-    fn feed_forward_mut(&mut self) -> &mut FeedForward;
+    /// [`Self::linears`], to replace one (`/diff`'s module attribution).
+    fn linears_mut(&mut self) -> Vec<(String, &mut QuantLinear)>;
 
     /// A copy that shares every weight (`/diff` replaces one Linear of it).
     fn clone_box(&self) -> Box<dyn Layer>;
@@ -140,20 +145,26 @@ impl<N: LayerNorms> Layer for DecoderLayer<N> {
         N::forward(self, x, batch, rope, routes)
     }
 
-    fn attention(&self) -> &Attention {
-        &self.self_attn
+    fn local_rope(&self) -> bool {
+        self.self_attn.local_rope()
     }
 
     fn feed_forward(&self) -> &FeedForward {
         &self.mlp
     }
 
-    fn attention_mut(&mut self) -> &mut Attention {
-        &mut self.self_attn
+    fn linears(&self) -> Vec<(String, &QuantLinear)> {
+        attention_linears(&self.self_attn)
+            .chain(self.mlp.linears())
+            .collect()
     }
 
-    fn feed_forward_mut(&mut self) -> &mut FeedForward {
-        &mut self.mlp
+    fn linears_mut(&mut self) -> Vec<(String, &mut QuantLinear)> {
+        let attention = self.self_attn.linears_mut().into_iter();
+        attention
+            .map(|(n, l)| (format!("self_attn.{n}"), l))
+            .chain(self.mlp.linears_mut())
+            .collect()
     }
 
     fn clone_box(&self) -> Box<dyn Layer> {
@@ -161,20 +172,21 @@ impl<N: LayerNorms> Layer for DecoderLayer<N> {
     }
 }
 
+/// The attention's Linears named under the layer (`self_attn.q_proj`).
+pub(crate) fn attention_linears(
+    attention: &Attention,
+) -> impl Iterator<Item = (String, &QuantLinear)> {
+    attention
+        .linears()
+        .into_iter()
+        .map(|(n, l)| (format!("self_attn.{n}"), l))
+}
+
 impl dyn Layer {
     /// The Linear named `module` under the layer (`self_attn.q_proj`, `mlp.down_proj`), as
     /// [`Model::linears`] names it after `model.layers.N.`.
     fn linear_mut(&mut self, module: &str) -> Option<&mut QuantLinear> {
-        if let Some(name) = module.strip_prefix("self_attn.") {
-            return self
-                .attention_mut()
-                .linears_mut()
-                .into_iter()
-                .find(|(n, _)| *n == name)
-                .map(|(_, l)| l);
-        }
-        self.feed_forward_mut()
-            .linears_mut()
+        self.linears_mut()
             .into_iter()
             .find(|(n, _)| n == module)
             .map(|(_, l)| l)
@@ -222,6 +234,7 @@ fn family(architecture: Architecture) -> &'static dyn Family {
     match architecture.decoder_family() {
         DecoderFamily::Llama => &llama::Llama,
         DecoderFamily::Gemma => &gemma::Gemma,
+        DecoderFamily::Qwen3Next => &qwen3_next::Qwen3Next,
     }
 }
 
@@ -351,7 +364,7 @@ impl Model {
             .into_iter()
             .map(|(device, layers)| {
                 let tables =
-                    |r: &Rope| RopeTables::new(r, c.head_dim, max_len, first.dtype, &device);
+                    |r: &Rope| RopeTables::new(r, c.rotary_dim, max_len, first.dtype, &device);
                 let rope = tables(&c.rope)?;
                 let local_rope = local.map(tables).transpose()?;
                 // Weights were copied on this thread's stream; the stage computes on its own.
@@ -489,10 +502,7 @@ impl Model {
     pub fn linears(&self) -> Vec<(String, &QuantLinear)> {
         let mut out = Vec::new();
         for (i, l) in self.layers.iter().enumerate() {
-            for (n, lin) in l.attention().linears() {
-                out.push((format!("model.layers.{i}.self_attn.{n}"), lin));
-            }
-            for (n, lin) in l.feed_forward().linears() {
+            for (n, lin) in l.linears() {
                 out.push((format!("model.layers.{i}.{n}"), lin));
             }
         }
@@ -667,7 +677,7 @@ impl Model {
                 _ => &*self.layers[i],
             };
             let rope = match local_rope {
-                Some(local) if layer.attention().local_rope() => local,
+                Some(local) if layer.local_rope() => local,
                 _ => rope,
             };
             let mut layer_routes = Vec::new();

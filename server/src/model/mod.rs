@@ -19,6 +19,7 @@ pub mod llama;
 pub mod loader;
 pub mod placement;
 pub mod profile;
+pub mod qwen3_next;
 pub mod rope;
 pub mod scoring;
 

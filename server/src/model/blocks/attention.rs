@@ -1,8 +1,8 @@
 //! Self-attention over the sequences of a batch, concatenated along the token axis: the q/k/v
 //! projections run on the whole batch, attention itself never crosses a sequence boundary.
 //! Grouped-query heads, optional per-head q/k norms, sliding windows, a configurable score
-//! scale and Gemma 2's soft-capping, through the materialised path (every device) or the
-//! flash kernel (GPU).
+//! scale and Gemma 2's soft-capping, Qwen3-Next's per-channel output gate and partial rotary,
+//! through the materialised path (every device) or the flash kernel (GPU).
 
 use candle_core::{Device, Result, Tensor};
 
@@ -34,6 +34,12 @@ pub struct Attention {
     softcap: Option<f64>,
     /// Rotates with the local RoPE tables (Gemma 3's sliding layers).
     local_rope: bool,
+    /// RoPE rotates the first `rotary_dim` dimensions of each head (NeoX style inside them);
+    /// the others pass through (Qwen3-Next's partial rotary).
+    rotary_dim: usize,
+    /// q_proj yields `[query (head_dim); gate (head_dim)]` per head, and the attention output
+    /// is multiplied by `sigmoid(gate)` channel by channel before o_proj (Qwen3-Next, Qwen3.5).
+    output_gate: bool,
 }
 
 impl Attention {
@@ -55,8 +61,9 @@ impl Attention {
                 .then(|| RmsNorm::load(&vb.pp(name), c.head_dim, c.rms_norm_eps, norm))
                 .transpose()
         };
+        let q_out = if c.attn_output_gate { 2 * q_dim } else { q_dim };
         Ok(Self {
-            q_proj: vb.linear("q_proj", (q_dim, h), c.qkv_bias)?,
+            q_proj: vb.linear("q_proj", (q_out, h), c.qkv_bias)?,
             k_proj: vb.linear("k_proj", (kv_dim, h), c.qkv_bias)?,
             v_proj: vb.linear("v_proj", (kv_dim, h), c.qkv_bias)?,
             o_proj: vb.linear("o_proj", (h, q_dim), c.o_bias)?,
@@ -72,6 +79,8 @@ impl Attention {
                 .sliding_layers
                 .as_ref()
                 .is_some_and(|s| s.sliding[layer] && s.local_rope.is_some()),
+            rotary_dim: c.rotary_dim,
+            output_gate: c.attn_output_gate,
         })
     }
 
@@ -130,16 +139,54 @@ impl Attention {
             ))
         })?;
         drop((q_in, k_in, v_in));
+        let (q, gate) = self.split_gate(q)?;
         let out = match &batch.flash {
             Some(index) => self.flash_attend(q, k, v, index, rope)?,
             None => stage("attention", dev, || {
                 self.attend_each_sequence(&q, &k, &v, &batch.lens, rope)
             })?,
         };
+        let out = match gate {
+            // in the compute dtype, as transformers multiplies
+            Some(gate) => stage("output_gate", dev, || out * candle_nn::ops::sigmoid(&gate)?)?,
+            None => out,
+        };
         let [o_in] = layer_inputs([&self.o_proj], &out, false)?;
         stage("o_proj", dev, || {
             self.o_proj.add_to_residual(residual, &o_in)
         })
+    }
+
+    /// q_proj's output `[tokens, heads * 2 * head_dim]` split per head into the queries and the
+    /// output gate, each `[tokens, heads * head_dim]`, where the layer has the gate.
+    fn split_gate(&self, q: Tensor) -> Result<(Tensor, Option<Tensor>)> {
+        if !self.output_gate {
+            return Ok((q, None));
+        }
+        let (tokens, (heads, dim)) = (q.dims()[0], (self.num_heads, self.head_dim));
+        let q = q.reshape((tokens, heads, 2 * dim))?;
+        let half = |start| -> Result<Tensor> {
+            q.narrow(2, start, dim)?
+                .contiguous()?
+                .reshape((tokens, heads * dim))
+        };
+        Ok((half(0)?, Some(half(dim)?)))
+    }
+
+    /// `rotate` applied to the first [`Self::rotary_dim`] dimensions of `x` (its last axis),
+    /// the others passed through.
+    fn rotate_partial(
+        &self,
+        x: Tensor,
+        rotate: impl FnOnce(&Tensor) -> Result<Tensor>,
+    ) -> Result<Tensor> {
+        if self.rotary_dim == self.head_dim {
+            return rotate(&x);
+        }
+        let last = x.rank() - 1;
+        let rotated = rotate(&x.narrow(last, 0, self.rotary_dim)?.contiguous()?)?;
+        let pass = x.narrow(last, self.rotary_dim, self.head_dim - self.rotary_dim)?;
+        Tensor::cat(&[rotated, pass], last)?.contiguous()
     }
 
     /// The materialised path, one sequence at a time; returns `[tokens, heads * head_dim]`.
@@ -188,7 +235,7 @@ impl Attention {
         }
         let x = x.transpose(0, 1)?.contiguous()?.unsqueeze(0)?;
         match rope {
-            Some(rope) => rope.apply(&x),
+            Some(rope) => self.rotate_partial(x, |x| rope.apply(x)),
             None => Ok(x),
         }
     }
@@ -219,7 +266,9 @@ impl Attention {
         // the per-head norms, where the model has them, and RoPE
         let (q, k) = stage("rope", &dev, || {
             let rotate = |x: Tensor, heads, norm| {
-                ops::rope_rotate_half(&split(x, heads, norm)?, &index.positions, cos, sin)
+                self.rotate_partial(split(x, heads, norm)?, |x| {
+                    ops::rope_rotate_half(x, &index.positions, cos, sin)
+                })
             };
             Ok((
                 rotate(q, self.num_heads, self.q_norm.as_ref())?,
@@ -268,6 +317,11 @@ pub struct BatchLayout {
 }
 
 impl BatchLayout {
+    /// The lengths of the sequences, in batch order.
+    pub fn lens(&self) -> &[usize] {
+        &self.lens
+    }
+
     /// Sequences of lengths `lens` on `device`; `flash`: attention runs through the flash
     /// kernel (for heads of `head_dim`).
     pub fn new(lens: &[usize], flash: bool, head_dim: usize, device: &Device) -> Result<Self> {

@@ -1,5 +1,6 @@
-//! Mixture-of-experts feed-forward (Qwen3-MoE, Mixtral): a router picks `top_k` experts per
-//! token; each expert is a gated MLP. Tokens are grouped by expert, and experts' weights are
+//! Mixture-of-experts feed-forward (Qwen3-MoE, Mixtral, Qwen3-Next, Qwen3.5-MoE): a router
+//! picks `top_k` experts per token; each expert is a gated MLP; Qwen3-Next adds a shared expert
+//! that every token goes through, weighted by `sigmoid(shared_expert_gate(x))`. Tokens are grouped by expert, and experts' weights are
 //! dequantized right before their GEMMs and dropped after: never all experts at once (a 30B-A3B
 //! checkpoint is ~60 GB in bf16). On a GPU in bf16/f16 the experts run stacked, a group at a
 //! time, so that a layer costs a few launches rather than several per expert.
@@ -23,6 +24,15 @@ pub struct Moe {
     cfg: MoeConfig,
     /// The experts can run stacked ([`stackable`]).
     stackable: bool,
+    shared: Option<SharedExpert>,
+}
+
+/// Qwen3-Next's shared expert: `sigmoid(shared_expert_gate(x)) * shared_expert(x)`.
+#[derive(Clone)]
+struct SharedExpert {
+    mlp: Mlp,
+    /// `[1, hidden]`: one gate logit per token.
+    gate: QuantLinear,
 }
 
 /// Experts whose weights are dequantized and multiplied together, at most: enough that one
@@ -70,11 +80,27 @@ impl Moe {
                 Mlp::load(&expert, names, (h, inter), false, c.hidden_act)
             })
             .collect::<std::result::Result<Vec<_>, LoadError>>()?;
+        let shared = cfg
+            .shared_expert_intermediate_size
+            .map(|inter| {
+                Ok::<_, LoadError>(SharedExpert {
+                    mlp: Mlp::load(
+                        &vb.pp("shared_expert"),
+                        PROJ_NAMES,
+                        (h, inter),
+                        false,
+                        c.hidden_act,
+                    )?,
+                    gate: vb.linear("shared_expert_gate", (1, h), false)?,
+                })
+            })
+            .transpose()?;
         Ok(Self {
             router,
             stackable: stackable(&experts),
             experts,
             cfg: cfg.clone(),
+            shared,
         })
     }
 
@@ -89,7 +115,9 @@ impl Moe {
     /// `residual` plus the weighted sum of each token's experts. The routed tokens are sorted
     /// by expert; the experts run one by one on their rows ([`Self::experts_one_by_one`]) or
     /// stacked in groups ([`Self::experts_stacked`]), and their outputs are weighted and added
-    /// back per token in ascending expert order by one kernel.
+    /// back per token in ascending expert order by one kernel. With a shared expert, as
+    /// transformers sums: the routed experts into zeros, plus the gated shared expert, then the
+    /// residual.
     pub fn forward(
         &self,
         x: &Tensor,
@@ -105,6 +133,10 @@ impl Moe {
         } else {
             self.experts_one_by_one(x, plan)?
         };
+        let into = match &self.shared {
+            Some(_) => residual.zeros_like()?,
+            None => residual.clone(),
+        };
         let out = stage("experts", &dev, || {
             let Combined {
                 y,
@@ -119,9 +151,21 @@ impl Moe {
                 self.cfg.weights_in_compute_dtype,
                 &rows_token,
                 &Tensor::from_slice(&positions, (tokens, top.k), &dev)?,
-                &residual,
+                &into,
             )
         })?;
+        let out = match &self.shared {
+            Some(shared) => {
+                let y = shared
+                    .mlp
+                    .forward(x.clone(), residual.zeros_like()?, false)?;
+                let gate = stage("shared_expert_gate", &dev, || {
+                    candle_nn::ops::sigmoid(&shared.gate.forward(x)?)
+                })?;
+                (residual + (out + y.broadcast_mul(&gate)?)?)?
+            }
+            None => out,
+        };
         if let Some(routes) = routes {
             let pairs = top.experts.iter().map(|&e| e as usize).zip(top.weights);
             let pairs: Vec<(usize, f32)> = pairs.collect();
@@ -220,21 +264,39 @@ impl Moe {
         })
     }
 
+    /// Every Linear with its name under the block (`experts.3.up_proj`,
+    /// `shared_expert.down_proj`, `shared_expert_gate`).
     pub fn linears(&self) -> impl Iterator<Item = (String, &QuantLinear)> {
-        self.experts.iter().enumerate().flat_map(|(e, x)| {
+        let experts = self.experts.iter().enumerate().flat_map(|(e, x)| {
             x.linears()
                 .into_iter()
                 .map(move |(n, l)| (format!("experts.{e}.{n}"), l))
-        })
+        });
+        let shared = self.shared.iter().flat_map(|s| {
+            s.mlp
+                .linears()
+                .into_iter()
+                .map(|(n, l)| (format!("shared_expert.{n}"), l))
+                .chain([("shared_expert_gate".to_string(), &s.gate)])
+        });
+        experts.chain(shared)
     }
 
     /// [`Self::linears`], to replace one.
     pub fn linears_mut(&mut self) -> impl Iterator<Item = (String, &mut QuantLinear)> {
-        self.experts.iter_mut().enumerate().flat_map(|(e, x)| {
+        let experts = self.experts.iter_mut().enumerate().flat_map(|(e, x)| {
             x.linears_mut()
                 .into_iter()
                 .map(move |(n, l)| (format!("experts.{e}.{n}"), l))
-        })
+        });
+        let shared = self.shared.iter_mut().flat_map(|s| {
+            s.mlp
+                .linears_mut()
+                .into_iter()
+                .map(|(n, l)| (format!("shared_expert.{n}"), l))
+                .chain([("shared_expert_gate".to_string(), &mut s.gate)])
+        });
+        experts.chain(shared)
     }
 }
 

@@ -5,8 +5,8 @@ use serde_json::Value;
 
 use super::rope_parameters;
 use super::shared::{
-    gate_activation, keys_set, Activation, MoeConfig, ProjectionBiases, ScoreShaping, SharedKeys,
-    SlidingLayers, SOFTCAPPING_KEYS,
+    gate_activation, keys_set, Activation, LinearAttentionConfig, MoeConfig, ProjectionBiases,
+    ScoreShaping, SharedKeys, SlidingLayers, SOFTCAPPING_KEYS,
 };
 use crate::checkpoint::LoadError;
 use crate::model::rope::Rope;
@@ -18,6 +18,8 @@ pub enum DecoderFamily {
     Llama,
     /// `(1 + w)` norms, scaled embeddings, norms after attention and MLP.
     Gemma,
+    /// Qwen3-Next, Qwen3.5: pre-norm `(1 + w)` layers of Gated DeltaNet or gated attention.
+    Qwen3Next,
 }
 
 /// What one architecture (a transformers `*ForCausalLM` class) makes of its config.json, step by
@@ -103,5 +105,41 @@ pub(super) trait ArchitectureConfig: Sync {
 
     fn score_shaping(&self, _root: &Value) -> Result<ScoreShaping, LoadError> {
         Ok(ScoreShaping::default())
+    }
+
+    /// Tensor prefixes a checkpoint may hold that scoring never reads: the vision tower and
+    /// projector of a vision-language checkpoint.
+    fn unread_prefixes(&self) -> &'static [&'static str] {
+        if self.is_vision_language() {
+            &super::vision_language::UNREAD_PREFIXES
+        } else {
+            &[]
+        }
+    }
+
+    /// The rotated dimensions of each head where the architecture reads a partial rotary
+    /// factor (`None`: it does not, a `partial_rotary_factor` other than 1 is refused, and
+    /// every dimension rotates).
+    fn rotary_dim(&self, _root: &Value, _head_dim: usize) -> Result<Option<usize>, LoadError> {
+        Ok(None)
+    }
+
+    /// Whether [`Self::rotary_dim`] reads `partial_rotary_factor` (else it is refused).
+    fn reads_partial_rotary(&self) -> bool {
+        false
+    }
+
+    /// The Gated DeltaNet layers of a hybrid model.
+    fn linear_attention(
+        &self,
+        _root: &Value,
+        _num_layers: usize,
+    ) -> Result<Option<LinearAttentionConfig>, LoadError> {
+        Ok(None)
+    }
+
+    /// q_proj also yields a per-channel output gate: `attn * sigmoid(gate)` before o_proj.
+    fn attn_output_gate(&self) -> bool {
+        false
     }
 }

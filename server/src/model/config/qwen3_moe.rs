@@ -61,7 +61,7 @@ impl ArchitectureConfig for Qwen3MoeForCausalLM {
 }
 
 /// Every `decoder_sparse_step`-th layer is sparse, except those in `mlp_only_layers`.
-fn sparse_layers(root: &Value, num_layers: usize) -> Result<Vec<bool>, LoadError> {
+pub(super) fn sparse_layers(root: &Value, num_layers: usize) -> Result<Vec<bool>, LoadError> {
     let step = size(
         optional_usize(root, "decoder_sparse_step")?.unwrap_or(1),
         "decoder_sparse_step",

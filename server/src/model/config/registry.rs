@@ -6,7 +6,8 @@ use serde_json::Value;
 use super::architecture::{ArchitectureConfig, DecoderFamily};
 use super::shared::required;
 use super::{
-    gemma2, gemma3, llama, mistral, mistral3, mixtral, qwen2, qwen3, qwen3_moe, vision_language,
+    gemma2, gemma3, llama, mistral, mistral3, mixtral, qwen2, qwen3, qwen3_5, qwen3_5_moe,
+    qwen3_moe, qwen3_next,
 };
 use crate::checkpoint::LoadError;
 
@@ -47,6 +48,14 @@ architectures! {
     /// The text part of a Mistral 3 vision-language checkpoint (Mistral Small 3.x): a Mistral
     /// under `language_model.`.
     Mistral3Multimodal => mistral3::Mistral3ForConditionalGeneration,
+    /// Gated DeltaNet and gated-attention layers, MoE with a shared expert.
+    Qwen3Next => qwen3_next::Qwen3NextForCausalLM,
+    Qwen3_5 => qwen3_5::Qwen3_5 { vision_language: false },
+    /// The text part of a Qwen3.5 vision-language checkpoint (`model.language_model.`).
+    Qwen3_5Multimodal => qwen3_5::Qwen3_5 { vision_language: true },
+    Qwen3_5Moe => qwen3_5_moe::Qwen3_5Moe { vision_language: false },
+    /// The text part of a Qwen3.5-MoE vision-language checkpoint (`model.language_model.`).
+    Qwen3_5MoeMultimodal => qwen3_5_moe::Qwen3_5Moe { vision_language: true },
 }
 
 impl Architecture {
@@ -90,12 +99,8 @@ impl Architecture {
 
     /// Tensor prefixes a checkpoint of this architecture may hold that scoring never reads:
     /// the vision tower and projector of a vision-language checkpoint (only its text model is
-    /// served).
+    /// served), and Qwen3-Next's / Qwen3.5's multi-token-prediction head (`mtp.*`).
     pub fn unread_prefixes(self) -> &'static [&'static str] {
-        if self.is_vision_language() {
-            &vision_language::UNREAD_PREFIXES
-        } else {
-            &[]
-        }
+        self.config().unread_prefixes()
     }
 }

@@ -25,6 +25,27 @@ pub struct MoeConfig {
     /// Qwen3-MoE casts the routing weights to the compute dtype before weighting the experts;
     /// Mixtral keeps them in f32.
     pub weights_in_compute_dtype: bool,
+    /// A shared expert of this width beside the routed ones, weighted by
+    /// `sigmoid(shared_expert_gate(x))` (Qwen3-Next, Qwen3.5-MoE).
+    pub shared_expert_intermediate_size: Option<usize>,
+}
+
+/// The Gated DeltaNet (linear-attention) layers of a hybrid model (Qwen3-Next, Qwen3.5).
+#[derive(Debug, Clone, PartialEq)]
+pub struct LinearAttentionConfig {
+    /// Per layer: a Gated DeltaNet (`linear_attention`), else gated full attention.
+    pub linear_layers: Vec<bool>,
+    /// `linear_conv_kernel_dim`.
+    pub conv_kernel: usize,
+    /// `linear_num_key_heads`, `linear_num_value_heads` (a multiple of it).
+    pub k_heads: usize,
+    pub v_heads: usize,
+    /// `linear_key_head_dim`, `linear_value_head_dim`.
+    pub k_dim: usize,
+    pub v_dim: usize,
+    /// Qwen3-Next's `in_proj_qkvz` / `in_proj_ba`, grouped per key head; else Qwen3.5's
+    /// `in_proj_qkv`, `in_proj_z`, `in_proj_b`, `in_proj_a`.
+    pub grouped_projections: bool,
 }
 
 /// Per-layer attention: which layers use the sliding window, and the RoPE of those layers
@@ -238,5 +259,6 @@ pub(super) fn experts(
         sparse_layers: vec![true; num_layers],
         mixtral_names: false,
         weights_in_compute_dtype: false,
+        shared_expert_intermediate_size: None,
     })
 }
