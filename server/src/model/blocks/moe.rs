@@ -104,11 +104,12 @@ impl Moe {
         })
     }
 
-    /// Every token's experts, as transformers picks them: router logits in the compute dtype,
+    /// Every token's experts, as transformers picks them: router logits in the compute dtype
+    /// (through [`ops::matmul_t`], whose rows do not depend on the other rows of the batch),
     /// softmax in f32, the `top_k` largest (ties to the lower index), renormalised in f32 when
     /// `norm_topk_prob` ([`ops::moe_route`]).
     pub fn route(&self, x: &Tensor) -> Result<TopExperts> {
-        let logits = x.matmul(&self.router.t()?)?;
+        let logits = ops::matmul_t(x, &self.router)?;
         ops::moe_route(&logits, self.cfg.experts_per_token, self.cfg.norm_topk_prob)
     }
 
