@@ -316,3 +316,105 @@ fn mistral3_conditional_generation_text_weights_match_reference() {
         assert!(max <= 1e-4, "{base}: max |Δlogprob| {max:e}");
     }
 }
+
+/// `variant`'s weights-only f32 scores with `config` and `tensors` in place of its own, against
+/// the weights-only reference: (mean, max) |Δ logprob|.
+fn mutated_deltas(
+    variant: &str,
+    config: &Value,
+    tensors: std::collections::HashMap<String, exactscore_server::checkpoint::HostTensor>,
+) -> (f64, f64) {
+    use exactscore_server::checkpoint::Checkpoint;
+    use exactscore_server::model::ModelConfig;
+    let reference = reference(variant);
+    let model = Model::from_checkpoint(
+        ModelConfig::from_json(&config.to_string()).unwrap(),
+        &Checkpoint::from_memory(tensors),
+        &options(candle_core::DType::F32, Off),
+    )
+    .unwrap_or_else(|e| panic!("{e}"));
+    let d = deltas(
+        &score_all(&model, &sequences(&reference), 1),
+        &reference_logprobs(&reference["sequences"]),
+    );
+    let mean = d.iter().sum::<f64>() / d.len() as f64;
+    (mean, d.iter().copied().fold(0.0, f64::max))
+}
+
+/// Mechanisms broken on purpose, as scripts/make_arch_fixtures.py broke them in transformers,
+/// land where its `mutations` say (mean and max |Δ| over the 551 tokens): our reading of each
+/// mechanism is transformers', not merely close to the unbroken reference. The cheap ones: two
+/// config keys, and the f32-stored A_log / gated-norm weights rounded to bf16.
+#[test]
+fn qwen3_next_family_mutations_land_where_transformers_put_them() {
+    let config_of = |variant: &str| -> Value {
+        let text = std::fs::read_to_string(fixtures().join(variant).join("config.json")).unwrap();
+        serde_json::from_str(&text).unwrap()
+    };
+    let weights =
+        |variant: &str| tensors_of(&format!("{variant}/model.safetensors"), str::to_string);
+    let check = |variant: &str, mutation: &str, got: (f64, f64)| {
+        let want = &reference(variant)["mutations"][mutation];
+        let (mean, max) = (
+            want["mean"].as_f64().unwrap(),
+            want["max"].as_f64().unwrap(),
+        );
+        println!(
+            "{variant} {mutation}: mean |Δ| {:.4e} (transformers {mean:.4e}), max {:.4e} ({max:.4e})",
+            got.0, got.1
+        );
+        assert!(
+            mean > 1e-3,
+            "{variant} {mutation}: the mutation is not far away"
+        );
+        assert!(
+            (got.0 - mean).abs() <= 1e-4 && (got.1 - max).abs() <= 1e-3,
+            "{variant} {mutation}: ours {got:?}, transformers' ({mean}, {max})"
+        );
+    };
+    // norm_topk_prob read the other way (Qwen3-Next)
+    let variant = "qwen3_next-w4a16-g32";
+    let mut config = config_of(variant);
+    config["norm_topk_prob"] = Value::Bool(true);
+    check(
+        variant,
+        "norm_topk_prob_flipped",
+        mutated_deltas(variant, &config, weights(variant)),
+    );
+    // every dimension of each head rotated
+    for variant in ["qwen3_next-w4a16-g32", "qwen3_5-w4a16-g32"] {
+        let mut config = config_of(variant);
+        config["partial_rotary_factor"] = 1.0.into();
+        config["rope_parameters"]["partial_rotary_factor"] = 1.0.into();
+        check(
+            variant,
+            "full_instead_of_partial_rotary",
+            mutated_deltas(variant, &config, weights(variant)),
+        );
+    }
+    // A_log and the gated norm's weight, stored in f32, rounded to bf16
+    let variant = "qwen3_5-w4a16-g32";
+    let mut tensors = weights(variant);
+    let mut rounded = 0;
+    for (name, t) in tensors.iter_mut() {
+        if name.ends_with("linear_attn.A_log") || name.ends_with("linear_attn.norm.weight") {
+            assert_eq!(t.dtype, safetensors::Dtype::F32, "{name}");
+            t.data = t
+                .data
+                .chunks_exact(4)
+                .flat_map(|b| {
+                    let x = f32::from_le_bytes([b[0], b[1], b[2], b[3]]);
+                    half::bf16::from_f32(x).to_le_bytes()
+                })
+                .collect();
+            t.dtype = safetensors::Dtype::BF16;
+            rounded += 1;
+        }
+    }
+    assert_eq!(rounded, 4);
+    check(
+        variant,
+        "f32_params_rounded_to_bf16",
+        mutated_deltas(variant, &config_of(variant), tensors),
+    );
+}
