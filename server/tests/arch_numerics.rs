@@ -418,3 +418,84 @@ fn qwen3_next_family_mutations_land_where_transformers_put_them() {
         mutated_deltas(variant, &config_of(variant), tensors),
     );
 }
+
+/// Qwen3.5-MoE's experts stored fused, as its bf16 releases ship them and transformers keeps
+/// them (`mlp.experts.gate_up_proj` `[E, 2·I, H]`, `mlp.experts.down_proj` `[E, H, I]`): the
+/// qwen3_5_moe-w4a16-g32 experts dequantized to f32 and stored fused, or per expert, score to
+/// the same bits, within 1e-4 of the transformers reference.
+#[test]
+fn qwen3_5_moe_fused_experts_score_as_per_expert_linears() {
+    use exactscore_server::checkpoint::HostTensor;
+    const VARIANT: &str = "qwen3_5_moe-w4a16-g32";
+    let quantized = load(VARIANT, Emulate);
+    let mut config: Value = serde_json::from_str(
+        &std::fs::read_to_string(fixtures().join(VARIANT).join("config.json")).unwrap(),
+    )
+    .unwrap();
+    config["quantization_config"]["ignore"]
+        .as_array_mut()
+        .unwrap()
+        .push(r"re:.*mlp\.experts\..*".into());
+    let base: std::collections::HashMap<String, HostTensor> =
+        tensors_of(&format!("{VARIANT}/model.safetensors"), str::to_string)
+            .into_iter()
+            .filter(|(name, _)| !name.contains(".mlp.experts."))
+            .collect();
+    let f32_tensor = |shape: Vec<usize>, values: &[f32]| HostTensor {
+        dtype: safetensors::Dtype::F32,
+        shape,
+        data: values.iter().flat_map(|v| v.to_le_bytes()).collect(),
+    };
+    let (experts, layers) = (8, 4);
+    let copy = |t: &HostTensor| HostTensor {
+        dtype: t.dtype,
+        shape: t.shape.clone(),
+        data: t.data.clone(),
+    };
+    let mut per_expert: std::collections::HashMap<String, HostTensor> =
+        base.iter().map(|(n, t)| (n.clone(), copy(t))).collect();
+    let mut fused = base;
+    for i in 0..layers {
+        let (mut gate_up, mut down) = (Vec::new(), Vec::new());
+        for e in 0..experts {
+            for proj in ["gate_proj", "up_proj", "down_proj"] {
+                let w = quantized
+                    .linear(&format!("model.layers.{i}.mlp.experts.{e}.{proj}"))
+                    .unwrap()
+                    .weight();
+                let (out, inp) = w.shape();
+                let values = w.dequantize_f32().unwrap();
+                let name = format!("model.language_model.layers.{i}.mlp.experts.{e}.{proj}.weight");
+                per_expert.insert(name, f32_tensor(vec![out, inp], &values));
+                match proj {
+                    "down_proj" => down.extend(values),
+                    _ => gate_up.extend(values),
+                }
+            }
+        }
+        let at = |name: &str| format!("model.language_model.layers.{i}.mlp.experts.{name}");
+        fused.insert(
+            at("gate_up_proj"),
+            f32_tensor(vec![experts, 64, 64], &gate_up),
+        );
+        fused.insert(at("down_proj"), f32_tensor(vec![experts, 64, 32], &down));
+    }
+    let reference = reference(VARIANT);
+    let score = |tensors| {
+        use exactscore_server::checkpoint::Checkpoint;
+        use exactscore_server::model::ModelConfig;
+        let model = Model::from_checkpoint(
+            ModelConfig::from_json(&config.to_string()).unwrap(),
+            &Checkpoint::from_memory(tensors),
+            &options(candle_core::DType::F32, Off),
+        )
+        .unwrap_or_else(|e| panic!("{e}"));
+        score_all(&model, &sequences(&reference), 1)
+    };
+    let (a, b) = (score(per_expert), score(fused));
+    assert_eq!(a, b, "fused experts differ from per-expert Linears");
+    let d = deltas(&b, &reference_logprobs(&reference["sequences"]));
+    let max = d.iter().copied().fold(0.0, f64::max);
+    println!("{VARIANT} with fused f32 experts: max |Δ| {max:.2e}");
+    assert!(max <= 1e-4, "max |Δlogprob| {max:e}");
+}

@@ -1,7 +1,7 @@
 //! The gated MLP (SwiGLU or GeGLU) of a dense feed-forward, and of each expert of a mixture
 //! ([`super::Moe`]), which runs its experts stacked ([`forward_stacked`]).
 
-use candle_core::{DType, Result, Tensor};
+use candle_core::{DType, Device, Result, Tensor};
 
 use super::layer_inputs;
 use crate::checkpoint::LoadError;
@@ -9,9 +9,10 @@ use crate::model::config::Activation;
 use crate::model::loader::Loader;
 use crate::model::profile::stage;
 use crate::ops;
+use crate::quant::dense::DenseWeight;
 use crate::quant::{
     common_qdq, decodes_in_gemm, matmul_t_stacked, matmul_t_stacked_into_rows, ActivationQdq,
-    QuantLinear,
+    QuantLinear, SCALE_DTYPES,
 };
 
 /// Rows of the MLP input processed at once. The `[rows, intermediate]` activations (gate, up
@@ -48,6 +49,45 @@ impl Mlp {
             down_proj: vb.linear(down, (hidden, intermediate), bias)?,
             act,
         })
+    }
+
+    /// The experts of a mixture stored fused, as transformers keeps them (Qwen3.5-MoE's bf16
+    /// releases): `{vb}.gate_up_proj` `[experts, 2 * intermediate, hidden]` (each expert's gate
+    /// rows first, then its up rows) and `{vb}.down_proj` `[experts, hidden, intermediate]`,
+    /// read in their stored dtype (as a dense Linear's weight is) and split into one dense
+    /// MLP per expert. `F.linear` of the fused gate/up rows computes each output as the two
+    /// Linears do.
+    pub fn load_fused(
+        vb: &Loader,
+        experts: usize,
+        (hidden, intermediate): (usize, usize),
+        act: Activation,
+    ) -> std::result::Result<Vec<Self>, LoadError> {
+        let ckpt = vb.checkpoint();
+        let read = |name: &str, shape: &[usize]| {
+            ckpt.tensor(&vb.name(name), SCALE_DTYPES, Some(shape), &Device::Cpu)
+        };
+        let gate_up = read("gate_up_proj", &[experts, 2 * intermediate, hidden])?;
+        let down = read("down_proj", &[experts, hidden, intermediate])?;
+        let device = &vb.options().device;
+        let dense = |w: Tensor| -> std::result::Result<QuantLinear, LoadError> {
+            let w = w.contiguous()?.to_device(device)?;
+            Ok(QuantLinear::new(
+                Box::new(DenseWeight::from_tensor(w)),
+                None,
+            ))
+        };
+        (0..experts)
+            .map(|e| {
+                let gu = gate_up.get(e)?;
+                Ok(Self {
+                    gate_proj: dense(gu.narrow(0, 0, intermediate)?)?,
+                    up_proj: dense(gu.narrow(0, intermediate, intermediate)?)?,
+                    down_proj: dense(down.get(e)?)?,
+                    act,
+                })
+            })
+            .collect()
     }
 
     /// The activation QDQ that gate and up share, if they do (see [`common_qdq`]).

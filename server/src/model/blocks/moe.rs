@@ -50,7 +50,8 @@ pub type Route = Vec<(usize, f32)>;
 impl Moe {
     /// The sparse block of the decoder layer whose tensors `vb` names (`model.layers.N`):
     /// Qwen3-MoE's `mlp.{gate, experts.E.{gate,up,down}_proj}` or Mixtral's
-    /// `block_sparse_moe.{gate, experts.E.{w1,w3,w2}}`.
+    /// `block_sparse_moe.{gate, experts.E.{w1,w3,w2}}`, or the experts fused as transformers
+    /// keeps them (`mlp.experts.{gate_up_proj, down_proj}`, [`Mlp::load_fused`]).
     pub fn load(
         vb: &Loader,
         c: &ModelConfig,
@@ -74,12 +75,17 @@ impl Moe {
             ));
         }
         let router = vb.get("gate.weight", &[cfg.num_experts, h])?;
-        let experts = (0..cfg.num_experts)
-            .map(|e| {
-                let expert = vb.pp("experts").pp(e);
-                Mlp::load(&expert, names, (h, inter), false, c.hidden_act)
-            })
-            .collect::<std::result::Result<Vec<_>, LoadError>>()?;
+        let stacked = vb.pp("experts");
+        let experts = if vb.checkpoint().contains(&stacked.name("gate_up_proj")) {
+            Mlp::load_fused(&stacked, cfg.num_experts, (h, inter), c.hidden_act)?
+        } else {
+            (0..cfg.num_experts)
+                .map(|e| {
+                    let expert = stacked.pp(e);
+                    Mlp::load(&expert, names, (h, inter), false, c.hidden_act)
+                })
+                .collect::<std::result::Result<Vec<_>, LoadError>>()?
+        };
         let shared = cfg
             .shared_expert_intermediate_size
             .map(|inter| {
