@@ -499,3 +499,23 @@ fn qwen3_5_moe_fused_experts_score_as_per_expert_linears() {
     println!("{VARIANT} with fused f32 experts: max |Δ| {max:.2e}");
     assert!(max <= 1e-4, "max |Δlogprob| {max:e}");
 }
+
+/// `Qwen3_5MoeForCausalLM` reads a `ForConditionalGeneration` checkpoint (transformers strips
+/// `language_model` from the names): the qwen3_5_moe-w4a16-g32 checkpoint (`model.language_model.*`,
+/// `model.visual.*`, `mtp.*`) with its text config flattened to the text-only class's scores as
+/// the reference.
+#[test]
+fn qwen3_5_moe_text_only_class_reads_the_conditional_checkpoint() {
+    const VARIANT: &str = "qwen3_5_moe-w4a16-g32";
+    let full: Value = serde_json::from_str(
+        &std::fs::read_to_string(fixtures().join(VARIANT).join("config.json")).unwrap(),
+    )
+    .unwrap();
+    let mut config = full["text_config"].clone();
+    config["architectures"] = serde_json::json!(["Qwen3_5MoeForCausalLM"]);
+    config["quantization_config"] = full["quantization_config"].clone();
+    let tensors = tensors_of(&format!("{VARIANT}/model.safetensors"), str::to_string);
+    let max = max_delta(&config.to_string(), tensors, &reference(VARIANT), Emulate);
+    println!("Qwen3_5MoeForCausalLM over model.language_model.*: max |Δ| {max:.2e}");
+    assert!(max <= 1e-4, "max |Δlogprob| {max:e}");
+}

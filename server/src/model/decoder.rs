@@ -214,9 +214,10 @@ pub(crate) trait Family: Sync {
 
 /// The prefix of the text model's tensors (`model`: `model.embed_tokens`, `model.layers.N`,
 /// `model.norm`) and the lm_head's name; a vision-language checkpoint keeps its text model
-/// under `model.language_model` (transformers 5) or `language_model.model` (4.x).
+/// under `model.language_model` (transformers 5) or `language_model.model` (4.x), which
+/// Qwen3.5's text-only classes read too.
 fn text_names(ckpt: &Checkpoint, c: &ModelConfig) -> (&'static str, &'static str) {
-    if c.architecture.is_vision_language() {
+    if c.architecture.reads_nested_text_model() {
         for names in [
             ("model.language_model", "lm_head"),
             ("language_model.model", "language_model.lm_head"),

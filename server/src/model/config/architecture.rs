@@ -43,6 +43,13 @@ pub(super) trait ArchitectureConfig: Sync {
         false
     }
 
+    /// Whether the text model's tensors may sit under a vision-language checkpoint's prefix
+    /// (`model.language_model`): a vision-language architecture's, and a text-only class
+    /// that transformers loads from such a checkpoint (Qwen3.5's `PrefixChange`).
+    fn reads_nested_text_model(&self) -> bool {
+        self.is_vision_language()
+    }
+
     /// The text model's keys, from the whole file (a vision-language config nests them).
     fn text_config(&self, root: Value) -> Result<Value, LoadError> {
         Ok(root)

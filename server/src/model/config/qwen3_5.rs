@@ -66,6 +66,12 @@ impl ArchitectureConfig for Qwen3_5 {
         self.vision_language
     }
 
+    /// The text-only class reads a `ForConditionalGeneration` checkpoint too
+    /// (`conversion_mapping.py` strips `language_model` for `qwen3_5_text`).
+    fn reads_nested_text_model(&self) -> bool {
+        true
+    }
+
     fn text_config(&self, root: Value) -> Result<Value, LoadError> {
         if !self.vision_language {
             return Ok(root);

@@ -54,6 +54,12 @@ impl ArchitectureConfig for Qwen3_5Moe {
         self.vision_language
     }
 
+    /// The text-only class reads a `ForConditionalGeneration` checkpoint too
+    /// (`conversion_mapping.py` strips `language_model` for `qwen3_5_moe_text`).
+    fn reads_nested_text_model(&self) -> bool {
+        true
+    }
+
     fn text_config(&self, root: Value) -> Result<Value, LoadError> {
         let mut text = if self.vision_language {
             conditional_text_config(root, "qwen3_5_moe_text")?

@@ -97,6 +97,12 @@ impl Architecture {
         self.config().is_vision_language()
     }
 
+    /// The text model's tensors may sit under `model.language_model` (or 4.x's
+    /// `language_model.model`).
+    pub fn reads_nested_text_model(self) -> bool {
+        self.config().reads_nested_text_model()
+    }
+
     /// Tensor prefixes a checkpoint of this architecture may hold that scoring never reads:
     /// the vision tower and projector of a vision-language checkpoint (only its text model is
     /// served), and Qwen3-Next's / Qwen3.5's multi-token-prediction head (`mtp.*`).
