@@ -140,8 +140,11 @@ impl Moe {
         } else {
             self.experts_one_by_one(x, plan)?
         };
+        // With a shared expert the routed experts add into zeros (transformers' index_add_),
+        // the gated shared expert is added to that, and the sum to the residual stream.
+        let shared_zeros = |residual: &Tensor| stage("experts", &dev, || residual.zeros_like());
         let into = match &self.shared {
-            Some(_) => residual.zeros_like()?,
+            Some(_) => shared_zeros(&residual)?,
             None => residual.clone(),
         };
         let out = stage("experts", &dev, || {
@@ -161,15 +164,16 @@ impl Moe {
                 &into,
             )
         })?;
+        drop(into);
         let out = match &self.shared {
             Some(shared) => {
                 let y = shared
                     .mlp
-                    .forward(x.clone(), residual.zeros_like()?, false)?;
-                let gate = stage("shared_expert_gate", &dev, || {
-                    candle_nn::ops::sigmoid(&shared.gate.forward(x)?)
-                })?;
-                (residual + (out + y.broadcast_mul(&gate)?)?)?
+                    .forward(x.clone(), shared_zeros(&residual)?, false)?;
+                stage("shared_expert_gate", &dev, || {
+                    let gate = candle_nn::ops::sigmoid(&shared.gate.forward(x)?)?;
+                    residual + (out + y.broadcast_mul(&gate)?)?
+                })?
             }
             None => out,
         };
