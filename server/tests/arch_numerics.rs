@@ -519,3 +519,36 @@ fn qwen3_5_moe_text_only_class_reads_the_conditional_checkpoint() {
     println!("Qwen3_5MoeForCausalLM over model.language_model.*: max |Δ| {max:.2e}");
     assert!(max <= 1e-4, "max |Δlogprob| {max:e}");
 }
+
+/// `mtp.*` is left unread by rule (the fixture holds a whole MTP layer), anything else unread
+/// still fails the load naming it: a vision tensor in a Qwen3-Next checkpoint (whose class
+/// ignores only `^mtp.*`) and a stray tensor beside a Gated DeltaNet.
+#[test]
+fn qwen3_next_unread_tensors_other_than_mtp_fail_the_load() {
+    use exactscore_server::checkpoint::{Checkpoint, HostTensor};
+    use exactscore_server::model::ModelConfig;
+    const VARIANT: &str = "qwen3_next-w4a16-g32";
+    let config = std::fs::read_to_string(fixtures().join(VARIANT).join("config.json")).unwrap();
+    for stray in [
+        "model.visual.pos_embed.weight",
+        "model.layers.0.linear_attn.conv1d.bias",
+    ] {
+        let mut tensors = tensors_of(&format!("{VARIANT}/model.safetensors"), str::to_string);
+        assert!(tensors.keys().any(|n| n.starts_with("mtp.layers.0.")));
+        let t = HostTensor {
+            dtype: safetensors::Dtype::F32,
+            shape: vec![2],
+            data: vec![0; 8],
+        };
+        tensors.insert(stray.to_string(), t);
+        let err = Model::from_checkpoint(
+            ModelConfig::from_json(&config).unwrap(),
+            &Checkpoint::from_memory(tensors),
+            &options(candle_core::DType::F32, Off),
+        )
+        .err()
+        .unwrap_or_else(|| panic!("{stray} was ignored"))
+        .to_string();
+        assert!(err.contains(stray), "{err}");
+    }
+}

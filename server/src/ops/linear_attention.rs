@@ -17,6 +17,11 @@
 //! PyTorch's CPU kernel does); matrix products are summed in index order, so results agree with
 //! torch to a few f32 ulps of the accumulated magnitudes, not bit for bit.
 //!
+//! The tensor entry points the model calls, one sequence per call and f32 in and out:
+//! [`causal_conv1d_tensor`], [`gated_delta_rule`] (the chunked form, as transformers' torch
+//! fallback runs it when scoring) and [`gated_delta_decay`]. On the CPU they run the references
+//! below; on a CUDA device the first two return an error until their kernels exist.
+//!
 //! Layouts are row-major, token first: q and k `[tokens, k_heads, k_dim]`, v
 //! `[tokens, v_heads, v_dim]`, g and beta `[tokens, v_heads]`, the output
 //! `[tokens, v_heads, v_dim]`. With fewer k heads than v heads, value head `h` reads key/query

@@ -24,9 +24,13 @@ use crate::checkpoint::LoadError;
 
 pub(super) struct Qwen3NextForCausalLM;
 
-/// Tensor prefixes no class of the family reads: the multi-token-prediction head (`mtp.*`,
-/// `_keys_to_ignore_on_load_unexpected = [r"^mtp.*"]`) and, for the text-only classes, a vision
-/// tower (`^model.visual.*`).
+/// Tensor prefixes Qwen3-Next never reads: the multi-token-prediction head (`mtp.*`; every
+/// class of the family lists `^mtp.*` in `_keys_to_ignore_on_load_unexpected`).
+pub(super) const MTP_PREFIXES: [&str; 1] = ["mtp."];
+
+/// Qwen3.5's: `mtp.*`, and the vision tower (`model.visual.*`), which the text-only classes
+/// ignore too (`[r"^mtp.*", r"^model.visual.*"]`) and the `ForConditionalGeneration` classes
+/// hold but never run for text.
 pub(super) const UNREAD_PREFIXES: [&str; 2] = ["mtp.", "model.visual."];
 
 impl ArchitectureConfig for Qwen3NextForCausalLM {
@@ -59,7 +63,7 @@ impl ArchitectureConfig for Qwen3NextForCausalLM {
     }
 
     fn unread_prefixes(&self) -> &'static [&'static str] {
-        &UNREAD_PREFIXES
+        &MTP_PREFIXES
     }
 
     fn sliding_window(&self, _window: Option<usize>, _keys: &SharedKeys) -> Option<usize> {
