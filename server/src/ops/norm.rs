@@ -78,6 +78,15 @@ pub fn gated_mul(
     finish_qdq(product, qdq, fused)
 }
 
+/// `sigmoid(x)` as PyTorch computes it in every dtype: in f32 (`1 / (1 + exp(-x))`), rounded
+/// once to `x`'s dtype (candle's own sigmoid of a bf16 tensor rounds after each step).
+pub fn sigmoid(x: &Tensor) -> Result<Tensor> {
+    match x.dtype() {
+        DType::F32 => candle_nn::ops::sigmoid(x),
+        dtype => candle_nn::ops::sigmoid(&x.to_dtype(DType::F32)?)?.to_dtype(dtype),
+    }
+}
+
 /// Whether the kernel that produces a Linear input (RMSNorm, SwiGLU) applies `qdq` in its own
 /// pass: the per-token fp8 QDQ, which needs nothing but the row the GPU kernel already holds.
 fn fuses_qdq(qdq: Option<&ActivationQdq>, device: &Device) -> bool {

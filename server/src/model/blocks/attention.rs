@@ -148,7 +148,7 @@ impl Attention {
         };
         let out = match gate {
             // in the compute dtype, as transformers multiplies
-            Some(gate) => stage("output_gate", dev, || out * candle_nn::ops::sigmoid(&gate)?)?,
+            Some(gate) => stage("output_gate", dev, || out * ops::sigmoid(&gate)?)?,
             None => out,
         };
         let [o_in] = layer_inputs([&self.o_proj], &out, false)?;

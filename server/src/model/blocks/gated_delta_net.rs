@@ -184,7 +184,7 @@ impl GatedDeltaNet {
         let v = conv
             .narrow(1, 2 * key_dim, d.v_heads * d.v_dim)?
             .reshape((len, d.v_heads, d.v_dim))?;
-        let beta = candle_nn::ops::sigmoid(b)?;
+        let beta = ops::sigmoid(b)?;
         let g = ops::gated_delta_decay(a, &self.dt_bias, &self.a_log)?;
         ops::gated_delta_rule(&f32(&q)?, &f32(&k)?, &f32(&v)?, &g, &f32(&beta)?, true)?
             .to_dtype(dtype)

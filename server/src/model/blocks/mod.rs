@@ -1,7 +1,7 @@
 //! The blocks every architecture family builds its decoder layers from, each with its `load`
 //! beside its `forward` (as candle-transformers' models): [`RmsNorm`], [`Attention`], [`Mlp`]
-//! and [`Moe`] behind a layer's [`FeedForward`], and the linear-attention [`GatedDeltaNet`]. Device-specific work goes through
-//! [`crate::ops`]; nothing here asks which device it runs on.
+//! and [`Moe`] behind a layer's [`FeedForward`], and the linear-attention [`GatedDeltaNet`].
+//! Device-specific work goes through [`crate::ops`]; nothing here asks which device it runs on.
 
 mod attention;
 mod feed_forward;

@@ -1,9 +1,10 @@
 //! Mixture-of-experts feed-forward (Qwen3-MoE, Mixtral, Qwen3-Next, Qwen3.5-MoE): a router
 //! picks `top_k` experts per token; each expert is a gated MLP; Qwen3-Next adds a shared expert
-//! that every token goes through, weighted by `sigmoid(shared_expert_gate(x))`. Tokens are grouped by expert, and experts' weights are
-//! dequantized right before their GEMMs and dropped after: never all experts at once (a 30B-A3B
-//! checkpoint is ~60 GB in bf16). On a GPU in bf16/f16 the experts run stacked, a group at a
-//! time, so that a layer costs a few launches rather than several per expert.
+//! that every token goes through, weighted by `sigmoid(shared_expert_gate(x))`. Tokens are
+//! grouped by expert, and experts' weights are dequantized right before their GEMMs and dropped
+//! after: never all experts at once (a 30B-A3B checkpoint is ~60 GB in bf16). On a GPU in
+//! bf16/f16 the experts run stacked, a group at a time, so that a layer costs a few launches
+//! rather than several per expert.
 
 use candle_core::{Result, Tensor};
 
@@ -171,7 +172,7 @@ impl Moe {
                     .mlp
                     .forward(x.clone(), shared_zeros(&residual)?, false)?;
                 stage("shared_expert_gate", &dev, || {
-                    let gate = candle_nn::ops::sigmoid(&shared.gate.forward(x)?)?;
+                    let gate = ops::sigmoid(&shared.gate.forward(x)?)?;
                     residual + (out + y.broadcast_mul(&gate)?)?
                 })?
             }
