@@ -139,7 +139,10 @@ impl Attention {
             ))
         })?;
         drop((q_in, k_in, v_in));
-        let (q, gate) = stage("output_gate", dev, || self.split_gate(q))?;
+        let (q, gate) = match self.output_gate {
+            true => stage("output_gate", dev, || self.split_gate(q))?,
+            false => (q, None),
+        };
         let out = match &batch.flash {
             Some(index) => self.flash_attend(q, k, v, index, rope)?,
             None => stage("attention", dev, || {
