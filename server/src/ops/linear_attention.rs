@@ -379,6 +379,12 @@ fn f32_data(t: &Tensor) -> Result<Vec<f32>> {
     t.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()
 }
 
+/// Whether the linear-attention ops run on `device`: the CPU only, until their GPU kernels
+/// exist (a model with Gated DeltaNet layers is refused at load elsewhere).
+pub fn linear_attention_available(device: &Device) -> bool {
+    !device.is_cuda()
+}
+
 /// The error of a linear-attention op asked to run on a GPU: its kernels do not exist yet.
 fn no_gpu_kernel(op: &str, x: &Tensor) -> Result<()> {
     if x.device().is_cuda() {

@@ -55,6 +55,17 @@ impl GatedDeltaNet {
             .linear_attention
             .clone()
             .ok_or_else(|| LoadError::config("layer_types", "no linear-attention config"))?;
+        if !ops::linear_attention_available(&vb.options().device) {
+            return Err(LoadError::config(
+                "layer_types",
+                format!(
+                    "linear attention has no GPU kernel yet: {} runs on the CPU only for now \
+                     ({:?})",
+                    c.architecture.hf_name(),
+                    vb.options().device
+                ),
+            ));
+        }
         let h = c.hidden_size;
         let (key_dim, value_dim) = (la.k_heads * la.k_dim, la.v_heads * la.v_dim);
         let conv_dim = 2 * key_dim + value_dim;
