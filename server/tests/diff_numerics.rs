@@ -246,3 +246,39 @@ fn attribution_equals_swapping_each_module_into_the_reference_checkpoint() {
     assert!(worst <= 1e-12, "max |Δ| {worst:e}");
     assert!(ratio > 0.3 && ratio < 3.0, "additivity ratio {ratio}");
 }
+
+/// `/diff` on a hybrid model (Gated DeltaNet + gated attention layers): Qwen3.5 with its
+/// linear-attention Linears quantized too against the checkpoint that keeps them dense. Every
+/// layer compares, the linear-attention modules are attributable by their names
+/// (`model.layers.N.linear_attn.*`), each contributes a finite, non-negative divergence and
+/// some a positive one; the model against itself differs nowhere.
+#[test]
+fn hybrid_linear_attention_modules_are_attributed() {
+    let served = load("qwen3_5-w4a16-g32-linattn", Off);
+    let reference = load("qwen3_5-w4a16-g32", Off);
+    let modules: Vec<String> = attributable_modules(&served, &reference)
+        .into_iter()
+        .filter(|m| m.contains(".linear_attn."))
+        .collect();
+    assert_eq!(modules.len(), 10, "{modules:?}");
+    let seqs = sequences(&common::reference("qwen3_5-w4a16-g32"))[..2].to_vec();
+    let options = DiffOptions {
+        reference_until: None,
+        attribute: modules.clone(),
+    };
+    let d = &run(&served, &reference, &seqs, &options)[1];
+    assert_eq!(d.layers.len(), 4);
+    assert_eq!(d.modules.len(), modules.len());
+    assert!(
+        d.modules.iter().all(|k| k.is_finite() && *k >= 0.0),
+        "{:?}",
+        d.modules
+    );
+    assert!(d.modules.iter().any(|&k| k > 0.0), "{:?}", d.modules);
+    assert!(d.first_non_finite().is_none());
+    let same = &run(&reference, &reference, &seqs, &DiffOptions::default())[0];
+    assert!(same
+        .layers
+        .iter()
+        .all(|l| l.cos_error.iter().all(|&c| c == 0.0)));
+}
