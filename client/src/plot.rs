@@ -477,14 +477,7 @@ where
             .label(label.clone())
             .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 18, y)], c.stroke_width(2)));
     }
-    chart
-        .configure_series_labels()
-        .background_style(WHITE.mix(0.85))
-        .border_style(BLACK)
-        .label_font(("sans-serif", 14))
-        .draw()
-        .map_err(e)?;
-    Ok(())
+    draw_legend(&mut chart, SeriesLabelPosition::MiddleRight)
 }
 
 /// The x axis of every bits-per-weight chart.
@@ -680,14 +673,7 @@ where
             .draw_series(points.iter().map(|&p| Circle::new(p, 3, c.filled())))
             .map_err(e)?;
     }
-    chart
-        .configure_series_labels()
-        .position(legend)
-        .background_style(WHITE.mix(0.85))
-        .border_style(BLACK)
-        .label_font(("sans-serif", 14))
-        .draw()
-        .map_err(e)
+    draw_legend(chart, legend)
 }
 
 /// Median KLD (line and points) with its p25–p75 band against bits per weight, log KLD axis;
@@ -849,14 +835,7 @@ where
             .label(format!("bf16 noise floor (median), {}", reports[i].0))
             .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 18, y)], c.stroke_width(2)));
     }
-    chart
-        .configure_series_labels()
-        .position(SeriesLabelPosition::LowerLeft)
-        .background_style(WHITE.mix(0.85))
-        .border_style(BLACK)
-        .label_font(("sans-serif", 14))
-        .draw()
-        .map_err(e)
+    draw_legend(chart, SeriesLabelPosition::LowerLeft)
 }
 
 /// Each report's per-token KLD histogram ([`kld_histogram`]) as a step line.
@@ -927,15 +906,27 @@ where
             .label(reports[*i].0.clone())
             .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 18, y)], c.stroke_width(2)));
     }
+    draw_legend(&mut chart, SeriesLabelPosition::UpperLeft)
+}
+
+/// Every chart's legend: a light box with a black border and 14-pixel labels at `position`.
+fn draw_legend<'a, DB, CT>(
+    chart: &mut ChartContext<'a, DB, CT>,
+    position: SeriesLabelPosition,
+) -> Result<(), String>
+where
+    DB: DrawingBackend + 'a,
+    DB::ErrorType: 'static,
+    CT: plotters::coord::CoordTranslate,
+{
     chart
         .configure_series_labels()
-        .position(SeriesLabelPosition::UpperLeft)
+        .position(position)
         .background_style(WHITE.mix(0.85))
         .border_style(BLACK)
         .label_font(("sans-serif", 14))
         .draw()
-        .map_err(e)?;
-    Ok(())
+        .map_err(|e| e.to_string())
 }
 
 #[cfg(test)]
