@@ -39,6 +39,7 @@ pub mod attention;
 pub mod dequant;
 pub mod embedding;
 pub mod gemm;
+pub mod linear_attention;
 pub mod moe;
 pub mod norm;
 pub mod scoring;

@@ -39,6 +39,7 @@ kernel_modules! {
     DEQUANT: "dequant",
     EMBEDDING: "embedding",
     GEMM: "gemm",
+    LINEAR_ATTENTION: "linear_attention",
     MOE: "moe",
     NORM: "norm",
     SCORING: "scoring",

@@ -30,6 +30,22 @@
 use candle_core::{bail, DType, Device, Result, Tensor};
 use rayon::prelude::*;
 
+super::gpu_entry_points!(linear_attention {
+    fn causal_conv1d(x: &Tensor, weight: &Tensor, bias: Option<&Tensor>, silu: bool) -> Result<Tensor>;
+    fn gated_delta_rule(
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        g: &Tensor,
+        beta: &Tensor,
+        l2: bool,
+    ) -> Result<Tensor>;
+});
+
+/// Key head dimensions the GPU delta-rule kernel is built for (its state column lives in
+/// registers, one kernel per size).
+pub const GPU_DELTA_RULE_KEY_DIMS: [usize; 4] = [32, 64, 128, 256];
+
 /// The activation applied after the convolution (`config.hidden_act` of the layer).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum ConvActivation {
@@ -379,21 +395,10 @@ fn f32_data(t: &Tensor) -> Result<Vec<f32>> {
     t.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()
 }
 
-/// Whether the linear-attention ops run on `device`: the CPU only, until their GPU kernels
-/// exist (a model with Gated DeltaNet layers is refused at load elsewhere).
-pub fn linear_attention_available(device: &Device) -> bool {
-    !device.is_cuda()
-}
-
-/// The error of a linear-attention op asked to run on a GPU: its kernels do not exist yet.
-fn no_gpu_kernel(op: &str, x: &Tensor) -> Result<()> {
-    if x.device().is_cuda() {
-        bail!(
-            "linear attention has no GPU kernel yet ({op} on {:?})",
-            x.device()
-        );
-    }
-    Ok(())
+/// Whether the linear-attention ops run on `device` for key heads of `k_dim` values: always on
+/// the CPU, on a GPU for [`GPU_DELTA_RULE_KEY_DIMS`].
+pub fn linear_attention_available(device: &Device, k_dim: usize) -> bool {
+    !device.is_cuda() || GPU_DELTA_RULE_KEY_DIMS.contains(&k_dim)
 }
 
 /// The causal depthwise conv1d of one sequence ([`causal_conv1d`]), on tensors:
@@ -405,15 +410,15 @@ fn no_gpu_kernel(op: &str, x: &Tensor) -> Result<()> {
 /// * `bias` `[channels]` f32, if any (Gated DeltaNet has none);
 /// * `act` applied to every output.
 ///
-/// Returns `[tokens, channels]` f32 on `x`'s device. On the CPU this is the reference above;
-/// on a CUDA device it is an error for now (no kernel yet).
+/// Returns `[tokens, channels]` f32 on `x`'s device. On the CPU this is the reference above; a
+/// GPU rounds the products and sums in the same order (the same bits before the activation;
+/// SiLU's `exp` may differ in the last bit).
 pub fn causal_conv1d_tensor(
     x: &Tensor,
     weight: &Tensor,
     bias: Option<&Tensor>,
     act: ConvActivation,
 ) -> Result<Tensor> {
-    no_gpu_kernel("causal_conv1d", x)?;
     let (tokens, channels) = x.dims2()?;
     let kernel = *weight.dims().last().unwrap_or(&0);
     if weight.elem_count() != channels * kernel || weight.dims()[0] != channels || kernel == 0 {
@@ -426,6 +431,12 @@ pub fn causal_conv1d_tensor(
         if b.dims() != [channels] {
             bail!("conv1d bias {:?} is not [{channels}]", b.dims());
         }
+    }
+    if x.device().is_cuda() {
+        let f32 = |t: &Tensor| t.to_dtype(DType::F32);
+        let bias = bias.map(f32).transpose()?;
+        let silu = act == ConvActivation::Silu;
+        return gpu::causal_conv1d(&f32(x)?, &f32(weight)?, bias.as_ref(), silu);
     }
     let bias = bias.map(f32_data).transpose()?;
     let out = causal_conv1d(
@@ -455,7 +466,10 @@ pub const DELTA_RULE_CHUNK: usize = 64;
 ///   DeltaNet asks; the query is then scaled by `k_dim^-0.5`.
 ///
 /// Returns the output `[tokens, v_heads, v_dim]` f32 on `q`'s device. On the CPU this is the
-/// reference above; on a CUDA device it is an error for now (no kernel yet).
+/// reference above; a GPU computes it token by token (transformers' recurrent form: the same
+/// recurrence regrouped, equal up to f32 rounding), for the key dimensions in
+/// [`GPU_DELTA_RULE_KEY_DIMS`]. One sequence per call, so nothing else in a batch can move
+/// its bits.
 pub fn gated_delta_rule(
     q: &Tensor,
     k: &Tensor,
@@ -464,7 +478,6 @@ pub fn gated_delta_rule(
     beta: &Tensor,
     use_qk_l2norm: bool,
 ) -> Result<Tensor> {
-    no_gpu_kernel("gated_delta_rule", q)?;
     let (tokens, k_heads, k_dim) = q.dims3()?;
     let (vt, v_heads, v_dim) = v.dims3()?;
     if k.dims() != q.dims()
@@ -483,6 +496,11 @@ pub fn gated_delta_rule(
     }
     if k_heads == 0 || !v_heads.is_multiple_of(k_heads) || k_dim == 0 || v_dim == 0 {
         bail!("{v_heads} value heads are not a multiple of {k_heads} key heads");
+    }
+    if q.device().is_cuda() {
+        let f32 = |t: &Tensor| t.to_dtype(DType::F32);
+        let (q, k, v, g, beta) = (f32(q)?, f32(k)?, f32(v)?, f32(g)?, f32(beta)?);
+        return gpu::gated_delta_rule(&q, &k, &v, &g, &beta, use_qk_l2norm);
     }
     let dims = DeltaRuleDims {
         tokens,

@@ -55,14 +55,14 @@ impl GatedDeltaNet {
             .linear_attention
             .clone()
             .ok_or_else(|| LoadError::config("layer_types", "no linear-attention config"))?;
-        if !ops::linear_attention_available(&vb.options().device) {
+        if !ops::linear_attention_available(&vb.options().device, la.k_dim) {
             return Err(LoadError::config(
-                "layer_types",
+                "linear_key_head_dim",
                 format!(
-                    "linear attention has no GPU kernel yet: {} runs on the CPU only for now \
-                     ({:?})",
-                    c.architecture.hf_name(),
-                    vb.options().device
+                    "{} on a GPU: the gated delta rule kernel is built for key heads of {:?} \
+                     values (run on the CPU)",
+                    la.k_dim,
+                    ops::GPU_DELTA_RULE_KEY_DIMS
                 ),
             ));
         }
