@@ -493,6 +493,21 @@ pub struct Limits {
     pub max_batch_requests: usize,
     pub max_queued_requests: usize,
     pub max_top_k: usize,
+    /// Largest compute one request may ask for (`--max-request-cost`), in token-layers: one
+    /// token through one decoder layer of one model, a model's final norm and lm_head counting
+    /// as one more. `/score` and `/v1/completions` cost tokens × (layers + 1), `/kld` adds the
+    /// reference's tokens × (layers + 1), `/diff` runs both models and each attributed module of
+    /// layer `i` adds tokens × (layers − i + 1) (the lm_head: tokens), after one reference pass
+    /// up to the last attributed layer. Beyond it: 422 `max_request_cost` before any work.
+    /// 0 from servers older than this field.
+    #[serde(default)]
+    pub max_request_cost: u64,
+    /// Largest answer admitted (`--max-response-bytes`), by an upper estimate made before any
+    /// work from the sequences' lengths and the details asked for. Beyond it: 422
+    /// `max_response_bytes` naming the member that makes up most of the answer. 0 from servers
+    /// older than this field.
+    #[serde(default)]
+    pub max_response_bytes: u64,
 }
 
 /// `GET /info`.

@@ -1,6 +1,7 @@
 //! The HTTP API: one router built with utoipa-axum, so the OpenAPI document is generated from
 //! the routes actually served. Handlers are thin: validate, submit, shape the answer.
 
+pub mod budget;
 pub mod completions;
 pub mod diff;
 mod divergence;
@@ -52,6 +53,8 @@ pub struct AppState {
     pub http: HttpConfig,
     /// Unix time the server started (`created` of `/v1/models`).
     pub created: u64,
+    /// The compute and answer-size limits of admission (`/info`'s `limits` say them too).
+    pub budget: budget::Budget,
 }
 
 impl AppState {
@@ -83,6 +86,7 @@ impl AppState {
             vocab_size: self.info.vocab_size,
             max_input_tokens: self.limits().max_input_tokens,
             tokenizer: &self.tokenizer,
+            budget: &self.budget,
         }
     }
 }
