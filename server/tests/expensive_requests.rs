@@ -313,3 +313,32 @@ fn requests_over_the_cost_or_answer_limits_are_refused_before_any_work() {
         "{e}"
     );
 }
+
+/// Answers of 4 and 15 MB (`/score` with `top_k` 20, greedy and token strings, as the issue's):
+/// memory is given back after each (malloc_trim), on a fresh server per size so that the peak
+/// is that answer's.
+#[test]
+fn large_answers_give_their_memory_back() {
+    for count in [2, 8] {
+        let server = Server::start(&[]);
+        let (idle, _) = server.rss_mib();
+        let body = json!({"tokens": sequences(count, 2048), "top_k": 20,
+                          "return": {"greedy": true, "token_strings": true}});
+        let (status, answer) = post(&server.addr, "/score", &body);
+        assert_eq!(status, 200);
+        std::thread::sleep(Duration::from_millis(500));
+        let (after, peak) = server.rss_mib();
+        let answer_mib = answer.len() as f64 / (1 << 20) as f64;
+        println!(
+            "answer {answer_mib:.1} MiB ({} tokens, body {:.2} MiB): RSS idle {idle:.1}, peak \
+             {peak:.1}, 0.5 s after {after:.1} MiB",
+            count * 2048,
+            body.to_string().len() as f64 / (1 << 20) as f64
+        );
+        // Without the trim, 160 MiB stayed after a 32 MiB answer, 67 after 8 MiB (idle 25).
+        assert!(
+            after - idle < 1.5 * answer_mib + 24.0,
+            "{after:.1} MiB after a {answer_mib:.1} MiB answer (idle {idle:.1})"
+        );
+    }
+}

@@ -10,6 +10,7 @@ pub mod health;
 pub mod info;
 pub mod json;
 pub mod kld;
+pub mod memory;
 pub mod metrics;
 pub mod score;
 pub mod serve;
@@ -220,6 +221,7 @@ pub fn router(state: SharedState) -> Router {
         .layer(DefaultBodyLimit::max(limit))
         .layer(Extension(BodyLimit(limit)))
         .layer(Extension(BodyReadTimeout(state.http.body_read_timeout)))
+        .layer(middleware::from_fn(memory::trim_after_large_answers))
         .layer(middleware::from_fn(metrics::track))
         .layer(tower_http::trace::TraceLayer::new_for_http().on_failure(log_failure))
         .with_state(state)
