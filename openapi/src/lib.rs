@@ -543,9 +543,24 @@ pub struct ModelInfo {
     /// The reference model `/kld` compares against; absent when none is loaded.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub reference: Option<ReferenceInfo>,
+    /// Identifies the checkpoint (lowercase hex SHA-256), without reading all its weights. It
+    /// covers, in this order: each of `config.json`, `tokenizer.json`, `tokenizer_config.json`,
+    /// `special_tokens_map.json` and `model.safetensors.index.json` that exists, whole; then
+    /// each safetensors file (shards in name order): its header (the 8-byte length and the
+    /// JSON: every tensor's name, dtype, shape and offsets) and the first 65536 bytes of every
+    /// tensor's data, tensors in name order. Each item is hashed as its name, a zero byte, its
+    /// length (u64 little-endian) and its bytes. A change past a tensor's first 64 KiB that
+    /// keeps the header is not seen. Absent from servers older than this field.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub checkpoint_sha256: Option<String>,
 }
 
-/// The reference model of `/kld`, as `/info` reports it.
+/// The reference model of `/kld`, as `/info` reports it. Loaded only when its tokenizer equals
+/// the served model's: the same `vocab_size` in config.json, and in `tokenizer.json` the same
+/// `model` (type, vocabulary, merges and options), `normalizer`, `pre_tokenizer`,
+/// `post_processor`, `decoder`, `added_tokens`, `truncation` and `padding` (as parsed JSON, so
+/// formatting and key order do not count), and the same BOS and EOS ids and `add_bos_token`
+/// from `tokenizer_config.json`.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, ToSchema)]
 pub struct ReferenceInfo {
     pub model: String,
@@ -566,6 +581,10 @@ pub struct ReferenceInfo {
     pub num_layers: usize,
     #[serde(default)]
     pub hidden_size: usize,
+    /// The reference checkpoint's fingerprint, as `ModelInfo.checkpoint_sha256` describes it.
+    /// Absent from older servers.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub checkpoint_sha256: Option<String>,
 }
 
 /// One copy of a model: a chain of pipeline stages.

@@ -324,6 +324,9 @@ pub struct Loaded {
     pub replicas: Vec<LoadedReplica>,
     pub tokenizer: TextTokenizer,
     pub max_input_tokens: usize,
+    /// [`crate::checkpoint::fingerprint`] of the served checkpoint and of the reference's.
+    pub checkpoint_sha256: String,
+    pub reference_checkpoint_sha256: Option<String>,
 }
 
 fn load_models(config: &Config) -> Result<Loaded, AppError> {
@@ -387,10 +390,20 @@ fn load_models(config: &Config) -> Result<Loaded, AppError> {
         replicas.push(LoadedReplica { model, reference });
     }
     enable_peer_access(&replicas)?;
+    let checkpoint_sha256 = crate::checkpoint::fingerprint(dir)?;
+    let reference_checkpoint_sha256 = config
+        .reference
+        .as_ref()
+        .map(|r| {
+            crate::checkpoint::fingerprint(&r.model_dir).map_err(|e| of_the_reference(e.into()))
+        })
+        .transpose()?;
     Ok(Loaded {
         replicas,
         tokenizer,
         max_input_tokens,
+        checkpoint_sha256,
+        reference_checkpoint_sha256,
     })
 }
 
@@ -587,6 +600,7 @@ pub fn model_info(loaded: &Loaded, config: &Config, limits: Limits) -> ModelInfo
         placement: placement(|r| Some(&r.model)),
         limits,
         version: env!("CARGO_PKG_VERSION").into(),
+        checkpoint_sha256: Some(loaded.checkpoint_sha256.clone()),
         reference: first
             .reference
             .as_ref()
@@ -603,6 +617,7 @@ pub fn model_info(loaded: &Loaded, config: &Config, limits: Limits) -> ModelInfo
                     dtype: Some(dtype_name(r.dtype).into()),
                     num_layers: placed.model.config().num_layers,
                     hidden_size: placed.model.config().hidden_size,
+                    checkpoint_sha256: loaded.reference_checkpoint_sha256.clone(),
                 }
             }),
     }

@@ -239,6 +239,15 @@ fn requests_over_the_cost_or_answer_limits_are_refused_before_any_work() {
     let addr = server.addr.clone();
     let (_, info) = request(&addr, "GET", "/info", "");
     let info: Value = serde_json::from_slice(&info).unwrap();
+    // Item 3: both checkpoints' fingerprints.
+    let print = |name: &str| {
+        exactscore_server::checkpoint::fingerprint(std::path::Path::new(&fixture(name))).unwrap()
+    };
+    assert_eq!(info["checkpoint_sha256"], print("llama-w4a16-g128"));
+    assert_eq!(
+        info["reference"]["checkpoint_sha256"],
+        print("llama-dense-bf16")
+    );
     let limits = &info["limits"];
     // 16 batches of 16384 tokens through 2 layers + the head.
     assert_eq!(limits["max_request_cost"], 16 * 16384 * 3);

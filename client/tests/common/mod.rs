@@ -122,6 +122,7 @@ pub fn model_info() -> ModelInfo {
         },
         version: "0.0.0-test".into(),
         reference: None,
+        checkpoint_sha256: None,
     }
 }
 

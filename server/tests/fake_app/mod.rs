@@ -42,5 +42,6 @@ pub fn info(max_queued: usize) -> ModelInfo {
         },
         version: "test".into(),
         reference: None,
+        checkpoint_sha256: None,
     }
 }
