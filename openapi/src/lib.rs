@@ -605,7 +605,11 @@ pub struct StagePlacement {
     pub layers: usize,
     /// Stored bytes of the weights it holds.
     pub weight_bytes: u64,
-    /// `weight_bytes` plus the expected activation peak at `--max-batch-tokens` (an estimate).
+    /// `weight_bytes` plus the expected activation peak of a batch of `--max-batch-tokens`
+    /// tokens in sequences of `max_input_tokens` (an estimate: the largest layer's working set,
+    /// the materialised attention of one sequence, on the last stage the logits of one chunk).
+    /// It excludes what the process holds besides the batch: code, runtime, tokenizer, the
+    /// answers being built (bounded by `limits.max_response_bytes`).
     pub expected_peak_bytes: u64,
 }
 
