@@ -160,6 +160,10 @@ pub struct ModelEngine {
     /// it exclusively (a device's work is never issued from two threads at once), one unit of
     /// work at a time (a layer, a chunk of logits): between units it lets waiting batches in.
     exclusive: RwLock<()>,
+    /// Every stage of both models is on the CPU, where several threads may compute at once:
+    /// a `/diff` then runs beside the scoring batches instead of taking turns with them (a
+    /// turn lasts a whole decoder layer, seconds for 8192-token sequences on a CPU).
+    cpu_only: bool,
     diff_support: DiffSupport,
     abandoned: Arc<AtomicBool>,
 }
@@ -171,6 +175,8 @@ impl ModelEngine {
         micro_batching: MicroBatching,
     ) -> std::io::Result<Self> {
         let devices = distinct_devices(&model);
+        let on_cpu = |m: &Model| (0..m.stage_count()).all(|k| m.stage_device(k).is_cpu());
+        let cpu_only = on_cpu(&model) && reference.as_ref().is_none_or(on_cpu);
         let diff_support = match &reference {
             None => DiffSupport::NoReference,
             Some(r) => match incompatibility(&model, r) {
@@ -200,6 +206,7 @@ impl ModelEngine {
             waiting: AtomicUsize::new(0),
             ordering: Mutex::new(()),
             exclusive: RwLock::new(()),
+            cpu_only,
             diff_support,
             abandoned: Arc::new(AtomicBool::new(false)),
         })
@@ -377,8 +384,9 @@ impl Engine for ModelEngine {
     /// On this worker's thread with the devices to itself (see [`ModelEngine::exclusive`]):
     /// a diagnostic, so it trades the pipeline's overlap for lockstep simplicity.
     /// At every boundary of the comparison (each layer, logits chunk, attributed module) it
-    /// stops if nobody waits any more or the drain timeout passed, and hands the devices to
-    /// the batches waiting for them before it goes on.
+    /// stops if nobody waits any more or the drain timeout passed, and on GPUs hands the
+    /// devices to the batches waiting for them before it goes on (on the CPU it runs beside
+    /// them, see [`ModelEngine::cpu_only`]).
     fn diff(
         &self,
         sequences: &[&[u32]],
@@ -387,7 +395,7 @@ impl Engine for ModelEngine {
     ) -> Result<Vec<SequenceDiff>, EngineError> {
         let reference = self.reference.as_ref().ok_or(EngineError::NoReference)?;
         let exclusive = || self.exclusive.write().unwrap_or_else(|p| p.into_inner());
-        let held = RefCell::new(Some(exclusive()));
+        let held = RefCell::new((!self.cpu_only).then(exclusive));
         if let Some(reason) = stop_reason(&self.abandoned, cancel) {
             return Err(reason);
         }
@@ -396,7 +404,7 @@ impl Engine for ModelEngine {
             if let Some(reason) = stop_reason(&self.abandoned, cancel) {
                 return Err(boundary_error(&stop, reason));
             }
-            if self.waiting.load(Ordering::SeqCst) > 0 {
+            if !self.cpu_only && self.waiting.load(Ordering::SeqCst) > 0 {
                 // One turn for the batches waiting now; the lock prefers a waiting writer, so
                 // batches that come later wait for the next boundary.
                 drop(held.borrow_mut().take());
