@@ -382,3 +382,32 @@ fn the_expected_peak_holds_on_the_cpu() {
         "peak {peak:.1} MiB (idle {idle:.1}) over the expected {expected:.1} MiB"
     );
 }
+
+/// A long `/score` (and `/kld`) that times out stops at its next decoder layer: the cancelled
+/// counter rises by its sequences and no token of it is counted as processed.
+#[test]
+fn a_timed_out_score_or_kld_stops_at_a_layer_boundary() {
+    let server = Server::start(&[
+        "--reference-model",
+        &fixture("llama-dense-bf16"),
+        "--request-timeout-secs",
+        "1",
+    ]);
+    let addr = server.addr.clone();
+    let processed = || metric(&addr, "exactscore_tokens_processed_total");
+    for path in ["/score", "/kld"] {
+        let (before, cancelled) = (processed(), metric(&addr, CANCELLED));
+        let (status, _) = post(&addr, path, &json!({"tokens": sequences(2, 4096)}));
+        assert_eq!(status, 504, "{path}");
+        let stopped = wait_cancelled(&addr, cancelled + 2.0, Duration::from_secs(20));
+        println!("{path} 2 × 4096 tokens, 504 at 1 s: stopped and counted {stopped:?} after");
+        let stopped = stopped.unwrap_or_else(|| panic!("{path} was not stopped"));
+        // One decoder layer of 2 × 4096 tokens (both models for /kld), on a loaded box.
+        assert!(stopped < Duration::from_secs(10), "{path}: {stopped:?}");
+        assert_eq!(
+            processed(),
+            before,
+            "{path}: the stopped batch counted as processed"
+        );
+    }
+}
