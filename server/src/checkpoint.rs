@@ -565,64 +565,6 @@ pub(crate) fn read_to_string(path: &Path) -> Result<String, LoadError> {
     })
 }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn every_non_finite_pattern_is_found_and_no_finite_one() {
-        let bf16 = |v: f32| half::bf16::from_f32(v).to_le_bytes().to_vec();
-        let f16 = |v: f32| half::f16::from_f32(v).to_le_bytes().to_vec();
-        let f32b = |v: f32| v.to_le_bytes().to_vec();
-        for (dtype, encode) in [
-            (StDtype::BF16, &bf16 as &dyn Fn(f32) -> Vec<u8>),
-            (StDtype::F16, &f16),
-            (StDtype::F32, &f32b),
-        ] {
-            for (value, shown) in [
-                (f32::NAN, "NaN"),
-                (f32::INFINITY, "inf"),
-                (f32::NEG_INFINITY, "-inf"),
-            ] {
-                let mut bytes: Vec<u8> = [1.5f32, -0.0, 65504.0, 1e-8]
-                    .iter()
-                    .flat_map(|&v| encode(v))
-                    .collect();
-                assert_eq!(non_finite_position(dtype, &bytes), None, "{dtype:?}");
-                bytes.extend(encode(value));
-                assert_eq!(non_finite_position(dtype, &bytes), Some(4), "{dtype:?}");
-                assert_eq!(describe_non_finite(dtype, &bytes, 4), shown);
-            }
-        }
-        // e4m3fn: 0x7e and 0xfe are ±448, 0x7f and 0xff NaN.
-        assert_eq!(
-            non_finite_position(StDtype::F8_E4M3, &[0x7e, 0xfe, 0x00]),
-            None
-        );
-        assert_eq!(
-            non_finite_position(StDtype::F8_E4M3, &[0x7e, 0xff]),
-            Some(1)
-        );
-        assert_eq!(non_finite_position(StDtype::I32, &[0xff; 8]), None);
-        assert_eq!(unflatten(5 * 256 + 3, &[2000, 256]), vec![5, 3]);
-    }
-
-    #[test]
-    fn a_large_tensor_split_over_threads_reports_the_first_position() {
-        let mut bytes = vec![0u8; 33 << 20];
-        let (late, early) = (bytes.len() / 2 - 7, bytes.len() / 4 + 1);
-        for at in [late, early] {
-            bytes[2 * at + 1] = 0x7f;
-            bytes[2 * at] = 0x80;
-        }
-        assert_eq!(non_finite_position(StDtype::BF16, &bytes), Some(early));
-        assert_eq!(
-            non_finite_position_serial(StDtype::BF16, &bytes),
-            Some(early)
-        );
-    }
-}
-
 /// Bytes of each tensor's data that [`fingerprint`] reads.
 pub const FINGERPRINT_TENSOR_PREFIX: u64 = 64 * 1024;
 
@@ -716,4 +658,62 @@ pub fn fingerprint(dir: &Path) -> Result<String, LoadError> {
     }
     let digest = hash.finalize();
     Ok(digest.iter().map(|b| format!("{b:02x}")).collect())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_non_finite_pattern_is_found_and_no_finite_one() {
+        let bf16 = |v: f32| half::bf16::from_f32(v).to_le_bytes().to_vec();
+        let f16 = |v: f32| half::f16::from_f32(v).to_le_bytes().to_vec();
+        let f32b = |v: f32| v.to_le_bytes().to_vec();
+        for (dtype, encode) in [
+            (StDtype::BF16, &bf16 as &dyn Fn(f32) -> Vec<u8>),
+            (StDtype::F16, &f16),
+            (StDtype::F32, &f32b),
+        ] {
+            for (value, shown) in [
+                (f32::NAN, "NaN"),
+                (f32::INFINITY, "inf"),
+                (f32::NEG_INFINITY, "-inf"),
+            ] {
+                let mut bytes: Vec<u8> = [1.5f32, -0.0, 65504.0, 1e-8]
+                    .iter()
+                    .flat_map(|&v| encode(v))
+                    .collect();
+                assert_eq!(non_finite_position(dtype, &bytes), None, "{dtype:?}");
+                bytes.extend(encode(value));
+                assert_eq!(non_finite_position(dtype, &bytes), Some(4), "{dtype:?}");
+                assert_eq!(describe_non_finite(dtype, &bytes, 4), shown);
+            }
+        }
+        // e4m3fn: 0x7e and 0xfe are ±448, 0x7f and 0xff NaN.
+        assert_eq!(
+            non_finite_position(StDtype::F8_E4M3, &[0x7e, 0xfe, 0x00]),
+            None
+        );
+        assert_eq!(
+            non_finite_position(StDtype::F8_E4M3, &[0x7e, 0xff]),
+            Some(1)
+        );
+        assert_eq!(non_finite_position(StDtype::I32, &[0xff; 8]), None);
+        assert_eq!(unflatten(5 * 256 + 3, &[2000, 256]), vec![5, 3]);
+    }
+
+    #[test]
+    fn a_large_tensor_split_over_threads_reports_the_first_position() {
+        let mut bytes = vec![0u8; 33 << 20];
+        let (late, early) = (bytes.len() / 2 - 7, bytes.len() / 4 + 1);
+        for at in [late, early] {
+            bytes[2 * at + 1] = 0x7f;
+            bytes[2 * at] = 0x80;
+        }
+        assert_eq!(non_finite_position(StDtype::BF16, &bytes), Some(early));
+        assert_eq!(
+            non_finite_position_serial(StDtype::BF16, &bytes),
+            Some(early)
+        );
+    }
 }
