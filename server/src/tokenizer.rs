@@ -144,6 +144,10 @@ impl TextTokenizer {
     /// ([`COMPARED_SECTIONS`], compared as parsed JSON, so formatting does not count), the
     /// vocabulary, BOS (and whether it is added) and EOS.
     pub fn difference(&self, other: &Self) -> Option<String> {
+        // The vocabulary first: its message names the token.
+        if let Some(difference) = self.vocabulary_difference(other) {
+            return Some(difference);
+        }
         let parse = |raw: &[u8]| serde_json::from_slice::<Value>(raw).unwrap_or(Value::Null);
         let (a, b) = (parse(&self.raw), parse(&other.raw));
         for section in COMPARED_SECTIONS {
@@ -161,7 +165,7 @@ impl TextTokenizer {
                 return Some(format!("tokenizer.json `{section}` differs{detail}"));
             }
         }
-        self.vocabulary_difference(other)
+        None
     }
 
     fn vocabulary_difference(&self, other: &Self) -> Option<String> {
