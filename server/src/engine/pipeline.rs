@@ -465,3 +465,84 @@ impl Engine for ModelEngine {
         self.abandoned.store(true, Ordering::SeqCst);
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use std::time::{Duration, Instant};
+
+    use candle_core::{DType, Device};
+
+    use super::*;
+    use crate::model::ModelOptions;
+    use crate::quant::{ActivationQuantMode, LinearOptions};
+
+    fn load(name: &str) -> Model {
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("../tests/fixtures")
+            .join(name);
+        let options = ModelOptions {
+            linear: LinearOptions {
+                device: Device::Cpu,
+                dtype: DType::F32,
+                activation_quant: ActivationQuantMode::Emulate,
+            },
+            max_seq_len: 2048,
+            attention: Default::default(),
+        };
+        Model::load(&dir, &options).unwrap()
+    }
+
+    /// The turns GPUs take, forced on the CPU: a small batch that comes while an attribution
+    /// runs is computed at the diff's next boundary, not after the diff; a diff whose `Cancel`
+    /// turns true stops with `Cancelled`.
+    #[test]
+    fn a_diff_hands_the_devices_over_at_its_boundaries_and_stops_when_cancelled() {
+        let mut engine = ModelEngine::new(
+            load("llama-w4a16-g128"),
+            Some(load("llama-dense-bf16")),
+            MicroBatching::PerDevice,
+        )
+        .unwrap();
+        assert!(engine.cpu_only);
+        engine.cpu_only = false;
+        let engine = Arc::new(engine);
+        let DiffSupport::Ready { modules, .. } = engine.diff_support() else {
+            panic!("the fixtures can be compared");
+        };
+        let options = DiffOptions {
+            reference_until: None,
+            attribute: modules.into_iter().map(|(name, _)| name).collect(),
+        };
+        let sequences: Vec<Vec<u32>> = (0..2)
+            .map(|s| {
+                (0..1024)
+                    .map(|i| ((i * 7 + s * 13) % 2000) as u32)
+                    .collect()
+            })
+            .collect();
+        let stop = Arc::new(AtomicBool::new(false));
+        let diff = std::thread::spawn({
+            let (engine, stop) = (engine.clone(), stop.clone());
+            move || {
+                let refs: Vec<&[u32]> = sequences.iter().map(Vec::as_slice).collect();
+                let cancel = Cancel::when(move || stop.load(Ordering::SeqCst));
+                let start = Instant::now();
+                let result = engine.diff(&refs, &options, &cancel).map(drop);
+                (result, start.elapsed())
+            }
+        });
+        std::thread::sleep(Duration::from_millis(300));
+        let start = Instant::now();
+        let input = ScoreInput {
+            tokens: &[1992, 5, 6],
+            top_k: 0,
+        };
+        engine.score(&[input], &Cancel::never()).unwrap();
+        let waited = start.elapsed();
+        stop.store(true, Ordering::SeqCst);
+        let (result, ran) = diff.join().unwrap();
+        println!("small batch waited {waited:?}; the diff stopped after {ran:?}");
+        // Still running when the small batch was done: it was let in between units.
+        assert_eq!(result, Err(EngineError::Cancelled));
+    }
+}
