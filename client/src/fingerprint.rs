@@ -4,8 +4,10 @@
 //! it so that `--resume` cannot mix numbers of two configurations, and the servers of one run
 //! must agree on it.
 //!
-//! `/info` carries no checkpoint hash yet: the model is identified by its name, architecture,
-//! shape, formats and bits per weight.
+//! The checkpoints are identified by `/info`'s `checkpoint_sha256` (config, tokenizer, every
+//! safetensors header and the first 64 KiB of every tensor) besides their name, architecture,
+//! shape, formats and bits per weight; servers older than that field give none, and a partial
+//! file written before it records none, so such a file resumes only against such a server.
 
 use std::collections::BTreeMap;
 
@@ -29,6 +31,9 @@ pub struct Fingerprint {
     /// `cpu`, `cuda`: the kinds of the devices, not their count.
     pub device_kinds: Vec<String>,
     pub version: String,
+    /// `/info`'s `checkpoint_sha256`.
+    #[serde(default)]
+    pub checkpoint_sha256: Option<String>,
     pub reference: Option<ReferenceFingerprint>,
 }
 
@@ -42,6 +47,9 @@ pub struct ReferenceFingerprint {
     pub dtype: Option<String>,
     pub num_layers: usize,
     pub hidden_size: usize,
+    /// The reference's `checkpoint_sha256`.
+    #[serde(default)]
+    pub checkpoint_sha256: Option<String>,
 }
 
 fn device_kinds(devices: &[String]) -> Vec<String> {
@@ -64,6 +72,7 @@ impl From<&ReferenceInfo> for ReferenceFingerprint {
             dtype: r.dtype.clone(),
             num_layers: r.num_layers,
             hidden_size: r.hidden_size,
+            checkpoint_sha256: r.checkpoint_sha256.clone(),
         }
     }
 }
@@ -84,6 +93,7 @@ impl From<&ModelInfo> for Fingerprint {
             attention: i.attention.clone(),
             device_kinds: device_kinds(&i.devices),
             version: i.version.clone(),
+            checkpoint_sha256: i.checkpoint_sha256.clone(),
             reference: i.reference.as_ref().map(ReferenceFingerprint::from),
         }
     }
@@ -150,6 +160,7 @@ mod tests {
             attention: "materialized".into(),
             device_kinds: vec!["cpu".into()],
             version: "0.1.0".into(),
+            checkpoint_sha256: Some("ab".into()),
             reference: None,
         }
     }
@@ -168,6 +179,7 @@ mod tests {
             dtype: Some("f32".into()),
             num_layers: 2,
             hidden_size: 8,
+            checkpoint_sha256: Some("cd".into()),
         });
         let d = differences(&a, &b);
         assert_eq!(d, vec![r#"dtype "f32" vs "bf16""#, "reference none vs r"]);
@@ -178,6 +190,19 @@ mod tests {
         assert_eq!(
             differences(&b, &c),
             vec![r#"reference.dtype "f32" vs "bf16""#]
+        );
+        // The same names and shapes, other weights.
+        let mut d = c.clone();
+        d.checkpoint_sha256 = Some("ef".into());
+        if let Some(r) = d.reference.as_mut() {
+            r.checkpoint_sha256 = Some("01".into());
+        }
+        assert_eq!(
+            differences(&c, &d),
+            vec![
+                r#"checkpoint_sha256 "ab" vs "ef""#,
+                r#"reference.checkpoint_sha256 "cd" vs "01""#
+            ]
         );
     }
 }

@@ -493,6 +493,21 @@ pub struct Limits {
     pub max_batch_requests: usize,
     pub max_queued_requests: usize,
     pub max_top_k: usize,
+    /// Largest compute one request may ask for (`--max-request-cost`), in token-layers: one
+    /// token through one decoder layer of one model, a model's final norm and lm_head counting
+    /// as one more. `/score` and `/v1/completions` cost tokens × (layers + 1), `/kld` adds the
+    /// reference's tokens × (layers + 1), `/diff` runs both models and each attributed module of
+    /// layer `i` adds tokens × (layers − i + 1) (the lm_head: tokens), after one reference pass
+    /// up to the last attributed layer. Beyond it: 422 `max_request_cost` before any work.
+    /// 0 from servers older than this field.
+    #[serde(default)]
+    pub max_request_cost: u64,
+    /// Largest answer admitted (`--max-response-bytes`), by an upper estimate made before any
+    /// work from the sequences' lengths and the details asked for. Beyond it: 422
+    /// `max_response_bytes` naming the member that makes up most of the answer. 0 from servers
+    /// older than this field.
+    #[serde(default)]
+    pub max_response_bytes: u64,
 }
 
 /// `GET /info`.
@@ -528,9 +543,24 @@ pub struct ModelInfo {
     /// The reference model `/kld` compares against; absent when none is loaded.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub reference: Option<ReferenceInfo>,
+    /// Identifies the checkpoint (lowercase hex SHA-256), without reading all its weights. It
+    /// covers, in this order: each of `config.json`, `tokenizer.json`, `tokenizer_config.json`,
+    /// `special_tokens_map.json` and `model.safetensors.index.json` that exists, whole; then
+    /// each safetensors file (shards in name order): its header (the 8-byte length and the
+    /// JSON: every tensor's name, dtype, shape and offsets) and the first 65536 bytes of every
+    /// tensor's data, tensors in name order. Each item is hashed as its name, a zero byte, its
+    /// length (u64 little-endian) and its bytes. A change past a tensor's first 64 KiB that
+    /// keeps the header is not seen. Absent from servers older than this field.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub checkpoint_sha256: Option<String>,
 }
 
-/// The reference model of `/kld`, as `/info` reports it.
+/// The reference model of `/kld`, as `/info` reports it. Loaded only when its tokenizer equals
+/// the served model's: the same `vocab_size` in config.json, and in `tokenizer.json` the same
+/// `model` (type, vocabulary, merges and options), `normalizer`, `pre_tokenizer`,
+/// `post_processor`, `decoder`, `added_tokens`, `truncation` and `padding` (as parsed JSON, so
+/// formatting and key order do not count), and the same BOS and EOS ids and `add_bos_token`
+/// from `tokenizer_config.json`.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, ToSchema)]
 pub struct ReferenceInfo {
     pub model: String,
@@ -551,6 +581,10 @@ pub struct ReferenceInfo {
     pub num_layers: usize,
     #[serde(default)]
     pub hidden_size: usize,
+    /// The reference checkpoint's fingerprint, as `ModelInfo.checkpoint_sha256` describes it.
+    /// Absent from older servers.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub checkpoint_sha256: Option<String>,
 }
 
 /// One copy of a model: a chain of pipeline stages.
@@ -571,7 +605,11 @@ pub struct StagePlacement {
     pub layers: usize,
     /// Stored bytes of the weights it holds.
     pub weight_bytes: u64,
-    /// `weight_bytes` plus the expected activation peak at `--max-batch-tokens` (an estimate).
+    /// `weight_bytes` plus the expected activation peak of a batch of `--max-batch-tokens`
+    /// tokens in sequences of `max_input_tokens` (an estimate: the largest layer's working set,
+    /// the materialised attention of one sequence, on the last stage the logits of one chunk).
+    /// It excludes what the process holds besides the batch: code, runtime, tokenizer, the
+    /// answers being built (bounded by `limits.max_response_bytes`).
     pub expected_peak_bytes: u64,
 }
 

@@ -16,7 +16,10 @@ use crate::checkpoint::{check_model_dir, read_to_string, Checkpoint, LoadError};
 use crate::config::{Config, DeviceName, HttpConfig};
 use crate::engine::batcher::EngineThread;
 use crate::engine::fault::FaultInjecting;
-use crate::engine::{BatchLimits, Engine, EngineError, MicroBatching, ModelEngine, Scheduler};
+use crate::engine::{
+    BatchLimits, Cancel, Engine, EngineError, MicroBatching, ModelEngine, Scheduler,
+};
+use crate::http::budget::{max_token_json, Budget};
 use crate::http::validate::MAX_TOP_K;
 use crate::http::{self, AppState, Readiness, SharedState};
 use crate::model::placement::{self, PlacementInputs, StagePlan};
@@ -86,7 +89,27 @@ impl Server {
         parts: StateParts,
     ) -> std::io::Result<Self> {
         let (scheduler, engine) = Scheduler::start(engines, parts.batch)?;
+        let info = &parts.info;
+        let tokenizer = &parts.tokenizer;
+        let budget = Budget {
+            served_layers: info.num_layers,
+            reference_layers: info.reference.as_ref().map(|r| r.num_layers),
+            max_request_cost: info.limits.max_request_cost,
+            max_response_bytes: info.limits.max_response_bytes,
+            // Once per start: every token decoded as answers show it.
+            max_token_json: max_token_json(info.vocab_size, |id| {
+                let decoded = tokenizer.decode(&[id]).unwrap_or_default();
+                let raw = tokenizer.token_string(id);
+                Some(if decoded.len() > raw.len() {
+                    decoded
+                } else {
+                    raw
+                })
+            }),
+            id_digits: info.vocab_size.saturating_sub(1).max(1).to_string().len(),
+        };
         let state = Arc::new(AppState {
+            budget,
             scheduler,
             admission: Arc::new(Semaphore::new(parts.info.limits.max_queued_requests)),
             info: parts.info,
@@ -108,12 +131,20 @@ impl Server {
         let loaded = tokio::task::spawn_blocking(move || load_models(&cfg))
             .await
             .map_err(|e| AppError::Io(std::io::Error::other(e)))??;
+        let layers = loaded
+            .replicas
+            .first()
+            .map_or(0, |r| r.model.model.config().num_layers);
         let limits = Limits {
             max_input_tokens: loaded.max_input_tokens,
             max_batch_tokens: config.batch.max_batch_tokens,
             max_batch_requests: config.batch.max_batch_requests,
             max_queued_requests: config.max_queued_requests,
             max_top_k: MAX_TOP_K,
+            max_request_cost: config
+                .max_request_cost
+                .unwrap_or_else(|| Budget::default_cost(layers, config.batch.max_batch_tokens)),
+            max_response_bytes: config.max_response_bytes,
         };
         let info = model_info(&loaded, config, limits);
         let parts = StateParts {
@@ -157,13 +188,16 @@ impl Server {
                     let tokens = [token; 2];
                     // Also the first check of the whole path's numerics: NaN or infinite
                     // logits (a weight that overflows the compute dtype) fail the start.
-                    let scores = engine.score(&[ScoreInput {
-                        tokens: &tokens,
-                        top_k: 1,
-                    }])?;
+                    let scores = engine.score(
+                        &[ScoreInput {
+                            tokens: &tokens,
+                            top_k: 1,
+                        }],
+                        &Cancel::never(),
+                    )?;
                     check_finite(&scores)?;
                     if with_reference {
-                        check_finite(&engine.kld(&[&tokens])?)?;
+                        check_finite(&engine.kld(&[&tokens], &Cancel::never())?)?;
                     }
                     Ok(())
                 })
@@ -290,6 +324,9 @@ pub struct Loaded {
     pub replicas: Vec<LoadedReplica>,
     pub tokenizer: TextTokenizer,
     pub max_input_tokens: usize,
+    /// [`crate::checkpoint::fingerprint`] of the served checkpoint and of the reference's.
+    pub checkpoint_sha256: String,
+    pub reference_checkpoint_sha256: Option<String>,
 }
 
 fn load_models(config: &Config) -> Result<Loaded, AppError> {
@@ -353,10 +390,20 @@ fn load_models(config: &Config) -> Result<Loaded, AppError> {
         replicas.push(LoadedReplica { model, reference });
     }
     enable_peer_access(&replicas)?;
+    let checkpoint_sha256 = crate::checkpoint::fingerprint(dir)?;
+    let reference_checkpoint_sha256 = config
+        .reference
+        .as_ref()
+        .map(|r| {
+            crate::checkpoint::fingerprint(&r.model_dir).map_err(|e| of_the_reference(e.into()))
+        })
+        .transpose()?;
     Ok(Loaded {
         replicas,
         tokenizer,
         max_input_tokens,
+        checkpoint_sha256,
+        reference_checkpoint_sha256,
     })
 }
 
@@ -553,6 +600,7 @@ pub fn model_info(loaded: &Loaded, config: &Config, limits: Limits) -> ModelInfo
         placement: placement(|r| Some(&r.model)),
         limits,
         version: env!("CARGO_PKG_VERSION").into(),
+        checkpoint_sha256: Some(loaded.checkpoint_sha256.clone()),
         reference: first
             .reference
             .as_ref()
@@ -569,6 +617,7 @@ pub fn model_info(loaded: &Loaded, config: &Config, limits: Limits) -> ModelInfo
                     dtype: Some(dtype_name(r.dtype).into()),
                     num_layers: placed.model.config().num_layers,
                     hidden_size: placed.model.config().hidden_size,
+                    checkpoint_sha256: loaded.reference_checkpoint_sha256.clone(),
                 }
             }),
     }

@@ -565,6 +565,101 @@ pub(crate) fn read_to_string(path: &Path) -> Result<String, LoadError> {
     })
 }
 
+/// Bytes of each tensor's data that [`fingerprint`] reads.
+pub const FINGERPRINT_TENSOR_PREFIX: u64 = 64 * 1024;
+
+/// The files of a checkpoint directory that [`fingerprint`] hashes whole, where present.
+pub const FINGERPRINT_FILES: [&str; 5] = [
+    "config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "model.safetensors.index.json",
+];
+
+/// A SHA-256 that identifies a checkpoint without reading all its weights: over, in this
+/// order, each of [`FINGERPRINT_FILES`] that exists (whole), then each safetensors file (the
+/// shards in name order) as its header (the 8-byte length and the JSON) followed by the first
+/// [`FINGERPRINT_TENSOR_PREFIX`] bytes of every tensor's data, tensors in name order. Each
+/// item enters as its name, a zero byte, its length as u64 little-endian, then its bytes.
+/// Lowercase hex.
+pub fn fingerprint(dir: &Path) -> Result<String, LoadError> {
+    use sha2::{Digest, Sha256};
+    use std::io::{Read, Seek, SeekFrom};
+    let mut hash = Sha256::new();
+    let mut item = |name: &str, bytes: &[u8]| {
+        hash.update(name.as_bytes());
+        hash.update([0u8]);
+        hash.update((bytes.len() as u64).to_le_bytes());
+        hash.update(bytes);
+    };
+    let io = |path: &Path| {
+        let path = path.to_path_buf();
+        move |source| LoadError::Io { path, source }
+    };
+    for name in FINGERPRINT_FILES {
+        let path = dir.join(name);
+        match std::fs::read(&path) {
+            Ok(bytes) => item(name, &bytes),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+            Err(e) => return Err(io(&path)(e)),
+        }
+    }
+    for file in safetensors_files(dir)? {
+        let name = file
+            .file_name()
+            .map(|n| n.to_string_lossy().into_owned())
+            .unwrap_or_default();
+        let mut f = std::fs::File::open(&file).map_err(io(&file))?;
+        let mut len = [0u8; 8];
+        f.read_exact(&mut len).map_err(io(&file))?;
+        let header_len = u64::from_le_bytes(len);
+        let file_len = f.metadata().map_err(io(&file))?.len();
+        if header_len > file_len.saturating_sub(8) {
+            return Err(io(&file)(std::io::Error::new(
+                std::io::ErrorKind::InvalidData,
+                "safetensors header length past the end of the file",
+            )));
+        }
+        let mut header = vec![0u8; header_len as usize];
+        f.read_exact(&mut header).map_err(io(&file))?;
+        item(&name, &[&len[..], &header].concat());
+        let json: serde_json::Value =
+            serde_json::from_slice(&header).map_err(|source| LoadError::Json {
+                path: file.clone(),
+                source,
+            })?;
+        let mut tensors: Vec<(&String, u64, u64)> = json
+            .as_object()
+            .into_iter()
+            .flatten()
+            .filter(|(k, _)| k.as_str() != "__metadata__")
+            .filter_map(|(k, v)| {
+                let offsets = v.get("data_offsets")?.as_array()?;
+                Some((k, offsets.first()?.as_u64()?, offsets.get(1)?.as_u64()?))
+            })
+            .collect();
+        tensors.sort();
+        let data = 8 + header_len;
+        for (tensor, start, end) in tensors {
+            let take = end.saturating_sub(start).min(FINGERPRINT_TENSOR_PREFIX);
+            let at = data.saturating_add(start);
+            if at.saturating_add(take) > file_len {
+                return Err(io(&file)(std::io::Error::new(
+                    std::io::ErrorKind::UnexpectedEof,
+                    format!("tensor `{tensor}` ends past the end of the file"),
+                )));
+            }
+            let mut bytes = vec![0u8; take as usize];
+            f.seek(SeekFrom::Start(at)).map_err(io(&file))?;
+            f.read_exact(&mut bytes).map_err(io(&file))?;
+            item(tensor, &bytes);
+        }
+    }
+    let digest = hash.finalize();
+    Ok(digest.iter().map(|b| format!("{b:02x}")).collect())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -149,6 +149,16 @@ pub struct Args {
     /// 8192 because CPU attention memory grows with the square of the length.
     #[arg(long, env = "EXACTSCORE_MAX_INPUT_TOKENS")]
     pub max_input_tokens: Option<usize>,
+    /// Largest compute one request may ask for, in token-layers (one token through one decoder
+    /// layer of one model; a final norm and lm_head count as one more; `/diff` attribution
+    /// counts its extra runs of the reference); 422 before any work beyond. Default: 16 full
+    /// batches, 16 × --max-batch-tokens × (the served model's layers + 1).
+    #[arg(long, env = "EXACTSCORE_MAX_REQUEST_COST")]
+    pub max_request_cost: Option<u64>,
+    /// Largest answer admitted, by an upper estimate made before any work (422 beyond): a
+    /// `/score` with `top_k` 20 and token strings answers ~300 times its body.
+    #[arg(long, env = "EXACTSCORE_MAX_RESPONSE_BYTES", default_value_t = 128 << 20)]
+    pub max_response_bytes: u64,
     /// HTTP requests admitted at once (queued or computing); 429 with Retry-After beyond.
     #[arg(long, env = "EXACTSCORE_MAX_QUEUED_REQUESTS", default_value_t = 256)]
     pub max_queued_requests: usize,
@@ -310,6 +320,9 @@ pub struct Config {
     pub http: HttpConfig,
     pub batch: BatchLimits,
     pub max_input_tokens: Option<usize>,
+    /// `--max-request-cost`, or `None` for the default (resolved against the model at load).
+    pub max_request_cost: Option<u64>,
+    pub max_response_bytes: u64,
     pub max_queued_requests: usize,
     pub log_format: LogFormat,
     /// The model `/kld` compares against.
@@ -381,6 +394,12 @@ impl Config {
         positive("max-batch-requests", args.max_batch_requests)?;
         positive("max-queued-requests", args.max_queued_requests)?;
         positive("max-body-bytes", args.max_body_bytes)?;
+        if args.max_request_cost == Some(0) {
+            return Err(invalid("max-request-cost", 0, "must be at least 1"));
+        }
+        if args.max_response_bytes == 0 {
+            return Err(invalid("max-response-bytes", 0, "must be at least 1"));
+        }
         if args.request_timeout_secs == 0 {
             return Err(invalid("request-timeout-secs", 0, "must be at least 1"));
         }
@@ -469,6 +488,8 @@ impl Config {
                 max_batch_requests: args.max_batch_requests,
             },
             max_input_tokens: args.max_input_tokens,
+            max_request_cost: args.max_request_cost,
+            max_response_bytes: args.max_response_bytes,
             max_queued_requests: args.max_queued_requests,
             log_format: args.log_format,
             reference,

@@ -18,6 +18,19 @@ pub enum TokenizerError {
     Tokenize(String),
 }
 
+/// The sections of `tokenizer.json` that two tokenizers must share to map text to the same
+/// ids and ids to the same text ([`TextTokenizer::difference`]).
+pub const COMPARED_SECTIONS: [&str; 8] = [
+    "model",
+    "normalizer",
+    "pre_tokenizer",
+    "post_processor",
+    "decoder",
+    "added_tokens",
+    "truncation",
+    "padding",
+];
+
 pub struct TextTokenizer {
     inner: tokenizers::Tokenizer,
     /// The file as stored, served at `GET /tokenizer.json`.
@@ -126,9 +139,36 @@ impl TextTokenizer {
         &self.raw
     }
 
-    /// The first way in which `other` would map text to different ids (vocabulary size, a
-    /// token's id, BOS or EOS), or `None` when both agree on every token.
+    /// The first way in which `other` would map text to different ids, or `None` when both are
+    /// the same tokenizer: every section of `tokenizer.json` that shapes tokenization
+    /// ([`COMPARED_SECTIONS`], compared as parsed JSON, so formatting does not count), the
+    /// vocabulary, BOS (and whether it is added) and EOS.
     pub fn difference(&self, other: &Self) -> Option<String> {
+        // The vocabulary first: its message names the token.
+        if let Some(difference) = self.vocabulary_difference(other) {
+            return Some(difference);
+        }
+        let parse = |raw: &[u8]| serde_json::from_slice::<Value>(raw).unwrap_or(Value::Null);
+        let (a, b) = (parse(&self.raw), parse(&other.raw));
+        for section in COMPARED_SECTIONS {
+            let (x, y) = (&a[section], &b[section]);
+            if x != y {
+                let detail = match (x, y) {
+                    (Value::Object(x), Value::Object(y)) => x
+                        .keys()
+                        .chain(y.keys())
+                        .find(|k| x.get(*k) != y.get(*k))
+                        .map(|k| format!(" (`{section}.{k}`)"))
+                        .unwrap_or_default(),
+                    _ => String::new(),
+                };
+                return Some(format!("tokenizer.json `{section}` differs{detail}"));
+            }
+        }
+        None
+    }
+
+    fn vocabulary_difference(&self, other: &Self) -> Option<String> {
         let (mine, theirs) = (self.inner.get_vocab(true), other.inner.get_vocab(true));
         if mine.len() != theirs.len() {
             return Some(format!(

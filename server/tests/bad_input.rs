@@ -45,6 +45,7 @@ async fn app(api_key: Option<&str>, metrics_without_auth: bool, max_body_bytes: 
             dtype: Some("f32".into()),
             num_layers: 2,
             hidden_size: 256,
+            checkpoint_sha256: None,
         }),
         ..fake_app::info(8)
     };

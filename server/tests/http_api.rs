@@ -784,6 +784,7 @@ async fn status_500_numerical_names_sequence_and_position() {
                 dtype: None,
                 num_layers: 0,
                 hidden_size: 0,
+                checkpoint_sha256: None,
             }),
             ..info(8)
         },

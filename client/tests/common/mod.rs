@@ -117,9 +117,12 @@ pub fn model_info() -> ModelInfo {
             max_batch_requests: 8,
             max_queued_requests: 64,
             max_top_k: 20,
+            max_request_cost: u64::MAX,
+            max_response_bytes: u64::MAX,
         },
         version: "0.0.0-test".into(),
         reference: None,
+        checkpoint_sha256: None,
     }
 }
 

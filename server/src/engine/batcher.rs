@@ -132,19 +132,23 @@ impl Scheduler {
             batch_ids: Arc::new(AtomicU64::new(0)),
         };
         let mut senders = Vec::new();
+        let mut diff_senders = Vec::new();
         let mut threads = Vec::new();
         for replica in &shared.replicas {
             let (tx, rx) = mpsc::channel(1);
+            let (diff_tx, diff_rx) = mpsc::channel(1);
             senders.push(tx);
+            diff_senders.push(diff_tx);
             replica.engine.on_first_stage_free(wake.clone());
             threads.extend(worker::spawn(
                 replica.engine.clone(),
                 replica.state.clone(),
                 rx,
+                diff_rx,
                 hooks.clone(),
             )?);
         }
-        tokio::spawn(batch_loop(shared.clone(), senders));
+        tokio::spawn(batch_loop(shared.clone(), senders, diff_senders));
         Ok((Self { shared }, EngineThread(threads)))
     }
 
@@ -318,9 +322,33 @@ impl Shared {
     }
 }
 
-async fn batch_loop(shared: Arc<Shared>, senders: Vec<mpsc::Sender<Vec<Entry>>>) {
+/// Hands `/diff` batches to every replica whose diff lane waits for one.
+fn dispatch_diffs(shared: &Shared, senders: &[mpsc::Sender<Vec<Entry>>]) {
+    for (replica, sender) in shared.replicas.iter().zip(senders) {
+        if !replica.state.in_rotation() || !replica.state.diff_lane_idle() || sender.capacity() == 0
+        {
+            continue;
+        }
+        let batch = shared.lock().next_diff_batch();
+        if batch.is_empty() {
+            return;
+        }
+        if let Err(e) = sender.try_send(batch) {
+            for entry in e.into_inner() {
+                entry.fail(EngineError::Stopped);
+            }
+        }
+    }
+}
+
+async fn batch_loop(
+    shared: Arc<Shared>,
+    senders: Vec<mpsc::Sender<Vec<Entry>>>,
+    diff_senders: Vec<mpsc::Sender<Vec<Entry>>>,
+) {
     let mut next = 0;
     loop {
+        dispatch_diffs(&shared, &diff_senders);
         let depth = match shared.choose(&senders, next) {
             Ok(Some((r, idle))) => {
                 let mut state = shared.lock();

@@ -5,7 +5,7 @@
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{mpsc, Mutex};
 
-use super::{DiffSupport, Engine, EngineError};
+use super::{Cancel, DiffSupport, Engine, EngineError};
 use crate::model::{
     DiffOptions, LayerError, RowScore, ScoreInput, SequenceDiff, SequenceKld, SequenceScores,
     TokenKld,
@@ -155,8 +155,13 @@ impl FakeEngine {
 }
 
 impl Engine for FakeEngine {
-    fn score(&self, batch: &[ScoreInput<'_>]) -> Result<Vec<SequenceScores>, EngineError> {
+    fn score(
+        &self,
+        batch: &[ScoreInput<'_>],
+        cancel: &Cancel,
+    ) -> Result<Vec<SequenceScores>, EngineError> {
         self.pass_gate(batch.iter().map(|b| b.tokens.len()).sum())?;
+        cancel.check()?;
         Ok(batch
             .iter()
             .map(|input| SequenceScores {
@@ -177,8 +182,9 @@ impl Engine for FakeEngine {
             .collect())
     }
 
-    fn kld(&self, sequences: &[&[u32]]) -> Result<Vec<SequenceKld>, EngineError> {
+    fn kld(&self, sequences: &[&[u32]], cancel: &Cancel) -> Result<Vec<SequenceKld>, EngineError> {
         self.pass_gate(sequences.iter().map(|s| s.len()).sum())?;
+        cancel.check()?;
         Ok(sequences
             .iter()
             .map(|tokens| SequenceKld {
@@ -193,8 +199,9 @@ impl Engine for FakeEngine {
         &self,
         sequences: &[&[u32]],
         options: &DiffOptions,
+        cancel: &Cancel,
     ) -> Result<Vec<SequenceDiff>, EngineError> {
-        let klds = self.kld(sequences)?;
+        let klds = self.kld(sequences, cancel)?;
         Ok(sequences
             .iter()
             .zip(klds)

@@ -6,7 +6,7 @@
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
-use super::{DiffSupport, Engine, EngineError, IdleHook};
+use super::{Cancel, DiffSupport, Engine, EngineError, IdleHook};
 use crate::model::{DiffOptions, ScoreInput, SequenceDiff, SequenceKld, SequenceScores};
 
 /// Driver errors after which the CUDA context accepts no more work: every later call fails
@@ -147,23 +147,28 @@ impl FaultInjecting {
 }
 
 impl Engine for FaultInjecting {
-    fn score(&self, batch: &[ScoreInput<'_>]) -> Result<Vec<SequenceScores>, EngineError> {
+    fn score(
+        &self,
+        batch: &[ScoreInput<'_>],
+        cancel: &Cancel,
+    ) -> Result<Vec<SequenceScores>, EngineError> {
         self.check(batch.iter().map(|b| b.tokens.len()).sum())?;
-        self.inner.score(batch)
+        self.inner.score(batch, cancel)
     }
 
-    fn kld(&self, sequences: &[&[u32]]) -> Result<Vec<SequenceKld>, EngineError> {
+    fn kld(&self, sequences: &[&[u32]], cancel: &Cancel) -> Result<Vec<SequenceKld>, EngineError> {
         self.check(sequences.iter().map(|s| s.len()).sum())?;
-        self.inner.kld(sequences)
+        self.inner.kld(sequences, cancel)
     }
 
     fn diff(
         &self,
         sequences: &[&[u32]],
         options: &DiffOptions,
+        cancel: &Cancel,
     ) -> Result<Vec<SequenceDiff>, EngineError> {
         self.check(sequences.iter().map(|s| s.len()).sum())?;
-        self.inner.diff(sequences, options)
+        self.inner.diff(sequences, options, cancel)
     }
 
     fn diff_support(&self) -> DiffSupport {

@@ -11,6 +11,7 @@ pub mod queue;
 pub mod stage_thread;
 pub mod worker;
 
+use std::sync::Arc;
 use std::time::Duration;
 
 use crate::model::{DiffOptions, ScoreInput, SequenceDiff, SequenceKld, SequenceScores};
@@ -47,26 +48,78 @@ pub enum EngineError {
     /// token `position` (see [`Computed::checked`]). Never served as a number.
     #[error("the model's output is not finite at position {position}")]
     NonFinite { position: usize },
+    /// Nobody waits for the sequences of the call any more (their clients hung up or timed
+    /// out): the engine stopped at a layer or module boundary.
+    #[error("nobody waits for this sequence any more")]
+    Cancelled,
+}
+
+/// Whether anyone still waits for the sequences of one engine call. The engine asks at its
+/// boundaries (before each decoder layer, each attributed module, each chunk of logits) and
+/// stops with [`EngineError::Cancelled`] once nobody does.
+#[derive(Clone, Default)]
+pub struct Cancel(Option<Arc<dyn Fn() -> bool + Send + Sync>>);
+
+impl Cancel {
+    /// Never cancelled (warm-up, benches, tests).
+    pub fn never() -> Self {
+        Self(None)
+    }
+
+    /// Cancelled once `gone` returns true.
+    pub fn when(gone: impl Fn() -> bool + Send + Sync + 'static) -> Self {
+        Self(Some(Arc::new(gone)))
+    }
+
+    pub fn is_cancelled(&self) -> bool {
+        self.0.as_ref().is_some_and(|gone| gone())
+    }
+
+    /// `Err(Cancelled)` once nobody waits.
+    pub fn check(&self) -> Result<(), EngineError> {
+        if self.is_cancelled() {
+            Err(EngineError::Cancelled)
+        } else {
+            Ok(())
+        }
+    }
+}
+
+impl std::fmt::Debug for Cancel {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(if self.0.is_some() {
+            "Cancel(watched)"
+        } else {
+            "Cancel(never)"
+        })
+    }
 }
 
 /// Runs one batch. Implemented by the model ([`ModelEngine`]), and by a fake for tests.
 /// Called from the worker threads of one replica ([`Engine::concurrency`] of them).
 pub trait Engine: Send + Sync + 'static {
-    /// Scores every input; results in input order.
-    fn score(&self, batch: &[ScoreInput<'_>]) -> Result<Vec<SequenceScores>, EngineError>;
+    /// Scores every input; results in input order. `cancel`: see [`Cancel`].
+    fn score(
+        &self,
+        batch: &[ScoreInput<'_>],
+        cancel: &Cancel,
+    ) -> Result<Vec<SequenceScores>, EngineError>;
 
     /// KL-divergence from the reference model at every position of every sequence; results
     /// in input order.
-    fn kld(&self, sequences: &[&[u32]]) -> Result<Vec<SequenceKld>, EngineError>;
+    fn kld(&self, sequences: &[&[u32]], cancel: &Cancel) -> Result<Vec<SequenceKld>, EngineError>;
 
     /// `/diff`: the served model against the reference after every decoder layer, the final
-    /// divergence and the attributed modules' ones; results in input order.
+    /// divergence and the attributed modules' ones; results in input order. Runs on a lane
+    /// of its own (a thread beside the scoring workers): an engine lets other batches in at
+    /// its layer and module boundaries, so a long attribution does not starve small requests.
     fn diff(
         &self,
         sequences: &[&[u32]],
         options: &DiffOptions,
+        cancel: &Cancel,
     ) -> Result<Vec<SequenceDiff>, EngineError> {
-        let _ = (sequences, options);
+        let _ = (sequences, options, cancel);
         Err(EngineError::NoReference)
     }
 

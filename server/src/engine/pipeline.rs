@@ -4,8 +4,9 @@
 //! from stage to stage as a hidden state, and the last stage scores it. Every kernel sees the
 //! inputs it sees on one device, so the numbers are those of the unsplit model, bit for bit.
 
+use std::cell::{Cell, RefCell};
 use std::ops::Range;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::mpsc::{self, Receiver, SyncSender};
 use std::sync::{Arc, Mutex, RwLock};
 
@@ -13,8 +14,8 @@ use candle_core::Tensor;
 
 use super::fault::{classify, guarded};
 use super::stage_thread::{IdleHook, StageThread};
-use super::{DiffSupport, Engine, EngineError};
-use crate::model::diff::{attributable_modules, diff_batch, incompatibility};
+use super::{Cancel, DiffSupport, Engine, EngineError};
+use crate::model::diff::{attributable_modules, diff_batch_with, incompatibility};
 use crate::model::kld::{kld_hidden, logit_chunks};
 use crate::model::{DiffOptions, Model, ScoreInput, SequenceDiff, SequenceKld, SequenceScores};
 
@@ -28,6 +29,27 @@ struct Chain {
 struct MicroBatch {
     sequences: Vec<Vec<u32>>,
     top_k: Vec<usize>,
+    /// Whether anyone still waits for the batch this micro-batch belongs to.
+    cancel: Cancel,
+}
+
+/// Why work must stop at the next boundary: the drain timeout passed, or nobody waits.
+fn stop_reason(abandoned: &AtomicBool, cancel: &Cancel) -> Option<EngineError> {
+    if abandoned.load(Ordering::SeqCst) {
+        Some(EngineError::Abandoned)
+    } else if cancel.is_cancelled() {
+        Some(EngineError::Cancelled)
+    } else {
+        None
+    }
+}
+
+/// A boundary check for model code (which knows only candle's errors): the reason is kept in
+/// `stop` so that the caller can return it instead of the generic error.
+fn boundary_error(stop: &Cell<Option<EngineError>>, reason: EngineError) -> candle_core::Error {
+    let message = reason.to_string();
+    stop.set(Some(reason));
+    candle_core::Error::Msg(message)
 }
 
 impl MicroBatch {
@@ -68,8 +90,8 @@ impl Chain {
             let finish = if k == last { finish.take() } else { None };
             stage.submit(Box::new(move || {
                 let x = guarded(|| {
-                    if abandoned.load(Ordering::SeqCst) {
-                        return Err(EngineError::Abandoned);
+                    if let Some(reason) = stop_reason(&abandoned, &batch.cancel) {
+                        return Err(reason);
                     }
                     let x = match from_previous {
                         None => model.embed(&batch.tokens()).map_err(|e| classify(&e))?,
@@ -77,9 +99,15 @@ impl Chain {
                             Err(EngineError::Compute("the previous stage stopped".into()))
                         })?,
                     };
+                    // Work nobody waits for stops before the next decoder layer.
+                    let stop = Cell::new(None);
+                    let boundary = || match stop_reason(&abandoned, &batch.cancel) {
+                        Some(reason) => Err(boundary_error(&stop, reason)),
+                        None => Ok(()),
+                    };
                     let x = model
-                        .forward_stage(k, x, &batch.lens())
-                        .map_err(|e| classify(&e))?;
+                        .forward_stage_checked(k, x, &batch.lens(), &boundary)
+                        .map_err(|e| stop.take().unwrap_or_else(|| classify(&e)))?;
                     if k == last {
                         model.final_norm(&x)
                     } else {
@@ -120,14 +148,22 @@ pub struct ModelEngine {
     micro_batching: MicroBatching,
     /// Distinct physical devices of the served model (for [`MicroBatching::PerDevice`]).
     devices: usize,
+    /// Pipelined batches waiting for [`Self::exclusive`]: a `/diff` lets them in at its next
+    /// boundary.
+    waiting: AtomicUsize,
     /// Held while a batch's jobs are handed to the stages: every stage thread then sees the
     /// micro-batches of concurrent batches in one order, so a stage never waits for a
     /// micro-batch that an earlier stage has queued behind one it waits for in turn.
     ordering: Mutex<()>,
-    /// `/diff` runs both models on its worker's own thread, stage after stage, so it has the
+    /// `/diff` runs both models on its lane's own thread, stage after stage, so it has the
     /// devices to itself: the pipelined tasks hold this shared for a whole batch, a diff holds
-    /// it exclusively (a device's work is never issued from two threads at once).
+    /// it exclusively (a device's work is never issued from two threads at once), one unit of
+    /// work at a time (a layer, a chunk of logits): between units it lets waiting batches in.
     exclusive: RwLock<()>,
+    /// Every stage of both models is on the CPU, where several threads may compute at once:
+    /// a `/diff` then runs beside the scoring batches instead of taking turns with them (a
+    /// turn lasts a whole decoder layer, seconds for 8192-token sequences on a CPU).
+    cpu_only: bool,
     diff_support: DiffSupport,
     abandoned: Arc<AtomicBool>,
 }
@@ -139,6 +175,8 @@ impl ModelEngine {
         micro_batching: MicroBatching,
     ) -> std::io::Result<Self> {
         let devices = distinct_devices(&model);
+        let on_cpu = |m: &Model| (0..m.stage_count()).all(|k| m.stage_device(k).is_cpu());
+        let cpu_only = on_cpu(&model) && reference.as_ref().is_none_or(on_cpu);
         let diff_support = match &reference {
             None => DiffSupport::NoReference,
             Some(r) => match incompatibility(&model, r) {
@@ -165,8 +203,10 @@ impl ModelEngine {
                 .transpose()?,
             micro_batching,
             devices,
+            waiting: AtomicUsize::new(0),
             ordering: Mutex::new(()),
             exclusive: RwLock::new(()),
+            cpu_only,
             diff_support,
             abandoned: Arc::new(AtomicBool::new(false)),
         })
@@ -197,9 +237,12 @@ impl ModelEngine {
         &self,
         sequences: &[&[u32]],
         top_k: &[usize],
+        cancel: &Cancel,
         submit: impl Fn(Arc<MicroBatch>, SyncSender<Result<Vec<T>, EngineError>>),
     ) -> Result<Vec<T>, EngineError> {
+        self.waiting.fetch_add(1, Ordering::SeqCst);
         let _shared = self.exclusive.read().unwrap_or_else(|p| p.into_inner());
+        self.waiting.fetch_sub(1, Ordering::SeqCst);
         let parts = self.micro_batches(sequences.len());
         let receivers: Vec<_> = {
             let _order = self.ordering.lock().unwrap_or_else(|p| p.into_inner());
@@ -212,6 +255,7 @@ impl ModelEngine {
                             .map(|s| s.to_vec())
                             .collect(),
                         top_k: top_k[range.clone()].to_vec(),
+                        cancel: cancel.clone(),
                     });
                     let (done, rx) = mpsc::sync_channel(1);
                     submit(batch, done);
@@ -252,10 +296,14 @@ fn distinct_devices(model: &Model) -> usize {
 }
 
 impl Engine for ModelEngine {
-    fn score(&self, batch: &[ScoreInput<'_>]) -> Result<Vec<SequenceScores>, EngineError> {
+    fn score(
+        &self,
+        batch: &[ScoreInput<'_>],
+        cancel: &Cancel,
+    ) -> Result<Vec<SequenceScores>, EngineError> {
         let sequences: Vec<&[u32]> = batch.iter().map(|b| b.tokens).collect();
         let top_k: Vec<usize> = batch.iter().map(|b| b.top_k).collect();
-        self.run(&sequences, &top_k, |part, done| {
+        self.run(&sequences, &top_k, cancel, |part, done| {
             let model = self.served.model.clone();
             self.served
                 .submit(part.clone(), &self.abandoned, move |hidden| {
@@ -278,10 +326,10 @@ impl Engine for ModelEngine {
     /// Both chains run the micro-batch; the reference's last stage computes its logits one
     /// row chunk at a time and hands each, copied to the served model's last device, to the
     /// served model's last stage, which computes its own and the divergence.
-    fn kld(&self, sequences: &[&[u32]]) -> Result<Vec<SequenceKld>, EngineError> {
+    fn kld(&self, sequences: &[&[u32]], cancel: &Cancel) -> Result<Vec<SequenceKld>, EngineError> {
         let reference = self.reference.as_ref().ok_or(EngineError::NoReference)?;
         let top_k = vec![0; sequences.len()];
-        self.run(sequences, &top_k, |part, done| {
+        self.run(sequences, &top_k, cancel, |part, done| {
             let (chunks_tx, chunks_rx) = mpsc::sync_channel::<Hidden>(1);
             let served = self.served.model.clone();
             let target = served.stage_device(served.stage_count() - 1).clone();
@@ -320,6 +368,7 @@ impl Engine for ModelEngine {
                                     })
                                 },
                                 |rows| {
+                                    part.cancel.check()?;
                                     Ok(served.logits(&h.narrow(0, rows.start, rows.len())?)?)
                                 },
                                 &part.tokens(),
@@ -334,20 +383,50 @@ impl Engine for ModelEngine {
 
     /// On this worker's thread with the devices to itself (see [`ModelEngine::exclusive`]):
     /// a diagnostic, so it trades the pipeline's overlap for lockstep simplicity.
+    /// At every boundary of the comparison (each layer, logits chunk, attributed module) it
+    /// stops if nobody waits any more or the drain timeout passed, and on GPUs hands the
+    /// devices to the batches waiting for them before it goes on (on the CPU it runs beside
+    /// them, see [`ModelEngine::cpu_only`]).
     fn diff(
         &self,
         sequences: &[&[u32]],
         options: &DiffOptions,
+        cancel: &Cancel,
     ) -> Result<Vec<SequenceDiff>, EngineError> {
         let reference = self.reference.as_ref().ok_or(EngineError::NoReference)?;
-        let _exclusive = self.exclusive.write().unwrap_or_else(|p| p.into_inner());
-        if self.abandoned.load(Ordering::SeqCst) {
-            return Err(EngineError::Abandoned);
+        let exclusive = || self.exclusive.write().unwrap_or_else(|p| p.into_inner());
+        let held = RefCell::new((!self.cpu_only).then(exclusive));
+        if let Some(reason) = stop_reason(&self.abandoned, cancel) {
+            return Err(reason);
         }
-        guarded(|| {
-            diff_batch(&self.served.model, &reference.model, sequences, options)
-                .map_err(|e| classify(&e))
-        })
+        let stop = Cell::new(None);
+        let boundary = || {
+            if let Some(reason) = stop_reason(&self.abandoned, cancel) {
+                return Err(boundary_error(&stop, reason));
+            }
+            if !self.cpu_only && self.waiting.load(Ordering::SeqCst) > 0 {
+                // One turn for the batches waiting now; the lock prefers a waiting writer, so
+                // batches that come later wait for the next boundary.
+                drop(held.borrow_mut().take());
+                while self.waiting.load(Ordering::SeqCst) > 0 {
+                    std::thread::sleep(std::time::Duration::from_micros(200));
+                }
+                *held.borrow_mut() = Some(exclusive());
+            }
+            Ok(())
+        };
+        let result = guarded(|| {
+            diff_batch_with(
+                &self.served.model,
+                &reference.model,
+                sequences,
+                options,
+                &boundary,
+            )
+            .map_err(|e| stop.take().unwrap_or_else(|| classify(&e)))
+        });
+        drop(held);
+        result
     }
 
     fn diff_support(&self) -> DiffSupport {
@@ -384,5 +463,86 @@ impl Engine for ModelEngine {
 
     fn abandon(&self) {
         self.abandoned.store(true, Ordering::SeqCst);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::{Duration, Instant};
+
+    use candle_core::{DType, Device};
+
+    use super::*;
+    use crate::model::ModelOptions;
+    use crate::quant::{ActivationQuantMode, LinearOptions};
+
+    fn load(name: &str) -> Model {
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("../tests/fixtures")
+            .join(name);
+        let options = ModelOptions {
+            linear: LinearOptions {
+                device: Device::Cpu,
+                dtype: DType::F32,
+                activation_quant: ActivationQuantMode::Emulate,
+            },
+            max_seq_len: 2048,
+            attention: Default::default(),
+        };
+        Model::load(&dir, &options).unwrap()
+    }
+
+    /// The turns GPUs take, forced on the CPU: a small batch that comes while an attribution
+    /// runs is computed at the diff's next boundary, not after the diff; a diff whose `Cancel`
+    /// turns true stops with `Cancelled`.
+    #[test]
+    fn a_diff_hands_the_devices_over_at_its_boundaries_and_stops_when_cancelled() {
+        let mut engine = ModelEngine::new(
+            load("llama-w4a16-g128"),
+            Some(load("llama-dense-bf16")),
+            MicroBatching::PerDevice,
+        )
+        .unwrap();
+        assert!(engine.cpu_only);
+        engine.cpu_only = false;
+        let engine = Arc::new(engine);
+        let DiffSupport::Ready { modules, .. } = engine.diff_support() else {
+            panic!("the fixtures can be compared");
+        };
+        let options = DiffOptions {
+            reference_until: None,
+            attribute: modules.into_iter().map(|(name, _)| name).collect(),
+        };
+        let sequences: Vec<Vec<u32>> = (0..2)
+            .map(|s| {
+                (0..1024)
+                    .map(|i| ((i * 7 + s * 13) % 2000) as u32)
+                    .collect()
+            })
+            .collect();
+        let stop = Arc::new(AtomicBool::new(false));
+        let diff = std::thread::spawn({
+            let (engine, stop) = (engine.clone(), stop.clone());
+            move || {
+                let refs: Vec<&[u32]> = sequences.iter().map(Vec::as_slice).collect();
+                let cancel = Cancel::when(move || stop.load(Ordering::SeqCst));
+                let start = Instant::now();
+                let result = engine.diff(&refs, &options, &cancel).map(drop);
+                (result, start.elapsed())
+            }
+        });
+        std::thread::sleep(Duration::from_millis(300));
+        let start = Instant::now();
+        let input = ScoreInput {
+            tokens: &[1992, 5, 6],
+            top_k: 0,
+        };
+        engine.score(&[input], &Cancel::never()).unwrap();
+        let waited = start.elapsed();
+        stop.store(true, Ordering::SeqCst);
+        let (result, ran) = diff.join().unwrap();
+        println!("small batch waited {waited:?}; the diff stopped after {ran:?}");
+        // Still running when the small batch was done: it was let in between units.
+        assert_eq!(result, Err(EngineError::Cancelled));
     }
 }

@@ -85,9 +85,12 @@ pub struct BatchLimits {
     pub max_batch_requests: usize,
 }
 
+/// Two lanes: `/score` and `/kld` sequences in `entries`, `/diff` ones in `diffs` (computed by
+/// a thread of their own, see `worker::spawn`), each in arrival order.
 #[derive(Debug)]
 pub struct State {
     entries: VecDeque<Entry>,
+    diffs: VecDeque<Entry>,
     limits: BatchLimits,
 }
 
@@ -95,35 +98,73 @@ impl State {
     pub fn new(limits: BatchLimits) -> Self {
         Self {
             entries: VecDeque::new(),
+            diffs: VecDeque::new(),
             limits,
         }
     }
 
     pub fn push(&mut self, entry: Entry) {
-        self.entries.push_back(entry);
+        match entry.task {
+            Task::Diff { .. } => self.diffs.push_back(entry),
+            _ => self.entries.push_back(entry),
+        }
     }
 
-    /// Sequences waiting (cancelled ones included until the next `drop_cancelled`).
+    /// Sequences waiting in both lanes (cancelled ones included until the next
+    /// `drop_cancelled`).
     pub fn len(&self) -> usize {
-        self.entries.len()
+        self.entries.len() + self.diffs.len()
     }
 
     pub fn is_empty(&self) -> bool {
-        self.entries.is_empty()
+        self.entries.is_empty() && self.diffs.is_empty()
     }
 
     /// Takes every waiting entry out of the queue (to answer them with an error).
     pub fn take_all(&mut self) -> Vec<Entry> {
-        self.entries.drain(..).collect()
+        self.entries.drain(..).chain(self.diffs.drain(..)).collect()
     }
 
     /// Removes entries whose client is gone, so they are never computed. Returns how many.
     pub fn drop_cancelled(&mut self) -> usize {
-        let before = self.entries.len();
+        let before = self.len();
         self.entries.retain(|e| !e.is_cancelled());
-        let dropped = before - self.entries.len();
+        self.diffs.retain(|e| !e.is_cancelled());
+        let dropped = before - self.len();
         count_cancelled(dropped);
         dropped
+    }
+
+    /// The next batch of the `/diff` lane: the head request's sequences (entries that share
+    /// its options), under both budgets; a head longer than the token budget alone.
+    pub fn next_diff_batch(&mut self) -> Vec<Entry> {
+        self.drop_cancelled();
+        let options = |e: &Entry| match &e.task {
+            Task::Diff { options, .. } => Some(options.clone()),
+            _ => None,
+        };
+        let Some(first) = self.diffs.front().and_then(options) else {
+            return Vec::new();
+        };
+        let mut batch = Vec::new();
+        let mut tokens = 0;
+        while let Some(head) = self.diffs.front() {
+            let len = head.tokens.len();
+            let same = options(head).is_some_and(|o| Arc::ptr_eq(&o, &first));
+            let fits = tokens + len <= self.limits.max_batch_tokens;
+            if !same
+                || batch.len() >= self.limits.max_batch_requests
+                || (!fits && !batch.is_empty())
+            {
+                break;
+            }
+            tokens += len;
+            batch.extend(self.diffs.pop_front());
+            if !fits {
+                break;
+            }
+        }
+        batch
     }
 
     /// The batch to hand the engine now: a full one as soon as the queue holds it, a partial

@@ -14,7 +14,7 @@ use tokio::sync::mpsc;
 
 use super::fault::{guarded, with_halving};
 use super::queue::{Entry, Reply, Task};
-use super::{Computed, Engine, EngineError};
+use super::{Cancel, Computed, Engine, EngineError};
 use crate::model::{DiffOptions, ScoreInput, SequenceDiff};
 
 /// Consecutive failed batches after which a replica leaves the rotation.
@@ -28,6 +28,8 @@ pub struct ReplicaState {
     consecutive_failures: AtomicUsize,
     /// Workers waiting for a batch.
     idle_workers: AtomicUsize,
+    /// The `/diff` lane's worker waits for a batch.
+    diff_lane_idle: AtomicBool,
     out_of_rotation: Mutex<Option<String>>,
 }
 
@@ -39,6 +41,7 @@ impl ReplicaState {
             in_rotation: AtomicBool::new(true),
             consecutive_failures: AtomicUsize::new(0),
             idle_workers: AtomicUsize::new(0),
+            diff_lane_idle: AtomicBool::new(false),
             out_of_rotation: Mutex::new(None),
         }
     }
@@ -50,6 +53,11 @@ impl ReplicaState {
     /// Some worker waits for a batch.
     pub fn has_idle_worker(&self) -> bool {
         self.idle_workers.load(Ordering::SeqCst) > 0
+    }
+
+    /// The `/diff` lane waits for a batch.
+    pub fn diff_lane_idle(&self) -> bool {
+        self.diff_lane_idle.load(Ordering::SeqCst)
     }
 
     /// Why the replica left the rotation, if it has.
@@ -86,37 +94,59 @@ pub struct Hooks {
     pub batch_ids: Arc<AtomicU64>,
 }
 
-/// Starts the replica's workers ([`Engine::concurrency`] of them). They end once the sending
-/// side of `batches` is dropped and the channel is empty.
+/// Starts the replica's workers ([`Engine::concurrency`] of them) and its `/diff` lane (one
+/// thread for the batches of `diffs`, so that a long comparison does not hold up the scoring
+/// batches; the engine interleaves the two at the comparison's boundaries). They end once the
+/// sending sides are dropped and the channels are empty.
 pub fn spawn(
     engine: Arc<dyn Engine>,
     state: Arc<ReplicaState>,
     batches: mpsc::Receiver<Vec<Entry>>,
+    mut diffs: mpsc::Receiver<Vec<Entry>>,
     hooks: Hooks,
 ) -> std::io::Result<Vec<JoinHandle<()>>> {
+    let lane = {
+        let (engine, state, hooks) = (engine.clone(), state.clone(), hooks.clone());
+        std::thread::Builder::new()
+            .name(format!("exactscore-replica-{}-diff", state.index))
+            .spawn(move || {
+                loop {
+                    state.diff_lane_idle.store(true, Ordering::SeqCst);
+                    (hooks.wake)();
+                    let batch = diffs.blocking_recv();
+                    state.diff_lane_idle.store(false, Ordering::SeqCst);
+                    let Some(batch) = batch else { break };
+                    let batch_id = hooks.batch_ids.fetch_add(1, Ordering::SeqCst) + 1;
+                    run_batch(engine.as_ref(), batch, batch_id, &state, &hooks);
+                }
+                tracing::info!(replica = state.index, "diff lane stopped");
+            })?
+    };
     let batches = Arc::new(Mutex::new(batches));
-    (0..engine.concurrency().max(1))
-        .map(|worker| {
-            let (engine, state, batches, hooks) = (
-                engine.clone(),
-                state.clone(),
-                batches.clone(),
-                hooks.clone(),
-            );
-            std::thread::Builder::new()
-                .name(format!(
-                    "exactscore-replica-{}-worker-{worker}",
-                    state.index
-                ))
-                .spawn(move || {
-                    while let Some(batch) = next_batch(&batches, &state, &hooks) {
-                        let batch_id = hooks.batch_ids.fetch_add(1, Ordering::SeqCst) + 1;
-                        run_batch(engine.as_ref(), batch, batch_id, &state, &hooks);
-                    }
-                    tracing::info!(replica = state.index, worker, "engine worker stopped");
-                })
-        })
-        .collect()
+    let mut threads = vec![lane];
+    for handle in (0..engine.concurrency().max(1)).map(|worker| {
+        let (engine, state, batches, hooks) = (
+            engine.clone(),
+            state.clone(),
+            batches.clone(),
+            hooks.clone(),
+        );
+        std::thread::Builder::new()
+            .name(format!(
+                "exactscore-replica-{}-worker-{worker}",
+                state.index
+            ))
+            .spawn(move || {
+                while let Some(batch) = next_batch(&batches, &state, &hooks) {
+                    let batch_id = hooks.batch_ids.fetch_add(1, Ordering::SeqCst) + 1;
+                    run_batch(engine.as_ref(), batch, batch_id, &state, &hooks);
+                }
+                tracing::info!(replica = state.index, worker, "engine worker stopped");
+            })
+    }) {
+        threads.push(handle?);
+    }
+    Ok(threads)
 }
 
 /// The next batch, counting this worker idle while it waits for one; `None` once the batcher
@@ -195,20 +225,20 @@ fn run_batch(
     // A batch mixing both tasks runs them one after the other, each as one forward pass.
     let top_ks: Vec<usize> = scores.iter().map(|(_, k)| *k).collect();
     let jobs = scores.into_iter().map(|(job, _)| job).collect();
-    run.jobs(jobs, |sequences| {
+    run.jobs(jobs, |sequences, cancel| {
         let inputs: Vec<ScoreInput<'_>> = sequences
             .iter()
             .zip(&top_ks)
             .map(|(&tokens, &top_k)| ScoreInput { tokens, top_k })
             .collect();
-        with_halving(&inputs, &mut |part| engine.score(part))
+        with_halving(&inputs, &mut |part| engine.score(part, cancel))
     });
-    run.jobs(klds, |sequences| {
-        with_halving(sequences, &mut |part| engine.kld(part))
+    run.jobs(klds, |sequences, cancel| {
+        with_halving(sequences, &mut |part| engine.kld(part, cancel))
     });
     for (options, jobs) in diffs {
-        run.jobs(jobs, |sequences| {
-            with_halving(sequences, &mut |part| engine.diff(part, &options))
+        run.jobs(jobs, |sequences, cancel| {
+            with_halving(sequences, &mut |part| engine.diff(part, &options, cancel))
         });
     }
 }
@@ -227,25 +257,51 @@ struct BatchRun<'a> {
 }
 
 impl BatchRun<'_> {
-    /// Computes `jobs` in one call and answers each on its own channel.
-    fn jobs<T>(
+    /// Computes `jobs` in one call and answers each on its own channel. The call is
+    /// cancelled (stops at its next boundary) once every job's receiver is gone.
+    fn jobs<T: Send + 'static>(
         &self,
         jobs: Vec<Job<T>>,
-        compute: impl FnOnce(&[&[u32]]) -> Result<Vec<T>, EngineError>,
+        compute: impl FnOnce(&[&[u32]], &Cancel) -> Result<Vec<T>, EngineError>,
     ) {
         if jobs.is_empty() {
             return;
         }
-        let sequences: Vec<&[u32]> = jobs.iter().map(|j| j.tokens.as_slice()).collect();
+        let (jobs, replies): (Vec<_>, Vec<_>) = jobs
+            .into_iter()
+            .map(|j| ((j.tokens, j.enqueued), Some(j.reply)))
+            .unzip();
+        let replies = Arc::new(Mutex::new(replies));
+        let cancel = {
+            let replies = replies.clone();
+            Cancel::when(move || {
+                let replies = replies.lock().unwrap_or_else(|p| p.into_inner());
+                replies.iter().flatten().all(|r| r.is_closed())
+            })
+        };
+        let sequences: Vec<&[u32]> = jobs.iter().map(|(t, _)| t.as_slice()).collect();
         let tokens: usize = sequences.iter().map(|s| s.len()).sum();
         let start = Instant::now();
         let result = if self.hooks.abandoned.load(Ordering::SeqCst) {
             Err(EngineError::Abandoned)
         } else {
-            guarded(|| compute(&sequences))
+            guarded(|| compute(&sequences, &cancel))
         };
         let compute_time = start.elapsed();
-        drop(sequences);
+        drop((cancel, sequences));
+        let jobs: Vec<Job<T>> = {
+            let mut replies = replies.lock().unwrap_or_else(|p| p.into_inner());
+            jobs.into_iter()
+                .zip(replies.iter_mut())
+                .filter_map(|((tokens, enqueued), reply)| {
+                    Some(Job {
+                        tokens,
+                        enqueued,
+                        reply: reply.take()?,
+                    })
+                })
+                .collect()
+        };
         let result = match result {
             Ok(outputs) if outputs.len() != jobs.len() => Err(EngineError::Compute(format!(
                 "engine returned {} results for {} inputs",
@@ -270,9 +326,17 @@ impl BatchRun<'_> {
                 }
             }
             Err(err) => {
-                // A batch the drain abandoned is the shutdown working, not a failure.
+                // A batch the drain abandoned is the shutdown working, not a failure; one
+                // nobody waits for any more stopped early, as it should.
                 if matches!(err, EngineError::Abandoned) {
                     tracing::info!(batch_id = self.batch_id, "batch abandoned by the drain");
+                } else if matches!(err, EngineError::Cancelled) {
+                    tracing::info!(
+                        batch_id = self.batch_id,
+                        sequences = jobs.len(),
+                        "nobody waits for the batch any more; stopped"
+                    );
+                    super::queue::count_cancelled(jobs.len());
                 } else {
                     tracing::error!(
                         batch_id = self.batch_id,
@@ -314,6 +378,8 @@ impl BatchRun<'_> {
                 }
                 state.consecutive_failures.store(0, Ordering::SeqCst);
             }
+            // Stopped because nobody waits: not a failure of the replica.
+            Err(EngineError::Cancelled) => {}
             Err(err) => {
                 metrics::counter!("exactscore_replica_failed_batches_total", "replica" => replica)
                     .increment(1);

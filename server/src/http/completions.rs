@@ -14,6 +14,7 @@ use exactscore_api::{
 };
 use serde_json::Value;
 
+use super::budget::{NUMBER_BYTES, SEQUENCE_BYTES};
 use super::error::{preview, ApiError, QueuedRouteErrors};
 use super::json::ApiJson;
 use super::submit::submit_and_wait;
@@ -164,6 +165,33 @@ fn validate(
     };
     let add_special = req.add_special_tokens.unwrap_or(false);
     let prompts = prompts(req.prompt, add_special, rules)?;
+    let budget = rules.budget;
+    let ids: Vec<Vec<u32>> = prompts.iter().map(|p| p.ids.clone()).collect();
+    budget.check_cost("prompt", budget.score_cost(&ids), "tokens × (layers + 1)")?;
+    let positions: u64 = ids.iter().map(|p| p.len() as u64).sum();
+    let echo = req.echo.unwrap_or(false);
+    let text: u64 = prompts.iter().map(|p| p.text.len() as u64 * 6 + 2).sum();
+    // Per reported position: its token, log-probability, offset and top tokens.
+    let per_position = budget.string_bytes()
+        + 2 * NUMBER_BYTES
+        + logprobs.map_or(0, |k| {
+            (k as u64 + 1) * (budget.string_bytes() + NUMBER_BYTES)
+        });
+    let reported = if echo { positions } else { 0 } + ids.len() as u64;
+    budget.check_response(&[
+        (
+            "prompt",
+            if echo { text } else { 0 } + ids.len() as u64 * SEQUENCE_BYTES,
+        ),
+        (
+            "logprobs",
+            if logprobs.is_some() {
+                reported * per_position
+            } else {
+                0
+            },
+        ),
+    ])?;
     Ok(ValidCompletion {
         prompts,
         echo: req.echo.unwrap_or(false),

@@ -81,6 +81,12 @@ impl From<crate::engine::EngineError> for ApiError {
         let unavailable = |kind, message: String| Self::Unavailable { kind, message };
         match e {
             E::NoReference => Self::NoReferenceModel,
+            // Only a client that is gone gets this (nobody reads it); a timeout answers 504
+            // before the engine stops.
+            E::Cancelled => unavailable(
+                "cancelled",
+                "the request was cancelled before its answer was computed".into(),
+            ),
             E::OutOfMemory(cause) => unavailable(
                 "out_of_memory",
                 format!(

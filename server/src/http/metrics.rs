@@ -83,7 +83,7 @@ fn describe() {
     );
     describe_counter!(
         "exactscore_sequences_cancelled_total",
-        "Sequences dropped before compute because their client went away or timed out"
+        "Sequences dropped before compute, or whose batch stopped at a layer boundary, because their client went away or timed out"
     );
     // Rendered as 0 from the start, so a scraper sees the series before the first drop.
     metrics::counter!("exactscore_sequences_cancelled_total").increment(0);

@@ -1,6 +1,7 @@
 //! The HTTP API: one router built with utoipa-axum, so the OpenAPI document is generated from
 //! the routes actually served. Handlers are thin: validate, submit, shape the answer.
 
+pub mod budget;
 pub mod completions;
 pub mod diff;
 mod divergence;
@@ -9,6 +10,7 @@ pub mod health;
 pub mod info;
 pub mod json;
 pub mod kld;
+pub mod memory;
 pub mod metrics;
 pub mod score;
 pub mod serve;
@@ -52,6 +54,8 @@ pub struct AppState {
     pub http: HttpConfig,
     /// Unix time the server started (`created` of `/v1/models`).
     pub created: u64,
+    /// The compute and answer-size limits of admission (`/info`'s `limits` say them too).
+    pub budget: budget::Budget,
 }
 
 impl AppState {
@@ -83,6 +87,7 @@ impl AppState {
             vocab_size: self.info.vocab_size,
             max_input_tokens: self.limits().max_input_tokens,
             tokenizer: &self.tokenizer,
+            budget: &self.budget,
         }
     }
 }
@@ -216,6 +221,7 @@ pub fn router(state: SharedState) -> Router {
         .layer(DefaultBodyLimit::max(limit))
         .layer(Extension(BodyLimit(limit)))
         .layer(Extension(BodyReadTimeout(state.http.body_read_timeout)))
+        .layer(middleware::from_fn(memory::trim_after_large_answers))
         .layer(middleware::from_fn(metrics::track))
         .layer(tower_http::trace::TraceLayer::new_for_http().on_failure(log_failure))
         .with_state(state)

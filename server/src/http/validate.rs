@@ -7,6 +7,7 @@ use exactscore_api::{
 };
 use serde_json::{json, Value};
 
+use super::budget::{Budget, NUMBER_BYTES, SEQUENCE_BYTES};
 use super::error::{preview, ApiError};
 use crate::model::decoder::split_module_name;
 use crate::model::DiffOptions;
@@ -22,6 +23,23 @@ pub struct Rules<'a> {
     pub vocab_size: usize,
     pub max_input_tokens: usize,
     pub tokenizer: &'a TextTokenizer,
+    /// The compute and answer-size limits.
+    pub budget: &'a Budget,
+}
+
+/// The member that holds a request's sequences.
+fn sequences_field(text: bool) -> &'static str {
+    if text {
+        "text"
+    } else {
+        "tokens"
+    }
+}
+
+/// Positions and sequences of a request.
+fn counts(sequences: &[Vec<u32>]) -> (u64, u64) {
+    let positions = sequences.iter().map(|s| s.len() as u64).sum();
+    (positions, sequences.len() as u64)
 }
 
 /// A request ready for the queue.
@@ -45,11 +63,49 @@ pub fn score_request(req: ScoreRequest, rules: &Rules<'_>) -> Result<ValidScore,
             ))
         }
     };
-    Ok(ValidScore {
+    let field = sequences_field(req.text.is_some());
+    let valid = ValidScore {
         sequences: sequences(req.tokens, req.text, req.add_special_tokens, rules)?,
         top_k,
         options: req.return_options.unwrap_or_default(),
-    })
+    };
+    let budget = rules.budget;
+    budget.check_cost(
+        field,
+        budget.score_cost(&valid.sequences),
+        "tokens × (layers + 1)",
+    )?;
+    budget.check_response(&score_response_parts(&valid, field, budget))?;
+    Ok(valid)
+}
+
+/// What makes a `/score` answer large, by the member that asks for it (an upper estimate).
+fn score_response_parts<'f>(
+    valid: &ValidScore,
+    field: &'f str,
+    budget: &Budget,
+) -> Vec<(&'f str, u64)> {
+    let (positions, sequences) = counts(&valid.sequences);
+    let o = &valid.options;
+    let on = |flag: bool, per_position: u64| if flag { positions * per_position } else { 0 };
+    // {"id":…,"logprob":…,"token":…},
+    let entry = 20
+        + budget.id_digits as u64
+        + NUMBER_BYTES
+        + on(o.token_strings, 1).min(1) * (10 + budget.max_token_json as u64);
+    vec![
+        (
+            field,
+            positions * budget.id_bytes() + sequences * SEQUENCE_BYTES,
+        ),
+        ("return.token_logprobs", on(o.token_logprobs, NUMBER_BYTES)),
+        ("return.greedy", on(o.greedy, 6)),
+        (
+            "return.token_strings",
+            on(o.token_strings, budget.string_bytes()),
+        ),
+        ("top_k", on(o.top_k, valid.top_k as u64 * entry)),
+    ]
 }
 
 /// A `/kld` request ready for the queue.
@@ -59,11 +115,32 @@ pub struct ValidKld {
     pub per_token: bool,
 }
 
+/// Numbers per position of a `/kld` answer with `per_token` (its ten per-token lists).
+const KLD_PER_TOKEN_NUMBERS: u64 = 10;
+
 pub fn kld_request(req: KldRequest, rules: &Rules<'_>) -> Result<ValidKld, ApiError> {
-    Ok(ValidKld {
+    let field = sequences_field(req.text.is_some());
+    let valid = ValidKld {
         sequences: sequences(req.tokens, req.text, req.add_special_tokens, rules)?,
         per_token: req.per_token.unwrap_or(true),
-    })
+    };
+    let budget = rules.budget;
+    let cost = budget.kld_cost(&valid.sequences);
+    budget.check_cost(field, cost, "tokens × both models' (layers + 1)")?;
+    let (positions, sequences) = counts(&valid.sequences);
+    let per_token = if valid.per_token {
+        positions * KLD_PER_TOKEN_NUMBERS * NUMBER_BYTES
+    } else {
+        0
+    };
+    budget.check_response(&[
+        (
+            field,
+            positions * budget.id_bytes() + sequences * SEQUENCE_BYTES,
+        ),
+        ("per_token", per_token),
+    ])?;
+    Ok(valid)
 }
 
 /// A `/diff` request ready for the queue.
@@ -116,7 +193,8 @@ pub fn diff_request(
         ));
     }
     let (attribute, formats) = chosen.into_iter().unzip();
-    Ok(ValidDiff {
+    let field = sequences_field(req.text.is_some());
+    let valid = ValidDiff {
         sequences: sequences(req.tokens, req.text, req.add_special_tokens, rules)?,
         per_position: req.per_position.unwrap_or(false),
         options: DiffOptions {
@@ -124,7 +202,35 @@ pub fn diff_request(
             attribute,
         },
         formats,
-    })
+    };
+    let budget = rules.budget;
+    let (base, attribution) = budget.diff_cost(&valid.sequences, &valid.options.attribute);
+    budget.check_cost(field, base, "tokens × both models' (layers + 1)")?;
+    budget.check_cost(
+        "attribute",
+        base + attribution,
+        &format!(
+            "{base} for both models + {attribution} for {} attributed modules",
+            valid.options.attribute.len()
+        ),
+    )?;
+    let (positions, sequences) = counts(&valid.sequences);
+    let per_layer = 2 * NUMBER_BYTES + 200;
+    let per_position = if valid.per_position {
+        positions * layers as u64 * 2 * NUMBER_BYTES
+    } else {
+        0
+    };
+    budget.check_response(&[
+        (
+            field,
+            positions * budget.id_bytes()
+                + sequences * (SEQUENCE_BYTES + layers as u64 * per_layer),
+        ),
+        ("per_position", per_position),
+        ("attribute", valid.options.attribute.len() as u64 * 300),
+    ])?;
+    Ok(valid)
 }
 
 /// The modules `selection` chooses among `modules`, in their order; none is an error.

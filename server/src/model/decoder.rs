@@ -597,7 +597,20 @@ impl Model {
     /// Stage `k`'s decoder layers over the residual stream `x` (on that stage's device) of
     /// sequences of lengths `lens`, concatenated.
     pub fn forward_stage(&self, k: usize, x: Tensor, lens: &[usize]) -> Result<Tensor> {
-        self.run_layers(k, self.stages[k].layers.clone(), x, lens, None, None)
+        self.run_layers(k, self.stages[k].layers.clone(), x, lens, None, None, None)
+    }
+
+    /// [`Self::forward_stage`], calling `boundary` before each decoder layer: an error from it
+    /// stops the pass there (the engine's cancellation).
+    pub fn forward_stage_checked(
+        &self,
+        k: usize,
+        x: Tensor,
+        lens: &[usize],
+        boundary: &dyn Fn() -> Result<()>,
+    ) -> Result<Tensor> {
+        let layers = self.stages[k].layers.clone();
+        self.run_layers(k, layers, x, lens, None, None, Some(boundary))
     }
 
     /// The decoder layers `layers` over `x`, stage by stage, the state carried to each stage's
@@ -626,7 +639,7 @@ impl Model {
             let k = self.layer_stage(start);
             let end = self.stages[k].layers.end.min(layers.end);
             x = crate::device::transfer(&x, &self.stages[k].device)?;
-            x = self.run_layers(k, start..end, x, lens, routes.as_deref_mut(), None)?;
+            x = self.run_layers(k, start..end, x, lens, routes.as_deref_mut(), None, None)?;
             start = end;
         }
         Ok(x)
@@ -647,10 +660,20 @@ impl Model {
             Some(slot) => *slot = linear,
             None => candle_core::bail!("decoder layer {i} has no Linear `{module}`"),
         }
-        self.run_layers(self.layer_stage(i), i..i + 1, x, lens, None, Some(&*layer))
+        self.run_layers(
+            self.layer_stage(i),
+            i..i + 1,
+            x,
+            lens,
+            None,
+            Some(&*layer),
+            None,
+        )
     }
 
-    /// `layers` of stage `k`; `replaced` stands in for the first of them.
+    /// `layers` of stage `k`; `replaced` stands in for the first of them; `boundary` is asked
+    /// before each layer.
+    #[allow(clippy::too_many_arguments)]
     fn run_layers(
         &self,
         k: usize,
@@ -659,6 +682,7 @@ impl Model {
         lens: &[usize],
         mut routes: Option<&mut Vec<(usize, Vec<Route>)>>,
         replaced: Option<&dyn Layer>,
+        boundary: Option<&dyn Fn() -> Result<()>>,
     ) -> Result<Tensor> {
         let Stage {
             device,
@@ -673,6 +697,9 @@ impl Model {
         })?;
         let first = layers.start;
         for i in layers {
+            if let Some(boundary) = boundary {
+                boundary()?;
+            }
             let layer = match replaced {
                 Some(layer) if i == first => layer,
                 _ => &*self.layers[i],

@@ -136,6 +136,20 @@ pub fn diff_batch(
     sequences: &[&[u32]],
     options: &DiffOptions,
 ) -> Result<Vec<SequenceDiff>> {
+    diff_batch_with(served, reference, sequences, options, &|| Ok(()))
+}
+
+/// [`diff_batch`], calling `boundary` before every unit of work: each decoder layer of either
+/// model, each chunk of logits, each attributed module and each layer of its run. An error
+/// from it stops the comparison there; the engine uses it to stop work nobody waits for and
+/// to let other batches use the devices in between.
+pub fn diff_batch_with(
+    served: &Model,
+    reference: &Model,
+    sequences: &[&[u32]],
+    options: &DiffOptions,
+    boundary: &dyn Fn() -> Result<()>,
+) -> Result<Vec<SequenceDiff>> {
     if let Some(reason) = incompatibility(served, reference) {
         candle_core::bail!("cannot compare the models layer by layer: {reason}");
     }
@@ -148,7 +162,9 @@ pub fn diff_batch(
     let mut out: Vec<SequenceDiff> = sequences.iter().map(|_| SequenceDiff::default()).collect();
     let (mut xs, mut xr) = (served.embed(sequences)?, reference.embed(sequences)?);
     for i in 0..layers {
+        boundary()?;
         xs = served.forward_layers(i..i + 1, xs, &lens)?;
+        boundary()?;
         xr = reference.forward_layers(i..i + 1, xr, &lens)?;
         let errors: Vec<(f64, f64)> = position_sums(&xs, &xr)?
             .into_iter()
@@ -162,14 +178,19 @@ pub fn diff_batch(
             xs = crate::device::transfer(&xr.to_dtype(xs.dtype())?, xs.device())?;
         }
     }
+    boundary()?;
     let hidden = served.final_norm(&xs)?;
     let reference_hidden = reference.final_norm(&xr)?;
     // Every attributed module's divergence compares with the same reference logits.
     let keep = !options.attribute.is_empty();
-    let reference_logits = CachedLogits::new(reference, &reference_hidden, sequences, keep)?;
+    let reference_logits =
+        CachedLogits::new(reference, &reference_hidden, sequences, keep, boundary)?;
     let klds = kld_hidden(
         |rows| reference_logits.get(rows),
-        |rows| logits_on(served, &hidden, rows, None),
+        |rows| {
+            boundary()?;
+            logits_on(served, &hidden, rows, None)
+        },
         sequences,
         served.config().vocab_size,
     )?;
@@ -183,6 +204,7 @@ pub fn diff_batch(
             sequences,
             &reference_logits,
             &options.attribute,
+            boundary,
         )?;
         for (s, seq) in out.iter_mut().enumerate() {
             seq.modules = sums.iter().map(|per_sequence| per_sequence[s]).collect();
@@ -201,6 +223,7 @@ fn attribution(
     sequences: &[&[u32]],
     reference_logits: &CachedLogits,
     modules: &[String],
+    boundary: &dyn Fn() -> Result<()>,
 ) -> Result<Vec<Vec<f64>>> {
     let lens: Vec<usize> = sequences.iter().map(|s| s.len()).collect();
     let vocab = reference.config().vocab_size;
@@ -210,7 +233,10 @@ fn attribution(
     let kld_of = |hidden: &Tensor, head: Option<&QuantLinear>| -> Result<Vec<f64>> {
         let klds = kld_hidden(
             |rows| reference_logits.get(rows),
-            |rows| logits_on(reference, hidden, rows, head),
+            |rows| {
+                boundary()?;
+                logits_on(reference, hidden, rows, head)
+            },
             sequences,
             vocab,
         )?;
@@ -235,12 +261,18 @@ fn attribution(
     for i in 0..=last {
         x = to_layer(reference, i, x)?;
         for &(m, module) in by_layer.get(&i).into_iter().flatten() {
+            boundary()?;
             let linear = transplant(served, &modules[m], x.dtype(), x.device())?;
-            let y = reference.forward_layer_with(i, module, linear, x.clone(), &lens)?;
-            let rest = i + 1..reference.config().num_layers;
-            let y = reference.forward_layers(rest, y, &lens)?;
+            let mut y = reference.forward_layer_with(i, module, linear, x.clone(), &lens)?;
+            // The rest one layer at a time, each a unit of work (the same kernels as a run of
+            // several layers: only the boundaries are new).
+            for j in i + 1..reference.config().num_layers {
+                boundary()?;
+                y = reference.forward_layers(j..j + 1, y, &lens)?;
+            }
             sums[m] = kld_of(&reference.final_norm(&y)?, None)?;
         }
+        boundary()?;
         x = reference.forward_layers(i..i + 1, x, &lens)?;
     }
     Ok(sums)
@@ -260,7 +292,13 @@ struct CachedLogits<'a> {
 const CACHED_LOGITS_BYTES: usize = 1 << 30;
 
 impl<'a> CachedLogits<'a> {
-    fn new(model: &'a Model, hidden: &'a Tensor, sequences: &[&[u32]], keep: bool) -> Result<Self> {
+    fn new(
+        model: &'a Model,
+        hidden: &'a Tensor,
+        sequences: &[&[u32]],
+        keep: bool,
+        boundary: &dyn Fn() -> Result<()>,
+    ) -> Result<Self> {
         let vocab = model.config().vocab_size;
         let chunks = logit_chunks(sequences, vocab);
         let rows: usize = chunks.iter().map(|r| r.len()).sum();
@@ -271,6 +309,7 @@ impl<'a> CachedLogits<'a> {
         };
         if keep && rows * vocab * hidden.dtype().size_in_bytes() <= CACHED_LOGITS_BYTES {
             for rows in chunks {
+                boundary()?;
                 let logits = logits_on(model, hidden, rows.clone(), None)?;
                 cached.chunks.insert(rows.start, logits);
             }

@@ -97,13 +97,15 @@ pub struct ActivationBytes {
 
 impl ActivationBytes {
     /// An estimate for `tokens` tokens per batch (`--max-batch-tokens`), sequences of at most
-    /// `max_seq` tokens, in `dtype`; `flash`: attention never materialises its `[T, T]` scores.
+    /// `max_seq` tokens, in `dtype`; `flash`: attention never materialises its `[T, T]` scores;
+    /// `cpu`: the stage computes on the CPU.
     pub fn estimate(
         config: &ModelConfig,
         dtype: DType,
         tokens: usize,
         max_seq: usize,
         flash: bool,
+        cpu: bool,
     ) -> Self {
         let s = dtype.size_in_bytes() as u64;
         let (t, h) = (tokens as u64, config.hidden_size as u64);
@@ -114,12 +116,13 @@ impl ActivationBytes {
         let stream = 4 * t * h * s;
         // q, k, v and the attention output, plus the dequantized q/k/v/o weights.
         let attention_tensors = t * (2 * q + 2 * kv) * s + (2 * q + 2 * kv) * h * s;
-        // One sequence's f32 scores and their probabilities, when materialised.
-        let scores = if flash {
-            0
-        } else {
-            let l = max_seq as u64;
-            config.num_heads as u64 * l * l * (4 + s)
+        // One sequence's f32 scores and their probabilities, when materialised. On the CPU the
+        // probabilities are f32 whatever the dtype, after the scores plus an f32 causal mask.
+        let l = max_seq as u64;
+        let scores = match (flash, cpu) {
+            (true, _) => 0,
+            (false, false) => config.num_heads as u64 * l * l * (4 + s),
+            (false, true) => config.num_heads as u64 * l * l * 8 + 4 * l * l,
         };
         // gate, up and their product over one row chunk, plus three dequantized weights.
         let chunk = t.min(super::blocks::MLP_CHUNK as u64);
@@ -186,6 +189,7 @@ pub fn plan_on(
         inputs.batch_tokens,
         inputs.max_seq,
         inputs.flash,
+        devices.iter().all(Device::is_cpu),
     );
     match split {
         Some(counts) => from_split(&parts, &activation, counts),

@@ -37,8 +37,11 @@ pub fn info(max_queued: usize) -> ModelInfo {
             max_batch_requests: 4,
             max_queued_requests: max_queued,
             max_top_k: 20,
+            max_request_cost: u64::MAX,
+            max_response_bytes: u64::MAX,
         },
         version: "test".into(),
         reference: None,
+        checkpoint_sha256: None,
     }
 }

@@ -10,7 +10,7 @@ use std::time::Instant;
 use anyhow::{bail, Result};
 use candle_core::{DType, Device};
 use exactscore_server::checkpoint::Checkpoint;
-use exactscore_server::engine::{Engine, MicroBatching, ModelEngine};
+use exactscore_server::engine::{Cancel, Engine, MicroBatching, ModelEngine};
 use exactscore_server::model::placement;
 use exactscore_server::model::{AttentionKernel, Model, ModelConfig, ScoreInput, SequenceScores};
 use exactscore_server::quant::ActivationQuantMode;
@@ -98,7 +98,7 @@ fn timed_scores(
             top_k: 0,
         })
         .collect();
-    let first = engine.score(&inputs)?; // warm-up (JIT, allocator) and the answer
+    let first = engine.score(&inputs, &Cancel::never())?; // warm-up (JIT, allocator) and the answer
     let threads = engine.concurrency();
     let t = Instant::now();
     std::thread::scope(|scope| -> Result<()> {
@@ -106,7 +106,7 @@ fn timed_scores(
             .map(|_| {
                 scope.spawn(|| -> Result<()> {
                     for _ in 0..iters {
-                        engine.score(&inputs)?;
+                        engine.score(&inputs, &Cancel::never())?;
                     }
                     Ok(())
                 })
@@ -246,10 +246,10 @@ fn kld(
         .collect();
     let engine = ModelEngine::new(model, Some(reference_model), MicroBatching::PerDevice)?;
     let refs: Vec<&[u32]> = windows.iter().map(Vec::as_slice).collect();
-    let first = engine.kld(&refs)?;
+    let first = engine.kld(&refs, &Cancel::never())?;
     let t = Instant::now();
     for _ in 0..r.iters {
-        engine.kld(&refs)?;
+        engine.kld(&refs, &Cancel::never())?;
     }
     let secs = t.elapsed().as_secs_f64() / r.iters as f64;
     let tokens: usize = first.iter().map(|s| s.num_scored()).sum();
