@@ -983,6 +983,17 @@ fn tensors(
                         format!("{n}.weight_scale"),
                         rng.bf16_in(vec![out, inp / 128], 119 - shift..121 - shift, false),
                     );
+                    // [out, in], as llm-compressor writes it: compressed-tensors (transformers)
+                    // cannot unpack the codes without it.
+                    let dims = [out as i64, inp as i64];
+                    t.insert(
+                        format!("{n}.weight_shape"),
+                        HostTensor {
+                            dtype: Dtype::I64,
+                            shape: vec![2],
+                            data: dims.iter().flat_map(|d| d.to_le_bytes()).collect(),
+                        },
+                    );
                 }
                 "nvfp4" | "nvfp4a16" => {
                     t.insert(
@@ -1312,6 +1323,15 @@ mod tests {
             // q_proj [query; gate]: 2 * 4 heads * 64 rows
             let q = st.tensor(&format!("{prefix}.layers.3.self_attn.q_proj.weight_packed"))?;
             assert_eq!(q.shape(), &[512, 256 / 8]);
+            // compressed-tensors needs it to unpack the codes (transformers loads the file)
+            let dims = st.tensor(&format!("{prefix}.layers.3.self_attn.q_proj.weight_shape"))?;
+            assert_eq!(
+                (dims.dtype(), dims.data()),
+                (
+                    Dtype::I64,
+                    &[512i64.to_le_bytes(), 256i64.to_le_bytes()].concat()[..]
+                )
+            );
             assert_eq!(dtype("layers.3.self_attn.q_norm.weight")?, Dtype::F32);
             if shape.shared_moe().is_some() {
                 assert_eq!(dtype("layers.0.mlp.gate.weight")?, Dtype::BF16);
