@@ -11,21 +11,33 @@ GEMMs alone.
 Shapes (random_model.rs has the same): llama3-8b, llama3-70b; qwen3-30b-a3b (Qwen3MoeForCausalLM:
 128 experts of 768, 8 per token, run by transformers' default experts implementation unless
 `--experts` names one); gemma3-27b (Gemma3ForCausalLM: windows of 1024 on 5 of 6 layers);
-tiny, tiny-moe, tiny-gemma3 for a smoke run (`--device cpu`). The Qwen3-MoE and Gemma 3 shapes
+qwen3.5-35b-a3b (Qwen3_5MoeForCausalLM, the text model of the release), qwen3-next-80b-a3b
+(Qwen3NextForCausalLM), qwen3.5-27b (Qwen3_5ForCausalLM): Gated DeltaNet layers with a gated
+full-attention layer every 4th, run by whatever transformers picks for the conv1d and the delta
+rule (its hub kernels where it can fetch them, else the torch fallbacks; the table's header says
+whether `fla` and `causal_conv1d` are installed); tiny, tiny-moe, tiny-gemma3, tiny-qwen3.5-moe,
+tiny-qwen3-next, tiny-qwen3.5 for a smoke run (`--device cpu`). The shapes other than Llama
 are built directly in bf16 (their f32 init would not fit an 80 GB GPU), draw their embeddings
 and routers as exactscore-bench draws them (the router's logits set how the tokens spread over
 the experts), and score the lm_head in chunks of `--logits-chunk` rows (the whole batch's f32
 logits would not fit next to the weights: 8 windows of Gemma's 262k vocabulary are 17 GB).
+`AutoModelForCausalLM.from_pretrained` also loads what `exactscore-bench write-checkpoint`
+writes for these shapes (the Qwen3.5 ones as `Qwen3_5MoeForCausalLM` / `Qwen3_5ForCausalLM`
+from the ForConditionalGeneration file, transformers 5.17), but this script builds the model
+itself, as above.
 
     python3 scripts/baseline_transformers.py --shape llama3-8b --batch 1,4 --weights w4a16
     python3 scripts/baseline_transformers.py --shape qwen3-30b-a3b --batch 1,8 --weights w4a16
 """
 import argparse
+import importlib.util
 import time
 
 import torch
 from transformers import (Gemma3ForCausalLM, Gemma3TextConfig, LlamaConfig, LlamaForCausalLM,
-                          Qwen3MoeConfig, Qwen3MoeForCausalLM)
+                          Qwen3_5ForCausalLM, Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig,
+                          Qwen3_5TextConfig, Qwen3MoeConfig, Qwen3MoeForCausalLM,
+                          Qwen3NextConfig, Qwen3NextForCausalLM)
 
 
 def llama(**kw):
@@ -54,6 +66,47 @@ def gemma3(**kw):
             "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}})
 
 
+def hybrid(config_class, qwen3_5, **kw):
+    """The Qwen3-Next family's keys (random_model.rs `Hybrid`, as the releases' config.json):
+    every 4th layer gated full attention, the others Gated DeltaNet; a quarter of each head
+    rotary at 1e7 (Qwen3.5's mrope sections: text scoring reads them as the plain rope)."""
+    layers, head_dim = kw["num_hidden_layers"], kw["head_dim"]
+    rope = {"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25}
+    if qwen3_5:
+        half = head_dim // 8  # rotary frequencies: head_dim * 0.25 / 2
+        rope.update(mrope_section=[-(-half // 3), (half + 1) // 3, half // 3],
+                    mrope_interleaved=True)
+    return config_class(
+        **kw, rms_norm_eps=1e-6, max_position_embeddings=262144, tie_word_embeddings=False,
+        hidden_act="silu", linear_conv_kernel_dim=4, rope_parameters=rope,
+        layer_types=["full_attention" if (i + 1) % 4 == 0 else "linear_attention"
+                     for i in range(layers)])
+
+
+def qwen3_next(**kw):
+    return Qwen3NextForCausalLM, hybrid(Qwen3NextConfig, False, **kw, norm_topk_prob=True,
+                                        decoder_sparse_step=1, mlp_only_layers=[])
+
+
+def qwen3_5_moe(**kw):
+    return Qwen3_5MoeForCausalLM, hybrid(Qwen3_5MoeTextConfig, True, **kw)
+
+
+def qwen3_5(**kw):
+    return Qwen3_5ForCausalLM, hybrid(Qwen3_5TextConfig, True, **kw)
+
+
+# The published configs' sizes (random_model.rs cites them): attention 16/2 heads of 256 (24/4
+# for the 27B), linear attention 16 key heads and 32 value heads (48 for the 27B) of 128.
+LINEAR = dict(linear_num_key_heads=16, linear_num_value_heads=32, linear_key_head_dim=128,
+              linear_value_head_dim=128)
+TINY_LINEAR = dict(linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=32,
+                   linear_value_head_dim=32)
+TINY_HYBRID = dict(hidden_size=256, num_hidden_layers=4, num_attention_heads=4,
+                   num_key_value_heads=2, head_dim=64, vocab_size=2000, **TINY_LINEAR)
+TINY_SHARED_MOE = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=128,
+                       shared_expert_intermediate_size=128)
+
 # shape: (the model class and config, lm_head rows per chunk: 0 = the whole batch's logits)
 SHAPES = {
     "llama3-8b": (lambda: llama(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
@@ -71,6 +124,19 @@ SHAPES = {
                                   num_hidden_layers=62, num_attention_heads=32,
                                   num_key_value_heads=16, head_dim=128, vocab_size=262208,
                                   query_pre_attn_scalar=168, sliding_window=1024), 2048),
+    "qwen3.5-35b-a3b": (lambda: qwen3_5_moe(
+        hidden_size=2048, num_hidden_layers=40, num_attention_heads=16, num_key_value_heads=2,
+        head_dim=256, num_experts=256, num_experts_per_tok=8, moe_intermediate_size=512,
+        shared_expert_intermediate_size=512, vocab_size=248320, **LINEAR), 2048),
+    "qwen3-next-80b-a3b": (lambda: qwen3_next(
+        hidden_size=2048, intermediate_size=5120, num_hidden_layers=48, num_attention_heads=16,
+        num_key_value_heads=2, head_dim=256, num_experts=512, num_experts_per_tok=10,
+        moe_intermediate_size=512, shared_expert_intermediate_size=512, vocab_size=151936,
+        **LINEAR), 2048),
+    "qwen3.5-27b": (lambda: qwen3_5(
+        hidden_size=5120, intermediate_size=17408, num_hidden_layers=64, num_attention_heads=24,
+        num_key_value_heads=4, head_dim=256, vocab_size=248320,
+        **{**LINEAR, "linear_num_value_heads": 48}), 2048),
     "tiny": (lambda: llama(hidden_size=256, intermediate_size=512, num_hidden_layers=2,
                            num_attention_heads=4, num_key_value_heads=2, vocab_size=2000), 0),
     "tiny-moe": (lambda: qwen3_moe(hidden_size=256, intermediate_size=512, num_hidden_layers=2,
@@ -82,7 +148,13 @@ SHAPES = {
                                    num_attention_heads=4, num_key_value_heads=2, head_dim=64,
                                    vocab_size=2000, query_pre_attn_scalar=64,
                                    sliding_window=128), 2048),
+    "tiny-qwen3.5-moe": (lambda: qwen3_5_moe(**TINY_HYBRID, **TINY_SHARED_MOE), 2048),
+    "tiny-qwen3-next": (lambda: qwen3_next(**TINY_HYBRID, **TINY_SHARED_MOE,
+                                           intermediate_size=512), 2048),
+    "tiny-qwen3.5": (lambda: qwen3_5(**TINY_HYBRID, intermediate_size=512), 2048),
 }
+# mixtures of experts, whose experts are no Linears in transformers 5
+MOE_CLASSES = (Qwen3MoeForCausalLM, Qwen3NextForCausalLM, Qwen3_5MoeForCausalLM)
 
 ap = argparse.ArgumentParser()
 ap.add_argument("--shape", default="llama3-8b", choices=list(SHAPES))
@@ -111,7 +183,7 @@ build, default_chunk = SHAPES[args.shape]
 model_class, cfg = build()
 chunk = default_chunk if args.logits_chunk is None else args.logits_chunk
 llama_shape = model_class is LlamaForCausalLM
-if args.linears_only and model_class is Qwen3MoeForCausalLM:
+if args.linears_only and model_class in MOE_CLASSES:
     ap.error("--linears-only: a mixture of experts' experts are not Linears in transformers 5")
 dev = torch.device(args.device)
 cuda = dev.type == "cuda"
@@ -157,10 +229,11 @@ def dequantized(kind, out_features, in_features, shift=0):
     return w.reshape(shape).bfloat16()
 
 
-def bench_bf16(rows, cols):
-    """random_model.rs's `Rng::bf16`: magnitudes 2^-7..2^-4, random mantissa and sign."""
+def bench_bf16(rows, cols, shift=0):
+    """random_model.rs's `Rng::bf16`: magnitudes 2^-7..2^-4, random mantissa and sign; `shift`:
+    2^-shift smaller (random_model.rs draws its bf16 Linears with `scale_shift` too)."""
     sign = torch.randint(0, 2, (rows, cols), device=dev) * 2 - 1
-    return (sign * random_float((rows, cols), (-7, -4), 7)).bfloat16()
+    return (sign * random_float((rows, cols), (-7 - shift, -4 - shift), 7)).bfloat16()
 
 
 def fill_rows(param, draw, rows=16384):
@@ -172,9 +245,33 @@ def fill_rows(param, draw, rows=16384):
 
 
 def decoder_linears(layer):
-    a, m = layer.self_attn, layer.mlp
-    dense = [m.gate_proj, m.up_proj, m.down_proj] if hasattr(m, "gate_proj") else []
-    return [a.q_proj, a.k_proj, a.v_proj, a.o_proj] + dense
+    """The Linears of `layer` that the formats quantize: attention and dense MLPs (a shared
+    expert's too)."""
+    a, m = getattr(layer, "self_attn", None), layer.mlp
+    out = [a.q_proj, a.k_proj, a.v_proj, a.o_proj] if a is not None else []
+    for mlp in (m, getattr(m, "shared_expert", None)):
+        if mlp is not None and hasattr(mlp, "gate_proj"):
+            out += [mlp.gate_proj, mlp.up_proj, mlp.down_proj]
+    return out
+
+
+def bf16_linears(layer):
+    """The Linears that llm-compressor's Qwen3.5 / Qwen3-Next examples leave in bf16 (as
+    random_model.rs): a Gated DeltaNet's projections and the shared-expert gate."""
+    a, m = getattr(layer, "linear_attn", None), layer.mlp
+    names = ["in_proj_qkvz", "in_proj_ba", "in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a",
+             "out_proj"]
+    out = [getattr(a, n) for n in names if hasattr(a, n)] if a is not None else []
+    gate = getattr(m, "shared_expert_gate", None)
+    return out + ([gate] if gate is not None else [])
+
+
+def residual_writers(layer):
+    """random_model.rs `scale_shift`: o_proj, a Gated DeltaNet's out_proj, the shared expert's
+    down_proj (and the experts' down_proj, drawn below)."""
+    a, la, shared = (getattr(layer, "self_attn", None), getattr(layer, "linear_attn", None),
+                     getattr(layer.mlp, "shared_expert", None))
+    return [x for x in (a and a.o_proj, la and la.out_proj, shared and shared.down_proj) if x is not None]
 
 
 with torch.no_grad():
@@ -184,9 +281,19 @@ with torch.no_grad():
             # A mixture's residual writers 2^-16 smaller, as random_model.rs draws them, so
             # that the router sees each token's embedding and spreads the tokens.
             shift = 16 if experts is not None else 0
+            writers = residual_writers(layer)
             for linear in decoder_linears(layer):
                 linear.weight.copy_(dequantized(args.weights, *linear.weight.shape,
-                                                shift if linear is layer.self_attn.o_proj else 0))
+                                                shift if any(linear is w for w in writers) else 0))
+            for linear in bf16_linears(layer):
+                s = shift if any(linear is w for w in writers) else 0
+                fill_rows(linear.weight, lambda rows, cols, s=s: bench_bf16(rows, cols, s))
+            la = getattr(layer, "linear_attn", None)
+            if la is not None:  # random_model.rs: A_log 0, dt_bias 0, conv1d as its Linears
+                la.A_log.zero_()
+                la.dt_bias.zero_()
+                la.conv1d.weight.copy_(bench_bf16(la.conv1d.weight.shape[0],
+                                                  la.conv1d.weight.shape[2]).unsqueeze(1))
             for e in range(experts.num_experts if experts is not None else 0):
                 # gate and up stacked as [gate; up] rows, each with its own group scales
                 experts.gate_up_proj[e].copy_(dequantized(args.weights, *experts.gate_up_proj[e].shape))
@@ -238,7 +345,8 @@ def linears_step(ids):
             inputs[linear] = args[0].reshape(-1, args[0].shape[-1])
         return hook
 
-    linears = [linear for layer in model.model.layers for linear in decoder_linears(layer)]
+    linears = [linear for layer in model.model.layers
+               for linear in decoder_linears(layer) + bf16_linears(layer)]
     hooks = [linear.register_forward_pre_hook(keep(linear)) for linear in linears]
     with torch.inference_mode():
         hidden = model.model(ids).last_hidden_state  # after the final norm: lm_head's input
@@ -275,8 +383,11 @@ class Timer:
 
 
 what = "Linear GEMMs only" if args.linears_only else "sdpa"
-if model_class is Qwen3MoeForCausalLM:
+if model_class in MOE_CLASSES:
     what += f", experts {model.config._experts_implementation}"
+if hasattr(cfg, "linear_num_value_heads"):
+    installed = [m for m in ("fla", "causal_conv1d") if importlib.util.find_spec(m)]
+    what += f", linear attention with {'+'.join(installed) or 'neither fla nor causal_conv1d'} installed"
 if chunk:
     what += f", lm_head in chunks of {chunk} rows"
 label = f"{'linears' if args.linears_only else 'baseline'} {args.weights}"
