@@ -119,6 +119,28 @@ __device__ void glu_mul_fp8_qdq(const T* gate, const T* up, T* out, int k) {
     fp8_qdq_row<T, 8>(out + base, out + base, k, fp8_token_scale(amax));
 }
 
+// ---- gated RMSNorm (Gated DeltaNet's output norm): one block (256 threads) per row ---------
+
+// transformers' Qwen3NextRMSNormGated / Qwen3_5RMSNormGated, rounded where it rounds:
+// n = x * rsqrt(mean(x²) + eps) in f32, rounded to T; p = w * n, kept in f32 for an f32 weight
+// (the releases store it so), else rounded to T; out = p * silu(z) in f32, rounded to T.
+template <typename T, typename W>
+__device__ void gated_rms_norm(const T* x, const W* weight, const T* z, T* out, int cols,
+                               float eps) {
+    __shared__ float s_red[ROW_THREADS];
+    const long base = (long)blockIdx.x * cols;
+    const int tid = threadIdx.x;
+    float squares = 0.0f;
+    for (int i = tid; i < cols; i += ROW_THREADS) squares += to_f32(x[base + i]) * to_f32(x[base + i]);
+    const float inv = rsqrtf(tree_sum(squares, s_red) / cols + eps);
+    for (int i = tid; i < cols; i += ROW_THREADS) {
+        const float n = to_f32(from_f32<T>(to_f32(x[base + i]) * inv));
+        float p = to_f32(weight[i]) * n;
+        if (sizeof(W) != sizeof(float)) p = to_f32(from_f32<T>(p));
+        out[base + i] = from_f32<T>(p * Silu::f(to_f32(z[base + i])));
+    }
+}
+
 // ---- extern "C" entry points, one per dtype -------------------------------------------------
 
 #define NORM_ENTRIES(SUFFIX, T)                                                                    \
@@ -156,6 +178,14 @@ __device__ void glu_mul_fp8_qdq(const T* gate, const T* up, T* out, int k) {
     }                                                                                              \
     extern "C" __global__ void gelu_tanh_mul_fp8_qdq_##SUFFIX(const T* g, const T* u, T* o, int k) { \
         glu_mul_fp8_qdq<T, GeluTanh>(g, u, o, k);                                                  \
+    }                                                                                              \
+    extern "C" __global__ void gated_rms_norm_##SUFFIX(const T* x, const T* w, const T* z, T* o,   \
+                                                       int cols, float eps) {                      \
+        gated_rms_norm<T, T>(x, w, z, o, cols, eps);                                               \
+    }                                                                                              \
+    extern "C" __global__ void gated_rms_norm_f32w_##SUFFIX(const T* x, const float* w, const T* z, \
+                                                            T* o, int cols, float eps) {           \
+        gated_rms_norm<T, float>(x, w, z, o, cols, eps);                                           \
     }
 
 NORM_ENTRIES(f32, float)

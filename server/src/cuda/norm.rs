@@ -56,6 +56,54 @@ pub fn rms_norm(x: &Tensor, weight: &Tensor, eps: f32, fp8_qdq: bool) -> Result<
     }))
 }
 
+/// transformers' gated RMSNorm of `x` over its last dimension, gated by `z` (same shape and
+/// dtype): `round(w · round(x̂) · silu(z))`, the weight's product kept in f32 for an f32 weight
+/// and rounded to the compute dtype for a weight in it (one block per row).
+pub fn gated_rms_norm(x: &Tensor, weight: &Tensor, z: &Tensor, eps: f32) -> Result<Tensor> {
+    let (x, z) = (x.contiguous()?, z.contiguous()?);
+    let dims = x.dims().to_vec();
+    let cols = *dims.last().unwrap_or(&0);
+    let rows = x.elem_count() / cols.max(1);
+    let f32_weight = weight.dtype() == DType::F32 && x.dtype() != DType::F32;
+    if weight.dims() != [cols]
+        || !(weight.dtype() == x.dtype() || f32_weight)
+        || z.dims() != x.dims()
+        || z.dtype() != x.dtype()
+    {
+        bail!(
+            "gated_rms_norm: x {dims:?} {:?}, weight {:?} {:?}, z {:?} {:?}",
+            x.dtype(),
+            weight.dims(),
+            weight.dtype(),
+            z.dims(),
+            z.dtype()
+        );
+    }
+    let base = if f32_weight {
+        "gated_rms_norm_f32w"
+    } else {
+        "gated_rms_norm"
+    };
+    let name = kernel_name(base, x.dtype());
+    with_float_type!(x.dtype(), T => with_slice::<T, _>(&x, |xs, xo, dev| {
+        with_slice::<T, _>(&z, |zs, zo, _| {
+            with_float_type!(weight.dtype(), W => with_slice::<W, _>(weight, |ws, wo, _| {
+                let func = kernel(dev, &NORM, &name)?;
+                // SAFETY: the kernel writes every element of `out`.
+                let out = unsafe { dev.alloc::<T>(rows * cols) }?;
+                let (xs, zs, ws) = (xs.slice(xo..), zs.slice(zo..), ws.slice(wo..));
+                let c32 = cols as i32;
+                let mut b = func.builder();
+                b.arg(&xs).arg(&ws).arg(&zs).arg(&out).arg(&c32).arg(&eps);
+                // SAFETY: arguments match `gated_rms_norm{,_f32w}_*` (one 256-thread block per
+                // row; the weight's type by `f32_weight`).
+                unsafe { b.launch(grid_rows(rows)) }.w()?;
+                Ok(wrap(out, dev, dims.clone()))
+            }))
+        })
+    }))
+}
+
 /// `silu(gate) * up` in one pass (SwiGLU), rounded as PyTorch rounds it in the compute dtype;
 /// with `fp8_qdq` followed in the same kernel by the per-token fp8 QDQ (as [`qdq_fp8`] without a
 /// static scale).

@@ -9,6 +9,7 @@ super::gpu_entry_points!(norm {
     fn rms_norm(x: &Tensor, weight: &Tensor, eps: f32, fp8_qdq: bool) -> Result<Tensor>;
     fn silu_mul(gate: &Tensor, up: &Tensor, fp8_qdq: bool) -> Result<Tensor>;
     fn gelu_tanh_mul(gate: &Tensor, up: &Tensor, fp8_qdq: bool) -> Result<Tensor>;
+    fn gated_rms_norm(x: &Tensor, weight: &Tensor, z: &Tensor, eps: f32) -> Result<Tensor>;
 });
 
 /// The MLP's gate activation.
@@ -57,6 +58,31 @@ pub fn rms_norm(
         }
     };
     finish_qdq(normed, qdq, fused)
+}
+
+/// transformers' gated RMSNorm (`Qwen3NextRMSNormGated`, `Qwen3_5RMSNormGated`: the output
+/// norm of a Gated DeltaNet) of `x` over its last dimension, gated by `z` (`x`'s shape and
+/// dtype), rounded where transformers rounds: the normalised row in f32 rounded to the compute
+/// dtype, times `weight` (kept in f32 for an f32 weight, as the releases store it, else rounded),
+/// times `silu(z)` in f32, rounded once. One kernel on a GPU.
+pub fn gated_rms_norm(x: &Tensor, weight: &Tensor, z: &Tensor, eps: f64) -> Result<Tensor> {
+    if x.device().is_cuda() {
+        return gpu::gated_rms_norm(x, weight, z, eps as f32);
+    }
+    let dtype = x.dtype();
+    let x32 = x.to_dtype(DType::F32)?;
+    let variance = x32.sqr()?.mean_keepdim(D::Minus1)?;
+    let normed = x32
+        .broadcast_mul(&(variance + eps)?.sqrt()?.recip()?)?
+        .to_dtype(dtype)?;
+    let weighted = if weight.dtype() == DType::F32 {
+        normed.to_dtype(DType::F32)?.broadcast_mul(weight)?
+    } else {
+        normed
+            .broadcast_mul(&weight.to_dtype(dtype)?)?
+            .to_dtype(DType::F32)?
+    };
+    (weighted * z.to_dtype(DType::F32)?.silu()?)?.to_dtype(dtype)
 }
 
 /// The gated activation `act(gate) * up` (SwiGLU, GeGLU), put through `qdq` (the down

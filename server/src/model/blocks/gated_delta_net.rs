@@ -221,13 +221,9 @@ impl GatedDeltaNet {
             Tensor::cat(&outputs, 0)
         })?;
         drop((qkv, b, a));
-        // the gated RMSNorm: normalised in f32, rounded, times w (compute dtype), times
-        // silu(z) in f32, rounded once more
         let gated = stage("gated_norm", dev, || {
-            let n = self.norm.forward(&core, None)?.to_dtype(DType::F32)?;
-            let gate = z.to_dtype(DType::F32)?.silu()?;
-            (n * gate)?
-                .to_dtype(core.dtype())?
+            self.norm
+                .forward_gated(&core, &z)?
                 .reshape((tokens, d.v_heads * d.v_dim))
         })?;
         drop((core, z));

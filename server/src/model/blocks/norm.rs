@@ -48,4 +48,10 @@ impl RmsNorm {
     pub fn forward(&self, x: &Tensor, qdq: Option<&ActivationQdq>) -> Result<Tensor> {
         ops::rms_norm(x, &self.weight, self.eps, qdq)
     }
+
+    /// The gated form ([`ops::gated_rms_norm`]): `x` normalised, weighted and multiplied by
+    /// `silu(z)` as a Gated DeltaNet's output norm does.
+    pub fn forward_gated(&self, x: &Tensor, z: &Tensor) -> Result<Tensor> {
+        ops::gated_rms_norm(x, &self.weight, z, self.eps)
+    }
 }
