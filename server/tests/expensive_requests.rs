@@ -10,6 +10,8 @@
 //!
 //! Figures are printed (`--nocapture`); docs/reliability.md has them.
 
+mod common;
+
 use std::collections::BTreeMap;
 use std::io::{BufRead, BufReader, Read, Write};
 use std::process::{Child, Command, Stdio};
@@ -133,15 +135,7 @@ fn post_and_hang_up(addr: &str, path: &str, body: &Value, after: Duration) {
 pub fn metrics(addr: &str) -> BTreeMap<String, f64> {
     let (status, body) = request(addr, "GET", "/metrics", "");
     assert_eq!(status, 200);
-    String::from_utf8(body)
-        .unwrap()
-        .lines()
-        .filter(|l| !l.starts_with('#'))
-        .filter_map(|l| {
-            let (name, value) = l.rsplit_once(' ')?;
-            Some((name.to_string(), value.parse().ok()?))
-        })
-        .collect()
+    common::parse_metrics(&String::from_utf8(body).unwrap())
 }
 
 fn metric(addr: &str, name: &str) -> f64 {

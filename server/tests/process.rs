@@ -12,6 +12,8 @@
 //! The HTTP client is a few lines over a TCP socket (one request per connection), so a test
 //! can hang up mid-request. Figures are printed (`--nocapture`); docs/reliability.md has them.
 
+mod common;
+
 use std::collections::BTreeMap;
 use std::io::{BufRead, BufReader};
 use std::process::{Child, Command, Stdio};
@@ -233,15 +235,7 @@ async fn metrics(addr: &str, key: Option<&str>) -> BTreeMap<String, f64> {
     else {
         panic!("/metrics failed");
     };
-    String::from_utf8(body)
-        .unwrap()
-        .lines()
-        .filter(|l| !l.starts_with('#'))
-        .filter_map(|l| {
-            let (name, value) = l.rsplit_once(' ')?;
-            Some((name.to_string(), value.parse().ok()?))
-        })
-        .collect()
+    common::parse_metrics(&String::from_utf8(body).unwrap())
 }
 
 fn metric(m: &BTreeMap<String, f64>, name: &str) -> f64 {

@@ -187,3 +187,14 @@ pub fn load_config(variant: &str) -> exactscore_server::model::ModelConfig {
     let text = std::fs::read_to_string(fixtures().join(variant).join("config.json")).unwrap();
     exactscore_server::model::ModelConfig::from_json(&text).unwrap()
 }
+
+/// The samples of a Prometheus text exposition (`/metrics`), by series name and labels.
+pub fn parse_metrics(text: &str) -> BTreeMap<String, f64> {
+    text.lines()
+        .filter(|l| !l.starts_with('#'))
+        .filter_map(|l| {
+            let (name, value) = l.rsplit_once(' ')?;
+            Some((name.to_string(), value.parse().ok()?))
+        })
+        .collect()
+}
