@@ -158,7 +158,7 @@ fn token_ids(value: Option<&Value>) -> Vec<u32> {
 
 /// Keys that change the math in ways we do not implement: refused rather than ignored.
 fn refuse_unimplemented(root: &Value, architecture: Architecture) -> Result<(), LoadError> {
-    let partial_rotary = !architecture.config().reads_partial_rotary()
+    let partial_rotary = architecture.config().partial_rotary_default().is_none()
         && root
             .get("partial_rotary_factor")
             .and_then(Value::as_f64)
@@ -244,9 +244,10 @@ impl ModelConfig {
         let hidden_act = arch.activation(&keys)?;
         let dims = Dimensions::read(&keys)?;
         let (rope, local_rope) = arch.rope(root, &keys)?;
-        let rotary_dim = arch
-            .rotary_dim(root, dims.head_dim)?
-            .unwrap_or(dims.head_dim);
+        let rotary_dim = match arch.partial_rotary_default() {
+            Some(default) => rope_parameters::partial_rotary_dim(root, dims.head_dim, default)?,
+            None => dims.head_dim,
+        };
         check_frequencies(std::iter::once(&rope).chain(&local_rope), rotary_dim)?;
         let sliding_window = arch.sliding_window(window_value(&keys)?, &keys);
         let sliding_layers = arch.sliding_layers(root, dims.num_layers, local_rope)?;

@@ -124,16 +124,12 @@ pub(super) trait ArchitectureConfig: Sync {
         }
     }
 
-    /// The rotated dimensions of each head where the architecture reads a partial rotary
-    /// factor (`None`: it does not, a `partial_rotary_factor` other than 1 is refused, and
-    /// every dimension rotates).
-    fn rotary_dim(&self, _root: &Value, _head_dim: usize) -> Result<Option<usize>, LoadError> {
-        Ok(None)
-    }
-
-    /// Whether [`Self::rotary_dim`] reads `partial_rotary_factor` (else it is refused).
-    fn reads_partial_rotary(&self) -> bool {
-        false
+    /// transformers' default `partial_rotary_factor` where the architecture reads one (each
+    /// head then rotates `int(head_dim * factor)` dimensions,
+    /// [`super::rope_parameters::partial_rotary_dim`]); `None` where it does not: a factor
+    /// other than 1 is refused and every dimension rotates.
+    fn partial_rotary_default(&self) -> Option<f64> {
+        None
     }
 
     /// The Gated DeltaNet layers of a hybrid model.

@@ -9,7 +9,7 @@
 use serde_json::{json, Value};
 
 use super::architecture::{ArchitectureConfig, DecoderFamily};
-use super::qwen3_next::{hybrid_defaults, linear_attention, partial_rotary_dim, UNREAD_PREFIXES};
+use super::qwen3_next::{hybrid_defaults, linear_attention, UNREAD_PREFIXES};
 use super::shared::{keys_set, LinearAttentionConfig, SharedKeys, SOFTCAPPING_KEYS};
 use super::vision_language;
 use crate::checkpoint::LoadError;
@@ -99,12 +99,8 @@ impl ArchitectureConfig for Qwen3_5 {
         None
     }
 
-    fn rotary_dim(&self, root: &Value, head_dim: usize) -> Result<Option<usize>, LoadError> {
-        partial_rotary_dim(root, head_dim).map(Some)
-    }
-
-    fn reads_partial_rotary(&self) -> bool {
-        true
+    fn partial_rotary_default(&self) -> Option<f64> {
+        Some(0.25)
     }
 
     fn linear_attention(

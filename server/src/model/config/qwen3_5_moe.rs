@@ -10,9 +10,7 @@ use serde_json::{json, Value};
 
 use super::architecture::{ArchitectureConfig, DecoderFamily};
 use super::qwen3_5::conditional_text_config;
-use super::qwen3_next::{
-    hybrid_defaults, linear_attention, partial_rotary_dim, shared_expert_size, UNREAD_PREFIXES,
-};
+use super::qwen3_next::{hybrid_defaults, linear_attention, shared_expert_size, UNREAD_PREFIXES};
 use super::shared::{
     experts, keys_set, LinearAttentionConfig, MoeConfig, SharedKeys, SOFTCAPPING_KEYS,
 };
@@ -85,12 +83,8 @@ impl ArchitectureConfig for Qwen3_5Moe {
         None
     }
 
-    fn rotary_dim(&self, root: &Value, head_dim: usize) -> Result<Option<usize>, LoadError> {
-        partial_rotary_dim(root, head_dim).map(Some)
-    }
-
-    fn reads_partial_rotary(&self) -> bool {
-        true
+    fn partial_rotary_default(&self) -> Option<f64> {
+        Some(0.25)
     }
 
     fn linear_attention(

@@ -20,8 +20,8 @@ use serde_json::{json, Value};
 use super::architecture::{ArchitectureConfig, DecoderFamily};
 use super::qwen3_moe::sparse_layers;
 use super::shared::{
-    experts, keys_set, optional_f64, optional_usize, size, LinearAttentionConfig, MoeConfig,
-    SharedKeys, SOFTCAPPING_KEYS,
+    experts, keys_set, optional_usize, size, LinearAttentionConfig, MoeConfig, SharedKeys,
+    SOFTCAPPING_KEYS,
 };
 use crate::checkpoint::LoadError;
 
@@ -73,12 +73,8 @@ impl ArchitectureConfig for Qwen3NextForCausalLM {
         None
     }
 
-    fn rotary_dim(&self, root: &Value, head_dim: usize) -> Result<Option<usize>, LoadError> {
-        partial_rotary_dim(root, head_dim).map(Some)
-    }
-
-    fn reads_partial_rotary(&self) -> bool {
-        true
+    fn partial_rotary_default(&self) -> Option<f64> {
+        Some(0.25)
     }
 
     fn linear_attention(
@@ -138,39 +134,6 @@ pub(super) fn shared_expert_size(root: &Value) -> Result<usize, LoadError> {
         key,
         1 << 20,
     )
-}
-
-/// `int(head_dim * partial_rotary_factor)`: the factor of `rope_parameters` wins over the
-/// top-level one (transformers' `standardize_rope_params` folds the latter in only where the
-/// former is absent); 0.25 where neither is given (the classes' `setdefault`).
-pub(super) fn partial_rotary_dim(root: &Value, head_dim: usize) -> Result<usize, LoadError> {
-    let nested = root
-        .get("rope_parameters")
-        .filter(|p| p.is_object())
-        .map(|p| optional_f64(p, "partial_rotary_factor"))
-        .transpose()
-        .map_err(|_| {
-            LoadError::config(
-                "rope_parameters.partial_rotary_factor",
-                "not a positive number",
-            )
-        })?
-        .flatten();
-    let factor = match nested {
-        Some(f) => f,
-        None => optional_f64(root, "partial_rotary_factor")?.unwrap_or(0.25),
-    };
-    let dim = (head_dim as f64 * factor).floor() as usize;
-    if factor > 1.0 || dim == 0 || !dim.is_multiple_of(2) {
-        return Err(LoadError::config(
-            "partial_rotary_factor",
-            format!(
-                "{factor} of head_dim {head_dim} gives {dim} rotary dimensions (must be even, \
-                 at least 2 and at most head_dim)"
-            ),
-        ));
-    }
-    Ok(dim)
 }
 
 /// Which layers are linear attention: `layer_types` (legacy names `conv`/`mamba` → linear,

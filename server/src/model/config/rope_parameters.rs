@@ -188,3 +188,40 @@ impl Schedule<'_> {
         })
     }
 }
+
+/// `int(head_dim * partial_rotary_factor)`: the factor of `rope_parameters` wins over the
+/// top-level one (transformers' `standardize_rope_params` folds the latter in only where the
+/// former is absent); `default` where neither is given (the config class's `setdefault`).
+pub(super) fn partial_rotary_dim(
+    root: &Value,
+    head_dim: usize,
+    default: f64,
+) -> Result<usize, LoadError> {
+    let nested = root
+        .get("rope_parameters")
+        .filter(|p| p.is_object())
+        .map(|p| optional_f64(p, "partial_rotary_factor"))
+        .transpose()
+        .map_err(|_| {
+            LoadError::config(
+                "rope_parameters.partial_rotary_factor",
+                "not a positive number",
+            )
+        })?
+        .flatten();
+    let factor = match nested {
+        Some(f) => f,
+        None => optional_f64(root, "partial_rotary_factor")?.unwrap_or(default),
+    };
+    let dim = (head_dim as f64 * factor).floor() as usize;
+    if factor > 1.0 || dim == 0 || !dim.is_multiple_of(2) {
+        return Err(LoadError::config(
+            "partial_rotary_factor",
+            format!(
+                "{factor} of head_dim {head_dim} gives {dim} rotary dimensions (must be even, \
+                 at least 2 and at most head_dim)"
+            ),
+        ));
+    }
+    Ok(dim)
+}
