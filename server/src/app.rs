@@ -158,15 +158,15 @@ impl Server {
             None => MicroBatching::PerDevice,
         };
         let mut engines: Vec<Arc<dyn Engine>> = Vec::new();
-        for replica in loaded.replicas {
+        for (index, replica) in loaded.replicas.into_iter().enumerate() {
             let engine: Arc<dyn Engine> = Arc::new(ModelEngine::new(
                 replica.model.model,
                 replica.reference.map(|r| r.model),
                 micro_batching,
             )?);
             engines.push(match config.inject_fault {
-                Some(fault) => Arc::new(FaultInjecting::new(engine, fault)),
-                None => engine,
+                Some(f) if f.applies_to(index) => Arc::new(FaultInjecting::new(engine, f.fault)),
+                _ => engine,
             });
         }
         Ok(Self::start_replicas(engines, parts)?)

@@ -7,7 +7,7 @@ use std::time::Duration;
 use candle_core::DType;
 use clap::{Parser, ValueEnum};
 
-use crate::engine::fault::InjectedFault;
+use crate::engine::fault::FaultInjection;
 use crate::engine::BatchLimits;
 use crate::model::AttentionKernel;
 use crate::quant::ActivationQuantMode;
@@ -187,9 +187,10 @@ pub struct Args {
     #[arg(long, env = "EXACTSCORE_REFERENCE_LAYER_SPLIT", value_delimiter = ',')]
     pub reference_layer_split: Option<Vec<usize>>,
     /// Testing only: inject a fault into the engine (`device-lost-after:N` batches,
-    /// `out-of-memory-above:N` tokens) to drive the failure paths of the real binary.
+    /// `out-of-memory-above:N` tokens; `@R` appended: only in replica R) to drive the failure
+    /// paths of the real binary.
     #[arg(long, env = "EXACTSCORE_INJECT_FAULT", hide = true)]
-    pub inject_fault: Option<InjectedFault>,
+    pub inject_fault: Option<FaultInjection>,
     /// Print the OpenAPI document of the served router and exit (no model is loaded).
     #[arg(long)]
     pub print_openapi: bool,
@@ -328,7 +329,7 @@ pub struct Config {
     /// The model `/kld` compares against.
     pub reference: Option<ReferenceConfig>,
     /// `--inject-fault` (testing only).
-    pub inject_fault: Option<InjectedFault>,
+    pub inject_fault: Option<FaultInjection>,
 }
 
 /// `--reference-model` and where it runs: as many replicas as the served model, replica `i`

@@ -931,6 +931,61 @@ async fn a_lost_device_exits_1_within_the_drain_timeout() {
     );
 }
 
+/// A sticky device error in one of two pipelined replicas (two stages each; injected into
+/// replica 0 after its warm-up and two batches): the other replica keeps answering, every 200
+/// is bitwise equal to the first, and the process exits 1 within the drain timeout of the first
+/// `device_lost`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lost_device_in_one_pipelined_replica_stops_the_server_the_other_stays_exact() {
+    let drain = 2;
+    let mut server = Server::start(
+        &[
+            "--device",
+            "cpu,cpu,cpu,cpu",
+            "--replicas",
+            "2",
+            "--drain-timeout-secs",
+            &drain.to_string(),
+            "--inject-fault",
+            "device-lost-after:3@0",
+        ],
+        &[],
+    );
+    let addr = server.addr.clone();
+    let body = br#"{"tokens": [1992, 51, 78, 1474, 618]}"#;
+    let (mut answers, mut lost_at) = (Vec::new(), None);
+    for _ in 0..40 {
+        match http(&addr, "POST", "/score", None, body).await {
+            Outcome::Response { status: 200, body } => {
+                let v: Value = serde_json::from_slice(&body).unwrap();
+                answers.push(normalize(v));
+            }
+            Outcome::Response { status: 503, body } => {
+                let e: Value = serde_json::from_slice(&body).unwrap();
+                lost_at.get_or_insert_with(Instant::now);
+                assert!(
+                    ["device_lost", "draining", "not_ready"]
+                        .contains(&e["kind"].as_str().unwrap_or("")),
+                    "{e}"
+                );
+            }
+            Outcome::Refused | Outcome::Broken(_) => break,
+            other => panic!("{other:?}"),
+        }
+    }
+    let lost_at = lost_at.expect("replica 0 never reported its lost device");
+    println!("{} answers bitwise checked before the stop", answers.len());
+    assert!(
+        answers.len() >= 3,
+        "{} answers before the stop",
+        answers.len()
+    );
+    assert!(answers.iter().all(|a| *a == answers[0]), "{answers:#?}");
+    let (status, _) = server.wait_exit(Duration::from_secs(drain + 10));
+    assert_eq!(status.code(), Some(1), "{}", server.stderr());
+    assert!(lost_at.elapsed() < Duration::from_secs(drain + 1));
+}
+
 // ---- batch invariance under load (issue 27) -------------------------------------------------
 
 /// 1000 requests from 32 connections, most of them one to three tokens long (alone, such a

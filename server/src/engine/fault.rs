@@ -116,6 +116,40 @@ impl std::str::FromStr for InjectedFault {
     }
 }
 
+/// `--inject-fault`: a fault, in every replica or (`FAULT@R`) only in replica `R`, so that a
+/// multi-replica process test can watch the healthy replicas answer while one fails.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct FaultInjection {
+    pub fault: InjectedFault,
+    pub replica: Option<usize>,
+}
+
+impl FaultInjection {
+    pub fn applies_to(&self, replica: usize) -> bool {
+        self.replica.is_none_or(|r| r == replica)
+    }
+}
+
+impl std::str::FromStr for FaultInjection {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        let (fault, replica) = match s.split_once('@') {
+            Some((fault, r)) => {
+                let r = r
+                    .parse()
+                    .map_err(|_| format!("`{r}` is not a replica index"))?;
+                (fault, Some(r))
+            }
+            None => (s, None),
+        };
+        Ok(Self {
+            fault: fault.parse()?,
+            replica,
+        })
+    }
+}
+
 /// An engine with an [`InjectedFault`].
 pub struct FaultInjecting {
     inner: Arc<dyn Engine>,
@@ -198,6 +232,20 @@ mod tests {
 
     fn error(message: &str) -> candle_core::Error {
         candle_core::Error::Msg(message.into())
+    }
+
+    #[test]
+    fn an_injection_names_its_replica_or_applies_to_all() {
+        let all: FaultInjection = "device-lost-after:3".parse().unwrap();
+        assert_eq!(all.fault, InjectedFault::DeviceLostAfter(3));
+        assert!(all.applies_to(0) && all.applies_to(5));
+        let one: FaultInjection = "out-of-memory-above:64@1".parse().unwrap();
+        assert_eq!(one.fault, InjectedFault::OutOfMemoryAbove(64));
+        assert!(!one.applies_to(0) && one.applies_to(1));
+        let bad = "device-lost-after:3@x"
+            .parse::<FaultInjection>()
+            .unwrap_err();
+        assert!(bad.contains("`x` is not a replica index"), "{bad}");
     }
 
     #[test]
