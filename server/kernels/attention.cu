@@ -223,7 +223,9 @@ __device__ void flash_attention(const T* __restrict__ q, const T* __restrict__ k
 #define FLASH_ENTRIES(SUFFIX, T)                                                                     \
     FLASH_ENTRY(SUFFIX, T, 64, 128, 64)                                                              \
     FLASH_ENTRY(SUFFIX, T, 128, 128, 64)                                                             \
-    FLASH_ENTRY(SUFFIX, T, 128, 64, 64)
+    FLASH_ENTRY(SUFFIX, T, 128, 64, 64)                                                              \
+    FLASH_ENTRY(SUFFIX, T, 192, 64, 64)                                                              \
+    FLASH_ENTRY(SUFFIX, T, 256, 64, 64)
 
 // rope_rotate_half_{SUFFIX} (one pair per thread) and rope_rotate_half_v8_{SUFFIX}
 #define ROPE_ENTRY(SUFFIX, T)                                                                         \

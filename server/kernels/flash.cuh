@@ -33,23 +33,37 @@ template <int D, int THREADS, int ROWS, int PITCH, typename T, typename At>
 __device__ __forceinline__ void load_rows(At at, const T* src, long stride, const FlashBlock& b,
                                           int row0) {
     constexpr int CHUNKS = D / 8, STEP = THREADS / CHUNKS;
-    static_assert(THREADS % CHUNKS == 0 && STEP % 8 == 0 && ROWS % STEP == 0,
-                  "every thread copies whole rows' chunks at a fixed swizzle");
-    const int c = threadIdx.x % CHUNKS, r = threadIdx.x / CHUNKS;
-    unsigned char* d = reinterpret_cast<unsigned char*>(at(r, c));
-    const T* first = src + (long)b.start * stride + c * 8;  // a valid address where no row is
-    const T* s = first + (long)(row0 + r) * stride;
-    const long step = (long)STEP * stride;
-    const int rows_left = b.len - row0 - r;
-    if (rows_left >= ROWS) {  // every tile but a sequence's last
+    if constexpr (THREADS % CHUNKS != 0 || STEP % 8 != 0) {
+        // Head sizes whose chunks do not tile the threads in whole rows (192, 256): each copy
+        // finds its row and chunk, and `at` places it (padded rows only: no swizzle is built
+        // for these sizes).
+        static_assert(ROWS * CHUNKS % THREADS == 0, "every thread copies as many chunks");
+        const T* first = src + (long)b.start * stride;
 #pragma unroll
-        for (int j = 0; j < ROWS / STEP; ++j, s += step) cp_async16(d + j * STEP * PITCH, s, true);
+        for (int j = 0; j < ROWS * CHUNKS / THREADS; ++j) {
+            const int i = threadIdx.x + j * THREADS, r = i / CHUNKS, c = i % CHUNKS;
+            const bool valid = row0 + r < b.len;
+            cp_async16(at(r, c), valid ? first + (long)(row0 + r) * stride + c * 8 : first, valid);
+        }
         return;
-    }
+    } else {
+        static_assert(ROWS % STEP == 0, "every thread copies whole rows' chunks at a fixed swizzle");
+        const int c = threadIdx.x % CHUNKS, r = threadIdx.x / CHUNKS;
+        unsigned char* d = reinterpret_cast<unsigned char*>(at(r, c));
+        const T* first = src + (long)b.start * stride + c * 8;  // a valid address where no row is
+        const T* s = first + (long)(row0 + r) * stride;
+        const long step = (long)STEP * stride;
+        const int rows_left = b.len - row0 - r;
+        if (rows_left >= ROWS) {  // every tile but a sequence's last
 #pragma unroll
-    for (int j = 0; j < ROWS / STEP; ++j, s += step) {
-        const bool valid = j * STEP < rows_left;
-        cp_async16(d + j * STEP * PITCH, valid ? s : first, valid);
+            for (int j = 0; j < ROWS / STEP; ++j, s += step) cp_async16(d + j * STEP * PITCH, s, true);
+            return;
+        }
+#pragma unroll
+        for (int j = 0; j < ROWS / STEP; ++j, s += step) {
+            const bool valid = j * STEP < rows_left;
+            cp_async16(d + j * STEP * PITCH, valid ? s : first, valid);
+        }
     }
 }
 

@@ -145,7 +145,7 @@ pub fn flash_attention(
 
 /// Whether [`flash_attention`] has a kernel for this head size and compute dtype.
 pub fn flash_attention_supported(head_dim: usize, dtype: DType) -> bool {
-    matches!(head_dim, 64 | 128) && matches!(dtype, DType::BF16 | DType::F16)
+    !FlashTiling::compiled(head_dim).is_empty() && matches!(dtype, DType::BF16 | DType::F16)
 }
 
 /// The tensor-core instructions of a flash kernel.
@@ -193,15 +193,30 @@ impl FlashTiling {
                 ..FlashTiling::DEFAULT
             },
         ];
+        // Head sizes of 192 (MLA's nope + rope keys) and 256 (Qwen3.5, Gemma): one MMA row
+        // tile per warp, as two would hold 2 x 256 / 2 accumulators per thread at 256.
+        const WIDE: &[FlashTiling] = &[FlashTiling {
+            rows: 64,
+            ..FlashTiling::DEFAULT
+        }];
         match head_dim {
             64 => &[FlashTiling::DEFAULT],
             128 => D128,
+            192 | 256 => WIDE,
             _ => &[],
         }
     }
 
+    /// The mma.sync tiling the model runs for `head_dim` (the first compiled).
+    pub fn sync_for(head_dim: usize) -> Self {
+        Self::compiled(head_dim)
+            .first()
+            .copied()
+            .unwrap_or(Self::DEFAULT)
+    }
+
     /// What the model runs for `head_dim` on `device`: the wgmma kernel where it is compiled
-    /// and runs, else [`Self::DEFAULT`]. Both give the same bits (`exactscore-bench check`).
+    /// and runs, else [`Self::sync_for`]. Both give the same bits (`exactscore-bench check`).
     pub fn for_device(head_dim: usize, device: &Device) -> Result<Self> {
         let wgmma = Self {
             mma: FlashMma::Wgmma,
@@ -211,7 +226,7 @@ impl FlashTiling {
             if Self::compiled(head_dim).contains(&wgmma) && wgmma.runs_on(device)? {
                 wgmma
             } else {
-                Self::DEFAULT
+                Self::sync_for(head_dim)
             },
         )
     }
@@ -240,12 +255,12 @@ pub struct FlashOptions {
 }
 
 impl FlashOptions {
-    /// Scale `1 / sqrt(head_dim)`, no window, the default tiling.
+    /// Scale `1 / sqrt(head_dim)`, no window, the head size's mma.sync tiling.
     pub fn plain(head_dim: usize) -> Self {
         Self {
             scale: 1.0 / (head_dim as f32).sqrt(),
             window: None,
-            tiling: FlashTiling::DEFAULT,
+            tiling: FlashTiling::sync_for(head_dim),
         }
     }
 }

@@ -61,7 +61,7 @@ pub fn run(device: &Device) -> Result<()> {
     let starts_t = Tensor::new(starts.as_slice(), device)?;
     let mut failures = 0;
     for dtype in [DType::BF16, DType::F16] {
-        for dim in [64usize, 128] {
+        for dim in [64usize, 128, 192, 256] {
             for window in [None, Some(256usize)] {
                 let (hq, hkv) = (8, 2);
                 // Peaked softmax (scores of a few units) like a trained model's.
@@ -77,7 +77,7 @@ pub fn run(device: &Device) -> Result<()> {
                     let opts = FlashOptions { tiling, ..plain };
                     flash_attention(&q, &k, &v, &starts_t, 2048, &opts)
                 };
-                let default = run(FlashTiling::DEFAULT)?;
+                let default = run(FlashTiling::sync_for(dim))?;
                 for &tiling in FlashTiling::compiled(dim) {
                     if !tiling.runs_on(device)? {
                         continue;
