@@ -1,6 +1,8 @@
 // The linear-attention family (ops/linear_attention.rs, cuda/linear_attention.rs): the two
-// sequence ops of a Gated DeltaNet layer in f32, one sequence per launch, so that a sequence's
-// result cannot depend on what shares its batch.
+// sequence ops of a Gated DeltaNet layer in f32, over a batch of sequences whose token ranges
+// are starts[i] .. starts[i + 1]. A sequence's arithmetic does not depend on what shares its
+// batch (each output reads its own sequence's tokens only, in the same order), so a result is
+// bitwise the same alone and batched.
 
 #define WARP 32
 #define DELTA_WARPS 4
@@ -8,18 +10,26 @@
 // ---- causal depthwise conv1d: one thread per (token, channel) ------------------------------
 
 // out[t][c] = act(sum_j w[c][j] * x[t - kernel + 1 + j][c] (+ bias[c] when has_bias)), tokens
-// before the first read as zero. The products and sums are rounded one by one in tap order (no fused multiply-add), as
-// the CPU reference computes them, so that the two give the same bits before the activation.
+// before the first of t's sequence read as zero. The products and sums are rounded one by one
+// in tap order (no fused multiply-add), as the CPU reference computes them, so that the two
+// give the same bits before the activation.
 extern "C" __global__ void causal_conv1d_f32(const float* x, const float* weight,
                                              const float* bias, int has_bias, float* out,
-                                             int tokens, int channels, int kernel, int silu) {
+                                             int tokens, int channels, int kernel, int silu,
+                                             const int* starts, int sequences) {
     const long i = (long)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= (long)tokens * channels) return;
     const int t = (int)(i / channels), c = (int)(i % channels);
+    int lo = 0, hi = sequences;  // the sequence of t: starts[lo] <= t < starts[lo + 1]
+    while (hi - lo > 1) {
+        const int mid = (lo + hi) / 2;
+        if (starts[mid] <= t) lo = mid; else hi = mid;
+    }
+    const int first = starts[lo];
     float acc = 0.0f;
     for (int j = 0; j < kernel; ++j) {
         const int src = t + j - (kernel - 1);
-        if (src >= 0) acc = __fadd_rn(acc, __fmul_rn(weight[c * kernel + j], x[(long)src * channels + c]));
+        if (src >= first) acc = __fadd_rn(acc, __fmul_rn(weight[c * kernel + j], x[(long)src * channels + c]));
     }
     if (has_bias) acc = __fadd_rn(acc, bias[c]);
     out[i] = silu ? acc / (1.0f + expf(-acc)) : acc;
@@ -60,7 +70,8 @@ extern "C" __global__ void delta_rule_prepare_f32(const float* x, float* out, in
 // tokens' q, k, g, beta and values in shared memory, so that each is read from global memory
 // once per block rather than once per warp. q and k come prepared (l2-normalised, q scaled by
 // 1/sqrt(k_dim)); value head h reads key head h / (v_heads / k_heads).
-// Grid (v_dim / (DELTA_WARPS * COLS_PER_WARP), v_heads), DELTA_WARPS warps a block.
+// Grid (v_dim / (DELTA_WARPS * COLS_PER_WARP), v_heads, sequences), DELTA_WARPS warps a block:
+// the sequences of a batch run side by side (one alone fills a fraction of the GPU).
 #define COLS_PER_WARP 4
 #define BLOCK_COLS (DELTA_WARPS * COLS_PER_WARP)
 // Tokens staged at once: 32 KiB of q and k whatever the key dimension (rows of K_DIM
@@ -70,9 +81,17 @@ extern "C" __global__ void delta_rule_prepare_f32(const float* x, float* out, in
 
 template <int KEY_PER_LANE>
 __device__ void gated_delta_rule(const float* q, const float* k, const float* v, const float* g,
-                                 const float* beta, float* out, int tokens, int k_heads,
+                                 const float* beta, float* out, const int* starts, int k_heads,
                                  int v_heads, int v_dim) {
     constexpr int K_DIM = KEY_PER_LANE * WARP;
+    // this block's sequence: every pointer moved to its first token
+    const int start = starts[blockIdx.z], tokens = starts[blockIdx.z + 1] - start;
+    q += (long)start * k_heads * K_DIM;
+    k += (long)start * k_heads * K_DIM;
+    v += (long)start * v_heads * v_dim;
+    out += (long)start * v_heads * v_dim;
+    g += (long)start * v_heads;
+    beta += (long)start * v_heads;
     constexpr int TILE = STAGED_KEYS / K_DIM;
     __shared__ __align__(16) float qs[TILE][K_DIM];
     __shared__ __align__(16) float ks[TILE][K_DIM];
@@ -179,8 +198,8 @@ __device__ void gated_delta_rule(const float* q, const float* k, const float* v,
 #define GATED_DELTA_RULE(K_DIM)                                                                \
     extern "C" __global__ void gated_delta_rule_k##K_DIM##_f32(                                \
         const float* q, const float* k, const float* v, const float* g, const float* beta,     \
-        float* out, int tokens, int k_heads, int v_heads, int v_dim) {                         \
-        gated_delta_rule<K_DIM / WARP>(q, k, v, g, beta, out, tokens, k_heads, v_heads, v_dim); \
+        float* out, const int* starts, int k_heads, int v_heads, int v_dim) {                  \
+        gated_delta_rule<K_DIM / WARP>(q, k, v, g, beta, out, starts, k_heads, v_heads, v_dim); \
     }
 GATED_DELTA_RULE(32)
 GATED_DELTA_RULE(64)

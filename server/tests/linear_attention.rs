@@ -72,6 +72,7 @@ fn conv1d_matches_transformers() {
             &t[&format!("{name}.w")],
             None,
             act,
+            &[x.len() / channels],
         )
         .unwrap()
         .flatten_all()
@@ -154,6 +155,7 @@ fn chunked_delta_rule_matches_transformers() {
             &key("g"),
             &key("beta"),
             c.l2,
+            &[key("q").dims()[0]],
         )
         .unwrap()
         .flatten_all()

@@ -1,5 +1,5 @@
 //! Launches of kernels/linear_attention.cu: the causal conv1d and the gated delta rule of Gated
-//! DeltaNet layers, in f32, one sequence per call.
+//! DeltaNet layers, in f32, over a batch of sequences (`lens`, concatenated) in one launch.
 // Kernel launches are FFI: the argument lists below must match the kernel signatures.
 
 use candle_core::cuda_backend::cudarc::driver::{LaunchConfig, PushKernelArg};
@@ -14,6 +14,17 @@ use super::{grid_1d, with_slice, wrap, THREADS};
 const DELTA_WARPS: usize = 4;
 const BLOCK_COLS: usize = 16;
 
+/// The sequences' token ranges `starts[i] .. starts[i + 1]` (i32) on the device of `like`.
+fn starts(lens: &[usize], like: &Tensor) -> Result<Tensor> {
+    let starts: Vec<i32> = std::iter::once(0)
+        .chain(lens.iter().scan(0i32, |end, &len| {
+            *end += len as i32;
+            Some(*end)
+        }))
+        .collect();
+    Tensor::new(starts.as_slice(), like.device())
+}
+
 fn f32_contiguous(name: &str, t: &Tensor) -> Result<Tensor> {
     if t.dtype() != DType::F32 {
         bail!("linear attention: {name} must be f32, got {:?}", t.dtype());
@@ -23,12 +34,13 @@ fn f32_contiguous(name: &str, t: &Tensor) -> Result<Tensor> {
 
 /// The depthwise causal conv1d of `x` `[tokens, channels]` with `weight` `[channels, kernel]`
 /// (or `[channels, 1, kernel]`) and an optional `bias` `[channels]`, followed by SiLU when
-/// `silu`.
+/// `silu`; each of the sequences of lengths `lens` from its own zero history.
 pub fn causal_conv1d(
     x: &Tensor,
     weight: &Tensor,
     bias: Option<&Tensor>,
     silu: bool,
+    lens: &[usize],
 ) -> Result<Tensor> {
     let (x, weight) = (f32_contiguous("x", x)?, f32_contiguous("weight", weight)?);
     // shapes checked by ops::causal_conv1d_tensor
@@ -40,25 +52,29 @@ pub fn causal_conv1d(
         Some(b) => f32_contiguous("bias", b)?,
         None => weight.clone(),
     };
+    let starts = starts(lens, &x)?;
     with_slice::<f32, _>(&x, |xs, xo, dev| {
         with_slice::<f32, _>(&weight, |ws, wo, _| {
             with_slice::<f32, _>(&bias, |bs, bo, _| {
-                let func = kernel(dev, &LINEAR_ATTENTION, "causal_conv1d_f32")?;
-                let n = tokens * channels;
-                // SAFETY: the kernel writes every element.
-                let out = unsafe { dev.alloc::<f32>(n) }?;
-                let (xs, ws, bs) = (xs.slice(xo..), ws.slice(wo..), bs.slice(bo..));
-                let dims = [tokens, channels, kernel_size].map(|d| d as i32);
-                let mut b = func.builder();
-                b.arg(&xs).arg(&ws).arg(&bs).arg(&has_bias).arg(&out);
-                for d in &dims {
-                    b.arg(d);
-                }
-                let act = i32::from(silu);
-                b.arg(&act);
-                // SAFETY: arguments match `causal_conv1d_f32` (one thread per output element).
-                unsafe { b.launch(grid_1d(n)) }.w()?;
-                Ok(wrap(out, dev, (tokens, channels)))
+                with_slice::<i32, _>(&starts, |ss, so, _| {
+                    let func = kernel(dev, &LINEAR_ATTENTION, "causal_conv1d_f32")?;
+                    let n = tokens * channels;
+                    // SAFETY: the kernel writes every element.
+                    let out = unsafe { dev.alloc::<f32>(n) }?;
+                    let (xs, ws, bs) = (xs.slice(xo..), ws.slice(wo..), bs.slice(bo..));
+                    let dims = [tokens, channels, kernel_size].map(|d| d as i32);
+                    let mut b = func.builder();
+                    b.arg(&xs).arg(&ws).arg(&bs).arg(&has_bias).arg(&out);
+                    for d in &dims {
+                        b.arg(d);
+                    }
+                    let act = i32::from(silu);
+                    let (ss, sequences) = (ss.slice(so..), lens.len() as i32);
+                    b.arg(&act).arg(&ss).arg(&sequences);
+                    // SAFETY: arguments match `causal_conv1d_f32` (one thread per output element).
+                    unsafe { b.launch(grid_1d(n)) }.w()?;
+                    Ok(wrap(out, dev, (tokens, channels)))
+                })
             })
         })
     })
@@ -94,7 +110,8 @@ fn prepare(x: &Tensor, l2: bool, scale: f32) -> Result<Tensor> {
     })
 }
 
-/// The gated delta rule of one sequence from a zero state: q, k `[tokens, k_heads, k_dim]`, v
+/// The gated delta rule of the sequences of lengths `lens` (concatenated), each from a zero
+/// state, side by side in one launch: q, k `[tokens, k_heads, k_dim]`, v
 /// `[tokens, v_heads, v_dim]`, g, beta `[tokens, v_heads]`, all f32; q and k l2-normalised
 /// first when `l2`. Returns `[tokens, v_heads, v_dim]` in f32, computed token by token (the
 /// recurrence the CPU's chunked form regroups).
@@ -105,6 +122,7 @@ pub fn gated_delta_rule(
     g: &Tensor,
     beta: &Tensor,
     l2: bool,
+    lens: &[usize],
 ) -> Result<Tensor> {
     let (q, k, v) = (
         f32_contiguous("q", q)?,
@@ -121,34 +139,48 @@ pub fn gated_delta_rule(
     // torch multiplies by the python float k_dim ** -0.5, rounded to f32
     let scale = (k_dim as f64).powf(-0.5) as f32;
     let (q, k) = (prepare(&q, l2, scale)?, prepare(&k, l2, 1.0)?);
-    with_slice::<f32, _>(&q, |qs, qo, dev| {
-        with_slice::<f32, _>(&k, |ks, ko, _| {
-            with_slice::<f32, _>(&v, |vs, vo, _| {
-                with_slice::<f32, _>(&g, |gs, go, _| {
-                    with_slice::<f32, _>(&beta, |bs, bo, _| {
-                        let name = format!("gated_delta_rule_k{k_dim}_f32");
-                        let func = kernel(dev, &LINEAR_ATTENTION, &name)?;
-                        let n = tokens * v_heads * v_dim;
-                        // SAFETY: the kernel writes every element (each block its columns of
-                        // every token).
-                        let out = unsafe { dev.alloc::<f32>(n) }?;
-                        let (qs, ks, vs) = (qs.slice(qo..), ks.slice(ko..), vs.slice(vo..));
-                        let (gs, bs) = (gs.slice(go..), bs.slice(bo..));
-                        let dims = [tokens, k_heads, v_heads, v_dim].map(|d| d as i32);
-                        let mut b = func.builder();
-                        b.arg(&qs).arg(&ks).arg(&vs).arg(&gs).arg(&bs).arg(&out);
-                        for d in &dims {
-                            b.arg(d);
-                        }
-                        let config = LaunchConfig {
-                            grid_dim: (v_dim.div_ceil(BLOCK_COLS) as u32, v_heads as u32, 1),
-                            block_dim: (32 * DELTA_WARPS as u32, 1, 1),
-                            shared_mem_bytes: 0,
-                        };
-                        // SAFETY: arguments match `gated_delta_rule_k*_f32`; shapes checked
-                        // by the caller (ops::linear_attention), k_dim above.
-                        unsafe { b.launch(config) }.w()?;
-                        Ok(wrap(out, dev, (tokens, v_heads, v_dim)))
+    let starts = starts(lens, &q)?;
+    with_slice::<i32, _>(&starts, |ss, so, _| {
+        with_slice::<f32, _>(&q, |qs, qo, dev| {
+            with_slice::<f32, _>(&k, |ks, ko, _| {
+                with_slice::<f32, _>(&v, |vs, vo, _| {
+                    with_slice::<f32, _>(&g, |gs, go, _| {
+                        with_slice::<f32, _>(&beta, |bs, bo, _| {
+                            let name = format!("gated_delta_rule_k{k_dim}_f32");
+                            let func = kernel(dev, &LINEAR_ATTENTION, &name)?;
+                            let n = tokens * v_heads * v_dim;
+                            // SAFETY: the kernel writes every element (each block its columns of
+                            // every token).
+                            let out = unsafe { dev.alloc::<f32>(n) }?;
+                            let (qs, ks, vs) = (qs.slice(qo..), ks.slice(ko..), vs.slice(vo..));
+                            let (gs, bs) = (gs.slice(go..), bs.slice(bo..));
+                            let ss = ss.slice(so..);
+                            let dims = [k_heads, v_heads, v_dim].map(|d| d as i32);
+                            let mut b = func.builder();
+                            b.arg(&qs)
+                                .arg(&ks)
+                                .arg(&vs)
+                                .arg(&gs)
+                                .arg(&bs)
+                                .arg(&out)
+                                .arg(&ss);
+                            for d in &dims {
+                                b.arg(d);
+                            }
+                            let config = LaunchConfig {
+                                grid_dim: (
+                                    v_dim.div_ceil(BLOCK_COLS) as u32,
+                                    v_heads as u32,
+                                    lens.len() as u32,
+                                ),
+                                block_dim: (32 * DELTA_WARPS as u32, 1, 1),
+                                shared_mem_bytes: 0,
+                            };
+                            // SAFETY: arguments match `gated_delta_rule_k*_f32`; shapes checked
+                            // by the caller (ops::linear_attention), k_dim above.
+                            unsafe { b.launch(config) }.w()?;
+                            Ok(wrap(out, dev, (tokens, v_heads, v_dim)))
+                        })
                     })
                 })
             })

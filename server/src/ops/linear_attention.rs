@@ -17,10 +17,11 @@
 //! PyTorch's CPU kernel does); matrix products are summed in index order, so results agree with
 //! torch to a few f32 ulps of the accumulated magnitudes, not bit for bit.
 //!
-//! The tensor entry points the model calls, one sequence per call and f32 in and out:
-//! [`causal_conv1d_tensor`], [`gated_delta_rule`] (the chunked form, as transformers' torch
-//! fallback runs it when scoring) and [`gated_delta_decay`]. On the CPU they run the references
-//! below; on a CUDA device the first two return an error until their kernels exist.
+//! The tensor entry points the model calls, f32 in and out, on a batch of sequences
+//! concatenated (each from a zero state): [`causal_conv1d_tensor`], [`gated_delta_rule`] (the
+//! chunked form, as transformers' torch fallback runs it when scoring) and
+//! [`gated_delta_decay`]. On the CPU they run the references below one sequence at a time; on
+//! a GPU the first two run every sequence of the batch in one launch.
 //!
 //! Layouts are row-major, token first: q and k `[tokens, k_heads, k_dim]`, v
 //! `[tokens, v_heads, v_dim]`, g and beta `[tokens, v_heads]`, the output
@@ -31,7 +32,13 @@ use candle_core::{bail, DType, Device, Result, Tensor};
 use rayon::prelude::*;
 
 super::gpu_entry_points!(linear_attention {
-    fn causal_conv1d(x: &Tensor, weight: &Tensor, bias: Option<&Tensor>, silu: bool) -> Result<Tensor>;
+    fn causal_conv1d(
+        x: &Tensor,
+        weight: &Tensor,
+        bias: Option<&Tensor>,
+        silu: bool,
+        lens: &[usize],
+    ) -> Result<Tensor>;
     fn gated_delta_rule(
         q: &Tensor,
         k: &Tensor,
@@ -39,6 +46,7 @@ super::gpu_entry_points!(linear_attention {
         g: &Tensor,
         beta: &Tensor,
         l2: bool,
+        lens: &[usize],
     ) -> Result<Tensor>;
 });
 
@@ -401,7 +409,8 @@ pub fn linear_attention_available(device: &Device, k_dim: usize) -> bool {
     !device.is_cuda() || GPU_DELTA_RULE_KEY_DIMS.contains(&k_dim)
 }
 
-/// The causal depthwise conv1d of one sequence ([`causal_conv1d`]), on tensors:
+/// The causal depthwise conv1d ([`causal_conv1d`]) of the sequences of lengths `lens`,
+/// concatenated, each from a zero history, on tensors:
 ///
 /// * `x` `[tokens, channels]` f32 (row-major: token `t`, channel `c` at `t * channels + c`);
 /// * `weight` `[channels, kernel]` f32, or `[channels, 1, kernel]` (the stored
@@ -418,8 +427,10 @@ pub fn causal_conv1d_tensor(
     weight: &Tensor,
     bias: Option<&Tensor>,
     act: ConvActivation,
+    lens: &[usize],
 ) -> Result<Tensor> {
     let (tokens, channels) = x.dims2()?;
+    check_lens(lens, tokens)?;
     let kernel = *weight.dims().last().unwrap_or(&0);
     if weight.elem_count() != channels * kernel || weight.dims()[0] != channels || kernel == 0 {
         bail!(
@@ -436,24 +447,51 @@ pub fn causal_conv1d_tensor(
         let f32 = |t: &Tensor| t.to_dtype(DType::F32);
         let bias = bias.map(f32).transpose()?;
         let silu = act == ConvActivation::Silu;
-        return gpu::causal_conv1d(&f32(x)?, &f32(weight)?, bias.as_ref(), silu);
+        return gpu::causal_conv1d(&f32(x)?, &f32(weight)?, bias.as_ref(), silu, lens);
     }
-    let bias = bias.map(f32_data).transpose()?;
-    let out = causal_conv1d(
-        &f32_data(x)?,
-        channels,
-        &f32_data(weight)?,
-        kernel,
-        bias.as_deref(),
-        act,
-    );
-    Tensor::from_vec(out, (tokens, channels), x.device())
+    let (bias, weight) = (bias.map(f32_data).transpose()?, f32_data(weight)?);
+    per_sequence(x, lens, |x| {
+        let out = causal_conv1d(
+            &f32_data(x)?,
+            channels,
+            &weight,
+            kernel,
+            bias.as_deref(),
+            act,
+        );
+        Tensor::from_vec(out, x.dims2()?, x.device())
+    })
+}
+
+/// `lens` cover `tokens` exactly.
+fn check_lens(lens: &[usize], tokens: usize) -> Result<()> {
+    if lens.iter().sum::<usize>() != tokens {
+        bail!("sequence lengths {lens:?} do not add up to {tokens} tokens");
+    }
+    Ok(())
+}
+
+/// `f` on each sequence's rows of `x` (lengths `lens`), concatenated: the CPU references take
+/// one sequence at a time.
+fn per_sequence(
+    x: &Tensor,
+    lens: &[usize],
+    f: impl Fn(&Tensor) -> Result<Tensor>,
+) -> Result<Tensor> {
+    let mut outputs = Vec::with_capacity(lens.len());
+    let mut offset = 0;
+    for &len in lens {
+        outputs.push(f(&x.narrow(0, offset, len)?)?);
+        offset += len;
+    }
+    Tensor::cat(&outputs, 0)
 }
 
 /// The chunk size of the gated delta rule (transformers' `chunk_size=64`).
 pub const DELTA_RULE_CHUNK: usize = 64;
 
-/// The gated delta rule of one sequence, with a zero initial state, on tensors, as
+/// The gated delta rule of the sequences of lengths `lens` (concatenated), each with a zero
+/// initial state, on tensors, as
 /// transformers' `torch_chunk_gated_delta_rule` (chunks of [`DELTA_RULE_CHUNK`] tokens)
 /// computes it ([`chunk_gated_delta_rule`]). All f32, row-major, token first:
 ///
@@ -468,8 +506,8 @@ pub const DELTA_RULE_CHUNK: usize = 64;
 /// Returns the output `[tokens, v_heads, v_dim]` f32 on `q`'s device. On the CPU this is the
 /// reference above; a GPU computes it token by token (transformers' recurrent form: the same
 /// recurrence regrouped, equal up to f32 rounding), for the key dimensions in
-/// [`GPU_DELTA_RULE_KEY_DIMS`]. One sequence per call, so nothing else in a batch can move
-/// its bits.
+/// [`GPU_DELTA_RULE_KEY_DIMS`], every sequence side by side in one launch; a sequence reads
+/// only its own tokens, so nothing else in a batch can move its bits.
 pub fn gated_delta_rule(
     q: &Tensor,
     k: &Tensor,
@@ -477,8 +515,10 @@ pub fn gated_delta_rule(
     g: &Tensor,
     beta: &Tensor,
     use_qk_l2norm: bool,
+    lens: &[usize],
 ) -> Result<Tensor> {
     let (tokens, k_heads, k_dim) = q.dims3()?;
+    check_lens(lens, tokens)?;
     let (vt, v_heads, v_dim) = v.dims3()?;
     if k.dims() != q.dims()
         || vt != tokens
@@ -500,33 +540,38 @@ pub fn gated_delta_rule(
     if q.device().is_cuda() {
         let f32 = |t: &Tensor| t.to_dtype(DType::F32);
         let (q, k, v, g, beta) = (f32(q)?, f32(k)?, f32(v)?, f32(g)?, f32(beta)?);
-        return gpu::gated_delta_rule(&q, &k, &v, &g, &beta, use_qk_l2norm);
+        return gpu::gated_delta_rule(&q, &k, &v, &g, &beta, use_qk_l2norm, lens);
     }
-    let dims = DeltaRuleDims {
-        tokens,
-        k_heads,
-        v_heads,
-        k_dim,
-        v_dim,
-    };
-    let (qd, kd, vd, gd, bd) = (
-        f32_data(q)?,
-        f32_data(k)?,
-        f32_data(v)?,
-        f32_data(g)?,
-        f32_data(beta)?,
-    );
-    let inputs = DeltaRuleInputs {
-        dims,
-        q: &qd,
-        k: &kd,
-        v: &vd,
-        g: &gd,
-        beta: &bd,
-        l2norm: use_qk_l2norm,
-    };
-    let res = chunk_gated_delta_rule(&inputs, DELTA_RULE_CHUNK);
-    Tensor::from_vec(res.out, (tokens, v_heads, v_dim), q.device())
+    // One sequence at a time, from its rows of every input.
+    let mut outputs = Vec::with_capacity(lens.len());
+    let mut offset = 0;
+    for &len in lens {
+        let rows = |t: &Tensor| f32_data(&t.narrow(0, offset, len)?);
+        let (qd, kd, vd, gd, bd) = (rows(q)?, rows(k)?, rows(v)?, rows(g)?, rows(beta)?);
+        let inputs = DeltaRuleInputs {
+            dims: DeltaRuleDims {
+                tokens: len,
+                k_heads,
+                v_heads,
+                k_dim,
+                v_dim,
+            },
+            q: &qd,
+            k: &kd,
+            v: &vd,
+            g: &gd,
+            beta: &bd,
+            l2norm: use_qk_l2norm,
+        };
+        let res = chunk_gated_delta_rule(&inputs, DELTA_RULE_CHUNK);
+        outputs.push(Tensor::from_vec(
+            res.out,
+            (len, v_heads, v_dim),
+            q.device(),
+        )?);
+        offset += len;
+    }
+    Tensor::cat(&outputs, 0)
 }
 
 /// torch's `F.softplus(x)` (beta 1, threshold 20) in f32: `x` above 20, else `log1p(exp(x))`.

@@ -791,8 +791,10 @@ fn gemm_f32_check(device: &Device) -> Result<bool> {
 
 /// The linear-attention ops on the device against the CPU reference: the causal conv1d, and
 /// the gated delta rule (token by token on the GPU, chunked on the CPU) at lengths that do and
-/// do not fill the 64-token chunks, with grouped key heads; within 2e-5 relative. Also the time
-/// of one Qwen3.5-35B-A3B layer's delta rule over 2048 tokens.
+/// do not fill the 64-token chunks, with grouped key heads, on batches of two sequences (the
+/// GPU runs them in one launch, the CPU one after the other); within 2e-5 relative. Each
+/// sequence of a batch bitwise equal to it alone on the GPU. Also the time of one
+/// Qwen3.5-35B-A3B layer's delta rule over 2048 tokens, alone and 8 sequences in one launch.
 #[cfg(feature = "cuda")]
 fn linear_attention_check(device: &Device) -> Result<bool> {
     use exactscore_server::ops::linear_attention::{
@@ -812,7 +814,13 @@ fn linear_attention_check(device: &Device) -> Result<bool> {
         let beta = Tensor::rand(0f32, 1.0, (tokens, v_heads), &Device::Cpu)?;
         Ok(vec![q, k, v, g, beta])
     };
-    let mut worst_delta = 0f32;
+    let to_device = |x: &[Tensor]| -> Result<Vec<Tensor>> {
+        Ok(x.iter()
+            .map(|t| t.to_device(device))
+            .collect::<candle_core::Result<_>>()?)
+    };
+    let host = |t: &Tensor| -> Result<Vec<f32>> { Ok(t.flatten_all()?.to_vec1::<f32>()?) };
+    let (mut worst_delta, mut isolated) = (0f32, true);
     for (tokens, k_heads, v_heads, k_dim, v_dim) in [
         (1, 1, 1, 32, 8),
         (200, 2, 4, 128, 64),
@@ -820,13 +828,27 @@ fn linear_attention_check(device: &Device) -> Result<bool> {
         (130, 1, 2, 256, 32),
     ] {
         let x = inputs(tokens, k_heads, v_heads, k_dim, v_dim)?;
-        let cpu = gated_delta_rule(&x[0], &x[1], &x[2], &x[3], &x[4], true)?;
-        let on = x
-            .iter()
-            .map(|t| t.to_device(device))
-            .collect::<candle_core::Result<Vec<_>>>()?;
-        let gpu = gated_delta_rule(&on[0], &on[1], &on[2], &on[3], &on[4], true)?;
+        let lens = [tokens / 3, tokens - tokens / 3];
+        let lens: Vec<usize> = lens.into_iter().filter(|&l| l > 0).collect();
+        let cpu = gated_delta_rule(&x[0], &x[1], &x[2], &x[3], &x[4], true, &lens)?;
+        let on = to_device(&x)?;
+        let gpu = gated_delta_rule(&on[0], &on[1], &on[2], &on[3], &on[4], true, &lens)?;
         worst_delta = worst_delta.max(rel(&gpu, &cpu)?);
+        let last = lens[lens.len() - 1];
+        let tail: Vec<Tensor> = on
+            .iter()
+            .map(|t| t.narrow(0, tokens - last, last))
+            .collect::<candle_core::Result<_>>()?;
+        let alone = gated_delta_rule(
+            &tail[0],
+            &tail[1],
+            &tail[2],
+            &tail[3],
+            &tail[4],
+            true,
+            &[last],
+        )?;
+        isolated &= host(&alone)? == host(&gpu.narrow(0, tokens - last, last)?)?;
     }
     let x = Tensor::randn(0f32, 1.0, (300, 96), &Device::Cpu)?;
     let w = Tensor::randn(0f32, 0.5, (96, 1, 4), &Device::Cpu)?;
@@ -836,34 +858,43 @@ fn linear_attention_check(device: &Device) -> Result<bool> {
         (None, ConvActivation::Silu),
         (Some(&bias), ConvActivation::Identity),
     ] {
-        let cpu = causal_conv1d_tensor(&x, &w, bias, act)?;
+        let lens = [100, 1, 199];
+        let cpu = causal_conv1d_tensor(&x, &w, bias, act, &lens)?;
         let on_device = bias.map(|b| b.to_device(device)).transpose()?;
-        let gpu = causal_conv1d_tensor(
-            &x.to_device(device)?,
-            &w.to_device(device)?,
+        let (xd, wd) = (x.to_device(device)?, w.to_device(device)?);
+        let gpu = causal_conv1d_tensor(&xd, &wd, on_device.as_ref(), act, &lens)?;
+        conv = conv.max(rel(&gpu, &cpu)?);
+        let alone = causal_conv1d_tensor(
+            &xd.narrow(0, 101, 199)?,
+            &wd,
             on_device.as_ref(),
             act,
+            &[199],
         )?;
-        conv = conv.max(rel(&gpu, &cpu)?);
+        isolated &= host(&alone)? == host(&gpu.narrow(0, 101, 199)?)?;
     }
-    let x = inputs(2048, 16, 32, 128, 128)?;
-    let on = x
-        .iter()
-        .map(|t| t.to_device(device))
-        .collect::<candle_core::Result<Vec<_>>>()?;
-    gated_delta_rule(&on[0], &on[1], &on[2], &on[3], &on[4], true)?;
-    device.synchronize()?;
-    let start = Instant::now();
-    for _ in 0..10 {
-        gated_delta_rule(&on[0], &on[1], &on[2], &on[3], &on[4], true)?;
+    let mut ms = Vec::new();
+    for sequences in [1, 8] {
+        let on = to_device(&inputs(sequences * 2048, 16, 32, 128, 128)?)?;
+        let lens = vec![2048; sequences];
+        let run = || gated_delta_rule(&on[0], &on[1], &on[2], &on[3], &on[4], true, &lens);
+        run()?;
+        device.synchronize()?;
+        let start = Instant::now();
+        for _ in 0..10 {
+            run()?;
+        }
+        device.synchronize()?;
+        ms.push(start.elapsed().as_secs_f64() / 10.0 * 1e3 / sequences as f64);
     }
-    device.synchronize()?;
-    let ms = start.elapsed().as_secs_f64() / 10.0 * 1e3;
-    let ok = worst_delta <= 2e-5 && conv <= 1e-6;
+    let ok = worst_delta <= 2e-5 && conv <= 1e-6 && isolated;
     println!(
         "| linear attention on device vs CPU: gated delta rule max rel {worst_delta:.1e} \
-         (<= 2e-5), conv1d max rel {conv:.1e} (<= 1e-6); delta rule [2048 tokens, 16/32 heads, \
-         128/128] {ms:.2} ms | {} |",
+         (<= 2e-5), conv1d max rel {conv:.1e} (<= 1e-6), a sequence batched = alone bitwise \
+         {isolated}; delta rule [2048 tokens, 16/32 heads, 128/128] {:.2} ms alone, {:.2} ms \
+         per sequence 8 in one launch | {} |",
+        ms[0],
+        ms[1],
         if ok { "ok" } else { "FAIL" }
     );
     Ok(ok)

@@ -1,9 +1,9 @@
 //! The Gated DeltaNet layer of Qwen3-Next and Qwen3.5 (`linear_attn`), as transformers 5.17
-//! computes it (docs/architectures/qwen3_5.md §4): projections on the whole batch, then per
-//! sequence the causal conv1d, the decay and write gates and the gated delta rule
-//! ([`ops::causal_conv1d_tensor`], [`ops::gated_delta_decay`], [`ops::gated_delta_rule`]), then
-//! the gated RMSNorm and out_proj on the whole batch again. A sequence never sees another's
-//! tokens: the convolution and the recurrence start from zeros at each sequence.
+//! computes it (docs/architectures/qwen3_5.md §4), on the whole batch: the projections, the
+//! causal conv1d, the decay and write gates and the gated delta rule
+//! ([`ops::causal_conv1d_tensor`], [`ops::gated_delta_decay`], [`ops::gated_delta_rule`]), the
+//! gated RMSNorm and out_proj. A sequence never sees another's tokens: the convolution and the
+//! recurrence start from zeros at each sequence.
 
 use candle_core::{DType, Result, Tensor};
 
@@ -174,31 +174,45 @@ impl GatedDeltaNet {
         }
     }
 
-    /// The core output `[len, Hv, Dv]` (compute dtype) of one sequence from its rows of the
-    /// projections: conv1d + SiLU, split into q/k/v, `beta = sigmoid(b)` (compute dtype),
-    /// `g = -exp(A_log) * softplus(a + dt_bias)` (f32), the gated delta rule in f32.
-    fn sequence(&self, qkv: &Tensor, b: &Tensor, a: &Tensor) -> Result<Tensor> {
+    /// The core output `[tokens, Hv, Dv]` (compute dtype) of the sequences of lengths `lens`
+    /// from the projections: conv1d + SiLU, split into q/k/v, `beta = sigmoid(b)` (compute
+    /// dtype), `g = -exp(A_log) * softplus(a + dt_bias)` (f32), the gated delta rule in f32;
+    /// the conv and the rule start each sequence from a zero state.
+    fn core(&self, qkv: &Tensor, b: &Tensor, a: &Tensor, lens: &[usize]) -> Result<Tensor> {
         let d = &self.dims;
-        let (len, dtype) = (qkv.dims()[0], qkv.dtype());
+        let (tokens, dtype) = (qkv.dims()[0], qkv.dtype());
         let key_dim = d.k_heads * d.k_dim;
         let f32 = |t: &Tensor| t.to_dtype(DType::F32);
         // the convolution in f32 over the compute-dtype inputs, rounded back once
-        let conv =
-            ops::causal_conv1d_tensor(&f32(qkv)?, &self.conv_weight, None, ConvActivation::Silu)?
-                .to_dtype(dtype)?;
+        let conv = ops::causal_conv1d_tensor(
+            &f32(qkv)?,
+            &self.conv_weight,
+            None,
+            ConvActivation::Silu,
+            lens,
+        )?
+        .to_dtype(dtype)?;
         let q = conv
             .narrow(1, 0, key_dim)?
-            .reshape((len, d.k_heads, d.k_dim))?;
+            .reshape((tokens, d.k_heads, d.k_dim))?;
         let k = conv
             .narrow(1, key_dim, key_dim)?
-            .reshape((len, d.k_heads, d.k_dim))?;
+            .reshape((tokens, d.k_heads, d.k_dim))?;
         let v = conv
             .narrow(1, 2 * key_dim, d.v_heads * d.v_dim)?
-            .reshape((len, d.v_heads, d.v_dim))?;
+            .reshape((tokens, d.v_heads, d.v_dim))?;
         let beta = ops::sigmoid(b)?;
         let g = ops::gated_delta_decay(a, &self.dt_bias, &self.a_log)?;
-        ops::gated_delta_rule(&f32(&q)?, &f32(&k)?, &f32(&v)?, &g, &f32(&beta)?, true)?
-            .to_dtype(dtype)
+        ops::gated_delta_rule(
+            &f32(&q)?,
+            &f32(&k)?,
+            &f32(&v)?,
+            &g,
+            &f32(&beta)?,
+            true,
+            lens,
+        )?
+        .to_dtype(dtype)
     }
 
     /// `residual` plus the Gated DeltaNet of `x` (`[tokens of all sequences, hidden]`, normed),
@@ -210,16 +224,7 @@ impl GatedDeltaNet {
         let tokens = x.dims()[0];
         let (qkv, z, b, a) = stage("linear_attn_proj", dev, || self.project(&x))?;
         drop(x);
-        let core = stage("linear_attention", dev, || {
-            let mut outputs = Vec::with_capacity(lens.len());
-            let mut offset = 0;
-            for &len in lens {
-                let rows = |t: &Tensor| t.narrow(0, offset, len);
-                outputs.push(self.sequence(&rows(&qkv)?, &rows(&b)?, &rows(&a)?)?);
-                offset += len;
-            }
-            Tensor::cat(&outputs, 0)
-        })?;
+        let core = stage("linear_attention", dev, || self.core(&qkv, &b, &a, lens))?;
         drop((qkv, b, a));
         let gated = stage("gated_norm", dev, || {
             self.norm
