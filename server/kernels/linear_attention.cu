@@ -4,6 +4,8 @@
 // batch (each output reads its own sequence's tokens only, in the same order), so a result is
 // bitwise the same alone and batched.
 
+#include "common.cuh"
+
 #define WARP 32
 #define DELTA_WARPS 4
 
@@ -34,6 +36,45 @@ extern "C" __global__ void causal_conv1d_f32(const float* x, const float* weight
     if (has_bias) acc = __fadd_rn(acc, bias[c]);
     out[i] = silu ? acc / (1.0f + expf(-acc)) : acc;
 }
+
+// The conv1d of a Gated DeltaNet's packed q|k|v projection in its compute dtype T: each output
+// as causal_conv1d_f32 computes it (from the exact f32 of the input, SiLU), rounded to T as the
+// layer's conv output is, then written as f32 into q `[tokens, key_dim]`, k `[tokens, key_dim]`
+// or v `[tokens, channels - 2 key_dim]`: the inputs of the delta rule, in one pass where the
+// cast, the convolution, the rounding and the three splits took five.
+template <typename T>
+__device__ void conv_qkv(const T* x, const float* weight, float* q, float* k, float* v,
+                         int tokens, int channels, int kernel, int key_dim, const int* starts,
+                         int sequences) {
+    const long i = (long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= (long)tokens * channels) return;
+    const int t = (int)(i / channels), c = (int)(i % channels);
+    int lo = 0, hi = sequences;  // the sequence of t: starts[lo] <= t < starts[lo + 1]
+    while (hi - lo > 1) {
+        const int mid = (lo + hi) / 2;
+        if (starts[mid] <= t) lo = mid; else hi = mid;
+    }
+    const int first = starts[lo];
+    float acc = 0.0f;
+    for (int j = 0; j < kernel; ++j) {
+        const int src = t + j - (kernel - 1);
+        if (src >= first) acc = __fadd_rn(acc, __fmul_rn(weight[c * kernel + j], to_f32(x[(long)src * channels + c])));
+    }
+    const float y = to_f32(from_f32<T>(acc / (1.0f + expf(-acc))));
+    const int value_dim = channels - 2 * key_dim;
+    if (c < key_dim) q[(long)t * key_dim + c] = y;
+    else if (c < 2 * key_dim) k[(long)t * key_dim + c - key_dim] = y;
+    else v[(long)t * value_dim + c - 2 * key_dim] = y;
+}
+#define CONV_QKV(SUFFIX, T)                                                                     \
+    extern "C" __global__ void conv_qkv_##SUFFIX(const T* x, const float* w, float* q, float* k, \
+                                                 float* v, int tokens, int channels, int kernel,  \
+                                                 int key_dim, const int* starts, int sequences) { \
+        conv_qkv<T>(x, w, q, k, v, tokens, channels, kernel, key_dim, starts, sequences);       \
+    }
+CONV_QKV(f32, float)
+CONV_QKV(bf16, __nv_bfloat16)
+CONV_QKV(f16, __half)
 
 // ---- gated delta rule ----------------------------------------------------------------------
 

@@ -7,7 +7,7 @@ use candle_core::cuda_backend::WrapErr;
 use candle_core::{bail, DType, Result, Tensor};
 
 use super::module::{kernel, LINEAR_ATTENTION};
-use super::{grid_1d, with_slice, wrap, THREADS};
+use super::{grid_1d, kernel_name, with_slice, wrap, THREADS};
 
 /// Warps per block of `gated_delta_rule_k*_f32` (`DELTA_WARPS`) and value columns a block owns
 /// (`BLOCK_COLS`).
@@ -78,6 +78,52 @@ pub fn causal_conv1d(
             })
         })
     })
+}
+
+/// The Gated DeltaNet conv1d (SiLU, no bias) of the packed projection `qkv` `[tokens,
+/// channels]` in its compute dtype, each sequence of `lens` from a zero history, rounded to that
+/// dtype, split into q and k `[tokens, key_dim]` and v `[tokens, channels - 2 key_dim]`, all f32.
+pub fn conv_qkv(
+    qkv: &Tensor,
+    weight: &Tensor,
+    key_dim: usize,
+    lens: &[usize],
+) -> Result<(Tensor, Tensor, Tensor)> {
+    let (qkv, weight) = (qkv.contiguous()?, f32_contiguous("weight", weight)?);
+    // shapes checked by ops::conv_qkv
+    let (tokens, channels) = qkv.dims2()?;
+    let kernel_size = weight.elem_count() / channels.max(1);
+    let value_dim = channels - 2 * key_dim;
+    let starts = starts(lens, &qkv)?;
+    let name = kernel_name("conv_qkv", qkv.dtype());
+    with_float_type!(qkv.dtype(), T => with_slice::<T, _>(&qkv, |xs, xo, dev| {
+        with_slice::<f32, _>(&weight, |ws, wo, _| {
+            with_slice::<i32, _>(&starts, |ss, so, _| {
+                let func = kernel(dev, &LINEAR_ATTENTION, &name)?;
+                // SAFETY: the kernel writes every element of the three (one thread per input
+                // element, each to one of them).
+                let q = unsafe { dev.alloc::<f32>(tokens * key_dim) }?;
+                let k = unsafe { dev.alloc::<f32>(tokens * key_dim) }?;
+                let v = unsafe { dev.alloc::<f32>(tokens * value_dim) }?;
+                let (xs, ws, ss) = (xs.slice(xo..), ws.slice(wo..), ss.slice(so..));
+                let dims = [tokens, channels, kernel_size, key_dim].map(|d| d as i32);
+                let mut b = func.builder();
+                b.arg(&xs).arg(&ws).arg(&q).arg(&k).arg(&v);
+                for d in &dims {
+                    b.arg(d);
+                }
+                let sequences = lens.len() as i32;
+                b.arg(&ss).arg(&sequences);
+                // SAFETY: arguments match `conv_qkv_*` (one thread per input element).
+                unsafe { b.launch(grid_1d(tokens * channels)) }.w()?;
+                Ok((
+                    wrap(q, dev, (tokens, key_dim)),
+                    wrap(k, dev, (tokens, key_dim)),
+                    wrap(v, dev, (tokens, value_dim)),
+                ))
+            })
+        })
+    }))
 }
 
 /// q or k `[tokens, heads, dim]` as the delta rule reads them: l2-normalised when `l2`, then

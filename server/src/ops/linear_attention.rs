@@ -48,6 +48,12 @@ super::gpu_entry_points!(linear_attention {
         l2: bool,
         lens: &[usize],
     ) -> Result<Tensor>;
+    fn conv_qkv(
+        qkv: &Tensor,
+        weight: &Tensor,
+        key_dim: usize,
+        lens: &[usize],
+    ) -> Result<(Tensor, Tensor, Tensor)>;
 });
 
 /// Key head dimensions the GPU delta-rule kernel is built for (its state column lives in
@@ -461,6 +467,39 @@ pub fn causal_conv1d_tensor(
         );
         Tensor::from_vec(out, x.dims2()?, x.device())
     })
+}
+
+/// The Gated DeltaNet's conv1d of its packed `qkv` projection `[tokens, 2 key_dim + value_dim]`
+/// in the compute dtype (SiLU, no bias, each sequence of `lens` from a zero history): computed
+/// in f32, rounded to the compute dtype as the layer's output is, then split into q and k
+/// `[tokens, key_dim]` and v `[tokens, value_dim]`, each f32, as the delta rule takes them. One
+/// kernel on a GPU.
+pub fn conv_qkv(
+    qkv: &Tensor,
+    weight: &Tensor,
+    key_dim: usize,
+    lens: &[usize],
+) -> Result<(Tensor, Tensor, Tensor)> {
+    let (tokens, channels) = qkv.dims2()?;
+    if 2 * key_dim > channels || weight.dims()[0] != channels {
+        bail!(
+            "conv_qkv: {channels} channels, key_dim {key_dim}, weight {:?}",
+            weight.dims()
+        );
+    }
+    check_lens(lens, tokens)?;
+    if qkv.device().is_cuda() {
+        return gpu::conv_qkv(qkv, &weight.to_dtype(DType::F32)?, key_dim, lens);
+    }
+    let f32 = |t: &Tensor| t.to_dtype(DType::F32);
+    let conv = causal_conv1d_tensor(&f32(qkv)?, weight, None, ConvActivation::Silu, lens)?
+        .to_dtype(qkv.dtype())?;
+    let part = |start, width| f32(&conv.narrow(1, start, width)?);
+    Ok((
+        part(0, key_dim)?,
+        part(key_dim, key_dim)?,
+        part(2 * key_dim, channels - 2 * key_dim)?,
+    ))
 }
 
 /// `lens` cover `tokens` exactly.

@@ -1,7 +1,7 @@
 //! The Gated DeltaNet layer of Qwen3-Next and Qwen3.5 (`linear_attn`), as transformers 5.17
 //! computes it (docs/architectures/qwen3_5.md §4), on the whole batch: the projections, the
 //! causal conv1d, the decay and write gates and the gated delta rule
-//! ([`ops::causal_conv1d_tensor`], [`ops::gated_delta_decay`], [`ops::gated_delta_rule`]), the
+//! ([`ops::conv_qkv`], [`ops::gated_delta_decay`], [`ops::gated_delta_rule`]), the
 //! gated RMSNorm and out_proj. A sequence never sees another's tokens: the convolution and the
 //! recurrence start from zeros at each sequence.
 
@@ -13,7 +13,7 @@ use crate::checkpoint::LoadError;
 use crate::model::config::{LinearAttentionConfig, ModelConfig};
 use crate::model::loader::Loader;
 use crate::model::profile::stage;
-use crate::ops::{self, ConvActivation};
+use crate::ops;
 use crate::quant::QuantLinear;
 
 /// The input projections: Qwen3.5's four, or Qwen3-Next's two grouped per key head.
@@ -181,38 +181,14 @@ impl GatedDeltaNet {
     fn core(&self, qkv: &Tensor, b: &Tensor, a: &Tensor, lens: &[usize]) -> Result<Tensor> {
         let d = &self.dims;
         let (tokens, dtype) = (qkv.dims()[0], qkv.dtype());
-        let key_dim = d.k_heads * d.k_dim;
-        let f32 = |t: &Tensor| t.to_dtype(DType::F32);
-        // the convolution in f32 over the compute-dtype inputs, rounded back once
-        let conv = ops::causal_conv1d_tensor(
-            &f32(qkv)?,
-            &self.conv_weight,
-            None,
-            ConvActivation::Silu,
-            lens,
-        )?
-        .to_dtype(dtype)?;
-        let q = conv
-            .narrow(1, 0, key_dim)?
-            .reshape((tokens, d.k_heads, d.k_dim))?;
-        let k = conv
-            .narrow(1, key_dim, key_dim)?
-            .reshape((tokens, d.k_heads, d.k_dim))?;
-        let v = conv
-            .narrow(1, 2 * key_dim, d.v_heads * d.v_dim)?
-            .reshape((tokens, d.v_heads, d.v_dim))?;
-        let beta = ops::sigmoid(b)?;
+        let (q, k, v) = ops::conv_qkv(qkv, &self.conv_weight, d.k_heads * d.k_dim, lens)?;
+        let q = q.reshape((tokens, d.k_heads, d.k_dim))?;
+        let k = k.reshape((tokens, d.k_heads, d.k_dim))?;
+        let v = v.reshape((tokens, d.v_heads, d.v_dim))?;
+        // beta in the compute dtype (its sigmoid rounds there), then f32 for the rule
+        let beta = ops::sigmoid(b)?.to_dtype(DType::F32)?;
         let g = ops::gated_delta_decay(a, &self.dt_bias, &self.a_log)?;
-        ops::gated_delta_rule(
-            &f32(&q)?,
-            &f32(&k)?,
-            &f32(&v)?,
-            &g,
-            &f32(&beta)?,
-            true,
-            lens,
-        )?
-        .to_dtype(dtype)
+        ops::gated_delta_rule(&q, &k, &v, &g, &beta, true, lens)?.to_dtype(dtype)
     }
 
     /// `residual` plus the Gated DeltaNet of `x` (`[tokens of all sequences, hidden]`, normed),
