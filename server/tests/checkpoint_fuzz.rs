@@ -60,8 +60,23 @@ static ALLOCATOR: Counting = Counting;
 static SERIAL: Mutex<()> = Mutex::new(());
 
 fn fixture() -> std::path::PathBuf {
-    std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/llama-w4a16-g128")
+    fixture_dir("llama-w4a16-g128")
 }
+
+fn fixture_dir(variant: &str) -> std::path::PathBuf {
+    std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("../tests/fixtures")
+        .join(variant)
+}
+
+/// The fixtures of the other checkpoint formats (issue 35), whose config mutations are fuzzed
+/// too: their quantization configs are read by other code.
+const OTHER_FORMATS: [&str; 4] = [
+    "llama-gptq-int4-g128",
+    "llama-gptq-v2-int3-actorder-asym",
+    "llama-mxfp4a16",
+    "llama-w4a16-actorder-g64",
+];
 
 fn options() -> ModelOptions {
     ModelOptions {
@@ -94,7 +109,10 @@ struct Fixture {
 }
 
 fn fixture_parts() -> Fixture {
-    let dir = fixture();
+    fixture_parts_of(&fixture())
+}
+
+fn fixture_parts_of(dir: &std::path::Path) -> Fixture {
     let config = serde_json::from_slice(&std::fs::read(dir.join("config.json")).unwrap()).unwrap();
     let bytes = std::fs::read(dir.join("model.safetensors")).unwrap();
     let n = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
@@ -329,6 +347,27 @@ proptest! {
         let mut config = f.config.clone();
         set_path(&mut config, path, value.clone());
         let what = format!("config {} = {value:?}", path.join("."));
+        trace(&what);
+        if let Some(err) = load(config.to_string().as_bytes(), &safetensors(&f.header, &f.data)) {
+            assert_named(&err, &what);
+        }
+    }
+
+    /// The same of the other formats' fixtures (their `quantization_config` included).
+    #[test]
+    fn mutated_config_of_other_formats_is_refused_by_name(
+        variant in prop::sample::select(OTHER_FORMATS.to_vec()),
+        pick in any::<usize>(),
+        value in prop::option::of(any_json()),
+    ) {
+        let _one = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
+        let f = fixture_parts_of(&fixture_dir(variant));
+        let mut all = Vec::new();
+        paths(&f.config, &mut Vec::new(), &mut all);
+        let path = &all[pick % all.len()];
+        let mut config = f.config.clone();
+        set_path(&mut config, path, value.clone());
+        let what = format!("{variant}: config {} = {value:?}", path.join("."));
         trace(&what);
         if let Some(err) = load(config.to_string().as_bytes(), &safetensors(&f.header, &f.data)) {
             assert_named(&err, &what);

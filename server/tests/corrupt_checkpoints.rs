@@ -498,22 +498,21 @@ fn paths_that_are_not_checkpoints_say_what_they_are_and_what_to_do() {
     check_model_dir(&fixtures().join(BASE)).unwrap();
 }
 
-/// GPTQ and AWQ checkpoints are refused naming the format, what is read instead and how to
-/// get it; any other method names itself.
+/// AWQ checkpoints are refused naming the format, what is read instead and how to get it; any
+/// other method names itself.
 #[test]
 fn other_quantization_methods_say_what_to_do() {
     use exactscore_server::quant::QuantizationConfig;
     for (method, needles) in [
         (
-            "gptq",
+            "awq",
             &[
-                "GPTQ checkpoint",
-                "GPTQModifier",
+                "AWQ checkpoint",
+                "AWQModifier",
                 "llm-compressor",
                 "compressed-tensors",
             ][..],
         ),
-        ("awq", &["AWQ checkpoint", "AWQModifier"][..]),
         (
             "bitsandbytes",
             &["\"bitsandbytes\" is not supported", "llm-compressor"][..],
@@ -526,5 +525,284 @@ fn other_quantization_methods_say_what_to_do() {
             .to_string();
         assert_mentions(&err, needles);
         assert_mentions(&err, &["quantization_config.quant_method"]);
+    }
+}
+
+// ---- other formats (issue 35): mislabelled or malformed, named at start-up -----------------
+
+type ConfigEdit = fn(&mut serde_json::Value);
+type TensorEdit = fn(&mut Tensors);
+
+/// `(fixture, what, tensor edit, config edit, what the error must say)`.
+type Malformed = (
+    &'static str,
+    &'static str,
+    TensorEdit,
+    ConfigEdit,
+    &'static [&'static str],
+);
+
+const GPTQ4: &str = "llama-gptq-int4-g128";
+const GPTQ3: &str = "llama-gptq-v2-int3-actorder-asym";
+const MXFP4: &str = "llama-mxfp4a16";
+const CT_ACT: &str = "llama-w4a16-actorder-g64";
+const Q_PROJ: &str = "model.layers.0.self_attn.q_proj";
+
+fn malformed_checkpoints() -> Vec<Malformed> {
+    use serde_json::json;
+    vec![
+        (
+            GPTQ4,
+            "wrong bits",
+            |_| {},
+            |c| c["quantization_config"]["bits"] = json!(8),
+            &[
+                "model.layers.0.self_attn.q_proj.qweight",
+                "[32, 256]",
+                "[64, 256]",
+            ],
+        ),
+        (
+            GPTQ4,
+            "bits the format lacks",
+            |_| {},
+            |c| c["quantization_config"]["bits"] = json!(5),
+            &["config field `quantization_config.bits`", "5"],
+        ),
+        (
+            GPTQ4,
+            "group size the shapes do not match",
+            |_| {},
+            |c| c["quantization_config"]["group_size"] = json!(64),
+            &[
+                "model.layers.0.self_attn.q_proj.qzeros",
+                "[2, 32]",
+                "[4, 32]",
+            ],
+        ),
+        (
+            GPTQ4,
+            "group size that does not divide",
+            |_| {},
+            |c| c["quantization_config"]["group_size"] = json!(96),
+            &[
+                "layer `model.layers.0.self_attn.q_proj`",
+                "group_size",
+                "96",
+            ],
+        ),
+        (
+            GPTQ3,
+            "act-order without g_idx",
+            |t| drop(t.remove("model.layers.0.self_attn.q_proj.g_idx")),
+            |_| {},
+            &["tensor `model.layers.0.self_attn.q_proj.g_idx` is missing"],
+        ),
+        (
+            GPTQ3,
+            "g_idx beside desc_act: false",
+            |_| {},
+            |c| c["quantization_config"]["desc_act"] = json!(false),
+            &["tensor `model.layers.0.self_attn.q_proj.g_idx`", "desc_act"],
+        ),
+        (
+            GPTQ3,
+            "g_idx outside the groups",
+            |t| {
+                let bytes = &mut t
+                    .get_mut("model.layers.0.self_attn.q_proj.g_idx")
+                    .unwrap()
+                    .2;
+                bytes[..4].copy_from_slice(&7i32.to_le_bytes());
+            },
+            |_| {},
+            &[
+                "tensor `model.layers.0.self_attn.q_proj.g_idx`",
+                "input 0 is in group 7",
+            ],
+        ),
+        (
+            GPTQ3,
+            "asymmetric zero points labelled sym",
+            |_| {},
+            |c| c["quantization_config"]["sym"] = json!(true),
+            &[
+                "tensor `model.layers.0.self_attn.q_proj.qzeros`",
+                "sym: true",
+            ],
+        ),
+        (
+            GPTQ4,
+            "unknown checkpoint format",
+            |_| {},
+            |c| {
+                c["quantization_config"]["checkpoint_format"] = json!("marlin");
+                c["quantization_config"]["format"] = json!("marlin");
+            },
+            &[
+                "config field `quantization_config.checkpoint_format`",
+                "marlin",
+            ],
+        ),
+        (
+            GPTQ4,
+            "per-module overrides",
+            |_| {},
+            |c| c["quantization_config"]["dynamic"] = json!({"-:.*down_proj": {}}),
+            &["config field `quantization_config.dynamic`"],
+        ),
+        (
+            GPTQ4,
+            "a pack dtype other than int32",
+            |_| {},
+            |c| c["quantization_config"]["pack_dtype"] = json!("int16"),
+            &["config field `quantization_config.pack_dtype`"],
+        ),
+        (
+            GPTQ4,
+            "qweight of another dtype",
+            |t| {
+                t.get_mut("model.layers.0.self_attn.q_proj.qweight")
+                    .unwrap()
+                    .0 = Dtype::U32
+            },
+            |_| {},
+            &["tensor `model.layers.0.self_attn.q_proj.qweight`", "U32"],
+        ),
+        (
+            GPTQ4,
+            "a dense weight beside qweight",
+            |t| {
+                t.insert(
+                    format!("{Q_PROJ}.weight"),
+                    (Dtype::BF16, vec![256, 256], vec![0; 131072]),
+                );
+            },
+            |_| {},
+            &[
+                "tensor `model.layers.0.self_attn.q_proj.weight`",
+                "unexpected",
+            ],
+        ),
+        (
+            CT_ACT,
+            "actorder group without weight_g_idx",
+            |t| drop(t.remove("model.layers.1.mlp.down_proj.weight_g_idx")),
+            |_| {},
+            &["tensor `model.layers.1.mlp.down_proj.weight_g_idx` is missing"],
+        ),
+        (
+            CT_ACT,
+            "weight_g_idx without actorder",
+            |_| {},
+            |c| {
+                c["quantization_config"]["config_groups"]["group_0"]["weights"]["actorder"] =
+                    json!(null)
+            },
+            &[
+                "tensor `model.layers.0.self_attn.q_proj.weight_g_idx`",
+                "unexpected",
+            ],
+        ),
+        (
+            CT_ACT,
+            "weight_g_idx with groups of the wrong size",
+            |t| {
+                // One input moved into input 0's group: one group of 65 inputs, one of 63.
+                let bytes = &mut t
+                    .get_mut("model.layers.0.self_attn.q_proj.weight_g_idx")
+                    .unwrap()
+                    .2;
+                let first = bytes[..4].to_vec();
+                let other = (1..bytes.len() / 4)
+                    .find(|k| bytes[4 * k..4 * k + 4] != first[..])
+                    .unwrap();
+                bytes[4 * other..4 * other + 4].copy_from_slice(&first);
+            },
+            |_| {},
+            &[
+                "tensor `model.layers.0.self_attn.q_proj.weight_g_idx`",
+                "not group_size 64",
+            ],
+        ),
+        (
+            MXFP4,
+            "a UE8M0 NaN scale",
+            |t| {
+                t.get_mut("model.layers.1.mlp.up_proj.weight_scale")
+                    .unwrap()
+                    .2[5] = 255;
+            },
+            |_| {},
+            &[
+                "tensor `model.layers.1.mlp.up_proj.weight_scale`",
+                "element 5",
+                "NaN",
+            ],
+        ),
+        (
+            MXFP4,
+            "group size 16",
+            |_| {},
+            |c| {
+                c["quantization_config"]["config_groups"]["group_0"]["weights"]["group_size"] =
+                    json!(16)
+            },
+            &[
+                "quantization field `config_groups.group_0.weights`",
+                "group_size 32",
+            ],
+        ),
+        (
+            MXFP4,
+            "scales of another shape",
+            |t| {
+                t.get_mut("model.layers.0.mlp.down_proj.weight_scale")
+                    .unwrap()
+                    .1 = vec![512, 8];
+            },
+            |_| {},
+            &[
+                "tensor `model.layers.0.mlp.down_proj.weight_scale`",
+                "[512, 8]",
+            ],
+        ),
+        (
+            MXFP4,
+            "activation quantization not implemented",
+            |_| {},
+            |c| {
+                c["quantization_config"]["config_groups"]["group_0"]["input_activations"] = json!(
+                    {"num_bits": 4, "type": "float", "strategy": "group", "group_size": 32,
+                     "dynamic": true, "symmetric": true});
+            },
+            &["quantization field `config_groups.group_0.input_activations`"],
+        ),
+    ]
+}
+
+#[test]
+fn malformed_checkpoints_of_other_formats_are_named_at_load() {
+    for (variant, what, edit, config_edit, needles) in malformed_checkpoints() {
+        let dir = edited_copy(variant, 1, edit, config_edit);
+        let err = load_error_as(variant, dir.path(), candle_core::DType::F32);
+        for needle in needles {
+            assert!(
+                err.contains(needle),
+                "{variant}, {what}: `{err}` lacks `{needle}`"
+            );
+        }
+    }
+}
+
+#[test]
+fn unmodified_copies_of_other_formats_load() {
+    for variant in [GPTQ4, GPTQ3, MXFP4, CT_ACT] {
+        let dir = edited_copy(variant, 2, |_| {}, |_| {});
+        Model::load(
+            dir.path(),
+            &options(candle_core::DType::F32, Default::default()),
+        )
+        .unwrap_or_else(|e| panic!("{variant}: {e}"));
     }
 }

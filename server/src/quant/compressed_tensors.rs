@@ -18,8 +18,15 @@ pub enum Format {
     IntQuantized,
     /// NVFP4: fp4 e2m1 codes, fp8 group scales, f32 global scale.
     Nvfp4PackQuantized,
+    /// MXFP4: fp4 e2m1 codes, a UE8M0 (power of two) scale per 32.
+    Mxfp4PackQuantized,
     /// FP8 e4m3 weights with tensor, channel or block scales.
     FloatQuantized,
+    /// Native GPTQ (`quant_method: gptq`), zero points stored minus one (`checkpoint_format:
+    /// gptq`, "v1").
+    Gptq,
+    /// Native GPTQ with zero points stored as they are (`checkpoint_format: gptq_v2`).
+    GptqV2,
 }
 
 impl Format {
@@ -28,13 +35,15 @@ impl Format {
             "pack-quantized" => Ok(Self::PackQuantized),
             "int-quantized" | "naive-quantized" => Ok(Self::IntQuantized),
             "nvfp4-pack-quantized" => Ok(Self::Nvfp4PackQuantized),
+            "mxfp4-pack-quantized" => Ok(Self::Mxfp4PackQuantized),
             "float-quantized" => Ok(Self::FloatQuantized),
             other => Err(unsupported(
                 layer,
                 "format",
                 format!(
                     "`{other}` is not supported (supported: pack-quantized, int-quantized, \
-                     naive-quantized, nvfp4-pack-quantized, float-quantized)"
+                     naive-quantized, nvfp4-pack-quantized, mxfp4-pack-quantized, \
+                     float-quantized)"
                 ),
             )),
         }
@@ -45,7 +54,10 @@ impl Format {
             Self::PackQuantized => "pack-quantized",
             Self::IntQuantized => "int-quantized",
             Self::Nvfp4PackQuantized => "nvfp4-pack-quantized",
+            Self::Mxfp4PackQuantized => "mxfp4-pack-quantized",
             Self::FloatQuantized => "float-quantized",
+            Self::Gptq => "gptq",
+            Self::GptqV2 => "gptq_v2",
         }
     }
 }
@@ -76,6 +88,8 @@ pub struct QuantArgs {
     pub group_size: Option<usize>,
     pub block_structure: Option<[usize; 2]>,
     pub dynamic: bool,
+    /// Act-order with a stored group index per input (`actorder: group`, GPTQ's `desc_act`).
+    pub actorder: bool,
 }
 
 #[derive(Deserialize)]
@@ -145,18 +159,21 @@ impl QuantArgs {
                 ))
             }
         };
-        match &raw.actorder {
-            Value::Null | Value::Bool(false) => {}
+        let actorder = match &raw.actorder {
+            Value::Null | Value::Bool(false) => false,
             // "weight"/"static" reorder only during calibration and store no g_idx.
-            Value::String(s) if s == "weight" || s == "static" => {}
+            Value::String(s) if s == "weight" || s == "static" => false,
+            // "group" (and `true`, its old spelling): a `weight_g_idx` per Linear.
+            Value::String(s) if s == "group" => true,
+            Value::Bool(true) => true,
             other => {
                 return Err(unsupported(
                     group,
                     field("actorder"),
-                    format!("{other} (activation reordering with g_idx) is not implemented"),
+                    format!("{other} is not supported (group, weight, static, null)"),
                 ))
             }
-        }
+        };
         let dynamic = match &raw.dynamic {
             Value::Null | Value::Bool(false) => false,
             Value::Bool(true) => true,
@@ -204,6 +221,7 @@ impl QuantArgs {
             group_size: raw.group_size.filter(|g| *g > 0).map(|g| g as usize),
             block_structure,
             dynamic,
+            actorder,
         })
     }
 }
@@ -293,7 +311,6 @@ fn unsupported_method(method: Option<&str>) -> String {
     const READS: &str = "ExactScore reads compressed-tensors checkpoints (quant_method \
                          \"compressed-tensors\": what llm-compressor writes and vLLM serves)";
     let modifier = match method {
-        Some("gptq") => Some(("a GPTQ checkpoint", "GPTQModifier")),
         Some("awq") => Some(("an AWQ checkpoint", "AWQModifier")),
         _ => None,
     };
@@ -314,6 +331,9 @@ fn unsupported_method(method: Option<&str>) -> String {
 impl QuantizationConfig {
     pub fn parse(raw: &Value) -> Result<Self, LoadError> {
         const ROOT: &str = "quantization_config";
+        if raw.get("quant_method").and_then(Value::as_str) == Some("gptq") {
+            return Self::gptq(raw);
+        }
         let cfg: RawConfig = serde_json::from_value(raw.clone())
             .map_err(|e| LoadError::config(ROOT, e.to_string()))?;
         match cfg.quant_method.as_deref() {
@@ -419,6 +439,39 @@ impl QuantizationConfig {
         Ok(Self { groups, ignore })
     }
 
+    /// A GPTQ config as one group: every Linear (only those `modules_in_block_to_quantize`
+    /// names, where it is set), `lm_head` unless the config quantizes it too. Which of them a
+    /// checkpoint actually quantized, its `qweight` tensors say (`load_linear`): GPTQ configs
+    /// do not list them (GPTQModel's model definitions do, and leave out e.g. MoE gates).
+    fn gptq(raw: &Value) -> Result<Self, LoadError> {
+        let cfg = super::gptq::parse_config(raw)?;
+        let targets = match &cfg.modules {
+            None => vec![Target::Class("Linear".into())],
+            Some(names) => {
+                let names: Vec<String> = names.iter().map(|n| regex::escape(n)).collect();
+                let pattern = format!(r".*\.(?:{})$", names.join("|"));
+                vec![Target::Regex(Regex::new(&pattern).map_err(|e| {
+                    LoadError::config(
+                        "quantization_config.modules_in_block_to_quantize",
+                        e.to_string(),
+                    )
+                })?)]
+            }
+        };
+        let ignore = match cfg.lm_head {
+            true => vec![],
+            false => vec![Target::Name("lm_head".into())],
+        };
+        Ok(Self {
+            groups: vec![Group {
+                name: cfg.scheme.group.clone(),
+                targets,
+                scheme: cfg.scheme,
+            }],
+            ignore,
+        })
+    }
+
     /// The scheme of the module `name` of class `class` (`Linear`, `Embedding`), or `None`
     /// when it is not quantized.
     pub fn scheme_for(&self, name: &str, class: &str) -> Result<Option<&LayerScheme>, LoadError> {
@@ -505,6 +558,23 @@ fn check_scheme(s: &LayerScheme) -> Result<(), LoadError> {
                 ));
             }
         }
+        Format::Mxfp4PackQuantized => {
+            if w.kind != QuantType::Float
+                || w.num_bits != 4
+                || w.strategy != Strategy::Group
+                || w.group_size != Some(32)
+                || !w.symmetric
+            {
+                return Err(bad(
+                    "weights",
+                    "mxfp4-pack-quantized needs float, 4 bits, symmetric, strategy group, \
+                     group_size 32"
+                        .into(),
+                ));
+            }
+        }
+        // Checked where the GPTQ config is parsed (`super::gptq`).
+        Format::Gptq | Format::GptqV2 => {}
         Format::FloatQuantized => {
             if w.kind != QuantType::Float || w.num_bits != 8 || !w.symmetric {
                 return Err(bad(
@@ -531,6 +601,20 @@ fn check_scheme(s: &LayerScheme) -> Result<(), LoadError> {
                 ));
             }
         }
+    }
+    let integer = matches!(
+        s.format,
+        Format::PackQuantized | Format::IntQuantized | Format::Gptq | Format::GptqV2
+    );
+    if w.actorder && !(integer && w.strategy == Strategy::Group) {
+        return Err(bad(
+            "weights.actorder",
+            format!(
+                "group (a g_idx per input) needs integer weights of strategy group, not {} {:?}",
+                s.format.name(),
+                w.strategy
+            ),
+        ));
     }
     if w.dynamic {
         return Err(bad(
@@ -626,9 +710,15 @@ mod tests {
         assert!(e.contains("format") && e.contains("marlin-24"), "{e}");
 
         let mut c = w4a16(json!(["Linear"]), json!([]));
-        c["config_groups"]["group_0"]["weights"]["actorder"] = json!("group");
+        c["config_groups"]["group_0"]["weights"]["actorder"] = json!("dynamic");
         let e = QuantizationConfig::parse(&c).err().unwrap().to_string();
         assert!(e.contains("actorder") && e.contains("group_0"), "{e}");
+
+        let mut c = w4a16(json!(["Linear"]), json!([]));
+        c["config_groups"]["group_0"]["weights"]["actorder"] = json!("group");
+        c["config_groups"]["group_0"]["weights"]["strategy"] = json!("channel");
+        let e = QuantizationConfig::parse(&c).err().unwrap().to_string();
+        assert!(e.contains("weights.actorder"), "{e}");
     }
 
     #[test]

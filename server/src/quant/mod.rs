@@ -5,6 +5,8 @@ pub mod act_qdq;
 pub mod compressed_tensors;
 pub mod dense;
 pub mod float_quantized;
+pub mod gptq;
+pub mod mxfp4;
 pub mod nvfp4;
 pub mod pack_quantized;
 
@@ -352,6 +354,12 @@ pub fn load_linear(
     opts: &LinearOptions,
 ) -> std::result::Result<QuantLinear, LoadError> {
     let dev = &opts.device;
+    // A GPTQ config does not list the Linears it quantized: its `qweight`s do.
+    let scheme = scheme.filter(|s| {
+        !matches!(s.format, Format::Gptq | Format::GptqV2)
+            || ckpt.contains(&format!("{name}.qweight"))
+            || !ckpt.contains(&format!("{name}.weight"))
+    });
     let (weight, mut used): (Box<dyn QuantizedWeight>, Vec<&str>) = match scheme {
         None => (
             Box::new(dense::DenseWeight::load(ckpt, name, (out, inp), dev)?),
@@ -371,11 +379,24 @@ pub fn load_linear(
                     "weight_scale",
                     "weight_zero_point",
                     "weight_shape",
+                    if s.weights.actorder {
+                        "weight_g_idx"
+                    } else {
+                        "weight_scale"
+                    },
                 ],
+            ),
+            Format::Gptq | Format::GptqV2 => (
+                Box::new(gptq::load(ckpt, name, (out, inp), s, dev)?),
+                gptq::TENSORS.to_vec(),
             ),
             Format::Nvfp4PackQuantized => (
                 Box::new(nvfp4::Nvfp4Weight::load(ckpt, name, (out, inp), dev)?),
                 vec!["weight_packed", "weight_scale", "weight_global_scale"],
+            ),
+            Format::Mxfp4PackQuantized => (
+                Box::new(mxfp4::Mxfp4Weight::load(ckpt, name, (out, inp), dev)?),
+                vec!["weight_packed", "weight_scale"],
             ),
             Format::FloatQuantized => (
                 Box::new(float_quantized::Fp8Weight::load(

@@ -21,10 +21,10 @@ pub fn codes_tensor(format: Format) -> &'static str {
     }
 }
 
-/// Both on-disk layouts are brought at load into one layout that the CPU reference and the GPU
-/// kernel share: codes packed into int32 words along each row (the pack-quantized layout, as
-/// stored, so the bulk of the bytes is not touched), f32 scales `[out, groups]` and unpacked
-/// i32 zero points `[out, groups]` (both tiny).
+/// Both on-disk layouts (and native GPTQ, `super::gptq`) are brought at load into one layout
+/// that the CPU reference and the GPU kernel share: codes packed into int32 words along each
+/// row (the pack-quantized layout, as stored, so the bulk of the bytes is not touched), f32
+/// scales `[out, groups]` and unpacked i32 zero points `[out, groups]` (both tiny).
 pub struct IntWeight {
     out: usize,
     inp: usize,
@@ -33,8 +33,32 @@ pub struct IntWeight {
     codes: Tensor,
     scale: Tensor,
     zero_point: Option<Tensor>,
+    symmetric: bool,
+    /// Act-order: the group of each input column (`[in]`, u32) where it is not `column / group`.
+    g_idx: Option<Tensor>,
     /// Bits per weight as stored on disk (scale dtype and zero points included).
     stored_bits: f64,
+    /// What `describe` says before the grouping: `int4`, or `gptq int3` for a GPTQ checkpoint
+    /// whose 3-bit codes are held here as int4.
+    label: String,
+}
+
+/// The parts of an [`IntWeight`] built by another format's loader (`super::gptq`).
+pub(crate) struct IntParts {
+    pub shape: (usize, usize),
+    /// Width of the codes as held in `codes` (4 or 8).
+    pub bits: usize,
+    pub group: usize,
+    /// Signed codes (the `2^(bits-1)` offset removed), row-major `[out, in]`.
+    pub codes: Vec<i32>,
+    /// `[out, groups]`.
+    pub scale: Vec<f32>,
+    /// Signed zero points `[out, groups]`; `None` when all are zero.
+    pub zero_point: Option<Vec<i32>>,
+    pub g_idx: Option<Vec<u32>>,
+    pub symmetric: bool,
+    pub stored_bits: f64,
+    pub label: String,
 }
 
 /// Unpacks `count` codes of `bits` bits from little-endian int32 words, lowest bits first,
@@ -135,6 +159,16 @@ impl IntWeight {
         } else {
             0.0
         };
+        // `actorder: group`: the group of each input in `weight_g_idx` (compressed-tensors
+        // before 0.19 wrote it; column c uses the scale of group g_idx[c]).
+        let g_idx = match args.actorder {
+            true => {
+                super::gptq::load_g_idx(ckpt, &format!("{name}.weight_g_idx"), inp, group, true)?
+            }
+            false => None,
+        }
+        .map(|g| Tensor::from_vec(g, inp, device))
+        .transpose()?;
         let shape_name = format!("{name}.weight_shape");
         if ckpt.contains(&shape_name) {
             let stored = ckpt
@@ -160,8 +194,42 @@ impl IntWeight {
             group,
             codes,
             scale,
+            symmetric: zero_point.is_none(),
             zero_point,
+            g_idx,
             stored_bits: bits as f64 + (scale_bits + zp_bits) / group as f64,
+            label: format!("int{bits}"),
+        })
+    }
+
+    /// The weight of `parts`, its codes packed along each row, on `device`.
+    pub(crate) fn from_parts(parts: IntParts, device: &Device) -> Result<Self> {
+        let (out, inp) = parts.shape;
+        let groups = parts.scale.len() / out.max(1);
+        let words: Vec<i32> = parts
+            .codes
+            .chunks(inp)
+            .flat_map(|row| pack_int32(row, parts.bits))
+            .collect();
+        let cols = words.len() / out.max(1);
+        Ok(Self {
+            out,
+            inp,
+            bits: parts.bits,
+            group: parts.group,
+            codes: Tensor::from_vec(words, (out, cols), device)?,
+            scale: Tensor::from_vec(parts.scale, (out, groups), device)?,
+            zero_point: parts
+                .zero_point
+                .map(|zp| Tensor::from_vec(zp, (out, groups), device))
+                .transpose()?,
+            symmetric: parts.symmetric,
+            g_idx: parts
+                .g_idx
+                .map(|g| Tensor::from_vec(g, inp, device))
+                .transpose()?,
+            stored_bits: parts.stored_bits,
+            label: parts.label,
         })
     }
 
@@ -206,17 +274,18 @@ impl QuantizedWeight for IntWeight {
     }
 
     fn describe(&self) -> String {
-        let sym = if self.zero_point.is_some() {
-            "asym"
-        } else {
-            "sym"
-        };
+        let sym = if self.symmetric { "sym" } else { "asym" };
         let grouping = if self.group == self.inp {
             "channel".to_string()
         } else {
             format!("g{}", self.group)
         };
-        format!("int{} {grouping} {sym}", self.bits)
+        let order = if self.g_idx.is_some() {
+            " act-order"
+        } else {
+            ""
+        };
+        format!("{} {grouping} {sym}{order}", self.label)
     }
 
     fn bits_per_weight(&self) -> f64 {
@@ -225,16 +294,24 @@ impl QuantizedWeight for IntWeight {
 
     fn dequantize_f32(&self) -> Result<Vec<f32>> {
         let q = self.codes()?;
-        let groups = self.inp / self.group;
+        let groups = self.scale.dim(1)?;
         let zp = match &self.zero_point {
             Some(zp) => zp.flatten_all()?.to_vec1::<i32>()?,
             None => vec![0; self.out * groups],
         };
         let scale = to_f32_vec(&self.scale)?;
+        let column_group: Vec<usize> = match &self.g_idx {
+            Some(g_idx) => g_idx
+                .to_vec1::<u32>()?
+                .into_iter()
+                .map(|g| g as usize)
+                .collect(),
+            None => (0..self.inp).map(|c| c / self.group).collect(),
+        };
         let mut w = Vec::with_capacity(q.len());
         for r in 0..self.out {
-            for c in 0..self.inp {
-                let g = r * groups + c / self.group;
+            for (c, &group) in column_group.iter().enumerate() {
+                let g = r * groups + group;
                 w.push((q[r * self.inp + c] - zp[g]) as f32 * scale[g]);
             }
         }
@@ -242,6 +319,10 @@ impl QuantizedWeight for IntWeight {
     }
 
     fn packed(&self) -> Option<Packed<'_>> {
+        // No GPU kernel reads a per-column group yet: act-order weights take the reference.
+        if self.g_idx.is_some() {
+            return None;
+        }
         Some(Packed::Int {
             codes: &self.codes,
             scale: &self.scale,

@@ -1,0 +1,200 @@
+//! The checkpoint formats other than compressed-tensors (scripts/make_format_fixtures.py): each
+//! fixture scored in f32 on the CPU against transformers on the weights its own library
+//! dequantized, those weights bit for bit, and each format's dequantization vectors.
+
+mod common;
+
+use candle_core::Device;
+use common::*;
+use exactscore_server::checkpoint::Checkpoint;
+use exactscore_server::ops::Packed;
+use exactscore_server::quant::{gptq, ActivationQuantMode, QuantizedWeight};
+use serde_json::Value;
+use sha2::{Digest, Sha256};
+
+const GPTQ_FIXTURES: [&str; 2] = ["llama-gptq-int4-g128", "llama-gptq-v2-int3-actorder-asym"];
+
+fn assert_matches_reference(variant: &str) {
+    let reference = reference(variant);
+    let model = load(variant, ActivationQuantMode::Emulate);
+    let ours = score_all(&model, &sequences(&reference), 1);
+    let d = deltas(&ours, &reference_logprobs(&reference["sequences"]));
+    let max = d.iter().copied().fold(0.0, f64::max);
+    let mean = d.iter().sum::<f64>() / d.len() as f64;
+    println!(
+        "{variant}: {} tokens, max |Δ| {max:.2e}, mean {mean:.2e}",
+        d.len()
+    );
+    assert_eq!(d.len(), 551);
+    assert!(max <= 1e-4, "{variant}: max |Δlogprob| {max:e} > 1e-4");
+}
+
+fn sha256_f32(w: &[f32]) -> String {
+    let bytes: Vec<u8> = w.iter().flat_map(|v| v.to_le_bytes()).collect();
+    format!("{:x}", Sha256::digest(&bytes))
+}
+
+/// Every quantized Linear of `variant` dequantizes to the bits of its `dequant_check.json`.
+fn assert_dequant_check(variant: &str) {
+    let text =
+        std::fs::read_to_string(fixtures().join(variant).join("dequant_check.json")).unwrap();
+    let checks: Value = serde_json::from_str(&text).unwrap();
+    let model = load(variant, ActivationQuantMode::Emulate);
+    let mut checked = 0;
+    for (name, linear) in model.linears() {
+        let Some(check) = checks.get(&name) else {
+            continue;
+        };
+        let w = linear.weight().dequantize_f32().unwrap();
+        assert_eq!(
+            sha256_f32(&w),
+            check["sha256_f32_le"].as_str().unwrap(),
+            "{variant} {name}"
+        );
+        checked += 1;
+    }
+    assert_eq!(checked, 14, "{variant}: every quantized Linear checked");
+}
+
+#[test]
+fn gptq_int4_g128_matches_reference_per_token() {
+    assert_matches_reference("llama-gptq-int4-g128");
+}
+
+#[test]
+fn gptq_v2_int3_actorder_asym_matches_reference_per_token() {
+    assert_matches_reference("llama-gptq-v2-int3-actorder-asym");
+}
+
+#[test]
+fn gptq_weights_equal_gptqmodel_bit_for_bit() {
+    for variant in GPTQ_FIXTURES {
+        assert_dequant_check(variant);
+    }
+}
+
+/// A symmetric 4-bit GPTQ weight is held as compressed-tensors' int4 pack-quantized layout
+/// (what the GPU kernels run), without zero points, and says what it was.
+#[test]
+fn gptq_int4_sym_is_held_in_the_pack_quantized_layout() {
+    let model = load("llama-gptq-int4-g128", ActivationQuantMode::Emulate);
+    let (name, linear) = &model.linears()[0];
+    let w = linear.weight();
+    match w.packed() {
+        Some(Packed::Int {
+            bits: 4,
+            group: 128,
+            zero_point: None,
+            ..
+        }) => {}
+        _ => panic!("{name}: not held as int4 g128 without zero points"),
+    }
+    assert_eq!(w.describe(), "gptq int4 g128 sym");
+    // 4 bits, an f16 scale and a 4-bit zero point per 128 weights.
+    assert_eq!(w.bits_per_weight(), 4.0 + 20.0 / 128.0);
+    let act = load(
+        "llama-gptq-v2-int3-actorder-asym",
+        ActivationQuantMode::Emulate,
+    );
+    let w = act.linears()[0].1.weight();
+    assert_eq!(w.describe(), "gptq_v2 int3 g64 asym act-order");
+    assert_eq!(w.bits_per_weight(), 3.0 + 19.0 / 64.0);
+}
+
+/// Layers of every width (2, 3, 4, 8 bits), v1 and v2 zero points, symmetric, asymmetric,
+/// act-order and one group per row, each dequantized bit for bit as GPTQModel does.
+#[test]
+fn gptq_vectors_of_every_width_equal_gptqmodel() {
+    let dir = fixtures().join("gptq-vectors");
+    let ckpt = Checkpoint::open(&dir).unwrap();
+    let layers: Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("layers.json")).unwrap()).unwrap();
+    let layers = layers["layers"].as_object().unwrap();
+    assert_eq!(layers.len(), 16);
+    for (layer, config) in layers {
+        let mut config = config.clone();
+        config["quant_method"] = "gptq".into();
+        let scheme = gptq::parse_config(&config).unwrap().scheme;
+        let expected = ckpt
+            .tensor(
+                &format!("{layer}.expected"),
+                &[safetensors::Dtype::F32],
+                None,
+                &Device::Cpu,
+            )
+            .unwrap();
+        let (out, inp) = expected.dims2().unwrap();
+        let w = gptq::load(&ckpt, layer, (out, inp), &scheme, &Device::Cpu)
+            .unwrap_or_else(|e| panic!("{layer}: {e}"));
+        let want = expected.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+        let ours = w.dequantize_f32().unwrap();
+        let differ = ours
+            .iter()
+            .zip(&want)
+            .filter(|(a, b)| a.to_bits() != b.to_bits())
+            .count();
+        assert_eq!(
+            differ,
+            0,
+            "{layer}: {differ} of {} weights differ",
+            want.len()
+        );
+    }
+}
+
+#[test]
+fn mxfp4a16_matches_reference_per_token() {
+    assert_matches_reference("llama-mxfp4a16");
+}
+
+#[test]
+fn mxfp4_weights_equal_compressed_tensors_bit_for_bit() {
+    assert_dequant_check("llama-mxfp4a16");
+}
+
+/// Every MXFP4 layer of the fixture is also held as NVFP4 (what the NVFP4 GPU kernel decodes),
+/// and NVFP4's formula over those tensors gives MXFP4's weights bit for bit.
+#[test]
+fn mxfp4_layers_are_held_as_nvfp4_with_the_same_weights() {
+    use exactscore_server::ops::minifloat::{bf16_round, fp4_e2m1_to_f32, fp8_e4m3_to_f32};
+    let model = load("llama-mxfp4a16", ActivationQuantMode::Emulate);
+    for (name, linear) in model.linears().into_iter().filter(|(n, _)| n != "lm_head") {
+        let w = linear.weight();
+        assert_eq!(w.bits_per_weight(), 4.25);
+        let Some(Packed::Nvfp4 {
+            packed,
+            scale,
+            global_scale,
+        }) = w.packed()
+        else {
+            panic!("{name}: not held as NVFP4");
+        };
+        let (out, inp) = w.shape();
+        let codes = packed.flatten_all().unwrap().to_vec1::<u8>().unwrap();
+        let scales = scale.flatten_all().unwrap().to_vec1::<u8>().unwrap();
+        let nvfp4: Vec<f32> = (0..out * inp)
+            .map(|i| {
+                let byte = codes[i / 2];
+                let nibble = if i % 2 == 0 { byte & 0x0F } else { byte >> 4 };
+                let s = fp8_e4m3_to_f32(scales[i / 16]) / global_scale;
+                bf16_round(fp4_e2m1_to_f32(nibble) * s)
+            })
+            .collect();
+        assert_eq!(
+            sha256_f32(&nvfp4),
+            sha256_f32(&w.dequantize_f32().unwrap()),
+            "{name}"
+        );
+    }
+}
+
+/// compressed-tensors `actorder: group`: each input's group from `weight_g_idx`.
+#[test]
+fn compressed_tensors_actorder_group_matches_reference_per_token() {
+    assert_matches_reference("llama-w4a16-actorder-g64");
+    assert_dequant_check("llama-w4a16-actorder-g64");
+    let model = load("llama-w4a16-actorder-g64", ActivationQuantMode::Emulate);
+    let w = model.linears()[0].1.weight();
+    assert_eq!(w.describe(), "int4 g64 sym act-order");
+    assert!(w.packed().is_none(), "act-order has no GPU kernel yet");
+}
