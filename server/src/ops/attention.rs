@@ -178,17 +178,15 @@ pub fn causal_mask_rows(
 ) -> Result<Tensor> {
     let window = window.unwrap_or(usize::MAX);
     let count = rows.len();
-    let mask: Vec<f32> = rows
-        .flat_map(|i| {
-            (0..len).map(move |j| {
-                if j <= i && i - j < window {
-                    0.0
-                } else {
-                    f32::NEG_INFINITY
-                }
-            })
-        })
-        .collect();
+    // Row i sees keys i + 1 - min(window, i + 1) ..= i. Filled in runs: a long sequence's mask
+    // rows are most of what the attention writes besides its scores.
+    let mut mask = Vec::with_capacity(count * len);
+    for i in rows {
+        let seen = window.min(i + 1);
+        mask.resize(mask.len() + i + 1 - seen, f32::NEG_INFINITY);
+        mask.resize(mask.len() + seen, 0.0);
+        mask.resize(mask.len() + len - i - 1, f32::NEG_INFINITY);
+    }
     Tensor::from_vec(mask, (count, len), device)
 }
 
@@ -392,6 +390,23 @@ mod tests {
                     shapes.iter().any(|&(r, g)| r < len && g < heads),
                     "{shapes:?}"
                 );
+            }
+        }
+        Ok(())
+    }
+
+    /// The mask rows are the definition: 0 where `j <= i` and `i - j < window`, else -inf.
+    #[test]
+    fn mask_rows_follow_the_definition() -> Result<()> {
+        for (len, window, rows) in [(1, None, 0..1), (9, None, 3..9), (12, Some(4), 0..12)] {
+            let got = causal_mask_rows(rows.clone(), len, window, &Device::Cpu)?;
+            let got = got.to_vec2::<f32>()?;
+            for (r, i) in rows.enumerate() {
+                for (j, &value) in got[r].iter().enumerate() {
+                    let visible = j <= i && i - j < window.unwrap_or(usize::MAX);
+                    let want = if visible { 0.0 } else { f32::NEG_INFINITY };
+                    assert_eq!(value, want, "len {len} window {window:?} ({i}, {j})");
+                }
             }
         }
         Ok(())
