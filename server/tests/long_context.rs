@@ -214,7 +214,7 @@ fn kld_matches_transformers() {
 /// `/score` of 4096 and 16384 tokens (past the original RoPE context 8192) within 1e-4 of
 /// transformers per token; the memory above the loaded model stays within the memory plan's
 /// bound for that length, linear in tokens (the residual stream, q/k/v and the MLP and logit
-/// chunks per token, plus attention blocks of at most 2^24 scores), and grows about 4x from
+/// chunks per token, plus attention blocks of at most 2^22 scores), and grows about 4x from
 /// 4096 to 16384 tokens, not 16x. Materialised, 16384 tokens peaked at 13.1 GiB.
 #[test]
 fn long_sequences_match_transformers_in_linear_memory() {
