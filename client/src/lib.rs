@@ -1,6 +1,7 @@
 //! ExactScore client: a typed async client of the ExactScore server ([`http`]), window arithmetic
 //! ([`windows`]), datasets ([`dataset`]), tokenization ([`tokenize`]), the perplexity runner
 //! ([`runner::run_ppl`], which also runs `exactscore kld`), KL-divergence statistics ([`kld`]),
+//! statistics by position in the window ([`positions`]),
 //! one endpoint per address of a server name ([`resolve`]), reports ([`report`]), the
 //! per-layer comparison of `exactscore diff` ([`diff`]) and plots ([`plot`]).
 
@@ -11,6 +12,7 @@ pub mod fingerprint;
 pub mod http;
 pub mod kld;
 pub mod plot;
+pub mod positions;
 pub mod progress;
 pub mod report;
 pub mod resolve;

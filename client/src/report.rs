@@ -22,6 +22,7 @@ use exactscore_api::ModelInfo;
 use serde::{Deserialize, Serialize};
 
 use crate::kld::{KldStats, KldWindow};
+use crate::positions::{PositionBucket, PositionSums};
 use crate::windows::Method;
 
 /// One finished window (also one line of the partial file).
@@ -34,6 +35,10 @@ pub struct WindowResult {
     /// `exactscore kld`: the divergence from the reference model over the same positions.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub kld: Option<KldWindow>,
+    /// Its scored positions by position bucket (see [`crate::positions`]); absent from older
+    /// partial files.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub positions: Vec<PositionSums>,
 }
 
 /// Summary statistics of a set of windows.
@@ -118,6 +123,10 @@ pub struct Report {
     /// `exactscore kld`: divergence from the reference model (`server_info.reference`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub kld: Option<KldStats>,
+    /// NLL (and KLD) by position in the window: 0–2K, 2K–8K, 8K–32K, 32K–128K, 128K– (the
+    /// non-empty buckets; see [`crate::positions`]). Absent from older reports.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub position_buckets: Vec<PositionBucket>,
     /// Every window, by index.
     pub per_window: Vec<WindowResult>,
     /// `exactscore kld --noise-floor-server`: the same windows against a server whose served
@@ -309,6 +318,11 @@ impl Report {
         if let Some(floor) = &self.noise_floor {
             noise_floor_rows(floor, self.kld.as_ref(), &mut add);
         }
+        if self.position_buckets.len() > 1 {
+            for b in &self.position_buckets {
+                add(&format!("positions {}", position_range(b)), position_row(b));
+            }
+        }
         add("windows", self.stats.windows.to_string());
         add("tokens scored", self.stats.tokens_scored.to_string());
         add(
@@ -326,6 +340,24 @@ impl Report {
         }
         out
     }
+}
+
+/// `0–2K`, `128K–`: a bucket's positions.
+fn position_range(b: &PositionBucket) -> String {
+    let upper = b.upper.map(crate::positions::short).unwrap_or_default();
+    format!("{}–{upper}", crate::positions::short(b.lower))
+}
+
+/// A bucket's tokens, perplexity, mean NLL and mean KLD.
+fn position_row(b: &PositionBucket) -> String {
+    let kld = b
+        .mean_kld
+        .map(|k| format!(", mean KLD {k:.6}"))
+        .unwrap_or_default();
+    format!(
+        "{} tokens: perplexity {:.6}, mean NLL {:.6}{kld}",
+        b.tokens, b.perplexity, b.mean_nll
+    )
 }
 
 impl Report {
@@ -474,6 +506,7 @@ mod tests {
             sum_nll,
             count,
             kld: None,
+            positions: Vec::new(),
         }
     }
 

@@ -374,14 +374,18 @@ fn window_nll(
     )?;
     let lps = lps.unwrap_or_default();
     let mut sum = 0f64;
+    let mut positions = Vec::new();
     for p in w.scored.clone() {
-        sum += nll_at(&bad, lps, p)?;
+        let nll = nll_at(&bad, lps, p)?;
+        sum += nll;
+        crate::positions::add(&mut positions, p, nll, 0.0);
     }
     Ok(WindowResult {
         window: w.index,
         sum_nll: sum,
         count: w.num_scored(),
         kld: None,
+        positions,
     })
 }
 
@@ -466,9 +470,11 @@ fn window_kld(
         reference_top_p: Vec::with_capacity(w.num_scored()),
     };
     let mut sum_nll = 0f64;
+    let mut positions = Vec::new();
     for p in w.scored.clone() {
         let (nll, ref_nll) = (nll_at(&bad, lps, p)?, nll_at(&bad, ref_lps, p)?);
         let (k, same, dp, r, mask, top_p) = kld_position(&bad, d, p)?;
+        crate::positions::add(&mut positions, p, nll, k);
         part.sum_reverse_kld += r;
         part.sum_reverse_kld_squared += r * r;
         for (k, count) in part.top_k_agreement.iter_mut().enumerate() {
@@ -488,6 +494,7 @@ fn window_kld(
         sum_nll,
         count: w.num_scored(),
         kld: Some(part),
+        positions,
     })
 }
 
@@ -926,6 +933,10 @@ fn report(
                 .filter_map(|r| r.kld.as_ref().map(|k| (k, r.sum_nll))),
         )
     });
+    let position_buckets = crate::positions::summarize(
+        per_window.iter().map(|r| r.positions.as_slice()),
+        config.task == Task::Kld,
+    );
     let bytes = p.ds.text.len();
     Report {
         method: config.method,
@@ -951,6 +962,7 @@ fn report(
         servers: vec![],
         server_info: Some(info),
         kld,
+        position_buckets,
         per_window,
         noise_floor: None,
     }

@@ -241,6 +241,23 @@ mod tests {
         assert!(ws.iter().all(|w| w.scored == (1..4)));
     }
 
+    /// Long-context windows (`--ctx 32768 --stride 8192`) over WikiText-2's 340k tokens: every
+    /// full window, 8192 apart, each scoring all its positions, the last ending before the text.
+    #[test]
+    fn exl3_long_context() {
+        let n = 340_000;
+        let ws = windows(n, &params(Method::Exl3, 32768, 8192)).unwrap();
+        assert_eq!(ws.len(), (n - 32768) / 8192 + 1);
+        for (k, w) in ws.iter().enumerate() {
+            assert_eq!(w.range, k * 8192..k * 8192 + 32768);
+            assert_eq!((w.scored.clone(), w.len()), (1..32768, 32768));
+        }
+        assert!(ws.last().unwrap().range.end + 8192 > n);
+        let ws = windows(n, &params(Method::Disjoint, 131072, 0)).unwrap();
+        assert_eq!(ws.len(), 3);
+        assert_eq!(ws.iter().map(Window::num_scored).sum::<usize>(), n - 1);
+    }
+
     #[test]
     fn disjoint_small() {
         let ws = windows(10, &params(Method::Disjoint, 4, 0)).unwrap();

@@ -86,6 +86,7 @@ fn report(model: &str, bpw: f64, format: &str, ppl: f64, kld_median: Option<f64>
             sum_nll: ppl.ln() * 100.0 * (1.0 + 0.01 * w as f64),
             count: 100,
             kld: None,
+            positions: Vec::new(),
         })
         .collect();
     let kld = kld_median.map(|m| KldStats {
@@ -122,6 +123,7 @@ fn report(model: &str, bpw: f64, format: &str, ppl: f64, kld_median: Option<f64>
         servers: vec!["http://127.0.0.1:8000".into()],
         server_info: Some(info),
         kld,
+        position_buckets: Vec::new(),
         per_window,
         noise_floor: None,
     }

@@ -196,8 +196,8 @@ def test_refused_arguments_are_validation_errors(client, tmp_path):
         client.ppl(TEXTS, method="bogus", **RUN)
     with pytest.raises(exactscore.ValidationError, match="unknown dataset type"):
         client.ppl("data.csv", **RUN)
-    with pytest.raises(exactscore.ValidationError, match="^ctx=9000 exceeds the server's max_input_tokens 8192"):
-        client.ppl(LONG, ctx=9000, max_windows=1, progress=False)
+    with pytest.raises(exactscore.ValidationError, match="^ctx=17000 exceeds the server's max_input_tokens 16384"):
+        client.ppl(LONG, ctx=17000, max_windows=1, progress=False)
     existing = tmp_path / "partial.jsonl"
     existing.write_text("{}\n")
     with pytest.raises(exactscore.ValidationError, match="already exists"):

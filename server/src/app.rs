@@ -45,6 +45,9 @@ pub enum AppError {
         devices: String,
         message: String,
     },
+    /// The memory plan: what the configuration is expected to need does not fit.
+    #[error("{model} does not fit: {message}")]
+    Memory { model: String, message: String },
     #[error("warm-up batch failed: {0}")]
     WarmUp(#[from] EngineError),
     #[error("{0}")]
@@ -334,7 +337,7 @@ fn load_models(config: &Config) -> Result<Loaded, AppError> {
     check_model_dir(dir)?;
     let model_config = ModelConfig::from_json(&read_to_string(&dir.join("config.json"))?)?;
     let max_input_tokens = config.resolve_max_input_tokens(model_config.max_position_embeddings);
-    let options = ModelOptions {
+    let mut options = ModelOptions {
         linear: LinearOptions {
             device: Device::Cpu,
             dtype: config.dtype,
@@ -359,8 +362,14 @@ fn load_models(config: &Config) -> Result<Loaded, AppError> {
         }
     };
     let mut replicas = Vec::new();
+    // A default --max-input-tokens may be lowered to what the first replica's memory admits;
+    // every other model must then fit at that length.
+    let mut explicit = config.max_input_tokens.is_some();
     for (index, devices) in config.device.replicas.iter().enumerate() {
-        let model = served.load(devices, config.layer_split.as_deref(), &options, config)?;
+        let split = config.layer_split.as_deref();
+        let model = served.load(devices, split, &options, config, explicit)?;
+        options.max_seq_len = model.model.options().max_seq_len;
+        explicit = true;
         let reference = match &reference {
             None => None,
             Some((source, r)) => {
@@ -377,6 +386,7 @@ fn load_models(config: &Config) -> Result<Loaded, AppError> {
                         r.layer_split.as_deref(),
                         &reference_options,
                         config,
+                        true,
                     )
                     .map_err(of_the_reference)?;
                 check_same_vocabulary(&model.model, &tokenizer, &placed.model, &r.model_dir)?;
@@ -401,7 +411,7 @@ fn load_models(config: &Config) -> Result<Loaded, AppError> {
     Ok(Loaded {
         replicas,
         tokenizer,
-        max_input_tokens,
+        max_input_tokens: options.max_seq_len,
         checkpoint_sha256,
         reference_checkpoint_sha256,
     })
@@ -424,50 +434,120 @@ impl Source {
     }
 
     /// The model as pipeline stages on `devices` (one stage each): `split` layers per stage,
-    /// or the split that balances each device's weights and expected activation peak.
+    /// or the split that balances each device's weights and expected activation peak. The
+    /// memory plan refuses a stage whose expected peak passes what its device may hold, saying
+    /// what would fit; unless `explicit`, it lowers `options.max_seq_len` to that instead.
     fn load(
         &self,
         devices: &[DeviceName],
         split: Option<&[usize]>,
         options: &ModelOptions,
         config: &Config,
+        explicit: bool,
     ) -> Result<Placed, AppError> {
         let opened: Vec<Device> = devices.iter().map(open_device).collect::<Result<_, _>>()?;
+        let names = devices
+            .iter()
+            .map(ToString::to_string)
+            .collect::<Vec<_>>()
+            .join(",");
+        let placement_error = |e: placement::PlacementError| AppError::Placement {
+            model: self.dir.display().to_string(),
+            devices: names.clone(),
+            message: e.to_string(),
+        };
         let dtype = options.linear.dtype;
         let flash = config.attention != AttentionKernel::Materialized
             && opened
                 .iter()
                 .all(|d| crate::ops::flash_attention_available(d, self.config.head_dim, dtype));
-        let inputs = PlacementInputs {
-            config: &self.config,
-            ckpt: &self.ckpt,
-            dtype,
-            batch_tokens: config.batch.max_batch_tokens,
-            max_seq: options.max_seq_len,
-            flash,
+        let plan = |max_seq: usize| {
+            let inputs = PlacementInputs {
+                config: &self.config,
+                ckpt: &self.ckpt,
+                dtype,
+                batch_tokens: config.batch.max_batch_tokens,
+                max_seq,
+                flash,
+            };
+            placement::plan_on(&inputs, &opened, split).map_err(placement_error)
         };
-        let plans =
-            placement::plan_on(&inputs, &opened, split).map_err(|e| AppError::Placement {
-                model: self.dir.display().to_string(),
-                devices: devices
-                    .iter()
-                    .map(ToString::to_string)
-                    .collect::<Vec<_>>()
-                    .join(","),
-                message: e.to_string(),
-            })?;
+        let limits =
+            placement::memory_limits(&opened, config.max_memory).map_err(placement_error)?;
+        let mut options = options.clone();
+        let mut plans = plan(options.max_seq_len)?;
+        if let Some(k) = placement::first_over(&plans, &limits) {
+            // The longest sequences that fit: the expected peak grows with the length.
+            let (mut fits, mut over) = (0, options.max_seq_len);
+            while over - fits > 1 {
+                let mid = fits + (over - fits) / 2;
+                match placement::first_over(&plan(mid)?, &limits) {
+                    None => fits = mid,
+                    Some(_) => over = mid,
+                }
+            }
+            let message = memory_message(&plans[k], &devices[k], limits[k], &options, config, fits);
+            if explicit || fits == 0 {
+                return Err(AppError::Memory {
+                    model: self.dir.display().to_string(),
+                    message,
+                });
+            }
+            tracing::warn!(
+                max_input_tokens = fits,
+                "{message}: lowered the default to it"
+            );
+            options.max_seq_len = fits;
+            plans = plan(fits)?;
+        }
         let stages = opened
             .into_iter()
             .zip(&plans)
             .map(|(device, plan)| (device, plan.layers.clone()))
             .collect();
         let model =
-            Model::from_checkpoint_placed(self.config.clone(), &self.ckpt, options, stages)?;
+            Model::from_checkpoint_placed(self.config.clone(), &self.ckpt, &options, stages)?;
         Ok(Placed {
             model,
             stages: devices.iter().copied().zip(plans).collect(),
         })
     }
+}
+
+/// Why a stage does not fit, and what would: `fits` tokens per sequence (0: not even one).
+fn memory_message(
+    plan: &StagePlan,
+    device: &DeviceName,
+    limit: Option<u64>,
+    options: &ModelOptions,
+    config: &Config,
+    fits: usize,
+) -> String {
+    let gib = |b: u64| format!("{:.2} GiB", b as f64 / GIB);
+    let source = match config.max_memory {
+        Some(_) => "--max-memory-gib",
+        None if matches!(device, DeviceName::Cpu) => "the host's available memory",
+        None => "the GPU's memory less 8 %",
+    };
+    let what_fits = match fits {
+        0 => format!(
+            "not even 1-token sequences fit; lower --max-batch-tokens ({}) or add devices",
+            config.batch.max_batch_tokens
+        ),
+        n => format!("--max-input-tokens {n} would fit"),
+    };
+    format!(
+        "layers {}..{} on {device} are expected to peak at {} (weights {}, activations for \
+         sequences of up to {} tokens (--max-input-tokens) in batches of {} \
+         (--max-batch-tokens)), over the {} it may hold ({source}); {what_fits}",
+        plan.layers.start,
+        plan.layers.end,
+        gib(plan.expected_peak),
+        gib(plan.weight_bytes),
+        options.max_seq_len,
+        config.batch.max_batch_tokens,
+        gib(limit.unwrap_or(0)),
+    )
 }
 
 fn log_placement(replica: usize, which: &str, placed: &Placed) {

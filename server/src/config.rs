@@ -18,11 +18,6 @@ pub const DEFAULT_MODEL_DIR: &str = concat!(
     "/../tests/fixtures/llama-w4a16-g128"
 );
 
-/// Default cap on `--max-input-tokens` when it is not given. Attention is O(T²) in memory per
-/// sequence (`heads × T × T` f32 scores: 32 heads × 8192² × 4 B = 8 GiB on CPU), so the
-/// model's advertised context (often 128k) is not a safe default.
-pub const DEFAULT_MAX_INPUT_TOKENS_CAP: usize = 8192;
-
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
 pub enum DtypeArg {
     F32,
@@ -145,10 +140,18 @@ pub struct Args {
     /// Sequences computed in one batch.
     #[arg(long, env = "EXACTSCORE_MAX_BATCH_REQUESTS", default_value_t = 64)]
     pub max_batch_requests: usize,
-    /// Longest sequence accepted (422 beyond). Default: the model's context length, capped at
-    /// 8192 because CPU attention memory grows with the square of the length.
+    /// Longest sequence accepted (422 beyond), up to the model's context (131072 for Llama
+    /// 3.1) with --max-batch-tokens at least as large. Default: the model's context length or
+    /// --max-batch-tokens, whichever is smaller, lowered to what the memory plan admits.
+    /// Start-up refuses a value whose expected peak does not fit (see --max-memory-gib),
+    /// saying what would.
     #[arg(long, env = "EXACTSCORE_MAX_INPUT_TOKENS")]
     pub max_input_tokens: Option<usize>,
+    /// Memory each device may hold for its models' weights and activations, in GiB (shared by
+    /// the stages and models on it). Default: a GPU's total memory less 8 %, the host's
+    /// available memory (`MemAvailable`) for the CPU.
+    #[arg(long, env = "EXACTSCORE_MAX_MEMORY_GIB")]
+    pub max_memory_gib: Option<f64>,
     /// Largest compute one request may ask for, in token-layers (one token through one decoder
     /// layer of one model; a final norm and lm_head count as one more; `/diff` attribution
     /// counts its extra runs of the reference); 422 before any work beyond. Default: 16 full
@@ -321,6 +324,8 @@ pub struct Config {
     pub http: HttpConfig,
     pub batch: BatchLimits,
     pub max_input_tokens: Option<usize>,
+    /// `--max-memory-gib` in bytes, or `None` for what each device has.
+    pub max_memory: Option<u64>,
     /// `--max-request-cost`, or `None` for the default (resolved against the model at load).
     pub max_request_cost: Option<u64>,
     pub max_response_bytes: u64,
@@ -430,6 +435,11 @@ impl Config {
                 ));
             }
         }
+        if let Some(gib) = args.max_memory_gib {
+            if !(gib.is_finite() && gib > 0.0) {
+                return Err(invalid("max-memory-gib", gib, "must be a positive number"));
+            }
+        }
         if let Some(key) = &args.api_key {
             check_api_key(key)?;
         }
@@ -489,6 +499,9 @@ impl Config {
                 max_batch_requests: args.max_batch_requests,
             },
             max_input_tokens: args.max_input_tokens,
+            max_memory: args
+                .max_memory_gib
+                .map(|gib| (gib * (1u64 << 30) as f64) as u64),
             max_request_cost: args.max_request_cost,
             max_response_bytes: args.max_response_bytes,
             max_queued_requests: args.max_queued_requests,
@@ -498,14 +511,11 @@ impl Config {
         })
     }
 
-    /// `--max-input-tokens`, or the model context capped for memory and the batch budget.
+    /// `--max-input-tokens`, or the model context capped by the batch budget (which the
+    /// memory plan may lower at load).
     pub fn resolve_max_input_tokens(&self, model_context: usize) -> usize {
-        self.max_input_tokens.unwrap_or_else(|| {
-            model_context
-                .min(DEFAULT_MAX_INPUT_TOKENS_CAP)
-                .min(self.batch.max_batch_tokens)
-                .max(1)
-        })
+        self.max_input_tokens
+            .unwrap_or_else(|| model_context.min(self.batch.max_batch_tokens).max(1))
     }
 }
 
@@ -689,10 +699,7 @@ mod tests {
         assert_eq!(c.device, DeviceSpec::cpu());
         assert_eq!(c.dtype, DType::F32);
         assert_eq!((c.host.as_str(), c.port), ("127.0.0.1", 8000));
-        assert_eq!(
-            c.resolve_max_input_tokens(131072),
-            DEFAULT_MAX_INPUT_TOKENS_CAP
-        );
+        assert_eq!(c.resolve_max_input_tokens(131072), 16384);
         assert_eq!(c.resolve_max_input_tokens(512), 512);
     }
 
@@ -717,6 +724,8 @@ mod tests {
                 "--max-input-tokens",
             ),
             (&["--api-key", ""][..], "--api-key"),
+            (&["--max-memory-gib", "0"][..], "--max-memory-gib"),
+            (&["--max-memory-gib", "NaN"][..], "--max-memory-gib"),
             (
                 &["--reference-model", "x", "--reference-device", "gpu"][..],
                 "--reference-device",

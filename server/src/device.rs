@@ -70,6 +70,20 @@ pub fn memory_capacity(device: &Device) -> Result<Option<u64>> {
     gpu::memory_total(device)
 }
 
+/// The host memory available for new allocations (`MemAvailable` of /proc/meminfo, Linux);
+/// `None` where it cannot be read.
+pub fn host_memory_available() -> Option<u64> {
+    let meminfo = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let kib: u64 = meminfo
+        .lines()
+        .find_map(|l| l.strip_prefix("MemAvailable:"))?
+        .split_whitespace()
+        .next()?
+        .parse()
+        .ok()?;
+    Some(kib * 1024)
+}
+
 /// Hands the memory a GPU's pool kept from freed tensors back to the driver (see
 /// `cuda::release_freed_memory`; nothing on the CPU): the benchmark's peak of one model then
 /// starts from what live tensors hold.

@@ -471,3 +471,80 @@ async fn noise_floor_is_the_kld_of_bf16_arithmetic_on_the_same_windows() {
         s.done.await.unwrap().unwrap();
     }
 }
+
+/// `exactscore kld` over one 2600-token window: its NLL and KLD by position bucket (0–2K,
+/// 2K–8K) equal the same sums of the model library's per-token numbers, and the table shows
+/// them.
+#[tokio::test]
+async fn kld_by_position_equals_a_direct_computation() {
+    use exactscore_client::dataset::{DatasetOptions, DatasetSpec};
+    use exactscore_client::windows::{windows, Method, WindowParams};
+    use exactscore_client::{run_ppl, PplConfig, Task};
+    use exactscore_server::model::{Model, ModelOptions};
+
+    let reference_dir = fixture(REFERENCE);
+    let args = [
+        "--reference-model",
+        reference_dir.to_str().unwrap(),
+        "--max-input-tokens",
+        "4096",
+        "--max-batch-tokens",
+        "4096",
+    ];
+    let server = common::start_dir(&fixture(SERVED), &args).await;
+    let dir = tempfile::tempdir().unwrap();
+    let gz = fixture("corpus").join("wikitext-2-raw-test.txt.gz");
+    let text = exactscore_client::dataset::wikitext2_text(&gz).unwrap();
+    let cut = text.char_indices().nth(20_000).unwrap().0;
+    let path = dir.path().join("long.txt");
+    std::fs::write(&path, &text[..cut]).unwrap();
+    let spec = DatasetSpec::Txt(path);
+    let params = WindowParams {
+        method: Method::Exl3,
+        ctx: 2600,
+        stride: 2600,
+        prefix_token: None,
+        max_windows: Some(1),
+    };
+    let mut config = PplConfig::new(vec![server.base.clone()], spec.clone());
+    config.task = Task::Kld;
+    (config.method, config.ctx, config.stride, config.max_windows) =
+        (params.method, params.ctx, params.stride, params.max_windows);
+    let report = run_ppl(config).await.unwrap();
+
+    let text = exactscore_client::dataset::load(&spec, &DatasetOptions::default())
+        .unwrap()
+        .text;
+    let tok = tokenizers::Tokenizer::from_file(fixture(SERVED).join("tokenizer.json")).unwrap();
+    let ids = tok.encode(text.as_str(), true).unwrap().get_ids().to_vec();
+    let mut opts: ModelOptions = common::load_model_options();
+    opts.max_seq_len = params.ctx;
+    let load = |name| Model::load(&fixture(name), &opts).unwrap();
+    let w = windows(ids.len(), &params).unwrap().remove(0);
+    let d = kld_batch(&load(SERVED), &load(REFERENCE), &[&w.sequence(&ids)]).unwrap();
+    // (tokens, Σ NLL, Σ KLD) of positions 1..2048 and 2048..2600
+    let mut want = [(0usize, 0f64, 0f64); 2];
+    for p in w.scored.clone() {
+        let t = d[0].tokens[p - 1];
+        let b = &mut want[usize::from(p >= 2048)];
+        (b.0, b.1, b.2) = (b.0 + 1, b.1 - t.logprob as f64, b.2 + t.kld);
+    }
+    let got = &report.position_buckets;
+    assert_eq!(got.len(), 2, "{got:?}");
+    for (b, (tokens, nll, kld)) in got.iter().zip(want) {
+        assert_eq!(b.tokens, tokens);
+        let n = tokens as f64;
+        assert!((b.mean_nll - nll / n).abs() <= 1e-9 * (nll / n), "{b:?}");
+        assert!((b.perplexity - (nll / n).exp()).abs() <= 1e-9 * b.perplexity);
+        let mean_kld = b.mean_kld.unwrap();
+        assert!((mean_kld - kld / n).abs() <= 1e-9 * (kld / n), "{b:?}");
+    }
+    assert_eq!((got[0].lower, got[0].upper), (0, Some(2048)));
+    assert_eq!((got[1].lower, got[1].upper), (2048, Some(8192)));
+    let table = report.to_table();
+    for row in ["positions 0–2K", "positions 2K–8K"] {
+        assert!(table.contains(row), "{row} missing from\n{table}");
+    }
+    let json: Value = serde_json::to_value(&report).unwrap();
+    assert_eq!(json["position_buckets"][1]["tokens"], want[1].0);
+}

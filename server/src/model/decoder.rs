@@ -252,6 +252,8 @@ pub struct Model {
     stages: Vec<Stage>,
     /// Gemma scales the embeddings by `sqrt(hidden)`, rounded to the compute dtype.
     embed_scale: Option<f64>,
+    /// How the materialised attention cuts a sequence (no bit depends on it).
+    attention_blocks: ops::AttentionBlocks,
 }
 
 /// A run of consecutive decoder layers on one device: a pipeline stage of the model.
@@ -391,6 +393,7 @@ impl Model {
             lm_head,
             stages,
             embed_scale,
+            attention_blocks: ops::AttentionBlocks::default(),
         };
         model.set_attention(opts.attention)?;
         Ok(model)
@@ -489,6 +492,12 @@ impl Model {
         }
         self.opts.attention = kernel;
         Ok(())
+    }
+
+    /// Cuts the materialised attention into blocks of about `blocks.score_elements` scores
+    /// (the tests show that no bit depends on it).
+    pub fn set_attention_blocks(&mut self, blocks: ops::AttentionBlocks) {
+        self.attention_blocks = blocks;
     }
 
     pub fn config(&self) -> &ModelConfig {
@@ -693,7 +702,8 @@ impl Model {
         // `set_attention` never leaves `Auto` in the options.
         let flash = self.opts.attention == AttentionKernel::Flash;
         let batch = stage("layout", device, || {
-            BatchLayout::new(lens, flash, self.config.head_dim, device)
+            let blocks = self.attention_blocks;
+            BatchLayout::new(lens, flash, blocks, self.config.head_dim, device)
         })?;
         let first = layers.start;
         for i in layers {

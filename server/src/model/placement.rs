@@ -116,13 +116,21 @@ impl ActivationBytes {
         let stream = 4 * t * h * s;
         // q, k, v and the attention output, plus the dequantized q/k/v/o weights.
         let attention_tensors = t * (2 * q + 2 * kv) * s + (2 * q + 2 * kv) * h * s;
-        // One sequence's f32 scores and their probabilities, when materialised. On the CPU the
-        // probabilities are f32 whatever the dtype, after the scores plus an f32 causal mask.
+        // One sequence's f32 scores and their probabilities, when materialised. On the CPU
+        // they are f32 whatever the dtype, one block of query rows at a time (with its rows of
+        // the causal mask), beside f32 copies of q and of k and v repeated to the query heads,
+        // the blocks' outputs and their concatenation: linear in the length.
         let l = max_seq as u64;
         let scores = match (flash, cpu) {
             (true, _) => 0,
             (false, false) => config.num_heads as u64 * l * l * (4 + s),
-            (false, true) => config.num_heads as u64 * l * l * 8 + 4 * l * l,
+            (false, true) => {
+                let blocks = crate::ops::AttentionBlocks::default();
+                let (heads, dim) = (config.num_heads, config.head_dim);
+                let (rows, _) = blocks.shape(heads, max_seq, dim);
+                let block = blocks.block_elements(heads, max_seq, dim) as u64;
+                8 * block + 4 * rows as u64 * l + 4 * l * (5 * q + 2 * kv)
+            }
         };
         // gate, up and their product over one row chunk, plus three dequantized weights.
         let chunk = t.min(super::blocks::MLP_CHUNK as u64);
@@ -224,6 +232,39 @@ fn capacities(devices: &[Device]) -> Result<Option<Vec<u64>>, PlacementError> {
         out.push(total / 100 * 92 / sharing);
     }
     Ok(Some(out))
+}
+
+/// What each stage may hold for the memory plan's check: `limit` (`--max-memory-gib`) or the
+/// device's memory (a GPU's total less 8 %, the host's available memory for the CPU), shared
+/// equally by the stages on one device; `None` where it is unknown.
+pub fn memory_limits(
+    devices: &[Device],
+    limit: Option<u64>,
+) -> Result<Vec<Option<u64>>, PlacementError> {
+    let locations: Vec<_> = devices.iter().map(Device::location).collect();
+    let gpu = capacities(devices)?;
+    let host = crate::device::host_memory_available();
+    Ok(locations
+        .iter()
+        .enumerate()
+        .map(|(k, location)| {
+            let sharing = locations.iter().filter(|l| *l == location).count() as u64;
+            match (limit, &gpu) {
+                (Some(limit), _) => Some(limit / sharing),
+                (None, Some(gpu)) => Some(gpu[k]),
+                (None, None) if devices[k].is_cpu() => host.map(|h| h / sharing),
+                (None, None) => None,
+            }
+        })
+        .collect())
+}
+
+/// The first stage whose expected peak passes its limit (see [`memory_limits`]).
+pub fn first_over(plans: &[StagePlan], limits: &[Option<u64>]) -> Option<usize> {
+    plans
+        .iter()
+        .zip(limits)
+        .position(|(plan, limit)| limit.is_some_and(|l| plan.expected_peak > l))
 }
 
 /// `counts[k]` layers on stage `k`, in order.

@@ -32,7 +32,8 @@ super::gpu_entry_points!(attention {
 ///
 /// GPU: scores in f32 (TF32 tensor cores for bf16/f16 inputs, exact there), then scale, mask
 /// and softmax in one kernel, probabilities in the compute dtype for P·V. CPU: everything in
-/// f32, rounded once at the end.
+/// f32, rounded once at the end, in the query-row and head blocks of `blocks`: memory linear
+/// in `len`, and every output the same bits whatever the blocks (see [`AttentionBlocks`]).
 pub fn causal_attention(
     q: &Tensor,
     k: &Tensor,
@@ -40,6 +41,7 @@ pub fn causal_attention(
     scale: f64,
     softcap: Option<f64>,
     window: Option<usize>,
+    blocks: AttentionBlocks,
 ) -> Result<Tensor> {
     let dtype = q.dtype();
     if q.device().is_cuda() {
@@ -62,36 +64,132 @@ pub fn causal_attention(
         k.to_dtype(DType::F32)?,
         v.to_dtype(DType::F32)?,
     );
+    let (_, heads, len, dim) = q.dims4()?;
+    let (rows, group) = blocks.shape(heads, len, dim);
+    let mut head_blocks = Vec::with_capacity(heads.div_ceil(group));
+    for h0 in (0..heads).step_by(group) {
+        let g = group.min(heads - h0);
+        let (q, k, v) = (
+            q.narrow(1, h0, g)?,
+            k.narrow(1, h0, g)?,
+            v.narrow(1, h0, g)?,
+        );
+        let mut row_blocks = Vec::with_capacity(len.div_ceil(rows));
+        for start in (0..len).step_by(rows) {
+            let end = len.min(start + rows);
+            // A short last block takes earlier rows along (computed twice, kept once): fewer
+            // rows than `min_block_rows` would take other GEMM kernels, other bits.
+            let first = start.min(end.saturating_sub(blocks.min_rows(len, dim)));
+            let q = q.narrow(2, first, end - first)?.contiguous()?;
+            let out = attend_rows(&q, &k, &v, first..end, scale, softcap, window)?;
+            row_blocks.push(out.narrow(2, start - first, end - start)?);
+        }
+        head_blocks.push(Tensor::cat(&row_blocks, 2)?);
+    }
+    Tensor::cat(&head_blocks, 1)?.to_dtype(dtype)
+}
+
+/// The CPU attention of the query rows `rows` (`q`: `[1, heads, rows, head_dim]`, f32) over all
+/// `len` keys of `k`, `v`; the keys after a row are masked, not cut, so that P·V sums over the
+/// same depth, in the same blocks, as for the whole sequence.
+fn attend_rows(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    rows: std::ops::Range<usize>,
+    scale: f64,
+    softcap: Option<f64>,
+    window: Option<usize>,
+) -> Result<Tensor> {
     let mut scores = (q.matmul(&k.t()?)? * scale)?;
     if let Some(cap) = softcap {
         scores = soft_cap(&scores, cap)?;
     }
-    let mask = causal_mask(q.dims()[2], window, q.device())?;
-    // Each `[heads, T, T]` tensor is freed once the next exists, so at most two are alive
+    let mask = causal_mask_rows(rows, k.dims()[2], window, q.device())?;
+    // Each `[heads, rows, len]` tensor is freed once the next exists, so at most two are alive
     // (plus the mask): the peak `ActivationBytes::estimate` counts. Keeping `scores` alive
     // through the softmax made three (3469 MiB against 2195 estimated for 2 × 8192 tokens).
     let masked = scores.broadcast_add(&mask)?;
     drop((scores, mask));
     let probs = candle_nn::ops::softmax_last_dim(&masked)?;
     drop(masked);
-    probs.matmul(&v)?.to_dtype(dtype)
+    probs.matmul(v)
+}
+
+/// How the CPU attention of one sequence is cut: blocks of query rows (all heads, or for very
+/// long sequences a group of heads) whose `[heads, rows, len]` f32 scores hold about
+/// `score_elements` floats, so that its memory grows linearly with the length. Each query
+/// row's scores, softmax and P·V are the same operations on the same numbers in any block:
+/// the CPU GEMM sums each output in an order that depends on its depth alone once a call has
+/// [`super::gemm::cpu_rows`] rows (a block never has fewer), and the softmax works row by
+/// row; so the blocks change no bit (`server/tests/long_context.rs`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct AttentionBlocks {
+    pub score_elements: usize,
+}
+
+impl Default for AttentionBlocks {
+    /// 2^22 scores: 16 MiB of f32 per `[heads, rows, len]` tensor, under glibc's 32 MiB mmap
+    /// threshold, so a block reuses the heap instead of faulting fresh pages in (2^24: 15 %
+    /// more CPU time and 95 MiB more at 8192 tokens of the tiny fixture).
+    fn default() -> Self {
+        Self {
+            score_elements: 1 << 22,
+        }
+    }
+}
+
+impl AttentionBlocks {
+    /// (query rows, heads) per block for `heads` heads of `len` tokens of `head_dim`.
+    pub fn shape(self, heads: usize, len: usize, head_dim: usize) -> (usize, usize) {
+        let min_rows = self.min_rows(len, head_dim);
+        let all_heads = self.score_elements / (heads * len).max(1);
+        if all_heads >= min_rows {
+            return (all_heads.min(len), heads);
+        }
+        let rows = (self.score_elements / len.max(1)).clamp(min_rows.min(len), len.max(1));
+        let group = (self.score_elements / (rows * len).max(1)).clamp(1, heads.max(1));
+        (rows, group)
+    }
+
+    /// The fewest query rows of a block of a `len`-token sequence: both products (scores:
+    /// `len` outputs over depth `head_dim`; P·V: `head_dim` outputs over depth `len`) take the
+    /// CPU GEMM's general kernel.
+    pub fn min_rows(self, len: usize, head_dim: usize) -> usize {
+        super::gemm::cpu_rows(len, head_dim).max(super::gemm::cpu_rows(head_dim, len))
+    }
+
+    /// The f32 elements of the largest `[heads, rows, len]` tensor of a block.
+    pub fn block_elements(self, heads: usize, len: usize, head_dim: usize) -> usize {
+        let (rows, group) = self.shape(heads, len, head_dim);
+        rows * group * len
+    }
 }
 
 /// `[len, len]` additive mask: 0 where key j is visible from query i, -inf elsewhere.
 pub fn causal_mask(len: usize, window: Option<usize>, device: &Device) -> Result<Tensor> {
+    causal_mask_rows(0..len, len, window, device)
+}
+
+/// The rows `rows` of [`causal_mask`] of a `len`-token sequence: `[rows, len]`.
+pub fn causal_mask_rows(
+    rows: std::ops::Range<usize>,
+    len: usize,
+    window: Option<usize>,
+    device: &Device,
+) -> Result<Tensor> {
     let window = window.unwrap_or(usize::MAX);
-    let mask: Vec<f32> = (0..len)
-        .flat_map(|i| {
-            (0..len).map(move |j| {
-                if j <= i && i - j < window {
-                    0.0
-                } else {
-                    f32::NEG_INFINITY
-                }
-            })
-        })
-        .collect();
-    Tensor::from_vec(mask, (len, len), device)
+    let count = rows.len();
+    // Row i sees keys i + 1 - min(window, i + 1) ..= i. Filled in runs: a long sequence's mask
+    // rows are most of what the attention writes besides its scores.
+    let mut mask = Vec::with_capacity(count * len);
+    for i in rows {
+        let seen = window.min(i + 1);
+        mask.resize(mask.len() + i + 1 - seen, f32::NEG_INFINITY);
+        mask.resize(mask.len() + seen, 0.0);
+        mask.resize(mask.len() + len - i - 1, f32::NEG_INFINITY);
+    }
+    Tensor::from_vec(mask, (count, len), device)
 }
 
 /// `cap * tanh(x / cap)` (Gemma's soft-capping), in `x`'s dtype.
@@ -262,5 +360,87 @@ impl FlashOptions {
             window: None,
             tiling: FlashTiling::sync_for(head_dim),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Blocks of any size give the unblocked path's bits, for lengths on both sides of the
+    /// GEMM's small-kernel thresholds and of its 512-deep blocks, with a window and soft-capping.
+    #[test]
+    fn the_blocks_change_no_bit() -> Result<()> {
+        let dev = &Device::Cpu;
+        let whole = AttentionBlocks {
+            score_elements: usize::MAX,
+        };
+        for (heads, len, dim, window, softcap) in [
+            (4, 1, 16, None, None),
+            (4, 70, 16, None, None),
+            (3, 300, 64, Some(50), None),
+            (2, 1100, 16, None, Some(30.0)),
+            (4, 1300, 64, Some(700), None),
+        ] {
+            let q = Tensor::randn(0f32, 1.0, (1, heads, len, dim), dev)?;
+            let k = Tensor::randn(0f32, 1.0, (1, heads, len, dim), dev)?;
+            let v = Tensor::randn(0f32, 1.0, (1, heads, len, dim), dev)?;
+            let scale = 1.0 / (dim as f64).sqrt();
+            let attend = |blocks| causal_attention(&q, &k, &v, scale, softcap, window, blocks);
+            let want = attend(whole)?.flatten_all()?.to_vec1::<f32>()?;
+            let mut shapes = Vec::new();
+            for elements in [1, 65 * len, 100 * len, 2 * 100 * len, heads * 97 * len] {
+                let blocks = AttentionBlocks {
+                    score_elements: elements,
+                };
+                shapes.push(blocks.shape(heads, len, dim));
+                let got = attend(blocks)?.flatten_all()?.to_vec1::<f32>()?;
+                let same = got
+                    .iter()
+                    .zip(&want)
+                    .all(|(a, b)| a.to_bits() == b.to_bits());
+                assert!(same, "heads {heads} len {len} blocks {:?}", shapes.last());
+            }
+            if len > 300 {
+                // rows and head groups both cut
+                assert!(
+                    shapes.iter().any(|&(r, g)| r < len && g < heads),
+                    "{shapes:?}"
+                );
+            }
+        }
+        Ok(())
+    }
+
+    /// The mask rows are the definition: 0 where `j <= i` and `i - j < window`, else -inf.
+    #[test]
+    fn mask_rows_follow_the_definition() -> Result<()> {
+        for (len, window, rows) in [(1, None, 0..1), (9, None, 3..9), (12, Some(4), 0..12)] {
+            let got = causal_mask_rows(rows.clone(), len, window, &Device::Cpu)?;
+            let got = got.to_vec2::<f32>()?;
+            for (r, i) in rows.enumerate() {
+                for (j, &value) in got[r].iter().enumerate() {
+                    let visible = j <= i && i - j < window.unwrap_or(usize::MAX);
+                    let want = if visible { 0.0 } else { f32::NEG_INFINITY };
+                    assert_eq!(value, want, "len {len} window {window:?} ({i}, {j})");
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// The fewest rows of a block follow the GEMM's kernel thresholds.
+    #[test]
+    fn block_rows_follow_the_gemm_thresholds() {
+        let blocks = AttentionBlocks {
+            score_elements: 4 * 100 * 201,
+        };
+        assert_eq!(blocks.shape(4, 201, 64), (100, 4));
+        // P·V over more than 512 keys into 64 outputs: the 512-deep small kernel below 65 rows
+        assert_eq!(blocks.min_rows(201, 64), 5);
+        assert_eq!(blocks.min_rows(1000, 64), 65);
+        assert_eq!(blocks.min_rows(10, 64), 26);
+        let tight = AttentionBlocks { score_elements: 1 };
+        assert_eq!(tight.shape(4, 1000, 64), (65, 1));
     }
 }

@@ -57,9 +57,14 @@ pub fn dataset(dir: &Path) -> exactscore_client::dataset::DatasetSpec {
 
 /// A fixture model as the server loads it by default (f32, CPU, activation QDQ emulated).
 pub fn load_model(variant: &str) -> exactscore_server::model::Model {
-    use exactscore_server::model::{Model, ModelOptions};
+    exactscore_server::model::Model::load(&fixture(variant), &load_model_options()).unwrap()
+}
+
+/// The options of [`load_model`]: sequences of up to 512 tokens.
+pub fn load_model_options() -> exactscore_server::model::ModelOptions {
+    use exactscore_server::model::ModelOptions;
     use exactscore_server::quant::{ActivationQuantMode, LinearOptions};
-    let opts = ModelOptions {
+    ModelOptions {
         linear: LinearOptions {
             device: candle_core::Device::Cpu,
             dtype: candle_core::DType::F32,
@@ -67,8 +72,7 @@ pub fn load_model(variant: &str) -> exactscore_server::model::Model {
         },
         max_seq_len: 512,
         attention: Default::default(),
-    };
-    Model::load(&fixture(variant), &opts).unwrap()
+    }
 }
 
 pub struct Running {

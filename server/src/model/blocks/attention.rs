@@ -146,7 +146,7 @@ impl Attention {
         let out = match &batch.flash {
             Some(index) => self.flash_attend(q, k, v, index, rope)?,
             None => stage("attention", dev, || {
-                self.attend_each_sequence(&q, &k, &v, &batch.lens, rope)
+                self.attend_each_sequence(&q, &k, &v, batch, rope)
             })?,
         };
         let out = match gate {
@@ -198,12 +198,12 @@ impl Attention {
         q: &Tensor,
         k: &Tensor,
         v: &Tensor,
-        lens: &[usize],
+        batch: &BatchLayout,
         rope: &RopeTables,
     ) -> Result<Tensor> {
-        let mut outputs = Vec::with_capacity(lens.len());
+        let mut outputs = Vec::with_capacity(batch.lens.len());
         let mut offset = 0;
-        for &len in lens {
+        for &len in &batch.lens {
             let q = self.heads(
                 &q.narrow(0, offset, len)?,
                 self.num_heads,
@@ -217,7 +217,7 @@ impl Attention {
                 Some(rope),
             )?;
             let v = self.heads(&v.narrow(0, offset, len)?, self.num_kv_heads, None, None)?;
-            outputs.push(self.attend(&q, &k, &v)?);
+            outputs.push(self.attend(&q, &k, &v, batch.blocks)?);
             offset += len;
         }
         Tensor::cat(&outputs, 0)
@@ -291,7 +291,13 @@ impl Attention {
 
     /// Causal softmax attention for one sequence (see [`ops::causal_attention`]); returns
     /// `[len, heads * head_dim]`.
-    fn attend(&self, q: &Tensor, k: &Tensor, v: &Tensor) -> Result<Tensor> {
+    fn attend(
+        &self,
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        blocks: ops::AttentionBlocks,
+    ) -> Result<Tensor> {
         let (_, heads, len, dim) = q.dims4()?;
         let group = heads / self.num_kv_heads;
         // GQA: query head h reads kv head h / group.
@@ -305,7 +311,8 @@ impl Attention {
         };
         let (k, v) = (repeat(k)?, repeat(v)?);
         let scale = 1.0 / self.query_scalar.sqrt();
-        ops::causal_attention(q, &k, &v, scale, self.softcap, self.sliding_window)?
+        let window = self.sliding_window;
+        ops::causal_attention(q, &k, &v, scale, self.softcap, window, blocks)?
             .transpose(1, 2)?
             .reshape((len, heads * dim))
     }
@@ -314,6 +321,8 @@ impl Attention {
 /// Where the sequences of a batch lie on the concatenated token axis.
 pub struct BatchLayout {
     lens: Vec<usize>,
+    /// How the materialised path cuts each sequence's attention.
+    blocks: ops::AttentionBlocks,
     /// Present when attention runs through the flash kernel, which reads the layout from the
     /// device.
     flash: Option<FlashIndex>,
@@ -326,10 +335,17 @@ impl BatchLayout {
     }
 
     /// Sequences of lengths `lens` on `device`; `flash`: attention runs through the flash
-    /// kernel (for heads of `head_dim`).
-    pub fn new(lens: &[usize], flash: bool, head_dim: usize, device: &Device) -> Result<Self> {
+    /// kernel (for heads of `head_dim`), else in `blocks`.
+    pub fn new(
+        lens: &[usize],
+        flash: bool,
+        blocks: ops::AttentionBlocks,
+        head_dim: usize,
+        device: &Device,
+    ) -> Result<Self> {
         Ok(Self {
             lens: lens.to_vec(),
+            blocks,
             flash: flash
                 .then(|| FlashIndex::new(lens, head_dim, device))
                 .transpose()?,
