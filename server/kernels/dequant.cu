@@ -7,10 +7,13 @@
 
 // ---- dequantization: one thread per packed word / byte -------------------------------------
 
-// pack-quantized int4/int8: w = (q - zp) * scale. `zps` may be null (symmetric).
+// pack-quantized int4/int8: w = (q - zp) * scale. `zps` may be null (symmetric). Column c
+// takes the scale and zero point of group c / group, or g_idx[c] (act-order) where `g_idx` is
+// not null; `groups` per row.
 template <typename T>
 __device__ void dequant_int(const int32_t* packed, const float* scales, const int32_t* zps, T* out,
-                            int rows, int cols, int words_per_row, int bits, int group) {
+                            int rows, int cols, int words_per_row, int bits, int group,
+                            const uint32_t* g_idx, int groups) {
     long idx = (long)blockIdx.x * blockDim.x + threadIdx.x;
     if (idx >= (long)rows * words_per_row) return;
     int r = idx / words_per_row;
@@ -19,11 +22,10 @@ __device__ void dequant_int(const int32_t* packed, const float* scales, const in
     int per = 32 / bits;
     uint32_t mask = (1u << bits) - 1;
     int offset = 1 << (bits - 1);
-    int groups = cols / group;
     for (int i = 0; i < per; ++i) {
         int c = w * per + i;
         if (c >= cols) break;
-        int g = r * groups + c / group;
+        int g = r * groups + (g_idx ? (int)g_idx[c] : c / group);
         int q = (int)((word >> (i * bits)) & mask) - offset;
         int zp = zps ? zps[g] : 0;
         out[(long)r * cols + c] = from_f32<T>((float)(q - zp) * scales[g]);
@@ -180,8 +182,9 @@ __device__ void qdq_nvfp4(const T* x, T* out, long groups, float global_scale) {
 
 #define DEQUANT_ENTRIES(SUFFIX, T)                                                                 \
     extern "C" __global__ void dequant_int_##SUFFIX(const int32_t* p, const float* s, const int32_t* z, \
-                                                    T* o, int rows, int cols, int wpr, int bits, int g) { \
-        dequant_int<T>(p, s, z, o, rows, cols, wpr, bits, g);                                      \
+                                                    T* o, int rows, int cols, int wpr, int bits, int g, \
+                                                    const uint32_t* gi, int groups) {              \
+        dequant_int<T>(p, s, z, o, rows, cols, wpr, bits, g, gi, groups);                          \
     }                                                                                              \
     extern "C" __global__ void dequant_int4_words_##SUFFIX(const int32_t* p, const float* s, const int32_t* z, \
                                                            T* o, int rows, int cols, int g) {      \

@@ -14,10 +14,12 @@ use super::{
 
 /// pack-quantized int4/int8 → `[rows, cols]` in `dtype`. `scales`: f32 `[rows, groups]`;
 /// `zero_points`: i32 `[rows, groups]` or `None` (symmetric).
+#[allow(clippy::too_many_arguments)]
 pub fn dequant_int(
     codes: &Tensor,
     scales: &Tensor,
     zero_points: Option<&Tensor>,
+    g_idx: Option<&Tensor>,
     (rows, cols): (usize, usize),
     bits: usize,
     group: usize,
@@ -25,14 +27,22 @@ pub fn dequant_int(
 ) -> Result<Tensor> {
     let words_per_row = codes.dims()[1];
     let per = 32 / bits;
-    // Fast kernel when each int32 word lies inside one group (every real model).
-    let words_kernel = group.is_multiple_of(per) && cols.is_multiple_of(per);
+    // Fast kernel when each int32 word lies inside one group (every real model without
+    // act-order).
+    let words_kernel = g_idx.is_none() && group.is_multiple_of(per) && cols.is_multiple_of(per);
+    let groups = scales.dims()[1] as i32;
+    // act-order: the group of each column, u32 on the device (or a null pointer)
+    let g_idx = g_idx
+        .map(|g| g.to_dtype(DType::U32)?.contiguous())
+        .transpose()?;
     let name = match (words_kernel, bits) {
         (true, 4) => kernel_name("dequant_int4_words", dtype),
         (true, _) => kernel_name("dequant_int8_words", dtype),
         (false, _) => kernel_name("dequant_int", dtype),
     };
-    let launch = |zp: Option<(&CudaSlice<i32>, usize)>| -> Result<Tensor> {
+    let launch = |zp: Option<(&CudaSlice<i32>, usize)>,
+                  gi: Option<(&CudaSlice<u32>, usize)>|
+     -> Result<Tensor> {
         with_slice::<i32, _>(codes, |codes, co, dev| {
             with_slice::<f32, _>(scales, |scales, so, _| {
                 with_float_type!(dtype, T => {
@@ -56,6 +66,14 @@ pub fn dequant_int(
                         b.arg(&w).arg(&bi);
                     }
                     b.arg(&g);
+                    let gi_view = gi.map(|(g, go)| g.slice(go..));
+                    if !words_kernel {
+                        match &gi_view {
+                            Some(gi) => b.arg(gi),
+                            None => b.arg(&null),
+                        };
+                        b.arg(&groups);
+                    }
                     let config = if words_kernel {
                         grid_row_items(rows, words_per_row)
                     } else {
@@ -68,9 +86,13 @@ pub fn dequant_int(
             })
         })
     };
+    let with_g_idx = |zp: Option<(&CudaSlice<i32>, usize)>| match &g_idx {
+        Some(g) => with_slice::<u32, _>(g, |gi, go, _| launch(zp, Some((gi, go)))),
+        None => launch(zp, None),
+    };
     match zero_points {
-        Some(zp) => with_slice::<i32, _>(zp, |z, zo, _| launch(Some((z, zo)))),
-        None => launch(None),
+        Some(zp) => with_slice::<i32, _>(zp, |z, zo, _| with_g_idx(Some((z, zo)))),
+        None => with_g_idx(None),
     }
 }
 

@@ -17,6 +17,7 @@ super::gpu_entry_points!(dequant {
         codes: &Tensor,
         scales: &Tensor,
         zero_points: Option<&Tensor>,
+        g_idx: Option<&Tensor>,
         shape: (usize, usize),
         bits: usize,
         group: usize,
@@ -163,11 +164,13 @@ pub fn activation_qdq(x: &Tensor, qdq: &ActivationQdq) -> Result<Tensor> {
 
 /// A quantized weight's tensors as its GPU dequantization kernel reads them.
 pub enum Packed<'a> {
-    /// pack-quantized int4/int8 words, f32 scales `[out, groups]`, i32 zero points.
+    /// pack-quantized int4/int8 words, f32 scales `[out, groups]`, i32 zero points; with
+    /// act-order, the group of each input column (`g_idx`, u32 `[in]`) instead of `c / group`.
     Int {
         codes: &'a Tensor,
         scale: &'a Tensor,
         zero_point: Option<&'a Tensor>,
+        g_idx: Option<&'a Tensor>,
         bits: usize,
         group: usize,
     },
@@ -207,9 +210,10 @@ pub fn dequantize(
             codes,
             scale,
             zero_point,
+            g_idx,
             bits,
             group,
-        } => gpu::dequant_int(codes, scale, zero_point, shape, bits, group, dtype),
+        } => gpu::dequant_int(codes, scale, zero_point, g_idx, shape, bits, group, dtype),
         Packed::Nvfp4 {
             packed,
             scale,
@@ -254,10 +258,12 @@ fn gpu_ints<'a>(
     let mut ints = Vec::with_capacity(packed.len());
     let mut format = None;
     for p in packed {
+        // act-order weights take one launch each (the stacked kernels read `c / group`)
         let Some(Packed::Int {
             codes,
             scale,
             zero_point,
+            g_idx: None,
             bits,
             group,
         }) = p

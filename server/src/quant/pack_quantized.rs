@@ -319,14 +319,11 @@ impl QuantizedWeight for IntWeight {
     }
 
     fn packed(&self) -> Option<Packed<'_>> {
-        // No GPU kernel reads a per-column group yet: act-order weights take the reference.
-        if self.g_idx.is_some() {
-            return None;
-        }
         Some(Packed::Int {
             codes: &self.codes,
             scale: &self.scale,
             zero_point: self.zero_point.as_ref(),
+            g_idx: self.g_idx.as_ref(),
             bits: self.bits,
             group: self.group,
         })

@@ -513,6 +513,11 @@ const CHECKED: &[&str] = &[
     "llama-nvfp4a16",
     "llama-nvfp4",
     "llama-fp8-dynamic",
+    // native GPTQ (held as pack-quantized int), act-order (g_idx), MXFP4 (as NVFP4 scales)
+    "llama-gptq-int4-g128",
+    "llama-gptq-v2-int3-actorder-asym",
+    "llama-w4a16-actorder-g64",
+    "llama-mxfp4a16",
     "qwen3moe-w4a16-g32",
     "qwen3moe-fp8-dynamic",
     "qwen3moe-nvfp4",
@@ -522,7 +527,7 @@ const CHECKED: &[&str] = &[
     "gemma3-nvfp4a16",
     "gemma2-dense-bf16",
     "gemma2-w4a16-g32",
-    // Qwen3.5 / Qwen3.5-MoE / Qwen3-Next: fail on a GPU until the linear-attention kernels land
+    // Qwen3.5 / Qwen3.5-MoE / Qwen3-Next (hybrid linear attention)
     "qwen3_5-w4a16-g32",
     "qwen3_5-w4a16-g32-linattn",
     "qwen3_5-nvfp4",
