@@ -22,6 +22,7 @@ pub mod profile;
 pub mod qwen3_next;
 pub mod rope;
 pub mod scoring;
+pub mod stored_kld;
 
 pub use crate::checkpoint::LoadError;
 pub use crate::ops::causal_mask;
