@@ -31,3 +31,4 @@ pub use decoder::{AttentionKernel, Model, ModelOptions, ScoreInput};
 pub use diff::{diff_batch, DiffOptions, LayerError, SequenceDiff};
 pub use kld::{kld_batch, SequenceKld, TokenKld};
 pub use scoring::{RowScore, SequenceScores};
+pub use stored_kld::{StoredOutput, StoredRequest};

@@ -187,3 +187,131 @@ pub fn bounded_kld(row: &StoredRow<'_>, tail: &TailSet, served: &ServedTail) -> 
         same_top: row.ids.first() == Some(&served.argmax),
     }
 }
+
+/// A stored reference for one sequence: `k` entries a row for the positions `start..start +
+/// rows` (each predicting a known token), row-major.
+#[derive(Debug, Clone, PartialEq)]
+pub struct StoredSequence {
+    pub start: usize,
+    pub k: usize,
+    pub ids: Vec<u32>,
+    pub logprobs: Vec<f32>,
+    pub tail_logmass: Vec<f32>,
+}
+
+impl StoredSequence {
+    pub fn row(&self, i: usize) -> StoredRow<'_> {
+        let at = i * self.k..(i + 1) * self.k;
+        StoredRow {
+            ids: &self.ids[at.clone()],
+            logprobs: &self.logprobs[at],
+            tail_logmass: self.tail_logmass[i],
+        }
+    }
+
+    pub fn rows(&self) -> usize {
+        self.tail_logmass.len()
+    }
+}
+
+/// What a scoring pass computes at each position beyond the log-probabilities of `/score`.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub enum StoredRequest {
+    #[default]
+    None,
+    /// The reference's side: its `k` most likely tokens and its tail's log-mass
+    /// (`/reference`).
+    Save { k: usize },
+    /// The served model bounded against a stored reference (`/kld/stored`).
+    Bound(std::sync::Arc<StoredSequence>),
+}
+
+impl StoredRequest {
+    pub const NONE: &'static StoredRequest = &StoredRequest::None;
+}
+
+/// What [`StoredRequest`] yields for one sequence: a reference row per position that predicts
+/// a known token, or a bound per stored row.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub enum StoredOutput {
+    #[default]
+    None,
+    Reference(Vec<crate::ops::ReferenceRow>),
+    Bounded(Vec<BoundedKld>),
+}
+
+impl StoredOutput {
+    /// The first row holding a NaN (an infinity is a valid bound or tail log-mass).
+    pub fn first_nan(&self) -> Option<usize> {
+        match self {
+            StoredOutput::None => None,
+            StoredOutput::Reference(rows) => rows
+                .iter()
+                .position(|r| r.logprobs.iter().any(|v| !v.is_finite()) || r.tail_logmass.is_nan()),
+            StoredOutput::Bounded(rows) => rows.iter().position(|b| {
+                [b.top_k, b.estimate, b.lower, b.upper]
+                    .iter()
+                    .any(|v| v.is_nan())
+                    || !b.logprob.is_finite()
+            }),
+        }
+    }
+}
+
+/// The stored-reference rows of one chunk of logits `[rows, vocab]` whose rows are the
+/// positions `start..start + rows` of a sequence (`targets`: their next tokens).
+pub fn stored_rows(
+    request: &StoredRequest,
+    logits: &candle_core::Tensor,
+    start: usize,
+    targets: &[u32],
+    out: &mut StoredOutput,
+) -> candle_core::Result<()> {
+    let vocab = logits.dim(1)?;
+    // The chunk may end with the last position, which predicts nothing known.
+    let logits = logits.narrow(0, 0, targets.len())?;
+    match (request, out) {
+        (StoredRequest::None, _) => {}
+        (StoredRequest::Save { k }, StoredOutput::Reference(rows)) => {
+            rows.extend(crate::ops::reference_rows(&logits, *k)?);
+        }
+        (StoredRequest::Bound(stored), StoredOutput::Bounded(rows)) => {
+            // The positions of this chunk that the stored rows cover.
+            let first = start.max(stored.start);
+            let end = (start + targets.len()).min(stored.start + stored.rows());
+            if first >= end {
+                return Ok(());
+            }
+            let logits = logits.narrow(0, first - start, end - first)?;
+            let targets = &targets[first - start..end - start];
+            let stored_rows: Vec<StoredRow<'_>> =
+                (first..end).map(|i| stored.row(i - stored.start)).collect();
+            let tails: Vec<TailSet> = stored_rows.iter().map(|r| r.tail_set(vocab)).collect();
+            let ids: Vec<&[u32]> = stored_rows.iter().map(|r| r.ids).collect();
+            let budgets: Vec<TailBudget> = tails.iter().map(TailSet::budget).collect();
+            let served = crate::ops::served_tail_rows(&logits, &ids, targets, &budgets)?;
+            rows.extend(
+                stored_rows
+                    .iter()
+                    .zip(&tails)
+                    .zip(&served)
+                    .map(|((row, tail), served)| bounded_kld(row, tail, served)),
+            );
+        }
+        (_, out) => {
+            candle_core::bail!("stored-reference output {out:?} does not match its request")
+        }
+    }
+    Ok(())
+}
+
+impl StoredRequest {
+    /// The empty output this request fills.
+    pub fn output(&self) -> StoredOutput {
+        match self {
+            StoredRequest::None => StoredOutput::None,
+            StoredRequest::Save { .. } => StoredOutput::Reference(Vec::new()),
+            StoredRequest::Bound(_) => StoredOutput::Bounded(Vec::new()),
+        }
+    }
+}
