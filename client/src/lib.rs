@@ -12,6 +12,7 @@ pub mod http;
 pub mod kld;
 pub mod plot;
 pub mod progress;
+pub mod reference;
 pub mod report;
 pub mod resolve;
 pub mod runner;
