@@ -10,6 +10,7 @@ pub mod diff;
 pub mod fingerprint;
 pub mod http;
 pub mod kld;
+pub mod llamacpp;
 pub mod plot;
 pub mod progress;
 pub mod reference;

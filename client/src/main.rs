@@ -140,6 +140,14 @@ struct KldArgs {
     /// dataset, windows or tokenizer differ from this run's.
     #[arg(long, conflicts_with = "noise_floor_server")]
     reference_file: Option<PathBuf>,
+    /// Score against a llama.cpp `--kl-divergence-base` file (llama.cpp's own windows: its
+    /// chunks of n_ctx tokens, second halves scored; --dataset and --ctx are not used), each
+    /// row kept as its --k likeliest tokens and the mass of the rest.
+    #[arg(long, conflicts_with_all = ["noise_floor_server", "reference_file"])]
+    llama_cpp_base: Option<PathBuf>,
+    /// With --llama-cpp-base: tokens of each row scored exactly.
+    #[arg(long, default_value_t = 64, requires = "llama_cpp_base")]
+    k: usize,
 }
 
 #[derive(Subcommand)]
@@ -158,6 +166,18 @@ struct ReferenceSaveArgs {
     /// Most likely tokens kept per position.
     #[arg(long, default_value_t = 64)]
     k: usize,
+    /// `exactscore`: the stored reference above; `llama-cpp`: llama.cpp's
+    /// `--kl-divergence-base` file, with llama.cpp's windows (non-overlapping chunks of --ctx
+    /// tokens, --max-windows as its --chunks, second halves scored) and every token of each row
+    /// (--k unused).
+    #[arg(long, value_enum, default_value_t = ReferenceFormat::Exactscore)]
+    format: ReferenceFormat,
+}
+
+#[derive(Clone, Copy, clap::ValueEnum)]
+enum ReferenceFormat {
+    Exactscore,
+    LlamaCpp,
 }
 
 #[derive(Args)]
@@ -313,6 +333,18 @@ fn run_config(args: &PplArgs) -> anyhow::Result<PplConfig> {
 async fn reference_save(args: ReferenceSaveArgs) -> anyhow::Result<()> {
     anyhow::ensure!(args.k >= 1, "--k must be at least 1");
     let cfg = run_config(&args.run)?;
+    if let ReferenceFormat::LlamaCpp = args.format {
+        let file = exactscore_client::llamacpp::save_base(&cfg, &args.file).await?;
+        outln!(
+            "wrote {}: llama.cpp base, n_ctx {}, {} chunks, {} rows, {} bytes",
+            args.file.display(),
+            file.n_ctx,
+            file.n_chunk,
+            file.rows(),
+            std::fs::metadata(&args.file)?.len()
+        );
+        return Ok(());
+    }
     let file = exactscore_client::reference::save(&cfg, args.k, &args.file).await?;
     let rows: usize = file.header.layout.iter().map(|w| w.rows).sum();
     let bytes = std::fs::metadata(&args.file)?.len();
@@ -329,6 +361,19 @@ async fn stored_kld(args: PplArgs, path: &std::path::Path) -> anyhow::Result<()>
     let cfg = run_config(&args)?;
     let file = exactscore_client::reference::ReferenceFile::read(path)?;
     let report = exactscore_client::reference::kld(&cfg, &file).await?;
+    out!("{}", report.to_table());
+    if let Some(path) = args.json {
+        let s = serde_json::to_string_pretty(&report)?;
+        std::fs::write(&path, s).with_context(|| format!("writing {}", path.display()))?;
+    }
+    Ok(())
+}
+
+async fn llama_cpp_kld(args: PplArgs, path: &std::path::Path, k: usize) -> anyhow::Result<()> {
+    anyhow::ensure!(k >= 1, "--k must be at least 1");
+    let cfg = run_config(&args)?;
+    let file = exactscore_client::llamacpp::BaseFile::read(path)?;
+    let report = exactscore_client::llamacpp::kld_base(&cfg, &file, k).await?;
     out!("{}", report.to_table());
     if let Some(path) = args.json {
         let s = serde_json::to_string_pretty(&report)?;
@@ -555,9 +600,10 @@ async fn score(args: ScoreArgs) -> anyhow::Result<()> {
 async fn run(cli: Cli) -> anyhow::Result<()> {
     match cli.command {
         Command::Ppl(a) => ppl(a, Task::Ppl, None).await,
-        Command::Kld(a) => match a.reference_file {
-            Some(file) => stored_kld(a.run, &file).await,
-            None => ppl(a.run, Task::Kld, a.noise_floor_server).await,
+        Command::Kld(a) => match (a.reference_file, a.llama_cpp_base) {
+            (Some(file), _) => stored_kld(a.run, &file).await,
+            (_, Some(base)) => llama_cpp_kld(a.run, &base, a.k).await,
+            _ => ppl(a.run, Task::Kld, a.noise_floor_server).await,
         },
         Command::Reference(ReferenceCommand::Save(a)) => reference_save(a).await,
         Command::Compare(a) => compare(a),

@@ -229,6 +229,16 @@ impl Header {
 }
 
 /// The dataset, windows and tokenizer of a run against `client`'s server.
+/// A client of `config`'s first server.
+pub fn connect(config: &PplConfig) -> anyhow::Result<Client> {
+    Ok(Client::new(crate::http::ClientConfig {
+        api_key: config.api_key.clone(),
+        timeout: config.timeout,
+        retry: config.retry.clone(),
+        ..crate::http::ClientConfig::new(first_server(config)?)
+    })?)
+}
+
 async fn prepare_run(
     config: &PplConfig,
     client: &Client,
@@ -262,12 +272,7 @@ async fn prepare_run(
 
 /// `exactscore reference save`: the server's model over `config`'s windows, `k` tokens a row.
 pub async fn save(config: &PplConfig, k: usize, path: &Path) -> anyhow::Result<ReferenceFile> {
-    let client = Client::new(crate::http::ClientConfig {
-        api_key: config.api_key.clone(),
-        timeout: config.timeout,
-        retry: config.retry.clone(),
-        ..crate::http::ClientConfig::new(first_server(config)?)
-    })?;
+    let client = connect(config)?;
     let info = client.info().await?;
     let (key, windows) = prepare_run(config, &client, &info).await?;
     let mut stored = Vec::with_capacity(windows.len());
@@ -368,12 +373,7 @@ impl StoredKldReport {
 /// Scores `config`'s server against the stored reference `file`, refusing a file whose
 /// dataset, windows or tokenizer differ from this run's.
 pub async fn kld(config: &PplConfig, file: &ReferenceFile) -> anyhow::Result<StoredKldReport> {
-    let client = Client::new(crate::http::ClientConfig {
-        api_key: config.api_key.clone(),
-        timeout: config.timeout,
-        retry: config.retry.clone(),
-        ..crate::http::ClientConfig::new(first_server(config)?)
-    })?;
+    let client = connect(config)?;
     let info = client.info().await?;
     let (key, windows) = prepare_run(config, &client, &info).await?;
     let mut differ = file.header.mismatches(&key);
@@ -395,9 +395,22 @@ pub async fn kld(config: &PplConfig, file: &ReferenceFile) -> anyhow::Result<Sto
         "the reference file does not match this run: {}",
         differ.join("; ")
     );
+    let mut report = bounded(&client, &file.windows).await?;
+    report.model = info.model;
+    report.reference_model = file.header.model.clone();
+    report.reference_checkpoint_sha256 = file.header.checkpoint_sha256.clone();
+    report.k = file.header.k;
+    Ok(report)
+}
+
+/// The sums of `/kld/stored` over `windows`, one request each, as means.
+pub(crate) async fn bounded(
+    client: &Client,
+    windows: &[StoredWindow],
+) -> anyhow::Result<StoredKldReport> {
     let (mut n, mut top_k, mut estimate, mut lower, mut upper, mut nll, mut same) =
         (0usize, 0f64, 0f64, 0f64, 0f64, 0f64, 0usize);
-    for stored in &file.windows {
+    for stored in windows {
         let resp = client
             .kld_stored(&exactscore_api::StoredKldRequest {
                 sequences: vec![exactscore_api::StoredSequenceInput {
@@ -419,10 +432,6 @@ pub async fn kld(config: &PplConfig, file: &ReferenceFile) -> anyhow::Result<Sto
     }
     let mean = |x: f64| x / n.max(1) as f64;
     Ok(StoredKldReport {
-        model: info.model,
-        reference_model: file.header.model.clone(),
-        reference_checkpoint_sha256: file.header.checkpoint_sha256.clone(),
-        k: file.header.k,
         positions: n,
         mean_kld_top_k: mean(top_k),
         mean_kld_estimate: mean(estimate),
@@ -430,6 +439,7 @@ pub async fn kld(config: &PplConfig, file: &ReferenceFile) -> anyhow::Result<Sto
         mean_kld_upper: mean(upper),
         perplexity: mean(nll).exp(),
         same_top: mean(same as f64),
+        ..StoredKldReport::default()
     })
 }
 

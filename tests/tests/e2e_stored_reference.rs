@@ -84,3 +84,60 @@ async fn a_stored_reference_bounds_the_co_resident_divergence() {
     assert!(e.contains("dataset sha256"), "{e}");
     let _ = served.stop.send(());
 }
+
+/// llama.cpp's base file written from the dense server (its windows: chunks of n_ctx, second
+/// halves), read back bit for bit, then scored by the W4A16 server: with every token kept the
+/// bounds close on the divergence from the 16-bit rows, within their quantization of the exact
+/// co-resident one.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_llama_cpp_base_file_round_trips_and_scores() {
+    use exactscore_client::llamacpp::{chunk_sequence, kld_base, save_base, BaseFile};
+    let dir = tempfile::tempdir().unwrap();
+    let spec = dataset(dir.path());
+    let path = dir.path().join("dense.kld-base");
+    let reference_server = start(REFERENCE, &[]).await;
+    let mut cfg = config(&reference_server.base, &spec);
+    cfg.max_windows = Some(4);
+    let written = save_base(&cfg, &path).await.unwrap();
+    let _ = reference_server.stop.send(());
+    let bytes = std::fs::read(&path).unwrap();
+    let file = BaseFile::from_bytes(&bytes).unwrap();
+    assert_eq!(file, written);
+    assert_eq!(file.to_bytes(), bytes);
+    assert_eq!((file.n_ctx, file.n_vocab, file.n_chunk), (64, 2000, 4));
+    assert_eq!(bytes.len(), 20 + 4 * 64 * 4 + 2 * 4 * 31 * (2000 + 4));
+
+    let reference_dir = fixture(REFERENCE);
+    let served = start(
+        SERVED,
+        &["--reference-model", reference_dir.to_str().unwrap()],
+    )
+    .await;
+    let cfg = config(&served.base, &spec);
+    let client = exactscore_client::reference::connect(&cfg).unwrap();
+    let info = client.tokenizer_info().await.unwrap();
+    let bos = info.bos_token_id.filter(|_| info.add_bos_token);
+    let (mut exact, mut n) = (0f64, 0usize);
+    for c in 0..4 {
+        let seq = chunk_sequence(file.chunk(c), bos);
+        let kld = client.kld_tokens(&seq).await.unwrap().kld.unwrap();
+        exact += kld[33..64].iter().map(|v| v.unwrap()).sum::<f64>();
+        n += 31;
+    }
+    let exact = exact / n as f64;
+    let all = kld_base(&cfg, &file, 2000).await.unwrap();
+    let top = kld_base(&cfg, &file, 64).await.unwrap();
+    assert_eq!((all.positions, top.positions), (n, n));
+    assert!(all.mean_kld_upper - all.mean_kld_lower < 1e-5, "{all:?}");
+    assert!(
+        (all.mean_kld_estimate - exact).abs() < 2e-3,
+        "{all:?} vs {exact}"
+    );
+    assert!(top.mean_kld_lower <= all.mean_kld_lower + 1e-9);
+    assert!(all.mean_kld_upper <= top.mean_kld_upper + 1e-9);
+    println!(
+        "llama.cpp base: exact {exact}, all tokens {}, k 64 [{}, {}]",
+        all.mean_kld_estimate, top.mean_kld_lower, top.mean_kld_upper
+    );
+    let _ = served.stop.send(());
+}
