@@ -289,6 +289,23 @@ impl Client {
         self.only_sequence("/kld", resp.sequences)
     }
 
+    /// `POST /reference`: the served model's top-`k` rows and tail log-mass, as a stored
+    /// reference.
+    pub async fn reference(
+        &self,
+        req: &exactscore_api::ReferenceRequest,
+    ) -> Result<exactscore_api::ReferenceResponse, ClientError> {
+        self.json(Method::POST, "/reference", Some(req)).await
+    }
+
+    /// `POST /kld/stored`: the served model's divergence from a stored reference, bounded.
+    pub async fn kld_stored(
+        &self,
+        req: &exactscore_api::StoredKldRequest,
+    ) -> Result<exactscore_api::StoredKldResponse, ClientError> {
+        self.json(Method::POST, "/kld/stored", Some(req)).await
+    }
+
     /// `POST /diff`: the served model against the server's reference model, layer by layer.
     pub async fn diff(&self, req: &DiffRequest) -> Result<DiffResponse, ClientError> {
         self.json(Method::POST, "/diff", Some(req)).await

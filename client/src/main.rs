@@ -31,6 +31,10 @@ enum Command {
     /// with both perplexities: llama.cpp's `--kl-divergence` statistics, top-K agreement, the
     /// reverse divergence and the KLD by reference confidence. Same options as `ppl`.
     Kld(KldArgs),
+    /// Stored references: the reference's top-K log-probabilities and tail mass over a
+    /// dataset's windows, for `exactscore kld --reference-file` (docs/stored-reference.md).
+    #[command(subcommand)]
+    Reference(ReferenceCommand),
     /// Compare reports of `exactscore ppl/kld --json` (table, optional plot).
     Compare(CompareArgs),
     /// Where the quantization error enters: the server's `/diff` over a few windows (per
@@ -131,6 +135,49 @@ struct KldArgs {
     /// bf16 arithmetic alone causes beside the quantization's.
     #[arg(long)]
     noise_floor_server: Option<String>,
+    /// Score against this stored reference (`exactscore reference save`) instead of the
+    /// server's reference model: the top-K part exact, the rest bounded. Refused where its
+    /// dataset, windows or tokenizer differ from this run's.
+    #[arg(long, conflicts_with = "noise_floor_server")]
+    reference_file: Option<PathBuf>,
+    /// Score against a llama.cpp `--kl-divergence-base` file (llama.cpp's own windows: its
+    /// chunks of n_ctx tokens, second halves scored; --dataset and --ctx are not used), each
+    /// row kept as its --k likeliest tokens and the mass of the rest.
+    #[arg(long, conflicts_with_all = ["noise_floor_server", "reference_file"])]
+    llama_cpp_base: Option<PathBuf>,
+    /// With --llama-cpp-base: tokens of each row scored exactly.
+    #[arg(long, default_value_t = 64, requires = "llama_cpp_base")]
+    k: usize,
+}
+
+#[derive(Subcommand)]
+enum ReferenceCommand {
+    /// Run the server's model over the windows and write a stored reference file.
+    Save(ReferenceSaveArgs),
+}
+
+#[derive(Args)]
+struct ReferenceSaveArgs {
+    #[command(flatten)]
+    run: PplArgs,
+    /// Where to write the stored reference.
+    #[arg(long)]
+    file: PathBuf,
+    /// Most likely tokens kept per position.
+    #[arg(long, default_value_t = 64)]
+    k: usize,
+    /// `exactscore`: the stored reference above; `llama-cpp`: llama.cpp's
+    /// `--kl-divergence-base` file, with llama.cpp's windows (non-overlapping chunks of --ctx
+    /// tokens, --max-windows as its --chunks, second halves scored) and every token of each row
+    /// (--k unused).
+    #[arg(long, value_enum, default_value_t = ReferenceFormat::Exactscore)]
+    format: ReferenceFormat,
+}
+
+#[derive(Clone, Copy, clap::ValueEnum)]
+enum ReferenceFormat {
+    Exactscore,
+    LlamaCpp,
 }
 
 #[derive(Args)]
@@ -262,30 +309,88 @@ fn client(conn: &ConnArgs) -> anyhow::Result<Client> {
     })?)
 }
 
-async fn ppl(args: PplArgs, task: Task, noise_floor_server: Option<String>) -> anyhow::Result<()> {
-    let mut cfg = PplConfig::new(args.servers, DatasetSpec::parse(&args.dataset)?);
-    cfg.task = task;
-    cfg.noise_floor_server = noise_floor_server;
-    cfg.api_key = args.api_key;
+/// The run configuration of `args` (dataset, windows, servers, limits).
+fn run_config(args: &PplArgs) -> anyhow::Result<PplConfig> {
+    let mut cfg = PplConfig::new(args.servers.clone(), DatasetSpec::parse(&args.dataset)?);
+    cfg.api_key = args.api_key.clone();
     cfg.dataset_options = DatasetOptions {
-        field: Some(args.field),
-        wikitext_path: args.wikitext_path,
+        field: Some(args.field.clone()),
+        wikitext_path: args.wikitext_path.clone(),
     };
     cfg.method = args.method;
     cfg.ctx = args.ctx;
     cfg.stride = args.stride;
     cfg.max_windows = args.max_windows;
-    cfg.concurrency = args.concurrency;
     cfg.tokenize = args.tokenize;
-    cfg.output = args.output;
-    cfg.resume = args.resume;
-    cfg.progress = !args.no_progress;
-    cfg.progress_every = Duration::from_secs(args.progress_every);
     cfg.timeout = Duration::from_secs(args.timeout);
     cfg.retry = RetryPolicy {
         max_retries: args.retries,
         ..RetryPolicy::default()
     };
+    Ok(cfg)
+}
+
+async fn reference_save(args: ReferenceSaveArgs) -> anyhow::Result<()> {
+    anyhow::ensure!(args.k >= 1, "--k must be at least 1");
+    let cfg = run_config(&args.run)?;
+    if let ReferenceFormat::LlamaCpp = args.format {
+        let file = exactscore_client::llamacpp::save_base(&cfg, &args.file).await?;
+        outln!(
+            "wrote {}: llama.cpp base, n_ctx {}, {} chunks, {} rows, {} bytes",
+            args.file.display(),
+            file.n_ctx,
+            file.n_chunk,
+            file.rows(),
+            std::fs::metadata(&args.file)?.len()
+        );
+        return Ok(());
+    }
+    let file = exactscore_client::reference::save(&cfg, args.k, &args.file).await?;
+    let rows: usize = file.header.layout.iter().map(|w| w.rows).sum();
+    let bytes = std::fs::metadata(&args.file)?.len();
+    outln!(
+        "wrote {}: {} windows, {rows} positions, k = {}, {bytes} bytes",
+        args.file.display(),
+        file.windows.len(),
+        file.header.k
+    );
+    Ok(())
+}
+
+async fn stored_kld(args: PplArgs, path: &std::path::Path) -> anyhow::Result<()> {
+    let cfg = run_config(&args)?;
+    let file = exactscore_client::reference::ReferenceFile::read(path)?;
+    let report = exactscore_client::reference::kld(&cfg, &file).await?;
+    out!("{}", report.to_table());
+    if let Some(path) = args.json {
+        let s = serde_json::to_string_pretty(&report)?;
+        std::fs::write(&path, s).with_context(|| format!("writing {}", path.display()))?;
+    }
+    Ok(())
+}
+
+async fn llama_cpp_kld(args: PplArgs, path: &std::path::Path, k: usize) -> anyhow::Result<()> {
+    anyhow::ensure!(k >= 1, "--k must be at least 1");
+    let cfg = run_config(&args)?;
+    let file = exactscore_client::llamacpp::BaseFile::read(path)?;
+    let report = exactscore_client::llamacpp::kld_base(&cfg, &file, k).await?;
+    out!("{}", report.to_table());
+    if let Some(path) = args.json {
+        let s = serde_json::to_string_pretty(&report)?;
+        std::fs::write(&path, s).with_context(|| format!("writing {}", path.display()))?;
+    }
+    Ok(())
+}
+
+async fn ppl(args: PplArgs, task: Task, noise_floor_server: Option<String>) -> anyhow::Result<()> {
+    let mut cfg = run_config(&args)?;
+    cfg.task = task;
+    cfg.noise_floor_server = noise_floor_server;
+    cfg.concurrency = args.concurrency;
+    cfg.output = args.output;
+    cfg.resume = args.resume;
+    cfg.progress = !args.no_progress;
+    cfg.progress_every = Duration::from_secs(args.progress_every);
     let cancel = cfg.cancel.clone();
     tokio::spawn(async move {
         if tokio::signal::ctrl_c().await.is_ok() {
@@ -495,7 +600,12 @@ async fn score(args: ScoreArgs) -> anyhow::Result<()> {
 async fn run(cli: Cli) -> anyhow::Result<()> {
     match cli.command {
         Command::Ppl(a) => ppl(a, Task::Ppl, None).await,
-        Command::Kld(a) => ppl(a.run, Task::Kld, a.noise_floor_server).await,
+        Command::Kld(a) => match (a.reference_file, a.llama_cpp_base) {
+            (Some(file), _) => stored_kld(a.run, &file).await,
+            (_, Some(base)) => llama_cpp_kld(a.run, &base, a.k).await,
+            _ => ppl(a.run, Task::Kld, a.noise_floor_server).await,
+        },
+        Command::Reference(ReferenceCommand::Save(a)) => reference_save(a).await,
         Command::Compare(a) => compare(a),
         Command::Diff(a) => diff(a).await,
         Command::Score(a) => score(a).await,

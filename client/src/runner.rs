@@ -568,13 +568,13 @@ async fn connect(
 }
 
 /// The dataset's text, its tokens, and the windows cut from them.
-struct Prepared {
-    ds: dataset::Dataset,
-    tokens: Vec<u32>,
+pub(crate) struct Prepared {
+    pub(crate) ds: dataset::Dataset,
+    pub(crate) tokens: Vec<u32>,
     /// Tokens of the text, a tokenizer-added BOS excluded.
     text_tokens: usize,
-    prefix: Option<u32>,
-    all: Vec<Window>,
+    pub(crate) prefix: Option<u32>,
+    pub(crate) all: Vec<Window>,
 }
 
 /// `--ctx` fits every server's `max_input_tokens`.
@@ -593,7 +593,7 @@ fn check_ctx(config: &PplConfig, infos: &[ModelInfo]) -> Result<(), PplError> {
     Ok(())
 }
 
-async fn prepare(
+pub(crate) async fn prepare(
     config: &PplConfig,
     client: &Client,
     infos: &[ModelInfo],

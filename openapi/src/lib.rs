@@ -742,3 +742,107 @@ pub struct CompletionResponse {
     pub choices: Vec<CompletionChoice>,
     pub usage: CompletionUsage,
 }
+
+/// Most tokens a stored reference keeps per position (`/reference`'s `k`).
+pub const MAX_STORED_K: usize = 4096;
+
+/// `POST /reference`: the served model as a stored reference — at every position that
+/// predicts a known token, its `k` most likely tokens and the log-mass of all the others
+/// (docs/stored-reference.md).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct ReferenceRequest {
+    /// Token ids (one sequence or a batch). Ids are checked against the vocabulary.
+    pub tokens: TokensInput,
+    /// Tokens kept per position, 1..=4096.
+    #[schema(minimum = 1, maximum = 4096)]
+    pub k: i64,
+}
+
+/// One sequence's stored-reference rows, `k` entries each, row-major: one per position
+/// i = start, start + 1, … (the distribution after token i, predicting token i + 1); as many
+/// rows as `tail_logmass` has entries. `/reference` returns every position, i = 0..n − 2.
+#[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct StoredRows {
+    /// The position of the first row. Default 0.
+    #[serde(default)]
+    pub start: usize,
+    pub k: usize,
+    /// The `k` most likely tokens of each row, best first (the lowest id first on ties).
+    pub ids: Vec<u32>,
+    /// Their log-probabilities (f32 of the f64 log-softmax).
+    pub logprobs: Vec<f32>,
+    /// log Σ p over every other token of each row, summed over them directly; `null` where
+    /// that mass is 0 (k covers the vocabulary, or the rest underflows f64).
+    pub tail_logmass: Vec<Option<f32>>,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, ToSchema)]
+pub struct ReferenceResponse {
+    pub model: String,
+    /// One entry per input sequence, in request order.
+    pub sequences: Vec<StoredRows>,
+    pub usage: Usage,
+}
+
+/// One sequence of a `/kld/stored` request: its tokens and the stored reference's rows for
+/// them (as `/reference` returned them).
+#[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct StoredSequenceInput {
+    pub tokens: Vec<u32>,
+    pub reference: StoredRows,
+}
+
+/// `POST /kld/stored`: the served model's KL-divergence from a stored reference, with no
+/// reference model loaded: the top-K part exact, the rest bounded rigorously
+/// (docs/stored-reference.md).
+#[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct StoredKldRequest {
+    pub sequences: Vec<StoredSequenceInput>,
+    /// Return the per-token arrays; `false` returns only the per-sequence sums. Default true.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub per_token: Option<bool>,
+}
+
+/// The divergence of one sequence from its stored reference, in nats. Per-token arrays hold one
+/// entry per stored row, in the rows' order.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, ToSchema)]
+pub struct StoredKldSequence {
+    pub index: usize,
+    pub num_scored: usize,
+    /// Σ over positions of the exact top-K part Σ_{i∈top K} p_i ln(p_i/q_i).
+    pub sum_top_k: f64,
+    /// Σ of the estimate: the top-K part plus the tail as one token.
+    pub sum_estimate: f64,
+    /// Rigorous bounds of Σ KL(reference ‖ model).
+    pub sum_lower: f64,
+    pub sum_upper: f64,
+    /// Σ −log p(next token) of the served model.
+    pub sum_nll: f64,
+    /// Positions whose most likely token is the reference's.
+    pub same_top_count: usize,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub top_k: Option<Vec<f64>>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub estimate: Option<Vec<f64>>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub lower: Option<Vec<f64>>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub upper: Option<Vec<f64>>,
+    /// The served model's log p(next token).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub logprobs: Option<Vec<f32>>,
+    /// The served model's probability mass outside the reference's top K.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tail_mass: Option<Vec<f64>>,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, ToSchema)]
+pub struct StoredKldResponse {
+    pub model: String,
+    pub sequences: Vec<StoredKldSequence>,
+    pub usage: Usage,
+}

@@ -193,6 +193,7 @@ impl Server {
                     // logits (a weight that overflows the compute dtype) fail the start.
                     let scores = engine.score(
                         &[ScoreInput {
+                            stored: crate::model::StoredRequest::NONE,
                             tokens: &tokens,
                             top_k: 1,
                         }],

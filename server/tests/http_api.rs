@@ -958,3 +958,81 @@ async fn a_token_id_of_2_pow_64_is_named() {
     assert_eq!(e.field.as_deref(), Some("prompt[1]"), "{e:?}");
     assert!(e.error.contains("token id"), "{}", e.error);
 }
+
+#[tokio::test]
+async fn stored_reference_routes_name_the_bad_entry() {
+    let app = app(Setup::default()).await;
+    let rows = |ids: Value, logprobs: Value, tail: Value| {
+        json!({"sequences": [{"tokens": [1, 2, 3], "reference": {
+            "k": 2, "ids": ids, "logprobs": logprobs, "tail_logmass": tail}}]})
+    };
+    for (body, field, rule) in [
+        (
+            rows(
+                json!([5, 5, 1, 2]),
+                json!([-1.0, -2.0, -1.0, -2.0]),
+                json!([-1.0, null]),
+            ),
+            "sequences[0].reference.ids[1]",
+            "stored_id",
+        ),
+        (
+            rows(
+                json!([5, 6, 1, 2]),
+                json!([-1.0, -2.0, -2.0, -1.0]),
+                json!([-1.0, -3.0]),
+            ),
+            "sequences[0].reference.logprobs[3]",
+            "descending",
+        ),
+        (
+            rows(
+                json!([5, 6, 1]),
+                json!([-1.0, -2.0, -2.0, -3.0]),
+                json!([-1.0, -3.0]),
+            ),
+            "sequences[0].reference.ids",
+            "length",
+        ),
+        (
+            rows(
+                json!([5, 6, 1, 2]),
+                json!([-1.0, -2.0, -2.0, -3.0]),
+                json!([-1.0, -3.0, -1.0]),
+            ),
+            "sequences[0].reference.tail_logmass",
+            "length",
+        ),
+        (
+            rows(
+                json!([5, 6, 1, 2]),
+                json!([-1.0, -2.0, -2.0, -3.0]),
+                json!([0.5, -3.0]),
+            ),
+            "sequences[0].reference.tail_logmass[0]",
+            "log_probability",
+        ),
+    ] {
+        let e = error(
+            &app,
+            post("/kld/stored", body.to_string()),
+            StatusCode::UNPROCESSABLE_ENTITY,
+        )
+        .await;
+        assert_eq!(e.field.as_deref(), Some(field), "{body}: {e:?}");
+        assert_eq!(e.rule.as_deref(), Some(rule), "{body}: {e:?}");
+    }
+    let e = error(
+        &app,
+        post(
+            "/reference",
+            json!({"tokens": [1, 2, 3], "k": 0}).to_string(),
+        ),
+        StatusCode::UNPROCESSABLE_ENTITY,
+    )
+    .await;
+    assert_eq!(
+        (e.field.as_deref(), e.rule.as_deref()),
+        (Some("k"), Some("range"))
+    );
+}

@@ -99,6 +99,7 @@ fn assert_kld_matches_independent_f64(variant: &str) {
         assert_eq!(k.tokens.len(), expected.len());
         let scores = quantized
             .score(&[ScoreInput {
+                stored: exactscore_server::model::StoredRequest::NONE,
                 tokens: seq,
                 top_k: 0,
             }])

@@ -18,6 +18,7 @@ fn profiling_records_every_stage_and_changes_nothing() {
         .iter()
         .take(2)
         .map(|s| ScoreInput {
+            stored: exactscore_server::model::StoredRequest::NONE,
             tokens: s,
             top_k: 3,
         })

@@ -38,6 +38,7 @@ fn check(variant: &str, act: ActivationQuantMode, block: &str) -> (f64, f64, f64
     for (seq, exp) in seqs.iter().zip(&expected) {
         let scores = model
             .score(&[ScoreInput {
+                stored: exactscore_server::model::StoredRequest::NONE,
                 tokens: seq,
                 top_k: 0,
             }])

@@ -42,6 +42,7 @@ fn direct_perplexity(spec: &DatasetSpec, method: Method) -> f64 {
         let seq = w.sequence(&ids);
         let scores = model
             .score(&[ScoreInput {
+                stored: exactscore_server::model::StoredRequest::NONE,
                 tokens: &seq,
                 top_k: 0,
             }])

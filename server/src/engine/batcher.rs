@@ -15,7 +15,7 @@ use tokio::sync::{mpsc, oneshot, watch, Notify};
 use super::queue::{BatchLimits, Entry, State, Task};
 use super::worker::{self, Hooks, ReplicaState};
 use super::{Computed, DiffSupport, Engine, EngineError};
-use crate::model::{DiffOptions, SequenceDiff, SequenceKld, SequenceScores};
+use crate::model::{DiffOptions, SequenceDiff, SequenceKld, SequenceScores, StoredRequest};
 
 /// Cheap to clone; every clone talks to the same queue.
 #[derive(Clone)]
@@ -155,8 +155,25 @@ impl Scheduler {
     /// Queues one sequence for `/score`; the receiver yields its scores. Dropping the receiver
     /// cancels it.
     pub fn submit(&self, tokens: Vec<u32>, top_k: usize) -> ReplyReceiver {
+        self.submit_stored(tokens, top_k, StoredRequest::None)
+    }
+
+    /// [`Self::submit`] with a stored reference's rows to write or to bound against.
+    pub fn submit_stored(
+        &self,
+        tokens: Vec<u32>,
+        top_k: usize,
+        stored: StoredRequest,
+    ) -> ReplyReceiver {
         let (reply, rx) = oneshot::channel();
-        self.push(tokens, Task::Score { top_k, reply });
+        self.push(
+            tokens,
+            Task::Score {
+                top_k,
+                stored,
+                reply,
+            },
+        );
         rx
     }
 

@@ -178,6 +178,7 @@ impl Engine for FakeEngine {
                         }
                     })
                     .collect(),
+                stored: input.stored.output(),
             })
             .collect())
     }

@@ -17,7 +17,9 @@ use super::stage_thread::{IdleHook, StageThread};
 use super::{Cancel, DiffSupport, Engine, EngineError};
 use crate::model::diff::{attributable_modules, diff_batch_with, incompatibility};
 use crate::model::kld::{kld_hidden, logit_chunks};
-use crate::model::{DiffOptions, Model, ScoreInput, SequenceDiff, SequenceKld, SequenceScores};
+use crate::model::{
+    DiffOptions, Model, ScoreInput, SequenceDiff, SequenceKld, SequenceScores, StoredRequest,
+};
 
 /// A model and one thread per stage.
 struct Chain {
@@ -29,6 +31,7 @@ struct Chain {
 struct MicroBatch {
     sequences: Vec<Vec<u32>>,
     top_k: Vec<usize>,
+    stored: Vec<StoredRequest>,
     /// Whether anyone still waits for the batch this micro-batch belongs to.
     cancel: Cancel,
 }
@@ -237,6 +240,7 @@ impl ModelEngine {
         &self,
         sequences: &[&[u32]],
         top_k: &[usize],
+        stored: &[StoredRequest],
         cancel: &Cancel,
         submit: impl Fn(Arc<MicroBatch>, SyncSender<Result<Vec<T>, EngineError>>),
     ) -> Result<Vec<T>, EngineError> {
@@ -255,6 +259,7 @@ impl ModelEngine {
                             .map(|s| s.to_vec())
                             .collect(),
                         top_k: top_k[range.clone()].to_vec(),
+                        stored: stored[range.clone()].to_vec(),
                         cancel: cancel.clone(),
                     });
                     let (done, rx) = mpsc::sync_channel(1);
@@ -303,7 +308,8 @@ impl Engine for ModelEngine {
     ) -> Result<Vec<SequenceScores>, EngineError> {
         let sequences: Vec<&[u32]> = batch.iter().map(|b| b.tokens).collect();
         let top_k: Vec<usize> = batch.iter().map(|b| b.top_k).collect();
-        self.run(&sequences, &top_k, cancel, |part, done| {
+        let stored: Vec<StoredRequest> = batch.iter().map(|b| b.stored.clone()).collect();
+        self.run(&sequences, &top_k, &stored, cancel, |part, done| {
             let model = self.served.model.clone();
             self.served
                 .submit(part.clone(), &self.abandoned, move |hidden| {
@@ -312,8 +318,12 @@ impl Engine for ModelEngine {
                             let tokens = part.tokens();
                             let inputs: Vec<ScoreInput<'_>> = tokens
                                 .iter()
-                                .zip(&part.top_k)
-                                .map(|(&tokens, &top_k)| ScoreInput { tokens, top_k })
+                                .zip(part.top_k.iter().zip(&part.stored))
+                                .map(|(&tokens, (&top_k, stored))| ScoreInput {
+                                    tokens,
+                                    top_k,
+                                    stored,
+                                })
                                 .collect();
                             model.score_hidden(&h, &inputs).map_err(|e| classify(&e))
                         })
@@ -329,7 +339,8 @@ impl Engine for ModelEngine {
     fn kld(&self, sequences: &[&[u32]], cancel: &Cancel) -> Result<Vec<SequenceKld>, EngineError> {
         let reference = self.reference.as_ref().ok_or(EngineError::NoReference)?;
         let top_k = vec![0; sequences.len()];
-        self.run(sequences, &top_k, cancel, |part, done| {
+        let stored = vec![StoredRequest::None; sequences.len()];
+        self.run(sequences, &top_k, &stored, cancel, |part, done| {
             let (chunks_tx, chunks_rx) = mpsc::sync_channel::<Hidden>(1);
             let served = self.served.model.clone();
             let target = served.stage_device(served.stage_count() - 1).clone();
@@ -534,6 +545,7 @@ mod tests {
         std::thread::sleep(Duration::from_millis(300));
         let start = Instant::now();
         let input = ScoreInput {
+            stored: crate::model::StoredRequest::NONE,
             tokens: &[1992, 5, 6],
             top_k: 0,
         };

@@ -9,7 +9,7 @@ use std::time::Instant;
 use tokio::sync::oneshot;
 
 use super::{Computed, EngineError};
-use crate::model::{DiffOptions, SequenceDiff, SequenceKld, SequenceScores};
+use crate::model::{DiffOptions, SequenceDiff, SequenceKld, SequenceScores, StoredRequest};
 
 /// Where the engine sends the outcome of one sequence.
 pub type Reply<T> = oneshot::Sender<Result<Computed<T>, EngineError>>;
@@ -28,6 +28,9 @@ pub enum Task {
     /// Log-probabilities under the served model, with the `top_k` best tokens per position.
     Score {
         top_k: usize,
+        /// A stored reference's rows to write or to bound against (`/reference`,
+        /// `/kld/stored`).
+        stored: StoredRequest,
         reply: Reply<SequenceScores>,
     },
     /// Divergence of the served model from the reference model at every position.
@@ -225,6 +228,7 @@ mod tests {
             enqueued: Instant::now(),
             task: Task::Score {
                 top_k: 0,
+                stored: StoredRequest::None,
                 reply: tx,
             },
         };

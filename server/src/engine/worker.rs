@@ -15,7 +15,7 @@ use tokio::sync::mpsc;
 use super::fault::{guarded, with_halving};
 use super::queue::{Entry, Reply, Task};
 use super::{Cancel, Computed, Engine, EngineError};
-use crate::model::{DiffOptions, ScoreInput, SequenceDiff};
+use crate::model::{DiffOptions, ScoreInput, SequenceDiff, StoredRequest};
 
 /// Consecutive failed batches after which a replica leaves the rotation.
 pub const FAILURES_OUT_OF_ROTATION: usize = 3;
@@ -189,13 +189,17 @@ fn run_batch(
     for entry in batch.into_iter().filter(|e| !e.is_cancelled()) {
         let (tokens, enqueued) = (entry.tokens, entry.enqueued);
         match entry.task {
-            Task::Score { top_k, reply } => scores.push((
+            Task::Score {
+                top_k,
+                stored,
+                reply,
+            } => scores.push((
                 Job {
                     tokens,
                     enqueued,
                     reply,
                 },
-                top_k,
+                (top_k, stored),
             )),
             Task::Kld { reply } => klds.push(Job {
                 tokens,
@@ -223,13 +227,16 @@ fn run_batch(
         hooks,
     };
     // A batch mixing both tasks runs them one after the other, each as one forward pass.
-    let top_ks: Vec<usize> = scores.iter().map(|(_, k)| *k).collect();
-    let jobs = scores.into_iter().map(|(job, _)| job).collect();
+    let (jobs, rows): (Vec<_>, Vec<(usize, StoredRequest)>) = scores.into_iter().unzip();
     run.jobs(jobs, |sequences, cancel| {
         let inputs: Vec<ScoreInput<'_>> = sequences
             .iter()
-            .zip(&top_ks)
-            .map(|(&tokens, &top_k)| ScoreInput { tokens, top_k })
+            .zip(&rows)
+            .map(|(&tokens, (top_k, stored))| ScoreInput {
+                tokens,
+                top_k: *top_k,
+                stored,
+            })
             .collect();
         with_halving(&inputs, &mut |part| engine.score(part, cancel))
     });

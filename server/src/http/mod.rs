@@ -14,6 +14,7 @@ pub mod memory;
 pub mod metrics;
 pub mod score;
 pub mod serve;
+pub mod stored;
 mod submit;
 pub mod tokenize;
 pub mod validate;
@@ -177,6 +178,8 @@ fn api_router() -> OpenApiRouter<SharedState> {
         .routes(routes!(score::score))
         .routes(routes!(score::score_v1))
         .routes(routes!(kld::kld))
+        .routes(routes!(stored::reference))
+        .routes(routes!(stored::kld_stored))
         .routes(routes!(diff::diff))
         .routes(routes!(completions::completions))
         .routes(routes!(tokenize::tokenize))

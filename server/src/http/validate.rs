@@ -518,3 +518,192 @@ mod tests {
         assert!(glob_match("lm_head", "lm_head"));
     }
 }
+
+/// A `/reference` request ready for the queue.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ValidReference {
+    pub sequences: Vec<Vec<u32>>,
+    pub k: usize,
+}
+
+pub fn reference_request(
+    req: exactscore_api::ReferenceRequest,
+    rules: &Rules<'_>,
+) -> Result<ValidReference, ApiError> {
+    let max = exactscore_api::MAX_STORED_K.min(rules.vocab_size);
+    let k = match req.k {
+        k if (1..=max as i64).contains(&k) => k as usize,
+        k => {
+            return Err(ApiError::validation(
+                "k",
+                "range",
+                k,
+                format!("k must be between 1 and {max} (the vocabulary or 4096), got {k}"),
+            ))
+        }
+    };
+    let valid = ValidReference {
+        sequences: sequences(Some(req.tokens), None, None, rules)?,
+        k,
+    };
+    let budget = rules.budget;
+    budget.check_cost(
+        "tokens",
+        budget.score_cost(&valid.sequences),
+        "tokens × (layers + 1)",
+    )?;
+    let (positions, sequences) = counts(&valid.sequences);
+    budget.check_response(&[
+        ("tokens", sequences * SEQUENCE_BYTES),
+        (
+            "k",
+            positions * (k as u64 + 1) * (budget.id_bytes() + NUMBER_BYTES),
+        ),
+    ])?;
+    Ok(valid)
+}
+
+/// A `/kld/stored` request ready for the queue.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ValidStoredKld {
+    pub sequences: Vec<(Vec<u32>, crate::model::stored_kld::StoredSequence)>,
+    pub per_token: bool,
+}
+
+pub fn stored_kld_request(
+    req: exactscore_api::StoredKldRequest,
+    rules: &Rules<'_>,
+) -> Result<ValidStoredKld, ApiError> {
+    let tokens = TokensInput::Batch(
+        req.sequences
+            .iter()
+            .map(|s| s.tokens.iter().map(|&t| i64::from(t)).collect())
+            .collect(),
+    );
+    let checked = sequences(Some(tokens), None, None, rules)?;
+    let mut out = Vec::with_capacity(checked.len());
+    for (i, (tokens, input)) in checked.into_iter().zip(req.sequences).enumerate() {
+        let stored = stored_rows(i, tokens.len(), input.reference, rules.vocab_size)?;
+        out.push((tokens, stored));
+    }
+    let seqs: Vec<Vec<u32>> = out.iter().map(|(t, _)| t.clone()).collect();
+    let budget = rules.budget;
+    budget.check_cost(
+        "sequences",
+        budget.score_cost(&seqs),
+        "tokens × (layers + 1)",
+    )?;
+    let (positions, sequences) = counts(&seqs);
+    let per_token = req.per_token.unwrap_or(true);
+    budget.check_response(&[
+        ("sequences", sequences * SEQUENCE_BYTES),
+        (
+            "per_token",
+            u64::from(per_token) * positions * 6 * NUMBER_BYTES,
+        ),
+    ])?;
+    Ok(ValidStoredKld {
+        sequences: out,
+        per_token,
+    })
+}
+
+/// One sequence's stored rows, checked: a row per position that predicts a token, `k` distinct
+/// in-vocabulary ids each, log-probabilities that are finite, ≤ 0 and best first.
+fn stored_rows(
+    index: usize,
+    tokens: usize,
+    rows: exactscore_api::StoredRows,
+    vocab: usize,
+) -> Result<crate::model::stored_kld::StoredSequence, ApiError> {
+    let field = |member: &str| format!("sequences[{index}].reference.{member}");
+    let k = rows.k;
+    let positions = rows.tail_logmass.len();
+    let predicting = tokens.saturating_sub(1);
+    if rows.start + positions > predicting {
+        return Err(ApiError::validation(
+            field("tail_logmass"),
+            "length",
+            positions,
+            format!(
+                "rows from position {} on: {positions} rows pass the sequence's {predicting} positions that predict a token",
+                rows.start
+            ),
+        ));
+    }
+    if k == 0 || k > vocab {
+        return Err(ApiError::validation(
+            field("k"),
+            "range",
+            k,
+            format!("k must be between 1 and the vocabulary ({vocab}), got {k}"),
+        ));
+    }
+    for (member, len, want) in [
+        ("ids", rows.ids.len(), positions * k),
+        ("logprobs", rows.logprobs.len(), positions * k),
+    ] {
+        if len != want {
+            return Err(ApiError::validation(
+                field(member),
+                "length",
+                len,
+                format!("{member} must hold {want} entries ({positions} positions × k = {k} for ids and logprobs), got {len}"),
+            ));
+        }
+    }
+    for (row, (ids, logprobs)) in rows.ids.chunks(k).zip(rows.logprobs.chunks(k)).enumerate() {
+        let at = |j: usize| row * k + j;
+        let mut seen = std::collections::HashSet::with_capacity(k);
+        for (j, &id) in ids.iter().enumerate() {
+            if id as usize >= vocab || !seen.insert(id) {
+                return Err(ApiError::validation(
+                    format!("{}[{}]", field("ids"), at(j)),
+                    "stored_id",
+                    id,
+                    format!("stored ids must be distinct within a row and below the vocabulary ({vocab})"),
+                ));
+            }
+        }
+        for (j, pair) in logprobs.windows(2).enumerate() {
+            if pair[1] > pair[0] {
+                return Err(ApiError::validation(
+                    format!("{}[{}]", field("logprobs"), at(j + 1)),
+                    "descending",
+                    pair[1],
+                    "a row's stored log-probabilities must be best first",
+                ));
+            }
+        }
+        if let Some(j) = logprobs.iter().position(|v| !(v.is_finite() && *v <= 0.0)) {
+            return Err(ApiError::validation(
+                format!("{}[{}]", field("logprobs"), at(j)),
+                "log_probability",
+                Value::from(logprobs[j].to_string()),
+                "a stored log-probability must be finite and at most 0",
+            ));
+        }
+    }
+    let mut tail_logmass = Vec::with_capacity(positions);
+    for (i, v) in rows.tail_logmass.iter().enumerate() {
+        match v {
+            None => tail_logmass.push(f32::NEG_INFINITY),
+            Some(v) if v.is_finite() && *v <= 0.0 => tail_logmass.push(*v),
+            Some(v) => {
+                return Err(ApiError::validation(
+                    format!("{}[{i}]", field("tail_logmass")),
+                    "log_probability",
+                    Value::from(v.to_string()),
+                    "a tail log-mass must be finite and at most 0 (null for none)",
+                ))
+            }
+        }
+    }
+    Ok(crate::model::stored_kld::StoredSequence {
+        start: rows.start,
+        k,
+        ids: rows.ids,
+        logprobs: rows.logprobs,
+        tail_logmass,
+    })
+}

@@ -17,6 +17,7 @@ use super::loader::Loader;
 use super::profile::stage;
 use super::rope::{Rope, RopeTables};
 use super::scoring::{score_logits, SequenceScores};
+use super::stored_kld::{stored_rows, StoredRequest};
 use super::{gemma, llama, qwen3_next};
 use crate::checkpoint::{read_to_string, Checkpoint, LoadError};
 use crate::ops;
@@ -49,6 +50,8 @@ pub enum AttentionKernel {
 pub struct ScoreInput<'a> {
     pub tokens: &'a [u32],
     pub top_k: usize,
+    /// A stored reference's rows to write or to bound against ([`StoredRequest::NONE`]: none).
+    pub stored: &'a StoredRequest,
 }
 
 /// Rows of the lm_head processed at once, so that `[rows, vocab]` f32 logits stay small.
@@ -768,6 +771,7 @@ impl Model {
         for input in batch {
             let n = input.tokens.len();
             let mut rows = Vec::with_capacity(n);
+            let mut stored = input.stored.output();
             let chunk = lm_head_rows(self.config.vocab_size);
             for start in (0..n).step_by(chunk) {
                 let len = chunk.min(n - start);
@@ -779,9 +783,11 @@ impl Model {
                 rows.extend(stage("scoring", h.device(), || {
                     score_logits(&logits, &targets, input.top_k)
                 })?);
+                let known: Vec<u32> = targets.iter().map_while(|t| *t).collect();
+                stored_rows(input.stored, &logits, start, &known, &mut stored)?;
             }
             offset += n;
-            out.push(SequenceScores { rows });
+            out.push(SequenceScores { rows, stored });
         }
         Ok(out)
     }

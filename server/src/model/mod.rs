@@ -22,6 +22,7 @@ pub mod profile;
 pub mod qwen3_next;
 pub mod rope;
 pub mod scoring;
+pub mod stored_kld;
 
 pub use crate::checkpoint::LoadError;
 pub use crate::ops::causal_mask;
@@ -30,3 +31,4 @@ pub use decoder::{AttentionKernel, Model, ModelOptions, ScoreInput};
 pub use diff::{diff_batch, DiffOptions, LayerError, SequenceDiff};
 pub use kld::{kld_batch, SequenceKld, TokenKld};
 pub use scoring::{RowScore, SequenceScores};
+pub use stored_kld::{StoredOutput, StoredRequest};

@@ -5,16 +5,24 @@ use candle_core::{Result, Tensor};
 
 pub use crate::ops::{log_sum_exp, score_row, RowScore};
 
+use super::stored_kld::StoredOutput;
+
 /// Scores of one sequence of `n` tokens: `rows[i]` is the distribution after token `i`.
 #[derive(Debug, Clone, PartialEq)]
 pub struct SequenceScores {
     pub rows: Vec<RowScore>,
+    /// What [`super::stored_kld::StoredRequest`] asked for, a row per scored position.
+    pub stored: StoredOutput,
 }
 
 impl SequenceScores {
     /// The first position whose row is not finite ([`RowScore::is_finite`]).
     pub fn first_non_finite(&self) -> Option<usize> {
-        self.rows.iter().position(|r| !r.is_finite())
+        let row = self.rows.iter().position(|r| !r.is_finite());
+        match (row, self.stored.first_nan()) {
+            (Some(a), Some(b)) => Some(a.min(b)),
+            (a, b) => a.or(b),
+        }
     }
 
     /// log p(token_i | tokens_<i) for i = 1..n.
@@ -82,6 +90,7 @@ mod tests {
             let logits = Tensor::new(&[finite, row, finite], &candle_core::Device::Cpu)?;
             let scores = SequenceScores {
                 rows: score_logits(&logits, &[Some(0), target, None], 2)?,
+                stored: StoredOutput::None,
             };
             let expect = (!expect_finite).then_some(1);
             assert_eq!(

@@ -150,6 +150,141 @@ fn decode_kld_words(words: &[u32], rows: usize) -> Vec<TokenKld> {
         .collect()
 }
 
+/// The served model's side of a divergence from a stored reference at one position
+/// (`model::stored_kld` bounds it): only O(K) numbers per row.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ServedTail {
+    /// log q of each of the reference's stored tokens, in their order, in f64.
+    pub logprobs: Vec<f64>,
+    /// log Q_T: the served model's log-mass outside the stored tokens, summed over them
+    /// directly (not 1 − Σ top-K, which cancels), in f64.
+    pub log_tail_mass: f64,
+    /// The served model's log p(next token).
+    pub target_logprob: f32,
+    /// The served model's most likely token (lowest id on ties).
+    pub argmax: u32,
+    /// max Σ_j p_j·(−log q_j) over the tail tokens j, over every p with 0 ≤ p_j ≤ `cap` and
+    /// Σ p_j = `mass` ([`TailBudget`]): the worst tail the reference could have for this
+    /// model; it fills the tokens the model finds least likely up to the cap.
+    pub worst_tail: f64,
+}
+
+/// The tail the reference may have at one position: its mass, and the most any one tail
+/// token may hold.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct TailBudget {
+    pub mass: f64,
+    pub cap: f64,
+}
+
+/// The reference's side of a stored reference at one position: its `k` most likely tokens
+/// (best first, lowest id on ties) with their log-probabilities, and log Σ p of the others.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ReferenceRow {
+    pub ids: Vec<u32>,
+    pub logprobs: Vec<f32>,
+    /// −∞ where the top K is the whole vocabulary.
+    pub tail_logmass: f32,
+}
+
+/// [`ServedTail`] of every row of `logits` `[rows, vocab]` against the stored tokens
+/// `ids[row]` (no id twice). The CPU reference; a CUDA row is read back to the host and
+/// scored here, until a fused kernel keeps it on the device.
+pub fn served_tail_rows(
+    logits: &Tensor,
+    ids: &[&[u32]],
+    targets: &[u32],
+    budgets: &[TailBudget],
+) -> Result<Vec<ServedTail>> {
+    let rows = logits.to_dtype(DType::F32)?.to_vec2::<f32>()?;
+    Ok(rows
+        .par_iter()
+        .zip(ids)
+        .zip(targets)
+        .zip(budgets)
+        .map(|(((row, ids), &target), &budget)| served_tail_row(row, ids, target, budget))
+        .collect())
+}
+
+/// [`ReferenceRow`] of every row of `logits` `[rows, vocab]`, with `k` tokens each. The CPU
+/// reference; a CUDA row is read back to the host until a fused kernel keeps it there.
+pub fn reference_rows(logits: &Tensor, k: usize) -> Result<Vec<ReferenceRow>> {
+    let rows = logits.to_dtype(DType::F32)?.to_vec2::<f32>()?;
+    Ok(rows.par_iter().map(|row| reference_row(row, k)).collect())
+}
+
+/// One row of [`reference_rows`].
+pub fn reference_row(logits: &[f32], k: usize) -> ReferenceRow {
+    let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    let lse = log_sum_exp(logits, max);
+    let best = top_indices(logits, k.min(logits.len()));
+    let mut stored = vec![false; logits.len()];
+    best.iter().for_each(|&i| stored[i] = true);
+    ReferenceRow {
+        ids: best.iter().map(|&i| i as u32).collect(),
+        logprobs: best
+            .iter()
+            .map(|&i| (logits[i] as f64 - lse) as f32)
+            .collect(),
+        tail_logmass: (tail_log_sum_exp(logits, &stored, max) - lse) as f32,
+    }
+}
+
+/// log Σ exp over the logits not marked `stored`, in f64 (−∞ for none).
+fn tail_log_sum_exp(logits: &[f32], stored: &[bool], max: f32) -> f64 {
+    let sum: f64 = logits
+        .iter()
+        .zip(stored)
+        .filter(|(_, &s)| !s)
+        .map(|(&l, _)| ((l - max) as f64).exp())
+        .sum();
+    max as f64 + sum.ln()
+}
+
+/// One row of [`served_tail_rows`].
+pub fn served_tail_row(logits: &[f32], ids: &[u32], target: u32, budget: TailBudget) -> ServedTail {
+    let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    let lse = log_sum_exp(logits, max);
+    let mut stored = vec![false; logits.len()];
+    ids.iter().for_each(|&i| stored[i as usize] = true);
+    // −log q of every tail token: the worst tail puts the cap on the largest of them.
+    let mut surprise: Vec<f64> = logits
+        .iter()
+        .zip(&stored)
+        .filter(|(_, &s)| !s)
+        .map(|(&l, _)| lse - l as f64)
+        .collect();
+    ServedTail {
+        logprobs: ids
+            .iter()
+            .map(|&i| logits[i as usize] as f64 - lse)
+            .collect(),
+        log_tail_mass: tail_log_sum_exp(logits, &stored, max) - lse,
+        target_logprob: (logits[target as usize] as f64 - lse) as f32,
+        argmax: top_indices(logits, 1)[0] as u32,
+        worst_tail: worst_tail(&mut surprise, budget),
+    }
+}
+
+/// max Σ p_j·s_j over 0 ≤ p_j ≤ cap, Σ p_j = mass (a fractional knapsack): the cap on the
+/// ⌊mass/cap⌋ largest `surprise`s and the remainder on the next.
+fn worst_tail(surprise: &mut [f64], budget: TailBudget) -> f64 {
+    let TailBudget { mass, cap } = budget;
+    if mass <= 0.0 || cap <= 0.0 || surprise.is_empty() {
+        return 0.0;
+    }
+    let full = ((mass / cap).floor() as usize).min(surprise.len());
+    let rest = (mass - full as f64 * cap).max(0.0);
+    let descending = |a: &f64, b: &f64| b.total_cmp(a);
+    if full == surprise.len() {
+        // Only through rounding of a mass that fills every token: the rest on the largest.
+        let largest = surprise.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+        return cap * surprise.iter().sum::<f64>() + rest * largest;
+    }
+    surprise.select_nth_unstable_by(full, descending);
+    cap * surprise[..full].iter().sum::<f64>() + rest * surprise[full]
+}
+
 /// Per row of two states `[rows, hidden]` on one device: (Σ a·b, Σ a², Σ b², Σ (a − b)²),
 /// each in f64 over the values converted to f32 (every float dtype converts to f32, and f32 to
 /// f64, exactly). Only these four numbers per row leave a GPU.

@@ -49,7 +49,11 @@ pub fn reference(variant: &str) -> Value {
 pub fn score_all(model: &Model, seqs: &[Vec<u32>], top_k: usize) -> Vec<SequenceScores> {
     let batch: Vec<ScoreInput> = seqs
         .iter()
-        .map(|t| ScoreInput { tokens: t, top_k })
+        .map(|t| ScoreInput {
+            stored: exactscore_server::model::StoredRequest::NONE,
+            tokens: t,
+            top_k,
+        })
         .collect();
     model.score(&batch).unwrap()
 }

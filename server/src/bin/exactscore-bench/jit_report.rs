@@ -31,6 +31,7 @@ pub fn report(model_dir: &Path, device: &Device) -> Result<()> {
     let load = t.elapsed().as_secs_f64();
     let t = Instant::now();
     model.score(&[ScoreInput {
+        stored: exactscore_server::model::StoredRequest::NONE,
         tokens: &[1, 2, 3],
         top_k: 1,
     }])?;

@@ -230,7 +230,11 @@ pub fn speed(
             .collect();
         let inputs: Vec<ScoreInput> = seqs
             .iter()
-            .map(|&tokens| ScoreInput { tokens, top_k: 0 })
+            .map(|&tokens| ScoreInput {
+                stored: exactscore_server::model::StoredRequest::NONE,
+                tokens,
+                top_k: 0,
+            })
             .collect();
         let time = |f: &dyn Fn() -> Result<()>| -> Result<(f64, u64)> {
             f()?; // warm-up

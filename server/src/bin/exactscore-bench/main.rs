@@ -447,6 +447,7 @@ fn score(model: &Model, seqs: &[Vec<u32>]) -> Result<Vec<SequenceScores>> {
     let batch: Vec<ScoreInput> = seqs
         .iter()
         .map(|t| ScoreInput {
+            stored: exactscore_server::model::StoredRequest::NONE,
             tokens: t,
             top_k: 5,
         })
@@ -1024,6 +1025,7 @@ fn speed(
             model.set_attention(kernel)?;
             let windows: Vec<ScoreInput> = (0..batch)
                 .map(|b| ScoreInput {
+                    stored: exactscore_server::model::StoredRequest::NONE,
                     tokens: &tokens[b * ctx..(b + 1) * ctx],
                     top_k: 0,
                 })

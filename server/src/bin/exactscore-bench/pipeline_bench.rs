@@ -94,6 +94,7 @@ fn timed_scores(
     let inputs: Vec<ScoreInput<'_>> = windows
         .iter()
         .map(|t| ScoreInput {
+            stored: exactscore_server::model::StoredRequest::NONE,
             tokens: t,
             top_k: 0,
         })

@@ -1146,6 +1146,7 @@ mod tests {
             let model = Model::from_checkpoint(config, &ckpt, &opts)?;
             let tokens: Vec<u32> = (0..300).map(|i| (i * 7919 % shape.vocab) as u32).collect();
             let scores = model.score(&[ScoreInput {
+                stored: exactscore_server::model::StoredRequest::NONE,
                 tokens: &tokens,
                 top_k: 0,
             }])?;
