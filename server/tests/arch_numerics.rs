@@ -1,4 +1,5 @@
-//! Qwen3-MoE, Mixtral, Gemma 3, Gemma 2, Mistral 3, Qwen3.5, Qwen3.5-MoE and Qwen3-Next fixtures
+//! Qwen3-MoE, Mixtral, Gemma 3, Gemma 2, Mistral 3, Qwen3.5, Qwen3.5-MoE, Qwen3-Next, DeepSeek-V3,
+//! GLM-4.5 and GLM-4.7-Flash fixtures
 //! scored in f32 on the CPU against the references of scripts/make_arch_fixtures.py
 //! (transformers, float32, per-expert Linears) and scripts/make_mistral3_fixture.py.
 
@@ -171,6 +172,21 @@ fn qwen3_next_w4a16_matches_reference_per_token() {
 #[test]
 fn qwen3_next_fp8_weights_only_matches_reference_per_token() {
     assert_exact("qwen3_next-fp8-dynamic", Off, "weights_only");
+}
+
+#[test]
+fn deepseek_v3_w4a16_matches_reference_per_token() {
+    assert_exact("deepseek_v3-w4a16-g32", Emulate, "sequences");
+}
+
+#[test]
+fn glm4_moe_lite_w4a16_matches_reference_per_token() {
+    assert_exact("glm4_moe_lite-w4a16-g32", Emulate, "sequences");
+}
+
+#[test]
+fn glm4_moe_w4a16_matches_reference_per_token() {
+    assert_exact("glm4_moe-w4a16-g32", Emulate, "sequences");
 }
 
 /// With activation quantization the reference is discontinuous (a rounding flip anywhere moves
