@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
-"""Builds the Qwen3-MoE, Mixtral, Gemma 3, Gemma 2, Qwen3.5, Qwen3.5-MoE and Qwen3-Next test
-fixtures under tests/fixtures/.
+"""Builds the Qwen3-MoE, Mixtral, Gemma 3, Gemma 2, Qwen3.5, Qwen3.5-MoE, Qwen3-Next, DeepSeek-V3,
+GLM-4.5 and GLM-4.7-Flash test fixtures under tests/fixtures/.
 
 Tiny seeded random-weight checkpoints, quantized with llm-compressor (round-to-nearest, as the
 Llama fixtures are), plus float32 reference log-probs from transformers. The conventions are the
@@ -29,6 +29,12 @@ What differs from a plain `from_pretrained` reference, and why:
     the linear-attention Linears too. The MoE checkpoints get bf16 `mtp.*` tensors
     (add_mtp_tensors), which the references skip as transformers does. Each reference.json adds
     `mutations`: the log-prob shift when one mechanism is broken on purpose (MUTATIONS).
+  * DeepSeek-V3 / GLM-4.5 / GLM-4.7-Flash (docs/architectures/deepseek.md): every Linear but
+    lm_head and the router quantized; the routers' `e_score_correction_bias` buffer drawn at
+    random; `mutations` for the routing and latent attention, and `routing_near_ties` (choices
+    within 1e-6 of flipping). Their configs set `num_mtp_layers=0`: llm-compressor would look
+    for MTP tensors in a source checkpoint these in-memory models do not have. Run one variant
+    at a time (each run rewrites arch_summary.json).
 
 Every reference is built the same way: the architecture from config.json in float32 (experts
 linearized), every tensor from model.safetensors (quantized Linears dequantized), activation
