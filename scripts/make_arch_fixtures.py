@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
-"""Builds the Qwen3-MoE, Mixtral, Gemma 3, Gemma 2, Qwen3.5, Qwen3.5-MoE and Qwen3-Next test
-fixtures under tests/fixtures/.
+"""Builds the Qwen3-MoE, Mixtral, Gemma 3, Gemma 2, Qwen3.5, Qwen3.5-MoE, Qwen3-Next, DeepSeek-V3,
+GLM-4.5 and GLM-4.7-Flash test fixtures under tests/fixtures/.
 
 Tiny seeded random-weight checkpoints, quantized with llm-compressor (round-to-nearest, as the
 Llama fixtures are), plus float32 reference log-probs from transformers. The conventions are the
@@ -29,6 +29,12 @@ What differs from a plain `from_pretrained` reference, and why:
     the linear-attention Linears too. The MoE checkpoints get bf16 `mtp.*` tensors
     (add_mtp_tensors), which the references skip as transformers does. Each reference.json adds
     `mutations`: the log-prob shift when one mechanism is broken on purpose (MUTATIONS).
+  * DeepSeek-V3 / GLM-4.5 / GLM-4.7-Flash (docs/architectures/deepseek.md): every Linear but
+    lm_head and the router quantized; the routers' `e_score_correction_bias` buffer drawn at
+    random; `mutations` for the routing and latent attention, and `routing_near_ties` (choices
+    within 1e-6 of flipping). Their configs set `num_mtp_layers=0`: llm-compressor would look
+    for MTP tensors in a source checkpoint these in-memory models do not have. Run one variant
+    at a time (each run rewrites arch_summary.json).
 
 Every reference is built the same way: the architecture from config.json in float32 (experts
 linearized), every tensor from model.safetensors (quantized Linears dequantized), activation
@@ -289,6 +295,62 @@ ARCHS.update({
     ),
 })
 
+# The DeepSeek family (docs/architectures/deepseek.md): multi-head latent attention with
+# q/k head dims != v head dim, DeepSeek-V3's sigmoid routing with a correction bias (a random
+# buffer here, so that ignoring it moves the choice) and a group limit, shared experts, dense
+# first layers. DeepSeek-V3 keeps its published YaRN (factor 40, mscale = mscale_all_dim = 1),
+# interleaved rope and low-rank queries; GLM-4.7-Flash (glm4_moe_lite) takes q_lora_rank null
+# and the non-interleaved rope; GLM-4.5 (glm4_moe) has plain attention with biases, q/k norms
+# and partial rotary 0.5. Every Linear in-feature is a multiple of 32 (W4A16 g32).
+DEEPSEEK_EXPERTS = ("gate_proj", "up_proj", "down_proj")
+ARCHS.update({
+    "deepseek_v3": dict(
+        config="DeepseekV3Config",
+        model="DeepseekV3ForCausalLM",
+        seed=2601,
+        kw=dict(hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=3,
+                num_attention_heads=4, num_key_value_heads=4, q_lora_rank=64, kv_lora_rank=32,
+                qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=24, n_routed_experts=16,
+                n_shared_experts=2, num_experts_per_tok=4, n_group=4, topk_group=2,
+                routed_scaling_factor=2.5, norm_topk_prob=True, first_k_dense_replace=1,
+                rope_interleave=True, rms_norm_eps=1e-6, max_position_embeddings=5120, num_mtp_layers=0,
+                rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 40.0,
+                                 "original_max_position_embeddings": 128, "beta_fast": 32.0,
+                                 "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0},
+                hidden_act="silu", tie_word_embeddings=False),
+        experts=DEEPSEEK_EXPERTS,
+    ),
+    "glm4_moe_lite": dict(
+        config="Glm4MoeLiteConfig",
+        model="Glm4MoeLiteForCausalLM",
+        seed=2602,
+        kw=dict(hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=3,
+                num_attention_heads=4, num_key_value_heads=4, q_lora_rank=None, kv_lora_rank=32,
+                qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32, n_routed_experts=8,
+                n_shared_experts=1, num_experts_per_tok=2, n_group=1, topk_group=1,
+                routed_scaling_factor=1.8, norm_topk_prob=True,
+                mlp_layer_types=["dense", "sparse", "sparse"], rope_interleave=False,
+                rms_norm_eps=1e-5, max_position_embeddings=4096,
+                rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+                hidden_act="silu", tie_word_embeddings=False),
+        experts=DEEPSEEK_EXPERTS,
+    ),
+    "glm4_moe": dict(
+        config="Glm4MoeConfig",
+        model="Glm4MoeForCausalLM",
+        seed=2603,
+        kw=dict(hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=3,
+                num_attention_heads=4, num_key_value_heads=2, head_dim=32, attention_bias=True,
+                use_qk_norm=True, n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2,
+                n_group=2, topk_group=1, routed_scaling_factor=1.5, norm_topk_prob=True,
+                first_k_dense_replace=1, rms_norm_eps=1e-5, max_position_embeddings=4096, num_mtp_layers=0,
+                rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                 "partial_rotary_factor": 0.5},
+                hidden_act="silu", tie_word_embeddings=False),
+        experts=DEEPSEEK_EXPERTS,
+    ),
+})
+
 INIT_STD = {
     "embed": 0.5,
     "tied_embed": 0.12,  # tied: the embedding doubles as lm_head
@@ -313,7 +375,13 @@ INIT_STD = {
     "in_proj_ba": 0.15,
     "out_proj": 0.06,
     "conv1d": 0.35,
+    "q_a_proj": 0.08,
+    "q_b_proj": 0.1,
+    "kv_a_proj_with_mqa": 0.08,
+    "kv_b_proj": 0.1,
 }
+# DeepSeek's e_score_correction_bias (a buffer): about the spread of the sigmoid scores.
+CORRECTION_BIAS_STD = 0.1
 
 MOE_ROUTER_NAMES = ("mlp.gate",)
 
@@ -324,6 +392,11 @@ def is_gemma(arch):
 
 def is_hybrid(arch):
     return arch.startswith("qwen3_5") or arch == "qwen3_next"
+
+
+def is_deepseek(arch):
+    """DeepSeek-V3's routing (and, but for glm4_moe, its latent attention)."""
+    return arch in ("deepseek_v3", "glm4_moe_lite", "glm4_moe")
 
 
 def zero_centred_norms(model):
@@ -360,6 +433,9 @@ def init_weights(model, seed, arch):
             kind = name.split(".")[-2]
             v = INIT_STD[kind] * torch.randn(p.shape, generator=g)
         p.copy_(v.to(p.dtype))
+    for name, b in sorted(model.named_buffers(), key=lambda kv: kv[0]):
+        if name.endswith("e_score_correction_bias"):
+            b.copy_((CORRECTION_BIAS_STD * torch.randn(b.shape, generator=g)).to(b.dtype))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -486,6 +562,11 @@ VARIANTS = {
     "qwen3_5_moe-fp8-dynamic": dict(arch="qwen3_5_moe", scheme="FP8_DYNAMIC", act=True),
     "qwen3_next-w4a16-g32": dict(arch="qwen3_next", scheme=scheme_w4a16_g32),
     "qwen3_next-fp8-dynamic": dict(arch="qwen3_next", scheme="FP8_DYNAMIC", act=True),
+    # the DeepSeek family: every Linear but lm_head and the router (docs/architectures/deepseek.md)
+    "deepseek_v3-w4a16-g32": dict(arch="deepseek_v3", scheme=scheme_w4a16_g32),
+    "deepseek_v3-fp8-dynamic": dict(arch="deepseek_v3", scheme="FP8_DYNAMIC", act=True),
+    "glm4_moe_lite-w4a16-g32": dict(arch="glm4_moe_lite", scheme=scheme_w4a16_g32),
+    "glm4_moe-w4a16-g32": dict(arch="glm4_moe", scheme=scheme_w4a16_g32),
 }
 
 # What llm-compressor's examples for these families leave out (examples/quantization_w4a4_fp4/
@@ -551,7 +632,7 @@ def build_variant(name, spec, tok, work):
     if out.exists():
         shutil.rmtree(out)
     arch = spec["arch"]
-    if "experts" in ARCHS[arch] or is_hybrid(arch):
+    if "experts" in ARCHS[arch] or is_hybrid(arch) or is_deepseek(arch):
         # transformers 5 would fuse per-expert weights again on reload: quantize in memory.
         model = build_model(arch, torch.bfloat16, tok)
         config_dir = work / f"{arch}-config"  # oneshot reads the config from name_or_path
@@ -742,6 +823,8 @@ def reference_model(path, arch, dtype, act=True):
         assert not module_is_ignored(qcfg, mod_name), mod_name
         w = dequantize(fmt, local, scheme, dtype)
         state[f"{mod_name}.weight"] = w
+        if "bias" in local:  # GLM-4.5's q/k/v biases stay dense beside the quantized weight
+            state[f"{mod_name}.bias"] = local["bias"].to(dtype)
         quantized.append(mod_name)
         if act and scheme.input_activations is not None:
             gs = local.get("input_global_scale")
@@ -780,7 +863,12 @@ def routing(model, ids):
     out = {}
     hooks = []
     for name, mod in model.named_modules():
-        if name.endswith("mlp.gate") and hasattr(mod, "top_k"):
+        if name.endswith("mlp.gate") and hasattr(mod, "e_score_correction_bias"):
+            def ds_hook(m, args, res, name=name):
+                out[name.removesuffix(".mlp.gate")] = {"experts": res[2].tolist(),
+                                                       **deepseek_margins(m, res[0])}
+            hooks.append(mod.register_forward_hook(ds_hook))
+        elif name.endswith("mlp.gate") and hasattr(mod, "top_k"):
             def hook(m, args, res, name=name):
                 logits = res[0].to(torch.float32)
                 probs = torch.softmax(logits, dim=-1)
@@ -794,6 +882,46 @@ def routing(model, ids):
     for h in hooks:
         h.remove()
     return out
+
+
+def deepseek_margins(router, logits):
+    """DeepSeek-V3's choice margins, recomputed in f32 as its router chooses: `margin` between
+    the k-th and (k+1)-th choice score (sigmoid + correction bias) among the kept groups, and
+    `group_margin` between the topk_group-th and next group score (absent with one group)."""
+    scores = logits.to(torch.float32).sigmoid()
+    choice = scores + router.e_score_correction_bias.to(torch.float32)
+    n, g, tg, k = router.num_experts, router.num_group, router.topk_group, router.top_k
+    groups = choice.view(-1, g, n // g).topk(2, dim=-1)[0].sum(-1)
+    gsorted = groups.sort(dim=-1, descending=True).values
+    keep = torch.zeros_like(groups).scatter_(1, groups.topk(tg, dim=-1)[1], 1)
+    mask = keep.unsqueeze(-1).expand(-1, g, n // g).reshape(-1, n).bool()
+    masked = choice.masked_fill(~mask, float("-inf")).sort(dim=-1, descending=True).values
+    rec = {"margin": (masked[:, k - 1] - masked[:, k]).tolist()}
+    if tg < g:
+        rec["group_margin"] = (gsorted[:, tg - 1] - gsorted[:, tg]).tolist()
+    return rec
+
+
+NEAR_TIE = 1e-6
+
+
+def near_ties(routes):
+    """Routing near-ties over every sequence and layer: choices whose margin is below NEAR_TIE
+    (any rounding difference could flip them)."""
+    count = {"threshold": NEAR_TIE, "tokens_x_layers": 0, "expert_boundary": 0,
+             "group_boundary": 0, "min_margin": float("inf"), "min_group_margin": None}
+    for seq in routes:
+        for rec in seq.values():
+            m = np.array(rec["margin"])
+            count["tokens_x_layers"] += len(m)
+            count["expert_boundary"] += int((m < NEAR_TIE).sum())
+            count["min_margin"] = min(count["min_margin"], float(m.min()))
+            if "group_margin" in rec:
+                gm = np.array(rec["group_margin"])
+                count["group_boundary"] += int((gm < NEAR_TIE).sum())
+                prev = count["min_group_margin"]
+                count["min_group_margin"] = float(gm.min()) if prev is None else min(prev, float(gm.min()))
+    return count
 
 
 def seq_record(text, ids, lp, top1):
@@ -1026,6 +1154,93 @@ def mut_f32_params_as_bf16(model):
     return _set_params([(p, p.to(torch.bfloat16).to(torch.float32)) for p in params])
 
 
+def _routers(model):
+    return [m for n, m in model.named_modules() if hasattr(m, "e_score_correction_bias")]
+
+
+def _set_attrs(objs, attr, value):
+    """Sets `attr` of every object (to `value(obj)`); returns the undo."""
+    saved = [(o, getattr(o, attr)) for o in objs]
+    for o in objs:
+        setattr(o, attr, value(o))
+    return lambda: [setattr(o, attr, v) for o, v in saved]
+
+
+def mut_correction_bias_ignored(model):
+    """e_score_correction_bias ignored (the choice reads the sigmoid scores alone)."""
+    return _set_params([(r.e_score_correction_bias, torch.zeros_like(r.e_score_correction_bias))
+                        for r in _routers(model)])
+
+
+def _softmax_router_forward(self, hidden_states):
+    """DeepseekV3TopkRouter.forward with softmax scores instead of sigmoid ones."""
+    hidden_states = hidden_states.view(-1, self.hidden_dim)
+    router_logits = torch.nn.functional.linear(hidden_states.type(torch.float32), self.weight.type(torch.float32))
+    scores = router_logits.softmax(-1)
+    choice = scores + self.e_score_correction_bias
+    group_scores = choice.view(-1, self.num_group, self.num_experts // self.num_group).topk(2, dim=-1)[0].sum(-1)
+    group_idx = torch.topk(group_scores, k=self.topk_group, dim=-1, sorted=False)[1]
+    mask = torch.zeros_like(group_scores).scatter_(1, group_idx, 1)
+    mask = mask.unsqueeze(-1).expand(-1, self.num_group, self.num_experts // self.num_group).reshape(-1, self.num_experts)
+    choice = choice.masked_fill(~mask.bool(), float("-inf"))
+    idx = torch.topk(choice, k=self.top_k, dim=-1, sorted=False)[1]
+    w = scores.gather(1, idx)
+    if self.norm_topk_prob:
+        w = w / (w.sum(dim=-1, keepdim=True) + 1e-20)
+    return router_logits, w * self.routed_scaling_factor, idx
+
+
+def mut_softmax_scores(model):
+    """softmax router scores instead of DeepSeek's sigmoid (choice and weights)."""
+    import types
+
+    routers = _routers(model)
+    for r in routers:
+        r.forward = types.MethodType(_softmax_router_forward, r)
+    return lambda: [delattr(r, "forward") for r in routers]
+
+
+def mut_no_group_limit(model):
+    """the group limit dropped (top-k over every expert, n_group = topk_group = 1)."""
+    routers = _routers(model)
+    undo = [_set_attrs(routers, "num_group", lambda r: 1), _set_attrs(routers, "topk_group", lambda r: 1)]
+    return lambda: [u() for u in undo]
+
+
+def mut_scaling_dropped(model):
+    """routed_scaling_factor dropped (routed experts weighted by the renormalised scores)."""
+    return _set_attrs(_routers(model), "routed_scaling_factor", lambda r: 1.0)
+
+
+def mut_shared_experts_dropped(model):
+    """the shared experts dropped."""
+    handles = [m.register_forward_hook(lambda mod, a, out: torch.zeros_like(out))
+               for n, m in model.named_modules() if n.endswith("mlp.shared_experts")]
+    return _hooks(handles)
+
+
+def _mla_modules(model):
+    return [m for n, m in model.named_modules() if hasattr(m, "kv_b_proj")]
+
+
+def mut_mscale_ignored(model):
+    """YaRN's mscale(factor, mscale_all_dim)^2 left out of the attention-score scale."""
+    return _set_attrs(_mla_modules(model), "scaling", lambda m: m.qk_head_dim ** -0.5)
+
+
+def mut_rope_interleave_flipped(model):
+    """rope_interleave read the other way (interleaved pairs vs rotate_half halves)."""
+    cfg = model.config
+    return _set_attrs([cfg], "rope_interleave", lambda c: not c.rope_interleave)
+
+
+def mut_latent_norm_eps(model):
+    """the latent norms built with rms_norm_eps instead of their own 1e-6."""
+    norms = [m.kv_a_layernorm for m in _mla_modules(model)]
+    norms += [m.q_a_layernorm for m in _mla_modules(model) if m.q_a_layernorm is not None]
+    return _set_attrs(norms, "variance_epsilon", lambda n: 1e-2)
+
+
 MUTATIONS = {
     "conv1d_taps_dropped": (mut_conv_taps, "any"),
     "conv1d_silu_dropped": (mut_conv_silu, "any"),
@@ -1041,7 +1256,36 @@ MUTATIONS = {
     "norm_topk_prob_flipped": (mut_topk_norm_flipped, "next"),
     "qkvz_ba_read_contiguous": (mut_qkvz_contiguous, "next"),
     "f32_params_rounded_to_bf16": (mut_f32_params_as_bf16, "f32_params"),
+    "correction_bias_ignored": (mut_correction_bias_ignored, "deepseek"),
+    "softmax_instead_of_sigmoid": (mut_softmax_scores, "deepseek"),
+    "no_group_limit": (mut_no_group_limit, "deepseek_groups"),
+    "routed_scaling_factor_dropped": (mut_scaling_dropped, "deepseek"),
+    "shared_experts_dropped": (mut_shared_experts_dropped, "deepseek"),
+    "mscale_ignored": (mut_mscale_ignored, "mla_yarn"),
+    "rope_interleave_flipped": (mut_rope_interleave_flipped, "mla"),
+    "latent_norm_eps_1e-2": (mut_latent_norm_eps, "mla"),
+    "full_instead_of_partial_rotary_glm": (mut_full_rotary, "partial"),
 }
+
+
+def mutation_applies(kind, arch):
+    spec = ARCHS[arch]
+    if is_deepseek(arch):
+        mla = arch != "glm4_moe"
+        rope = spec["kw"].get("rope_parameters", {})
+        return {
+            "deepseek": True,
+            "deepseek_groups": spec["kw"].get("topk_group", 1) < spec["kw"].get("n_group", 1),
+            "mla": mla,
+            "mla_yarn": mla and rope.get("rope_type") == "yarn",
+            "partial": not mla,
+        }.get(kind, False)
+    return {
+        "any": True,
+        "moe": "experts" in spec,
+        "next": arch == "qwen3_next",
+        "f32_params": bool(spec.get("f32_params")),
+    }.get(kind, False)
 
 
 def mutation_references(path, arch, texts, attn):
@@ -1051,11 +1295,7 @@ def mutation_references(path, arch, texts, attn):
     base, _ = run_all(model, texts, attn)
     out = {}
     for name, (fn, kind) in MUTATIONS.items():
-        if kind == "moe" and "experts" not in ARCHS[arch]:
-            continue
-        if kind == "next" and arch != "qwen3_next":
-            continue
-        if kind == "f32_params" and not ARCHS[arch].get("f32_params"):
+        if not mutation_applies(kind, arch):
             continue
         undo = fn(model)
         try:
@@ -1131,8 +1371,12 @@ def compute_reference(name, spec, path, texts):
     if "text_kw" in ARCHS[arch]:
         numerics["text_only_class_vs_conditional_generation_f32"] = text_only_vs_composite(
             m_w if act else m32, texts, attn)
-    if is_hybrid(arch):
+    if is_hybrid(arch) or is_deepseek(arch):
         res["mutations"] = mutation_references(path, arch, texts, attn)
+    if is_deepseek(arch):
+        res["routing_near_ties"] = near_ties(res["routing"])
+        if act:
+            res["weights_only"]["routing_near_ties"] = near_ties(res["weights_only"]["routing"])
     # bf16 run: the same construction in bfloat16 (activation quant as in `sequences`)
     m16, _ = reference_model(path, arch, torch.bfloat16, act=True)
     seqs16, lps16 = run_all(m16, texts, attn)
@@ -1291,6 +1535,7 @@ def main():
             "dequant": ref.get("dequant_verification"),
             **({"mutations_mean_abs_dlogprob": {k: v["mean"] for k, v in ref["mutations"].items()}}
                if "mutations" in ref else {}),
+            **({"routing_near_ties": ref["routing_near_ties"]} if "routing_near_ties" in ref else {}),
             "size_bytes": dir_size(path),
         }
         print(f"[{name}] mean NLL {ref['mean_nll']:.4f}, {dir_size(path) / 1e6:.2f} MB, "

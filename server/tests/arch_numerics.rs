@@ -1,4 +1,5 @@
-//! Qwen3-MoE, Mixtral, Gemma 3, Gemma 2, Mistral 3, Qwen3.5, Qwen3.5-MoE and Qwen3-Next fixtures
+//! Qwen3-MoE, Mixtral, Gemma 3, Gemma 2, Mistral 3, Qwen3.5, Qwen3.5-MoE, Qwen3-Next, DeepSeek-V3,
+//! GLM-4.5 and GLM-4.7-Flash fixtures
 //! scored in f32 on the CPU against the references of scripts/make_arch_fixtures.py
 //! (transformers, float32, per-expert Linears) and scripts/make_mistral3_fixture.py.
 
@@ -173,6 +174,26 @@ fn qwen3_next_fp8_weights_only_matches_reference_per_token() {
     assert_exact("qwen3_next-fp8-dynamic", Off, "weights_only");
 }
 
+#[test]
+fn deepseek_v3_w4a16_matches_reference_per_token() {
+    assert_exact("deepseek_v3-w4a16-g32", Emulate, "sequences");
+}
+
+#[test]
+fn glm4_moe_lite_w4a16_matches_reference_per_token() {
+    assert_exact("glm4_moe_lite-w4a16-g32", Emulate, "sequences");
+}
+
+#[test]
+fn glm4_moe_w4a16_matches_reference_per_token() {
+    assert_exact("glm4_moe-w4a16-g32", Emulate, "sequences");
+}
+
+#[test]
+fn deepseek_v3_fp8_weights_only_matches_reference_per_token() {
+    assert_exact("deepseek_v3-fp8-dynamic", Off, "weights_only");
+}
+
 /// With activation quantization the reference is discontinuous (a rounding flip anywhere moves
 /// a token a lot); its mean NLL is stable: within 1e-3 relative.
 fn assert_mean_nll(variant: &str) {
@@ -202,6 +223,11 @@ fn qwen3moe_nvfp4_w4a4_mean_nll_matches_reference() {
 #[test]
 fn qwen3moe_fp8_dynamic_per_token_mean_nll_matches_reference() {
     assert_mean_nll("qwen3moe-fp8-dynamic");
+}
+
+#[test]
+fn deepseek_v3_fp8_dynamic_per_token_mean_nll_matches_reference() {
+    assert_mean_nll("deepseek_v3-fp8-dynamic");
 }
 
 /// The tensors of `file` as a vision-language checkpoint holds its text model: `model.*` under
@@ -341,37 +367,45 @@ fn mutated_deltas(
     (mean, d.iter().copied().fold(0.0, f64::max))
 }
 
+fn config_of(variant: &str) -> Value {
+    let text = std::fs::read_to_string(fixtures().join(variant).join("config.json")).unwrap();
+    serde_json::from_str(&text).unwrap()
+}
+
+fn weights(
+    variant: &str,
+) -> std::collections::HashMap<String, exactscore_server::checkpoint::HostTensor> {
+    tensors_of(&format!("{variant}/model.safetensors"), str::to_string)
+}
+
+/// Our (mean, max) |Δ| of a mutation against the shift transformers recorded for it.
+fn assert_mutation(variant: &str, mutation: &str, got: (f64, f64)) {
+    let want = &reference(variant)["mutations"][mutation];
+    let (mean, max) = (
+        want["mean"].as_f64().unwrap(),
+        want["max"].as_f64().unwrap(),
+    );
+    println!(
+        "{variant} {mutation}: mean |Δ| {:.4e} (transformers {mean:.4e}), max {:.4e} ({max:.4e})",
+        got.0, got.1
+    );
+    assert!(
+        mean > 1e-3,
+        "{variant} {mutation}: the mutation is not far away"
+    );
+    assert!(
+        (got.0 - mean).abs() <= 1e-4 && (got.1 - max).abs() <= 1e-3,
+        "{variant} {mutation}: ours {got:?}, transformers' ({mean}, {max})"
+    );
+}
+
 /// Mechanisms broken on purpose, as scripts/make_arch_fixtures.py broke them in transformers,
 /// land where its `mutations` say (mean and max |Δ| over the 551 tokens): our reading of each
 /// mechanism is transformers', not merely close to the unbroken reference. The cheap ones: two
 /// config keys, and the f32-stored A_log / gated-norm weights rounded to bf16.
 #[test]
 fn qwen3_next_family_mutations_land_where_transformers_put_them() {
-    let config_of = |variant: &str| -> Value {
-        let text = std::fs::read_to_string(fixtures().join(variant).join("config.json")).unwrap();
-        serde_json::from_str(&text).unwrap()
-    };
-    let weights =
-        |variant: &str| tensors_of(&format!("{variant}/model.safetensors"), str::to_string);
-    let check = |variant: &str, mutation: &str, got: (f64, f64)| {
-        let want = &reference(variant)["mutations"][mutation];
-        let (mean, max) = (
-            want["mean"].as_f64().unwrap(),
-            want["max"].as_f64().unwrap(),
-        );
-        println!(
-            "{variant} {mutation}: mean |Δ| {:.4e} (transformers {mean:.4e}), max {:.4e} ({max:.4e})",
-            got.0, got.1
-        );
-        assert!(
-            mean > 1e-3,
-            "{variant} {mutation}: the mutation is not far away"
-        );
-        assert!(
-            (got.0 - mean).abs() <= 1e-4 && (got.1 - max).abs() <= 1e-3,
-            "{variant} {mutation}: ours {got:?}, transformers' ({mean}, {max})"
-        );
-    };
+    let check = assert_mutation;
     // norm_topk_prob read the other way (Qwen3-Next)
     let variant = "qwen3_next-w4a16-g32";
     let mut config = config_of(variant);
@@ -550,5 +584,62 @@ fn qwen3_next_unread_tensors_other_than_mtp_fail_the_load() {
         .unwrap_or_else(|| panic!("{stray} was ignored"))
         .to_string();
         assert!(err.contains(stray), "{err}");
+    }
+}
+
+/// DeepSeek's mechanisms broken on purpose (config keys, the correction-bias buffer), as
+/// scripts/make_arch_fixtures.py broke them in transformers: ours land where its `mutations`
+/// say.
+#[test]
+fn deepseek_family_mutations_land_where_transformers_put_them() {
+    let mutated = |variant: &str, mutation: &str, edit: &dyn Fn(&mut Value)| {
+        let mut config = config_of(variant);
+        edit(&mut config);
+        assert_mutation(
+            variant,
+            mutation,
+            mutated_deltas(variant, &config, weights(variant)),
+        );
+    };
+    let v3 = "deepseek_v3-w4a16-g32";
+    mutated(v3, "no_group_limit", &|c| {
+        c["n_group"] = 1.into();
+        c["topk_group"] = 1.into();
+    });
+    mutated(v3, "routed_scaling_factor_dropped", &|c| {
+        c["routed_scaling_factor"] = 1.0.into()
+    });
+    // the score scale without mscale², the cos/sin factor (1 here) kept
+    mutated(v3, "mscale_ignored", &|c| {
+        let rope = c["rope_parameters"].as_object_mut().unwrap();
+        rope.remove("mscale_all_dim");
+        rope.insert("attention_factor".into(), 1.0.into());
+    });
+    for variant in [v3, "glm4_moe_lite-w4a16-g32"] {
+        mutated(variant, "rope_interleave_flipped", &|c| {
+            c["rope_interleave"] = (c["rope_interleave"] != true).into()
+        });
+    }
+    let glm = "glm4_moe-w4a16-g32";
+    mutated(glm, "full_instead_of_partial_rotary_glm", &|c| {
+        c["partial_rotary_factor"] = 1.0.into();
+        c["rope_parameters"]["partial_rotary_factor"] = 1.0.into();
+    });
+    // the correction bias zeroed
+    for variant in [v3, glm] {
+        let mut tensors = weights(variant);
+        let mut zeroed = 0;
+        for (name, t) in tensors.iter_mut() {
+            if name.ends_with("mlp.gate.e_score_correction_bias") {
+                t.data.iter_mut().for_each(|b| *b = 0);
+                zeroed += 1;
+            }
+        }
+        assert_eq!(zeroed, 2, "{variant}");
+        assert_mutation(
+            variant,
+            "correction_bias_ignored",
+            mutated_deltas(variant, &config_of(variant), tensors),
+        );
     }
 }

@@ -94,11 +94,16 @@ fn random_batch_compositions_are_bitwise_invariant_bf16() {
 /// Linear (with candle's plain matmul a two-token sequence changed in the last bits beside
 /// others), and the hybrid models (Gated DeltaNet + gated attention + experts with a shared
 /// expert) run their linear-attention ops per sequence, so a sequence's scores do not depend on
-/// its batch, in f32 and bf16. (80 batches per model and dtype passed once; 12 here.)
+/// its batch, in f32 and bf16; DeepSeek-V3's latent attention and f32 group-limited routing
+/// too. (80 batches per model and dtype passed once; 12 here.)
 #[test]
 fn moe_batch_compositions_are_bitwise_invariant() {
     random_compositions("qwen3moe-w4a16-g32", candle_core::DType::F32, 12, 17);
-    for (variant, seed) in [("qwen3_5_moe-w4a16-g32", 5), ("qwen3_next-fp8-dynamic", 13)] {
+    for (variant, seed) in [
+        ("qwen3_5_moe-w4a16-g32", 5),
+        ("qwen3_next-fp8-dynamic", 13),
+        ("deepseek_v3-fp8-dynamic", 43),
+    ] {
         random_compositions(variant, candle_core::DType::F32, 12, seed);
         random_compositions(variant, candle_core::DType::BF16, 12, seed + 1);
     }

@@ -9,8 +9,11 @@
 //! the keys it refuses, its RoPE, sliding layers, experts and biases), and `registry.rs`. A new
 //! architecture is one such file, its `mod` line here and one line in the registry.
 mod architecture;
+mod deepseek_v3;
 mod gemma2;
 mod gemma3;
+mod glm4_moe;
+mod glm4_moe_lite;
 mod llama;
 mod mistral;
 mod mistral3;
@@ -36,7 +39,9 @@ use architecture::ArchitectureConfig;
 pub use architecture::DecoderFamily;
 pub use registry::Architecture;
 use shared::{positive_finite, required_size, size, SharedKeys};
-pub use shared::{Activation, LinearAttentionConfig, MoeConfig, SlidingLayers};
+pub use shared::{
+    Activation, LinearAttentionConfig, MlaConfig, MoeConfig, MoeRouter, SlidingLayers,
+};
 
 #[derive(Debug, Clone)]
 pub struct ModelConfig {
@@ -60,6 +65,11 @@ pub struct ModelConfig {
     pub attn_output_gate: bool,
     /// The Gated DeltaNet layers of a hybrid model (Qwen3-Next, Qwen3.5).
     pub linear_attention: Option<LinearAttentionConfig>,
+    /// Multi-head latent attention (DeepSeek-V3, GLM-4.7-Flash): `head_dim` is then the
+    /// query/key head (`qk_nope_head_dim + qk_rope_head_dim`) and `rotary_dim` its rotary part.
+    pub mla: Option<MlaConfig>,
+    /// Multi-token-prediction layers after the last decoder layer, never read.
+    pub mtp_layers: usize,
     pub max_position_embeddings: usize,
     pub tie_word_embeddings: bool,
     /// q/k/v projections carry a bias (always in Qwen2; `attention_bias` where the
@@ -240,13 +250,31 @@ impl ModelConfig {
     /// The config of `architecture` from its text model's keys `root` (defaults included).
     fn read(architecture: Architecture, root: &Value) -> Result<Self, LoadError> {
         let arch = architecture.config();
-        let keys = SharedKeys::read(root)?;
+        let mut keys = SharedKeys::read(root)?;
         let hidden_act = arch.activation(&keys)?;
-        let dims = Dimensions::read(&keys)?;
         let (rope, local_rope) = arch.rope(root, &keys)?;
-        let rotary_dim = match arch.partial_rotary_default() {
-            Some(default) => rope_parameters::partial_rotary_dim(root, dims.head_dim, default)?,
-            None => dims.head_dim,
+        let mla = arch.mla(root, &rope)?;
+        if let Some(m) = &mla {
+            // Attention heads are query/key heads; the config's `head_dim` is the rotary part.
+            keys.head_dim = Some(m.qk_nope_head_dim + m.qk_rope_head_dim);
+        }
+        let dims = Dimensions::read(&keys)?;
+        if mla.is_some() && dims.num_kv_heads != dims.num_heads {
+            return Err(LoadError::config(
+                "num_key_value_heads",
+                format!(
+                    "{} with multi-head latent attention (kv_b_proj yields one key and value per \
+                     head: must equal num_attention_heads = {})",
+                    dims.num_kv_heads, dims.num_heads
+                ),
+            ));
+        }
+        let rotary_dim = match (&mla, arch.partial_rotary_default()) {
+            (Some(m), _) => m.qk_rope_head_dim,
+            (None, Some(default)) => {
+                rope_parameters::partial_rotary_dim(root, dims.head_dim, default)?
+            }
+            (None, None) => dims.head_dim,
         };
         check_frequencies(std::iter::once(&rope).chain(&local_rope), rotary_dim)?;
         let sliding_window = arch.sliding_window(window_value(&keys)?, &keys);
@@ -284,12 +312,14 @@ impl ModelConfig {
             rotary_dim,
             attn_output_gate: arch.attn_output_gate(),
             linear_attention,
+            mla,
+            mtp_layers: arch.mtp_layers(root)?,
             max_position_embeddings,
             tie_word_embeddings: keys.tie_word_embeddings.unwrap_or(false),
             qkv_bias: biases.qkv,
             o_bias: biases.o,
             mlp_bias: biases.mlp,
-            qk_norm: arch.qk_norm(),
+            qk_norm: arch.qk_norm(root),
             sliding_window,
             sliding_layers,
             hidden_act,
@@ -317,6 +347,9 @@ impl ModelConfig {
 
     /// The attention-score scale.
     pub fn attention_scale(&self) -> f64 {
+        if let Some(m) = &self.mla {
+            return m.softmax_scale;
+        }
         1.0 / self
             .query_pre_attn_scalar
             .unwrap_or(self.head_dim as f64)

@@ -18,7 +18,7 @@ use super::profile::stage;
 use super::rope::{Rope, RopeTables};
 use super::scoring::{score_logits, SequenceScores};
 use super::stored_kld::{stored_rows, StoredRequest};
-use super::{gemma, llama, qwen3_next};
+use super::{deepseek, gemma, llama, qwen3_next};
 use crate::checkpoint::{read_to_string, Checkpoint, LoadError};
 use crate::ops;
 use crate::quant::dense::DenseWeight;
@@ -239,6 +239,7 @@ fn family(architecture: Architecture) -> &'static dyn Family {
         DecoderFamily::Llama => &llama::Llama,
         DecoderFamily::Gemma => &gemma::Gemma,
         DecoderFamily::Qwen3Next => &qwen3_next::Qwen3Next,
+        DecoderFamily::Mla => &deepseek::Mla,
     }
 }
 
@@ -360,7 +361,18 @@ impl Model {
         } else {
             last_vb.linear(head_name, (c.vocab_size, h), false)?
         };
-        ckpt.refuse_unread(c.architecture.hf_name(), c.architecture.unread_prefixes())?;
+        // The multi-token-prediction layers after the last (DeepSeek-V3, GLM-4.5) are never read.
+        let mtp: Vec<String> = (c.num_layers..c.num_layers + c.mtp_layers)
+            .map(|i| format!("{base}.layers.{i}."))
+            .collect();
+        let unread: Vec<&str> = c
+            .architecture
+            .unread_prefixes()
+            .iter()
+            .copied()
+            .chain(mtp.iter().map(String::as_str))
+            .collect();
+        ckpt.refuse_unread(c.architecture.hf_name(), &unread)?;
         let max_len = opts.max_seq_len.max(1);
         let local = c
             .sliding_layers
@@ -464,7 +476,9 @@ impl Model {
         // The flash kernel has no soft-capping of the scores (Gemma 2): such models attend
         // through the materialised path.
         let softcap = self.config.attn_logit_softcapping.is_some();
+        // Latent attention runs materialised on every device (blocks/mla.rs).
         let flash = !softcap
+            && self.config.mla.is_none()
             && self.stages.iter().all(|stage| {
                 ops::flash_attention_available(&stage.device, self.config.head_dim, lin.dtype)
             });

@@ -12,6 +12,7 @@
 pub mod blocks;
 pub mod config;
 pub mod decoder;
+pub mod deepseek;
 pub mod diff;
 pub mod gemma;
 pub mod kld;

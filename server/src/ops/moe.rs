@@ -64,6 +64,82 @@ pub fn moe_route(logits: &Tensor, k: usize, norm: bool) -> Result<TopExperts> {
     })
 }
 
+/// DeepSeek-V3's group-limited sigmoid routing ([`moe_route_grouped`]).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct GroupedRouting {
+    pub k: usize,
+    pub n_group: usize,
+    pub topk_group: usize,
+    pub norm: bool,
+    pub routed_scaling_factor: f64,
+}
+
+/// DeepSeek-V3's router (`DeepseekV3TopkRouter`) on its f32 logits `[tokens, experts]`, in f32
+/// as transformers computes it: scores `sigmoid(logits)`; the choice reads `scores + bias`
+/// (`e_score_correction_bias`, f32 `[experts]`), keeps the `topk_group` groups whose two best
+/// choice scores sum highest, and takes the `k` best choice scores among their experts (ties to
+/// the lowest id, groups and experts alike); the weights are the chosen experts' scores,
+/// divided by their sum + 1e-20 when `norm`, times `routed_scaling_factor`. The GPU reads the
+/// logits back and routes on the CPU (no kernel yet). A NaN score is an error.
+pub fn moe_route_grouped(
+    logits: &Tensor,
+    bias: &Tensor,
+    routing: &GroupedRouting,
+) -> Result<TopExperts> {
+    let (tokens, num_experts) = logits.dims2()?;
+    let scores = candle_nn::ops::sigmoid(&logits.to_dtype(DType::F32)?)?.to_device(&Device::Cpu)?;
+    let bias = bias
+        .to_dtype(DType::F32)?
+        .to_device(&Device::Cpu)?
+        .to_vec1::<f32>()?;
+    let (k, groups, per_group) = (routing.k, routing.n_group, num_experts / routing.n_group);
+    let scale = routing.routed_scaling_factor as f32;
+    let (mut experts, mut weights) = (
+        Vec::with_capacity(tokens * k),
+        Vec::with_capacity(tokens * k),
+    );
+    for (t, s) in scores.to_vec2::<f32>()?.into_iter().enumerate() {
+        if s.iter().any(|v| v.is_nan()) {
+            candle_core::bail!("the router scores of token {t} of {tokens} are NaN");
+        }
+        let choice: Vec<f32> = s.iter().zip(&bias).map(|(s, b)| s + b).collect();
+        let group_score = |g: usize| {
+            let mut best = choice[g * per_group..(g + 1) * per_group].to_vec();
+            best.sort_by(|a, b| b.total_cmp(a));
+            best[0] + best[1]
+        };
+        let group_scores: Vec<f32> = (0..groups).map(group_score).collect();
+        let kept = top_indices(&group_scores, routing.topk_group);
+        let masked: Vec<f32> = (0..num_experts)
+            .map(|e| match kept.contains(&(e / per_group)) {
+                true => choice[e],
+                false => f32::NEG_INFINITY,
+            })
+            .collect();
+        let top = top_indices(&masked, k);
+        let chosen: Vec<f32> = top.iter().map(|&e| s[e]).collect();
+        let denominator = match routing.norm {
+            true => chosen.iter().sum::<f32>() + 1e-20,
+            false => 1.0,
+        };
+        experts.extend(top.iter().map(|&e| e as u32));
+        weights.extend(chosen.iter().map(|w| w / denominator * scale));
+    }
+    Ok(TopExperts {
+        k,
+        experts,
+        weights,
+    })
+}
+
+/// The indices of the `k` largest values, largest first; equal values keep the lower index first.
+fn top_indices(values: &[f32], k: usize) -> Vec<usize> {
+    let mut order: Vec<usize> = (0..values.len()).collect();
+    order.sort_by(|&a, &b| values[b].total_cmp(&values[a]));
+    order.truncate(k);
+    order
+}
+
 /// The CPU reference of the router kernel: a token with a NaN probability gets the id
 /// `experts` everywhere, which [`moe_route`] refuses.
 fn route_on_cpu(logits: &Tensor, k: usize, norm: bool) -> Result<(Vec<u32>, Vec<f32>)> {

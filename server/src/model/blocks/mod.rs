@@ -1,11 +1,13 @@
 //! The blocks every architecture family builds its decoder layers from, each with its `load`
 //! beside its `forward` (as candle-transformers' models): [`RmsNorm`], [`Attention`], [`Mlp`]
-//! and [`Moe`] behind a layer's [`FeedForward`], and the linear-attention [`GatedDeltaNet`].
+//! and [`Moe`] behind a layer's [`FeedForward`], the linear-attention [`GatedDeltaNet`] and the
+//! multi-head latent attention [`LatentAttention`].
 //! Device-specific work goes through [`crate::ops`]; nothing here asks which device it runs on.
 
 mod attention;
 mod feed_forward;
 mod gated_delta_net;
+mod mla;
 mod mlp;
 mod moe;
 mod norm;
@@ -13,6 +15,7 @@ mod norm;
 pub use attention::{Attention, BatchLayout};
 pub use feed_forward::FeedForward;
 pub use gated_delta_net::GatedDeltaNet;
+pub use mla::LatentAttention;
 pub use mlp::{Mlp, MLP_CHUNK};
 pub use moe::{Moe, Route};
 pub use norm::{NormKind, RmsNorm};

@@ -1,25 +1,30 @@
-//! Mixture-of-experts feed-forward (Qwen3-MoE, Mixtral, Qwen3-Next, Qwen3.5-MoE): a router
-//! picks `top_k` experts per token; each expert is a gated MLP; Qwen3-Next adds a shared expert
-//! that every token goes through, weighted by `sigmoid(shared_expert_gate(x))`. Tokens are
+//! Mixture-of-experts feed-forward (Qwen3-MoE, Mixtral, Qwen3-Next, Qwen3.5-MoE, DeepSeek-V3,
+//! GLM-4.5): a router picks `top_k` experts per token (by softmax, or DeepSeek's group-limited
+//! sigmoid scores); each expert is a gated MLP; Qwen3-Next adds a shared expert that every token
+//! goes through, weighted by `sigmoid(shared_expert_gate(x))`, DeepSeek shared experts with
+//! weight 1. Tokens are
 //! grouped by expert, and experts' weights are dequantized right before their GEMMs and dropped
 //! after: never all experts at once (a 30B-A3B checkpoint is ~60 GB in bf16). On a GPU in
 //! bf16/f16 the experts run stacked, a group at a time, so that a layer costs a few launches
 //! rather than several per expert.
 
-use candle_core::{Result, Tensor};
+use candle_core::{DType, Result, Tensor};
 
 use super::mlp::{forward_stacked, stack_decodes_in_gemm, stackable, Mlp, PROJ_NAMES};
 use crate::checkpoint::LoadError;
-use crate::model::config::{ModelConfig, MoeConfig};
+use crate::model::config::{ModelConfig, MoeConfig, MoeRouter};
 use crate::model::loader::Loader;
 use crate::model::profile::{self, stage};
-use crate::ops::{self, TopExperts};
+use crate::ops::{self, GroupedRouting, TopExperts};
 use crate::quant::QuantLinear;
 
 #[derive(Clone)]
 pub struct Moe {
-    /// The router `[experts, hidden]`, in the compute dtype (llm-compressor leaves it unquantized).
+    /// The router `[experts, hidden]`, in the compute dtype (llm-compressor leaves it
+    /// unquantized); in f32 for [`MoeRouter::SigmoidGrouped`], which routes in f32.
     router: Tensor,
+    /// DeepSeek's `e_score_correction_bias` (f32 `[experts]`) for [`MoeRouter::SigmoidGrouped`].
+    correction_bias: Option<Tensor>,
     /// Gated MLPs whose Linears may be in any supported format.
     experts: Vec<Mlp>,
     cfg: MoeConfig,
@@ -28,12 +33,23 @@ pub struct Moe {
     shared: Option<SharedExpert>,
 }
 
-/// Qwen3-Next's shared expert: `sigmoid(shared_expert_gate(x)) * shared_expert(x)`.
+/// Qwen3-Next's shared expert, `sigmoid(shared_expert_gate(x)) * shared_expert(x)`, or
+/// DeepSeek's `shared_experts(x)`.
 #[derive(Clone)]
 struct SharedExpert {
     mlp: Mlp,
-    /// `[1, hidden]`: one gate logit per token.
-    gate: QuantLinear,
+    /// `[1, hidden]`: one gate logit per token (Qwen's).
+    gate: Option<QuantLinear>,
+}
+
+impl SharedExpert {
+    /// The name of the shared MLP under the block.
+    fn name(&self) -> &'static str {
+        match self.gate {
+            Some(_) => "shared_expert",
+            None => "shared_experts",
+        }
+    }
 }
 
 /// Experts whose weights are dequantized and multiplied together, at most: enough that one
@@ -75,7 +91,18 @@ impl Moe {
                 ),
             ));
         }
-        let router = vb.get("gate.weight", &[cfg.num_experts, h])?;
+        let (router, correction_bias) = match cfg.router {
+            MoeRouter::Softmax => (vb.get("gate.weight", &[cfg.num_experts, h])?, None),
+            MoeRouter::SigmoidGrouped { .. } => {
+                let f32 = |name: &str, shape: &[usize]| {
+                    vb.get_as(name, shape, DType::F32, &vb.options().device)
+                };
+                (
+                    f32("gate.weight", &[cfg.num_experts, h])?,
+                    Some(f32("gate.e_score_correction_bias", &[cfg.num_experts])?),
+                )
+            }
+        };
         let stacked = vb.pp("experts");
         let experts = if vb.checkpoint().contains(&stacked.name("gate_up_proj")) {
             Mlp::load_fused(&stacked, cfg.num_experts, (h, inter), c.hidden_act)?
@@ -90,20 +117,20 @@ impl Moe {
         let shared = cfg
             .shared_expert_intermediate_size
             .map(|inter| {
-                Ok::<_, LoadError>(SharedExpert {
-                    mlp: Mlp::load(
-                        &vb.pp("shared_expert"),
-                        PROJ_NAMES,
-                        (h, inter),
-                        false,
-                        c.hidden_act,
-                    )?,
-                    gate: vb.linear("shared_expert_gate", (1, h), false)?,
-                })
+                let (name, gate) = match cfg.shared_expert_gate {
+                    true => (
+                        "shared_expert",
+                        Some(vb.linear("shared_expert_gate", (1, h), false)?),
+                    ),
+                    false => ("shared_experts", None),
+                };
+                let mlp = Mlp::load(&vb.pp(name), PROJ_NAMES, (h, inter), false, c.hidden_act)?;
+                Ok::<_, LoadError>(SharedExpert { mlp, gate })
             })
             .transpose()?;
         Ok(Self {
             router,
+            correction_bias,
             stackable: stackable(&experts),
             experts,
             cfg: cfg.clone(),
@@ -111,13 +138,34 @@ impl Moe {
         })
     }
 
-    /// Every token's experts, as transformers picks them: router logits in the compute dtype
-    /// (through [`ops::matmul_t`], whose rows do not depend on the other rows of the batch),
-    /// softmax in f32, the `top_k` largest (ties to the lower index), renormalised in f32 when
-    /// `norm_topk_prob` ([`ops::moe_route`]).
+    /// Every token's experts, as transformers picks them: router logits through
+    /// [`ops::matmul_t`] (whose rows do not depend on the other rows of the batch), in the
+    /// compute dtype then softmax in f32, the `top_k` largest (ties to the lower index),
+    /// renormalised in f32 when `norm_topk_prob` ([`ops::moe_route`]); or DeepSeek's logits
+    /// and routing in f32 ([`ops::moe_route_grouped`]).
     pub fn route(&self, x: &Tensor) -> Result<TopExperts> {
-        let logits = ops::matmul_t(x, &self.router)?;
-        ops::moe_route(&logits, self.cfg.experts_per_token, self.cfg.norm_topk_prob)
+        let (k, norm) = (self.cfg.experts_per_token, self.cfg.norm_topk_prob);
+        match (self.cfg.router, &self.correction_bias) {
+            (
+                MoeRouter::SigmoidGrouped {
+                    n_group,
+                    topk_group,
+                    routed_scaling_factor,
+                },
+                Some(bias),
+            ) => {
+                let logits = ops::matmul_t(&x.to_dtype(DType::F32)?, &self.router)?;
+                let routing = GroupedRouting {
+                    k,
+                    n_group,
+                    topk_group,
+                    norm,
+                    routed_scaling_factor,
+                };
+                ops::moe_route_grouped(&logits, bias, &routing)
+            }
+            _ => ops::moe_route(&ops::matmul_t(x, &self.router)?, k, norm),
+        }
     }
 
     /// `residual` plus the weighted sum of each token's experts. The routed tokens are sorted
@@ -171,10 +219,13 @@ impl Moe {
                 let y = shared
                     .mlp
                     .forward(x.clone(), shared_zeros(&residual)?, false)?;
-                stage("shared_expert_gate", &dev, || {
-                    let gate = ops::sigmoid(&shared.gate.forward(x)?)?;
-                    residual + (out + y.broadcast_mul(&gate)?)?
-                })?
+                match &shared.gate {
+                    Some(gate) => stage("shared_expert_gate", &dev, || {
+                        let gate = ops::sigmoid(&gate.forward(x)?)?;
+                        residual + (out + y.broadcast_mul(&gate)?)?
+                    })?,
+                    None => stage("experts", &dev, || residual + (out + y)?)?,
+                }
             }
             None => out,
         };
@@ -288,8 +339,8 @@ impl Moe {
             s.mlp
                 .linears()
                 .into_iter()
-                .map(|(n, l)| (format!("shared_expert.{n}"), l))
-                .chain([("shared_expert_gate".to_string(), &s.gate)])
+                .map(|(n, l)| (format!("{}.{n}", s.name()), l))
+                .chain(s.gate.iter().map(|g| ("shared_expert_gate".to_string(), g)))
         });
         experts.chain(shared)
     }
@@ -302,11 +353,16 @@ impl Moe {
                 .map(move |(n, l)| (format!("experts.{e}.{n}"), l))
         });
         let shared = self.shared.iter_mut().flat_map(|s| {
+            let name = s.name();
             s.mlp
                 .linears_mut()
                 .into_iter()
-                .map(|(n, l)| (format!("shared_expert.{n}"), l))
-                .chain([("shared_expert_gate".to_string(), &mut s.gate)])
+                .map(move |(n, l)| (format!("{name}.{n}"), l))
+                .chain(
+                    s.gate
+                        .iter_mut()
+                        .map(|g| ("shared_expert_gate".to_string(), g)),
+                )
         });
         experts.chain(shared)
     }

@@ -5,8 +5,8 @@ use serde_json::Value;
 
 use super::rope_parameters;
 use super::shared::{
-    gate_activation, keys_set, Activation, LinearAttentionConfig, MoeConfig, ProjectionBiases,
-    ScoreShaping, SharedKeys, SlidingLayers, SOFTCAPPING_KEYS,
+    gate_activation, keys_set, Activation, LinearAttentionConfig, MlaConfig, MoeConfig,
+    ProjectionBiases, ScoreShaping, SharedKeys, SlidingLayers, SOFTCAPPING_KEYS,
 };
 use crate::checkpoint::LoadError;
 use crate::model::rope::Rope;
@@ -20,6 +20,8 @@ pub enum DecoderFamily {
     Gemma,
     /// Qwen3-Next, Qwen3.5: pre-norm `(1 + w)` layers of Gated DeltaNet or gated attention.
     Qwen3Next,
+    /// DeepSeek-V3, GLM-4.7-Flash: pre-norm layers of multi-head latent attention.
+    Mla,
 }
 
 /// What one architecture (a transformers `*ForCausalLM` class) makes of its config.json, step by
@@ -106,8 +108,19 @@ pub(super) trait ArchitectureConfig: Sync {
     }
 
     /// Per-head RMSNorm of q and k before RoPE.
-    fn qk_norm(&self) -> bool {
+    fn qk_norm(&self, _root: &Value) -> bool {
         false
+    }
+
+    /// Multi-head latent attention in place of q/k/v projections (DeepSeek-V3, GLM-4.7-Flash).
+    fn mla(&self, _root: &Value, _rope: &Rope) -> Result<Option<MlaConfig>, LoadError> {
+        Ok(None)
+    }
+
+    /// Multi-token-prediction layers stored after the last decoder layer
+    /// (`model.layers.{num_hidden_layers + i}`), which scoring never reads.
+    fn mtp_layers(&self, _root: &Value) -> Result<usize, LoadError> {
+        Ok(0)
     }
 
     fn score_shaping(&self, _root: &Value) -> Result<ScoreShaping, LoadError> {

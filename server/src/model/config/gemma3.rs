@@ -110,7 +110,7 @@ impl ArchitectureConfig for Gemma3 {
         }))
     }
 
-    fn qk_norm(&self) -> bool {
+    fn qk_norm(&self, _root: &Value) -> bool {
         true
     }
 

@@ -22,7 +22,7 @@ impl ArchitectureConfig for Qwen3ForCausalLM {
         window_if_used(window, keys)
     }
 
-    fn qk_norm(&self) -> bool {
+    fn qk_norm(&self, _root: &Value) -> bool {
         true
     }
 }

@@ -111,7 +111,7 @@ impl ArchitectureConfig for Qwen3_5 {
         linear_attention(root, num_layers, false).map(Some)
     }
 
-    fn qk_norm(&self) -> bool {
+    fn qk_norm(&self, _root: &Value) -> bool {
         true
     }
 

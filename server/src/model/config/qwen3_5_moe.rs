@@ -105,7 +105,7 @@ impl ArchitectureConfig for Qwen3_5Moe {
         }))
     }
 
-    fn qk_norm(&self) -> bool {
+    fn qk_norm(&self, _root: &Value) -> bool {
         true
     }
 

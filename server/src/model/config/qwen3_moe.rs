@@ -55,7 +55,7 @@ impl ArchitectureConfig for Qwen3MoeForCausalLM {
         }))
     }
 
-    fn qk_norm(&self) -> bool {
+    fn qk_norm(&self, _root: &Value) -> bool {
         true
     }
 }

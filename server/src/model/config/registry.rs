@@ -6,8 +6,8 @@ use serde_json::Value;
 use super::architecture::{ArchitectureConfig, DecoderFamily};
 use super::shared::required;
 use super::{
-    gemma2, gemma3, llama, mistral, mistral3, mixtral, qwen2, qwen3, qwen3_5, qwen3_5_moe,
-    qwen3_moe, qwen3_next,
+    deepseek_v3, gemma2, gemma3, glm4_moe, glm4_moe_lite, llama, mistral, mistral3, mixtral, qwen2,
+    qwen3, qwen3_5, qwen3_5_moe, qwen3_moe, qwen3_next,
 };
 use crate::checkpoint::LoadError;
 
@@ -56,6 +56,12 @@ architectures! {
     Qwen3_5Moe => qwen3_5_moe::Qwen3_5Moe { vision_language: false },
     /// The text part of a Qwen3.5-MoE vision-language checkpoint (`model.language_model.`).
     Qwen3_5MoeMultimodal => qwen3_5_moe::Qwen3_5Moe { vision_language: true },
+    /// Multi-head latent attention, sigmoid group-limited routing, shared experts.
+    DeepseekV3 => deepseek_v3::DeepseekV3ForCausalLM,
+    /// GLM-4.5/4.6/4.7: partial rotary attention, DeepSeek-V3's routing.
+    Glm4Moe => glm4_moe::Glm4MoeForCausalLM,
+    /// GLM-4.7-Flash: DeepSeek-V3's latent attention and routing, `mlp_layer_types`.
+    Glm4MoeLite => glm4_moe_lite::Glm4MoeLiteForCausalLM,
 }
 
 impl Architecture {

@@ -10,7 +10,7 @@ use crate::checkpoint::LoadError;
 use crate::model::rope::Rope;
 pub use crate::ops::Activation;
 
-/// A mixture-of-experts feed-forward (Qwen3-MoE, Mixtral).
+/// A mixture-of-experts feed-forward (Qwen3-MoE, Mixtral, DeepSeek-V3).
 #[derive(Debug, Clone, PartialEq)]
 pub struct MoeConfig {
     pub num_experts: usize,
@@ -25,9 +25,49 @@ pub struct MoeConfig {
     /// Qwen3-MoE casts the routing weights to the compute dtype before weighting the experts;
     /// Mixtral keeps them in f32.
     pub weights_in_compute_dtype: bool,
-    /// A shared expert of this width beside the routed ones, weighted by
-    /// `sigmoid(shared_expert_gate(x))` (Qwen3-Next, Qwen3.5-MoE).
+    /// A shared expert of this width beside the routed ones (Qwen3-Next, Qwen3.5-MoE,
+    /// DeepSeek-V3, GLM-4.5).
     pub shared_expert_intermediate_size: Option<usize>,
+    /// Qwen's `shared_expert`, weighted by `sigmoid(shared_expert_gate(x))`; else DeepSeek's
+    /// `shared_experts`, added with weight 1.
+    pub shared_expert_gate: bool,
+    /// How the router picks and weighs a token's experts.
+    pub router: MoeRouter,
+}
+
+/// A mixture-of-experts router.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum MoeRouter {
+    /// Softmax over the experts' logits, the top k (Qwen, Mixtral).
+    Softmax,
+    /// DeepSeek-V3's: logits and scores in f32, `sigmoid` scores; the choice adds
+    /// `e_score_correction_bias` and keeps only the experts of the `topk_group` best of
+    /// `n_group` groups (a group scores the sum of its two best); the weights are the chosen
+    /// experts' scores without the bias, renormalised where `norm_topk_prob`, times
+    /// `routed_scaling_factor`.
+    SigmoidGrouped {
+        n_group: usize,
+        topk_group: usize,
+        routed_scaling_factor: f64,
+    },
+}
+
+/// Multi-head latent attention (DeepSeek-V2/V3, GLM-4.7-Flash): q through an optional low-rank
+/// `q_a_proj` → norm → `q_b_proj`, k and v from one shared latent (`kv_a_proj_with_mqa` →
+/// norm → `kv_b_proj`) plus one rotary key part shared by every head.
+#[derive(Debug, Clone, PartialEq)]
+pub struct MlaConfig {
+    /// `None`: a plain `q_proj`.
+    pub q_lora_rank: Option<usize>,
+    pub kv_lora_rank: usize,
+    pub qk_nope_head_dim: usize,
+    pub qk_rope_head_dim: usize,
+    pub v_head_dim: usize,
+    /// DeepSeek's `rope_interleave`: the rotary dimensions pair up as `(x0, x1), (x2, x3), …`.
+    pub rope_interleave: bool,
+    /// The attention-score scale: `qk_head_dim ** -0.5`, times `mscale(factor,
+    /// mscale_all_dim) ** 2` under YaRN.
+    pub softmax_scale: f64,
 }
 
 /// The Gated DeltaNet (linear-attention) layers of a hybrid model (Qwen3-Next, Qwen3.5).
@@ -260,5 +300,7 @@ pub(super) fn experts(
         mixtral_names: false,
         weights_in_compute_dtype: false,
         shared_expert_intermediate_size: None,
+        shared_expert_gate: true,
+        router: MoeRouter::Softmax,
     })
 }

@@ -121,10 +121,11 @@ const GEMMA3: &str = r#"{"architectures":["Gemma3ForCausalLM"],"vocab_size":10,"
 
 #[test]
 fn unsupported_architecture_lists_the_supported_ones() {
-    let err = ModelConfig::from_json(&V4.replace("LlamaForCausalLM", "DeepseekV3ForCausalLM"))
+    let err = ModelConfig::from_json(&V4.replace("LlamaForCausalLM", "DeepseekV2ForCausalLM"))
         .unwrap_err()
         .to_string();
     for name in [
+        "DeepseekV2ForCausalLM",
         "DeepseekV3ForCausalLM",
         "Qwen3MoeForCausalLM",
         "Gemma2ForCausalLM",

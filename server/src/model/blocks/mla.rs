@@ -1,0 +1,236 @@
+//! Multi-head latent attention (DeepSeek-V2/V3, GLM-4.7-Flash), as transformers'
+//! `DeepseekV3Attention` computes it. The queries come from `q_proj`, or from a low-rank
+//! `q_a_proj` → RMSNorm → `q_b_proj`; keys and values from one latent per token
+//! (`kv_a_proj_with_mqa` → RMSNorm → `kv_b_proj`), whose last `qk_rope_head_dim` features are a
+//! rotary key part that every head shares. For scoring there is no cache to keep small, so the
+//! latent is expanded to per-head keys (`qk_nope + qk_rope` features) and values
+//! (`v_head_dim`) and attention runs materialised ([`ops::causal_attention`] takes a value head
+//! of any width), one sequence at a time.
+
+use candle_core::{Result, Tensor};
+
+use super::layer_inputs;
+use super::norm::{NormKind, RmsNorm};
+use crate::checkpoint::LoadError;
+use crate::model::config::{MlaConfig, ModelConfig};
+use crate::model::loader::Loader;
+use crate::model::profile::stage;
+use crate::model::rope::RopeTables;
+use crate::ops;
+use crate::quant::{common_qdq, ActivationQdq, QuantLinear};
+
+/// The latent norms are built with `DeepseekV3RMSNorm`'s default eps, not `rms_norm_eps`.
+const LATENT_NORM_EPS: f64 = 1e-6;
+
+#[derive(Clone)]
+pub struct LatentAttention {
+    query: Query,
+    kv_a_proj_with_mqa: QuantLinear,
+    kv_a_layernorm: RmsNorm,
+    kv_b_proj: QuantLinear,
+    o_proj: QuantLinear,
+    num_heads: usize,
+    cfg: MlaConfig,
+}
+
+/// Where the queries come from.
+#[derive(Clone)]
+enum Query {
+    /// `q_lora_rank: null`.
+    Direct(QuantLinear),
+    LowRank {
+        q_a_proj: QuantLinear,
+        q_a_layernorm: RmsNorm,
+        q_b_proj: QuantLinear,
+    },
+}
+
+impl LatentAttention {
+    /// The attention whose tensors `vb` names (`model.layers.N.self_attn`). `attention_bias`
+    /// gives `q_a_proj`, `kv_a_proj_with_mqa` and `o_proj` a bias, as the class builds them.
+    pub fn load(
+        vb: &Loader,
+        c: &ModelConfig,
+        cfg: &MlaConfig,
+    ) -> std::result::Result<Self, LoadError> {
+        let (h, heads) = (c.hidden_size, c.num_heads);
+        let qk = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim;
+        let norm =
+            |name: &str, dim| RmsNorm::load(&vb.pp(name), dim, LATENT_NORM_EPS, NormKind::Weight);
+        let query = match cfg.q_lora_rank {
+            None => Query::Direct(vb.linear("q_proj", (heads * qk, h), false)?),
+            Some(rank) => Query::LowRank {
+                q_a_proj: vb.linear("q_a_proj", (rank, h), c.qkv_bias)?,
+                q_a_layernorm: norm("q_a_layernorm", rank)?,
+                q_b_proj: vb.linear("q_b_proj", (heads * qk, rank), false)?,
+            },
+        };
+        let latent = cfg.kv_lora_rank + cfg.qk_rope_head_dim;
+        Ok(Self {
+            query,
+            kv_a_proj_with_mqa: vb.linear("kv_a_proj_with_mqa", (latent, h), c.qkv_bias)?,
+            kv_a_layernorm: norm("kv_a_layernorm", cfg.kv_lora_rank)?,
+            kv_b_proj: vb.linear(
+                "kv_b_proj",
+                (
+                    heads * (cfg.qk_nope_head_dim + cfg.v_head_dim),
+                    cfg.kv_lora_rank,
+                ),
+                false,
+            )?,
+            o_proj: vb.linear("o_proj", (h, heads * cfg.v_head_dim), c.o_bias)?,
+            num_heads: heads,
+            cfg: cfg.clone(),
+        })
+    }
+
+    /// The Linears that read the layer's normed input: the first query projection and
+    /// `kv_a_proj_with_mqa`.
+    fn input_linears(&self) -> [&QuantLinear; 2] {
+        let q = match &self.query {
+            Query::Direct(q_proj) => q_proj,
+            Query::LowRank { q_a_proj, .. } => q_a_proj,
+        };
+        [q, &self.kv_a_proj_with_mqa]
+    }
+
+    /// The activation QDQ the layer's input norm may apply once (see [`common_qdq`]).
+    pub fn input_qdq(&self) -> Option<Option<&ActivationQdq>> {
+        common_qdq(&self.input_linears())
+    }
+
+    /// The projections with their names.
+    pub fn linears(&self) -> Vec<(&'static str, &QuantLinear)> {
+        let mut out = match &self.query {
+            Query::Direct(q_proj) => vec![("q_proj", q_proj)],
+            Query::LowRank {
+                q_a_proj, q_b_proj, ..
+            } => vec![("q_a_proj", q_a_proj), ("q_b_proj", q_b_proj)],
+        };
+        out.extend([
+            ("kv_a_proj_with_mqa", &self.kv_a_proj_with_mqa),
+            ("kv_b_proj", &self.kv_b_proj),
+            ("o_proj", &self.o_proj),
+        ]);
+        out
+    }
+
+    /// [`Self::linears`], to replace one.
+    pub fn linears_mut(&mut self) -> Vec<(&'static str, &mut QuantLinear)> {
+        let mut out = match &mut self.query {
+            Query::Direct(q_proj) => vec![("q_proj", q_proj)],
+            Query::LowRank {
+                q_a_proj, q_b_proj, ..
+            } => vec![("q_a_proj", q_a_proj), ("q_b_proj", q_b_proj)],
+        };
+        out.extend([
+            ("kv_a_proj_with_mqa", &mut self.kv_a_proj_with_mqa),
+            ("kv_b_proj", &mut self.kv_b_proj),
+            ("o_proj", &mut self.o_proj),
+        ]);
+        out
+    }
+
+    /// `residual` plus the attention of `x` (`[tokens of all sequences, hidden]`, normed) over
+    /// the sequences of lengths `lens`. `prequantized`: `x` has been through
+    /// [`Self::input_qdq`].
+    pub fn forward(
+        &self,
+        x: Tensor,
+        residual: Tensor,
+        prequantized: bool,
+        lens: &[usize],
+        rope: &RopeTables,
+    ) -> Result<Tensor> {
+        let dev = x.device().clone();
+        let dev = &dev;
+        let [q_in, kv_in] = layer_inputs(self.input_linears(), &x, prequantized)?;
+        drop(x);
+        let (q, latent) = stage("qkv_proj", dev, || {
+            let q = match &self.query {
+                Query::Direct(q_proj) => q_proj.forward_quantized(&q_in)?,
+                Query::LowRank {
+                    q_a_proj,
+                    q_a_layernorm,
+                    q_b_proj,
+                } => {
+                    let q_a = q_a_layernorm.forward(&q_a_proj.forward_quantized(&q_in)?, None)?;
+                    q_b_proj.forward(&q_a)?
+                }
+            };
+            Ok((q, self.kv_a_proj_with_mqa.forward_quantized(&kv_in)?))
+        })?;
+        drop((q_in, kv_in));
+        let (rank, rope_dim) = (self.cfg.kv_lora_rank, self.cfg.qk_rope_head_dim);
+        let (kv, k_rot) = stage("qkv_proj", dev, || {
+            let nope = latent.narrow(1, 0, rank)?.contiguous()?;
+            let kv = self
+                .kv_b_proj
+                .forward(&self.kv_a_layernorm.forward(&nope, None)?)?;
+            Ok((kv, latent.narrow(1, rank, rope_dim)?.contiguous()?))
+        })?;
+        let out = stage("attention", dev, || {
+            let mut outputs = Vec::with_capacity(lens.len());
+            let mut offset = 0;
+            for &len in lens {
+                let seq = |t: &Tensor| t.narrow(0, offset, len);
+                outputs.push(self.attend(&seq(&q)?, &seq(&kv)?, &seq(&k_rot)?, rope)?);
+                offset += len;
+            }
+            Tensor::cat(&outputs, 0)
+        })?;
+        let [o_in] = layer_inputs([&self.o_proj], &out, false)?;
+        stage("o_proj", dev, || {
+            self.o_proj.add_to_residual(residual, &o_in)
+        })
+    }
+
+    /// One sequence: `q` `[len, heads * qk]`, `kv` `[len, heads * (nope + v)]`, the shared
+    /// `k_rot` `[len, rope]`; returns `[len, heads * v]`.
+    fn attend(&self, q: &Tensor, kv: &Tensor, k_rot: &Tensor, rope: &RopeTables) -> Result<Tensor> {
+        let MlaConfig {
+            qk_nope_head_dim: nope,
+            qk_rope_head_dim: rot,
+            v_head_dim: v_dim,
+            ..
+        } = self.cfg;
+        let (len, heads) = (q.dims()[0], self.num_heads);
+        // [len, heads, d] -> [1, heads, len, d]
+        let by_head = |t: &Tensor, d: usize| -> Result<Tensor> {
+            t.reshape((len, heads, d))?
+                .transpose(0, 1)?
+                .contiguous()?
+                .unsqueeze(0)
+        };
+        let q = by_head(q, nope + rot)?;
+        let kv = by_head(kv, nope + v_dim)?;
+        let q_rot = self.rotate(&q.narrow(3, nope, rot)?, rope)?;
+        let k_rot = self
+            .rotate(&k_rot.reshape((1, 1, len, rot))?, rope)?
+            .broadcast_as((1, heads, len, rot))?;
+        let q = Tensor::cat(&[&q.narrow(3, 0, nope)?, &q_rot], 3)?.contiguous()?;
+        let k = Tensor::cat(&[&kv.narrow(3, 0, nope)?, &k_rot], 3)?.contiguous()?;
+        let v = kv.narrow(3, nope, v_dim)?.contiguous()?;
+        ops::causal_attention(&q, &k, &v, self.cfg.softmax_scale, None, None)?
+            .transpose(1, 2)?
+            .reshape((len, heads * v_dim))
+    }
+
+    /// RoPE of `x` `[1, heads, len, rope]`. DeepSeek's interleaved layout pairs `(x0, x1),
+    /// (x2, x3), …`; transformers rotates the pairs and writes `[evens'; odds']`, which is
+    /// `rotate_half` RoPE of `[evens; odds]`: the de-interleaved copy is rotated here, in the
+    /// same layout for q and k (their dot product is all that reads it).
+    fn rotate(&self, x: &Tensor, rope: &RopeTables) -> Result<Tensor> {
+        let x = x.contiguous()?;
+        let x = if self.cfg.rope_interleave {
+            let (b, h, len, d) = x.dims4()?;
+            x.reshape((b, h, len, d / 2, 2))?
+                .transpose(3, 4)?
+                .contiguous()?
+                .reshape((b, h, len, d))?
+        } else {
+            x
+        };
+        rope.apply(&x)
+    }
+}
