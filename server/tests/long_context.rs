@@ -13,7 +13,7 @@ use std::time::Instant;
 use candle_core::{DType, Device};
 use common::fixtures;
 use exactscore_server::model::placement::ActivationBytes;
-use exactscore_server::model::{kld_batch, Model, ModelOptions, ScoreInput};
+use exactscore_server::model::{kld_batch, Model, ModelOptions, ScoreInput, StoredRequest};
 use exactscore_server::ops::AttentionBlocks;
 use exactscore_server::quant::{ActivationQuantMode, LinearOptions};
 
@@ -82,7 +82,11 @@ fn attention_blocks_change_no_bit() {
     let mut model = load("llama-w4a16-g128", 4096);
     let mut score = |score_elements: usize| -> Vec<u32> {
         model.set_attention_blocks(AttentionBlocks { score_elements });
-        let input = ScoreInput { tokens, top_k: 2 };
+        let input = ScoreInput {
+            tokens,
+            top_k: 2,
+            stored: StoredRequest::NONE,
+        };
         let scores = model.score(&[input]).unwrap();
         scores[0]
             .rows
@@ -165,6 +169,7 @@ fn score_child() {
     let input = ScoreInput {
         tokens: &r.tokens[..n],
         top_k: 0,
+        stored: StoredRequest::NONE,
     };
     let scores = model.score(&[input]).unwrap();
     let seconds = started.elapsed().as_secs_f64();

@@ -536,6 +536,11 @@ const CHECKED: &[&str] = &[
     "qwen3_5_moe-fp8-dynamic",
     "qwen3_next-w4a16-g32",
     "qwen3_next-fp8-dynamic",
+    // MLA and DeepSeek-style routing (sigmoid, correction bias, groups)
+    "deepseek_v3-w4a16-g32",
+    "deepseek_v3-fp8-dynamic",
+    "glm4_moe_lite-w4a16-g32",
+    "glm4_moe-w4a16-g32",
 ];
 
 fn check(fixtures: &Path, device: &Device) -> Result<()> {
