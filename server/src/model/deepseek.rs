@@ -66,7 +66,7 @@ impl Layer for MlaLayer {
         })?;
         let x = self
             .self_attn
-            .forward(normed, x, qdq.is_some(), batch.lens(), rope)?;
+            .forward(normed, x, qdq.is_some(), batch, rope)?;
         let qdq = self.mlp.input_qdq();
         let normed = stage("norm", dev, || {
             self.post_attention_layernorm.forward(&x, qdq.flatten())

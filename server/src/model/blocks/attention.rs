@@ -334,6 +334,11 @@ impl BatchLayout {
         &self.lens
     }
 
+    /// How the materialised path cuts each sequence's attention.
+    pub fn blocks(&self) -> ops::AttentionBlocks {
+        self.blocks
+    }
+
     /// Sequences of lengths `lens` on `device`; `flash`: attention runs through the flash
     /// kernel (for heads of `head_dim`), else in `blocks`.
     pub fn new(

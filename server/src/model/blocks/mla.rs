@@ -9,6 +9,7 @@
 
 use candle_core::{Result, Tensor};
 
+use super::attention::BatchLayout;
 use super::layer_inputs;
 use super::norm::{NormKind, RmsNorm};
 use crate::checkpoint::LoadError;
@@ -139,7 +140,7 @@ impl LatentAttention {
         x: Tensor,
         residual: Tensor,
         prequantized: bool,
-        lens: &[usize],
+        batch: &BatchLayout,
         rope: &RopeTables,
     ) -> Result<Tensor> {
         let dev = x.device().clone();
@@ -170,11 +171,12 @@ impl LatentAttention {
             Ok((kv, latent.narrow(1, rank, rope_dim)?.contiguous()?))
         })?;
         let out = stage("attention", dev, || {
-            let mut outputs = Vec::with_capacity(lens.len());
+            let mut outputs = Vec::with_capacity(batch.lens().len());
             let mut offset = 0;
-            for &len in lens {
+            for &len in batch.lens() {
                 let seq = |t: &Tensor| t.narrow(0, offset, len);
-                outputs.push(self.attend(&seq(&q)?, &seq(&kv)?, &seq(&k_rot)?, rope)?);
+                let (q, kv, k_rot) = (seq(&q)?, seq(&kv)?, seq(&k_rot)?);
+                outputs.push(self.attend(&q, &kv, &k_rot, rope, batch.blocks())?);
                 offset += len;
             }
             Tensor::cat(&outputs, 0)
@@ -187,7 +189,14 @@ impl LatentAttention {
 
     /// One sequence: `q` `[len, heads * qk]`, `kv` `[len, heads * (nope + v)]`, the shared
     /// `k_rot` `[len, rope]`; returns `[len, heads * v]`.
-    fn attend(&self, q: &Tensor, kv: &Tensor, k_rot: &Tensor, rope: &RopeTables) -> Result<Tensor> {
+    fn attend(
+        &self,
+        q: &Tensor,
+        kv: &Tensor,
+        k_rot: &Tensor,
+        rope: &RopeTables,
+        blocks: ops::AttentionBlocks,
+    ) -> Result<Tensor> {
         let MlaConfig {
             qk_nope_head_dim: nope,
             qk_rope_head_dim: rot,
@@ -211,7 +220,7 @@ impl LatentAttention {
         let q = Tensor::cat(&[&q.narrow(3, 0, nope)?, &q_rot], 3)?.contiguous()?;
         let k = Tensor::cat(&[&kv.narrow(3, 0, nope)?, &k_rot], 3)?.contiguous()?;
         let v = kv.narrow(3, nope, v_dim)?.contiguous()?;
-        ops::causal_attention(&q, &k, &v, self.cfg.softmax_scale, None, None)?
+        ops::causal_attention(&q, &k, &v, self.cfg.softmax_scale, None, None, blocks)?
             .transpose(1, 2)?
             .reshape((len, heads * v_dim))
     }
