@@ -11,17 +11,13 @@
 
 // ---- causal depthwise conv1d: one thread per (token, channel) ------------------------------
 
-// out[t][c] = act(sum_j w[c][j] * x[t - kernel + 1 + j][c] (+ bias[c] when has_bias)), tokens
-// before the first of t's sequence read as zero. The products and sums are rounded one by one
-// in tap order (no fused multiply-add), as the CPU reference computes them, so that the two
-// give the same bits before the activation.
-extern "C" __global__ void causal_conv1d_f32(const float* x, const float* weight,
-                                             const float* bias, int has_bias, float* out,
-                                             int tokens, int channels, int kernel, int silu,
-                                             const int* starts, int sequences) {
-    const long i = (long)blockIdx.x * blockDim.x + threadIdx.x;
-    if (i >= (long)tokens * channels) return;
-    const int t = (int)(i / channels), c = (int)(i % channels);
+// sum_j w[c][j] * x[t - kernel + 1 + j][c] for channel c of token t (x `[tokens, channels]`),
+// tokens before the first of t's sequence read as zero. The products and sums are rounded one
+// by one in tap order (no fused multiply-add), as the CPU reference computes them, so that the
+// two give the same bits.
+template <typename T>
+__device__ float causal_conv_taps(const T* x, const float* weight, int t, int c, int channels,
+                                  int kernel, const int* starts, int sequences) {
     int lo = 0, hi = sequences;  // the sequence of t: starts[lo] <= t < starts[lo + 1]
     while (hi - lo > 1) {
         const int mid = (lo + hi) / 2;
@@ -31,8 +27,21 @@ extern "C" __global__ void causal_conv1d_f32(const float* x, const float* weight
     float acc = 0.0f;
     for (int j = 0; j < kernel; ++j) {
         const int src = t + j - (kernel - 1);
-        if (src >= first) acc = __fadd_rn(acc, __fmul_rn(weight[c * kernel + j], x[(long)src * channels + c]));
+        if (src >= first)
+            acc = __fadd_rn(acc, __fmul_rn(weight[c * kernel + j], to_f32(x[(long)src * channels + c])));
     }
+    return acc;
+}
+
+// out[t][c] = act(the taps (+ bias[c] when has_bias)).
+extern "C" __global__ void causal_conv1d_f32(const float* x, const float* weight,
+                                             const float* bias, int has_bias, float* out,
+                                             int tokens, int channels, int kernel, int silu,
+                                             const int* starts, int sequences) {
+    const long i = (long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= (long)tokens * channels) return;
+    const int t = (int)(i / channels), c = (int)(i % channels);
+    float acc = causal_conv_taps(x, weight, t, c, channels, kernel, starts, sequences);
     if (has_bias) acc = __fadd_rn(acc, bias[c]);
     out[i] = silu ? acc / (1.0f + expf(-acc)) : acc;
 }
@@ -49,17 +58,7 @@ __device__ void conv_qkv(const T* x, const float* weight, float* q, float* k, fl
     const long i = (long)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= (long)tokens * channels) return;
     const int t = (int)(i / channels), c = (int)(i % channels);
-    int lo = 0, hi = sequences;  // the sequence of t: starts[lo] <= t < starts[lo + 1]
-    while (hi - lo > 1) {
-        const int mid = (lo + hi) / 2;
-        if (starts[mid] <= t) lo = mid; else hi = mid;
-    }
-    const int first = starts[lo];
-    float acc = 0.0f;
-    for (int j = 0; j < kernel; ++j) {
-        const int src = t + j - (kernel - 1);
-        if (src >= first) acc = __fadd_rn(acc, __fmul_rn(weight[c * kernel + j], to_f32(x[(long)src * channels + c])));
-    }
+    const float acc = causal_conv_taps(x, weight, t, c, channels, kernel, starts, sequences);
     const float y = to_f32(from_f32<T>(acc / (1.0f + expf(-acc))));
     const int value_dim = channels - 2 * key_dim;
     if (c < key_dim) q[(long)t * key_dim + c] = y;
