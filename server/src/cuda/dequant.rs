@@ -32,9 +32,7 @@ pub fn dequant_int(
     let words_kernel = g_idx.is_none() && group.is_multiple_of(per) && cols.is_multiple_of(per);
     let groups = scales.dims()[1] as i32;
     // act-order: the group of each column, u32 on the device (or a null pointer)
-    let g_idx = g_idx
-        .map(|g| g.to_dtype(DType::U32)?.contiguous())
-        .transpose()?;
+    let g_idx = g_idx.map(Tensor::contiguous).transpose()?;
     let name = match (words_kernel, bits) {
         (true, 4) => kernel_name("dequant_int4_words", dtype),
         (true, _) => kernel_name("dequant_int8_words", dtype),

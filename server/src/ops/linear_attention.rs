@@ -456,16 +456,16 @@ pub fn causal_conv1d_tensor(
         return gpu::causal_conv1d(&f32(x)?, &f32(weight)?, bias.as_ref(), silu, lens);
     }
     let (bias, weight) = (bias.map(f32_data).transpose()?, f32_data(weight)?);
-    per_sequence(x, lens, |x| {
+    per_sequence([x], lens, |len, [x]| {
         let out = causal_conv1d(
-            &f32_data(x)?,
+            &f32_data(&x)?,
             channels,
             &weight,
             kernel,
             bias.as_deref(),
             act,
         );
-        Tensor::from_vec(out, x.dims2()?, x.device())
+        Tensor::from_vec(out, (len, channels), x.device())
     })
 }
 
@@ -510,17 +510,21 @@ fn check_lens(lens: &[usize], tokens: usize) -> Result<()> {
     Ok(())
 }
 
-/// `f` on each sequence's rows of `x` (lengths `lens`), concatenated: the CPU references take
+/// `f` on each sequence's rows of every one of `inputs` (lengths `lens`; `f` gets the length
+/// and the rows in the order of `inputs`), its outputs concatenated: the CPU references take
 /// one sequence at a time.
-fn per_sequence(
-    x: &Tensor,
+fn per_sequence<const N: usize>(
+    inputs: [&Tensor; N],
     lens: &[usize],
-    f: impl Fn(&Tensor) -> Result<Tensor>,
+    f: impl Fn(usize, [Tensor; N]) -> Result<Tensor>,
 ) -> Result<Tensor> {
     let mut outputs = Vec::with_capacity(lens.len());
     let mut offset = 0;
     for &len in lens {
-        outputs.push(f(&x.narrow(0, offset, len)?)?);
+        let rows = inputs.map(|t| t.narrow(0, offset, len));
+        let rows = rows.into_iter().collect::<Result<Vec<_>>>()?;
+        let rows: [Tensor; N] = rows.try_into().expect("N rows for N inputs");
+        outputs.push(f(len, rows)?);
         offset += len;
     }
     Tensor::cat(&outputs, 0)
@@ -581,12 +585,9 @@ pub fn gated_delta_rule(
         let (q, k, v, g, beta) = (f32(q)?, f32(k)?, f32(v)?, f32(g)?, f32(beta)?);
         return gpu::gated_delta_rule(&q, &k, &v, &g, &beta, use_qk_l2norm, lens);
     }
-    // One sequence at a time, from its rows of every input.
-    let mut outputs = Vec::with_capacity(lens.len());
-    let mut offset = 0;
-    for &len in lens {
-        let rows = |t: &Tensor| f32_data(&t.narrow(0, offset, len)?);
-        let (qd, kd, vd, gd, bd) = (rows(q)?, rows(k)?, rows(v)?, rows(g)?, rows(beta)?);
+    per_sequence([q, k, v, g, beta], lens, |len, [q, k, v, g, beta]| {
+        let (qd, kd, vd) = (f32_data(&q)?, f32_data(&k)?, f32_data(&v)?);
+        let (gd, bd) = (f32_data(&g)?, f32_data(&beta)?);
         let inputs = DeltaRuleInputs {
             dims: DeltaRuleDims {
                 tokens: len,
@@ -603,14 +604,8 @@ pub fn gated_delta_rule(
             l2norm: use_qk_l2norm,
         };
         let res = chunk_gated_delta_rule(&inputs, DELTA_RULE_CHUNK);
-        outputs.push(Tensor::from_vec(
-            res.out,
-            (len, v_heads, v_dim),
-            q.device(),
-        )?);
-        offset += len;
-    }
-    Tensor::cat(&outputs, 0)
+        Tensor::from_vec(res.out, (len, v_heads, v_dim), q.device())
+    })
 }
 
 /// torch's `F.softplus(x)` (beta 1, threshold 20) in f32: `x` above 20, else `log1p(exp(x))`.

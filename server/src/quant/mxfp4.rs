@@ -14,6 +14,7 @@ use candle_core::{Device, Result, Tensor};
 use safetensors::Dtype as StDtype;
 
 use super::minifloat::{bf16_round, fp4_e2m1_to_f32};
+use super::nvfp4::load_fp4_codes;
 use super::QuantizedWeight;
 use crate::checkpoint::{Checkpoint, LoadError};
 use crate::ops::Packed;
@@ -48,19 +49,8 @@ impl Mxfp4Weight {
         (out, inp): (usize, usize),
         device: &Device,
     ) -> std::result::Result<Self, LoadError> {
-        if inp % GROUP != 0 {
-            return Err(LoadError::Unsupported {
-                layer: name.into(),
-                field: "weights.group_size".into(),
-                reason: format!("in_features {inp} is not a multiple of {GROUP}"),
-            });
-        }
-        let packed = ckpt.tensor(
-            &format!("{name}.weight_packed"),
-            &[StDtype::U8],
-            Some(&[out, inp / 2]),
-            device,
-        )?;
+        // on the host first: the NVFP4 form of the scales is derived from the codes
+        let packed = load_fp4_codes(ckpt, name, (out, inp), GROUP, &Device::Cpu)?;
         let scale_name = format!("{name}.weight_scale");
         let exponents = ckpt
             .tensor(
@@ -78,6 +68,7 @@ impl Mxfp4Weight {
             });
         }
         let codes = packed.flatten_all()?.to_vec1::<u8>()?;
+        let packed = packed.to_device(device)?;
         let as_nvfp4 = nvfp4_scales(&codes, &exponents)
             .map(|(bytes, global)| {
                 Tensor::from_vec(bytes, (out, inp / 16), device).map(|t| (t, global))

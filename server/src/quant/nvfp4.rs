@@ -22,6 +22,30 @@ pub struct Nvfp4Weight {
     global_scale: f32,
 }
 
+/// `{name}.weight_packed`: fp4 codes two per byte `[out, in / 2]` (NVFP4's and MXFP4's
+/// packing), for `in` a multiple of the scale `group`.
+pub(crate) fn load_fp4_codes(
+    ckpt: &Checkpoint,
+    name: &str,
+    (out, inp): (usize, usize),
+    group: usize,
+    device: &Device,
+) -> std::result::Result<Tensor, LoadError> {
+    if inp % group != 0 {
+        return Err(LoadError::Unsupported {
+            layer: name.into(),
+            field: "weights.group_size".into(),
+            reason: format!("in_features {inp} is not a multiple of {group}"),
+        });
+    }
+    ckpt.tensor(
+        &format!("{name}.weight_packed"),
+        &[StDtype::U8],
+        Some(&[out, inp / 2]),
+        device,
+    )
+}
+
 impl Nvfp4Weight {
     pub fn load(
         ckpt: &Checkpoint,
@@ -29,19 +53,7 @@ impl Nvfp4Weight {
         (out, inp): (usize, usize),
         device: &Device,
     ) -> std::result::Result<Self, LoadError> {
-        if inp % GROUP != 0 {
-            return Err(LoadError::Unsupported {
-                layer: name.into(),
-                field: "weights.group_size".into(),
-                reason: format!("in_features {inp} is not a multiple of {GROUP}"),
-            });
-        }
-        let packed = ckpt.tensor(
-            &format!("{name}.weight_packed"),
-            &[StDtype::U8],
-            Some(&[out, inp / 2]),
-            device,
-        )?;
+        let packed = load_fp4_codes(ckpt, name, (out, inp), GROUP, device)?;
         let scale = ckpt.tensor(
             &format!("{name}.weight_scale"),
             &[StDtype::F8_E4M3],

@@ -133,7 +133,7 @@ impl LatentAttention {
     }
 
     /// `residual` plus the attention of `x` (`[tokens of all sequences, hidden]`, normed) over
-    /// the sequences of lengths `lens`. `prequantized`: `x` has been through
+    /// the sequences of `batch`. `prequantized`: `x` has been through
     /// [`Self::input_qdq`].
     pub fn forward(
         &self,
