@@ -304,8 +304,8 @@ impl Server {
 }
 
 /// [`EngineError::NonFinite`] at the first output that is not finite.
-fn check_finite<T: crate::engine::Finite>(outputs: &[T]) -> Result<(), EngineError> {
-    match outputs.iter().find_map(|o| o.first_non_finite()) {
+fn check_finite<T: crate::engine::Finite>(outputs: &[Option<T>]) -> Result<(), EngineError> {
+    match outputs.iter().flatten().find_map(|o| o.first_non_finite()) {
         Some(position) => Err(EngineError::NonFinite { position }),
         None => Ok(()),
     }

@@ -5,7 +5,7 @@
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{mpsc, Mutex};
 
-use super::{Cancel, DiffSupport, Engine, EngineError};
+use super::{Answers, Cancel, DiffSupport, Engine, EngineError};
 use crate::model::{
     DiffOptions, LayerError, RowScore, ScoreInput, SequenceDiff, SequenceKld, SequenceScores,
     TokenKld,
@@ -159,37 +159,47 @@ impl Engine for FakeEngine {
         &self,
         batch: &[ScoreInput<'_>],
         cancel: &Cancel,
-    ) -> Result<Vec<SequenceScores>, EngineError> {
+    ) -> Result<Answers<SequenceScores>, EngineError> {
         self.pass_gate(batch.iter().map(|b| b.tokens.len()).sum())?;
         cancel.check()?;
         Ok(batch
             .iter()
-            .map(|input| SequenceScores {
-                rows: (0..input.tokens.len())
-                    .map(|i| {
-                        let target = input.tokens.get(i + 1).copied();
-                        // The "model" always predicts token 0 best, then 1, 2, ...
-                        RowScore {
-                            target_logprob: target.map(Self::logprob),
-                            argmax: (0, Self::logprob(0)),
-                            top_k: (0..input.top_k as u32)
-                                .map(|t| (t, Self::logprob(t)))
-                                .collect(),
-                        }
-                    })
-                    .collect(),
-                stored: input.stored.output(),
+            .enumerate()
+            .map(|(i, input)| {
+                (!cancel.is_gone(i)).then(|| SequenceScores {
+                    rows: (0..input.tokens.len())
+                        .map(|i| {
+                            let target = input.tokens.get(i + 1).copied();
+                            // The "model" always predicts token 0 best, then 1, 2, ...
+                            RowScore {
+                                target_logprob: target.map(Self::logprob),
+                                argmax: (0, Self::logprob(0)),
+                                top_k: (0..input.top_k as u32)
+                                    .map(|t| (t, Self::logprob(t)))
+                                    .collect(),
+                            }
+                        })
+                        .collect(),
+                    stored: input.stored.output(),
+                })
             })
             .collect())
     }
 
-    fn kld(&self, sequences: &[&[u32]], cancel: &Cancel) -> Result<Vec<SequenceKld>, EngineError> {
+    fn kld(
+        &self,
+        sequences: &[&[u32]],
+        cancel: &Cancel,
+    ) -> Result<Answers<SequenceKld>, EngineError> {
         self.pass_gate(sequences.iter().map(|s| s.len()).sum())?;
         cancel.check()?;
         Ok(sequences
             .iter()
-            .map(|tokens| SequenceKld {
-                tokens: tokens.iter().skip(1).map(|&t| Self::token_kld(t)).collect(),
+            .enumerate()
+            .map(|(i, tokens)| {
+                (!cancel.is_gone(i)).then(|| SequenceKld {
+                    tokens: tokens.iter().skip(1).map(|&t| Self::token_kld(t)).collect(),
+                })
             })
             .collect())
     }
@@ -201,12 +211,13 @@ impl Engine for FakeEngine {
         sequences: &[&[u32]],
         options: &DiffOptions,
         cancel: &Cancel,
-    ) -> Result<Vec<SequenceDiff>, EngineError> {
+    ) -> Result<Answers<SequenceDiff>, EngineError> {
         let klds = self.kld(sequences, cancel)?;
         Ok(sequences
             .iter()
             .zip(klds)
             .map(|(tokens, kld)| {
+                let kld = kld?;
                 let layers = (0..Self::LAYERS)
                     .map(|layer| {
                         let (cos_error, sqnr_db) =
@@ -218,11 +229,11 @@ impl Engine for FakeEngine {
                 let modules = (0..options.attribute.len())
                     .map(|m| sum / (m + 2) as f64)
                     .collect();
-                SequenceDiff {
+                Some(SequenceDiff {
                     layers,
                     kld,
                     modules,
-                }
+                })
             })
             .collect())
     }

@@ -3,10 +3,11 @@
 //! server must go not-ready and exit for its orchestrator to restart it), or the batch failed
 //! on its own (answer the error, keep serving).
 
+use std::ops::Range;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
-use super::{Cancel, DiffSupport, Engine, EngineError, IdleHook};
+use super::{Answers, Cancel, DiffSupport, Engine, EngineError, IdleHook};
 use crate::model::{DiffOptions, ScoreInput, SequenceDiff, SequenceKld, SequenceScores};
 
 /// Driver errors after which the CUDA context accepts no more work: every later call fails
@@ -71,9 +72,19 @@ impl From<candle_core::Error> for EngineError {
 /// model is batch-invariant: a sequence's numbers do not depend on what shares its batch).
 pub fn with_halving<I, T>(
     items: &[I],
-    compute: &mut impl FnMut(&[I]) -> Result<Vec<T>, EngineError>,
+    compute: &mut impl FnMut(Range<usize>, &[I]) -> Result<Vec<T>, EngineError>,
 ) -> Result<Vec<T>, EngineError> {
-    match compute(items) {
+    halving_from(0, items, compute)
+}
+
+/// [`with_halving`] over `items`, the part of the whole that starts at `first` (`compute` is
+/// given each part's range of the whole).
+fn halving_from<I, T>(
+    first: usize,
+    items: &[I],
+    compute: &mut impl FnMut(Range<usize>, &[I]) -> Result<Vec<T>, EngineError>,
+) -> Result<Vec<T>, EngineError> {
+    match compute(first..first + items.len(), items) {
         Err(EngineError::OutOfMemory(cause)) if items.len() > 1 => {
             metrics::counter!("exactscore_oom_retries_total").increment(1);
             tracing::warn!(
@@ -81,9 +92,9 @@ pub fn with_halving<I, T>(
                 %cause,
                 "out of device memory; retrying the batch as two halves"
             );
-            let (first, second) = items.split_at(items.len() / 2);
-            let mut out = with_halving(first, compute)?;
-            out.extend(with_halving(second, compute)?);
+            let (head, tail) = items.split_at(items.len() / 2);
+            let mut out = halving_from(first, head, compute)?;
+            out.extend(halving_from(first + head.len(), tail, compute)?);
             Ok(out)
         }
         other => other,
@@ -185,12 +196,16 @@ impl Engine for FaultInjecting {
         &self,
         batch: &[ScoreInput<'_>],
         cancel: &Cancel,
-    ) -> Result<Vec<SequenceScores>, EngineError> {
+    ) -> Result<Answers<SequenceScores>, EngineError> {
         self.check(batch.iter().map(|b| b.tokens.len()).sum())?;
         self.inner.score(batch, cancel)
     }
 
-    fn kld(&self, sequences: &[&[u32]], cancel: &Cancel) -> Result<Vec<SequenceKld>, EngineError> {
+    fn kld(
+        &self,
+        sequences: &[&[u32]],
+        cancel: &Cancel,
+    ) -> Result<Answers<SequenceKld>, EngineError> {
         self.check(sequences.iter().map(|s| s.len()).sum())?;
         self.inner.kld(sequences, cancel)
     }
@@ -200,7 +215,7 @@ impl Engine for FaultInjecting {
         sequences: &[&[u32]],
         options: &DiffOptions,
         cancel: &Cancel,
-    ) -> Result<Vec<SequenceDiff>, EngineError> {
+    ) -> Result<Answers<SequenceDiff>, EngineError> {
         self.check(sequences.iter().map(|s| s.len()).sum())?;
         self.inner.diff(sequences, options, cancel)
     }
@@ -263,7 +278,9 @@ mod tests {
     fn halving_retries_until_the_pieces_fit() {
         let items: Vec<u32> = (0..10).collect();
         let mut calls = Vec::new();
-        let mut compute = |part: &[u32]| {
+        let mut compute = |range: Range<usize>, part: &[u32]| {
+            assert_eq!(range.len(), part.len());
+            assert_eq!(items[range].as_ref(), part);
             calls.push(part.len());
             if part.len() > 3 {
                 Err(EngineError::OutOfMemory("too big".into()))
@@ -276,14 +293,14 @@ mod tests {
         assert_eq!(calls, [10, 5, 2, 3, 5, 2, 3]);
         // One item that never fits fails with the out-of-memory error.
         let mut never =
-            |_: &[u32]| -> Result<Vec<u32>, _> { Err(EngineError::OutOfMemory("never".into())) };
+            |_, _: &[u32]| -> Result<Vec<u32>, _> { Err(EngineError::OutOfMemory("never".into())) };
         assert!(matches!(
             with_halving(&items, &mut never),
             Err(EngineError::OutOfMemory(_))
         ));
         // Other errors are not retried.
         let mut calls = 0;
-        let mut broken = |_: &[u32]| -> Result<Vec<u32>, _> {
+        let mut broken = |_, _: &[u32]| -> Result<Vec<u32>, _> {
             calls += 1;
             Err(EngineError::Compute("broken".into()))
         };

@@ -54,25 +54,55 @@ pub enum EngineError {
     Cancelled,
 }
 
-/// Whether anyone still waits for the sequences of one engine call. The engine asks at its
-/// boundaries (before each decoder layer, each attributed module, each chunk of logits) and
-/// stops with [`EngineError::Cancelled`] once nobody does.
+/// Whether anyone still waits for each sequence of one engine call. The engine asks at its
+/// boundaries (before each decoder layer, each attributed module, each chunk of logits): it
+/// stops with [`EngineError::Cancelled`] once nobody waits for any of them, and where it can
+/// (the pipelined forward of `/score` and `/kld`) drops the sequences nobody waits for from
+/// the rest of the pass, answering `None` for them ([`Answers`]).
 #[derive(Clone, Default)]
-pub struct Cancel(Option<Arc<dyn Fn() -> bool + Send + Sync>>);
+pub struct Cancel {
+    /// Whether nobody waits for sequence `i` any more, numbered over the whole call.
+    gone: Option<Arc<dyn Fn(usize) -> bool + Send + Sync>>,
+    /// This part's sequences in `gone`'s numbering (a micro-batch, a half after an OOM).
+    first: usize,
+    count: usize,
+}
 
 impl Cancel {
     /// Never cancelled (warm-up, benches, tests).
     pub fn never() -> Self {
-        Self(None)
+        Self::default()
     }
 
-    /// Cancelled once `gone` returns true.
-    pub fn when(gone: impl Fn() -> bool + Send + Sync + 'static) -> Self {
-        Self(Some(Arc::new(gone)))
+    /// `count` sequences, sequence `i` cancelled once `gone(i)` returns true.
+    pub fn per_sequence(
+        count: usize,
+        gone: impl Fn(usize) -> bool + Send + Sync + 'static,
+    ) -> Self {
+        Self {
+            gone: Some(Arc::new(gone)),
+            first: 0,
+            count,
+        }
     }
 
+    /// The same watch over sequences `range` of this part, numbered from 0.
+    pub fn part(&self, range: std::ops::Range<usize>) -> Self {
+        Self {
+            gone: self.gone.clone(),
+            first: self.first + range.start,
+            count: range.len(),
+        }
+    }
+
+    /// Whether nobody waits for sequence `i` of this part any more.
+    pub fn is_gone(&self, i: usize) -> bool {
+        self.gone.as_ref().is_some_and(|gone| gone(self.first + i))
+    }
+
+    /// Whether nobody waits for any sequence of this part.
     pub fn is_cancelled(&self) -> bool {
-        self.0.as_ref().is_some_and(|gone| gone())
+        self.gone.is_some() && (0..self.count).all(|i| self.is_gone(i))
     }
 
     /// `Err(Cancelled)` once nobody waits.
@@ -87,13 +117,21 @@ impl Cancel {
 
 impl std::fmt::Debug for Cancel {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(if self.0.is_some() {
-            "Cancel(watched)"
-        } else {
-            "Cancel(never)"
-        })
+        match self.gone {
+            Some(_) => write!(
+                f,
+                "Cancel(sequences {}..{})",
+                self.first,
+                self.first + self.count
+            ),
+            None => f.write_str("Cancel(never)"),
+        }
     }
 }
+
+/// The answers of one engine call, in input order: `None` for a sequence that the engine
+/// dropped from the pass because nobody waited for it any more ([`Cancel`]).
+pub type Answers<T> = Vec<Option<T>>;
 
 /// Runs one batch. Implemented by the model ([`ModelEngine`]), and by a fake for tests.
 /// Called from the worker threads of one replica ([`Engine::concurrency`] of them).
@@ -103,11 +141,15 @@ pub trait Engine: Send + Sync + 'static {
         &self,
         batch: &[ScoreInput<'_>],
         cancel: &Cancel,
-    ) -> Result<Vec<SequenceScores>, EngineError>;
+    ) -> Result<Answers<SequenceScores>, EngineError>;
 
     /// KL-divergence from the reference model at every position of every sequence; results
     /// in input order.
-    fn kld(&self, sequences: &[&[u32]], cancel: &Cancel) -> Result<Vec<SequenceKld>, EngineError>;
+    fn kld(
+        &self,
+        sequences: &[&[u32]],
+        cancel: &Cancel,
+    ) -> Result<Answers<SequenceKld>, EngineError>;
 
     /// `/diff`: the served model against the reference after every decoder layer, the final
     /// divergence and the attributed modules' ones; results in input order. Runs on a lane
@@ -118,7 +160,7 @@ pub trait Engine: Send + Sync + 'static {
         sequences: &[&[u32]],
         options: &DiffOptions,
         cancel: &Cancel,
-    ) -> Result<Vec<SequenceDiff>, EngineError> {
+    ) -> Result<Answers<SequenceDiff>, EngineError> {
         let _ = (sequences, options, cancel);
         Err(EngineError::NoReference)
     }

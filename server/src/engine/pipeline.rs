@@ -14,11 +14,12 @@ use candle_core::Tensor;
 
 use super::fault::{classify, guarded};
 use super::stage_thread::{IdleHook, StageThread};
-use super::{Cancel, DiffSupport, Engine, EngineError};
+use super::{Answers, Cancel, DiffSupport, Engine, EngineError};
 use crate::model::diff::{attributable_modules, diff_batch_with, incompatibility};
 use crate::model::kld::{kld_hidden, logit_chunks};
 use crate::model::{
-    DiffOptions, Model, ScoreInput, SequenceDiff, SequenceKld, SequenceScores, StoredRequest,
+    keep_sequences, DiffOptions, Keep, Model, ScoreInput, SequenceDiff, SequenceKld,
+    SequenceScores, StoredRequest,
 };
 
 /// A model and one thread per stage.
@@ -56,16 +57,41 @@ fn boundary_error(stop: &Cell<Option<EngineError>>, reason: EngineError) -> cand
 }
 
 impl MicroBatch {
-    fn tokens(&self) -> Vec<&[u32]> {
-        self.sequences.iter().map(Vec::as_slice).collect()
+    /// The tokens of sequences `live`.
+    fn tokens(&self, live: &[usize]) -> Vec<&[u32]> {
+        live.iter().map(|&i| self.sequences[i].as_slice()).collect()
     }
 
-    fn lens(&self) -> Vec<usize> {
-        self.sequences.iter().map(Vec::len).collect()
+    fn lens(&self, live: &[usize]) -> Vec<usize> {
+        live.iter().map(|&i| self.sequences[i].len()).collect()
+    }
+
+    /// The sequences someone still waits for.
+    fn waited_for(&self) -> Vec<usize> {
+        (0..self.sequences.len())
+            .filter(|&i| !self.cancel.is_gone(i))
+            .collect()
+    }
+
+    /// `outputs` of sequences `live` as the micro-batch's answers: `None` for the others.
+    fn answers<T>(&self, live: &[usize], outputs: Vec<T>) -> Answers<T> {
+        let mut answers: Answers<T> = (0..self.sequences.len()).map(|_| None).collect();
+        for (&i, output) in live.iter().zip(outputs) {
+            answers[i] = Some(output);
+        }
+        answers
     }
 }
 
-type Hidden = Result<Tensor, EngineError>;
+/// A micro-batch's hidden state `[tokens, hidden]` and the sequences it holds (indices into
+/// the micro-batch, ascending, concatenated in that order): a sequence nobody waits for any
+/// more is dropped at the next decoder layer, the others' numbers unchanged.
+struct State {
+    x: Tensor,
+    live: Vec<usize>,
+}
+
+type Hidden = Result<State, EngineError>;
 
 impl Chain {
     fn new(model: Arc<Model>, name: &str) -> std::io::Result<Self> {
@@ -96,27 +122,49 @@ impl Chain {
                     if let Some(reason) = stop_reason(&abandoned, &batch.cancel) {
                         return Err(reason);
                     }
-                    let x = match from_previous {
-                        None => model.embed(&batch.tokens()).map_err(|e| classify(&e))?,
+                    let State { x, live } = match from_previous {
+                        None => {
+                            let live = batch.waited_for();
+                            let x = model.embed(&batch.tokens(&live));
+                            State {
+                                x: x.map_err(|e| classify(&e))?,
+                                live,
+                            }
+                        }
                         Some(rx) => rx.recv().unwrap_or_else(|_| {
                             Err(EngineError::Compute("the previous stage stopped".into()))
                         })?,
                     };
-                    // Work nobody waits for stops before the next decoder layer.
-                    let stop = Cell::new(None);
-                    let boundary = || match stop_reason(&abandoned, &batch.cancel) {
-                        Some(reason) => Err(boundary_error(&stop, reason)),
-                        None => Ok(()),
+                    // Work nobody waits for stops before the next decoder layer: the whole
+                    // micro-batch, or the sequences whose clients left.
+                    let (stop, lens) = (Cell::new(None), batch.lens(&live));
+                    let live = RefCell::new(live);
+                    let boundary = || {
+                        if let Some(reason) = stop_reason(&abandoned, &batch.cancel) {
+                            return Err(boundary_error(&stop, reason));
+                        }
+                        let mut live = live.borrow_mut();
+                        let keep: Vec<bool> =
+                            live.iter().map(|&i| !batch.cancel.is_gone(i)).collect();
+                        if keep.iter().all(|&k| k) {
+                            return Ok(Keep::All);
+                        }
+                        let mut kept = keep.iter();
+                        live.retain(|_| kept.next() == Some(&true));
+                        Ok(Keep::Only(keep))
                     };
                     let x = model
-                        .forward_stage_checked(k, x, &batch.lens(), &boundary)
+                        .forward_stage_checked(k, x, &lens, &boundary)
                         .map_err(|e| stop.take().unwrap_or_else(|| classify(&e)))?;
-                    if k == last {
+                    let x = if k == last {
                         model.final_norm(&x)
                     } else {
                         crate::device::transfer(&x, model.stage_device(k + 1))
-                    }
-                    .map_err(|e| classify(&e))
+                    };
+                    Ok(State {
+                        x: x.map_err(|e| classify(&e))?,
+                        live: live.into_inner(),
+                    })
                 });
                 match finish {
                     Some(finish) => finish(x),
@@ -242,8 +290,8 @@ impl ModelEngine {
         top_k: &[usize],
         stored: &[StoredRequest],
         cancel: &Cancel,
-        submit: impl Fn(Arc<MicroBatch>, SyncSender<Result<Vec<T>, EngineError>>),
-    ) -> Result<Vec<T>, EngineError> {
+        submit: impl Fn(Arc<MicroBatch>, SyncSender<Result<Answers<T>, EngineError>>),
+    ) -> Result<Answers<T>, EngineError> {
         self.waiting.fetch_add(1, Ordering::SeqCst);
         let _shared = self.exclusive.read().unwrap_or_else(|p| p.into_inner());
         self.waiting.fetch_sub(1, Ordering::SeqCst);
@@ -260,7 +308,7 @@ impl ModelEngine {
                             .collect(),
                         top_k: top_k[range.clone()].to_vec(),
                         stored: stored[range.clone()].to_vec(),
-                        cancel: cancel.clone(),
+                        cancel: cancel.part(range.clone()),
                     });
                     let (done, rx) = mpsc::sync_channel(1);
                     submit(batch, done);
@@ -300,12 +348,22 @@ fn distinct_devices(model: &Model) -> usize {
     seen.len()
 }
 
+/// The sequence (index into `sequences`) of each chunk of [`logit_chunks`], in order: a chunk
+/// never spans two sequences.
+fn chunk_owners(sequences: &[&[u32]], vocab: usize) -> Vec<usize> {
+    sequences
+        .iter()
+        .enumerate()
+        .flat_map(|(k, tokens)| std::iter::repeat_n(k, logit_chunks(&[tokens], vocab).len()))
+        .collect()
+}
+
 impl Engine for ModelEngine {
     fn score(
         &self,
         batch: &[ScoreInput<'_>],
         cancel: &Cancel,
-    ) -> Result<Vec<SequenceScores>, EngineError> {
+    ) -> Result<Answers<SequenceScores>, EngineError> {
         let sequences: Vec<&[u32]> = batch.iter().map(|b| b.tokens).collect();
         let top_k: Vec<usize> = batch.iter().map(|b| b.top_k).collect();
         let stored: Vec<StoredRequest> = batch.iter().map(|b| b.stored.clone()).collect();
@@ -313,19 +371,18 @@ impl Engine for ModelEngine {
             let model = self.served.model.clone();
             self.served
                 .submit(part.clone(), &self.abandoned, move |hidden| {
-                    let scores = hidden.and_then(|h| {
+                    let scores = hidden.and_then(|State { x, live }| {
                         guarded(|| {
-                            let tokens = part.tokens();
-                            let inputs: Vec<ScoreInput<'_>> = tokens
+                            let inputs: Vec<ScoreInput<'_>> = live
                                 .iter()
-                                .zip(part.top_k.iter().zip(&part.stored))
-                                .map(|(&tokens, (&top_k, stored))| ScoreInput {
-                                    tokens,
-                                    top_k,
-                                    stored,
+                                .map(|&i| ScoreInput {
+                                    tokens: &part.sequences[i],
+                                    top_k: part.top_k[i],
+                                    stored: &part.stored[i],
                                 })
                                 .collect();
-                            model.score_hidden(&h, &inputs).map_err(|e| classify(&e))
+                            let scores = model.score_hidden(&x, &inputs);
+                            Ok(part.answers(&live, scores.map_err(|e| classify(&e))?))
                         })
                     });
                     let _ = done.send(scores);
@@ -335,30 +392,41 @@ impl Engine for ModelEngine {
 
     /// Both chains run the micro-batch; the reference's last stage computes its logits one
     /// row chunk at a time and hands each, copied to the served model's last device, to the
-    /// served model's last stage, which computes its own and the divergence.
-    fn kld(&self, sequences: &[&[u32]], cancel: &Cancel) -> Result<Vec<SequenceKld>, EngineError> {
+    /// served model's last stage, which computes its own and the divergence. Each chain drops
+    /// the sequences nobody waits for on its own; the divergence covers those both kept.
+    fn kld(
+        &self,
+        sequences: &[&[u32]],
+        cancel: &Cancel,
+    ) -> Result<Answers<SequenceKld>, EngineError> {
         let reference = self.reference.as_ref().ok_or(EngineError::NoReference)?;
         let top_k = vec![0; sequences.len()];
         let stored = vec![StoredRequest::None; sequences.len()];
         self.run(sequences, &top_k, &stored, cancel, |part, done| {
-            let (chunks_tx, chunks_rx) = mpsc::sync_channel::<Hidden>(1);
+            // The reference's kept sequences first, then its logits chunk by chunk.
+            let (live_tx, live_rx) = mpsc::sync_channel::<Vec<usize>>(1);
+            let (chunks_tx, chunks_rx) = mpsc::sync_channel::<Result<Tensor, EngineError>>(1);
             let served = self.served.model.clone();
             let target = served.stage_device(served.stage_count() - 1).clone();
             let reference_model = reference.model.clone();
             let part_of_reference = part.clone();
             reference.submit(part.clone(), &self.abandoned, move |hidden| {
-                let h = match hidden {
-                    Ok(h) => h,
+                let State { x, live } = match hidden {
+                    Ok(state) => state,
                     Err(e) => {
                         let _ = chunks_tx.send(Err(e));
                         return;
                     }
                 };
                 let vocab = reference_model.config().vocab_size;
-                for rows in logit_chunks(&part_of_reference.tokens(), vocab) {
+                let chunks = logit_chunks(&part_of_reference.tokens(&live), vocab);
+                if live_tx.send(live).is_err() {
+                    return;
+                }
+                for rows in chunks {
                     let logits = guarded(|| {
                         let logits =
-                            reference_model.logits(&h.narrow(0, rows.start, rows.len())?)?;
+                            reference_model.logits(&x.narrow(0, rows.start, rows.len())?)?;
                         Ok(crate::device::transfer(&logits, &target)?)
                     });
                     let failed = logits.is_err();
@@ -370,21 +438,50 @@ impl Engine for ModelEngine {
             });
             self.served
                 .submit(part.clone(), &self.abandoned, move |hidden| {
-                    let result = hidden.and_then(|h| {
+                    let stopped = || {
+                        chunks_rx.recv().map_or_else(
+                            |_| Err(EngineError::Compute("the reference stopped".into())),
+                            |chunk| chunk.and(Err(EngineError::Compute("no sequences".into()))),
+                        )
+                    };
+                    let result = hidden.and_then(|State { x, live }| {
+                        let reference_live = live_rx.recv().or_else(|_| stopped())?;
                         guarded(|| {
-                            kld_hidden(
-                                |_| {
-                                    chunks_rx.recv().unwrap_or_else(|_| {
+                            let both: Vec<usize> = live
+                                .iter()
+                                .copied()
+                                .filter(|i| reference_live.contains(i))
+                                .collect();
+                            let x = if both.len() == live.len() {
+                                x
+                            } else {
+                                let keep: Vec<bool> =
+                                    live.iter().map(|i| both.contains(i)).collect();
+                                keep_sequences(&x, &part.lens(&live), &keep)?.0
+                            };
+                            let vocab = served.config().vocab_size;
+                            // Which sequence each of the reference's chunks belongs to, so
+                            // that chunks of sequences the served side dropped are skipped.
+                            let mut owners = chunk_owners(&part.tokens(&reference_live), vocab)
+                                .into_iter()
+                                .map(|k| reference_live[k]);
+                            let klds = kld_hidden::<EngineError>(
+                                |_| loop {
+                                    let chunk = chunks_rx.recv().unwrap_or_else(|_| {
                                         Err(EngineError::Compute("the reference stopped".into()))
-                                    })
+                                    })?;
+                                    if owners.next().is_some_and(|i| both.contains(&i)) {
+                                        return Ok(chunk);
+                                    }
                                 },
                                 |rows| {
                                     part.cancel.check()?;
-                                    Ok(served.logits(&h.narrow(0, rows.start, rows.len())?)?)
+                                    Ok(served.logits(&x.narrow(0, rows.start, rows.len())?)?)
                                 },
-                                &part.tokens(),
-                                served.config().vocab_size,
-                            )
+                                &part.tokens(&both),
+                                vocab,
+                            )?;
+                            Ok(part.answers(&both, klds))
                         })
                     });
                     let _ = done.send(result);
@@ -403,7 +500,7 @@ impl Engine for ModelEngine {
         sequences: &[&[u32]],
         options: &DiffOptions,
         cancel: &Cancel,
-    ) -> Result<Vec<SequenceDiff>, EngineError> {
+    ) -> Result<Answers<SequenceDiff>, EngineError> {
         let reference = self.reference.as_ref().ok_or(EngineError::NoReference)?;
         let exclusive = || self.exclusive.write().unwrap_or_else(|p| p.into_inner());
         let held = RefCell::new((!self.cpu_only).then(exclusive));
@@ -437,7 +534,8 @@ impl Engine for ModelEngine {
             .map_err(|e| stop.take().unwrap_or_else(|| classify(&e)))
         });
         drop(held);
-        result
+        // A diff stops as a whole: its sequences share the comparison's cached logits.
+        result.map(|diffs| diffs.into_iter().map(Some).collect())
     }
 
     fn diff_support(&self) -> DiffSupport {
@@ -503,6 +601,52 @@ mod tests {
         Model::load(&dir, &options).unwrap()
     }
 
+    /// A sequence whose client left is dropped at the next decoder layer while the others of
+    /// its batch go on: it is answered `None`, the others exactly as when computed alone, for
+    /// `/score` and for `/kld` (where the two chains may drop it at different layers).
+    #[test]
+    fn a_sequence_nobody_waits_for_is_dropped_and_the_others_are_unchanged() {
+        let engine = ModelEngine::new(
+            load("llama-w4a16-g128"),
+            Some(load("llama-dense-bf16")),
+            MicroBatching::PerDevice,
+        )
+        .unwrap();
+        let sequences: Vec<Vec<u32>> = (0..3)
+            .map(|s| (0..48).map(|i| ((i * 11 + s * 29) % 2000) as u32).collect())
+            .collect();
+        let refs: Vec<&[u32]> = sequences.iter().map(Vec::as_slice).collect();
+        // Sequence 1's client leaves once the pass has asked about it twice (the embedding
+        // and the first decoder layer of a chain): it is gone from the second layer on.
+        let leaving = || {
+            let asked = Arc::new(AtomicUsize::new(0));
+            Cancel::per_sequence(3, move |i| {
+                i == 1 && asked.fetch_add(1, Ordering::SeqCst) >= 2
+            })
+        };
+        let inputs: Vec<ScoreInput<'_>> = refs
+            .iter()
+            .map(|&tokens| ScoreInput {
+                stored: crate::model::StoredRequest::NONE,
+                tokens,
+                top_k: 2,
+            })
+            .collect();
+        let scores = engine.score(&inputs, &leaving()).unwrap();
+        assert!(scores[1].is_none(), "the dropped sequence was scored");
+        let klds = engine.kld(&refs, &leaving()).unwrap();
+        assert!(
+            klds[1].is_none(),
+            "the dropped sequence's divergence was computed"
+        );
+        for i in [0, 2] {
+            let alone = engine.score(&inputs[i..=i], &Cancel::never()).unwrap();
+            assert_eq!(scores[i], alone[0], "sequence {i}'s scores moved");
+            let alone = engine.kld(&refs[i..=i], &Cancel::never()).unwrap();
+            assert_eq!(klds[i], alone[0], "sequence {i}'s divergence moved");
+        }
+    }
+
     /// The turns GPUs take, forced on the CPU: a small batch that comes while an attribution
     /// runs is computed at the diff's next boundary, not after the diff; a diff whose `Cancel`
     /// turns true stops with `Cancelled`.
@@ -536,7 +680,7 @@ mod tests {
             let (engine, stop) = (engine.clone(), stop.clone());
             move || {
                 let refs: Vec<&[u32]> = sequences.iter().map(Vec::as_slice).collect();
-                let cancel = Cancel::when(move || stop.load(Ordering::SeqCst));
+                let cancel = Cancel::per_sequence(2, move |_| stop.load(Ordering::SeqCst));
                 let start = Instant::now();
                 let result = engine.diff(&refs, &options, &cancel).map(drop);
                 (result, start.elapsed())

@@ -14,7 +14,7 @@ use tokio::sync::mpsc;
 
 use super::fault::{guarded, with_halving};
 use super::queue::{Entry, Reply, Task};
-use super::{Cancel, Computed, Engine, EngineError};
+use super::{Answers, Cancel, Computed, Engine, EngineError};
 use crate::model::{DiffOptions, ScoreInput, SequenceDiff, StoredRequest};
 
 /// Consecutive failed batches after which a replica leaves the rotation.
@@ -238,14 +238,20 @@ fn run_batch(
                 stored,
             })
             .collect();
-        with_halving(&inputs, &mut |part| engine.score(part, cancel))
+        with_halving(&inputs, &mut |range, part| {
+            engine.score(part, &cancel.part(range))
+        })
     });
     run.jobs(klds, |sequences, cancel| {
-        with_halving(sequences, &mut |part| engine.kld(part, cancel))
+        with_halving(sequences, &mut |range, part| {
+            engine.kld(part, &cancel.part(range))
+        })
     });
     for (options, jobs) in diffs {
         run.jobs(jobs, |sequences, cancel| {
-            with_halving(sequences, &mut |part| engine.diff(part, &options, cancel))
+            with_halving(sequences, &mut |range, part| {
+                engine.diff(part, &options, &cancel.part(range))
+            })
         });
     }
 }
@@ -264,12 +270,13 @@ struct BatchRun<'a> {
 }
 
 impl BatchRun<'_> {
-    /// Computes `jobs` in one call and answers each on its own channel. The call is
-    /// cancelled (stops at its next boundary) once every job's receiver is gone.
+    /// Computes `jobs` in one call and answers each on its own channel. A job whose receiver
+    /// is gone may be dropped from the pass at its next boundary, and the call stops once
+    /// every job's receiver is gone ([`Cancel`]).
     fn jobs<T: Send + 'static>(
         &self,
         jobs: Vec<Job<T>>,
-        compute: impl FnOnce(&[&[u32]], &Cancel) -> Result<Vec<T>, EngineError>,
+        compute: impl FnOnce(&[&[u32]], &Cancel) -> Result<Answers<T>, EngineError>,
     ) {
         if jobs.is_empty() {
             return;
@@ -281,9 +288,9 @@ impl BatchRun<'_> {
         let replies = Arc::new(Mutex::new(replies));
         let cancel = {
             let replies = replies.clone();
-            Cancel::when(move || {
+            Cancel::per_sequence(jobs.len(), move |i| {
                 let replies = replies.lock().unwrap_or_else(|p| p.into_inner());
-                replies.iter().flatten().all(|r| r.is_closed())
+                replies[i].as_ref().is_none_or(|r| r.is_closed())
             })
         };
         let sequences: Vec<&[u32]> = jobs.iter().map(|(t, _)| t.as_slice()).collect();
@@ -320,7 +327,20 @@ impl BatchRun<'_> {
         self.record(jobs.len(), tokens, compute_time.as_secs_f64(), &result);
         match result {
             Ok(outputs) => {
+                let dropped = outputs.iter().filter(|o| o.is_none()).count();
+                if dropped > 0 {
+                    tracing::info!(
+                        batch_id = self.batch_id,
+                        sequences = dropped,
+                        "nobody waited for these sequences any more; dropped from the pass"
+                    );
+                    super::queue::count_cancelled(dropped);
+                }
                 for (job, output) in jobs.into_iter().zip(outputs) {
+                    let Some(output) = output else {
+                        let _ = job.reply.send(Err(EngineError::Cancelled));
+                        continue;
+                    };
                     let queue_time = start.saturating_duration_since(job.enqueued);
                     metrics::histogram!("exactscore_queue_seconds")
                         .record(queue_time.as_secs_f64());

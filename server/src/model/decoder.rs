@@ -270,6 +270,36 @@ struct Stage {
     local_rope: Option<RopeTables>,
 }
 
+/// What the caller of a checked pass ([`Model::forward_stage_checked`]) answers before each
+/// decoder layer.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Keep {
+    /// Every sequence of the batch goes on.
+    All,
+    /// Only the sequences marked `true`, in batch order, go on.
+    Only(Vec<bool>),
+}
+
+/// The rows of `x` (sequences of lengths `lens`, concatenated) of the sequences that `keep`
+/// marks, and their lengths.
+pub fn keep_sequences(x: &Tensor, lens: &[usize], keep: &[bool]) -> Result<(Tensor, Vec<usize>)> {
+    if keep.len() != lens.len() {
+        candle_core::bail!("a keep mask of {} for {} sequences", keep.len(), lens.len());
+    }
+    let mut rows = Vec::new();
+    let mut kept = Vec::new();
+    let mut offset = 0u32;
+    for (&len, &k) in lens.iter().zip(keep) {
+        if k {
+            rows.extend(offset..offset + len as u32);
+            kept.push(len);
+        }
+        offset += len as u32;
+    }
+    let rows = Tensor::from_vec(rows, kept.iter().sum::<usize>(), x.device())?;
+    Ok((ops::gather_rows(x, &rows)?, kept))
+}
+
 impl Model {
     /// Loads the checkpoint directory `dir` (config.json + safetensors).
     pub fn load(dir: &Path, opts: &ModelOptions) -> std::result::Result<Self, LoadError> {
@@ -627,13 +657,16 @@ impl Model {
     }
 
     /// [`Self::forward_stage`], calling `boundary` before each decoder layer: an error from it
-    /// stops the pass there (the engine's cancellation).
+    /// stops the pass there (the engine's cancellation), and a [`Keep`] mask drops the
+    /// sequences it marks `false` from the rest of the pass (nobody waits for them any more).
+    /// The other sequences' numbers do not change: every kernel's rows are independent of what
+    /// shares the batch. Returns the state of the sequences kept.
     pub fn forward_stage_checked(
         &self,
         k: usize,
         x: Tensor,
         lens: &[usize],
-        boundary: &dyn Fn() -> Result<()>,
+        boundary: &dyn Fn() -> Result<Keep>,
     ) -> Result<Tensor> {
         let layers = self.stages[k].layers.clone();
         self.run_layers(k, layers, x, lens, None, None, Some(boundary))
@@ -708,7 +741,7 @@ impl Model {
         lens: &[usize],
         mut routes: Option<&mut Vec<(usize, Vec<Route>)>>,
         replaced: Option<&dyn Layer>,
-        boundary: Option<&dyn Fn() -> Result<()>>,
+        boundary: Option<&dyn Fn() -> Result<Keep>>,
     ) -> Result<Tensor> {
         let Stage {
             device,
@@ -718,14 +751,19 @@ impl Model {
         } = &self.stages[k];
         // `set_attention` never leaves `Auto` in the options.
         let flash = self.opts.attention == AttentionKernel::Flash;
-        let batch = stage("layout", device, || {
-            let blocks = self.attention_blocks;
-            BatchLayout::new(lens, flash, blocks, self.config.head_dim, device)
-        })?;
+        let layout = |lens: &[usize]| {
+            stage("layout", device, || {
+                let blocks = self.attention_blocks;
+                BatchLayout::new(lens, flash, blocks, self.config.head_dim, device)
+            })
+        };
+        let mut batch = layout(lens)?;
         let first = layers.start;
         for i in layers {
-            if let Some(boundary) = boundary {
-                boundary()?;
+            if let Some(Keep::Only(keep)) = boundary.map(|b| b()).transpose()? {
+                let kept = keep_sequences(&x, batch.lens(), &keep)?;
+                x = kept.0;
+                batch = layout(&kept.1)?;
             }
             let layer = match replaced {
                 Some(layer) if i == first => layer,

@@ -28,7 +28,7 @@ pub mod stored_kld;
 pub use crate::checkpoint::LoadError;
 pub use crate::ops::causal_mask;
 pub use config::{Architecture, ModelConfig};
-pub use decoder::{AttentionKernel, Model, ModelOptions, ScoreInput};
+pub use decoder::{keep_sequences, AttentionKernel, Keep, Model, ModelOptions, ScoreInput};
 pub use diff::{diff_batch, DiffOptions, LayerError, SequenceDiff};
 pub use kld::{kld_batch, SequenceKld, TokenKld};
 pub use scoring::{RowScore, SequenceScores};

@@ -99,7 +99,12 @@ fn timed_scores(
             top_k: 0,
         })
         .collect();
-    let first = engine.score(&inputs, &Cancel::never())?; // warm-up (JIT, allocator) and the answer
+    // Warm-up (JIT, allocator) and the answer; never cancelled, so every sequence is answered.
+    let first: Option<Vec<SequenceScores>> = engine
+        .score(&inputs, &Cancel::never())?
+        .into_iter()
+        .collect();
+    let first = first.ok_or_else(|| anyhow::anyhow!("a sequence went unanswered"))?;
     let threads = engine.concurrency();
     let t = Instant::now();
     std::thread::scope(|scope| -> Result<()> {
@@ -247,7 +252,8 @@ fn kld(
         .collect();
     let engine = ModelEngine::new(model, Some(reference_model), MicroBatching::PerDevice)?;
     let refs: Vec<&[u32]> = windows.iter().map(Vec::as_slice).collect();
-    let first = engine.kld(&refs, &Cancel::never())?;
+    let first: Option<Vec<_>> = engine.kld(&refs, &Cancel::never())?.into_iter().collect();
+    let first = first.ok_or_else(|| anyhow::anyhow!("a sequence went unanswered"))?;
     let t = Instant::now();
     for _ in 0..r.iters {
         engine.kld(&refs, &Cancel::never())?;
