@@ -6,6 +6,7 @@
 # old-exactscore-server.xz / old-exactscore-bench.xz.
 #   bash scripts/device_compare_builds.sh [golden DEVICES DTYPES] [check]
 #                                         [speed SHAPE FORMAT BATCHES ROUNDS]...
+#                                         [http-score SHAPE FORMAT WINDOWS ROUNDS]
 # golden: scripts/golden_digest.py with both servers on DEVICES (`cuda:0`, or `cuda:0,cuda:1`
 #         for a model split over two GPUs), in DTYPES (`f32,bf16`), compared.
 # check:  `exactscore-bench check` of the new build (every row must be ok).
@@ -13,6 +14,10 @@
 #         ABBA order; the table gives each build's median ms/window per batch, the ratio of the
 #         medians, and the median of each round's new / old (the two runs of a round are
 #         adjacent, so a drift between rounds cancels in it: the gated figure).
+# http-score: each build's server on a random SHAPE checkpoint in FORMAT (bf16, one GPU), in ABBA
+#         order: per round, a warm-up then 10 `/score` requests of WINDOWS x 2048 tokens through
+#         HTTP; the table gives each build's median seconds per request and the median of each
+#         round's new / old (the gated figure, as for speed).
 # Results go to $OUT; exits 1 when a step failed (a digest differs, a check row misses, or
 # the new build is slower than MAX_SLOWDOWN allows).
 set -uo pipefail
@@ -90,6 +95,68 @@ sys.exit(1 if failed else 0)
 PY
 }
 
+# One server of build $1 on checkpoint $2: the median of 10 /score requests of $3 x 2048
+# tokens, appended to http-rows.txt.
+http_once() {
+  local build=$1 dir=$2 windows=$3 bin=/tmp/exactscore-server port=8791
+  [ "$build" = old ] && bin=/tmp/old-exactscore-server
+  "$bin" --model "$dir" --device cuda:0 --dtype bf16 --port $port > "$OUT/http-$build.log" 2>&1 &
+  local server=$!
+  python3 - "$port" "$windows" "$build" >> "$OUT/http-rows.txt" <<'PY'
+import json, statistics, sys, time, urllib.request
+port, windows, build = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+url = f"http://127.0.0.1:{port}"
+deadline = time.time() + 400
+while True:
+    try:
+        urllib.request.urlopen(url + "/health/ready", timeout=1)
+        break
+    except Exception:
+        if time.time() > deadline:
+            sys.exit("server not ready")
+        time.sleep(0.2)
+body = json.dumps({"tokens": [[(w * 7919 + i * 104729) % 1999 + 1 for i in range(2048)]
+                              for w in range(windows)]}).encode()
+def once():
+    req = urllib.request.Request(url + "/score", body, {"Content-Type": "application/json"})
+    t0 = time.perf_counter()
+    with urllib.request.urlopen(req, timeout=600) as r:
+        r.read()
+    return time.perf_counter() - t0
+once()
+times = [once() for _ in range(10)]
+print(build, statistics.median(times))
+PY
+  local rc=$?
+  kill -TERM $server; wait $server
+  return $rc
+}
+
+http_score() {
+  local shape=$1 format=$2 windows=$3 rounds=$4 dir=/tmp/ckpt-$1-$2 first second
+  [ -f "$dir/done" ] || { rm -rf "$dir" && /tmp/exactscore-bench write-checkpoint --shape "$shape" \
+    --format "$format" --out "$dir" --tokenizer tests/fixtures/llama-w4a16-g128 \
+    --distinct-layers 4 && touch "$dir/done"; } || return 1
+  for round in $(seq "$rounds"); do
+    if [ $((round % 2)) = 1 ]; then first=old second=new; else first=new second=old; fi
+    http_once $first "$dir" "$windows" || return 1
+    http_once $second "$dir" "$windows" || return 1
+  done
+  python3 - "$OUT/http-rows.txt" "${MAX_SLOWDOWN:-0.01}" <<'PY'
+import statistics, sys
+rows = [line.split() for line in open(sys.argv[1])]
+old = [float(s) for b, s in rows if b == "old"]
+new = [float(s) for b, s in rows if b == "new"]
+paired = statistics.median(n / o for o, n in zip(old, new))
+ok = paired <= 1 + float(sys.argv[2])
+print(f"http /score: old median {statistics.median(old):.4f} s ({', '.join(f'{v:.4f}' for v in old)}); "
+      f"new {statistics.median(new):.4f} s ({', '.join(f'{v:.4f}' for v in new)}); "
+      f"median new/old {statistics.median(new) / statistics.median(old):.4f}; "
+      f"median of round ratios {paired:.4f}: {'ok' if ok else 'FAIL'}")
+sys.exit(0 if ok else 1)
+PY
+}
+
 step() {
   local log=$1; shift
   "$@" 2>&1 | tee -a "$OUT/$log"
@@ -101,6 +168,7 @@ while [ $# -gt 0 ]; do
     golden) step golden.txt golden "$2" "$3"; shift 3 ;;
     check) step check.txt /tmp/exactscore-bench check --fixtures tests/fixtures; shift ;;
     speed) step speed.txt speed "$2" "$3" "$4" "$5"; shift 5 ;;
+    http-score) step http.txt http_score "$2" "$3" "$4" "$5"; shift 5 ;;
     *) echo "unknown step $1"; exit 2 ;;
   esac
 done
