@@ -18,6 +18,7 @@
 #         order: per round, a warm-up then 10 `/score` requests of WINDOWS x 2048 tokens through
 #         HTTP; the table gives each build's median seconds per request and the median of each
 #         round's new / old (the gated figure, as for speed).
+# PIN: a CPU list (taskset) every speed run is pinned to, e.g. the GPU's NUMA-local cores.
 # Results go to $OUT; exits 1 when a step failed (a digest differs, a check row misses, or
 # the new build is slower than MAX_SLOWDOWN allows).
 set -uo pipefail
@@ -47,7 +48,7 @@ golden() {
 speed_once() {
   local build=$1 shape=$2 format=$3 batches=$4 bin=/tmp/exactscore-bench
   [ "$build" = old ] && bin=/tmp/old-exactscore-bench
-  "$bin" speed --shape "$shape" --formats "$format" --batch "$batches" --attention flash ${ITERS:+--iters $ITERS} \
+  ${PIN:+taskset -c $PIN} "$bin" speed --shape "$shape" --formats "$format" --batch "$batches" --attention flash ${ITERS:+--iters $ITERS} \
     > "$OUT/speed-$build-$shape.log" 2>&1 || { tail -20 "$OUT/speed-$build-$shape.log"; return 1; }
   grep "^| $format " "$OUT/speed-$build-$shape.log" | sed "s/^/$build $shape /" >> "$OUT/speed-rows.txt"
 }
