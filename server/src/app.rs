@@ -459,9 +459,9 @@ impl Source {
         };
         let dtype = options.linear.dtype;
         let flash = config.attention != AttentionKernel::Materialized
-            && opened
-                .iter()
-                .all(|d| crate::ops::flash_attention_available(d, self.config.head_dim, dtype));
+            && opened.iter().all(|d| {
+                crate::ops::flash_attention_available(d, self.config.attention_head_dim(), dtype)
+            });
         let plan = |max_seq: usize| {
             let inputs = PlacementInputs {
                 config: &self.config,

@@ -99,8 +99,9 @@ pub struct Args {
     )]
     pub activation_quant: ActQuantArg,
     /// Attention kernel: `materialized` (f32 scores, every device and dtype), `flash` (fused,
-    /// CUDA with bf16/f16 compute and head_dim 64/128; see docs/performance.md), or `auto`:
-    /// flash where it exists, materialized elsewhere.
+    /// CUDA with bf16/f16 compute and head sizes 64, 128, 192 or 256, latent attention padded
+    /// to one; see docs/performance.md), or `auto`: flash where it exists, materialized
+    /// elsewhere.
     #[arg(long, env = "EXACTSCORE_ATTENTION", value_enum, default_value = "auto")]
     pub attention: AttentionArg,
     /// Require `Authorization: Bearer <key>` on every route but `/health/*`.

@@ -238,6 +238,19 @@ fn text_keys(root: Value, config: &dyn ArchitectureConfig) -> Result<Value, Load
 }
 
 impl ModelConfig {
+    /// The head size attention runs at: `head_dim`, or under latent attention the query/key
+    /// size and the value size zero-padded to the smallest flash head size that holds both
+    /// ([`crate::ops::flash_head_dim_holding`]; their own larger size where none does).
+    pub fn attention_head_dim(&self) -> usize {
+        match &self.mla {
+            Some(mla) => {
+                let widest = self.head_dim.max(mla.v_head_dim);
+                crate::ops::flash_head_dim_holding(widest).unwrap_or(widest)
+            }
+            None => self.head_dim,
+        }
+    }
+
     pub fn from_json(text: &str) -> Result<Self, LoadError> {
         let root: Value = serde_json::from_str(text)
             .map_err(|e| LoadError::config("config.json", e.to_string()))?;

@@ -506,12 +506,12 @@ impl Model {
         // The flash kernel has no soft-capping of the scores (Gemma 2): such models attend
         // through the materialised path.
         let softcap = self.config.attn_logit_softcapping.is_some();
-        // Latent attention runs materialised on every device (blocks/mla.rs).
+        let head_dim = self.config.attention_head_dim();
         let flash = !softcap
-            && self.config.mla.is_none()
-            && self.stages.iter().all(|stage| {
-                ops::flash_attention_available(&stage.device, self.config.head_dim, lin.dtype)
-            });
+            && self
+                .stages
+                .iter()
+                .all(|stage| ops::flash_attention_available(&stage.device, head_dim, lin.dtype));
         let kernel = match kernel {
             AttentionKernel::Auto if flash => AttentionKernel::Flash,
             AttentionKernel::Auto => AttentionKernel::Materialized,
@@ -531,9 +531,9 @@ impl Model {
             return Err(LoadError::Config {
                 field: "attention".into(),
                 reason: format!(
-                    "the flash kernel needs a CUDA device, bf16 or f16 compute and head_dim 64 \
-                     or 128 (have {:?}, {:?}, head_dim {})",
-                    lin.device, lin.dtype, self.config.head_dim
+                    "the flash kernel needs a CUDA device, bf16 or f16 compute and a head size \
+                     of 64, 128, 192 or 256 (have {:?}, {:?}, head size {head_dim})",
+                    lin.device, lin.dtype
                 ),
             });
         }
@@ -754,7 +754,13 @@ impl Model {
         let layout = |lens: &[usize]| {
             stage("layout", device, || {
                 let blocks = self.attention_blocks;
-                BatchLayout::new(lens, flash, blocks, self.config.head_dim, device)
+                BatchLayout::new(
+                    lens,
+                    flash,
+                    blocks,
+                    self.config.attention_head_dim(),
+                    device,
+                )
             })
         };
         let mut batch = layout(lens)?;

@@ -109,8 +109,10 @@ impl ActivationBytes {
     ) -> Self {
         let s = dtype.size_in_bytes() as u64;
         let (t, h) = (tokens as u64, config.hidden_size as u64);
-        let q = (config.num_heads * config.head_dim) as u64;
-        let kv = (config.num_kv_heads * config.head_dim) as u64;
+        // Latent attention's heads are zero-padded to the flash head size.
+        let head_dim = config.attention_head_dim();
+        let q = (config.num_heads * head_dim) as u64;
+        let kv = (config.num_kv_heads * head_dim) as u64;
         let inter = config.intermediate_size as u64;
         // Residual stream in and out, its normed copy and the hidden state handed on.
         let stream = 4 * t * h * s;

@@ -198,6 +198,16 @@ pub fn soft_cap(x: &Tensor, cap: f64) -> Result<Tensor> {
 }
 
 /// Whether the fused flash-attention kernel exists for this device, head size and dtype.
+/// The smallest head size the flash kernel is compiled for that holds `dim` features: a head
+/// zero-padded to it attends as the unpadded head would (each dot product gains exact zeros, and
+/// the output gains zero columns).
+pub fn flash_head_dim_holding(dim: usize) -> Option<usize> {
+    (dim.max(1)..=FLASH_MAX_HEAD_DIM).find(|&d| !FlashTiling::compiled(d).is_empty())
+}
+
+/// The largest head size any flash tiling is compiled for.
+const FLASH_MAX_HEAD_DIM: usize = 256;
+
 pub fn flash_attention_available(device: &Device, head_dim: usize, dtype: DType) -> bool {
     device.is_cuda() && flash_attention_supported(head_dim, dtype)
 }

@@ -339,6 +339,11 @@ impl BatchLayout {
         self.blocks
     }
 
+    /// Where the flash kernel reads the batch's layout, when attention runs through it.
+    pub(super) fn flash(&self) -> Option<&FlashIndex> {
+        self.flash.as_ref()
+    }
+
     /// Sequences of lengths `lens` on `device`; `flash`: attention runs through the flash
     /// kernel (for heads of `head_dim`), else in `blocks`.
     pub fn new(
@@ -359,14 +364,14 @@ impl BatchLayout {
 }
 
 /// The batch layout as the flash kernel reads it (i32, on the device).
-struct FlashIndex {
+pub(super) struct FlashIndex {
     /// Prefix offsets of the sequences, `[sequences + 1]`.
-    starts: Tensor,
+    pub(super) starts: Tensor,
     /// Every token's position within its sequence (indexes the RoPE tables).
-    positions: Tensor,
-    max_len: usize,
+    pub(super) positions: Tensor,
+    pub(super) max_len: usize,
     /// The kernel variant for this device, resolved once per forward rather than per layer.
-    tiling: ops::FlashTiling,
+    pub(super) tiling: ops::FlashTiling,
 }
 
 impl FlashIndex {

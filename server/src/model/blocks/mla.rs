@@ -4,12 +4,15 @@
 //! (`kv_a_proj_with_mqa` → RMSNorm → `kv_b_proj`), whose last `qk_rope_head_dim` features are a
 //! rotary key part that every head shares. For scoring there is no cache to keep small, so the
 //! latent is expanded to per-head keys (`qk_nope + qk_rope` features) and values
-//! (`v_head_dim`) and attention runs materialised ([`ops::causal_attention`] takes a value head
+//! (`v_head_dim`). Where the batch attends through the flash kernel, the heads are zero-padded
+//! to its head size ([`ModelConfig::attention_head_dim`]: DeepSeek's 192-wide keys and 128-wide
+//! values both to 192), which adds exact zeros to every score and only zero columns to the
+//! output; elsewhere attention runs materialised ([`ops::causal_attention`] takes a value head
 //! of any width), one sequence at a time.
 
 use candle_core::{Result, Tensor};
 
-use super::attention::BatchLayout;
+use super::attention::{BatchLayout, FlashIndex};
 use super::layer_inputs;
 use super::norm::{NormKind, RmsNorm};
 use crate::checkpoint::LoadError;
@@ -170,6 +173,13 @@ impl LatentAttention {
                 .forward(&self.kv_a_layernorm.forward(&nope, None)?)?;
             Ok((kv, latent.narrow(1, rank, rope_dim)?.contiguous()?))
         })?;
+        if let Some(index) = batch.flash() {
+            let out = self.flash_attend(&q, &kv, &k_rot, index, rope)?;
+            let [o_in] = layer_inputs([&self.o_proj], &out, false)?;
+            return stage("o_proj", dev, || {
+                self.o_proj.add_to_residual(residual, &o_in)
+            });
+        }
         let out = stage("attention", dev, || {
             let mut outputs = Vec::with_capacity(batch.lens().len());
             let mut offset = 0;
@@ -223,6 +233,76 @@ impl LatentAttention {
         ops::causal_attention(&q, &k, &v, self.cfg.softmax_scale, None, None, blocks)?
             .transpose(1, 2)?
             .reshape((len, heads * v_dim))
+    }
+
+    /// The whole batch through the flash kernel: `q` `[tokens, heads * qk]`, `kv` `[tokens,
+    /// heads * (nope + v)]`, the shared `k_rot` `[tokens, rope]`, every head zero-padded to the
+    /// kernel's head size; returns `[tokens, heads * v]`.
+    fn flash_attend(
+        &self,
+        q: &Tensor,
+        kv: &Tensor,
+        k_rot: &Tensor,
+        index: &FlashIndex,
+        rope: &RopeTables,
+    ) -> Result<Tensor> {
+        let MlaConfig {
+            qk_nope_head_dim: nope,
+            qk_rope_head_dim: rot,
+            v_head_dim: v_dim,
+            ..
+        } = self.cfg;
+        let (tokens, heads, dev) = (q.dims()[0], self.num_heads, q.device().clone());
+        let width = ops::flash_head_dim_holding((nope + rot).max(v_dim))
+            .ok_or_else(|| candle_core::Error::Msg("no flash head size holds MLA's".into()))?;
+        let pad = |x: Tensor| -> Result<Tensor> {
+            let (_, h, d) = x.dims3()?;
+            match d < width {
+                true => {
+                    let zeros = Tensor::zeros((tokens, h, width - d), x.dtype(), x.device())?;
+                    Tensor::cat(&[&x, &zeros], 2)
+                }
+                false => x.contiguous(),
+            }
+        };
+        let (cos, sin) = rope.tables();
+        // The rotary part of `x` `[tokens, h, rope]`, de-interleaved first where DeepSeek's
+        // layout pairs neighbours (see [`Self::rotate`]).
+        let rotate = |x: Tensor| -> Result<Tensor> {
+            let x = match self.cfg.rope_interleave {
+                true => x
+                    .reshape((tokens, x.dims()[1], rot / 2, 2))?
+                    .transpose(2, 3)?
+                    .contiguous()?
+                    .reshape((tokens, x.dims()[1], rot))?,
+                false => x.contiguous()?,
+            };
+            ops::rope_rotate_half(&x, &index.positions, cos, sin)
+        };
+        let (q, k, v) = stage("rope", &dev, || {
+            let q = q.reshape((tokens, heads, nope + rot))?;
+            let kv = kv.reshape((tokens, heads, nope + v_dim))?;
+            let q_rot = rotate(q.narrow(2, nope, rot)?)?;
+            let k_rot =
+                rotate(k_rot.reshape((tokens, 1, rot))?)?.broadcast_as((tokens, heads, rot))?;
+            Ok((
+                pad(Tensor::cat(&[&q.narrow(2, 0, nope)?, &q_rot], 2)?)?,
+                pad(Tensor::cat(&[&kv.narrow(2, 0, nope)?, &k_rot], 2)?)?,
+                pad(kv.narrow(2, nope, v_dim)?)?,
+            ))
+        })?;
+        let opts = ops::FlashOptions {
+            scale: self.cfg.softmax_scale as f32,
+            window: None,
+            tiling: index.tiling,
+        };
+        stage("attention", &dev, || {
+            ops::flash_attention(&q, &k, &v, &index.starts, index.max_len, &opts)?
+                .reshape((tokens, heads, width))?
+                .narrow(2, 0, v_dim)?
+                .contiguous()?
+                .reshape((tokens, heads * v_dim))
+        })
     }
 
     /// RoPE of `x` `[1, heads, len, rope]`. DeepSeek's interleaved layout pairs `(x0, x1),
