@@ -260,7 +260,8 @@ impl LatentAttention {
             match d < width {
                 true => {
                     let zeros = Tensor::zeros((tokens, h, width - d), x.dtype(), x.device())?;
-                    Tensor::cat(&[&x, &zeros], 2)
+                    // the kernel reads contiguous heads; a cat of strided parts is a view
+                    Tensor::cat(&[&x, &zeros], 2)?.contiguous()
                 }
                 false => x.contiguous(),
             }
