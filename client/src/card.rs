@@ -173,10 +173,14 @@ pub fn model_index_yaml(index: &ModelIndex) -> Result<String, serde_yaml_ng::Err
     serde_yaml_ng::to_string(index)
 }
 
-/// A sha256 shortened for a table (the record keeps it whole).
+/// The first 16 characters of a sha256, for a table (the record keeps it whole).
+fn prefix(sha: &str) -> String {
+    sha.chars().take(16).collect()
+}
+
 fn short(sha: &Option<String>) -> String {
     match sha {
-        Some(s) => format!("sha256 `{}…`", &s[..s.len().min(16)]),
+        Some(s) => format!("sha256 `{}…`", prefix(s)),
         None => "no checkpoint hash (older server)".into(),
     }
 }
@@ -231,7 +235,7 @@ pub fn model_card(record: &Record, name: &str, plots: &[(String, String)]) -> St
         "| Dataset | {} ({} bytes, sha256 `{}…`): {}, {} tokens scored |",
         d.name,
         d.bytes,
-        &d.sha256[..d.sha256.len().min(16)],
+        prefix(&d.sha256),
         windows_phrase(record),
         record.windows.tokens_scored
     );

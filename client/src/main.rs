@@ -9,8 +9,7 @@ use anyhow::Context as _;
 use clap::{Args, Parser, Subcommand};
 use exactscore_api::{AttributeInput, AttributeSelection, ReturnOptions, ScoreRequest, TextInput};
 use exactscore_client::dataset::{DatasetOptions, DatasetSpec};
-use exactscore_client::record::ReportOptions;
-use exactscore_client::report_dir::run_report;
+use exactscore_client::report_dir::{run_report, ReportOptions};
 use exactscore_client::term::{self, ColorChoice};
 use exactscore_client::tokenize::TokenizeMode;
 use exactscore_client::{

@@ -14,6 +14,7 @@ use crate::dataset::DatasetSpec;
 use crate::diff::{DiffReport, FinalKld, LayerSummary};
 use crate::kld::KldStats;
 use crate::report::{DatasetSummary, Report};
+use crate::report_dir::ReportOptions;
 use crate::runner::{PplConfig, Task};
 use crate::windows::Method;
 
@@ -366,16 +367,6 @@ pub fn server_command(info: &ModelInfo) -> String {
         }
     }
     command_line(&w)
-}
-
-/// What `exactscore report` ran, beyond the run's configuration.
-#[derive(Debug, Clone)]
-pub struct ReportOptions {
-    pub out: std::path::PathBuf,
-    /// `--diff`: windows of `/diff`.
-    pub diff_windows: Option<usize>,
-    pub plot_format: String,
-    pub name: Option<String>,
 }
 
 /// The commands that reproduce a report of `config` and `options`, whose servers `info`

@@ -18,9 +18,22 @@ use crate::card;
 use crate::diff::{run_diff, DiffConfig, DiffReport};
 use crate::http::{Client, ClientConfig};
 use crate::plot::{self, PlotError};
-use crate::record::{self, Files, Record, RecordError, ReportOptions};
+use crate::record::{self, Files, Record, RecordError};
 use crate::report::Report;
 use crate::runner::{run_ppl, PplConfig, PplError, Task};
+
+/// What `exactscore report` does beyond the run of its [`PplConfig`].
+#[derive(Debug, Clone)]
+pub struct ReportOptions {
+    /// The directory to write.
+    pub out: PathBuf,
+    /// `--diff`: the number of `/diff` windows.
+    pub diff_windows: Option<usize>,
+    /// `png` or `svg`.
+    pub plot_format: String,
+    /// The model's name in the card and model-index (default: `/info`'s).
+    pub name: Option<String>,
+}
 
 #[derive(Debug, thiserror::Error)]
 pub enum ReportDirError {
@@ -64,6 +77,7 @@ pub async fn run_report(
 ) -> Result<Record, ReportDirError> {
     let started = Instant::now();
     let ext = options.plot_format.to_lowercase();
+    // Refused before any work, as `--plot` is.
     plot::check_path(Path::new(&format!("plot.{ext}")))?;
     let server = config
         .servers

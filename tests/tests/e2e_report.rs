@@ -7,8 +7,8 @@
 use std::path::{Path, PathBuf};
 
 use exactscore_api::ModelInfo;
-use exactscore_client::record::{Record, ReportOptions};
-use exactscore_client::report_dir::{self, run_report};
+use exactscore_client::record::Record;
+use exactscore_client::report_dir::{self, run_report, ReportOptions};
 use exactscore_client::{run_diff, run_ppl, DiffConfig, PplConfig, Task};
 use serde_json::{json, Value};
 
