@@ -3,8 +3,10 @@
 //! ([`runner::run_ppl`], which also runs `exactscore kld`), KL-divergence statistics ([`kld`]),
 //! statistics by position in the window ([`positions`]),
 //! one endpoint per address of a server name ([`resolve`]), reports ([`report`]), the
-//! per-layer comparison of `exactscore diff` ([`diff`]) and plots ([`plot`]).
+//! per-layer comparison of `exactscore diff` ([`diff`]), plots ([`plot`]) and the publishable
+//! report directory of `exactscore report` ([`report_dir`], [`record`], [`card`]).
 
+pub mod card;
 pub mod compare;
 pub mod dataset;
 pub mod diff;
@@ -15,8 +17,10 @@ pub mod llamacpp;
 pub mod plot;
 pub mod positions;
 pub mod progress;
+pub mod record;
 pub mod reference;
 pub mod report;
+pub mod report_dir;
 pub mod resolve;
 pub mod runner;
 pub mod term;

@@ -9,6 +9,7 @@ use anyhow::Context as _;
 use clap::{Args, Parser, Subcommand};
 use exactscore_api::{AttributeInput, AttributeSelection, ReturnOptions, ScoreRequest, TextInput};
 use exactscore_client::dataset::{DatasetOptions, DatasetSpec};
+use exactscore_client::report_dir::{run_report, ReportOptions};
 use exactscore_client::term::{self, ColorChoice};
 use exactscore_client::tokenize::TokenizeMode;
 use exactscore_client::{
@@ -35,6 +36,11 @@ enum Command {
     /// dataset's windows, for `exactscore kld --reference-file` (docs/stored-reference.md).
     #[command(subcommand)]
     Reference(ReferenceCommand),
+    /// A publishable evaluation in one directory: `report.json` (every number, hash, version
+    /// and the commands that reproduce it), a model-card section `README.md` with its plots,
+    /// and the Hub's `model-index.yaml`. Runs `kld` (or `ppl` on a server without a reference
+    /// model) and, with --diff, `diff`.
+    Report(ReportArgs),
     /// Compare reports of `exactscore ppl/kld --json` (table, optional plot).
     Compare(CompareArgs),
     /// Where the quantization error enters: the server's `/diff` over a few windows (per
@@ -61,7 +67,7 @@ struct ConnArgs {
 }
 
 #[derive(Args)]
-struct PplArgs {
+struct RunArgs {
     /// Server base URL; repeat to spread requests over several servers. A host name stands for
     /// every address it resolves to (e.g. a Kubernetes headless Service: one per pod).
     #[arg(
@@ -99,6 +105,24 @@ struct PplArgs {
     /// Where the text is tokenized.
     #[arg(long, value_enum, default_value_t = TokenizeMode::Local)]
     tokenize: TokenizeMode,
+    /// Per-request timeout, seconds (at least 1).
+    #[arg(long, default_value_t = 600, value_parser = seconds)]
+    timeout: u64,
+    /// Retries of a request on 429/503/connection errors.
+    #[arg(long, default_value_t = 8)]
+    retries: u32,
+    /// No progress bar (and no progress lines).
+    #[arg(long)]
+    no_progress: bool,
+    /// When stderr is not a terminal (a log file, nohup): seconds between two progress lines.
+    #[arg(long, default_value_t = 10)]
+    progress_every: u64,
+}
+
+#[derive(Args)]
+struct PplArgs {
+    #[command(flatten)]
+    run: RunArgs,
     /// Partial results (JSON lines, one per finished window).
     #[arg(long)]
     output: Option<PathBuf>,
@@ -108,22 +132,10 @@ struct PplArgs {
     /// Write the report as JSON here.
     #[arg(long)]
     json: Option<PathBuf>,
-    /// Per-request timeout, seconds (at least 1).
-    #[arg(long, default_value_t = 600, value_parser = seconds)]
-    timeout: u64,
-    /// Retries of a request on 429/503/connection errors.
-    #[arg(long, default_value_t = 8)]
-    retries: u32,
     /// `kld --json`: keep every token's KLD in the report (large: ~100 MB for WikiText-2); by
     /// default the report keeps the statistics and a histogram only.
     #[arg(long)]
     per_token: bool,
-    /// No progress bar (and no progress lines).
-    #[arg(long)]
-    no_progress: bool,
-    /// When stderr is not a terminal (a log file, nohup): seconds between two progress lines.
-    #[arg(long, default_value_t = 10)]
-    progress_every: u64,
 }
 
 #[derive(Args)]
@@ -148,6 +160,35 @@ struct KldArgs {
     /// With --llama-cpp-base: tokens of each row scored exactly.
     #[arg(long, default_value_t = 64, requires = "llama_cpp_base")]
     k: usize,
+}
+
+#[derive(Args)]
+struct ReportArgs {
+    #[command(flatten)]
+    run: RunArgs,
+    /// The directory to write (created if missing; its files are replaced).
+    #[arg(long)]
+    out: PathBuf,
+    /// Measure the noise floor on this server too (see `exactscore kld --noise-floor-server`).
+    #[arg(long)]
+    noise_floor_server: Option<String>,
+    /// Also compare the models layer by layer (`exactscore diff`) over --diff-windows windows
+    /// of --ctx tokens.
+    #[arg(long)]
+    diff: bool,
+    /// With --diff: the first N non-overlapping windows.
+    #[arg(long, default_value_t = 4, requires = "diff")]
+    diff_windows: usize,
+    /// Image format of the plots.
+    #[arg(long, value_parser = plot::EXTENSIONS, default_value = "png")]
+    plot_format: String,
+    /// The model's name in the card and model-index (e.g. its Hub id `org/name`; default: the
+    /// server's model name).
+    #[arg(long)]
+    name: Option<String>,
+    /// Continue the run that an interrupted report left in the directory.
+    #[arg(long)]
+    resume: bool,
 }
 
 #[derive(Subcommand)]
@@ -310,7 +351,7 @@ fn client(conn: &ConnArgs) -> anyhow::Result<Client> {
 }
 
 /// The run configuration of `args` (dataset, windows, servers, limits).
-fn run_config(args: &PplArgs) -> anyhow::Result<PplConfig> {
+fn run_config(args: &RunArgs) -> anyhow::Result<PplConfig> {
     let mut cfg = PplConfig::new(args.servers.clone(), DatasetSpec::parse(&args.dataset)?);
     cfg.api_key = args.api_key.clone();
     cfg.dataset_options = DatasetOptions {
@@ -330,9 +371,35 @@ fn run_config(args: &PplArgs) -> anyhow::Result<PplConfig> {
     Ok(cfg)
 }
 
+/// [`run_config`] of a run that `exactscore` runs itself (`ppl`, `kld`, `report`): with the
+/// concurrency and progress display of `args`, stopped by Ctrl-C.
+fn live_run_config(args: &RunArgs) -> anyhow::Result<PplConfig> {
+    let mut cfg = run_config(args)?;
+    cfg.concurrency = args.concurrency;
+    cfg.progress = !args.no_progress;
+    cfg.progress_every = Duration::from_secs(args.progress_every);
+    stop_on_ctrl_c(&cfg);
+    Ok(cfg)
+}
+
+/// Ctrl-C stops dispatching `cfg`'s windows (those in flight finish into its partial file); a
+/// second one quits at once.
+fn stop_on_ctrl_c(cfg: &PplConfig) {
+    let cancel = cfg.cancel.clone();
+    tokio::spawn(async move {
+        if tokio::signal::ctrl_c().await.is_ok() {
+            cancel.store(true, Ordering::SeqCst);
+            eprintln!("\nstopping: finishing requests in flight (Ctrl-C again to quit now)");
+            if tokio::signal::ctrl_c().await.is_ok() {
+                std::process::exit(130);
+            }
+        }
+    });
+}
+
 async fn reference_save(args: ReferenceSaveArgs) -> anyhow::Result<()> {
     anyhow::ensure!(args.k >= 1, "--k must be at least 1");
-    let cfg = run_config(&args.run)?;
+    let cfg = run_config(&args.run.run)?;
     if let ReferenceFormat::LlamaCpp = args.format {
         let file = exactscore_client::llamacpp::save_base(&cfg, &args.file).await?;
         outln!(
@@ -358,7 +425,7 @@ async fn reference_save(args: ReferenceSaveArgs) -> anyhow::Result<()> {
 }
 
 async fn stored_kld(args: PplArgs, path: &std::path::Path) -> anyhow::Result<()> {
-    let cfg = run_config(&args)?;
+    let cfg = run_config(&args.run)?;
     let file = exactscore_client::reference::ReferenceFile::read(path)?;
     let report = exactscore_client::reference::kld(&cfg, &file).await?;
     out!("{}", report.to_table());
@@ -371,7 +438,7 @@ async fn stored_kld(args: PplArgs, path: &std::path::Path) -> anyhow::Result<()>
 
 async fn llama_cpp_kld(args: PplArgs, path: &std::path::Path, k: usize) -> anyhow::Result<()> {
     anyhow::ensure!(k >= 1, "--k must be at least 1");
-    let cfg = run_config(&args)?;
+    let cfg = run_config(&args.run)?;
     let file = exactscore_client::llamacpp::BaseFile::read(path)?;
     let report = exactscore_client::llamacpp::kld_base(&cfg, &file, k).await?;
     out!("{}", report.to_table());
@@ -383,24 +450,11 @@ async fn llama_cpp_kld(args: PplArgs, path: &std::path::Path, k: usize) -> anyho
 }
 
 async fn ppl(args: PplArgs, task: Task, noise_floor_server: Option<String>) -> anyhow::Result<()> {
-    let mut cfg = run_config(&args)?;
+    let mut cfg = live_run_config(&args.run)?;
     cfg.task = task;
     cfg.noise_floor_server = noise_floor_server;
-    cfg.concurrency = args.concurrency;
     cfg.output = args.output;
     cfg.resume = args.resume;
-    cfg.progress = !args.no_progress;
-    cfg.progress_every = Duration::from_secs(args.progress_every);
-    let cancel = cfg.cancel.clone();
-    tokio::spawn(async move {
-        if tokio::signal::ctrl_c().await.is_ok() {
-            cancel.store(true, Ordering::SeqCst);
-            eprintln!("\nstopping: finishing requests in flight (Ctrl-C again to quit now)");
-            if tokio::signal::ctrl_c().await.is_ok() {
-                std::process::exit(130);
-            }
-        }
-    });
     let report = run_ppl(cfg).await?;
     out!("{}", report.to_table());
     if let Some(path) = args.json {
@@ -411,6 +465,35 @@ async fn ppl(args: PplArgs, task: Task, noise_floor_server: Option<String>) -> a
         let s = serde_json::to_string_pretty(&report)?;
         std::fs::write(&path, s).with_context(|| format!("writing {}", path.display()))?;
     }
+    Ok(())
+}
+
+async fn report(args: ReportArgs) -> anyhow::Result<()> {
+    let mut cfg = live_run_config(&args.run)?;
+    cfg.noise_floor_server = args.noise_floor_server;
+    cfg.resume = args.resume;
+    let options = ReportOptions {
+        out: args.out,
+        diff_windows: args.diff.then_some(args.diff_windows),
+        plot_format: args.plot_format,
+        name: args.name,
+    };
+    let dir = options.out.clone();
+    let record = run_report(cfg, options).await?;
+    let kld = record
+        .kld
+        .as_ref()
+        .map(|k| format!(", mean KLD {:.6}", k.mean_kld))
+        .unwrap_or_default();
+    outln!(
+        "wrote {}: perplexity {:.4}{kld} over {} windows; {}, {} and {}",
+        dir.display(),
+        record.perplexity.value,
+        record.windows.windows,
+        record.files.model_card,
+        record.files.model_index,
+        record.files.plots.join(", ")
+    );
     Ok(())
 }
 
@@ -606,6 +689,7 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
             _ => ppl(a.run, Task::Kld, a.noise_floor_server).await,
         },
         Command::Reference(ReferenceCommand::Save(a)) => reference_save(a).await,
+        Command::Report(a) => report(a).await,
         Command::Compare(a) => compare(a),
         Command::Diff(a) => diff(a).await,
         Command::Score(a) => score(a).await,
