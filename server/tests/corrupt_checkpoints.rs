@@ -898,6 +898,16 @@ fn malformed_checkpoints() -> Vec<Malformed> {
         ),
         (
             FP8,
+            "per-tensor scales (dynamic activations per batch)",
+            |_| {},
+            |c| c["quantization_config"]["weight_block_size"] = json!(null),
+            &[
+                "config field `quantization_config.weight_block_size`",
+                "per batch",
+            ],
+        ),
+        (
+            FP8,
             "scales transposed",
             |t| {
                 t.get_mut("model.layers.1.mlp.up_proj.weight_scale_inv")

@@ -1,7 +1,7 @@
 //! Hugging Face FP8 (`quant_method: fp8`, transformers' `FineGrainedFP8Config`): the official
 //! Qwen3, DeepSeek-V3, Kimi and MiniMax FP8 releases. Per Linear `weight` float8_e4m3fn
 //! `[out, in]` and `weight_scale_inv` f32 `[ceil(out/b0), ceil(in/b1)]` for `weight_block_size`
-//! `[b0, b1]` (one scalar where it is null): `w[r, c] = f32(weight[r, c]) ·
+//! `[b0, b1]`: `w[r, c] = f32(weight[r, c]) ·
 //! weight_scale_inv[r / b0, c / b1]`, edge blocks included (the block kernels' reading; held as
 //! a float-quantized block weight, [`super::float_quantized::Fp8Weight`]).
 //!
@@ -57,14 +57,22 @@ pub fn parse_config(raw: &Value) -> Result<Fp8Config, LoadError> {
         }
     }
     let block = match obj.get("weight_block_size") {
-        None => Some([128, 128]),
-        Some(Value::Null) => None,
+        None => [128, 128],
+        // Per-tensor FP8: vLLM quantizes its activations with one dynamic scale per batch, so
+        // a token's score would depend on its batch; not emulated, and not guessed.
+        Some(Value::Null) => {
+            return Err(field_error(
+                "weight_block_size",
+                "null (per-tensor scales) is not supported: vLLM quantizes the activations of \
+                 such layers with one dynamic scale per batch",
+            ))
+        }
         Some(v) => {
             let dims: Option<Vec<usize>> = v
                 .as_array()
                 .and_then(|a| a.iter().map(|d| d.as_u64().map(|d| d as usize)).collect());
             match dims.as_deref() {
-                Some(&[r, c]) if r > 0 && c > 0 => Some([r, c]),
+                Some(&[r, c]) if r > 0 && c > 0 => [r, c],
                 _ => {
                     return Err(field_error(
                         "weight_block_size",
@@ -122,27 +130,19 @@ pub fn parse_config(raw: &Value) -> Result<Fp8Config, LoadError> {
         num_bits: 8,
         kind: QuantType::Float,
         symmetric: true,
-        strategy: if block.is_some() {
-            Strategy::Block
-        } else {
-            Strategy::Tensor
-        },
+        strategy: Strategy::Block,
         group_size: None,
-        block_structure: block,
+        block_structure: Some(block),
         dynamic: false,
         actorder: false,
     };
-    // Per token, one scale per group of a block's columns (per tensor: per token).
+    // Per token, one scale per group of a block's columns.
     let input_activations = QuantArgs {
         num_bits: 8,
         kind: QuantType::Float,
         symmetric: true,
-        strategy: if block.is_some() {
-            Strategy::Group
-        } else {
-            Strategy::Token
-        },
-        group_size: block.map(|[_, c]| c),
+        strategy: Strategy::Group,
+        group_size: Some(block[1]),
         block_structure: None,
         dynamic: true,
         actorder: false,
