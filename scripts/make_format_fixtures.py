@@ -6,7 +6,11 @@ library, and dequantization test vectors.
 
     /tmp/venv-fixtures/bin/python scripts/make_format_fixtures.py [--only NAME,...]
 
-Needs the fixture venv (transformers 5.17, torch 2.14 CPU) and, for GPTQ, GPTQModel 7.7.0
+The AWQ and FP8 fixtures quantize a smaller base (`tiny_dense()`: hidden 128, tied
+embeddings) to stay under 1 MB each; FP8's reference.json also holds `reference_emulated`,
+transformers with vLLM's per-token-group fp8 activation QDQ.
+
+Needs the fixture venv (transformers 5.17, torch 2.14 CPU) and, for GPTQ and AWQ, GPTQModel 7.7.0
 installed without its dependencies (its pins want a newer transformers) plus the few it imports:
     BUILD_CUDA_EXT=0 pip install --no-deps gptqmodel==7.7.0 pypcre logbar device-smi \
         threadpoolctl tokenicer defuser
@@ -200,14 +204,21 @@ def versions():
 
 
 @torch.no_grad()
-def reference_logprobs(weights):
-    """transformers float32 LlamaForCausalLM (sdpa) with `weights` (name -> float32 tensor)."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-    cfg = AutoConfig.from_pretrained(str(DENSE))
+def reference_logprobs(weights, config=None, hooks=None):
+    """transformers float32 LlamaForCausalLM (sdpa) with `weights` (name -> float32 tensor), of
+    `config` (a config.json dict; llama-dense-bf16's when None). `hooks(model)` may register
+    forward pre-hooks (activation emulation) before scoring."""
+    from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig
+    cfg = AutoConfig.from_pretrained(str(DENSE)) if config is None else LlamaConfig(**config)
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32, attn_implementation="sdpa")
     missing, unexpected = model.load_state_dict(weights, strict=False)
-    assert not unexpected and all("rotary" in m for m in missing), (missing, unexpected)
+    assert not unexpected and all("rotary" in m or (cfg.tie_word_embeddings and m == "lm_head.weight")
+                                  for m in missing), (missing, unexpected)
+    if cfg.tie_word_embeddings:
+        model.tie_weights()
     model.eval()
+    if hooks is not None:
+        hooks(model)
     seqs = []
     for text, ids in texts():
         logits = model(input_ids=torch.tensor([ids])).logits[0].to(torch.float64)
@@ -230,26 +241,34 @@ def dequant_check(deq):
     return out
 
 
-def write_variant(name, qconfig, quantized, deq, dequantizer):
+def write_variant(name, qconfig, quantized, deq, dequantizer, config=None, dense=None,
+                  emulated=None):
+    """`config` / `dense`: the base model's config.json dict and tensors (llama-dense-bf16's
+    when None). `emulated`: (description, hooks) of an activation-emulation reference, written
+    beside the weights-only one as `reference_emulated`."""
     out = FIXTURES / name
     if out.exists():
         shutil.rmtree(out)
     out.mkdir()
     for f in ["tokenizer.json", "tokenizer_config.json", "generation_config.json"]:
         shutil.copy(DENSE / f, out / f)
-    cfg = json.loads((DENSE / "config.json").read_text())
+    cfg = dict(config) if config is not None else json.loads((DENSE / "config.json").read_text())
     cfg["quantization_config"] = qconfig
     (out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
     save_mixed(quantized, out / "model.safetensors")
-    dense = dense_tensors()
+    dense = dense_tensors() if dense is None else dense
     weights = {k: v.float() for k, v in dense.items()}
     for lin, w in deq.items():
         weights[lin + ".weight"] = torch.from_numpy(w)
-    seqs = reference_logprobs(weights)
+    seqs = reference_logprobs(weights, config)
+    mean = lambda seqs: sum(s["sum_nll"] for s in seqs) / sum(s["num_scored"] for s in seqs)
     ref = {"variant": name, "torch_dtype_used": "float32", "reference_mode": "weights_only",
-           "dequantizer": dequantizer, "sequences": seqs,
-           "mean_nll": sum(s["sum_nll"] for s in seqs) / sum(s["num_scored"] for s in seqs),
+           "dequantizer": dequantizer, "sequences": seqs, "mean_nll": mean(seqs),
            "versions": versions()}
+    if emulated is not None:
+        what, hooks = emulated
+        em = reference_logprobs(weights, config, hooks)
+        ref["reference_emulated"] = {"activations": what, "sequences": em, "mean_nll": mean(em)}
     (out / "reference.json").write_text(json.dumps(ref, indent=1) + "\n")
     (out / "dequant_check.json").write_text(json.dumps(dequant_check(deq), indent=1) + "\n")
     print(f"{name}: mean NLL {ref['mean_nll']:.6f}, "
@@ -359,6 +378,217 @@ def make_gptq_vectors(seed):
 
 
 # ----------------------------------------------------------------------------------------------
+# A smaller base for the fixtures below (each < 1 MB): llama-dense-bf16's tokenizer, sequences
+# and RoPE, hidden 128, intermediate 256, 2 layers, one KV head, tied embeddings; random
+# weights (seeded), bf16.
+# ----------------------------------------------------------------------------------------------
+def tiny_config():
+    cfg = json.loads((DENSE / "config.json").read_text())
+    cfg.update({"hidden_size": 128, "intermediate_size": 256, "num_attention_heads": 2,
+                "num_key_value_heads": 1, "head_dim": 64, "num_hidden_layers": 2,
+                "tie_word_embeddings": True})
+    return cfg
+
+
+def tiny_dense(seed=400):
+    """The tiny base's tensors (bf16): embeddings N(0, 0.1) (tied with the head: logits of
+    order one), Linears N(0, 1/in), norms near one."""
+    cfg = tiny_config()
+    g = torch.Generator().manual_seed(seed)
+    h, i, hd = cfg["hidden_size"], cfg["intermediate_size"], cfg["head_dim"]
+    q, kv = cfg["num_attention_heads"] * hd, cfg["num_key_value_heads"] * hd
+    shapes = {"self_attn.q_proj": (q, h), "self_attn.k_proj": (kv, h),
+              "self_attn.v_proj": (kv, h), "self_attn.o_proj": (h, q),
+              "mlp.gate_proj": (i, h), "mlp.up_proj": (i, h), "mlp.down_proj": (h, i)}
+    rand = lambda *shape, std: (torch.randn(*shape, generator=g) * std).to(torch.bfloat16)
+    out = {"model.embed_tokens.weight": rand(cfg["vocab_size"], h, std=0.1),
+           "model.norm.weight": (1 + rand(h, std=0.05).float()).to(torch.bfloat16)}
+    for layer in range(cfg["num_hidden_layers"]):
+        pre = f"model.layers.{layer}"
+        for lin, (o, k) in shapes.items():
+            out[f"{pre}.{lin}.weight"] = rand(o, k, std=k ** -0.5)
+        for norm in ["input_layernorm", "post_attention_layernorm"]:
+            out[f"{pre}.{norm}.weight"] = (1 + rand(h, std=0.05).float()).to(torch.bfloat16)
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
+# AWQ GEMM (AutoAWQ's WQLinear_GEMM layout): qweight [in, out/8] with the 8 codes of a word in
+# the order [0, 2, 4, 6, 1, 3, 5, 7], qzeros [in/g, out/8] alike, fp16 scales [in/g, out]
+# ----------------------------------------------------------------------------------------------
+AWQ_REVERSE_ORDER = [0, 4, 1, 5, 2, 6, 3, 7]
+
+
+def awq_quantize(w, group):
+    """AutoAWQ's pseudo_quantize_tensor (zero point, 4 bits) of w [N, K] without the
+    activation-aware search: per group of `group` inputs, fp16 scale (max - min) / 15, zero
+    point -round(min / scale). Returns codes [K, N], zeros [G, N] (int32), scales [G, N] fp16."""
+    n, k = w.shape
+    x = w.reshape(n, k // group, group)
+    hi, lo = x.max(axis=-1), x.min(axis=-1)
+    s = (np.maximum(hi - lo, 1e-5) / 15).astype(np.float16)
+    s32 = s.astype(np.float32)
+    z = np.clip(-np.round(lo / s32), 0, 15)
+    q = np.clip(np.round(x / s32[..., None]) + z[..., None], 0, 15)
+    return (q.reshape(n, k).T.astype(np.int32), z.T.astype(np.int32), s.T.copy())
+
+
+def awq_spec_dequantize(t, group):
+    """This script's own reading of the layout (numpy), checked against GPTQModel's."""
+    def unpack(words):
+        w = words.view(np.uint32)
+        codes = np.stack([(w >> np.uint32(4 * AWQ_REVERSE_ORDER[m])) & np.uint32(15)
+                          for m in range(8)], axis=-1)
+        return codes.reshape(w.shape[0], -1).astype(np.int64)
+    q, z = unpack(t["qweight"]), unpack(t["qzeros"])
+    g = np.arange(q.shape[0]) // group
+    return ((q - z[g]).astype(np.float32) * t["scales"].astype(np.float32)[g]).T.copy()
+
+
+def awq_tensors(w, group):
+    """The AWQ tensors of w, packed by GPTQModel's `pack_awq`, and the weight [N, K] as
+    GPTQModel's `dequantize_gemm` computes it with the scales upcast to f32 (exact)."""
+    from gptqmodel.quantization.awq.utils.packing_utils import dequantize_gemm, pack_awq
+    codes, zeros, scales = awq_quantize(w, group)
+    qweight, qzeros = pack_awq(torch.from_numpy(codes), torch.from_numpy(zeros), 4)
+    t = {"qweight": qweight.numpy(), "qzeros": qzeros.numpy(), "scales": scales}
+    deq = dequantize_gemm(qweight, qzeros, torch.from_numpy(scales).float(), 4, group)
+    deq = deq.T.contiguous().numpy()
+    assert deq.dtype == np.float32
+    spec = awq_spec_dequantize(t, group)
+    assert np.array_equal(deq.view(np.uint32), spec.view(np.uint32)), "GPTQModel != spec"
+    return t, deq
+
+
+def make_awq(name, group=64):
+    dense = tiny_dense()
+    lins = linear_names(dense)
+    tensors = base_tensors(dense, set(lins))
+    deq = {}
+    for lin in lins:
+        t, deq[lin] = awq_tensors(dense[lin + ".weight"].float().numpy(), group)
+        for k, v in t.items():
+            tensors[f"{lin}.{k}"] = v
+    # As AutoAWQ 0.2 writes it (Qwen/Qwen2.5-7B-Instruct-AWQ has these keys and values, but
+    # group_size 128).
+    qconfig = {"bits": 4, "group_size": group, "modules_to_not_convert": None,
+               "quant_method": "awq", "version": "gemm", "zero_point": True}
+    write_variant(name, qconfig, tensors, deq,
+                  "gptqmodel 7.7.0 quantization.awq.utils.packing_utils.dequantize_gemm "
+                  "(f32 scales) of the tensors its pack_awq packed",
+                  config=tiny_config(), dense=dense)
+
+
+# ----------------------------------------------------------------------------------------------
+# Hugging Face FP8 with block scales (`quant_method: fp8`, transformers' finegrained_fp8):
+# weight float8_e4m3fn [out, in], weight_scale_inv f32 [ceil(out/b0), ceil(in/b1)]
+# ----------------------------------------------------------------------------------------------
+FP8_MAX = 448.0
+
+
+def fp8_block_quantize(w, block):
+    """transformers' Fp8Quantize of w [N, K] (per block: inverse scale amax / 448, stored;
+    codes clamp(w * 448 / amax) to e4m3), over ceil-sized blocks so that edge blocks (N or K
+    not a multiple of the block) are quantized too, as DeepSeek's and vLLM's quantizers do."""
+    w = torch.from_numpy(w).float()
+    n, k = w.shape
+    b0, b1 = block
+    rows, cols = -(-n // b0), -(-k // b1)
+    q = torch.empty(n, k, dtype=torch.float8_e4m3fn)
+    inv = torch.empty(rows, cols, dtype=torch.float32)
+    for r in range(rows):
+        for c in range(cols):
+            tile = w[r * b0:(r + 1) * b0, c * b1:(c + 1) * b1]
+            amax = tile.abs().amax()
+            scale = FP8_MAX / amax if amax > 0 else torch.tensor(1.0)
+            inv[r, c] = (1.0 / scale).float()
+            q[r * b0:(r + 1) * b0, c * b1:(c + 1) * b1] = \
+                torch.clamp(tile * scale, -FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return q, inv
+
+
+def fp8_block_spec_dequantize(q, inv, block):
+    """w[r, c] = f32(q[r, c]) * inv[r // b0, c // b1]: the block kernels' reading (vLLM's
+    w8a8_block_fp8_matmul, transformers' Triton and DeepGEMM paths), edge blocks included."""
+    b0, b1 = block
+    s = inv.repeat_interleave(b0, 0).repeat_interleave(b1, 1)[: q.shape[0], : q.shape[1]]
+    return (q.float() * s).numpy()
+
+
+def vllm_group_qdq(x, group=128):
+    """vLLM's per_token_group_quant_fp8 (the dynamic activations of a block-FP8 Linear) then
+    the dequantization its block GEMM applies, in f32: per token and group of 128 inputs,
+    s = max(amax |x|, 1e-10) / 448, q = e4m3(clamp(x / s, ±448)), x' = q * s."""
+    shape = x.shape
+    x = x.float().reshape(-1, shape[-1] // group, group)
+    s = x.abs().amax(-1, keepdim=True).clamp(min=1e-10) / FP8_MAX
+    q = torch.clamp(x / s, -FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).float()
+    return (q * s).reshape(shape)
+
+
+def fp8_hooks(linears):
+    def register(model):
+        for name in linears:
+            model.get_submodule(name).register_forward_pre_hook(
+                lambda _m, args: (vllm_group_qdq(args[0]),))
+    return register
+
+
+def make_fp8_block(name, block=(128, 128)):
+    dense = tiny_dense()
+    lins = linear_names(dense)
+    tensors = base_tensors(dense, set(lins))
+    spec = {}
+    for lin in lins:
+        q, inv = fp8_block_quantize(dense[lin + ".weight"].float().numpy(), block)
+        tensors[f"{lin}.weight"] = q
+        tensors[f"{lin}.weight_scale_inv"] = inv
+        spec[lin] = fp8_block_spec_dequantize(q, inv, block)
+    # As the Qwen3 FP8 releases write it (Qwen/Qwen3-8B-FP8: these keys and values).
+    qconfig = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
+               "weight_block_size": list(block)}
+    write_variant(name, qconfig, tensors, spec, "transformers 5.17 finegrained_fp8 "
+                  "(from_pretrained on the CPU: Fp8Dequantize), equal to the block formula",
+                  config=tiny_config(), dense=dense,
+                  emulated=("vLLM per_token_group_quant_fp8, group 128, then the block GEMM's "
+                            "dequantization (f32)", fp8_hooks(lins)))
+    # The library's reading: transformers loads the fixture (no GPU: dequantize=True).
+    from transformers import AutoModelForCausalLM
+    m = AutoModelForCausalLM.from_pretrained(str(FIXTURES / name), dtype=torch.float32)
+    sd = m.state_dict()
+    for lin in lins:
+        got = sd[lin + ".weight"].float().numpy()
+        assert np.array_equal(got.view(np.uint32), spec[lin].view(np.uint32)), lin
+    print(f"{name}: transformers' dequantization equals the block formula on every Linear")
+
+
+# Edge blocks: shapes that are not multiples of the block, each layer's expected weight by the
+# block formula (`layers.json`: its SHA-256). transformers' CPU path (Fp8Dequantize) derives the
+# block from the scale grid (rows // grid rows), so it refuses [130, 260] (grid [2, 3] does not
+# divide it) and reads [200, 136] (grid [2, 2]) as blocks of 100 x 68: wrong, silently. Only
+# [256, 128] it reads as the kernels do (FORMATS.md).
+FP8_VECTORS = {"edge_200x136": (200, 136), "edge_130x260": (130, 260), "full_256x128": (256, 128)}
+
+
+def make_fp8_vectors(seed):
+    g = torch.Generator().manual_seed(seed)
+    out = FIXTURES / "fp8-block-vectors"
+    out.mkdir(exist_ok=True)
+    tensors, layers = {}, {}
+    for layer, (n, k) in FP8_VECTORS.items():
+        w = (torch.randn(n, k, generator=g) * 0.05).numpy()
+        q, inv = fp8_block_quantize(w, (128, 128))
+        tensors[f"{layer}.weight"] = q
+        tensors[f"{layer}.weight_scale_inv"] = inv
+        deq = fp8_block_spec_dequantize(q, inv, (128, 128))
+        layers[layer] = {"shape": [n, k], **dequant_check({layer: deq})[layer]}
+    save_mixed(tensors, out / "model.safetensors")
+    (out / "layers.json").write_text(json.dumps({"versions": versions(), "block": [128, 128],
+                                                 "layers": layers}, indent=1) + "\n")
+    print(f"fp8-block-vectors: {len(layers)} layers")
+
+
+# ----------------------------------------------------------------------------------------------
 # compressed-tensors formats: quantized by llm-compressor, decompressed by compressed-tensors
 # ----------------------------------------------------------------------------------------------
 CT_VARIANTS = {
@@ -418,6 +648,12 @@ def main():
     for name, scheme in CT_VARIANTS.items():
         if not only or name in only:
             make_ct(name, scheme)
+    if not only or "llama-awq-int4-g64" in only:
+        make_awq("llama-awq-int4-g64")
+    if not only or "llama-fp8-block" in only:
+        make_fp8_block("llama-fp8-block")
+    if not only or "fp8-block-vectors" in only:
+        make_fp8_vectors(500)
 
 
 if __name__ == "__main__":

@@ -71,11 +71,13 @@ fn fixture_dir(variant: &str) -> std::path::PathBuf {
 
 /// The fixtures of the other checkpoint formats (issue 35), whose config mutations are fuzzed
 /// too: their quantization configs are read by other code.
-const OTHER_FORMATS: [&str; 4] = [
+const OTHER_FORMATS: [&str; 6] = [
     "llama-gptq-int4-g128",
     "llama-gptq-v2-int3-actorder-asym",
     "llama-mxfp4a16",
     "llama-w4a16-actorder-g64",
+    "llama-awq-int4-g64",
+    "llama-fp8-block",
 ];
 
 fn options() -> ModelOptions {

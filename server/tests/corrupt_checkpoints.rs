@@ -498,33 +498,25 @@ fn paths_that_are_not_checkpoints_say_what_they_are_and_what_to_do() {
     check_model_dir(&fixtures().join(BASE)).unwrap();
 }
 
-/// AWQ checkpoints are refused naming the format, what is read instead and how to get it; any
-/// other method names itself.
+/// Quantization methods that are not read name themselves, what is read and what to do.
 #[test]
 fn other_quantization_methods_say_what_to_do() {
     use exactscore_server::quant::QuantizationConfig;
-    for (method, needles) in [
-        (
-            "awq",
-            &[
-                "AWQ checkpoint",
-                "AWQModifier",
-                "llm-compressor",
-                "compressed-tensors",
-            ][..],
-        ),
-        (
-            "bitsandbytes",
-            &["\"bitsandbytes\" is not supported", "llm-compressor"][..],
-        ),
-    ] {
+    for method in ["bitsandbytes", "hqq"] {
         let raw = serde_json::json!({"quant_method": method, "bits": 4});
         let err = QuantizationConfig::parse(&raw)
             .err()
             .expect("refused")
             .to_string();
-        assert_mentions(&err, needles);
-        assert_mentions(&err, &["quantization_config.quant_method"]);
+        assert_mentions(
+            &err,
+            &[
+                &format!("\"{method}\" is not supported"),
+                "llm-compressor",
+                "compressed-tensors",
+                "quantization_config.quant_method",
+            ],
+        );
     }
 }
 
@@ -547,6 +539,8 @@ const GPTQ3: &str = "llama-gptq-v2-int3-actorder-asym";
 const MXFP4: &str = "llama-mxfp4a16";
 const CT_ACT: &str = "llama-w4a16-actorder-g64";
 const Q_PROJ: &str = "model.layers.0.self_attn.q_proj";
+const AWQ: &str = "llama-awq-int4-g64";
+const FP8: &str = "llama-fp8-block";
 
 fn malformed_checkpoints() -> Vec<Malformed> {
     use serde_json::json;
@@ -778,6 +772,215 @@ fn malformed_checkpoints() -> Vec<Malformed> {
             },
             &["quantization field `config_groups.group_0.input_activations`"],
         ),
+        (
+            AWQ,
+            "bits other than 4",
+            |_| {},
+            |c| c["quantization_config"]["bits"] = json!(8),
+            &["config field `quantization_config.bits`", "8"],
+        ),
+        (
+            AWQ,
+            "group size the shapes do not match",
+            |_| {},
+            |c| c["quantization_config"]["group_size"] = json!(128),
+            &[
+                "tensor `model.layers.0.self_attn.q_proj.qzeros`",
+                "[2, 16]",
+                "[1, 16]",
+            ],
+        ),
+        (
+            AWQ,
+            "group size that does not divide",
+            |_| {},
+            |c| c["quantization_config"]["group_size"] = json!(96),
+            &[
+                "layer `model.layers.0.self_attn.q_proj`",
+                "group_size",
+                "96",
+            ],
+        ),
+        (
+            AWQ,
+            "the GEMV layout",
+            |_| {},
+            |c| c["quantization_config"]["version"] = json!("gemv"),
+            &["config field `quantization_config.version`", "gemv"],
+        ),
+        (
+            AWQ,
+            "the Marlin layout",
+            |_| {},
+            |c| c["quantization_config"]["version"] = json!("marlin"),
+            &["config field `quantization_config.version`", "marlin"],
+        ),
+        (
+            AWQ,
+            "an unknown layout",
+            |_| {},
+            |c| c["quantization_config"]["format"] = json!("gemm_v3"),
+            &["config field `quantization_config.format`", "gemm_v3"],
+        ),
+        (
+            AWQ,
+            "no zero points",
+            |_| {},
+            |c| c["quantization_config"]["zero_point"] = json!(false),
+            &["config field `quantization_config.zero_point`"],
+        ),
+        (
+            AWQ,
+            "act-order",
+            |_| {},
+            |c| c["quantization_config"]["desc_act"] = json!(true),
+            &["config field `quantization_config.desc_act`"],
+        ),
+        (
+            AWQ,
+            "qweight of GPTQ's shape",
+            |t| {
+                t.get_mut("model.layers.1.mlp.down_proj.qweight").unwrap().1 = vec![32, 128];
+            },
+            |_| {},
+            &[
+                "tensor `model.layers.1.mlp.down_proj.qweight`",
+                "[32, 128]",
+                "[256, 16]",
+            ],
+        ),
+        (
+            AWQ,
+            "scales missing",
+            |t| drop(t.remove("model.layers.0.mlp.gate_proj.scales")),
+            |_| {},
+            &["tensor `model.layers.0.mlp.gate_proj.scales` is missing"],
+        ),
+        (
+            AWQ,
+            "a quantized module listed as not converted",
+            |_| {},
+            |c| c["quantization_config"]["modules_to_not_convert"] = json!(["k_proj"]),
+            &["tensor `model.layers.0.self_attn.k_proj.weight` is missing"],
+        ),
+        (
+            AWQ,
+            "a g_idx beside the AWQ tensors",
+            |t| {
+                t.insert(
+                    format!("{Q_PROJ}.g_idx"),
+                    (Dtype::I32, vec![128], vec![0; 512]),
+                );
+            },
+            |_| {},
+            &[
+                "tensor `model.layers.0.self_attn.q_proj.g_idx`",
+                "unexpected",
+            ],
+        ),
+        (
+            FP8,
+            "blocks the scales do not match",
+            |_| {},
+            |c| c["quantization_config"]["weight_block_size"] = json!([64, 64]),
+            &[
+                "tensor `model.layers.0.self_attn.q_proj.weight_scale_inv`",
+                "[1, 1]",
+                "[2, 2]",
+            ],
+        ),
+        (
+            FP8,
+            "a block size that is not two dimensions",
+            |_| {},
+            |c| c["quantization_config"]["weight_block_size"] = json!([128]),
+            &["config field `quantization_config.weight_block_size`"],
+        ),
+        (
+            FP8,
+            "per-tensor scales (dynamic activations per batch)",
+            |_| {},
+            |c| c["quantization_config"]["weight_block_size"] = json!(null),
+            &[
+                "config field `quantization_config.weight_block_size`",
+                "per batch",
+            ],
+        ),
+        (
+            FP8,
+            "scales transposed",
+            |t| {
+                t.get_mut("model.layers.1.mlp.up_proj.weight_scale_inv")
+                    .unwrap()
+                    .1 = vec![1, 2];
+            },
+            |_| {},
+            &[
+                "tensor `model.layers.1.mlp.up_proj.weight_scale_inv`",
+                "[1, 2]",
+                "[2, 1]",
+            ],
+        ),
+        (
+            FP8,
+            "static activation scales",
+            |_| {},
+            |c| c["quantization_config"]["activation_scheme"] = json!("static"),
+            &[
+                "config field `quantization_config.activation_scheme`",
+                "static",
+            ],
+        ),
+        (
+            FP8,
+            "power-of-two scales",
+            |_| {},
+            |c| c["quantization_config"]["scale_fmt"] = json!("ue8m0"),
+            &["config field `quantization_config.scale_fmt`", "ue8m0"],
+        ),
+        (
+            FP8,
+            "e5m2 weights",
+            |_| {},
+            |c| c["quantization_config"]["fmt"] = json!("e5m2"),
+            &["config field `quantization_config.fmt`", "e5m2"],
+        ),
+        (
+            FP8,
+            "FP8 embeddings",
+            |_| {},
+            |c| c["quantization_config"]["modules_to_convert"] = json!(["embed_tokens"]),
+            &["config field `quantization_config.modules_to_convert`"],
+        ),
+        (
+            FP8,
+            "weights stored as int8",
+            |t| {
+                t.get_mut("model.layers.0.self_attn.q_proj.weight")
+                    .unwrap()
+                    .0 = Dtype::I8
+            },
+            |_| {},
+            &[
+                "tensor `model.layers.0.self_attn.q_proj.weight`",
+                "I8",
+                "F8_E4M3",
+            ],
+        ),
+        (
+            FP8,
+            "an FP8 weight without its scales",
+            |t| drop(t.remove("model.layers.0.mlp.down_proj.weight_scale_inv")),
+            |_| {},
+            &["tensor `model.layers.0.mlp.down_proj.weight`", "F8_E4M3"],
+        ),
+        (
+            FP8,
+            "an FP8 module listed as not converted",
+            |_| {},
+            |c| c["quantization_config"]["modules_to_not_convert"] = json!(["lm_head", "o_proj"]),
+            &["tensor `model.layers.0.self_attn.o_proj.weight`", "F8_E4M3"],
+        ),
     ]
 }
 
@@ -797,7 +1000,7 @@ fn malformed_checkpoints_of_other_formats_are_named_at_load() {
 
 #[test]
 fn unmodified_copies_of_other_formats_load() {
-    for variant in [GPTQ4, GPTQ3, MXFP4, CT_ACT] {
+    for variant in [GPTQ4, GPTQ3, MXFP4, CT_ACT, AWQ, FP8] {
         let dir = edited_copy(variant, 2, |_| {}, |_| {});
         Model::load(
             dir.path(),

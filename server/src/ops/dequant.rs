@@ -69,12 +69,17 @@ pub enum ActivationQdq {
     Fp8PerToken,
     /// fp8 e4m3, one static scale (`input_scale`).
     Fp8Static { scale: f32 },
+    /// fp8 e4m3, one dynamic scale per token and `group` inputs, as vLLM's
+    /// `per_token_group_quant_fp8` computes it for block-FP8 Linears.
+    Fp8PerTokenGroup { group: usize },
     /// NVFP4: fp4 e2m1 per 16 values, fp8 group scales against a static global scale.
     Nvfp4 { global_scale: f32 },
 }
 
 /// Smallest scale compressed-tensors allows (f32 epsilon).
 const MIN_SCALE: f32 = f32::EPSILON;
+/// vLLM's floor of a token group's absmax (`per_token_group_quant_fp8`'s `eps`).
+const VLLM_GROUP_EPS: f32 = 1e-10;
 /// Replacement for an NVFP4 group scale that rounds to zero.
 const NVFP4_ZERO_SCALE: f32 = 0.125;
 
@@ -83,6 +88,7 @@ impl ActivationQdq {
         match self {
             Self::Fp8PerToken => "fp8 e4m3 per-token dynamic",
             Self::Fp8Static { .. } => "fp8 e4m3 per-tensor static",
+            Self::Fp8PerTokenGroup { .. } => "fp8 e4m3 per-token-group dynamic",
             Self::Nvfp4 { .. } => "nvfp4 g16",
         }
     }
@@ -104,6 +110,11 @@ impl ActivationQdq {
                 qdq_fp8(row, scale);
             }
             Self::Fp8Static { scale } => qdq_fp8(row, scale),
+            Self::Fp8PerTokenGroup { group } => {
+                for part in row.chunks_mut(group) {
+                    qdq_fp8(part, absmax(part).max(VLLM_GROUP_EPS) / FP8_E4M3_MAX);
+                }
+            }
             Self::Nvfp4 { global_scale } => {
                 for group in row.chunks_mut(16) {
                     qdq_nvfp4_group(group, global_scale);
@@ -146,11 +157,13 @@ fn qdq_nvfp4_group(group: &mut [f32], global_scale: f32) {
 /// one kernel on a GPU; row by row on the CPU ([`ActivationQdq::qdq_row`]).
 pub fn activation_qdq(x: &Tensor, qdq: &ActivationQdq) -> Result<Tensor> {
     if x.device().is_cuda() {
-        return match *qdq {
-            ActivationQdq::Fp8PerToken => gpu::qdq_fp8(x, None),
-            ActivationQdq::Fp8Static { scale } => gpu::qdq_fp8(x, Some(scale)),
-            ActivationQdq::Nvfp4 { global_scale } => gpu::qdq_nvfp4(x, global_scale),
-        };
+        match *qdq {
+            ActivationQdq::Fp8PerToken => return gpu::qdq_fp8(x, None),
+            ActivationQdq::Fp8Static { scale } => return gpu::qdq_fp8(x, Some(scale)),
+            ActivationQdq::Nvfp4 { global_scale } => return gpu::qdq_nvfp4(x, global_scale),
+            // No kernel yet: the rows go through the host (below) and back.
+            ActivationQdq::Fp8PerTokenGroup { .. } => {}
+        }
     }
     let (rows, k) = x.dims2()?;
     let mut values = x.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;

@@ -36,6 +36,10 @@ impl ActivationQdq {
     ) -> std::result::Result<Self, LoadError> {
         Ok(match (args.kind, args.num_bits, args.strategy) {
             (QuantType::Float, 8, Strategy::Token) => Self::Fp8PerToken,
+            // Hugging Face FP8's dynamic activations (`super::hf_fp8`).
+            (QuantType::Float, 8, Strategy::Group) => Self::Fp8PerTokenGroup {
+                group: args.group_size.expect("set by hf_fp8::parse_config"),
+            },
             (QuantType::Float, 8, Strategy::Tensor) => Self::Fp8Static {
                 scale: load_scalar(ckpt, &format!("{name}.input_scale"))?,
             },

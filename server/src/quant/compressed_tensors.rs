@@ -27,6 +27,10 @@ pub enum Format {
     Gptq,
     /// Native GPTQ with zero points stored as they are (`checkpoint_format: gptq_v2`).
     GptqV2,
+    /// Native AWQ (`quant_method: awq`, `version: gemm`).
+    Awq,
+    /// Hugging Face FP8 (`quant_method: fp8`): e4m3 weights, `weight_scale_inv` per block.
+    HfFp8,
 }
 
 impl Format {
@@ -58,6 +62,8 @@ impl Format {
             Self::FloatQuantized => "float-quantized",
             Self::Gptq => "gptq",
             Self::GptqV2 => "gptq_v2",
+            Self::Awq => "awq",
+            Self::HfFp8 => "fp8",
         }
     }
 }
@@ -306,33 +312,35 @@ fn is_empty(v: &Value) -> bool {
     }
 }
 
+/// transformers' `should_convert_module` match of a `modules_to_not_convert` entry `key`
+/// (`re.match(key, name) or name.endswith(key)`), for the config field `field`.
+pub(crate) fn skip_pattern(key: &str, field: &str) -> Result<Regex, LoadError> {
+    Regex::new(&format!("^(?:{key})|{}$", regex::escape(key)))
+        .map_err(|e| LoadError::config(field, format!("bad pattern `{key}`: {e}")))
+}
+
 /// Why a checkpoint quantized by `method` is refused, and what to do instead.
 fn unsupported_method(method: Option<&str>) -> String {
     const READS: &str = "ExactScore reads compressed-tensors checkpoints (quant_method \
-                         \"compressed-tensors\": what llm-compressor writes and vLLM serves)";
-    let modifier = match method {
-        Some("awq") => Some(("an AWQ checkpoint", "AWQModifier")),
-        _ => None,
-    };
-    match (method, modifier) {
-        (Some(m), Some((what, modifier))) => format!(
-            "\"{m}\" is {what}, which ExactScore does not read yet. {READS}: quantize the \
-             original with llm-compressor ({modifier}, the same scheme) to score that, or \
-             score the unquantized original"
-        ),
-        (Some(m), None) => format!(
+                         \"compressed-tensors\": what llm-compressor writes and vLLM serves), \
+                         native GPTQ (\"gptq\"), AWQ (\"awq\") and FP8 (\"fp8\")";
+    match method {
+        Some(m) => format!(
             "\"{m}\" is not supported. {READS}: quantize the original with llm-compressor, \
              or score the unquantized original"
         ),
-        (None, _) => format!("missing. {READS}"),
+        None => format!("missing. {READS}"),
     }
 }
 
 impl QuantizationConfig {
     pub fn parse(raw: &Value) -> Result<Self, LoadError> {
         const ROOT: &str = "quantization_config";
-        if raw.get("quant_method").and_then(Value::as_str) == Some("gptq") {
-            return Self::gptq(raw);
+        match raw.get("quant_method").and_then(Value::as_str) {
+            Some("gptq") => return Self::gptq(raw),
+            Some("awq") => return Self::awq(raw),
+            Some("fp8") => return Self::hf_fp8(raw),
+            _ => {}
         }
         let cfg: RawConfig = serde_json::from_value(raw.clone())
             .map_err(|e| LoadError::config(ROOT, e.to_string()))?;
@@ -472,6 +480,35 @@ impl QuantizationConfig {
         })
     }
 
+    /// An AWQ config as one group: every Linear but `modules_to_not_convert` and `lm_head`.
+    /// Which of them a checkpoint actually quantized, its `qweight` tensors say, as for GPTQ.
+    fn awq(raw: &Value) -> Result<Self, LoadError> {
+        let cfg = super::awq::parse_config(raw)?;
+        Ok(Self {
+            groups: vec![Group {
+                name: cfg.scheme.group.clone(),
+                targets: vec![Target::Class("Linear".into())],
+                scheme: cfg.scheme,
+            }],
+            ignore: cfg.not_converted.into_iter().map(Target::Regex).collect(),
+        })
+    }
+
+    /// An FP8 config as one group: every Linear but `modules_to_not_convert`. Which of them a
+    /// checkpoint quantized, their `weight_scale_inv` tensors say (transformers dequantizes
+    /// exactly the weights that have one).
+    fn hf_fp8(raw: &Value) -> Result<Self, LoadError> {
+        let cfg = super::hf_fp8::parse_config(raw)?;
+        Ok(Self {
+            groups: vec![Group {
+                name: cfg.scheme.group.clone(),
+                targets: vec![Target::Class("Linear".into())],
+                scheme: cfg.scheme,
+            }],
+            ignore: cfg.not_converted.into_iter().map(Target::Regex).collect(),
+        })
+    }
+
     /// The scheme of the module `name` of class `class` (`Linear`, `Embedding`), or `None`
     /// when it is not quantized.
     pub fn scheme_for(&self, name: &str, class: &str) -> Result<Option<&LayerScheme>, LoadError> {
@@ -573,8 +610,8 @@ fn check_scheme(s: &LayerScheme) -> Result<(), LoadError> {
                 ));
             }
         }
-        // Checked where the GPTQ config is parsed (`super::gptq`).
-        Format::Gptq | Format::GptqV2 => {}
+        // Checked where the GPTQ and AWQ configs are parsed (`super::gptq`, `super::awq`).
+        Format::Gptq | Format::GptqV2 | Format::Awq | Format::HfFp8 => {}
         Format::FloatQuantized => {
             if w.kind != QuantType::Float || w.num_bits != 8 || !w.symmetric {
                 return Err(bad(
@@ -604,7 +641,7 @@ fn check_scheme(s: &LayerScheme) -> Result<(), LoadError> {
     }
     let integer = matches!(
         s.format,
-        Format::PackQuantized | Format::IntQuantized | Format::Gptq | Format::GptqV2
+        Format::PackQuantized | Format::IntQuantized | Format::Gptq | Format::GptqV2 | Format::Awq
     );
     if w.actorder && !(integer && w.strategy == Strategy::Group) {
         return Err(bad(
@@ -615,6 +652,9 @@ fn check_scheme(s: &LayerScheme) -> Result<(), LoadError> {
                 w.strategy
             ),
         ));
+    }
+    if s.format == Format::HfFp8 {
+        return Ok(());
     }
     if w.dynamic {
         return Err(bad(

@@ -1,14 +1,24 @@
-//! `float-quantized`: fp8 e4m3 weights with a per-tensor, per-channel or per-block scale.
+//! `float-quantized`: fp8 e4m3 weights with a per-tensor, per-channel or per-block scale; also
+//! Hugging Face FP8 (`super::hf_fp8`), whose block scales are called `weight_scale_inv`.
 //! `w[r, c] = f32(fp8(weight[r, c])) * f32(scale[..])`, exact in f32.
 
 use candle_core::{DType, Device, Result, Tensor};
 use safetensors::Dtype as StDtype;
 
-use super::compressed_tensors::{LayerScheme, Strategy};
+use super::compressed_tensors::{Format, LayerScheme, Strategy};
 use super::minifloat::fp8_e4m3_to_f32;
 use super::{to_f32_vec, QuantizedWeight, SCALE_DTYPES};
 use crate::checkpoint::{Checkpoint, LoadError};
 use crate::ops::Packed;
+
+/// Name of the tensor that holds the scales in `format`.
+pub fn scale_tensor(format: Format) -> &'static str {
+    if format == Format::HfFp8 {
+        super::hf_fp8::SCALE
+    } else {
+        "weight_scale"
+    }
+}
 
 pub struct Fp8Weight {
     out: usize,
@@ -19,6 +29,8 @@ pub struct Fp8Weight {
     /// Rows and columns covered by one scale.
     block: (usize, usize),
     stored_bits: f64,
+    format: Format,
+    strategy: Strategy,
 }
 
 impl Fp8Weight {
@@ -43,7 +55,7 @@ impl Fp8Weight {
                 (br, bc)
             }
         };
-        let scale_name = format!("{name}.weight_scale");
+        let scale_name = format!("{name}.{}", scale_tensor(scheme.format));
         let expected = [out.div_ceil(block.0), inp.div_ceil(block.1)];
         let scale = ckpt.tensor(&scale_name, SCALE_DTYPES, None, &Device::Cpu)?;
         let scale_bits = (scale.dtype().size_in_bytes() * 8) as f64;
@@ -66,6 +78,8 @@ impl Fp8Weight {
                 .to_device(device)?,
             block,
             stored_bits: 8.0 + scale_bits / (block.0 * block.1) as f64,
+            format: scheme.format,
+            strategy: scheme.weights.strategy,
         })
     }
 }
@@ -76,12 +90,17 @@ impl QuantizedWeight for Fp8Weight {
     }
 
     fn describe(&self) -> String {
-        let how = match self.block {
-            (r, c) if r == self.out && c == self.inp => "tensor".to_string(),
-            (1, _) => "channel".to_string(),
-            (r, c) => format!("block {r}x{c}"),
+        // By strategy: a 128x128 block of a [128, 128] weight is still a block.
+        let how = match (self.strategy, self.block) {
+            (Strategy::Tensor, _) => "tensor".to_string(),
+            (Strategy::Channel, _) => "channel".to_string(),
+            (_, (r, c)) => format!("block {r}x{c}"),
         };
-        format!("float-quantized fp8 e4m3 {how}")
+        let source = match self.format {
+            Format::HfFp8 => "hf",
+            _ => "float-quantized",
+        };
+        format!("{source} fp8 e4m3 {how}")
     }
 
     fn bits_per_weight(&self) -> f64 {

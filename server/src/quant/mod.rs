@@ -2,10 +2,12 @@
 //! code holds a [`QuantLinear`] and never asks what is inside.
 
 pub mod act_qdq;
+pub mod awq;
 pub mod compressed_tensors;
 pub mod dense;
 pub mod float_quantized;
 pub mod gptq;
+pub mod hf_fp8;
 pub mod mxfp4;
 pub mod nvfp4;
 pub mod pack_quantized;
@@ -354,11 +356,14 @@ pub fn load_linear(
     opts: &LinearOptions,
 ) -> std::result::Result<QuantLinear, LoadError> {
     let dev = &opts.device;
-    // A GPTQ config does not list the Linears it quantized: its `qweight`s do.
-    let scheme = scheme.filter(|s| {
-        !matches!(s.format, Format::Gptq | Format::GptqV2)
-            || ckpt.contains(&format!("{name}.qweight"))
-            || !ckpt.contains(&format!("{name}.weight"))
+    // A GPTQ, AWQ or FP8 config does not list the Linears it quantized: their `qweight`s
+    // (`weight_scale_inv`s) do.
+    let scheme = scheme.filter(|s| match s.format {
+        Format::Gptq | Format::GptqV2 | Format::Awq => {
+            ckpt.contains(&format!("{name}.qweight")) || !ckpt.contains(&format!("{name}.weight"))
+        }
+        Format::HfFp8 => ckpt.contains(&format!("{name}.{}", hf_fp8::SCALE)),
+        _ => true,
     });
     let (weight, mut used): (Box<dyn QuantizedWeight>, Vec<&str>) = match scheme {
         None => (
@@ -390,6 +395,10 @@ pub fn load_linear(
                 Box::new(gptq::load(ckpt, name, (out, inp), s, dev)?),
                 gptq::TENSORS.to_vec(),
             ),
+            Format::Awq => (
+                Box::new(awq::load(ckpt, name, (out, inp), s, dev)?),
+                awq::TENSORS.to_vec(),
+            ),
             Format::Nvfp4PackQuantized => (
                 Box::new(nvfp4::Nvfp4Weight::load(ckpt, name, (out, inp), dev)?),
                 vec!["weight_packed", "weight_scale", "weight_global_scale"],
@@ -398,7 +407,7 @@ pub fn load_linear(
                 Box::new(mxfp4::Mxfp4Weight::load(ckpt, name, (out, inp), dev)?),
                 vec!["weight_packed", "weight_scale"],
             ),
-            Format::FloatQuantized => (
+            Format::FloatQuantized | Format::HfFp8 => (
                 Box::new(float_quantized::Fp8Weight::load(
                     ckpt,
                     name,
@@ -406,7 +415,7 @@ pub fn load_linear(
                     s,
                     dev,
                 )?),
-                vec!["weight", "weight_scale"],
+                vec!["weight", float_quantized::scale_tensor(s.format)],
             ),
         },
     };

@@ -526,6 +526,8 @@ const CHECKED: &[&str] = &[
     "llama-gptq-v2-int3-actorder-asym",
     "llama-w4a16-actorder-g64",
     "llama-mxfp4a16",
+    // native AWQ (held as pack-quantized int4 with zero points)
+    "llama-awq-int4-g64",
     "qwen3moe-w4a16-g32",
     "qwen3moe-fp8-dynamic",
     "qwen3moe-nvfp4",
