@@ -1,4 +1,4 @@
-//! Qwen3-MoE, Mixtral, Gemma 3, Gemma 2, Mistral 3, Qwen3.5, Qwen3.5-MoE, Qwen3-Next, DeepSeek-V3,
+//! Qwen3-MoE, Mixtral, Gemma 3, Gemma 2, Gemma 4, Mistral 3, Qwen3.5, Qwen3.5-MoE, Qwen3-Next, DeepSeek-V3,
 //! GLM-4.5 and GLM-4.7-Flash fixtures
 //! scored in f32 on the CPU against the references of scripts/make_arch_fixtures.py
 //! (transformers, float32, per-expert Linears) and scripts/make_mistral3_fixture.py.
@@ -137,6 +137,21 @@ fn gemma2_dense_matches_reference_per_token() {
 #[test]
 fn gemma2_w4a16_matches_reference_per_token() {
     assert_exact("gemma2-w4a16-g32", Emulate, "sequences");
+}
+
+#[test]
+fn gemma4_w4a16_matches_reference_per_token() {
+    assert_exact("gemma4-w4a16-g32", Emulate, "sequences");
+}
+
+#[test]
+fn gemma4_nvfp4a16_matches_reference_per_token() {
+    assert_exact("gemma4-nvfp4a16", Emulate, "sequences");
+}
+
+#[test]
+fn gemma4_moe_w4a16_matches_reference_per_token() {
+    assert_exact("gemma4_moe-w4a16-g32", Emulate, "sequences");
 }
 
 #[test]
