@@ -492,3 +492,126 @@ fn gemma4_text(
         pad_token_id,
     })
 }
+
+#[cfg(test)]
+mod tests {
+    use super::{Gemma4Layer, KeySource};
+    use crate::model::config::{Architecture, ModelConfig, RopeScaling};
+    use serde_json::{json, Value};
+
+    /// A Google-style text config (no `per_layer_config`): 6 layers, the last 2 KV-shared.
+    fn text() -> Value {
+        json!({"architectures": ["Gemma4ForCausalLM"], "vocab_size": 64, "hidden_size": 16,
+            "intermediate_size": 32, "num_hidden_layers": 6, "num_attention_heads": 4,
+            "num_key_value_heads": 2, "head_dim": 8, "global_head_dim": 16,
+            "num_global_key_value_heads": 1, "attention_k_eq_v": true,
+            "hidden_size_per_layer_input": 4, "vocab_size_per_layer_input": 64,
+            "num_kv_shared_layers": 2, "use_double_wide_mlp": true, "sliding_window": 8,
+            "layer_types": ["sliding_attention", "sliding_attention", "full_attention",
+                            "sliding_attention", "sliding_attention", "sliding_attention"]})
+    }
+
+    fn read(v: &Value) -> Result<ModelConfig, String> {
+        ModelConfig::from_json(&v.to_string()).map_err(|e| e.to_string())
+    }
+
+    #[test]
+    fn google_style_config_reads_heads_sharing_and_the_stream() {
+        let c = read(&text()).unwrap();
+        assert_eq!(c.architecture, Architecture::Gemma4);
+        let g = c.gemma4.as_ref().unwrap();
+        let layer = |sliding, head_dim, kv, keys_as_values, keys, wide: usize| Gemma4Layer {
+            sliding,
+            head_dim,
+            num_kv_heads: kv,
+            keys_as_values,
+            keys,
+            intermediate_size: 32 * wide,
+        };
+        let own = |at| KeySource::Own { stored_at: at };
+        // the last layer is forced full; layer 2 is the last unshared full layer, layer 3 the
+        // last unshared sliding one: both store, after the residual (16) and PLE (6 * 4)
+        let (full_at, sliding_at) = (16 + 24, 16 + 24 + 2 * 16);
+        assert_eq!(
+            g.layers,
+            vec![
+                layer(true, 8, 2, false, own(None), 1),
+                layer(true, 8, 2, false, own(None), 1),
+                layer(false, 16, 1, true, own(Some(full_at)), 1),
+                layer(true, 8, 2, false, own(Some(sliding_at)), 1),
+                layer(true, 8, 2, false, KeySource::Shared { at: sliding_at }, 2),
+                layer(false, 16, 1, true, KeySource::Shared { at: full_at }, 2),
+            ]
+        );
+        assert_eq!(g.stream_width, sliding_at + 2 * 16);
+        assert_eq!(c.rope_table_dims(), (16, 8));
+        assert_eq!(
+            c.rope.scaling,
+            RopeScaling::Proportional {
+                factor: 1.0,
+                partial_rotary_factor: 0.25
+            }
+        );
+        assert_eq!(c.rope.rotated_pairs(16), 2);
+        let inv = c.rope.inv_freq(16);
+        assert_eq!(&inv[2..], &[0.0; 6]);
+        assert_eq!(inv[1], 1.0 / 1e6f32.powf(2.0 / 16.0));
+    }
+
+    #[test]
+    fn unimplemented_values_are_refused_by_name() {
+        let refused = |edit: &dyn Fn(&mut Value), field: &str| {
+            let mut v = text();
+            edit(&mut v);
+            let err = read(&v).unwrap_err();
+            assert!(err.contains(field), "{field}: {err}");
+        };
+        refused(
+            &|v| v["use_bidirectional_attention"] = "all".into(),
+            "use_bidirectional_attention",
+        );
+        refused(
+            &|v| v["vocab_size_per_layer_input"] = 32.into(),
+            "vocab_size_per_layer_input",
+        );
+        refused(
+            &|v| v["per_layer_config"] = json!({"2": {"sliding_window": 4}}),
+            "per_layer_config.2.sliding_window",
+        );
+        refused(
+            &|v| v["per_layer_config"] = json!({"0": {"head_dim": 4}}),
+            "per_layer_config",
+        );
+        // the shared layers 4-5 include a full one; with layer 2 sliding no full layer precedes
+        refused(
+            &|v| v["layer_types"][2] = "sliding_attention".into(),
+            "num_kv_shared_layers",
+        );
+        refused(
+            &|v| v["num_kv_shared_layers"] = 6.into(),
+            "num_kv_shared_layers",
+        );
+        refused(
+            &|v| v["attn_logit_softcapping"] = 50.0.into(),
+            "attn_logit_softcapping",
+        );
+        refused(
+            &|v| {
+                v["rope_parameters"] =
+                    json!({"full_attention": {"rope_type": "default", "rope_theta": 1e6}})
+            },
+            "rope_parameters.sliding_attention",
+        );
+        refused(
+            &|v| {
+                v["enable_moe_block"] = true.into();
+                v["num_experts"] = 4.into();
+            },
+            "top_k_experts",
+        );
+        // "vision" only changes image tokens' masks
+        let mut v = text();
+        v["use_bidirectional_attention"] = "vision".into();
+        assert!(read(&v).is_ok());
+    }
+}
