@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
-"""Builds the Qwen3-MoE, Mixtral, Gemma 3, Gemma 2, Qwen3.5, Qwen3.5-MoE, Qwen3-Next, DeepSeek-V3,
-GLM-4.5 and GLM-4.7-Flash test fixtures under tests/fixtures/.
+"""Builds the Qwen3-MoE, Mixtral, Gemma 3, Gemma 2, Gemma 4, Qwen3.5, Qwen3.5-MoE, Qwen3-Next,
+DeepSeek-V3, GLM-4.5 and GLM-4.7-Flash test fixtures under tests/fixtures/.
 
 Tiny seeded random-weight checkpoints, quantized with llm-compressor (round-to-nearest, as the
 Llama fixtures are), plus float32 reference log-probs from transformers. The conventions are the
@@ -35,6 +35,11 @@ What differs from a plain `from_pretrained` reference, and why:
     within 1e-6 of flipping). Their configs set `num_mtp_layers=0`: llm-compressor would look
     for MTP tensors in a source checkpoint these in-memory models do not have. Run one variant
     at a time (each run rewrites arch_summary.json).
+  * Gemma 4 (docs/architectures/gemma4.md): every Linear but lm_head, the router's projection and
+    per_layer_projection (GEMMA4_IGNORE); norms drawn as plain multipliers (x * w), q/k norms
+    small (unscaled scores), layer_scalar and the router's scales drawn at random; `mutations`
+    for per-layer inputs, KV sharing, layer_scalar, the value norm, the score scale,
+    proportional RoPE, the final soft-cap, the norm convention and the router.
 
 Every reference is built the same way: the architecture from config.json in float32 (experts
 linearized), every tensor from model.safetensors (quantized Linears dequantized), activation
