@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
-"""Builds the Qwen3-MoE, Mixtral, Gemma 3, Gemma 2, Qwen3.5, Qwen3.5-MoE, Qwen3-Next, DeepSeek-V3,
-GLM-4.5 and GLM-4.7-Flash test fixtures under tests/fixtures/.
+"""Builds the Qwen3-MoE, Mixtral, Gemma 3, Gemma 2, Gemma 4, Qwen3.5, Qwen3.5-MoE, Qwen3-Next,
+DeepSeek-V3, GLM-4.5 and GLM-4.7-Flash test fixtures under tests/fixtures/.
 
 Tiny seeded random-weight checkpoints, quantized with llm-compressor (round-to-nearest, as the
 Llama fixtures are), plus float32 reference log-probs from transformers. The conventions are the
@@ -35,6 +35,11 @@ What differs from a plain `from_pretrained` reference, and why:
     within 1e-6 of flipping). Their configs set `num_mtp_layers=0`: llm-compressor would look
     for MTP tensors in a source checkpoint these in-memory models do not have. Run one variant
     at a time (each run rewrites arch_summary.json).
+  * Gemma 4 (docs/architectures/gemma4.md): every Linear but lm_head, the router's projection and
+    per_layer_projection (GEMMA4_IGNORE); norms drawn as plain multipliers (x * w), q/k norms
+    small (unscaled scores), layer_scalar and the router's scales drawn at random; `mutations`
+    for per-layer inputs, KV sharing, layer_scalar, the value norm, the score scale,
+    proportional RoPE, the final soft-cap, the norm convention and the router.
 
 Every reference is built the same way: the architecture from config.json in float32 (experts
 linearized), every tensor from model.safetensors (quantized Linears dequantized), activation
@@ -52,6 +57,7 @@ import gc
 import hashlib
 import json
 import os
+import re
 import shutil
 import sys
 import tempfile
@@ -351,6 +357,69 @@ ARCHS.update({
     ),
 })
 
+# Gemma 4 (docs/architectures/gemma4.md): the dense text model with every mechanism its config
+# has, in five layers: sliding (head_dim 32, RoPE 10k) and full layers (global_head_dim 64, one
+# kv head, keys as values, proportional RoPE over a quarter of the pairs), the last two sharing
+# the keys/values of the last unshared layer of their type (num_kv_shared_layers) with
+# double-wide MLPs, per-layer input embeddings (8 per layer), final soft-capping. The MoE text
+# model (26B-A4B's shape): a router with its own norm and scales beside the dense MLP, no
+# per-layer inputs. Hidden 64 and a PLE of 8 keep each checkpoint well under 1 MB.
+GEMMA4_COMMON = dict(
+    hidden_size=64,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=32,
+    global_head_dim=64,
+    num_global_key_value_heads=1,
+    attention_k_eq_v=True,
+    max_position_embeddings=4096,
+    sliding_window=32,
+    rms_norm_eps=1e-6,
+    hidden_activation="gelu_pytorch_tanh",
+    tie_word_embeddings=True,
+    final_logit_softcapping=10.0,  # the real models' 30 barely touches a tiny model's logits
+    rope_parameters={
+        "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+        "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25,
+                           "rope_theta": 1000000.0},
+    },
+)
+ARCHS.update({
+    "gemma4": dict(
+        config="Gemma4TextConfig",
+        model="Gemma4ForCausalLM",
+        seed=2411,
+        kw=dict(
+            GEMMA4_COMMON,
+            num_hidden_layers=5,
+            intermediate_size=128,
+            layer_types=["sliding_attention", "full_attention", "sliding_attention",
+                         "sliding_attention", "full_attention"],
+            num_kv_shared_layers=2,
+            use_double_wide_mlp=True,
+            hidden_size_per_layer_input=8,
+            vocab_size_per_layer_input=2000,
+        ),
+    ),
+    "gemma4_moe": dict(
+        config="Gemma4TextConfig",
+        model="Gemma4ForCausalLM",
+        seed=2412,
+        kw=dict(
+            GEMMA4_COMMON,
+            num_hidden_layers=3,
+            intermediate_size=128,
+            layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+            hidden_size_per_layer_input=0,
+            enable_moe_block=True,
+            num_experts=8,
+            top_k_experts=2,
+            moe_intermediate_size=32,
+        ),
+        experts=("gate_proj", "up_proj", "down_proj"),
+    ),
+})
+
 INIT_STD = {
     "embed": 0.5,
     "tied_embed": 0.12,  # tied: the embedding doubles as lm_head
@@ -379,6 +448,12 @@ INIT_STD = {
     "q_b_proj": 0.1,
     "kv_a_proj_with_mqa": 0.08,
     "kv_b_proj": 0.1,
+    # Gemma 4: the router's projection (wide enough that few tokens near-tie) and the per-layer
+    # input gate / projections
+    "proj": 1.0,
+    "per_layer_input_gate": 0.1,
+    "per_layer_projection": 0.1,
+    "per_layer_model_projection": 0.1,
 }
 # DeepSeek's e_score_correction_bias (a buffer): about the spread of the sigmoid scores.
 CORRECTION_BIAS_STD = 0.1
@@ -392,6 +467,11 @@ def is_gemma(arch):
 
 def is_hybrid(arch):
     return arch.startswith("qwen3_5") or arch == "qwen3_next"
+
+
+def is_gemma4(arch):
+    """Gemma 4: plain-weight norms (x * w, not 1 + w), per-layer buffers and router scales."""
+    return arch.startswith("gemma4")
 
 
 def is_deepseek(arch):
@@ -421,10 +501,16 @@ def init_weights(model, seed, arch):
             v = torch.log(0.02 + 0.98 * torch.rand(p.shape, generator=g))
         elif name.endswith(".dt_bias"):
             v = -1.0 + 2.0 * torch.rand(p.shape, generator=g)
-        elif name.endswith("norm.weight"):
+        elif is_gemma4(arch) and name.endswith(("q_norm.weight", "k_norm.weight")):
+            # Gemma 4 does not scale the scores (scaling 1): unit-RMS heads of 32-64 dimensions
+            # would make every softmax one-hot, and the f32 noise floor with it above 1e-4
+            v = 0.2 + 0.3 * torch.rand(p.shape, generator=g)
+        elif name.endswith("norm.weight") or re.search(r"norm_\d\.weight$", name):
             v = 0.6 + 0.8 * torch.rand(p.shape, generator=g)
-            if is_gemma(arch) or name in centred:
+            if (is_gemma(arch) and not is_gemma4(arch)) or name in centred:
                 v = v - 1.0
+        elif name.endswith((".router.scale", ".router.per_expert_scale")):
+            v = 0.6 + 0.8 * torch.rand(p.shape, generator=g)
         elif "embed_tokens" in name:
             v = (INIT_STD["tied_embed"] if tied else INIT_STD["embed"]) * torch.randn(p.shape, generator=g)
         elif name.startswith("lm_head"):
@@ -436,6 +522,8 @@ def init_weights(model, seed, arch):
     for name, b in sorted(model.named_buffers(), key=lambda kv: kv[0]):
         if name.endswith("e_score_correction_bias"):
             b.copy_((CORRECTION_BIAS_STD * torch.randn(b.shape, generator=g)).to(b.dtype))
+        elif name.endswith("layer_scalar"):  # Gemma 4's per-layer output scale
+            b.copy_((0.5 + 0.5 * torch.rand(b.shape, generator=g)).to(b.dtype))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -567,7 +655,13 @@ VARIANTS = {
     "deepseek_v3-fp8-dynamic": dict(arch="deepseek_v3", scheme="FP8_DYNAMIC", act=True),
     "glm4_moe_lite-w4a16-g32": dict(arch="glm4_moe_lite", scheme=scheme_w4a16_g32),
     "glm4_moe-w4a16-g32": dict(arch="glm4_moe", scheme=scheme_w4a16_g32),
+    # Gemma 4: every Linear but lm_head, the router's projection and per_layer_projection (its
+    # 8 inputs are fewer than a group; the real models' 256 are not)
+    "gemma4-w4a16-g32": dict(arch="gemma4", scheme=scheme_w4a16_g32),
+    "gemma4-nvfp4a16": dict(arch="gemma4", scheme="NVFP4A16"),
+    "gemma4_moe-w4a16-g32": dict(arch="gemma4_moe", scheme=scheme_w4a16_g32),
 }
+GEMMA4_IGNORE = ["lm_head", "re:.*router\\.proj$", "re:.*per_layer_projection$"]
 
 # What llm-compressor's examples for these families leave out (examples/quantization_w4a4_fp4/
 # qwen3_5_example.py, qwen3_next_example.py, quantization_w8a8_fp8/qwen3_5_moe.py): lm_head,
@@ -600,6 +694,8 @@ def quantize_and_save(model, spec, out_dir, tok):
     from llmcompressor.modifiers.quantization import QuantizationModifier
 
     ignore = ["lm_head", "re:.*mlp.gate$"]
+    if is_gemma4(spec["arch"]):
+        ignore = GEMMA4_IGNORE
     if is_hybrid(spec["arch"]):
         ignore = [p for p in EXAMPLE_IGNORE
                   if not (spec.get("quantize_linear_attn") and "linear_attn" in p)]
@@ -868,6 +964,14 @@ def routing(model, ids):
                 out[name.removesuffix(".mlp.gate")] = {"experts": res[2].tolist(),
                                                        **deepseek_margins(m, res[0])}
             hooks.append(mod.register_forward_hook(ds_hook))
+        elif name.endswith(".router") and hasattr(mod, "per_expert_scale"):
+            def g4_hook(m, args, res, name=name):  # Gemma 4: (probabilities, weights, experts)
+                top = torch.topk(res[0].to(torch.float32), m.config.top_k_experts + 1, dim=-1)
+                out[name.removesuffix(".router")] = {
+                    "experts": res[2].tolist(),
+                    "margin": (top.values[:, -2] - top.values[:, -1]).tolist(),
+                }
+            hooks.append(mod.register_forward_hook(g4_hook))
         elif name.endswith("mlp.gate") and hasattr(mod, "top_k"):
             def hook(m, args, res, name=name):
                 logits = res[0].to(torch.float32)
@@ -1241,6 +1345,95 @@ def mut_latent_norm_eps(model):
     return _set_attrs(norms, "variance_epsilon", lambda n: 1e-2)
 
 
+def _g4_layers(model):
+    return list(model.model.layers)
+
+
+def mut_g4_ple_dropped(model):
+    """Gemma 4's per-layer inputs dropped (per_layer_projection zeroed: nothing of them reaches
+    the residual stream)."""
+    return _set_params([(m.per_layer_projection.weight, torch.zeros_like(m.per_layer_projection.weight))
+                        for m in _g4_layers(model)])
+
+
+def mut_g4_layer_scalar_ignored(model):
+    """Gemma 4's layer_scalar buffers read as 1."""
+    return _set_params([(m.layer_scalar, torch.ones_like(m.layer_scalar)) for m in _g4_layers(model)])
+
+
+def mut_g4_kv_shared_from_first_layer(model):
+    """Gemma 4's KV-shared layers reading the first layer of their type, not the last unshared."""
+    attns = [m.self_attn for m in _g4_layers(model)]
+    saved = [a.store_full_length_kv for a in attns]
+    shared_from = {}
+    for a in attns:
+        if not a.is_kv_shared_layer:
+            a.store_full_length_kv = a.layer_type not in shared_from
+            shared_from.setdefault(a.layer_type, a.layer_idx)
+
+    def undo():
+        for a, v in zip(attns, saved):
+            a.store_full_length_kv = v
+    return undo
+
+
+def mut_g4_v_norm_dropped(model):
+    """Gemma 4's scale-free value norm left out."""
+    norms = [m.self_attn.v_norm for m in _g4_layers(model) if hasattr(m.self_attn, "v_norm")]
+    for n in norms:
+        n.forward = lambda x: x
+
+    def undo():
+        for n in norms:
+            del n.forward
+    return undo
+
+
+def mut_g4_scaled_scores(model):
+    """Gemma 4's attention scores scaled by 1/sqrt(head_dim) (its scaling is 1)."""
+    attns = [m.self_attn for m in _g4_layers(model)]
+    return _set_attrs(attns, "scaling", lambda a: a.head_dim ** -0.5)
+
+
+def mut_g4_proportional_as_default(model):
+    """Gemma 4's full layers with default RoPE over every pair (not proportional)."""
+    rot = model.model.rotary_emb
+    buf = rot.full_attention_inv_freq
+    dim = 2 * buf.numel()
+    theta = model.config.rope_parameters["full_attention"]["rope_theta"]
+    plain = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    return _set_params([(buf, plain)])
+
+
+def mut_g4_final_softcap_dropped(model):
+    """Gemma 4's final logit soft-capping left out."""
+    return _set_attrs([model.config], "final_logit_softcapping", lambda c: None)
+
+
+def mut_g4_norms_one_plus_w(model):
+    """Gemma 4's norms read as Gemma 3's (1 + w)."""
+    norms = [m for m in model.modules() if type(m).__name__ == "Gemma4RMSNorm" and m.with_scale]
+    return _set_params([(n.weight, n.weight + 1.0) for n in norms])
+
+
+def mut_g4_per_expert_scale_ignored(model):
+    """Gemma 4's router per_expert_scale read as 1."""
+    return _set_params([(m.router.per_expert_scale, torch.ones_like(m.router.per_expert_scale))
+                        for m in _g4_layers(model)])
+
+
+def mut_g4_router_scale_ignored(model):
+    """Gemma 4's router input scale read as 1."""
+    return _set_params([(m.router.scale, torch.ones_like(m.router.scale)) for m in _g4_layers(model)])
+
+
+def mut_g4_experts_dropped(model):
+    """Gemma 4's expert branch left out (the dense MLP alone)."""
+    hooks = [m.experts.register_forward_hook(lambda mod, a, out: torch.zeros_like(out))
+             for m in _g4_layers(model)]
+    return _hooks(hooks)
+
+
 MUTATIONS = {
     "conv1d_taps_dropped": (mut_conv_taps, "any"),
     "conv1d_silu_dropped": (mut_conv_silu, "any"),
@@ -1265,11 +1458,28 @@ MUTATIONS = {
     "rope_interleave_flipped": (mut_rope_interleave_flipped, "mla"),
     "latent_norm_eps_1e-2": (mut_latent_norm_eps, "mla"),
     "full_instead_of_partial_rotary_glm": (mut_full_rotary, "partial"),
+    "per_layer_inputs_dropped": (mut_g4_ple_dropped, "gemma4_ple"),
+    "kv_shared_from_first_layer": (mut_g4_kv_shared_from_first_layer, "gemma4_ple"),
+    "layer_scalar_ignored": (mut_g4_layer_scalar_ignored, "gemma4"),
+    "v_norm_dropped": (mut_g4_v_norm_dropped, "gemma4"),
+    "scores_scaled_by_rsqrt_head_dim": (mut_g4_scaled_scores, "gemma4"),
+    "proportional_rope_as_default": (mut_g4_proportional_as_default, "gemma4"),
+    "final_logit_softcapping_dropped": (mut_g4_final_softcap_dropped, "gemma4"),
+    "norms_read_as_1_plus_w": (mut_g4_norms_one_plus_w, "gemma4"),
+    "per_expert_scale_ignored": (mut_g4_per_expert_scale_ignored, "gemma4_moe"),
+    "router_scale_ignored": (mut_g4_router_scale_ignored, "gemma4_moe"),
+    "experts_dropped": (mut_g4_experts_dropped, "gemma4_moe"),
 }
 
 
 def mutation_applies(kind, arch):
     spec = ARCHS[arch]
+    if is_gemma4(arch):
+        return {
+            "gemma4": True,
+            "gemma4_ple": arch == "gemma4",
+            "gemma4_moe": arch == "gemma4_moe",
+        }.get(kind, False)
     if is_deepseek(arch):
         mla = arch != "glm4_moe"
         rope = spec["kw"].get("rope_parameters", {})
@@ -1371,9 +1581,9 @@ def compute_reference(name, spec, path, texts):
     if "text_kw" in ARCHS[arch]:
         numerics["text_only_class_vs_conditional_generation_f32"] = text_only_vs_composite(
             m_w if act else m32, texts, attn)
-    if is_hybrid(arch) or is_deepseek(arch):
+    if is_hybrid(arch) or is_deepseek(arch) or is_gemma4(arch):
         res["mutations"] = mutation_references(path, arch, texts, attn)
-    if is_deepseek(arch):
+    if is_deepseek(arch) or "routing" in res:
         res["routing_near_ties"] = near_ties(res["routing"])
         if act:
             res["weights_only"]["routing_near_ties"] = near_ties(res["weights_only"]["routing"])
@@ -1406,7 +1616,8 @@ def compute_reference(name, spec, path, texts):
 
 def linear_vs_fused(linear, texts, attn):
     """Our per-expert model against transformers' own fused experts holding the same weights."""
-    arch = next(a for a, s in ARCHS.items() if s["model"] == type(linear).__name__)
+    arch = next(a for a, s in ARCHS.items()
+                if s["model"] == type(linear).__name__ and "experts" in s)
     import transformers
 
     spec = ARCHS[arch]

@@ -1,4 +1,4 @@
-//! Qwen3-MoE, Mixtral, Gemma 3, Gemma 2, Mistral 3, Qwen3.5, Qwen3.5-MoE, Qwen3-Next, DeepSeek-V3,
+//! Qwen3-MoE, Mixtral, Gemma 3, Gemma 2, Gemma 4, Mistral 3, Qwen3.5, Qwen3.5-MoE, Qwen3-Next, DeepSeek-V3,
 //! GLM-4.5 and GLM-4.7-Flash fixtures
 //! scored in f32 on the CPU against the references of scripts/make_arch_fixtures.py
 //! (transformers, float32, per-expert Linears) and scripts/make_mistral3_fixture.py.
@@ -137,6 +137,21 @@ fn gemma2_dense_matches_reference_per_token() {
 #[test]
 fn gemma2_w4a16_matches_reference_per_token() {
     assert_exact("gemma2-w4a16-g32", Emulate, "sequences");
+}
+
+#[test]
+fn gemma4_w4a16_matches_reference_per_token() {
+    assert_exact("gemma4-w4a16-g32", Emulate, "sequences");
+}
+
+#[test]
+fn gemma4_nvfp4a16_matches_reference_per_token() {
+    assert_exact("gemma4-nvfp4a16", Emulate, "sequences");
+}
+
+#[test]
+fn gemma4_moe_w4a16_matches_reference_per_token() {
+    assert_exact("gemma4_moe-w4a16-g32", Emulate, "sequences");
 }
 
 #[test]
@@ -451,6 +466,197 @@ fn qwen3_next_family_mutations_land_where_transformers_put_them() {
         "f32_params_rounded_to_bf16",
         mutated_deltas(variant, &config_of(variant), tensors),
     );
+}
+
+/// `f` applied to every bf16 value of the tensors whose names `pick` chooses, stored as f32;
+/// returns how many tensors it changed.
+fn edit_bf16(
+    tensors: &mut std::collections::HashMap<String, exactscore_server::checkpoint::HostTensor>,
+    pick: impl Fn(&str) -> bool,
+    f: impl Fn(f32) -> f32,
+) -> usize {
+    let mut edited = 0;
+    for (name, t) in tensors.iter_mut().filter(|(n, _)| pick(n)) {
+        assert_eq!(t.dtype, safetensors::Dtype::BF16, "{name}");
+        t.data = t
+            .data
+            .chunks_exact(2)
+            .flat_map(|b| f(half::bf16::from_le_bytes([b[0], b[1]]).to_f32()).to_le_bytes())
+            .collect();
+        t.dtype = safetensors::Dtype::F32;
+        edited += 1;
+    }
+    edited
+}
+
+/// Gemma 4's mechanisms broken on purpose, as scripts/make_arch_fixtures.py broke them in
+/// transformers (config keys and tensors): ours land where its `mutations` say.
+#[test]
+fn gemma4_mutations_land_where_transformers_put_them() {
+    let dense = "gemma4-w4a16-g32";
+    let moe = "gemma4_moe-w4a16-g32";
+    let with_config = |variant: &str, mutation: &str, edit: &dyn Fn(&mut Value)| {
+        let mut config = config_of(variant);
+        edit(&mut config);
+        assert_mutation(
+            variant,
+            mutation,
+            mutated_deltas(variant, &config, weights(variant)),
+        );
+    };
+    let with_tensors = |variant: &str, mutation: &str, pick: &dyn Fn(&str) -> bool, value: f32| {
+        let mut tensors = weights(variant);
+        let layers = config_of(variant)["num_hidden_layers"].as_u64().unwrap() as usize;
+        assert_eq!(
+            edit_bf16(&mut tensors, pick, |_| value),
+            layers,
+            "{mutation}"
+        );
+        let config = config_of(variant);
+        assert_mutation(variant, mutation, mutated_deltas(variant, &config, tensors));
+    };
+    for variant in [dense, moe] {
+        with_config(variant, "proportional_rope_as_default", &|c| {
+            c["rope_parameters"]["full_attention"] =
+                serde_json::json!({"rope_type": "default", "rope_theta": 1000000.0});
+        });
+        with_config(variant, "final_logit_softcapping_dropped", &|c| {
+            c["final_logit_softcapping"] = Value::Null
+        });
+        with_tensors(
+            variant,
+            "layer_scalar_ignored",
+            &|n| n.ends_with(".layer_scalar"),
+            1.0,
+        );
+        // every weighted norm read as (1 + w)
+        let mut tensors = weights(variant);
+        let norm = |n: &str| {
+            n.ends_with("norm.weight")
+                || n.ends_with("norm_1.weight")
+                || n.ends_with("norm_2.weight")
+        };
+        assert!(edit_bf16(&mut tensors, norm, |w| w + 1.0) > 10);
+        let config = config_of(variant);
+        assert_mutation(
+            variant,
+            "norms_read_as_1_plus_w",
+            mutated_deltas(variant, &config, tensors),
+        );
+    }
+    with_tensors(
+        dense,
+        "per_layer_inputs_dropped",
+        &|n| n.ends_with(".per_layer_projection.weight"),
+        0.0,
+    );
+    with_tensors(
+        moe,
+        "per_expert_scale_ignored",
+        &|n| n.ends_with(".router.per_expert_scale"),
+        1.0,
+    );
+    with_tensors(
+        moe,
+        "router_scale_ignored",
+        &|n| n.ends_with(".router.scale"),
+        1.0,
+    );
+}
+
+/// `variant`'s config as a `Gemma4ForConditionalGeneration`'s: its text config under
+/// `text_config`, then `edit(text, root)`.
+fn gemma4_conditional_config(variant: &str, edit: impl FnOnce(&mut Value, &mut Value)) -> Value {
+    let mut text = config_of(variant);
+    let mut quantization = text.as_object_mut().unwrap().remove("quantization_config");
+    text.as_object_mut().unwrap().remove("architectures");
+    // llm-compressor lists the ignored modules by name: the text model's names move too
+    if let Some(Value::Array(ignore)) = quantization.as_mut().map(|q| &mut q["ignore"]) {
+        for name in ignore.iter_mut() {
+            if let Some(rest) = name.as_str().and_then(|n| n.strip_prefix("model.")) {
+                *name = format!("model.language_model.{rest}").into();
+            }
+        }
+    }
+    let mut root = serde_json::json!({
+        "architectures": ["Gemma4ForConditionalGeneration"],
+        "quantization_config": quantization,
+        "vision_config": {"hidden_size": 8},
+    });
+    edit(&mut text, &mut root);
+    root["text_config"] = text;
+    root
+}
+
+/// A Gemma 4 vision-language checkpoint's text model: the gemma4-w4a16-g32 tensors under
+/// `model.language_model.`, its config nested as `text_config`, score exactly as the
+/// text-only checkpoint's reference; an unread tower's tensors are left alone by rule.
+#[test]
+fn gemma4_conditional_generation_text_weights_match_reference() {
+    let variant = "gemma4-w4a16-g32";
+    // transformers' text-only forward replaces placeholders by the pad token: it needs one
+    let config = gemma4_conditional_config(variant, |text, _| text["pad_token_id"] = 0.into());
+    let (base, head) = TEXT_LAYOUTS[0];
+    let mut tensors = text_model_under(&format!("{variant}/model.safetensors"), base, head);
+    let norm = &tensors["model.language_model.norm.weight"];
+    let tower = || exactscore_server::checkpoint::HostTensor {
+        dtype: norm.dtype,
+        shape: norm.shape.clone(),
+        data: norm.data.clone(),
+    };
+    let (vision, audio) = (tower(), tower());
+    tensors.insert("model.vision_tower.encoder.norm.weight".into(), vision);
+    tensors.insert(
+        "model.embed_audio.embedding_projection.weight".into(),
+        audio,
+    );
+    let max = max_delta(&config.to_string(), tensors, &reference(variant), Emulate);
+    println!("Gemma4ForConditionalGeneration, {base}.*: max |Δ| {max:.2e}");
+    assert!(max <= 1e-4, "{base}: max |Δlogprob| {max:e}");
+}
+
+/// A Gemma 4 vision-language model embeds its image, video and audio placeholders as the pad
+/// token (text-only, transformers replaces them by `pad_token_id`): a sequence holding one
+/// has the hidden states of the text-only model's with pad in its place, and not those of the
+/// token itself.
+#[test]
+fn gemma4_conditional_generation_embeds_placeholders_as_padding() {
+    use exactscore_server::checkpoint::Checkpoint;
+    use exactscore_server::model::ModelConfig;
+    let variant = "gemma4-w4a16-g32";
+    let seq = sequences(&reference(variant))[0].clone();
+    let (placeholder, pad) = (seq[3], 7);
+    let config = gemma4_conditional_config(variant, |text, root| {
+        text["pad_token_id"] = pad.into();
+        root["audio_token_id"] = placeholder.into();
+    });
+    let (base, head) = TEXT_LAYOUTS[0];
+    let composite = Model::from_checkpoint(
+        ModelConfig::from_json(&config.to_string()).unwrap(),
+        &Checkpoint::from_memory(text_model_under(
+            &format!("{variant}/model.safetensors"),
+            base,
+            head,
+        )),
+        &options(candle_core::DType::F32, Emulate),
+    )
+    .unwrap();
+    let text = load(variant, Emulate);
+    let padded: Vec<u32> = seq
+        .iter()
+        .map(|&t| if t == placeholder { pad } else { t })
+        .collect();
+    let hidden = |m: &Model, s: &[u32]| {
+        m.hidden_states(&[s])
+            .unwrap()
+            .flatten_all()
+            .unwrap()
+            .to_vec1::<f32>()
+            .unwrap()
+    };
+    let ours = hidden(&composite, &seq);
+    assert_eq!(ours, hidden(&text, &padded));
+    assert_ne!(ours, hidden(&text, &seq));
 }
 
 /// Qwen3.5-MoE's experts stored fused, as its bf16 releases ship them and transformers keeps

@@ -282,3 +282,54 @@ fn hybrid_linear_attention_modules_are_attributed() {
         .iter()
         .all(|l| l.cos_error.iter().all(|&c| c == 0.0)));
 }
+
+/// `/diff` on Gemma 4, whose layers pass on a stream wider than the residual (per-layer inputs,
+/// shared keys and values): each layer's errors are those of the residual columns alone, the
+/// divergence is `/kld`'s, and the modules only Gemma 4 has (the per-layer input gate, the
+/// KV-shared layers' q/o projections) are attributable.
+#[test]
+fn gemma4_layers_compare_their_residual_stream() {
+    let served = load("gemma4-nvfp4a16", Off);
+    let reference = load("gemma4-w4a16-g32", Off);
+    let seqs = sequences(&common::reference("gemma4-w4a16-g32"))[..2].to_vec();
+    let modules = [
+        "model.layers.3.per_layer_input_gate",
+        "model.layers.4.self_attn.q_proj",
+        "model.layers.1.self_attn.k_proj",
+    ]
+    .map(String::from)
+    .to_vec();
+    let all = attributable_modules(&served, &reference);
+    assert!(modules.iter().all(|m| all.contains(m)), "{all:?}");
+    let options = DiffOptions {
+        reference_until: None,
+        attribute: modules.clone(),
+    };
+    let d = run(&served, &reference, &seqs, &options);
+    let hidden = served.config().hidden_size;
+    let states = |m: &Model, tokens: &[u32]| -> Vec<Vec<Vec<f32>>> {
+        layer_states(m, tokens)
+            .into_iter()
+            .map(|l| l.into_iter().map(|row| row[..hidden].to_vec()).collect())
+            .collect()
+    };
+    for (seq, diff) in seqs.iter().zip(&d) {
+        let (s, r) = (states(&served, seq), states(&reference, seq));
+        assert_eq!(diff.layers.len(), 5);
+        for (layer, errors) in diff.layers.iter().enumerate() {
+            for (pos, (&cos, &sqnr)) in errors.cos_error.iter().zip(&errors.sqnr_db).enumerate() {
+                let (want_cos, want_sqnr) = independent_error(&s[layer][pos], &r[layer][pos]);
+                assert!((cos - want_cos).abs() <= 1e-9, "layer {layer} pos {pos}");
+                assert!((sqnr - want_sqnr).abs() <= 1e-6, "layer {layer} pos {pos}");
+            }
+        }
+        assert_eq!(diff.modules.len(), modules.len());
+        assert!(diff.modules.iter().all(|k| k.is_finite() && *k >= 0.0));
+    }
+    let refs: Vec<&[u32]> = seqs.iter().map(Vec::as_slice).collect();
+    let kld = kld_batch(&served, &reference, &refs).unwrap();
+    for (diff, kld) in d.iter().zip(&kld) {
+        assert_eq!(&diff.kld, kld);
+    }
+    assert!(d.iter().any(|diff| diff.kld.sum_kld() > 0.0));
+}

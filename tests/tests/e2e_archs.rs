@@ -1,5 +1,5 @@
-//! End to end on the real server (f32, CPU): Qwen3-MoE, Mixtral, Gemma 3, Gemma 2, Qwen3.5-MoE
-//! and Qwen3-Next fixtures through `/score` and `/v1/completions` against the transformers
+//! End to end on the real server (f32, CPU): Qwen3-MoE, Mixtral, Gemma 3, Gemma 2, Gemma 4,
+//! Qwen3.5-MoE and Qwen3-Next fixtures through `/score` and `/v1/completions` against the transformers
 //! references, and `/kld` with Gemma 3's dense bf16 checkpoint as the reference of its W4A16.
 
 use exactscore_api::{CompletionResponse, KldResponse, ScoreResponse};
@@ -84,6 +84,16 @@ async fn gemma2_over_http_matches_reference() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn gemma3_over_http_matches_reference() {
     score_and_complete("gemma3-w4a16-g32").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn gemma4_over_http_matches_reference() {
+    score_and_complete("gemma4-w4a16-g32").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn gemma4_moe_over_http_matches_reference() {
+    score_and_complete("gemma4_moe-w4a16-g32").await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

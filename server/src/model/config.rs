@@ -12,6 +12,7 @@ mod architecture;
 mod deepseek_v3;
 mod gemma2;
 mod gemma3;
+mod gemma4;
 mod glm4_moe;
 mod glm4_moe_lite;
 mod llama;
@@ -37,6 +38,7 @@ pub use super::rope::{Rope, RopeScaling};
 use crate::checkpoint::LoadError;
 use architecture::ArchitectureConfig;
 pub use architecture::DecoderFamily;
+pub use gemma4::{Gemma4Layer, Gemma4Moe, Gemma4Text, KeySource};
 pub use registry::Architecture;
 use shared::{positive_finite, required_size, size, SharedKeys};
 pub use shared::{
@@ -68,6 +70,9 @@ pub struct ModelConfig {
     /// Multi-head latent attention (DeepSeek-V3, GLM-4.7-Flash): `head_dim` is then the
     /// query/key head (`qk_nope_head_dim + qk_rope_head_dim`) and `rotary_dim` its rotary part.
     pub mla: Option<MlaConfig>,
+    /// Gemma 4's per-layer heads, KV sharing, per-layer inputs and mixture: `rope` is then the
+    /// full layers' and `rotary_dim` their head size.
+    pub gemma4: Option<Gemma4Text>,
     /// Multi-token-prediction layers after the last decoder layer, never read.
     pub mtp_layers: usize,
     pub max_position_embeddings: usize,
@@ -198,9 +203,11 @@ fn check_frequencies<'a>(
     head_dim: usize,
 ) -> Result<(), LoadError> {
     for r in ropes {
+        // Gemma 4's proportional RoPE leaves the pairs after the rotated ones at frequency 0.
         if let Some(f) = r
             .inv_freq(head_dim)
             .into_iter()
+            .take(r.rotated_pairs(head_dim))
             .find(|f| !(f.is_finite() && *f > 0.0))
         {
             return Err(LoadError::config(
@@ -311,7 +318,7 @@ impl ModelConfig {
             1 << 30,
         )?;
         let scores = arch.score_shaping(root)?;
-        Ok(Self {
+        let mut config = Self {
             architecture,
             vocab_size,
             hidden_size: dims.hidden_size,
@@ -347,7 +354,23 @@ impl ModelConfig {
             bos_token_id: token_ids(keys.bos_token_id.as_ref()).first().copied(),
             eos_token_ids: token_ids(keys.eos_token_id.as_ref()),
             quantization_config: keys.quantization_config,
-        })
+            gemma4: None,
+        };
+        config.gemma4 = arch.gemma4(root, &config)?;
+        if let Some(g) = &config.gemma4 {
+            // The global RoPE tables are the full layers' (the last layer is always one).
+            config.rotary_dim = g.layers[config.num_layers - 1].head_dim;
+        }
+        Ok(config)
+    }
+
+    /// The head sizes of the global and the local (sliding layers') RoPE tables.
+    pub fn rope_table_dims(&self) -> (usize, usize) {
+        let local = self
+            .gemma4
+            .as_ref()
+            .map_or(self.rotary_dim, |g| g.sliding_head_dim);
+        (self.rotary_dim, local)
     }
 
     /// The sliding window of decoder layer `layer`, if it has one.

@@ -13,12 +13,13 @@ use candle_core::{Device, Result, Tensor};
 
 use super::blocks::{Attention, BatchLayout, FeedForward, NormKind, RmsNorm, Route};
 use super::config::{Architecture, DecoderFamily, ModelConfig};
+use super::gemma4::PerLayerInputs;
 use super::loader::Loader;
 use super::profile::stage;
 use super::rope::{Rope, RopeTables};
 use super::scoring::{score_logits, SequenceScores};
 use super::stored_kld::{stored_rows, StoredRequest};
-use super::{deepseek, gemma, llama, qwen3_next};
+use super::{deepseek, gemma, gemma4, llama, qwen3_next};
 use crate::checkpoint::{read_to_string, Checkpoint, LoadError};
 use crate::ops;
 use crate::quant::dense::DenseWeight;
@@ -80,6 +81,11 @@ pub(crate) trait Layer: Send + Sync {
     fn local_rope(&self) -> bool;
 
     fn feed_forward(&self) -> &FeedForward;
+
+    /// Whether the layer routes tokens to experts (records [`Route`]s).
+    fn routes_experts(&self) -> bool {
+        self.feed_forward().is_sparse()
+    }
 
     /// Every Linear with its name under the layer (`self_attn.q_proj`, `mlp.down_proj`,
     /// `linear_attn.out_proj`), attention first.
@@ -240,6 +246,7 @@ fn family(architecture: Architecture) -> &'static dyn Family {
         DecoderFamily::Gemma => &gemma::Gemma,
         DecoderFamily::Qwen3Next => &qwen3_next::Qwen3Next,
         DecoderFamily::Mla => &deepseek::Mla,
+        DecoderFamily::Gemma4 => &gemma4::Gemma4,
     }
 }
 
@@ -258,6 +265,9 @@ pub struct Model {
     embed_scale: Option<f64>,
     /// How the materialised attention cuts a sequence (no bit depends on it).
     attention_blocks: ops::AttentionBlocks,
+    /// Gemma 4's per-layer inputs, appended to the embedded tokens (on the first stage's
+    /// device).
+    per_layer_inputs: Option<PerLayerInputs>,
 }
 
 /// A run of consecutive decoder layers on one device: a pipeline stage of the model.
@@ -372,6 +382,8 @@ impl Model {
                 layers.push(family.load_layer(&vb.pp(i), c, i)?);
             }
         }
+        let per_layer_inputs =
+            PerLayerInputs::load(&Loader::new(ckpt, quant.as_ref(), &first).pp(base), c)?;
         let last_vb = Loader::new(ckpt, quant.as_ref(), &last);
         let norm = RmsNorm::load(
             &last_vb.pp(base).pp("norm"),
@@ -411,10 +423,10 @@ impl Model {
         let stages = stages
             .into_iter()
             .map(|(device, layers)| {
-                let tables =
-                    |r: &Rope| RopeTables::new(r, c.rotary_dim, max_len, first.dtype, &device);
-                let rope = tables(&c.rope)?;
-                let local_rope = local.map(tables).transpose()?;
+                let (global_dim, local_dim) = c.rope_table_dims();
+                let tables = |r: &Rope, dim| RopeTables::new(r, dim, max_len, first.dtype, &device);
+                let rope = tables(&c.rope, global_dim)?;
+                let local_rope = local.map(|r| tables(r, local_dim)).transpose()?;
                 // Weights were copied on this thread's stream; the stage computes on its own.
                 device.synchronize()?;
                 Ok(Stage {
@@ -439,6 +451,7 @@ impl Model {
             stages,
             embed_scale,
             attention_blocks: ops::AttentionBlocks::default(),
+            per_layer_inputs,
         };
         model.set_attention(opts.attention)?;
         Ok(model)
@@ -506,8 +519,11 @@ impl Model {
         // The flash kernel has no soft-capping of the scores (Gemma 2): such models attend
         // through the materialised path.
         let softcap = self.config.attn_logit_softcapping.is_some();
+        // Gemma 4's attention (blocks/shared_kv_attention.rs) runs materialised on every
+        // device.
         let head_dim = self.config.attention_head_dim();
         let flash = !softcap
+            && self.config.gemma4.is_none()
             && self
                 .stages
                 .iter()
@@ -638,16 +654,43 @@ impl Model {
                 self.config.vocab_size
             );
         }
+        let ids = match self.config.gemma4.as_ref() {
+            // a Gemma 4 vision-language model embeds its media placeholders as padding
+            Some(g) if !g.placeholders.is_empty() => {
+                let pad = g.pad_token_id.unwrap_or_default();
+                let plain = |t: u32| if g.placeholders.contains(&t) { pad } else { t };
+                ids.into_iter().map(plain).collect()
+            }
+            _ => ids,
+        };
         let device = &self.stages[0].device;
         stage("embed", device, || {
             let ids = Tensor::new(ids.as_slice(), device)?;
             let x = ops::gather_rows(&self.embed_tokens, &ids)?;
-            match self.embed_scale {
+            let x = match self.embed_scale {
                 // the scale rounded to the compute dtype, as transformers multiplies
-                Some(s) => x.broadcast_mul(&Tensor::new(s as f32, device)?.to_dtype(x.dtype())?),
+                Some(s) => x.broadcast_mul(&Tensor::new(s as f32, device)?.to_dtype(x.dtype())?)?,
+                None => x,
+            };
+            match &self.per_layer_inputs {
+                // the stream Gemma 4's layers pass on: [residual, per-layer inputs]
+                Some(p) => {
+                    let inputs = p.forward(&ids, &x)?;
+                    Tensor::cat(&[x, inputs], 1)
+                }
                 None => Ok(x),
             }
         })
+    }
+
+    /// The residual stream of a decoder layer's output `x`: its first `hidden_size` columns
+    /// (Gemma 4's layers pass on a wider stream, [`super::gemma4`]).
+    pub fn residual(&self, x: &Tensor) -> Result<Tensor> {
+        let h = self.config.hidden_size;
+        match x.dims()[1] {
+            width if width > h => x.narrow(1, 0, h)?.contiguous(),
+            _ => Ok(x.clone()),
+        }
     }
 
     /// Stage `k`'s decoder layers over the residual stream `x` (on that stage's device) of
@@ -783,7 +826,7 @@ impl Model {
             let record = routes.is_some().then_some(&mut layer_routes);
             x = layer.forward(x, &batch, rope, record)?;
             if let Some(routes) = routes.as_deref_mut() {
-                if layer.feed_forward().is_sparse() {
+                if layer.routes_experts() {
                     routes.push((i, layer_routes));
                 }
             }
@@ -793,7 +836,8 @@ impl Model {
 
     /// The final norm of the last stage's output (on the last stage's device).
     pub fn final_norm(&self, x: &Tensor) -> Result<Tensor> {
-        stage("norm", x.device(), || self.norm.forward(x, None))
+        let x = self.residual(x)?;
+        stage("norm", x.device(), || self.norm.forward(&x, None))
     }
 
     /// Logits `[rows, vocab]` (compute dtype) of final-norm hidden states `[rows, hidden]`.

@@ -166,10 +166,11 @@ pub fn diff_batch_with(
         xs = served.forward_layers(i..i + 1, xs, &lens)?;
         boundary()?;
         xr = reference.forward_layers(i..i + 1, xr, &lens)?;
-        let errors: Vec<(f64, f64)> = position_sums(&xs, &xr)?
-            .into_iter()
-            .map(position_error)
-            .collect();
+        let errors: Vec<(f64, f64)> =
+            position_sums(&served.residual(&xs)?, &reference.residual(&xr)?)?
+                .into_iter()
+                .map(position_error)
+                .collect();
         for (seq, span) in out.iter_mut().zip(&spans) {
             let (cos_error, sqnr_db) = errors[span.clone()].iter().copied().unzip();
             seq.layers.push(LayerError { cos_error, sqnr_db });

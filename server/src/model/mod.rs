@@ -15,6 +15,7 @@ pub mod decoder;
 pub mod deepseek;
 pub mod diff;
 pub mod gemma;
+pub mod gemma4;
 pub mod kld;
 pub mod llama;
 pub mod loader;

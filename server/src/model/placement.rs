@@ -109,13 +109,29 @@ impl ActivationBytes {
     ) -> Self {
         let s = dtype.size_in_bytes() as u64;
         let (t, h) = (tokens as u64, config.hidden_size as u64);
-        // Latent attention's heads are zero-padded to the flash head size.
-        let head_dim = config.attention_head_dim();
-        let q = (config.num_heads * head_dim) as u64;
-        let kv = (config.num_kv_heads * head_dim) as u64;
-        let inter = config.intermediate_size as u64;
+        // Gemma 4: the widest layer's heads and MLP, and the wider stream its layers hand on.
+        let (q, kv, inter, width) = match &config.gemma4 {
+            Some(g) => {
+                let widest = |f: &dyn Fn(&crate::model::config::Gemma4Layer) -> usize| {
+                    g.layers.iter().map(f).max().unwrap_or(0) as u64
+                };
+                (
+                    widest(&|l| config.num_heads * l.head_dim),
+                    widest(&|l| l.num_kv_heads * l.head_dim),
+                    widest(&|l| l.intermediate_size),
+                    g.stream_width as u64,
+                )
+            }
+            // Latent attention's heads are zero-padded to the flash head size.
+            None => (
+                (config.num_heads * config.attention_head_dim()) as u64,
+                (config.num_kv_heads * config.attention_head_dim()) as u64,
+                config.intermediate_size as u64,
+                h,
+            ),
+        };
         // Residual stream in and out, its normed copy and the hidden state handed on.
-        let stream = 4 * t * h * s;
+        let stream = 2 * t * h * s + 2 * t * width * s;
         // q, k, v and the attention output, plus the dequantized q/k/v/o weights.
         let attention_tensors = t * (2 * q + 2 * kv) * s + (2 * q + 2 * kv) * h * s;
         // One sequence's f32 scores and their probabilities, when materialised. On the CPU

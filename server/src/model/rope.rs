@@ -45,6 +45,14 @@ pub enum RopeScaling {
         original_max_position_embeddings: f64,
         truncate: bool,
     },
+    /// Gemma 4's `proportional`: the first `int(partial_rotary_factor * head_dim / 2)` pairs
+    /// rotate with the default frequencies of the whole head (`base^(-2i / head_dim)`), the
+    /// other pairs not at all (frequency 0: cos 1, sin 0); every frequency divided by `factor`.
+    /// The pairs stay NeoX's `(i, i + head_dim / 2)`, unlike a partial rotary's leading block.
+    Proportional {
+        factor: f32,
+        partial_rotary_factor: f64,
+    },
 }
 
 impl Rope {
@@ -70,6 +78,13 @@ impl Rope {
         match self.scaling {
             RopeScaling::Default | RopeScaling::DynamicNtk { .. } => base,
             RopeScaling::Linear { factor } => base.into_iter().map(|f| f / factor).collect(),
+            RopeScaling::Proportional { factor, .. } => {
+                let rotated = self.rotated_pairs(head_dim);
+                base.into_iter()
+                    .enumerate()
+                    .map(|(i, f)| if i < rotated { f / factor } else { 0.0 })
+                    .collect()
+            }
             RopeScaling::Llama3 {
                 factor,
                 low_freq_factor,
@@ -133,6 +148,18 @@ impl Rope {
                     })
                     .collect()
             }
+        }
+    }
+
+    /// The pairs of a `head_dim` head that rotate (all but Gemma 4's proportional NoPE pairs).
+    pub fn rotated_pairs(&self, head_dim: usize) -> usize {
+        match self.scaling {
+            // transformers: `int(rope_proportion * head_dim // 2)`, a float floor division
+            RopeScaling::Proportional {
+                partial_rotary_factor,
+                ..
+            } => ((partial_rotary_factor * head_dim as f64) / 2.0).floor() as usize,
+            _ => head_dim / 2,
         }
     }
 

@@ -1,7 +1,7 @@
 //! The blocks every architecture family builds its decoder layers from, each with its `load`
 //! beside its `forward` (as candle-transformers' models): [`RmsNorm`], [`Attention`], [`Mlp`]
 //! and [`Moe`] behind a layer's [`FeedForward`], the linear-attention [`GatedDeltaNet`] and the
-//! multi-head latent attention [`LatentAttention`].
+//! multi-head latent attention [`LatentAttention`], and Gemma 4's [`SharedKvAttention`].
 //! Device-specific work goes through [`crate::ops`]; nothing here asks which device it runs on.
 
 mod attention;
@@ -11,14 +11,16 @@ mod mla;
 mod mlp;
 mod moe;
 mod norm;
+mod shared_kv_attention;
 
 pub use attention::{Attention, BatchLayout};
 pub use feed_forward::FeedForward;
 pub use gated_delta_net::GatedDeltaNet;
 pub use mla::LatentAttention;
-pub use mlp::{Mlp, MLP_CHUNK};
+pub use mlp::{Mlp, MLP_CHUNK, PROJ_NAMES};
 pub use moe::{Moe, Route};
 pub use norm::{NormKind, RmsNorm};
+pub use shared_kv_attention::{KeyValues, SharedKvAttention};
 
 use candle_core::{Result, Tensor};
 

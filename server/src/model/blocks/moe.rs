@@ -21,8 +21,9 @@ use crate::quant::QuantLinear;
 #[derive(Clone)]
 pub struct Moe {
     /// The router `[experts, hidden]`, in the compute dtype (llm-compressor leaves it
-    /// unquantized); in f32 for [`MoeRouter::SigmoidGrouped`], which routes in f32.
-    router: Tensor,
+    /// unquantized); in f32 for [`MoeRouter::SigmoidGrouped`], which routes in f32. `None`
+    /// where the family routes itself ([`Self::load_experts`]).
+    router: Option<Tensor>,
     /// DeepSeek's `e_score_correction_bias` (f32 `[experts]`) for [`MoeRouter::SigmoidGrouped`].
     correction_bias: Option<Tensor>,
     /// Gated MLPs whose Linears may be in any supported format.
@@ -129,12 +130,47 @@ impl Moe {
             })
             .transpose()?;
         Ok(Self {
-            router,
+            router: Some(router),
             correction_bias,
             stackable: stackable(&experts),
             experts,
             cfg: cfg.clone(),
             shared,
+        })
+    }
+
+    /// The experts alone, `{vb}.E.{gate,up,down}_proj` or fused (`{vb}.gate_up_proj`), for a
+    /// family whose router is its own (Gemma 4's): run with [`Self::forward_routed`].
+    pub fn load_experts(
+        vb: &Loader,
+        c: &ModelConfig,
+        cfg: &MoeConfig,
+    ) -> std::result::Result<Self, LoadError> {
+        let (h, inter) = (c.hidden_size, cfg.expert_intermediate_size);
+        let max = ops::moe_max_experts(&vb.options().device);
+        if cfg.num_experts > max {
+            return Err(LoadError::config(
+                "num_experts",
+                format!(
+                    "{} experts; the GPU router handles up to {max}",
+                    cfg.num_experts
+                ),
+            ));
+        }
+        let experts = if vb.checkpoint().contains(&vb.name("gate_up_proj")) {
+            Mlp::load_fused(vb, cfg.num_experts, (h, inter), c.hidden_act)?
+        } else {
+            (0..cfg.num_experts)
+                .map(|e| Mlp::load(&vb.pp(e), PROJ_NAMES, (h, inter), false, c.hidden_act))
+                .collect::<std::result::Result<Vec<_>, LoadError>>()?
+        };
+        Ok(Self {
+            router: None,
+            correction_bias: None,
+            stackable: stackable(&experts),
+            experts,
+            cfg: cfg.clone(),
+            shared: None,
         })
     }
 
@@ -145,6 +181,9 @@ impl Moe {
     /// and routing in f32 ([`ops::moe_route_grouped`]).
     pub fn route(&self, x: &Tensor) -> Result<TopExperts> {
         let (k, norm) = (self.cfg.experts_per_token, self.cfg.norm_topk_prob);
+        let Some(router) = &self.router else {
+            candle_core::bail!("this mixture is routed by its decoder layer");
+        };
         match (self.cfg.router, &self.correction_bias) {
             (
                 MoeRouter::SigmoidGrouped {
@@ -154,7 +193,7 @@ impl Moe {
                 },
                 Some(bias),
             ) => {
-                let logits = ops::matmul_t(&x.to_dtype(DType::F32)?, &self.router)?;
+                let logits = ops::matmul_t(&x.to_dtype(DType::F32)?, router)?;
                 let routing = GroupedRouting {
                     k,
                     n_group,
@@ -164,7 +203,7 @@ impl Moe {
                 };
                 ops::moe_route_grouped(&logits, bias, &routing)
             }
-            _ => ops::moe_route(&ops::matmul_t(x, &self.router)?, k, norm),
+            _ => ops::moe_route(&ops::matmul_t(x, router)?, k, norm),
         }
     }
 
@@ -180,8 +219,19 @@ impl Moe {
         residual: Tensor,
         routes: Option<&mut Vec<Route>>,
     ) -> Result<Tensor> {
+        let top = stage("router", x.device(), || self.route(x))?;
+        self.forward_routed(x, top, residual, routes)
+    }
+
+    /// [`Self::forward`] with the experts `top` already chosen.
+    pub fn forward_routed(
+        &self,
+        x: &Tensor,
+        top: TopExperts,
+        residual: Tensor,
+        routes: Option<&mut Vec<Route>>,
+    ) -> Result<Tensor> {
         let dev = x.device().clone();
-        let top = stage("router", &dev, || self.route(x))?;
         let plan = ExpertRows::new(&top, self.experts.len());
         profile::record_expert_load(plan.ranges.iter().map(|r| r.len()));
         let combined = if ops::stacks_experts(x) && self.stackable {

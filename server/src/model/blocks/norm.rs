@@ -1,4 +1,4 @@
-//! RMSNorm in the two conventions the served families use.
+//! RMSNorm in the conventions the served families use.
 
 use candle_core::{DType, Device, Result, Tensor};
 
@@ -12,8 +12,10 @@ use crate::quant::ActivationQdq;
 pub enum NormKind {
     /// `x̂ · w` in the compute dtype (Llama, Mistral, Qwen).
     Weight,
-    /// `x̂ · (1 + w)` in f32, rounded once (Gemma).
+    /// `x̂ · (1 + w)` in f32, rounded once (Gemma 2 and 3).
     OnePlusWeight,
+    /// `x̂ · w` in f32, rounded once (Gemma 4).
+    WeightInF32,
 }
 
 #[derive(Clone)]
@@ -38,8 +40,19 @@ impl RmsNorm {
                 let w = vb.get_as("weight", &[dim], DType::F32, &Device::Cpu)?;
                 (w + 1.0)?.to_device(&vb.options().device)?
             }
+            NormKind::WeightInF32 => {
+                vb.get_as("weight", &[dim], DType::F32, &vb.options().device)?
+            }
         };
         Ok(Self { weight, eps })
+    }
+
+    /// A norm without a weight (Gemma 4's value and router norms): `x̂` in f32, rounded once.
+    pub fn unit(dim: usize, eps: f64, device: &Device) -> candle_core::Result<Self> {
+        Ok(Self {
+            weight: Tensor::ones(dim, DType::F32, device)?,
+            eps,
+        })
     }
 
     /// The normalised `x`, put through `qdq` (the activation QDQ of the Linears that read it)

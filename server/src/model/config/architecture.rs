@@ -22,6 +22,8 @@ pub enum DecoderFamily {
     Qwen3Next,
     /// DeepSeek-V3, GLM-4.7-Flash: pre-norm layers of multi-head latent attention.
     Mla,
+    /// Gemma 4: per-layer heads, KV-shared layers, per-layer inputs, a mixture beside the MLP.
+    Gemma4,
 }
 
 /// What one architecture (a transformers `*ForCausalLM` class) makes of its config.json, step by
@@ -151,6 +153,15 @@ pub(super) trait ArchitectureConfig: Sync {
         _root: &Value,
         _num_layers: usize,
     ) -> Result<Option<LinearAttentionConfig>, LoadError> {
+        Ok(None)
+    }
+
+    /// Gemma 4's structure, from its keys `root` and the rest of its config `c`.
+    fn gemma4(
+        &self,
+        _root: &Value,
+        _c: &super::ModelConfig,
+    ) -> Result<Option<super::Gemma4Text>, LoadError> {
         Ok(None)
     }
 

@@ -6,8 +6,8 @@ use serde_json::Value;
 use super::architecture::{ArchitectureConfig, DecoderFamily};
 use super::shared::required;
 use super::{
-    deepseek_v3, gemma2, gemma3, glm4_moe, glm4_moe_lite, llama, mistral, mistral3, mixtral, qwen2,
-    qwen3, qwen3_5, qwen3_5_moe, qwen3_moe, qwen3_next,
+    deepseek_v3, gemma2, gemma3, gemma4, glm4_moe, glm4_moe_lite, llama, mistral, mistral3,
+    mixtral, qwen2, qwen3, qwen3_5, qwen3_5_moe, qwen3_moe, qwen3_next,
 };
 use crate::checkpoint::LoadError;
 
@@ -48,6 +48,10 @@ architectures! {
     /// The text part of a Mistral 3 vision-language checkpoint (Mistral Small 3.x): a Mistral
     /// under `language_model.`.
     Mistral3Multimodal => mistral3::Mistral3ForConditionalGeneration,
+    /// Per-layer inputs, KV-shared layers, proportional RoPE, a mixture beside the MLP.
+    Gemma4 => gemma4::Gemma4 { vision_language: false },
+    /// The text part of a Gemma 4 vision-language checkpoint (`model.language_model.`).
+    Gemma4Multimodal => gemma4::Gemma4 { vision_language: true },
     /// Gated DeltaNet and gated-attention layers, MoE with a shared expert.
     Qwen3Next => qwen3_next::Qwen3NextForCausalLM,
     Qwen3_5 => qwen3_5::Qwen3_5 { vision_language: false },

@@ -43,12 +43,13 @@ pub(super) fn parse_rope(
         },
         "llama3" => schedule.llama3()?,
         "yarn" => schedule.yarn()?,
+        "proportional" => schedule.proportional()?,
         other => {
             return Err(LoadError::config(
                 format!("{field}.rope_type"),
                 format!(
                     "`{other}` is not supported (supported: default, linear, dynamic, llama3, \
-                     yarn)"
+                     yarn, proportional)"
                 ),
             ))
         }
@@ -91,6 +92,27 @@ impl Schedule<'_> {
             LoadError::config(&name, format!("missing for rope_type {}", self.rope_type))
         })?;
         positive_finite(value, &name)
+    }
+
+    /// Gemma 4's proportional RoPE: `factor` (default 1) and `partial_rotary_factor` (default
+    /// 1: every pair rotates), the share of the pairs that rotate.
+    fn proportional(&self) -> Result<RopeScaling, LoadError> {
+        let factor = match self.get("factor") {
+            Some(_) => self.need("factor")?,
+            None => 1.0,
+        };
+        let name = format!("{}.partial_rotary_factor", self.field);
+        let partial_rotary_factor = self.get("partial_rotary_factor").unwrap_or(1.0);
+        if !(0.0..=1.0).contains(&partial_rotary_factor) {
+            return Err(LoadError::config(
+                name,
+                format!("{partial_rotary_factor} is not in [0, 1]"),
+            ));
+        }
+        Ok(RopeScaling::Proportional {
+            factor: factor as f32,
+            partial_rotary_factor,
+        })
     }
 
     fn max_positions(&self) -> Result<f64, LoadError> {
