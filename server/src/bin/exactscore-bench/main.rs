@@ -550,6 +550,10 @@ const CHECKED: &[&str] = &[
     "deepseek_v3-fp8-dynamic",
     "glm4_moe_lite-w4a16-g32",
     "glm4_moe-w4a16-g32",
+    // Gemma 4 (per-layer inputs, KV-shared layers, MoE; materialized attention)
+    "gemma4-w4a16-g32",
+    "gemma4-nvfp4a16",
+    "gemma4_moe-w4a16-g32",
 ];
 
 fn check(fixtures: &Path, device: &Device, only: &[String]) -> Result<()> {
