@@ -320,6 +320,25 @@ ARCHS.update({
                 hidden_act="silu", tie_word_embeddings=False),
         experts=DEEPSEEK_EXPERTS,
     ),
+    # DeepSeek-V2: V2-Lite's plain q_proj (q_lora_rank null), DeepSeek-V2's published YaRN
+    # (mscale = mscale_all_dim = 0.707) and `group_limited_greedy` routing (softmax in f32, a
+    # group scores its best expert), no renormalisation, routed_scaling_factor.
+    "deepseek_v2": dict(
+        config="DeepseekV2Config",
+        model="DeepseekV2ForCausalLM",
+        seed=2604,
+        kw=dict(hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=3,
+                num_attention_heads=4, num_key_value_heads=4, q_lora_rank=None, kv_lora_rank=32,
+                qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=24, n_routed_experts=16,
+                n_shared_experts=2, num_experts_per_tok=4, n_group=4, topk_group=2,
+                topk_method="group_limited_greedy", routed_scaling_factor=4.0,
+                first_k_dense_replace=1, rms_norm_eps=1e-6, max_position_embeddings=5120,
+                rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 40.0,
+                                 "original_max_position_embeddings": 128, "beta_fast": 32.0,
+                                 "beta_slow": 1.0, "mscale": 0.707, "mscale_all_dim": 0.707},
+                hidden_act="silu", tie_word_embeddings=False),
+        experts=DEEPSEEK_EXPERTS,
+    ),
     "glm4_moe_lite": dict(
         config="Glm4MoeLiteConfig",
         model="Glm4MoeLiteForCausalLM",
@@ -395,7 +414,12 @@ def is_hybrid(arch):
 
 
 def is_deepseek(arch):
-    """DeepSeek-V3's routing (and, but for glm4_moe, its latent attention)."""
+    """DeepSeek's group-limited routing (and, but for glm4_moe, its latent attention)."""
+    return arch in ("deepseek_v3", "glm4_moe_lite", "glm4_moe", "deepseek_v2")
+
+
+def has_correction_bias(arch):
+    """DeepSeek-V3's sigmoid router with e_score_correction_bias (not DeepSeek-V2's softmax)."""
     return arch in ("deepseek_v3", "glm4_moe_lite", "glm4_moe")
 
 
@@ -566,6 +590,8 @@ VARIANTS = {
     "deepseek_v3-w4a16-g32": dict(arch="deepseek_v3", scheme=scheme_w4a16_g32),
     "deepseek_v3-fp8-dynamic": dict(arch="deepseek_v3", scheme="FP8_DYNAMIC", act=True),
     "glm4_moe_lite-w4a16-g32": dict(arch="glm4_moe_lite", scheme=scheme_w4a16_g32),
+    "deepseek_v2-w4a16-g32": dict(arch="deepseek_v2", scheme=scheme_w4a16_g32),
+    "deepseek_v2-fp8-dynamic": dict(arch="deepseek_v2", scheme="FP8_DYNAMIC", act=True),
     "glm4_moe-w4a16-g32": dict(arch="glm4_moe", scheme=scheme_w4a16_g32),
 }
 
@@ -868,6 +894,11 @@ def routing(model, ids):
                 out[name.removesuffix(".mlp.gate")] = {"experts": res[2].tolist(),
                                                        **deepseek_margins(m, res[0])}
             hooks.append(mod.register_forward_hook(ds_hook))
+        elif name.endswith("mlp.gate") and hasattr(mod, "topk_method"):
+            def v2_hook(m, args, res, name=name):
+                out[name.removesuffix(".mlp.gate")] = {"experts": res[2].tolist(),
+                                                       **softmax_group_margins(m, res[0], "max")}
+            hooks.append(mod.register_forward_hook(v2_hook))
         elif name.endswith("mlp.gate") and hasattr(mod, "top_k"):
             def hook(m, args, res, name=name):
                 logits = res[0].to(torch.float32)
@@ -899,6 +930,27 @@ def deepseek_margins(router, logits):
     rec = {"margin": (masked[:, k - 1] - masked[:, k]).tolist()}
     if tg < g:
         rec["group_margin"] = (gsorted[:, tg - 1] - gsorted[:, tg]).tolist()
+    return rec
+
+
+def softmax_group_margins(router, logits, group_score):
+    """DeepSeek-V2's (group score "max") and Mistral 4's ("top2") choice margins, recomputed as
+    its router chooses (softmax scores in the logits' dtype, dropped groups masked to 0.0):
+    `margin` between the k-th and (k+1)-th masked score, `group_margin` between the
+    topk_group-th and next group score (absent with one group)."""
+    scores = logits.softmax(-1)
+    n, g, tg, k = router.num_experts, router.num_group or 1, router.topk_group or 1, router.top_k
+    if getattr(router, "topk_method", None) == "greedy":
+        g = tg = 1
+    by_group = scores.view(-1, g, n // g)
+    groups = by_group.max(-1).values if group_score == "max" else by_group.topk(2, dim=-1)[0].sum(-1)
+    gsorted = groups.sort(dim=-1, descending=True).values
+    keep = torch.zeros_like(groups).scatter_(1, groups.topk(tg, dim=-1)[1], 1)
+    mask = keep.unsqueeze(-1).expand(-1, g, n // g).reshape(-1, n).bool()
+    masked = scores.masked_fill(~mask, 0.0).sort(dim=-1, descending=True).values
+    rec = {"margin": (masked[:, k - 1] - masked[:, k]).float().tolist()}
+    if tg < g:
+        rec["group_margin"] = (gsorted[:, tg - 1] - gsorted[:, tg]).float().tolist()
     return rec
 
 
@@ -1155,7 +1207,9 @@ def mut_f32_params_as_bf16(model):
 
 
 def _routers(model):
-    return [m for n, m in model.named_modules() if hasattr(m, "e_score_correction_bias")]
+    """The group-limited routers (DeepSeek-V3's, DeepSeek-V2's, Mistral 4's)."""
+    return [m for n, m in model.named_modules()
+            if hasattr(m, "routed_scaling_factor") and hasattr(m, "num_group")]
 
 
 def _set_attrs(objs, attr, value):
@@ -1169,7 +1223,7 @@ def _set_attrs(objs, attr, value):
 def mut_correction_bias_ignored(model):
     """e_score_correction_bias ignored (the choice reads the sigmoid scores alone)."""
     return _set_params([(r.e_score_correction_bias, torch.zeros_like(r.e_score_correction_bias))
-                        for r in _routers(model)])
+                        for r in _routers(model) if hasattr(r, "e_score_correction_bias")])
 
 
 def _softmax_router_forward(self, hidden_states):
@@ -1198,6 +1252,70 @@ def mut_softmax_scores(model):
     for r in routers:
         r.forward = types.MethodType(_softmax_router_forward, r)
     return lambda: [delattr(r, "forward") for r in routers]
+
+
+def _v2_router_forward(self, hidden_states, scores_fn=None, group_fn=None, renorm=False):
+    """DeepseekV2TopkRouter.forward (group_limited_greedy) with one step replaceable."""
+    hidden_states = hidden_states.view(-1, self.hidden_dim)
+    router_logits = torch.nn.functional.linear(hidden_states.type(torch.float32), self.weight.type(torch.float32))
+    scores = scores_fn(router_logits) if scores_fn else router_logits.softmax(dim=-1, dtype=torch.float32)
+    by_group = scores.view(-1, self.num_group, self.num_experts // self.num_group)
+    group_scores = group_fn(by_group) if group_fn else by_group.max(dim=-1).values
+    group_idx = torch.topk(group_scores, k=self.topk_group, dim=-1, sorted=False)[1]
+    mask = torch.zeros_like(group_scores).scatter_(1, group_idx, 1)
+    mask = mask.unsqueeze(-1).expand(-1, self.num_group, self.num_experts // self.num_group).reshape(-1, self.num_experts)
+    w, idx = torch.topk(scores.masked_fill(~mask.bool(), 0.0), k=self.top_k, dim=-1, sorted=False)
+    if renorm:
+        w = w / (w.sum(dim=-1, keepdim=True) + 1e-20)
+    return router_logits, w * self.routed_scaling_factor, idx
+
+
+def _patch_v2_routers(model, **kw):
+    import types
+
+    routers = _routers(model)
+    assert all(r.topk_method == "group_limited_greedy" for r in routers)
+    for r in routers:
+        r.forward = types.MethodType(lambda self, h: _v2_router_forward(self, h, **kw), r)
+    return lambda: [delattr(r, "forward") for r in routers]
+
+
+def mut_v2_sigmoid_scores(model):
+    """sigmoid router scores instead of DeepSeek-V2's softmax (choice and weights)."""
+    return _patch_v2_routers(model, scores_fn=torch.sigmoid)
+
+
+def mut_v2_group_top2_sum(model):
+    """a group scored by the sum of its two best experts (DeepSeek-V3's) instead of its best."""
+    return _patch_v2_routers(model, group_fn=lambda g: g.topk(2, dim=-1)[0].sum(-1))
+
+
+def mut_v2_renormalised(model):
+    """the chosen scores renormalised to sum 1 (norm_topk_prob, which the class never reads)."""
+    return _patch_v2_routers(model, renorm=True)
+
+
+def mut_v2_rope_halves(model):
+    """the rotary part rotated as halves (rotate_half) instead of DeepSeek-V2's neighbour pairs."""
+    mods = {sys.modules[type(m).__module__] for m in _mla_modules(model)}
+    saved = [(mod, mod.apply_rotary_emb) for mod in mods]
+
+    def halves(orig):
+        def f(xq, xk, freqs_cis):
+            def pairs(x):  # [.., x0..x(d/2-1), x(d/2)..] -> [.., x0, x(d/2), x1, ...]
+                d = x.shape[-1]
+                return torch.stack([x[..., : d // 2], x[..., d // 2:]], dim=-1).flatten(-2)
+
+            def unpairs(x):
+                return torch.cat([x[..., 0::2], x[..., 1::2]], dim=-1)
+
+            q, k = orig(pairs(xq), pairs(xk), freqs_cis)
+            return unpairs(q), unpairs(k)
+        return f
+
+    for mod, orig in saved:
+        mod.apply_rotary_emb = halves(orig)
+    return lambda: [setattr(mod, "apply_rotary_emb", orig) for mod, orig in saved]
 
 
 def mut_no_group_limit(model):
@@ -1256,13 +1374,17 @@ MUTATIONS = {
     "norm_topk_prob_flipped": (mut_topk_norm_flipped, "next"),
     "qkvz_ba_read_contiguous": (mut_qkvz_contiguous, "next"),
     "f32_params_rounded_to_bf16": (mut_f32_params_as_bf16, "f32_params"),
-    "correction_bias_ignored": (mut_correction_bias_ignored, "deepseek"),
-    "softmax_instead_of_sigmoid": (mut_softmax_scores, "deepseek"),
+    "correction_bias_ignored": (mut_correction_bias_ignored, "sigmoid_router"),
+    "softmax_instead_of_sigmoid": (mut_softmax_scores, "sigmoid_router"),
+    "sigmoid_instead_of_softmax": (mut_v2_sigmoid_scores, "v2_router"),
+    "group_top2_sum_instead_of_max": (mut_v2_group_top2_sum, "v2_router"),
+    "weights_renormalised": (mut_v2_renormalised, "v2_router"),
+    "rope_halves_instead_of_pairs": (mut_v2_rope_halves, "v2_rope"),
     "no_group_limit": (mut_no_group_limit, "deepseek_groups"),
     "routed_scaling_factor_dropped": (mut_scaling_dropped, "deepseek"),
     "shared_experts_dropped": (mut_shared_experts_dropped, "deepseek"),
     "mscale_ignored": (mut_mscale_ignored, "mla_yarn"),
-    "rope_interleave_flipped": (mut_rope_interleave_flipped, "mla"),
+    "rope_interleave_flipped": (mut_rope_interleave_flipped, "mla_interleave_key"),
     "latent_norm_eps_1e-2": (mut_latent_norm_eps, "mla"),
     "full_instead_of_partial_rotary_glm": (mut_full_rotary, "partial"),
 }
@@ -1275,6 +1397,10 @@ def mutation_applies(kind, arch):
         rope = spec["kw"].get("rope_parameters", {})
         return {
             "deepseek": True,
+            "sigmoid_router": has_correction_bias(arch),
+            "v2_router": arch == "deepseek_v2",
+            "v2_rope": arch == "deepseek_v2",
+            "mla_interleave_key": mla and arch != "deepseek_v2",
             "deepseek_groups": spec["kw"].get("topk_group", 1) < spec["kw"].get("n_group", 1),
             "mla": mla,
             "mla_yarn": mla and rope.get("rope_type") == "yarn",

@@ -1,5 +1,5 @@
 //! Qwen3-MoE, Mixtral, Gemma 3, Gemma 2, Mistral 3, Qwen3.5, Qwen3.5-MoE, Qwen3-Next, DeepSeek-V3,
-//! GLM-4.5 and GLM-4.7-Flash fixtures
+//! DeepSeek-V2, GLM-4.5 and GLM-4.7-Flash fixtures
 //! scored in f32 on the CPU against the references of scripts/make_arch_fixtures.py
 //! (transformers, float32, per-expert Linears) and scripts/make_mistral3_fixture.py.
 
@@ -180,6 +180,16 @@ fn deepseek_v3_w4a16_matches_reference_per_token() {
 }
 
 #[test]
+fn deepseek_v2_w4a16_matches_reference_per_token() {
+    assert_exact("deepseek_v2-w4a16-g32", Emulate, "sequences");
+}
+
+#[test]
+fn deepseek_v2_fp8_weights_only_matches_reference_per_token() {
+    assert_exact("deepseek_v2-fp8-dynamic", Off, "weights_only");
+}
+
+#[test]
 fn glm4_moe_lite_w4a16_matches_reference_per_token() {
     assert_exact("glm4_moe_lite-w4a16-g32", Emulate, "sequences");
 }
@@ -228,6 +238,11 @@ fn qwen3moe_fp8_dynamic_per_token_mean_nll_matches_reference() {
 #[test]
 fn deepseek_v3_fp8_dynamic_per_token_mean_nll_matches_reference() {
     assert_mean_nll("deepseek_v3-fp8-dynamic");
+}
+
+#[test]
+fn deepseek_v2_fp8_dynamic_per_token_mean_nll_matches_reference() {
+    assert_mean_nll("deepseek_v2-fp8-dynamic");
 }
 
 /// The tensors of `file` as a vision-language checkpoint holds its text model: `model.*` under
@@ -611,6 +626,19 @@ fn deepseek_family_mutations_land_where_transformers_put_them() {
     });
     // the score scale without mscale², the cos/sin factor (1 here) kept
     mutated(v3, "mscale_ignored", &|c| {
+        let rope = c["rope_parameters"].as_object_mut().unwrap();
+        rope.remove("mscale_all_dim");
+        rope.insert("attention_factor".into(), 1.0.into());
+    });
+    // DeepSeek-V2: the group limit, the scaling and the mscale, as for DeepSeek-V3
+    let v2 = "deepseek_v2-w4a16-g32";
+    mutated(v2, "no_group_limit", &|c| {
+        c["topk_method"] = "greedy".into()
+    });
+    mutated(v2, "routed_scaling_factor_dropped", &|c| {
+        c["routed_scaling_factor"] = 1.0.into()
+    });
+    mutated(v2, "mscale_ignored", &|c| {
         let rope = c["rope_parameters"].as_object_mut().unwrap();
         rope.remove("mscale_all_dim");
         rope.insert("attention_factor".into(), 1.0.into());

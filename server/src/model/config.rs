@@ -9,6 +9,7 @@
 //! the keys it refuses, its RoPE, sliding layers, experts and biases), and `registry.rs`. A new
 //! architecture is one such file, its `mod` line here and one line in the registry.
 mod architecture;
+mod deepseek_v2;
 mod deepseek_v3;
 mod gemma2;
 mod gemma3;
@@ -40,7 +41,7 @@ pub use architecture::DecoderFamily;
 pub use registry::Architecture;
 use shared::{positive_finite, required_size, size, SharedKeys};
 pub use shared::{
-    Activation, LinearAttentionConfig, MlaConfig, MoeConfig, MoeRouter, SlidingLayers,
+    Activation, GroupScore, LinearAttentionConfig, MlaConfig, MoeConfig, MoeRouter, SlidingLayers,
 };
 
 #[derive(Debug, Clone)]

@@ -5,6 +5,7 @@ use serde_json::Value;
 
 use super::architecture::{ArchitectureConfig, DecoderFamily};
 use super::shared::required;
+use super::deepseek_v2;
 use super::{
     deepseek_v3, gemma2, gemma3, glm4_moe, glm4_moe_lite, llama, mistral, mistral3, mixtral, qwen2,
     qwen3, qwen3_5, qwen3_5_moe, qwen3_moe, qwen3_next,
@@ -58,6 +59,8 @@ architectures! {
     Qwen3_5MoeMultimodal => qwen3_5_moe::Qwen3_5Moe { vision_language: true },
     /// Multi-head latent attention, sigmoid group-limited routing, shared experts.
     DeepseekV3 => deepseek_v3::DeepseekV3ForCausalLM,
+    /// DeepSeek-V2: latent attention, softmax routing (`topk_method`), shared experts.
+    DeepseekV2 => deepseek_v2::DeepseekV2ForCausalLM,
     /// GLM-4.5/4.6/4.7: partial rotary attention, DeepSeek-V3's routing.
     Glm4Moe => glm4_moe::Glm4MoeForCausalLM,
     /// GLM-4.7-Flash: DeepSeek-V3's latent attention and routing, `mlp_layer_types`.
