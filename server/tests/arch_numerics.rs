@@ -1,5 +1,5 @@
 //! Qwen3-MoE, Mixtral, Gemma 3, Gemma 2, Mistral 3, Qwen3.5, Qwen3.5-MoE, Qwen3-Next, DeepSeek-V3,
-//! DeepSeek-V2, GLM-4.5 and GLM-4.7-Flash fixtures
+//! DeepSeek-V2, Mistral 4, GLM-4.5 and GLM-4.7-Flash fixtures
 //! scored in f32 on the CPU against the references of scripts/make_arch_fixtures.py
 //! (transformers, float32, per-expert Linears) and scripts/make_mistral3_fixture.py.
 
@@ -187,6 +187,11 @@ fn deepseek_v2_w4a16_matches_reference_per_token() {
 #[test]
 fn deepseek_v2_fp8_weights_only_matches_reference_per_token() {
     assert_exact("deepseek_v2-fp8-dynamic", Off, "weights_only");
+}
+
+#[test]
+fn mistral4_w4a16_matches_reference_per_token() {
+    assert_exact("mistral4-w4a16-g32", Emulate, "sequences");
 }
 
 #[test]
@@ -643,7 +648,28 @@ fn deepseek_family_mutations_land_where_transformers_put_them() {
         rope.remove("mscale_all_dim");
         rope.insert("attention_factor".into(), 1.0.into());
     });
-    for variant in [v3, "glm4_moe_lite-w4a16-g32"] {
+    // Mistral 4: the group limit, the scaling, the renormalisation, the mscale and the llama-4
+    // query scaling
+    let m4 = "mistral4-w4a16-g32";
+    mutated(m4, "no_group_limit", &|c| {
+        c["n_group"] = 1.into();
+        c["topk_group"] = 1.into();
+    });
+    mutated(m4, "routed_scaling_factor_dropped", &|c| {
+        c["routed_scaling_factor"] = 1.0.into()
+    });
+    mutated(m4, "m4_norm_topk_prob_flipped", &|c| {
+        c["norm_topk_prob"] = false.into()
+    });
+    mutated(m4, "llama_4_scaling_dropped", &|c| {
+        c["rope_parameters"]["llama_4_scaling_beta"] = 0.0.into()
+    });
+    mutated(m4, "mscale_ignored", &|c| {
+        let rope = c["rope_parameters"].as_object_mut().unwrap();
+        rope.remove("mscale_all_dim");
+        rope.insert("attention_factor".into(), 1.0.into());
+    });
+    for variant in [v3, "glm4_moe_lite-w4a16-g32", m4] {
         mutated(variant, "rope_interleave_flipped", &|c| {
             c["rope_interleave"] = (c["rope_interleave"] != true).into()
         });

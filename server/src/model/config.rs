@@ -18,6 +18,7 @@ mod glm4_moe_lite;
 mod llama;
 mod mistral;
 mod mistral3;
+mod mistral4;
 mod mixtral;
 mod qwen2;
 mod qwen3;
@@ -41,7 +42,8 @@ pub use architecture::DecoderFamily;
 pub use registry::Architecture;
 use shared::{positive_finite, required_size, size, SharedKeys};
 pub use shared::{
-    Activation, GroupScore, LinearAttentionConfig, MlaConfig, MoeConfig, MoeRouter, SlidingLayers,
+    Activation, GroupScore, LinearAttentionConfig, Llama4QueryScaling, MlaConfig, MoeConfig,
+    MoeRouter, SlidingLayers,
 };
 
 #[derive(Debug, Clone)]

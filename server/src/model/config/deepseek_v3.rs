@@ -110,6 +110,7 @@ pub(super) fn mla(root: &Value, rope: &Rope) -> Result<MlaConfig, LoadError> {
         v_head_dim,
         rope_interleave,
         softmax_scale,
+        query_scaling: None,
     })
 }
 

@@ -5,7 +5,7 @@ use serde_json::Value;
 
 use super::architecture::{ArchitectureConfig, DecoderFamily};
 use super::shared::required;
-use super::deepseek_v2;
+use super::{deepseek_v2, mistral4};
 use super::{
     deepseek_v3, gemma2, gemma3, glm4_moe, glm4_moe_lite, llama, mistral, mistral3, mixtral, qwen2,
     qwen3, qwen3_5, qwen3_5_moe, qwen3_moe, qwen3_next,
@@ -65,6 +65,8 @@ architectures! {
     Glm4Moe => glm4_moe::Glm4MoeForCausalLM,
     /// GLM-4.7-Flash: DeepSeek-V3's latent attention and routing, `mlp_layer_types`.
     Glm4MoeLite => glm4_moe_lite::Glm4MoeLiteForCausalLM,
+    /// Mistral Small 4: latent attention with llama-4 query scaling, softmax routing.
+    Mistral4 => mistral4::Mistral4ForCausalLM,
 }
 
 impl Architecture {

@@ -123,6 +123,24 @@ pub struct MlaConfig {
     /// The attention-score scale: `qk_head_dim ** -0.5`, times `mscale(factor,
     /// mscale_all_dim) ** 2` under YaRN.
     pub softmax_scale: f64,
+    /// Mistral 4's position-dependent query scale.
+    pub query_scaling: Option<Llama4QueryScaling>,
+}
+
+/// Llama 4's query scaling (`get_llama_4_attn_scale`, Mistral 4): the query of position `p`
+/// times `1 + beta * log(1 + floor(p / original_max_position_embeddings))`, computed in f32.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Llama4QueryScaling {
+    pub beta: f64,
+    pub original_max_position_embeddings: f64,
+}
+
+impl Llama4QueryScaling {
+    /// The scale of position `p`, as torch computes it in f32.
+    pub fn scale(&self, p: usize) -> f32 {
+        let blocks = (p as f32 / self.original_max_position_embeddings as f32).floor();
+        1.0 + self.beta as f32 * (1.0 + blocks).ln()
+    }
 }
 
 /// The Gated DeltaNet (linear-attention) layers of a hybrid model (Qwen3-Next, Qwen3.5).
