@@ -10,14 +10,35 @@ use super::deepseek_v3::{
     expert_groups, first_k_dense, mla, routed_scaling_factor, shared_expert_moe,
 };
 use super::shared::{GroupScore, Llama4QueryScaling, MlaConfig, MoeConfig, MoeRouter};
+use super::vision_language;
 use crate::checkpoint::LoadError;
 use crate::model::rope::Rope;
 
-pub(super) struct Mistral4ForCausalLM;
+/// `Mistral4ForCausalLM`, or the text model of a `Mistral3ForConditionalGeneration` whose
+/// `text_config` is a Mistral 4's.
+pub(super) struct Mistral4 {
+    pub(super) vision_language: bool,
+}
 
-impl ArchitectureConfig for Mistral4ForCausalLM {
+/// `text_config.model_type` of `root`.
+pub(super) fn text_model_type(root: &Value) -> Option<&str> {
+    root.get("text_config")?.get("model_type")?.as_str()
+}
+
+impl ArchitectureConfig for Mistral4 {
     fn hf_name(&self) -> &'static str {
-        "Mistral4ForCausalLM"
+        match self.vision_language {
+            false => "Mistral4ForCausalLM",
+            true => "Mistral3ForConditionalGeneration",
+        }
+    }
+
+    fn is_vision_language(&self) -> bool {
+        self.vision_language
+    }
+
+    fn reads(&self, root: &Value) -> bool {
+        !self.vision_language || text_model_type(root) == Some("mistral4")
     }
 
     /// `Mistral4Config`'s defaults (sizes and vocabulary excepted), its RoPE parameters
@@ -44,7 +65,20 @@ impl ArchitectureConfig for Mistral4ForCausalLM {
 
     /// The class's `attribute_map` (`num_local_experts` for `n_routed_experts`). The class
     /// reads `rope_parameters` only: a v4 `rope_scaling` is refused rather than guessed at.
-    fn text_config(&self, mut root: Value) -> Result<Value, LoadError> {
+    /// Under Mistral 3's wrapper the lm_head is tied by the top-level flag (default true), as
+    /// for its Mistral text model.
+    fn text_config(&self, root: Value) -> Result<Value, LoadError> {
+        let mut root = match self.vision_language {
+            false => root,
+            true => {
+                let mut text = vision_language::text_config(&root)?;
+                text["tie_word_embeddings"] = root
+                    .get("tie_word_embeddings")
+                    .cloned()
+                    .unwrap_or(Value::Bool(true));
+                vision_language::with_top_level_keys(&root, text)
+            }
+        };
         if let Some(map) = root.as_object_mut() {
             if let Some(v) = map.remove("num_local_experts") {
                 map.insert("n_routed_experts".to_string(), v);
@@ -203,6 +237,26 @@ mod tests {
         let c = ModelConfig::from_json(&bare.to_string()).unwrap();
         let s = c.mla.unwrap().query_scaling.unwrap();
         assert_eq!((s.beta, s.original_max_position_embeddings), (0.1, 8192.0));
+    }
+
+    #[test]
+    fn mistral3_wrapper_reads_a_mistral4_text_model() {
+        let mut text: serde_json::Value = serde_json::from_str(M4).unwrap();
+        text.as_object_mut().unwrap().remove("architectures");
+        text["model_type"] = "mistral4".into();
+        let wrapped = serde_json::json!({
+            "architectures": ["Mistral3ForConditionalGeneration"], "text_config": text,
+        });
+        let c = ModelConfig::from_json(&wrapped.to_string()).unwrap();
+        assert_eq!(c.architecture, Architecture::Mistral4Multimodal);
+        assert!(c.architecture.is_vision_language() && c.mla.is_some());
+        // the top-level flag ties the lm_head, as for a Mistral text model
+        assert!(c.tie_word_embeddings);
+        let mut mistral = wrapped.clone();
+        mistral["text_config"]["model_type"] = "mistral".into();
+        mistral["text_config"]["num_key_value_heads"] = 4.into();
+        let c = ModelConfig::from_json(&mistral.to_string());
+        assert_eq!(c.unwrap().architecture, Architecture::Mistral3Multimodal);
     }
 
     #[test]

@@ -66,12 +66,15 @@ architectures! {
     /// GLM-4.7-Flash: DeepSeek-V3's latent attention and routing, `mlp_layer_types`.
     Glm4MoeLite => glm4_moe_lite::Glm4MoeLiteForCausalLM,
     /// Mistral Small 4: latent attention with llama-4 query scaling, softmax routing.
-    Mistral4 => mistral4::Mistral4ForCausalLM,
+    Mistral4 => mistral4::Mistral4 { vision_language: false },
+    /// Mistral 3's vision-language wrapper of a Mistral 4 text model (`model.language_model.`).
+    Mistral4Multimodal => mistral4::Mistral4 { vision_language: true },
 }
 
 impl Architecture {
-    fn from_hf(name: &str) -> Option<Self> {
-        Self::ALL.iter().copied().find(|a| a.hf_name() == name)
+    fn from_hf(name: &str, root: &Value) -> Option<Self> {
+        let reads = |a: &Self| a.hf_name() == name && a.config().reads(root);
+        Self::ALL.iter().copied().find(reads)
     }
 
     /// The first architecture of config.json's `architectures` that we serve.
@@ -81,7 +84,8 @@ impl Architecture {
                 .and_then(|a| serde_json::from_value(a.clone()).ok()),
             "architectures",
         )?;
-        names.iter().find_map(|a| Self::from_hf(a)).ok_or_else(|| {
+        let from_hf = |name: &String| Self::from_hf(name, root);
+        names.iter().find_map(from_hf).ok_or_else(|| {
             let supported: Vec<&str> = Self::ALL.iter().map(|a| a.hf_name()).collect();
             LoadError::config(
                 "architectures",
