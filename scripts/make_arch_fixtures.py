@@ -326,6 +326,46 @@ ARCHS.update({
                 hidden_act="silu", tie_word_embeddings=False),
         experts=DEEPSEEK_EXPERTS,
     ),
+    # DeepSeek-V2: V2-Lite's plain q_proj (q_lora_rank null), DeepSeek-V2's published YaRN
+    # (mscale = mscale_all_dim = 0.707) and `group_limited_greedy` routing (softmax in f32, a
+    # group scores its best expert), no renormalisation, routed_scaling_factor.
+    "deepseek_v2": dict(
+        config="DeepseekV2Config",
+        model="DeepseekV2ForCausalLM",
+        seed=2604,
+        kw=dict(hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=3,
+                num_attention_heads=4, num_key_value_heads=4, q_lora_rank=None, kv_lora_rank=32,
+                qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=24, n_routed_experts=16,
+                n_shared_experts=2, num_experts_per_tok=4, n_group=4, topk_group=2,
+                topk_method="group_limited_greedy", routed_scaling_factor=4.0,
+                first_k_dense_replace=1, rms_norm_eps=1e-6, max_position_embeddings=5120,
+                rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 40.0,
+                                 "original_max_position_embeddings": 128, "beta_fast": 32.0,
+                                 "beta_slow": 1.0, "mscale": 0.707, "mscale_all_dim": 0.707},
+                hidden_act="silu", tie_word_embeddings=False),
+        experts=DEEPSEEK_EXPERTS,
+    ),
+    # Mistral 4: DeepSeek-V3's latent attention (low-rank q, interleaved rope) with YaRN over
+    # the rotary part (partial_rotary_factor qk_rope / qk_head_dim) and llama-4 query scaling
+    # (positions >= original_max_position_embeddings = 64 scaled); softmax routing in the
+    # compute dtype, a group scoring its two best, renormalised, times the scaling factor.
+    "mistral4": dict(
+        config="Mistral4Config",
+        model="Mistral4ForCausalLM",
+        seed=2605,
+        kw=dict(hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=3,
+                num_attention_heads=4, num_key_value_heads=4, q_lora_rank=64, kv_lora_rank=32,
+                qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=24, n_routed_experts=16,
+                n_shared_experts=1, num_experts_per_tok=4, n_group=4, topk_group=2,
+                routed_scaling_factor=2.0, norm_topk_prob=True, first_k_dense_replace=1,
+                rope_interleave=True, rms_norm_eps=1e-6, max_position_embeddings=1024,
+                rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 16.0,
+                                 "original_max_position_embeddings": 64, "beta_fast": 32.0,
+                                 "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0,
+                                 "llama_4_scaling_beta": 0.1},
+                hidden_act="silu", tie_word_embeddings=False),
+        experts=DEEPSEEK_EXPERTS,
+    ),
     "glm4_moe_lite": dict(
         config="Glm4MoeLiteConfig",
         model="Glm4MoeLiteForCausalLM",
@@ -475,7 +515,13 @@ def is_gemma4(arch):
 
 
 def is_deepseek(arch):
-    """DeepSeek-V3's routing (and, but for glm4_moe, its latent attention)."""
+    """DeepSeek's group-limited routing (and, but for glm4_moe, its latent attention)."""
+    return arch in ("deepseek_v3", "glm4_moe_lite", "glm4_moe", "deepseek_v2", "mistral4")
+
+
+def has_correction_bias(arch):
+    """DeepSeek-V3's sigmoid router with e_score_correction_bias (not the softmax routers of
+    DeepSeek-V2 and Mistral 4)."""
     return arch in ("deepseek_v3", "glm4_moe_lite", "glm4_moe")
 
 
@@ -654,6 +700,9 @@ VARIANTS = {
     "deepseek_v3-w4a16-g32": dict(arch="deepseek_v3", scheme=scheme_w4a16_g32),
     "deepseek_v3-fp8-dynamic": dict(arch="deepseek_v3", scheme="FP8_DYNAMIC", act=True),
     "glm4_moe_lite-w4a16-g32": dict(arch="glm4_moe_lite", scheme=scheme_w4a16_g32),
+    "deepseek_v2-w4a16-g32": dict(arch="deepseek_v2", scheme=scheme_w4a16_g32),
+    "deepseek_v2-fp8-dynamic": dict(arch="deepseek_v2", scheme="FP8_DYNAMIC", act=True),
+    "mistral4-w4a16-g32": dict(arch="mistral4", scheme=scheme_w4a16_g32),
     "glm4_moe-w4a16-g32": dict(arch="glm4_moe", scheme=scheme_w4a16_g32),
     # Gemma 4: every Linear but lm_head, the router's projection and per_layer_projection (its
     # 8 inputs are fewer than a group; the real models' 256 are not)
@@ -972,6 +1021,16 @@ def routing(model, ids):
                     "margin": (top.values[:, -2] - top.values[:, -1]).tolist(),
                 }
             hooks.append(mod.register_forward_hook(g4_hook))
+        elif name.endswith("mlp.gate") and hasattr(mod, "topk_method"):
+            def v2_hook(m, args, res, name=name):
+                out[name.removesuffix(".mlp.gate")] = {"experts": res[2].tolist(),
+                                                       **softmax_group_margins(m, res[0], "max")}
+            hooks.append(mod.register_forward_hook(v2_hook))
+        elif name.endswith("mlp.gate") and type(mod).__name__ == "Mistral4TopkRouter":
+            def m4_hook(m, args, res, name=name):
+                out[name.removesuffix(".mlp.gate")] = {"experts": res[2].tolist(),
+                                                       **softmax_group_margins(m, res[0], "top2")}
+            hooks.append(mod.register_forward_hook(m4_hook))
         elif name.endswith("mlp.gate") and hasattr(mod, "top_k"):
             def hook(m, args, res, name=name):
                 logits = res[0].to(torch.float32)
@@ -1003,6 +1062,27 @@ def deepseek_margins(router, logits):
     rec = {"margin": (masked[:, k - 1] - masked[:, k]).tolist()}
     if tg < g:
         rec["group_margin"] = (gsorted[:, tg - 1] - gsorted[:, tg]).tolist()
+    return rec
+
+
+def softmax_group_margins(router, logits, group_score):
+    """DeepSeek-V2's (group score "max") and Mistral 4's ("top2") choice margins, recomputed as
+    its router chooses (softmax scores in the logits' dtype, dropped groups masked to 0.0):
+    `margin` between the k-th and (k+1)-th masked score, `group_margin` between the
+    topk_group-th and next group score (absent with one group)."""
+    scores = logits.softmax(-1)
+    n, g, tg, k = router.num_experts, router.num_group or 1, router.topk_group or 1, router.top_k
+    if getattr(router, "topk_method", None) == "greedy":
+        g = tg = 1
+    by_group = scores.view(-1, g, n // g)
+    groups = by_group.max(-1).values if group_score == "max" else by_group.topk(2, dim=-1)[0].sum(-1)
+    gsorted = groups.sort(dim=-1, descending=True).values
+    keep = torch.zeros_like(groups).scatter_(1, groups.topk(tg, dim=-1)[1], 1)
+    mask = keep.unsqueeze(-1).expand(-1, g, n // g).reshape(-1, n).bool()
+    masked = scores.masked_fill(~mask, 0.0).sort(dim=-1, descending=True).values
+    rec = {"margin": (masked[:, k - 1] - masked[:, k]).float().tolist()}
+    if tg < g:
+        rec["group_margin"] = (gsorted[:, tg - 1] - gsorted[:, tg]).float().tolist()
     return rec
 
 
@@ -1259,7 +1339,9 @@ def mut_f32_params_as_bf16(model):
 
 
 def _routers(model):
-    return [m for n, m in model.named_modules() if hasattr(m, "e_score_correction_bias")]
+    """The group-limited routers (DeepSeek-V3's, DeepSeek-V2's, Mistral 4's)."""
+    return [m for n, m in model.named_modules()
+            if hasattr(m, "routed_scaling_factor") and hasattr(m, "num_group")]
 
 
 def _set_attrs(objs, attr, value):
@@ -1273,7 +1355,7 @@ def _set_attrs(objs, attr, value):
 def mut_correction_bias_ignored(model):
     """e_score_correction_bias ignored (the choice reads the sigmoid scores alone)."""
     return _set_params([(r.e_score_correction_bias, torch.zeros_like(r.e_score_correction_bias))
-                        for r in _routers(model)])
+                        for r in _routers(model) if hasattr(r, "e_score_correction_bias")])
 
 
 def _softmax_router_forward(self, hidden_states):
@@ -1302,6 +1384,119 @@ def mut_softmax_scores(model):
     for r in routers:
         r.forward = types.MethodType(_softmax_router_forward, r)
     return lambda: [delattr(r, "forward") for r in routers]
+
+
+def _v2_router_forward(self, hidden_states, scores_fn=None, group_fn=None, renorm=False):
+    """DeepseekV2TopkRouter.forward (group_limited_greedy) with one step replaceable."""
+    hidden_states = hidden_states.view(-1, self.hidden_dim)
+    router_logits = torch.nn.functional.linear(hidden_states.type(torch.float32), self.weight.type(torch.float32))
+    scores = scores_fn(router_logits) if scores_fn else router_logits.softmax(dim=-1, dtype=torch.float32)
+    by_group = scores.view(-1, self.num_group, self.num_experts // self.num_group)
+    group_scores = group_fn(by_group) if group_fn else by_group.max(dim=-1).values
+    group_idx = torch.topk(group_scores, k=self.topk_group, dim=-1, sorted=False)[1]
+    mask = torch.zeros_like(group_scores).scatter_(1, group_idx, 1)
+    mask = mask.unsqueeze(-1).expand(-1, self.num_group, self.num_experts // self.num_group).reshape(-1, self.num_experts)
+    w, idx = torch.topk(scores.masked_fill(~mask.bool(), 0.0), k=self.top_k, dim=-1, sorted=False)
+    if renorm:
+        w = w / (w.sum(dim=-1, keepdim=True) + 1e-20)
+    return router_logits, w * self.routed_scaling_factor, idx
+
+
+def _patch_v2_routers(model, **kw):
+    import types
+
+    routers = _routers(model)
+    assert all(r.topk_method == "group_limited_greedy" for r in routers)
+    for r in routers:
+        r.forward = types.MethodType(lambda self, h: _v2_router_forward(self, h, **kw), r)
+    return lambda: [delattr(r, "forward") for r in routers]
+
+
+def mut_v2_sigmoid_scores(model):
+    """sigmoid router scores instead of DeepSeek-V2's softmax (choice and weights)."""
+    return _patch_v2_routers(model, scores_fn=torch.sigmoid)
+
+
+def mut_v2_group_top2_sum(model):
+    """a group scored by the sum of its two best experts (DeepSeek-V3's) instead of its best."""
+    return _patch_v2_routers(model, group_fn=lambda g: g.topk(2, dim=-1)[0].sum(-1))
+
+
+def mut_v2_renormalised(model):
+    """the chosen scores renormalised to sum 1 (norm_topk_prob, which the class never reads)."""
+    return _patch_v2_routers(model, renorm=True)
+
+
+def mut_v2_rope_halves(model):
+    """the rotary part rotated as halves (rotate_half) instead of DeepSeek-V2's neighbour pairs."""
+    mods = {sys.modules[type(m).__module__] for m in _mla_modules(model)}
+    saved = [(mod, mod.apply_rotary_emb) for mod in mods]
+
+    def halves(orig):
+        def f(xq, xk, freqs_cis):
+            def pairs(x):  # [.., x0..x(d/2-1), x(d/2)..] -> [.., x0, x(d/2), x1, ...]
+                d = x.shape[-1]
+                return torch.stack([x[..., : d // 2], x[..., d // 2:]], dim=-1).flatten(-2)
+
+            def unpairs(x):
+                return torch.cat([x[..., 0::2], x[..., 1::2]], dim=-1)
+
+            q, k = orig(pairs(xq), pairs(xk), freqs_cis)
+            return unpairs(q), unpairs(k)
+        return f
+
+    for mod, orig in saved:
+        mod.apply_rotary_emb = halves(orig)
+    return lambda: [setattr(mod, "apply_rotary_emb", orig) for mod, orig in saved]
+
+
+def _m4_router_forward(self, hidden_states, scores_fn=None, group_fn=None):
+    """Mistral4TopkRouter.forward with one step replaceable."""
+    hidden_states = hidden_states.view(-1, self.hidden_dim)
+    router_logits = torch.nn.functional.linear(hidden_states, self.weight)
+    scores = scores_fn(router_logits) if scores_fn else router_logits.softmax(-1)
+    by_group = scores.view(-1, self.num_group, self.num_experts // self.num_group)
+    group_scores = group_fn(by_group) if group_fn else by_group.topk(2, dim=-1)[0].sum(dim=-1)
+    group_idx = torch.topk(group_scores, k=self.topk_group, dim=-1, sorted=False)[1]
+    mask = torch.zeros_like(group_scores).scatter_(1, group_idx, 1)
+    mask = mask.unsqueeze(-1).expand(-1, self.num_group, self.num_experts // self.num_group).reshape(-1, self.num_experts)
+    idx = torch.topk(scores.masked_fill(~mask.bool(), 0.0), k=self.top_k, dim=-1, sorted=False)[1]
+    w = scores.gather(1, idx)
+    if self.norm_topk_prob:
+        w = w / (w.sum(dim=-1, keepdim=True) + 1e-20)
+    return router_logits, w * self.routed_scaling_factor, idx
+
+
+def _patch_m4_routers(model, **kw):
+    import types
+
+    routers = _routers(model)
+    for r in routers:
+        r.forward = types.MethodType(lambda self, h: _m4_router_forward(self, h, **kw), r)
+    return lambda: [delattr(r, "forward") for r in routers]
+
+
+def mut_m4_sigmoid_scores(model):
+    """sigmoid router scores instead of Mistral 4's softmax (choice and weights)."""
+    return _patch_m4_routers(model, scores_fn=torch.sigmoid)
+
+
+def mut_m4_group_max(model):
+    """a group scored by its best expert (DeepSeek-V2's) instead of the sum of its two best."""
+    return _patch_m4_routers(model, group_fn=lambda g: g.max(dim=-1).values)
+
+
+def mut_m4_norm_flipped(model):
+    """norm_topk_prob read the other way (the chosen scores not renormalised)."""
+    return _set_attrs(_routers(model), "norm_topk_prob", lambda r: not r.norm_topk_prob)
+
+
+def mut_llama4_scaling_dropped(model):
+    """llama-4 query scaling dropped (llama_4_scaling_beta 0: every position scaled by 1)."""
+    rope = model.config.rope_parameters
+    beta = rope["llama_4_scaling_beta"]
+    rope["llama_4_scaling_beta"] = 0.0
+    return lambda: rope.__setitem__("llama_4_scaling_beta", beta)
 
 
 def mut_no_group_limit(model):
@@ -1449,13 +1644,21 @@ MUTATIONS = {
     "norm_topk_prob_flipped": (mut_topk_norm_flipped, "next"),
     "qkvz_ba_read_contiguous": (mut_qkvz_contiguous, "next"),
     "f32_params_rounded_to_bf16": (mut_f32_params_as_bf16, "f32_params"),
-    "correction_bias_ignored": (mut_correction_bias_ignored, "deepseek"),
-    "softmax_instead_of_sigmoid": (mut_softmax_scores, "deepseek"),
+    "correction_bias_ignored": (mut_correction_bias_ignored, "sigmoid_router"),
+    "softmax_instead_of_sigmoid": (mut_softmax_scores, "sigmoid_router"),
+    "sigmoid_instead_of_softmax": (mut_v2_sigmoid_scores, "v2_router"),
+    "group_top2_sum_instead_of_max": (mut_v2_group_top2_sum, "v2_router"),
+    "weights_renormalised": (mut_v2_renormalised, "v2_router"),
+    "rope_halves_instead_of_pairs": (mut_v2_rope_halves, "v2_rope"),
+    "m4_sigmoid_instead_of_softmax": (mut_m4_sigmoid_scores, "m4_router"),
+    "m4_group_max_instead_of_top2_sum": (mut_m4_group_max, "m4_router"),
+    "m4_norm_topk_prob_flipped": (mut_m4_norm_flipped, "m4_router"),
+    "llama_4_scaling_dropped": (mut_llama4_scaling_dropped, "m4_router"),
     "no_group_limit": (mut_no_group_limit, "deepseek_groups"),
     "routed_scaling_factor_dropped": (mut_scaling_dropped, "deepseek"),
     "shared_experts_dropped": (mut_shared_experts_dropped, "deepseek"),
     "mscale_ignored": (mut_mscale_ignored, "mla_yarn"),
-    "rope_interleave_flipped": (mut_rope_interleave_flipped, "mla"),
+    "rope_interleave_flipped": (mut_rope_interleave_flipped, "mla_interleave_key"),
     "latent_norm_eps_1e-2": (mut_latent_norm_eps, "mla"),
     "full_instead_of_partial_rotary_glm": (mut_full_rotary, "partial"),
     "per_layer_inputs_dropped": (mut_g4_ple_dropped, "gemma4_ple"),
@@ -1485,6 +1688,11 @@ def mutation_applies(kind, arch):
         rope = spec["kw"].get("rope_parameters", {})
         return {
             "deepseek": True,
+            "sigmoid_router": has_correction_bias(arch),
+            "v2_router": arch == "deepseek_v2",
+            "v2_rope": arch == "deepseek_v2",
+            "m4_router": arch == "mistral4",
+            "mla_interleave_key": mla and arch != "deepseek_v2",
             "deepseek_groups": spec["kw"].get("topk_group", 1) < spec["kw"].get("n_group", 1),
             "mla": mla,
             "mla_yarn": mla and rope.get("rope_type") == "yarn",
@@ -1596,6 +1804,10 @@ def compute_reference(name, spec, path, texts):
         "diff_stats_vs_f32": diff_stats(seqs, lps16),
         "sequences": [{"token_logprobs": s["token_logprobs"], "sum_nll": s["sum_nll"]} for s in seqs16],
     }
+    if arch == "mistral4":
+        # its router runs in bf16 here: margins of 0 are exact bf16 ties, which torch.topk
+        # breaks in an order of its own
+        res["bf16_run"]["routing_near_ties"] = near_ties([routing(m16, ids) for _, ids in texts])
     res["numerics"] = numerics
     res["mean_nll"] = mean_nll(seqs)
     if act and FP8_CHECK["elements"]:

@@ -1,5 +1,5 @@
-//! Qwen3-MoE, Mixtral, Gemma 3, Gemma 2, Gemma 4, Mistral 3, Qwen3.5, Qwen3.5-MoE, Qwen3-Next, DeepSeek-V3,
-//! GLM-4.5 and GLM-4.7-Flash fixtures
+//! Qwen3-MoE, Mixtral, Gemma 3, Gemma 2, Gemma 4, Mistral 3, Qwen3.5, Qwen3.5-MoE, Qwen3-Next,
+//! DeepSeek-V3, DeepSeek-V2, Mistral 4, GLM-4.5 and GLM-4.7-Flash fixtures
 //! scored in f32 on the CPU against the references of scripts/make_arch_fixtures.py
 //! (transformers, float32, per-expert Linears) and scripts/make_mistral3_fixture.py.
 
@@ -195,6 +195,21 @@ fn deepseek_v3_w4a16_matches_reference_per_token() {
 }
 
 #[test]
+fn deepseek_v2_w4a16_matches_reference_per_token() {
+    assert_exact("deepseek_v2-w4a16-g32", Emulate, "sequences");
+}
+
+#[test]
+fn deepseek_v2_fp8_weights_only_matches_reference_per_token() {
+    assert_exact("deepseek_v2-fp8-dynamic", Off, "weights_only");
+}
+
+#[test]
+fn mistral4_w4a16_matches_reference_per_token() {
+    assert_exact("mistral4-w4a16-g32", Emulate, "sequences");
+}
+
+#[test]
 fn glm4_moe_lite_w4a16_matches_reference_per_token() {
     assert_exact("glm4_moe_lite-w4a16-g32", Emulate, "sequences");
 }
@@ -243,6 +258,11 @@ fn qwen3moe_fp8_dynamic_per_token_mean_nll_matches_reference() {
 #[test]
 fn deepseek_v3_fp8_dynamic_per_token_mean_nll_matches_reference() {
     assert_mean_nll("deepseek_v3-fp8-dynamic");
+}
+
+#[test]
+fn deepseek_v2_fp8_dynamic_per_token_mean_nll_matches_reference() {
+    assert_mean_nll("deepseek_v2-fp8-dynamic");
 }
 
 /// The tensors of `file` as a vision-language checkpoint holds its text model: `model.*` under
@@ -356,6 +376,36 @@ fn mistral3_conditional_generation_text_weights_match_reference() {
         println!("Mistral3ForConditionalGeneration, {base}.*: max |Δ| {max:.2e}");
         assert!(max <= 1e-4, "{base}: max |Δlogprob| {max:e}");
     }
+}
+
+/// Mistral 3's wrapper of a Mistral 4 text model (transformers' `Mistral3Config` builds any
+/// `text_config.model_type` through `AutoConfig`, and `Mistral3Model` its text model through
+/// `AutoModel`): the mistral4-w4a16-g32 tensors in transformers 5's layout (Mistral 4 is
+/// newer than the 4.x one; the quantization's ignore list names `lm_head` as 5 writes it), its
+/// config nested as `text_config`, score exactly as the text-only checkpoint's reference.
+#[test]
+fn mistral3_wrapper_of_mistral4_text_weights_match_reference() {
+    let mut text = config_of("mistral4-w4a16-g32");
+    let quantization = text.as_object_mut().unwrap().remove("quantization_config");
+    text.as_object_mut().unwrap().remove("architectures");
+    let config = serde_json::json!({
+        "architectures": ["Mistral3ForConditionalGeneration"],
+        "text_config": text,
+        "quantization_config": quantization,
+        "tie_word_embeddings": false,
+    });
+    let parsed = exactscore_server::model::ModelConfig::from_json(&config.to_string()).unwrap();
+    assert_eq!(
+        parsed.architecture.hf_name(),
+        "Mistral3ForConditionalGeneration"
+    );
+    assert!(parsed.mla.is_some() && parsed.architecture.is_vision_language());
+    let reference = reference("mistral4-w4a16-g32");
+    let (base, head) = TEXT_LAYOUTS[0];
+    let tensors = text_model_under("mistral4-w4a16-g32/model.safetensors", base, head);
+    let max = max_delta(&config.to_string(), tensors, &reference, Emulate);
+    println!("Mistral3ForConditionalGeneration (mistral4), {base}.*: max |Δ| {max:.2e}");
+    assert!(max <= 1e-4, "{base}: max |Δlogprob| {max:e}");
 }
 
 /// `variant`'s weights-only f32 scores with `config` and `tensors` in place of its own, against
@@ -821,7 +871,41 @@ fn deepseek_family_mutations_land_where_transformers_put_them() {
         rope.remove("mscale_all_dim");
         rope.insert("attention_factor".into(), 1.0.into());
     });
-    for variant in [v3, "glm4_moe_lite-w4a16-g32"] {
+    // DeepSeek-V2: the group limit, the scaling and the mscale, as for DeepSeek-V3
+    let v2 = "deepseek_v2-w4a16-g32";
+    mutated(v2, "no_group_limit", &|c| {
+        c["topk_method"] = "greedy".into()
+    });
+    mutated(v2, "routed_scaling_factor_dropped", &|c| {
+        c["routed_scaling_factor"] = 1.0.into()
+    });
+    mutated(v2, "mscale_ignored", &|c| {
+        let rope = c["rope_parameters"].as_object_mut().unwrap();
+        rope.remove("mscale_all_dim");
+        rope.insert("attention_factor".into(), 1.0.into());
+    });
+    // Mistral 4: the group limit, the scaling, the renormalisation, the mscale and the llama-4
+    // query scaling
+    let m4 = "mistral4-w4a16-g32";
+    mutated(m4, "no_group_limit", &|c| {
+        c["n_group"] = 1.into();
+        c["topk_group"] = 1.into();
+    });
+    mutated(m4, "routed_scaling_factor_dropped", &|c| {
+        c["routed_scaling_factor"] = 1.0.into()
+    });
+    mutated(m4, "m4_norm_topk_prob_flipped", &|c| {
+        c["norm_topk_prob"] = false.into()
+    });
+    mutated(m4, "llama_4_scaling_dropped", &|c| {
+        c["rope_parameters"]["llama_4_scaling_beta"] = 0.0.into()
+    });
+    mutated(m4, "mscale_ignored", &|c| {
+        let rope = c["rope_parameters"].as_object_mut().unwrap();
+        rope.remove("mscale_all_dim");
+        rope.insert("attention_factor".into(), 1.0.into());
+    });
+    for variant in [v3, "glm4_moe_lite-w4a16-g32", m4] {
         mutated(variant, "rope_interleave_flipped", &|c| {
             c["rope_interleave"] = (c["rope_interleave"] != true).into()
         });

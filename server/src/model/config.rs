@@ -9,6 +9,7 @@
 //! the keys it refuses, its RoPE, sliding layers, experts and biases), and `registry.rs`. A new
 //! architecture is one such file, its `mod` line here and one line in the registry.
 mod architecture;
+mod deepseek_v2;
 mod deepseek_v3;
 mod gemma2;
 mod gemma3;
@@ -18,6 +19,7 @@ mod glm4_moe_lite;
 mod llama;
 mod mistral;
 mod mistral3;
+mod mistral4;
 mod mixtral;
 mod qwen2;
 mod qwen3;
@@ -42,7 +44,8 @@ pub use gemma4::{Gemma4Layer, Gemma4Moe, Gemma4Text, KeySource};
 pub use registry::Architecture;
 use shared::{positive_finite, required_size, size, SharedKeys};
 pub use shared::{
-    Activation, LinearAttentionConfig, MlaConfig, MoeConfig, MoeRouter, SlidingLayers,
+    Activation, GroupScore, LinearAttentionConfig, Llama4QueryScaling, MlaConfig, MoeConfig,
+    MoeRouter, SlidingLayers,
 };
 
 #[derive(Debug, Clone)]

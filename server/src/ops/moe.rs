@@ -64,7 +64,8 @@ pub fn moe_route(logits: &Tensor, k: usize, norm: bool) -> Result<TopExperts> {
     })
 }
 
-/// DeepSeek-V3's group-limited sigmoid routing ([`moe_route_grouped`]).
+/// A group-limited router ([`moe_route_grouped`]): DeepSeek-V3's (sigmoid scores, a
+/// correction bias), DeepSeek-V2's and Mistral 4's (softmax scores).
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct GroupedRouting {
     pub k: usize,
@@ -72,64 +73,116 @@ pub struct GroupedRouting {
     pub topk_group: usize,
     pub norm: bool,
     pub routed_scaling_factor: f64,
+    pub scores: RouterScores,
+    pub group_score: GroupScore,
 }
 
-/// DeepSeek-V3's router (`DeepseekV3TopkRouter`) on its f32 logits `[tokens, experts]`, in f32
-/// as transformers computes it: scores `sigmoid(logits)`; the choice reads `scores + bias`
-/// (`e_score_correction_bias`, f32 `[experts]`), keeps the `topk_group` groups whose two best
-/// choice scores sum highest, and takes the `k` best choice scores among their experts (ties to
-/// the lowest id, groups and experts alike); the weights are the chosen experts' scores,
-/// divided by their sum + 1e-20 when `norm`, times `routed_scaling_factor`. The GPU reads the
-/// logits back and routes on the CPU (no kernel yet). A NaN score is an error.
+/// The router's per-expert scores from its logits.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RouterScores {
+    /// DeepSeek-V3's `sigmoid`; the experts of dropped groups are masked to -inf in the choice
+    /// (the correction bias may make a choice score negative).
+    Sigmoid,
+    /// DeepSeek-V2's and Mistral 4's `softmax`; the experts of dropped groups are masked to 0.0
+    /// (`masked_fill(~mask, 0.0)`).
+    Softmax,
+}
+
+/// What a group of experts scores when the router keeps the best `topk_group` groups.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum GroupScore {
+    /// The sum of its two best choice scores (DeepSeek-V3, Mistral 4).
+    TopTwoSum,
+    /// Its best choice score (DeepSeek-V2's `group_limited_greedy`).
+    Max,
+}
+
+/// A group-limited router on its logits `[tokens, experts]` (DeepSeek-V3's
+/// `DeepseekV3TopkRouter`, DeepSeek-V2's `DeepseekV2TopkRouter`, Mistral 4's
+/// `Mistral4TopkRouter`), as transformers computes it: scores `sigmoid` or `softmax` of the
+/// logits; the choice reads `scores + bias` (DeepSeek-V3's `e_score_correction_bias`, f32
+/// `[experts]`) or the scores, keeps the `topk_group` best groups by [`GroupScore`], masks the
+/// others' experts ([`RouterScores`]) and takes the `k` best (ties to the lowest id, groups and
+/// experts alike); the weights are the chosen experts' scores, divided by their sum + 1e-20 when
+/// `norm`, times `routed_scaling_factor`. Every step is rounded to the logits' dtype, as torch
+/// computes a router that runs in the compute dtype (Mistral 4's; the others' logits are f32);
+/// torch breaks exact ties among bf16 scores in an order of its own. The GPU reads the logits
+/// back and routes on the CPU (no kernel yet). A NaN score is an error.
 pub fn moe_route_grouped(
     logits: &Tensor,
-    bias: &Tensor,
+    bias: Option<&Tensor>,
     routing: &GroupedRouting,
 ) -> Result<TopExperts> {
     let (tokens, num_experts) = logits.dims2()?;
-    let scores = candle_nn::ops::sigmoid(&logits.to_dtype(DType::F32)?)?.to_device(&Device::Cpu)?;
-    let bias = bias
-        .to_dtype(DType::F32)?
-        .to_device(&Device::Cpu)?
-        .to_vec1::<f32>()?;
+    let round = rounding_to(logits.dtype());
+    let f32_logits = logits.to_dtype(DType::F32)?;
+    let (scores, masked_score) = match routing.scores {
+        RouterScores::Sigmoid => (candle_nn::ops::sigmoid(&f32_logits)?, f32::NEG_INFINITY),
+        RouterScores::Softmax => (candle_nn::ops::softmax_last_dim(&f32_logits)?, 0.0),
+    };
+    let bias = match bias {
+        Some(b) => b
+            .to_dtype(DType::F32)?
+            .to_device(&Device::Cpu)?
+            .to_vec1::<f32>()?,
+        None => vec![0.0; num_experts],
+    };
     let (k, groups, per_group) = (routing.k, routing.n_group, num_experts / routing.n_group);
     let scale = routing.routed_scaling_factor as f32;
     let (mut experts, mut weights) = (
         Vec::with_capacity(tokens * k),
         Vec::with_capacity(tokens * k),
     );
-    for (t, s) in scores.to_vec2::<f32>()?.into_iter().enumerate() {
+    for (t, s) in scores
+        .to_device(&Device::Cpu)?
+        .to_vec2::<f32>()?
+        .into_iter()
+        .enumerate()
+    {
         if s.iter().any(|v| v.is_nan()) {
             candle_core::bail!("the router scores of token {t} of {tokens} are NaN");
         }
+        let s: Vec<f32> = s.into_iter().map(round).collect();
         let choice: Vec<f32> = s.iter().zip(&bias).map(|(s, b)| s + b).collect();
         let group_score = |g: usize| {
             let mut best = choice[g * per_group..(g + 1) * per_group].to_vec();
             best.sort_by(|a, b| b.total_cmp(a));
-            best[0] + best[1]
+            match routing.group_score {
+                GroupScore::TopTwoSum => round(best[0] + best[1]),
+                GroupScore::Max => best[0],
+            }
         };
         let group_scores: Vec<f32> = (0..groups).map(group_score).collect();
         let kept = top_indices(&group_scores, routing.topk_group);
         let masked: Vec<f32> = (0..num_experts)
             .map(|e| match kept.contains(&(e / per_group)) {
                 true => choice[e],
-                false => f32::NEG_INFINITY,
+                false => masked_score,
             })
             .collect();
         let top = top_indices(&masked, k);
         let chosen: Vec<f32> = top.iter().map(|&e| s[e]).collect();
         let denominator = match routing.norm {
-            true => chosen.iter().sum::<f32>() + 1e-20,
+            true => round(chosen.iter().sum::<f32>()) + 1e-20,
             false => 1.0,
         };
         experts.extend(top.iter().map(|&e| e as u32));
-        weights.extend(chosen.iter().map(|w| w / denominator * scale));
+        weights.extend(chosen.iter().map(|w| round(round(w / denominator) * scale)));
     }
     Ok(TopExperts {
         k,
         experts,
         weights,
     })
+}
+
+/// Rounds an f32 to `dtype` (and back), as a torch op in that dtype rounds its f32 result.
+fn rounding_to(dtype: DType) -> fn(f32) -> f32 {
+    match dtype {
+        DType::BF16 => |v| half::bf16::from_f32(v).to_f32(),
+        DType::F16 => |v| half::f16::from_f32(v).to_f32(),
+        _ => |v| v,
+    }
 }
 
 /// The indices of the `k` largest values, largest first; equal values keep the lower index first.

@@ -1,8 +1,8 @@
-//! Multi-head latent attention (DeepSeek-V2/V3, GLM-4.7-Flash), as transformers'
-//! `DeepseekV3Attention` computes it. The queries come from `q_proj`, or from a low-rank
-//! `q_a_proj` → RMSNorm → `q_b_proj`; keys and values from one latent per token
-//! (`kv_a_proj_with_mqa` → RMSNorm → `kv_b_proj`), whose last `qk_rope_head_dim` features are a
-//! rotary key part that every head shares. For scoring there is no cache to keep small, so the
+//! Multi-head latent attention (DeepSeek-V2/V3, GLM-4.7-Flash, Mistral 4), as transformers'
+//! `DeepseekV3Attention` computes it (Mistral 4's then scales the queries by position). The
+//! queries come from `q_proj`, or from a low-rank `q_a_proj` → RMSNorm → `q_b_proj`; keys and
+//! values from one latent per token (`kv_a_proj_with_mqa` → RMSNorm → `kv_b_proj`), whose last
+//! `qk_rope_head_dim` features are a rotary key part that every head shares. For scoring there is no cache to keep small, so the
 //! latent is expanded to per-head keys (`qk_nope + qk_rope` features) and values
 //! (`v_head_dim`). Where the batch attends through the flash kernel, the heads are zero-padded
 //! to its head size ([`ModelConfig::attention_head_dim`]: DeepSeek's 192-wide keys and 128-wide
@@ -228,6 +228,15 @@ impl LatentAttention {
             .rotate(&k_rot.reshape((1, 1, len, rot))?, rope)?
             .broadcast_as((1, heads, len, rot))?;
         let q = Tensor::cat(&[&q.narrow(3, 0, nope)?, &q_rot], 3)?.contiguous()?;
+        // Mistral 4: every feature of the query of position p, in the compute dtype.
+        let q = match &self.cfg.query_scaling {
+            Some(scaling) => {
+                let scale: Vec<f32> = (0..len).map(|p| scaling.scale(p)).collect();
+                let scale = Tensor::from_vec(scale, (1, 1, len, 1), q.device())?;
+                q.broadcast_mul(&scale.to_dtype(q.dtype())?)?
+            }
+            None => q,
+        };
         let k = Tensor::cat(&[&kv.narrow(3, 0, nope)?, &k_rot], 3)?.contiguous()?;
         let v = kv.narrow(3, nope, v_dim)?.contiguous()?;
         ops::causal_attention(&q, &k, &v, self.cfg.softmax_scale, None, None, blocks)?

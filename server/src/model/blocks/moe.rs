@@ -15,14 +15,14 @@ use crate::checkpoint::LoadError;
 use crate::model::config::{ModelConfig, MoeConfig, MoeRouter};
 use crate::model::loader::Loader;
 use crate::model::profile::{self, stage};
-use crate::ops::{self, GroupedRouting, TopExperts};
+use crate::ops::{self, TopExperts};
 use crate::quant::QuantLinear;
 
 #[derive(Clone)]
 pub struct Moe {
     /// The router `[experts, hidden]`, in the compute dtype (llm-compressor leaves it
-    /// unquantized); in f32 for [`MoeRouter::SigmoidGrouped`], which routes in f32. `None`
-    /// where the family routes itself ([`Self::load_experts`]).
+    /// unquantized); in f32 for DeepSeek-V3's and DeepSeek-V2's routers, which route in f32.
+    /// `None` where the family routes itself ([`Self::load_experts`]).
     router: Option<Tensor>,
     /// DeepSeek's `e_score_correction_bias` (f32 `[experts]`) for [`MoeRouter::SigmoidGrouped`].
     correction_bias: Option<Tensor>,
@@ -92,17 +92,19 @@ impl Moe {
                 ),
             ));
         }
+        let f32 =
+            |name: &str, shape: &[usize]| vb.get_as(name, shape, DType::F32, &vb.options().device);
         let (router, correction_bias) = match cfg.router {
-            MoeRouter::Softmax => (vb.get("gate.weight", &[cfg.num_experts, h])?, None),
-            MoeRouter::SigmoidGrouped { .. } => {
-                let f32 = |name: &str, shape: &[usize]| {
-                    vb.get_as(name, shape, DType::F32, &vb.options().device)
-                };
-                (
-                    f32("gate.weight", &[cfg.num_experts, h])?,
-                    Some(f32("gate.e_score_correction_bias", &[cfg.num_experts])?),
-                )
-            }
+            MoeRouter::Softmax
+            | MoeRouter::SoftmaxGrouped {
+                in_compute_dtype: true,
+                ..
+            } => (vb.get("gate.weight", &[cfg.num_experts, h])?, None),
+            MoeRouter::SoftmaxGrouped { .. } => (f32("gate.weight", &[cfg.num_experts, h])?, None),
+            MoeRouter::SigmoidGrouped { .. } => (
+                f32("gate.weight", &[cfg.num_experts, h])?,
+                Some(f32("gate.e_score_correction_bias", &[cfg.num_experts])?),
+            ),
         };
         let stacked = vb.pp("experts");
         let experts = if vb.checkpoint().contains(&stacked.name("gate_up_proj")) {
@@ -177,33 +179,20 @@ impl Moe {
     /// Every token's experts, as transformers picks them: router logits through
     /// [`ops::matmul_t`] (whose rows do not depend on the other rows of the batch), in the
     /// compute dtype then softmax in f32, the `top_k` largest (ties to the lower index),
-    /// renormalised in f32 when `norm_topk_prob` ([`ops::moe_route`]); or DeepSeek's logits
-    /// and routing in f32 ([`ops::moe_route_grouped`]).
+    /// renormalised in f32 when `norm_topk_prob` ([`ops::moe_route`]); or a group-limited
+    /// router's logits and routing in the router's dtype ([`ops::moe_route_grouped`]).
     pub fn route(&self, x: &Tensor) -> Result<TopExperts> {
         let (k, norm) = (self.cfg.experts_per_token, self.cfg.norm_topk_prob);
         let Some(router) = &self.router else {
             candle_core::bail!("this mixture is routed by its decoder layer");
         };
-        match (self.cfg.router, &self.correction_bias) {
-            (
-                MoeRouter::SigmoidGrouped {
-                    n_group,
-                    topk_group,
-                    routed_scaling_factor,
-                },
-                Some(bias),
-            ) => {
-                let logits = ops::matmul_t(&x.to_dtype(DType::F32)?, router)?;
-                let routing = GroupedRouting {
-                    k,
-                    n_group,
-                    topk_group,
-                    norm,
-                    routed_scaling_factor,
-                };
-                ops::moe_route_grouped(&logits, bias, &routing)
+        match self.cfg.router.grouped(k, norm) {
+            Some(routing) => {
+                let x = x.to_dtype(router.dtype())?;
+                let logits = ops::matmul_t(&x, router)?;
+                ops::moe_route_grouped(&logits, self.correction_bias.as_ref(), &routing)
             }
-            _ => ops::moe_route(&ops::matmul_t(x, router)?, k, norm),
+            None => ops::moe_route(&ops::matmul_t(x, router)?, k, norm),
         }
     }
 

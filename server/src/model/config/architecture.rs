@@ -43,6 +43,12 @@ pub(super) trait ArchitectureConfig: Sync {
         DecoderFamily::Llama
     }
 
+    /// Whether this reading applies to `root`: a class name shared by readings of different
+    /// text models (Mistral 3's wrapper of a Mistral or a Mistral 4) picks by the file.
+    fn reads(&self, _root: &Value) -> bool {
+        true
+    }
+
     fn is_vision_language(&self) -> bool {
         false
     }

@@ -110,6 +110,7 @@ pub(super) fn mla(root: &Value, rope: &Rope) -> Result<MlaConfig, LoadError> {
         v_head_dim,
         rope_interleave,
         softmax_scale,
+        query_scaling: None,
     })
 }
 
@@ -150,49 +151,12 @@ pub(super) fn first_k_dense(root: &Value, num_layers: usize) -> Result<Vec<bool>
     Ok((0..num_layers).map(|i| i >= dense).collect())
 }
 
-/// DeepSeek-V3's mixture (`DeepseekV3MoE`) in the `sparse` layers: `n_routed_experts` experts
-/// of `moe_intermediate_size`, `n_shared_experts` shared ones fused into one MLP of
-/// `moe_intermediate_size * n_shared_experts`, routed by [`MoeRouter::SigmoidGrouped`].
+/// DeepSeek-V3's mixture (`DeepseekV3MoE`) in the `sparse` layers: [`shared_expert_moe`],
+/// routed by [`MoeRouter::SigmoidGrouped`].
 pub(super) fn deepseek_moe(root: &Value, sparse: Vec<bool>) -> Result<MoeConfig, LoadError> {
-    let moe = experts(
-        root,
-        "n_routed_experts",
-        "moe_intermediate_size",
-        sparse.len(),
-    )?;
-    let shared = required_size(
-        optional_usize(root, "n_shared_experts")?,
-        "n_shared_experts",
-        1 << 10,
-    )?;
-    let n_group = required_size(optional_usize(root, "n_group")?, "n_group", moe.num_experts)?;
-    let topk_group = required_size(optional_usize(root, "topk_group")?, "topk_group", n_group)?;
-    let per_group = moe.num_experts / n_group;
+    let moe = shared_expert_moe(root, sparse)?;
     // A group scores the sum of its two best experts (`topk(2)`), so it needs two.
-    if !moe.num_experts.is_multiple_of(n_group) || per_group < 2 {
-        return Err(LoadError::config(
-            "n_group",
-            format!(
-                "{n_group} groups of {} experts (must divide them into groups of at least 2)",
-                moe.num_experts
-            ),
-        ));
-    }
-    // Fewer unmasked experts than k would make topk pick masked (-inf) ones.
-    if moe.experts_per_token > topk_group * per_group {
-        return Err(LoadError::config(
-            "num_experts_per_tok",
-            format!(
-                "{} exceeds the {} experts of topk_group = {topk_group} groups",
-                moe.experts_per_token,
-                topk_group * per_group
-            ),
-        ));
-    }
-    let scaling = root
-        .get("routed_scaling_factor")
-        .and_then(Value::as_f64)
-        .ok_or_else(|| LoadError::config("routed_scaling_factor", "missing or not a number"))?;
+    let (n_group, topk_group) = expert_groups(root, &moe, 2)?;
     let norm_topk_prob = match root.get("norm_topk_prob") {
         Some(Value::Bool(b)) => *b,
         None => true,
@@ -204,21 +168,84 @@ pub(super) fn deepseek_moe(root: &Value, sparse: Vec<bool>) -> Result<MoeConfig,
         }
     };
     Ok(MoeConfig {
-        sparse_layers: sparse,
         norm_topk_prob,
+        router: MoeRouter::SigmoidGrouped {
+            n_group,
+            topk_group,
+            routed_scaling_factor: routed_scaling_factor(root)?,
+        },
+        ..moe
+    })
+}
+
+/// DeepSeek's experts in the `sparse` layers: `n_routed_experts` experts of
+/// `moe_intermediate_size`, and `n_shared_experts` shared ones fused into one MLP of
+/// `moe_intermediate_size * n_shared_experts` (`mlp.shared_experts`, weight 1).
+pub(super) fn shared_expert_moe(root: &Value, sparse: Vec<bool>) -> Result<MoeConfig, LoadError> {
+    let moe = experts(
+        root,
+        "n_routed_experts",
+        "moe_intermediate_size",
+        sparse.len(),
+    )?;
+    let shared = required_size(
+        optional_usize(root, "n_shared_experts")?,
+        "n_shared_experts",
+        1 << 10,
+    )?;
+    Ok(MoeConfig {
+        sparse_layers: sparse,
         shared_expert_intermediate_size: Some(size(
             moe.expert_intermediate_size * shared,
             "n_shared_experts",
             1 << 20,
         )?),
         shared_expert_gate: false,
-        router: MoeRouter::SigmoidGrouped {
-            n_group,
-            topk_group,
-            routed_scaling_factor: positive_finite(scaling, "routed_scaling_factor")?,
-        },
         ..moe
     })
+}
+
+/// `n_group` and `topk_group` of a group-limited router whose group score reads the best
+/// `min_per_group` experts of a group.
+pub(super) fn expert_groups(
+    root: &Value,
+    moe: &MoeConfig,
+    min_per_group: usize,
+) -> Result<(usize, usize), LoadError> {
+    let n_group = required_size(optional_usize(root, "n_group")?, "n_group", moe.num_experts)?;
+    let topk_group = required_size(optional_usize(root, "topk_group")?, "topk_group", n_group)?;
+    let per_group = moe.num_experts / n_group;
+    if !moe.num_experts.is_multiple_of(n_group) || per_group < min_per_group {
+        return Err(LoadError::config(
+            "n_group",
+            format!(
+                "{n_group} groups of {} experts (must divide them into groups of at least \
+                 {min_per_group})",
+                moe.num_experts
+            ),
+        ));
+    }
+    // Fewer unmasked experts than k would make topk pick masked ones.
+    if moe.experts_per_token > topk_group * per_group {
+        return Err(LoadError::config(
+            "num_experts_per_tok",
+            format!(
+                "{} exceeds the {} experts of topk_group = {topk_group} groups",
+                moe.experts_per_token,
+                topk_group * per_group
+            ),
+        ));
+    }
+    Ok((n_group, topk_group))
+}
+
+pub(super) fn routed_scaling_factor(root: &Value) -> Result<f64, LoadError> {
+    let key = "routed_scaling_factor";
+    let scaling = root
+        .get(key)
+        .and_then(Value::as_f64)
+        .ok_or_else(|| LoadError::config(key, "missing or not a number"))?;
+    positive_finite(scaling, key)
 }
 
 #[cfg(test)]

@@ -24,6 +24,11 @@ impl ArchitectureConfig for Mistral3ForConditionalGeneration {
         true
     }
 
+    /// A Mistral 4 text model is another architecture ([`super::mistral4`]).
+    fn reads(&self, root: &Value) -> bool {
+        super::mistral4::text_model_type(root) != Some("mistral4")
+    }
+
     /// transformers builds the text model from `text_config.model_type` (another one,
     /// Ministral 3's, is another architecture), and ties its lm_head by the top-level flag
     /// (default true) where the checkpoint has none; the text model's own is not read.
@@ -35,7 +40,7 @@ impl ArchitectureConfig for Mistral3ForConditionalGeneration {
             Some(other) => {
                 return Err(LoadError::config(
                     "text_config.model_type",
-                    format!("{other} is not supported (supported: \"mistral\")"),
+                    format!("{other} is not supported (supported: \"mistral\", \"mistral4\")"),
                 ))
             }
         }

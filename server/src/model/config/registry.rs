@@ -5,6 +5,7 @@ use serde_json::Value;
 
 use super::architecture::{ArchitectureConfig, DecoderFamily};
 use super::shared::required;
+use super::{deepseek_v2, mistral4};
 use super::{
     deepseek_v3, gemma2, gemma3, gemma4, glm4_moe, glm4_moe_lite, llama, mistral, mistral3,
     mixtral, qwen2, qwen3, qwen3_5, qwen3_5_moe, qwen3_moe, qwen3_next,
@@ -62,15 +63,22 @@ architectures! {
     Qwen3_5MoeMultimodal => qwen3_5_moe::Qwen3_5Moe { vision_language: true },
     /// Multi-head latent attention, sigmoid group-limited routing, shared experts.
     DeepseekV3 => deepseek_v3::DeepseekV3ForCausalLM,
+    /// DeepSeek-V2: latent attention, softmax routing (`topk_method`), shared experts.
+    DeepseekV2 => deepseek_v2::DeepseekV2ForCausalLM,
     /// GLM-4.5/4.6/4.7: partial rotary attention, DeepSeek-V3's routing.
     Glm4Moe => glm4_moe::Glm4MoeForCausalLM,
     /// GLM-4.7-Flash: DeepSeek-V3's latent attention and routing, `mlp_layer_types`.
     Glm4MoeLite => glm4_moe_lite::Glm4MoeLiteForCausalLM,
+    /// Mistral Small 4: latent attention with llama-4 query scaling, softmax routing.
+    Mistral4 => mistral4::Mistral4 { vision_language: false },
+    /// Mistral 3's vision-language wrapper of a Mistral 4 text model (`model.language_model.`).
+    Mistral4Multimodal => mistral4::Mistral4 { vision_language: true },
 }
 
 impl Architecture {
-    fn from_hf(name: &str) -> Option<Self> {
-        Self::ALL.iter().copied().find(|a| a.hf_name() == name)
+    fn from_hf(name: &str, root: &Value) -> Option<Self> {
+        let reads = |a: &Self| a.hf_name() == name && a.config().reads(root);
+        Self::ALL.iter().copied().find(reads)
     }
 
     /// The first architecture of config.json's `architectures` that we serve.
@@ -80,7 +88,8 @@ impl Architecture {
                 .and_then(|a| serde_json::from_value(a.clone()).ok()),
             "architectures",
         )?;
-        names.iter().find_map(|a| Self::from_hf(a)).ok_or_else(|| {
+        let from_hf = |name: &String| Self::from_hf(name, root);
+        names.iter().find_map(from_hf).ok_or_else(|| {
             let supported: Vec<&str> = Self::ALL.iter().map(|a| a.hf_name()).collect();
             LoadError::config(
                 "architectures",

@@ -8,7 +8,8 @@ use serde_json::Value;
 
 use crate::checkpoint::LoadError;
 use crate::model::rope::Rope;
-pub use crate::ops::Activation;
+pub use crate::ops::{Activation, GroupScore};
+use crate::ops::{GroupedRouting, RouterScores};
 
 /// A mixture-of-experts feed-forward (Qwen3-MoE, Mixtral, DeepSeek-V3).
 #[derive(Debug, Clone, PartialEq)]
@@ -50,6 +51,60 @@ pub enum MoeRouter {
         topk_group: usize,
         routed_scaling_factor: f64,
     },
+    /// DeepSeek-V2's (`DeepseekV2TopkRouter`) and Mistral 4's (`Mistral4TopkRouter`): softmax
+    /// scores; only the experts of the `topk_group` best of `n_group` groups (by
+    /// `group_score`) are chosen, the others masked to 0.0; the weights are the chosen scores,
+    /// renormalised where `norm_topk_prob`, times `routed_scaling_factor`. DeepSeek-V2 computes
+    /// the logits and scores in f32, Mistral 4 in the compute dtype (`in_compute_dtype`).
+    SoftmaxGrouped {
+        n_group: usize,
+        topk_group: usize,
+        group_score: GroupScore,
+        routed_scaling_factor: f64,
+        in_compute_dtype: bool,
+    },
+}
+
+impl MoeRouter {
+    /// The group-limited routing of `k` experts a token, `None` for [`MoeRouter::Softmax`].
+    pub fn grouped(&self, k: usize, norm: bool) -> Option<GroupedRouting> {
+        let (n_group, topk_group, routed_scaling_factor, scores, group_score) = match *self {
+            MoeRouter::Softmax => return None,
+            MoeRouter::SigmoidGrouped {
+                n_group,
+                topk_group,
+                routed_scaling_factor,
+            } => (
+                n_group,
+                topk_group,
+                routed_scaling_factor,
+                RouterScores::Sigmoid,
+                GroupScore::TopTwoSum,
+            ),
+            MoeRouter::SoftmaxGrouped {
+                n_group,
+                topk_group,
+                group_score,
+                routed_scaling_factor,
+                ..
+            } => (
+                n_group,
+                topk_group,
+                routed_scaling_factor,
+                RouterScores::Softmax,
+                group_score,
+            ),
+        };
+        Some(GroupedRouting {
+            k,
+            n_group,
+            topk_group,
+            norm,
+            routed_scaling_factor,
+            scores,
+            group_score,
+        })
+    }
 }
 
 /// Multi-head latent attention (DeepSeek-V2/V3, GLM-4.7-Flash): q through an optional low-rank
@@ -68,6 +123,24 @@ pub struct MlaConfig {
     /// The attention-score scale: `qk_head_dim ** -0.5`, times `mscale(factor,
     /// mscale_all_dim) ** 2` under YaRN.
     pub softmax_scale: f64,
+    /// Mistral 4's position-dependent query scale.
+    pub query_scaling: Option<Llama4QueryScaling>,
+}
+
+/// Llama 4's query scaling (`get_llama_4_attn_scale`, Mistral 4): the query of position `p`
+/// times `1 + beta * log(1 + floor(p / original_max_position_embeddings))`, computed in f32.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Llama4QueryScaling {
+    pub beta: f64,
+    pub original_max_position_embeddings: f64,
+}
+
+impl Llama4QueryScaling {
+    /// The scale of position `p`, as torch computes it in f32.
+    pub fn scale(&self, p: usize) -> f32 {
+        let blocks = (p as f32 / self.original_max_position_embeddings as f32).floor();
+        1.0 + self.beta as f32 * (1.0 + blocks).ln()
+    }
 }
 
 /// The Gated DeltaNet (linear-attention) layers of a hybrid model (Qwen3-Next, Qwen3.5).
