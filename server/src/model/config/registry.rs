@@ -90,7 +90,13 @@ impl Architecture {
         )?;
         let from_hf = |name: &String| Self::from_hf(name, root);
         names.iter().find_map(from_hf).ok_or_else(|| {
-            let supported: Vec<&str> = Self::ALL.iter().map(|a| a.hf_name()).collect();
+            // One class name may be read several ways (Mistral 3 around two text models).
+            let mut supported: Vec<&str> = Vec::new();
+            for name in Self::ALL.iter().map(|a| a.hf_name()) {
+                if !supported.contains(&name) {
+                    supported.push(name);
+                }
+            }
             LoadError::config(
                 "architectures",
                 format!(
