@@ -526,6 +526,8 @@ const CHECKED: &[&str] = &[
     "llama-gptq-v2-int3-actorder-asym",
     "llama-w4a16-actorder-g64",
     "llama-mxfp4a16",
+    // Hugging Face FP8 with 128 x 128 block scales
+    "llama-fp8-block",
     // native AWQ (held as pack-quantized int4 with zero points)
     "llama-awq-int4-g64",
     "qwen3moe-w4a16-g32",
@@ -550,6 +552,9 @@ const CHECKED: &[&str] = &[
     "deepseek_v3-fp8-dynamic",
     "glm4_moe_lite-w4a16-g32",
     "glm4_moe-w4a16-g32",
+    "deepseek_v2-w4a16-g32",
+    "deepseek_v2-fp8-dynamic",
+    "mistral4-w4a16-g32",
     // Gemma 4 (per-layer inputs, KV-shared layers, MoE; materialized attention)
     "gemma4-w4a16-g32",
     "gemma4-nvfp4a16",
@@ -580,7 +585,11 @@ fn check(fixtures: &Path, device: &Device, only: &[String]) -> Result<()> {
                     DType::BF16,
                 );
             let seqs = sequences(&reference);
-            let has_act = reference.get("weights_only").is_some();
+            // Activation-quantized fixtures: their reference has a weights-only run beside the
+            // emulated one (the compressed-tensors fixtures) or an emulated one beside the
+            // weights-only `sequences` (the Hugging Face FP8 fixture).
+            let has_act = reference.get("weights_only").is_some()
+                || reference.get("reference_emulated").is_some();
             let modes: &[ActivationQuantMode] = if has_act {
                 &[ActivationQuantMode::Off, ActivationQuantMode::Emulate]
             } else {
