@@ -15,9 +15,7 @@ use candle_core::Device;
 use regex::Regex;
 use serde_json::Value;
 
-use super::compressed_tensors::{
-    skip_pattern, Format, LayerScheme, QuantArgs, QuantType, Strategy,
-};
+use super::compressed_tensors::{skip_pattern, Format, LayerScheme, QuantArgs};
 use super::pack_quantized::{IntParts, IntWeight};
 use super::{to_f32_vec, SCALE_DTYPES};
 use crate::checkpoint::{Checkpoint, LoadError};
@@ -125,20 +123,7 @@ pub fn parse_config(raw: &Value) -> Result<AwqConfig, LoadError> {
     let scheme = LayerScheme {
         group: "awq".into(),
         format: Format::Awq,
-        weights: QuantArgs {
-            num_bits: 4,
-            kind: QuantType::Int,
-            symmetric: false,
-            strategy: if group_size.is_some() {
-                Strategy::Group
-            } else {
-                Strategy::Channel
-            },
-            group_size,
-            block_structure: None,
-            dynamic: false,
-            actorder: false,
-        },
+        weights: QuantArgs::int_weights(4, false, group_size, false),
         input_activations: None,
     };
     Ok(AwqConfig {

@@ -128,6 +128,29 @@ fn unsupported(layer: &str, field: impl Into<String>, reason: impl Into<String>)
 }
 
 impl QuantArgs {
+    /// Static integer weights of `num_bits`, per group of `group_size` inputs (per output
+    /// channel without one): what the native GPTQ and AWQ configs describe.
+    pub fn int_weights(
+        num_bits: u32,
+        symmetric: bool,
+        group_size: Option<usize>,
+        actorder: bool,
+    ) -> Self {
+        Self {
+            num_bits,
+            kind: QuantType::Int,
+            symmetric,
+            strategy: match group_size {
+                Some(_) => Strategy::Group,
+                None => Strategy::Channel,
+            },
+            group_size,
+            block_structure: None,
+            dynamic: false,
+            actorder,
+        }
+    }
+
     fn parse(raw: &Value, group: &str, role: &str) -> Result<Self, LoadError> {
         let field = |f: &str| format!("config_groups.{group}.{role}.{f}");
         let raw: RawArgs = serde_json::from_value(raw.clone()).map_err(|e| {

@@ -20,7 +20,7 @@ use candle_core::Device;
 use safetensors::Dtype as StDtype;
 use serde_json::Value;
 
-use super::compressed_tensors::{Format, LayerScheme, QuantArgs, QuantType, Strategy};
+use super::compressed_tensors::{Format, LayerScheme, QuantArgs};
 use super::pack_quantized::{IntParts, IntWeight};
 use super::{to_f32_vec, SCALE_DTYPES};
 use crate::checkpoint::{Checkpoint, LoadError};
@@ -155,20 +155,7 @@ pub fn parse_config(raw: &Value) -> Result<GptqConfig, LoadError> {
     let scheme = LayerScheme {
         group: "gptq".into(),
         format: format.unwrap_or(Format::Gptq),
-        weights: QuantArgs {
-            num_bits: bits,
-            kind: QuantType::Int,
-            symmetric: sym,
-            strategy: if group_size.is_some() {
-                Strategy::Group
-            } else {
-                Strategy::Channel
-            },
-            group_size,
-            block_structure: None,
-            dynamic: false,
-            actorder: desc_act,
-        },
+        weights: QuantArgs::int_weights(bits, sym, group_size, desc_act),
         input_activations: None,
     };
     Ok(GptqConfig {
