@@ -121,17 +121,29 @@ const GEMMA3: &str = r#"{"architectures":["Gemma3ForCausalLM"],"vocab_size":10,"
 
 #[test]
 fn unsupported_architecture_lists_the_supported_ones() {
-    let err = ModelConfig::from_json(&V4.replace("LlamaForCausalLM", "DeepseekV2ForCausalLM"))
+    let err = ModelConfig::from_json(&V4.replace("LlamaForCausalLM", "GptOssForCausalLM"))
         .unwrap_err()
         .to_string();
+    assert!(
+        err.contains("unsupported architecture [\"GptOssForCausalLM\"]"),
+        "{err}"
+    );
     for name in [
         "DeepseekV2ForCausalLM",
         "DeepseekV3ForCausalLM",
+        "Mistral4ForCausalLM",
+        "Gemma4ForCausalLM",
         "Qwen3MoeForCausalLM",
         "Gemma2ForCausalLM",
     ] {
         assert!(err.contains(name), "{err}");
     }
+    // one class name read two ways (Mistral 3 around a Mistral or a Mistral 4) is listed once
+    assert_eq!(
+        err.matches("Mistral3ForConditionalGeneration").count(),
+        1,
+        "{err}"
+    );
 }
 
 #[test]
