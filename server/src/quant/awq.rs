@@ -16,6 +16,7 @@ use regex::Regex;
 use serde_json::Value;
 
 use super::compressed_tensors::{skip_pattern, Format, LayerScheme, QuantArgs};
+use super::gptq::{field_error, group_size, ROOT};
 use super::pack_quantized::{IntParts, IntWeight};
 use super::{to_f32_vec, SCALE_DTYPES};
 use crate::checkpoint::{Checkpoint, LoadError};
@@ -27,12 +28,6 @@ pub const TENSORS: [&str; 3] = ["qweight", "qzeros", "scales"];
 /// Where output `8j + m` of word j sits: bits `4 · WORD_SLOT[m] ..` (AutoAWQ's interleave
 /// `[0, 2, 4, 6, 1, 3, 5, 7]` inverted).
 const WORD_SLOT: [usize; 8] = [0, 4, 1, 5, 2, 6, 3, 7];
-
-const ROOT: &str = "quantization_config";
-
-fn field_error(field: &str, reason: impl Into<String>) -> LoadError {
-    LoadError::config(format!("{ROOT}.{field}"), reason)
-}
 
 /// The one scheme of an AWQ `quantization_config` and the modules it leaves unquantized.
 pub struct AwqConfig {
@@ -60,19 +55,7 @@ pub fn parse_config(raw: &Value) -> Result<AwqConfig, LoadError> {
             ))
         }
     }
-    let group_size = match get("group_size") {
-        None => Some(128),
-        Some(v) => match v.as_i64() {
-            Some(-1) => None,
-            Some(g) if g > 0 => Some(g as usize),
-            _ => {
-                return Err(field_error(
-                    "group_size",
-                    format!("{v} is neither -1 nor positive"),
-                ))
-            }
-        },
-    };
+    let group_size = group_size(get("group_size"))?;
     // transformers reads `format`, and the legacy `version` over it.
     for key in ["format", "version"] {
         let Some(v) = get(key) else { continue };

@@ -28,10 +28,26 @@ use crate::checkpoint::{Checkpoint, LoadError};
 /// The tensors of a GPTQ Linear, after its name and a dot.
 pub const TENSORS: [&str; 4] = ["qweight", "qzeros", "scales", "g_idx"];
 
-const ROOT: &str = "quantization_config";
+pub(super) const ROOT: &str = "quantization_config";
 
-fn field_error(field: &str, reason: impl Into<String>) -> LoadError {
+/// An error in `quantization_config.{field}` (the native GPTQ and AWQ configs).
+pub(super) fn field_error(field: &str, reason: impl Into<String>) -> LoadError {
     LoadError::config(format!("{ROOT}.{field}"), reason)
+}
+
+/// A native config's `group_size`: 128 when absent, `-1` for one group per output channel.
+pub(super) fn group_size(value: Option<&Value>) -> Result<Option<usize>, LoadError> {
+    match value {
+        None => Ok(Some(128)),
+        Some(v) => match v.as_i64() {
+            Some(-1) => Ok(None),
+            Some(g) if g > 0 => Ok(Some(g as usize)),
+            _ => Err(field_error(
+                "group_size",
+                format!("{v} is neither -1 nor positive"),
+            )),
+        },
+    }
 }
 
 /// The one scheme of a GPTQ `quantization_config`, and whether `lm_head` is quantized too.
@@ -57,19 +73,7 @@ pub fn parse_config(raw: &Value) -> Result<GptqConfig, LoadError> {
         },
         None => return Err(field_error("bits", "missing")),
     };
-    let group_size = match get("group_size") {
-        None => Some(128),
-        Some(v) => match v.as_i64() {
-            Some(-1) => None,
-            Some(g) if g > 0 => Some(g as usize),
-            _ => {
-                return Err(field_error(
-                    "group_size",
-                    format!("{v} is neither -1 nor positive"),
-                ))
-            }
-        },
-    };
+    let group_size = group_size(get("group_size"))?;
     let flag = |key: &str, default: bool| -> Result<bool, LoadError> {
         match get(key) {
             None => Ok(default),

@@ -173,27 +173,35 @@ impl LatentAttention {
                 .forward(&self.kv_a_layernorm.forward(&nope, None)?)?;
             Ok((kv, latent.narrow(1, rank, rope_dim)?.contiguous()?))
         })?;
-        if let Some(index) = batch.flash() {
-            let out = self.flash_attend(&q, &kv, &k_rot, index, rope)?;
-            let [o_in] = layer_inputs([&self.o_proj], &out, false)?;
-            return stage("o_proj", dev, || {
-                self.o_proj.add_to_residual(residual, &o_in)
-            });
-        }
-        let out = stage("attention", dev, || {
+        let out = match batch.flash() {
+            Some(index) => self.flash_attend(&q, &kv, &k_rot, index, rope)?,
+            None => self.attend_each_sequence(&q, &kv, &k_rot, batch, rope)?,
+        };
+        let [o_in] = layer_inputs([&self.o_proj], &out, false)?;
+        stage("o_proj", dev, || {
+            self.o_proj.add_to_residual(residual, &o_in)
+        })
+    }
+
+    /// The materialised path, one sequence at a time; returns `[tokens, heads * v]`.
+    fn attend_each_sequence(
+        &self,
+        q: &Tensor,
+        kv: &Tensor,
+        k_rot: &Tensor,
+        batch: &BatchLayout,
+        rope: &RopeTables,
+    ) -> Result<Tensor> {
+        stage("attention", q.device(), || {
             let mut outputs = Vec::with_capacity(batch.lens().len());
             let mut offset = 0;
             for &len in batch.lens() {
                 let seq = |t: &Tensor| t.narrow(0, offset, len);
-                let (q, kv, k_rot) = (seq(&q)?, seq(&kv)?, seq(&k_rot)?);
+                let (q, kv, k_rot) = (seq(q)?, seq(kv)?, seq(k_rot)?);
                 outputs.push(self.attend(&q, &kv, &k_rot, rope, batch.blocks())?);
                 offset += len;
             }
             Tensor::cat(&outputs, 0)
-        })?;
-        let [o_in] = layer_inputs([&self.o_proj], &out, false)?;
-        stage("o_proj", dev, || {
-            self.o_proj.add_to_residual(residual, &o_in)
         })
     }
 
