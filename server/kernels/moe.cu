@@ -69,6 +69,77 @@ __device__ void moe_topk(const T* logits, int experts, int k, int norm, uint32_t
         for (int j = 0; j < k; ++j) weights[(long)warp * k + j] /= total;
 }
 
+// ---- the experts' rows planned on the device ---------------------------------------------------
+// The layout the host plan gives (ExpertRows in model/blocks/moe.rs), without reading the router's
+// choice back: expert e's rows are the entries i = t·k + s with ids[i] = e, in entry order, at
+// offsets[e]..offsets[e + 1]; rows_token / row_weight give each row's token and router weight;
+// positions[t·k + j] is the row of token t's j-th smallest expert (the order moe_combine adds
+// in). A token whose router saw a NaN (ids = experts everywhere) gets no rows and the position
+// MOE_NO_ROW. One warp per expert in both kernels.
+constexpr uint32_t MOE_NO_ROW = 0xffffffffu;
+
+// counts[e]: the entries that chose e; and MOE_NO_ROW for the positions of NaN tokens.
+extern "C" __global__ void moe_plan_count(const uint32_t* ids, int entries, int experts,
+                                          uint32_t* counts, uint32_t* positions) {
+    const long thread = (long)blockIdx.x * blockDim.x + threadIdx.x;
+    for (long i = thread; i < entries; i += (long)gridDim.x * blockDim.x)
+        if (ids[i] >= (uint32_t)experts) positions[i] = MOE_NO_ROW;
+    const int e = thread / 32, lane = threadIdx.x % 32;
+    if (e >= experts) return;
+    uint32_t n = 0;
+    for (int i = lane; i < entries; i += 32) n += ids[i] == (uint32_t)e;
+    for (int s = 16; s > 0; s >>= 1) n += __shfl_xor_sync(0xffffffff, n, s);
+    if (lane == 0) counts[e] = n;
+}
+
+// Every row of expert e, and e's tiles of `tile_rows` rows for matmul_t_int4_tiled: tiles =
+// [count, (e, first row)...], the experts' tiles in expert order.
+extern "C" __global__ void moe_plan_place(const uint32_t* ids, const float* weights,
+                                          const uint32_t* counts, int tokens, int k, int experts,
+                                          int tile_rows, uint32_t* rows_token, float* row_weight,
+                                          uint32_t* positions, uint64_t* offsets, uint32_t* tiles) {
+    const int e = (int)(((long)blockIdx.x * blockDim.x + threadIdx.x) / 32), lane = threadIdx.x % 32;
+    if (e >= experts) return;
+    uint32_t first = 0, tile0 = 0;
+    for (int f = lane; f < e; f += 32) {
+        first += counts[f];
+        tile0 += (counts[f] + tile_rows - 1) / tile_rows;
+    }
+    for (int s = 16; s > 0; s >>= 1) {
+        first += __shfl_xor_sync(0xffffffff, first, s);
+        tile0 += __shfl_xor_sync(0xffffffff, tile0, s);
+    }
+    const uint32_t count = counts[e], my_tiles = (count + tile_rows - 1) / tile_rows;
+    if (lane == 0) {
+        offsets[e] = first;
+        if (e == experts - 1) {
+            offsets[experts] = first + count;
+            tiles[0] = tile0 + my_tiles;
+        }
+    }
+    for (uint32_t j = lane; j < my_tiles; j += 32) {
+        tiles[1 + 2 * (tile0 + j)] = e;
+        tiles[2 + 2 * (tile0 + j)] = j * tile_rows;
+    }
+    const int entries = tokens * k;
+    uint32_t placed = 0;
+    for (int base = 0; base < entries; base += 32) {
+        const int i = base + lane;
+        const bool mine = i < entries && ids[i] == (uint32_t)e;
+        const uint32_t ballot = __ballot_sync(0xffffffff, mine);
+        if (mine) {
+            const uint32_t row = first + placed + __popc(ballot & ((1u << lane) - 1));
+            const int t = i / k;
+            rows_token[row] = t;
+            row_weight[row] = weights[i];
+            int j = 0;
+            for (int s = 0; s < k; ++s) j += ids[t * k + s] < (uint32_t)e;
+            positions[t * k + j] = row;
+        }
+        placed += __popc(ballot);
+    }
+}
+
 // out[t] = residual[t] + (((0 + w_0 y[pos[t][0]]) + w_1 y[pos[t][1]]) + ...): a token's
 // expert outputs weighted by their router weights (in f32 and rounded to T, or, with
 // `compute_dtype_weights`, by the weight rounded to T), summed in the order of `pos` (ascending
@@ -84,6 +155,7 @@ __device__ void moe_combine(const T* y, const float* w, const uint32_t* pos, con
     const int c = idx % cols;
     T acc = from_f32<T>(0.0f);
     for (int j = 0; j < k; ++j) {
+        if (pos[t * k + j] == MOE_NO_ROW) continue;  // a NaN token: its residual is NaN
         const long row = pos[t * k + j];
         const float weight = compute_dtype_weights ? to_f32(from_f32<T>(w[row])) : w[row];
         const T term = from_f32<T>(to_f32(y[row * cols + c]) * weight);

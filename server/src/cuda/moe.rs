@@ -14,6 +14,12 @@ use super::{grid_1d, kernel_name, with_slice, wrap};
 /// probabilities hold a NaN gets the id `experts`. Only these pairs leave the GPU. At most
 /// 512 experts (`MOE_MAX_PER_LANE` in moe.cu), which `ops::moe_route` checks.
 pub fn moe_topk(logits: &Tensor, k: usize, norm: bool) -> Result<(Vec<u32>, Vec<f32>)> {
+    let (ids, weights) = moe_topk_on_device(logits, k, norm)?;
+    Ok((ids.to_vec1()?, weights.to_vec1()?))
+}
+
+/// [`moe_topk`] left on the GPU: u32 ids and f32 weights, `[tokens × k]` each.
+pub fn moe_topk_on_device(logits: &Tensor, k: usize, norm: bool) -> Result<(Tensor, Tensor)> {
     let logits = logits.contiguous()?;
     let (rows, experts) = logits.dims2()?;
     let name = kernel_name("moe_topk", logits.dtype());
@@ -29,7 +35,76 @@ pub fn moe_topk(logits: &Tensor, k: usize, norm: bool) -> Result<(Vec<u32>, Vec<
         unsafe { b.launch(grid_1d(rows * 32)) }.w()?;
         Ok((wrap(ids, dev, rows * k), wrap(weights, dev, rows * k)))
     }))?;
-    Ok((ids.to_vec1()?, weights.to_vec1()?))
+    Ok((ids, weights))
+}
+
+/// The experts' rows of a routed batch laid out on the GPU from the router's `ids` and
+/// `weights` (`[tokens × k]`, [`moe_topk_on_device`]), as `ExpertRows` lays them out on the
+/// host: (rows_token u32, row_weight f32, positions u32, each `[tokens × k]`; offsets i64
+/// `[experts + 1]`; tiles u32 `[1 + 2 · max_tiles]` of `tile_rows` rows for
+/// `matmul_t_int4_tiled`).
+pub fn moe_plan(
+    ids: &Tensor,
+    weights: &Tensor,
+    k: usize,
+    experts: usize,
+    tile_rows: usize,
+) -> Result<[Tensor; 5]> {
+    let entries = ids.elem_count();
+    if weights.elem_count() != entries || k == 0 || !entries.is_multiple_of(k) || tile_rows == 0 {
+        bail!(
+            "moe_plan: ids {:?}, weights {:?}, k {k}, tile rows {tile_rows}",
+            ids.dims(),
+            weights.dims()
+        );
+    }
+    let tiles_most = entries.div_ceil(tile_rows) + experts;
+    with_slice::<u32, _>(ids, |is, io, dev| {
+        with_slice::<f32, _>(weights, |ws, wo, _| {
+            let (is, ws) = (is.slice(io..), ws.slice(wo..));
+            // SAFETY (allocations): the kernels write every element the plan reads: counts and
+            // offsets whole, rows and positions once per entry (positions of NaN tokens by
+            // moe_plan_count), tiles up to their count.
+            let counts = unsafe { dev.alloc::<u32>(experts) }?;
+            let positions = unsafe { dev.alloc::<u32>(entries) }?;
+            let (e32, n32) = (experts as i32, entries as i32);
+            let warps = grid_1d(experts * 32);
+            let count = kernel(dev, &MOE, "moe_plan_count")?;
+            let mut b = count.builder();
+            b.arg(&is).arg(&n32).arg(&e32).arg(&counts).arg(&positions);
+            // SAFETY: arguments match `moe_plan_count` (a warp per expert).
+            unsafe { b.launch(warps) }.w()?;
+            let rows_token = unsafe { dev.alloc::<u32>(entries) }?;
+            let row_weight = unsafe { dev.alloc::<f32>(entries) }?;
+            let offsets = unsafe { dev.alloc::<i64>(experts + 1) }?;
+            let tiles = unsafe { dev.alloc::<u32>(1 + 2 * tiles_most) }?;
+            let (t32, k32, r32) = ((entries / k) as i32, k as i32, tile_rows as i32);
+            let place = kernel(dev, &MOE, "moe_plan_place")?;
+            let mut b = place.builder();
+            b.arg(&is)
+                .arg(&ws)
+                .arg(&counts)
+                .arg(&t32)
+                .arg(&k32)
+                .arg(&e32)
+                .arg(&r32);
+            b.arg(&rows_token)
+                .arg(&row_weight)
+                .arg(&positions)
+                .arg(&offsets)
+                .arg(&tiles);
+            // SAFETY: arguments match `moe_plan_place` (a warp per expert); at most
+            // `tiles_most` tiles (Σ ceil(count / tile_rows) <= entries / tile_rows + experts).
+            unsafe { b.launch(warps) }.w()?;
+            Ok([
+                wrap(rows_token, dev, entries),
+                wrap(row_weight, dev, entries),
+                wrap(positions, dev, (entries / k, k)),
+                wrap(offsets, dev, experts + 1),
+                wrap(tiles, dev, 1 + 2 * tiles_most),
+            ])
+        })
+    })
 }
 
 /// `residual[t] + Σ_j weights[r] · y[r]` over `r = positions[t, j]` per token `t` (u32

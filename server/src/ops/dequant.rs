@@ -47,6 +47,16 @@ super::gpu_entry_points!(dequant {
         group: usize,
         tile_rows: Option<usize>,
     ) -> Result<()>;
+    fn matmul_t_int4_tiled_into_rows(
+        out: &Tensor,
+        row0: usize,
+        x: &Tensor,
+        weights: &IntWeights<'_>,
+        plan: (&Tensor, &Tensor, usize),
+        shape: (usize, usize),
+        group: usize,
+        tile_rows: usize,
+    ) -> Result<()>;
     fn dequant_nvfp4(
         packed: &Tensor,
         scales: &Tensor,
@@ -306,20 +316,58 @@ pub fn decodes_int4_in_gemm(
     }
 }
 
+/// How the rows of a stacked GEMM's input split among its weights: each weight's block of
+/// consecutive rows, counted on the host, or as a plan made on the GPU laid them out
+/// ([`super::moe_plan`]: the counts never leave it).
+#[derive(Clone, Copy)]
+pub enum StackRows<'a> {
+    Counts(&'a [usize]),
+    Planned(&'a super::ExpertPlan),
+}
+
+impl StackRows<'_> {
+    /// The rows of every block together.
+    pub fn total(&self) -> usize {
+        match self {
+            Self::Counts(rows) => rows.iter().sum(),
+            Self::Planned(plan) => plan.rows,
+        }
+    }
+
+    /// The mean rows per block (per weight).
+    pub fn mean(&self, blocks: usize) -> usize {
+        self.total() / blocks.max(1)
+    }
+}
+
 /// Writes `x_z · w_zᵀ` for each weight of a stack that [`decodes_int4_in_gemm`] and its block of
-/// `rows[z]` consecutive rows of `x` (`[Σ rows, k]`) into rows `row0..` of `out`, by one launch
-/// of the kernel that decodes the int4 weights inside the GEMM (the products of the dequantized
-/// weights, without writing them to memory).
+/// rows of `x` (`[Σ rows, k]`, `rows`) into rows `row0..` of `out`, by one launch of the kernel
+/// that decodes the int4 weights inside the GEMM (the products of the dequantized weights,
+/// without writing them to memory).
 pub fn matmul_t_int4_stacked_into_rows(
     out: &Tensor,
     row0: usize,
     x: &Tensor,
     packed: &[Option<Packed<'_>>],
     shape: (usize, usize),
-    rows: &[usize],
+    rows: StackRows<'_>,
 ) -> Result<()> {
     let Some((ints, _, group)) = gpu_ints(packed) else {
         candle_core::bail!("matmul_t_int4_stacked_into_rows: weights that are not int4 on a GPU");
     };
-    gpu::matmul_t_int4_stacked_into_rows(out, row0, x, &ints, rows, shape, group, None)
+    match rows {
+        StackRows::Counts(rows) => {
+            gpu::matmul_t_int4_stacked_into_rows(out, row0, x, &ints, rows, shape, group, None)
+        }
+        StackRows::Planned(plan) => gpu::matmul_t_int4_tiled_into_rows(
+            out,
+            row0,
+            x,
+            &ints,
+            (&plan.offsets, &plan.tiles, plan.rows),
+            shape,
+            group,
+            plan.tile_rows,
+        ),
+    }
 }

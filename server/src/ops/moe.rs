@@ -5,6 +5,14 @@ use candle_core::{DType, Device, Result, Tensor};
 
 super::gpu_entry_points!(moe {
     fn moe_topk(logits: &Tensor, k: usize, norm: bool) -> Result<(Vec<u32>, Vec<f32>)>;
+    fn moe_topk_on_device(logits: &Tensor, k: usize, norm: bool) -> Result<(Tensor, Tensor)>;
+    fn moe_plan(
+        ids: &Tensor,
+        weights: &Tensor,
+        k: usize,
+        experts: usize,
+        tile_rows: usize,
+    ) -> Result<[Tensor; 5]>;
     fn moe_combine(
         y: &Tensor,
         weights: &Tensor,
@@ -61,6 +69,64 @@ pub fn moe_route(logits: &Tensor, k: usize, norm: bool) -> Result<TopExperts> {
         k,
         experts,
         weights,
+    })
+}
+
+/// The experts' rows of a routed batch laid out on the GPU ([`moe_plan`]), as the host lays them
+/// out from [`TopExperts`]: expert `e`'s rows are the (token, choice) pairs that chose it, in
+/// token order, at `offsets[e]..offsets[e + 1]`.
+pub struct ExpertPlan {
+    /// Each row's token, u32 `[rows]`.
+    pub rows_token: Tensor,
+    /// Each row's router weight, f32 `[rows]`.
+    pub row_weight: Tensor,
+    /// u32 `[tokens, k]`: each token's rows in ascending expert order (what [`moe_combine`]
+    /// reads); `u32::MAX` for a token whose router probabilities were NaN.
+    pub positions: Tensor,
+    /// i64 `[experts + 1]`.
+    pub offsets: Tensor,
+    /// The blocks of `tile_rows` rows of the int4 GEMM: u32 `[1 + 2 · max]`, the count, then
+    /// (expert, first row) pairs.
+    pub tiles: Tensor,
+    pub tile_rows: usize,
+    /// Every routed (token, choice) pair: tokens × k.
+    pub rows: usize,
+}
+
+/// The router of [`moe_route`] with its choice left on the GPU: u32 ids and f32 weights,
+/// `[tokens × k]` each. GPU only; a NaN among a token's probabilities gives it no expert (its
+/// output stays non-finite, which the engine reports) instead of an error here.
+pub fn moe_route_on_device(logits: &Tensor, k: usize, norm: bool) -> Result<(Tensor, Tensor)> {
+    super::gpu_only("moe_route_on_device", logits)?;
+    let experts = logits.dims2()?.1;
+    if experts > GPU_MAX_EXPERTS {
+        candle_core::bail!(
+            "the GPU router handles up to {GPU_MAX_EXPERTS} experts, the model has {experts}"
+        );
+    }
+    gpu::moe_topk_on_device(logits, k, norm)
+}
+
+/// The [`ExpertPlan`] of a routed batch (ids and weights from [`moe_route_on_device`]) over
+/// `experts` experts, in blocks of `tile_rows` rows. GPU only.
+pub fn moe_plan(
+    ids: &Tensor,
+    weights: &Tensor,
+    k: usize,
+    experts: usize,
+    tile_rows: usize,
+) -> Result<ExpertPlan> {
+    super::gpu_only("moe_plan", ids)?;
+    let [rows_token, row_weight, positions, offsets, tiles] =
+        gpu::moe_plan(ids, weights, k, experts, tile_rows)?;
+    Ok(ExpertPlan {
+        rows: rows_token.elem_count(),
+        rows_token,
+        row_weight,
+        positions,
+        offsets,
+        tiles,
+        tile_rows,
     })
 }
 
@@ -226,14 +292,13 @@ pub fn moe_combine(
     y: &Tensor,
     weights: &Tensor,
     compute_dtype_weights: bool,
-    rows_token: &[u32],
+    rows_token: &Tensor,
     positions: &Tensor,
     residual: &Tensor,
 ) -> Result<Tensor> {
     if y.device().is_cuda() {
         return gpu::moe_combine(y, weights, compute_dtype_weights, positions, residual);
     }
-    let rows_token = Tensor::new(rows_token, y.device())?;
     let dtype = y.dtype();
     let y = if compute_dtype_weights {
         y.broadcast_mul(&weights.to_dtype(dtype)?)?
@@ -242,5 +307,5 @@ pub fn moe_combine(
             .broadcast_mul(weights)?
             .to_dtype(dtype)?
     };
-    residual + residual.zeros_like()?.index_add(&rows_token, &y, 0)?
+    residual + residual.zeros_like()?.index_add(rows_token, &y, 0)?
 }
