@@ -8,7 +8,8 @@
 //! * `speed --shape llama3-8b --formats w4a16,nvfp4,fp8,bf16 --batch 1,2,4`: scores 2048-token
 //!   windows of a random-weight model of that shape (built in memory, no file; shapes in
 //!   `random_model.rs`: Llama 3 8B/70B, Mistral Large, Qwen3-30B-A3B, Gemma 3 27B,
-//!   Qwen3.5-35B-A3B, Qwen3-Next-80B-A3B, Qwen3.5-27B, tiny ones),
+//!   Qwen3.5-35B-A3B, Qwen3-Next-80B-A3B, Qwen3.5-27B, DeepSeek-V2-Lite, GLM-4.7-Flash,
+//!   GLM-4.5-Air, Gemma 4 26B-A4B and 31B, tiny ones),
 //!   through the same `Model::score` the server uses, and prints ms/window, tokens/s, fraction
 //!   of the measured cuBLAS bf16 ceiling and peak GPU memory (also over the checkpoint's stored
 //!   weight bytes), for each `--attention` kernel; `--profile` adds a per-stage line and, for a
@@ -100,8 +101,11 @@ enum Command {
     /// Scoring throughput on a random-weight model of a real shape.
     Speed {
         /// A shape of random_model.rs: llama3-8b, llama3-70b, mistral-large-123b,
-        /// qwen3-30b-a3b, gemma3-27b, qwen3.5-35b-a3b, qwen3-next-80b-a3b, qwen3.5-27b, or tiny,
-        /// tiny-moe, tiny-gemma3, tiny-qwen3.5-moe, tiny-qwen3-next, tiny-qwen3.5 (CPU runs).
+        /// qwen3-30b-a3b, gemma3-27b, qwen3.5-35b-a3b, qwen3-next-80b-a3b, qwen3.5-27b,
+        /// deepseek-v2-lite, glm-4.7-flash, glm-4.5-air, gemma4-26b-a4b, gemma4-31b, or tiny,
+        /// tiny-moe, tiny-gemma3, tiny-qwen3.5-moe, tiny-qwen3-next, tiny-qwen3.5,
+        /// tiny-deepseek-v2, tiny-glm4-moe-lite, tiny-glm4-moe, tiny-gemma4, tiny-gemma4-moe
+        /// (CPU runs).
         #[arg(long, default_value = "llama3-8b")]
         shape: String,
         /// Comma list of w4a16, nvfp4, nvfp4a16, fp8, bf16.
