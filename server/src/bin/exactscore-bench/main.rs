@@ -21,6 +21,9 @@
 //!   by layer, per-layer errors, the final divergence) timed next to `/score`, and the cost of
 //!   attributing the first `--modules` modules, per module per window; `check` also judges the
 //!   GPU `/diff` path (its f64 sums on the same states, the whole path) on the fixtures.
+//! * `plan --config docs/configs/deepseek-v3-671b.json --format w4a16 --gpus 8`: a memory
+//!   plan from a config.json alone (no weights): the GPUs a DeepSeek-style model needs at
+//!   W4A16, FP8-block and bf16, and its stages, with the server's own placement.
 //! * `jit --model DIR` (run with an empty `CUDA_CACHE_PATH`): which of candle's PTX modules the
 //!   first forward JIT-compiles and what each module costs; the rest of start-up is SASS.
 //! * `write-checkpoint --shape llama3-8b --format w4a16 --out DIR --tokenizer TOKDIR`: the same
@@ -43,6 +46,7 @@ mod diff_bench;
 #[cfg(feature = "cuda")]
 mod jit_report;
 mod kld_bench;
+mod memory_plan;
 #[cfg(feature = "cuda")]
 mod moe_gemm_bench;
 mod pipeline_bench;
@@ -232,6 +236,26 @@ enum Command {
         #[arg(long)]
         distinct_layers: Option<usize>,
     },
+    /// A memory plan from a config.json alone (DeepSeek-V3, DeepSeek-V2, GLM-4.7-Flash): the
+    /// GPUs the model needs in each format, and its stages on `--gpus` GPUs of `--gpu-gib`
+    /// GiB; fails where they do not fit.
+    Plan {
+        #[arg(long)]
+        config: PathBuf,
+        /// w4a16, fp8-block, fp8, nvfp4, nvfp4a16 or bf16.
+        #[arg(long, default_value = "w4a16")]
+        format: String,
+        #[arg(long, default_value_t = 8)]
+        gpus: usize,
+        /// Each GPU's memory (H100: 80, H200: 141).
+        #[arg(long, default_value_t = 80.0)]
+        gpu_gib: f64,
+        /// Tokens per batch (`--max-batch-tokens`): 8 windows of 2048 by default.
+        #[arg(long, default_value_t = 16384)]
+        batch_tokens: usize,
+        #[arg(long, default_value_t = 2048)]
+        max_seq: usize,
+    },
 }
 
 fn main() -> Result<()> {
@@ -352,6 +376,23 @@ fn main() -> Result<()> {
                 split: reference_split,
             }),
         }),
+        Command::Plan {
+            config,
+            format,
+            gpus,
+            gpu_gib,
+            batch_tokens,
+            max_seq,
+        } => memory_plan::run(
+            &config,
+            &memory_plan::Request {
+                format: &format,
+                gpus,
+                gpu_gib,
+                batch_tokens,
+                max_seq,
+            },
+        ),
         Command::WriteCheckpoint {
             shape,
             format,

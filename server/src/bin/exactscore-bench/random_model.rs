@@ -7,6 +7,7 @@ use std::path::Path;
 
 use anyhow::{bail, Result};
 use exactscore_server::checkpoint::{Checkpoint, HostTensor};
+use exactscore_server::model::placement::PartBytes;
 use exactscore_server::model::{Model, ModelConfig};
 use safetensors::tensor::TensorView;
 use safetensors::Dtype;
@@ -44,6 +45,9 @@ pub enum Arch {
     /// `Qwen3_5MoeForConditionalGeneration`, text model only: Qwen3.5's hybrid layers, every
     /// layer a mixture of experts with a shared expert (always renormalised; no dense MLP).
     Qwen3_5Moe { hybrid: Hybrid, moe: SharedMoe },
+    /// `DeepseekV3ForCausalLM`: latent attention with a low-rank query, DeepSeek-V3's sigmoid
+    /// router with `e_score_correction_bias` over `groups` groups, YaRN RoPE.
+    DeepseekV3 { mla: Mla, moe: DeepseekMoe },
     /// `DeepseekV2ForCausalLM`: latent attention, DeepSeek's mixture with a softmax router
     /// (`topk_method` `greedy`, never renormalised), YaRN RoPE (docs/architectures/deepseek.md).
     DeepseekV2 { mla: Mla, moe: DeepseekMoe },
@@ -83,8 +87,9 @@ pub struct Mla {
 
 /// DeepSeek's mixture: the first `dense_layers` layers a dense MLP of the shape's
 /// `intermediate`, the others `experts` routed MLPs of `expert_intermediate`, `per_token` of
-/// them per token, beside `shared` shared experts (one MLP of `shared · expert_intermediate`);
-/// the router's weights times `routed_scaling`.
+/// them per token from the best `kept_groups` of `groups` groups, beside `shared` shared
+/// experts (one MLP of `shared · expert_intermediate`); the router's weights times
+/// `routed_scaling`.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct DeepseekMoe {
     pub experts: usize,
@@ -92,6 +97,8 @@ pub struct DeepseekMoe {
     pub expert_intermediate: usize,
     pub shared: usize,
     pub dense_layers: usize,
+    pub groups: usize,
+    pub kept_groups: usize,
     pub routed_scaling: f64,
 }
 
@@ -313,6 +320,36 @@ pub const SHAPES: &[Shape] = &[
         [5120, 17408, 64, 24, 4, 256, 248320],
         1e7,
     ),
+    // deepseek-ai/DeepSeek-V3 (its config.json, checked in as
+    // docs/configs/deepseek-v3-671b.json): 61 layers, the first 3 dense of 18432; 128 heads,
+    // `q_lora_rank` 1536, `kv_lora_rank` 512, qk 128 + 64, v 128; 256 experts of 2048, 8 per
+    // token from 4 of 8 groups (renormalised, scaling 2.5), 1 shared; vocab 129280, untied; the
+    // multi-token-prediction layer is not drawn. 671 G parameters: for `plan` and pipelines
+    // over several GPUs (`pipeline --distinct-layers`).
+    shape(
+        "deepseek-v3",
+        Arch::DeepseekV3 {
+            mla: Mla {
+                q_lora_rank: 1536,
+                kv_lora_rank: 512,
+                qk_nope: 128,
+                qk_rope: 64,
+                v_dim: 128,
+            },
+            moe: DeepseekMoe {
+                experts: 256,
+                per_token: 8,
+                expert_intermediate: 2048,
+                shared: 1,
+                dense_layers: 3,
+                groups: 8,
+                kept_groups: 4,
+                routed_scaling: 2.5,
+            },
+        },
+        [7168, 18432, 61, 128, 128, 64, 129280],
+        1e4,
+    ),
     // deepseek-ai/DeepSeek-V2-Lite (config.json of the release; the same values in NVIDIA
     // Megatron-Bridge's deepseek_v2_lite.yaml and MaxText's deepseek2-16b.yml): 27 layers, the
     // first dense of 10944; 16 heads, `q_lora_rank` null, `kv_lora_rank` 512, qk 128 + 64, v
@@ -335,6 +372,8 @@ pub const SHAPES: &[Shape] = &[
                 expert_intermediate: 1408,
                 shared: 2,
                 dense_layers: 1,
+                groups: 1,
+                kept_groups: 1,
                 routed_scaling: 1.0,
             },
         },
@@ -362,6 +401,8 @@ pub const SHAPES: &[Shape] = &[
                 expert_intermediate: 1536,
                 shared: 1,
                 dense_layers: 1,
+                groups: 1,
+                kept_groups: 1,
                 routed_scaling: 1.8,
             },
         },
@@ -383,6 +424,8 @@ pub const SHAPES: &[Shape] = &[
                 expert_intermediate: 1408,
                 shared: 1,
                 dense_layers: 1,
+                groups: 1,
+                kept_groups: 1,
                 routed_scaling: 1.0,
             },
             rotary_fraction: 0.5,
@@ -550,6 +593,8 @@ const TINY_DEEPSEEK_MOE: DeepseekMoe = DeepseekMoe {
     expert_intermediate: 128,
     shared: 1,
     dense_layers: 1,
+    groups: 1,
+    kept_groups: 1,
     routed_scaling: 1.5,
 };
 
@@ -577,7 +622,9 @@ impl Shape {
     /// The latent attention of the DeepSeek-V2 and GLM-4.7-Flash shapes.
     fn mla(&self) -> Option<&Mla> {
         match &self.arch {
-            Arch::DeepseekV2 { mla, .. } | Arch::Glm4MoeLite { mla, .. } => Some(mla),
+            Arch::DeepseekV3 { mla, .. }
+            | Arch::DeepseekV2 { mla, .. }
+            | Arch::Glm4MoeLite { mla, .. } => Some(mla),
             _ => None,
         }
     }
@@ -585,7 +632,8 @@ impl Shape {
     /// DeepSeek's mixture of the DeepSeek-V2 and GLM shapes.
     fn deepseek_moe(&self) -> Option<&DeepseekMoe> {
         match &self.arch {
-            Arch::DeepseekV2 { moe, .. }
+            Arch::DeepseekV3 { moe, .. }
+            | Arch::DeepseekV2 { moe, .. }
             | Arch::Glm4MoeLite { moe, .. }
             | Arch::Glm4Moe { moe, .. } => Some(moe),
             _ => None,
@@ -743,7 +791,8 @@ impl Shape {
                 out.extend(mlp("mlp.shared_expert", moe.shared_intermediate));
                 out.push(("mlp.shared_expert_gate".to_string(), 1, h, false));
             }
-            Arch::DeepseekV2 { moe, .. }
+            Arch::DeepseekV3 { moe, .. }
+            | Arch::DeepseekV2 { moe, .. }
             | Arch::Glm4MoeLite { moe, .. }
             | Arch::Glm4Moe { moe, .. }
                 if l >= moe.dense_layers =>
@@ -921,6 +970,7 @@ impl Shape {
             Arch::Qwen3Moe { .. }
             | Arch::Qwen3Next { .. }
             | Arch::Qwen3_5Moe { .. }
+            | Arch::DeepseekV3 { .. }
             | Arch::DeepseekV2 { .. }
             | Arch::Glm4MoeLite { .. }
             | Arch::Glm4Moe { .. }
@@ -1047,6 +1097,23 @@ impl Shape {
             Arch::Qwen3_5 { hybrid } => {
                 let mut c = self.hybrid_config(&hybrid, true);
                 c["model_type"] = json!("qwen3_5_text");
+                c
+            }
+            Arch::DeepseekV3 { mla, moe } => {
+                let mut c = self.deepseek_config(&moe, Some(&mla));
+                extend(
+                    &mut c,
+                    json!({
+                        "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3",
+                        "rms_norm_eps": 1e-6, "max_position_embeddings": 163840,
+                        "norm_topk_prob": true, "rope_interleave": true,
+                        "num_nextn_predict_layers": 1,
+                        "rope_parameters": {"rope_type": "yarn", "rope_theta": self.rope_theta,
+                            "factor": 40.0, "original_max_position_embeddings": 4096,
+                            "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0,
+                            "mscale_all_dim": 1.0},
+                    }),
+                );
                 c
             }
             Arch::DeepseekV2 { mla, moe } => {
@@ -1187,7 +1254,8 @@ impl Shape {
             "n_routed_experts": moe.experts, "num_experts_per_tok": moe.per_token,
             "moe_intermediate_size": moe.expert_intermediate, "n_shared_experts": moe.shared,
             "first_k_dense_replace": moe.dense_layers,
-            "routed_scaling_factor": moe.routed_scaling, "n_group": 1, "topk_group": 1,
+            "routed_scaling_factor": moe.routed_scaling, "n_group": moe.groups,
+            "topk_group": moe.kept_groups,
         });
         if let Some(mla) = mla {
             let q_lora_rank = match mla.q_lora_rank {
@@ -1247,6 +1315,138 @@ impl Shape {
             None => drawn,
         };
         drawn.min(self.layers)
+    }
+}
+
+impl Shape {
+    /// The shape of a DeepSeek-style model (latent attention, DeepSeek's mixture: DeepSeek-V3,
+    /// DeepSeek-V2, GLM-4.7-Flash) from its parsed config, for a memory plan without weights.
+    pub fn from_config(c: &ModelConfig) -> Result<Self> {
+        use exactscore_server::model::config::{Architecture, MoeRouter};
+        let (Some(m), Some(moe)) = (&c.mla, &c.moe) else {
+            bail!(
+                "{:?}: a plan from the config alone knows DeepSeek-V3, DeepSeek-V2 and                  GLM-4.7-Flash (latent attention and DeepSeek's mixture)",
+                c.architecture
+            );
+        };
+        let dense_layers = moe.sparse_layers.iter().take_while(|s| !**s).count();
+        if moe.sparse_layers[dense_layers..].iter().any(|s| !s) {
+            bail!("sparse_layers: a dense layer after the first sparse one is not planned");
+        }
+        let (groups, kept_groups, routed_scaling) = match moe.router {
+            MoeRouter::SigmoidGrouped {
+                n_group,
+                topk_group,
+                routed_scaling_factor,
+            }
+            | MoeRouter::SoftmaxGrouped {
+                n_group,
+                topk_group,
+                routed_scaling_factor,
+                ..
+            } => (n_group, topk_group, routed_scaling_factor),
+            MoeRouter::Softmax => (1, 1, 1.0),
+        };
+        let shared =
+            moe.shared_expert_intermediate_size.unwrap_or(0) / moe.expert_intermediate_size;
+        let (mla, moe) = (
+            Mla {
+                q_lora_rank: m.q_lora_rank.unwrap_or(0),
+                kv_lora_rank: m.kv_lora_rank,
+                qk_nope: m.qk_nope_head_dim,
+                qk_rope: m.qk_rope_head_dim,
+                v_dim: m.v_head_dim,
+            },
+            DeepseekMoe {
+                experts: moe.num_experts,
+                per_token: moe.experts_per_token,
+                expert_intermediate: moe.expert_intermediate_size,
+                shared,
+                dense_layers,
+                groups,
+                kept_groups,
+                routed_scaling,
+            },
+        );
+        let arch = match c.architecture {
+            Architecture::DeepseekV3 => Arch::DeepseekV3 { mla, moe },
+            Architecture::DeepseekV2 => Arch::DeepseekV2 { mla, moe },
+            Architecture::Glm4MoeLite => Arch::Glm4MoeLite { mla, moe },
+            other => bail!(
+                "{other:?}: a plan from the config alone knows DeepSeek-V3, DeepSeek-V2 and                  GLM-4.7-Flash"
+            ),
+        };
+        Ok(shape(
+            "config",
+            arch,
+            [
+                c.hidden_size,
+                c.intermediate_size,
+                c.num_layers,
+                c.num_heads,
+                c.num_heads,
+                m.qk_rope_head_dim,
+                c.vocab_size,
+            ],
+            c.rope.theta,
+        ))
+    }
+
+    /// The stored bytes of the embedding, each decoder layer and the head of this shape's
+    /// checkpoint in `format` (as [`write`] stores it), without drawing it: what a memory
+    /// plan needs. `fp8-block` (DeepSeek-V3's release: e4m3 weights with an f32 scale per
+    /// 128×128 block) is counted here only; the random checkpoints have no such format.
+    pub fn part_bytes(&self, format: &str) -> Result<PartBytes> {
+        let group = self.w4a16_group();
+        let linear = |out: usize, inp: usize, quantized: bool| -> Result<usize> {
+            Ok(match format {
+                _ if format == "bf16" || !quantized => 2 * out * inp,
+                "w4a16" => out * inp / 2 + 2 * out * (inp / group) + 16,
+                "nvfp4a16" => out * inp / 2 + out * inp / 16 + 4,
+                "nvfp4" => out * inp / 2 + out * inp / 16 + 8,
+                "fp8" => out * inp + 2 * out,
+                "fp8-block" => out * inp + 4 * out.div_ceil(128) * inp.div_ceil(128),
+                other => {
+                    bail!("unknown format {other} (w4a16, nvfp4, nvfp4a16, fp8, fp8-block, bf16)")
+                }
+            })
+        };
+        let h = self.hidden;
+        let mut layers = Vec::with_capacity(self.layers);
+        for l in 0..self.layers {
+            let mut bytes: usize = self.norms(l).iter().map(|(_, size)| 4 * size).sum();
+            bytes += match (self.experts(l), &self.arch) {
+                // proj, scale, per_expert_scale
+                (Some((e, _)), Arch::Gemma4 { .. }) => 2 * (e * h + h + e),
+                (
+                    Some((e, _)),
+                    Arch::DeepseekV3 { .. } | Arch::Glm4MoeLite { .. } | Arch::Glm4Moe { .. },
+                ) => 2 * e * h + 4 * e,
+                (Some((e, _)), _) => 2 * e * h,
+                (None, _) => 0,
+            };
+            bytes += match self.arch {
+                Arch::Gemma4 { .. } => 2,
+                Arch::Glm4Moe { .. } => 2 * (self.heads + 2 * self.kv_heads) * self.head_dim,
+                _ => 0,
+            };
+            if let Some(la) = self.hybrid().filter(|_| self.is_linear_attention(l)) {
+                let f32_stored = !matches!(self.arch, Arch::Qwen3Next { .. });
+                let s = if f32_stored { 4 } else { 2 };
+                bytes += 2 * la.conv_dim() * la.conv_kernel + (s + 2) * la.v_heads + s * la.v_dim;
+            }
+            for (_, out, inp, quantized) in self.linears(l) {
+                bytes += linear(out, inp, quantized)?;
+            }
+            layers.push(bytes as u64);
+        }
+        // bf16 tables; a tied head counts the embedding again, as `PartBytes::of` does
+        let embed = (2 * self.vocab * h) as u64;
+        Ok(PartBytes {
+            embed,
+            layers,
+            head: 4 * h as u64 + embed,
+        })
     }
 }
 
@@ -1442,6 +1642,7 @@ fn tensors(
     let ignore: &[&str] = match shape.arch {
         // llm-compressor leaves the router unquantized
         Arch::Qwen3Moe { .. }
+        | Arch::DeepseekV3 { .. }
         | Arch::DeepseekV2 { .. }
         | Arch::Glm4MoeLite { .. }
         | Arch::Glm4Moe { .. } => &["lm_head", "re:.*mlp\\.gate$"],
@@ -1521,7 +1722,9 @@ fn tensors(
                     rng.bf16(vec![experts, shape.hidden]),
                 );
                 // DeepSeek-V3's sigmoid router (GLM's) adds a bias to the choice; 0 here
-                if let Arch::Glm4MoeLite { .. } | Arch::Glm4Moe { .. } = arch {
+                if let Arch::DeepseekV3 { .. } | Arch::Glm4MoeLite { .. } | Arch::Glm4Moe { .. } =
+                    arch
+                {
                     t.insert(
                         format!("{p}.mlp.gate.e_score_correction_bias"),
                         constant(Dtype::F32, vec![experts], 0.0, f32_bytes),
@@ -2088,6 +2291,32 @@ mod tests {
         .map(|n| Shape::named(n).unwrap().w4a16_group())
         .collect();
         assert_eq!(groups, [128, 64, 64, 64, 128]);
+    }
+
+    /// `part_bytes` (a memory plan's counts, no weights drawn) equals the stored bytes the
+    /// loader's placement reads from the drawn checkpoint, part by part.
+    #[test]
+    fn part_bytes_are_the_drawn_checkpoints() -> Result<()> {
+        use exactscore_server::model::placement::PartBytes;
+        for (name, format) in [
+            ("tiny-deepseek-v2", "w4a16"),
+            ("tiny-glm4-moe-lite", "fp8"),
+            ("tiny-glm4-moe", "nvfp4"),
+            ("tiny-gemma4-moe", "w4a16"),
+            ("tiny-gemma4", "bf16"),
+            ("tiny-qwen3-next", "w4a16"),
+            ("tiny-moe", "nvfp4a16"),
+            ("tiny", "w4a16"),
+        ] {
+            let shape = Shape::named(name)?;
+            let (config, ckpt) = build(&shape, format, None)?;
+            assert_eq!(
+                shape.part_bytes(format)?,
+                PartBytes::of(&config, &ckpt),
+                "{name} {format}"
+            );
+        }
+        Ok(())
     }
 
     /// `flops_per_window` of a hybrid shape, by hand for tiny-qwen3.5 (3 linear, 1 full layer).
