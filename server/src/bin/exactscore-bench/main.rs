@@ -236,12 +236,15 @@ enum Command {
         #[arg(long)]
         distinct_layers: Option<usize>,
     },
-    /// A memory plan from a config.json alone (DeepSeek-V3, DeepSeek-V2, GLM-4.7-Flash): the
-    /// GPUs the model needs in each format, and its stages on `--gpus` GPUs of `--gpu-gib`
-    /// GiB; fails where they do not fit.
+    /// A memory plan from a config.json alone (DeepSeek-V3, DeepSeek-V2, GLM-4.7-Flash) or of
+    /// a bench shape: the GPUs the model needs in each format, and its stages on `--gpus` GPUs
+    /// of `--gpu-gib` GiB; fails where they do not fit.
     Plan {
+        #[arg(long, conflicts_with = "shape", required_unless_present = "shape")]
+        config: Option<PathBuf>,
+        /// A shape of random_model.rs instead of a config.json.
         #[arg(long)]
-        config: PathBuf,
+        shape: Option<String>,
         /// w4a16, fp8-block, fp8, nvfp4, nvfp4a16 or bf16.
         #[arg(long, default_value = "w4a16")]
         format: String,
@@ -378,13 +381,17 @@ fn main() -> Result<()> {
         }),
         Command::Plan {
             config,
+            shape,
             format,
             gpus,
             gpu_gib,
             batch_tokens,
             max_seq,
         } => memory_plan::run(
-            &config,
+            &match (config, shape) {
+                (Some(path), _) => memory_plan::Planned::read(&path)?,
+                (None, shape) => memory_plan::Planned::shape(&shape.unwrap_or_default())?,
+            },
             &memory_plan::Request {
                 format: &format,
                 gpus,

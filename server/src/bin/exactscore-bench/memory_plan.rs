@@ -16,7 +16,8 @@ use crate::random_model::Shape;
 const GIB: f64 = (1u64 << 30) as f64;
 
 /// What a plan is asked for: `gpus` of `gpu_gib` GiB each, batches of `batch_tokens` tokens of
-/// sequences up to `max_seq`, bf16 compute with the flash kernel (the GPU path).
+/// sequences up to `max_seq`, bf16 compute with the flash kernel where the server would take
+/// it (as `App::load` decides: a kernel compiled for the model's attention head size).
 #[derive(Debug, Clone, Copy)]
 pub struct Request<'a> {
     pub format: &'a str,
@@ -26,32 +27,51 @@ pub struct Request<'a> {
     pub max_seq: usize,
 }
 
-/// A model's config and the shape it describes.
+/// A model's config and the shape it describes; `label`: where they came from.
 pub struct Planned {
+    pub label: String,
     pub config: ModelConfig,
     pub shape: Shape,
 }
 
 impl Planned {
+    /// A bench shape (its config as its bf16 checkpoint carries it).
+    pub fn shape(name: &str) -> Result<Self> {
+        let shape = Shape::named(name)?;
+        Ok(Self {
+            label: name.to_string(),
+            config: shape.model_config("bf16")?,
+            shape,
+        })
+    }
+
     pub fn read(path: &Path) -> Result<Self> {
         let text =
             std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
         let config =
             ModelConfig::from_json(&text).with_context(|| format!("parsing {}", path.display()))?;
         let shape = Shape::from_config(&config)?;
-        Ok(Self { config, shape })
+        Ok(Self {
+            label: path.display().to_string(),
+            config,
+            shape,
+        })
     }
 
     /// The stages of `request`, or why they do not fit: the first stage over its limit, by
     /// how much, and what the limit is.
     pub fn stages(&self, request: &Request) -> Result<Vec<StagePlan>> {
         let parts = self.shape.part_bytes(request.format)?;
+        let flash = exactscore_server::ops::flash_attention_supported(
+            self.config.attention_head_dim(),
+            DType::BF16,
+        );
         let activation = ActivationBytes::estimate(
             &self.config,
             DType::BF16,
             request.batch_tokens,
             request.max_seq,
-            true,
+            flash,
             false,
         );
         let work = PartWork::of(&self.config, request.max_seq);
@@ -95,14 +115,11 @@ impl Planned {
 
 /// Prints the stages of `request` and, for w4a16, fp8-block and bf16, the H100s (80 GiB) and
 /// H200s (141 GiB) the model needs; fails where `request` does not fit.
-pub fn run(path: &Path, request: &Request) -> Result<()> {
-    let planned = Planned::read(path)?;
+pub fn run(planned: &Planned, request: &Request) -> Result<()> {
     let gib = |b: u64| b as f64 / GIB;
     println!(
         "| {} ({:?}), {} layers | format | GPUs needed: H100 80 GiB | H200 141 GiB | weights GiB |",
-        path.display(),
-        planned.config.architecture,
-        planned.config.num_layers
+        planned.label, planned.config.architecture, planned.config.num_layers
     );
     println!("|---|---|---|---|---|");
     for format in ["w4a16", "fp8-block", "bf16"] {
@@ -128,7 +145,7 @@ pub fn run(path: &Path, request: &Request) -> Result<()> {
     let plans = planned.stages(request)?;
     println!(
         "\n{} at {} on {} GPU(s) of {} GiB, {} tokens per batch of sequences up to {}:",
-        path.display(),
+        planned.label,
         request.format,
         request.gpus,
         request.gpu_gib,
@@ -194,6 +211,26 @@ mod tests {
             assert!(planned
                 .stages(&request(format, needed - 1, gpu_gib))
                 .is_err());
+        }
+        Ok(())
+    }
+
+    /// Every bench shape can be planned (its parts as its checkpoint stores them), and the
+    /// small ones fit one H100 at W4A16.
+    #[test]
+    fn bench_shapes_plan() -> Result<()> {
+        for name in [
+            "glm-4.7-flash",
+            "gemma4-26b-a4b",
+            "gemma4-31b",
+            "deepseek-v2-lite",
+        ] {
+            let planned = Planned::shape(name)?;
+            assert_eq!(
+                planned.gpus_needed(&request("w4a16", 1, 80.0)),
+                Some(1),
+                "{name}"
+            );
         }
         Ok(())
     }

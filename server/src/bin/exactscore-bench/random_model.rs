@@ -1392,6 +1392,12 @@ impl Shape {
         ))
     }
 
+    /// The config this shape's checkpoint in `format` carries, parsed by the loader.
+    pub fn model_config(&self, format: &str) -> Result<ModelConfig> {
+        let quant = quantization_config(format, &[], self.w4a16_group())?;
+        Ok(ModelConfig::from_json(&self.config(quant).to_string())?)
+    }
+
     /// The stored bytes of the embedding, each decoder layer and the head of this shape's
     /// checkpoint in `format` (as [`write`] stores it), without drawing it: what a memory
     /// plan needs. `fp8-block` (DeepSeek-V3's release: e4m3 weights with an f32 scale per
