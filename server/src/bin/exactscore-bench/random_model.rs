@@ -1318,6 +1318,10 @@ impl Shape {
     }
 }
 
+/// What [`Shape::from_config`] refuses the other families with.
+const PLANNED_FAMILIES: &str =
+    "a plan from the config alone knows DeepSeek-V3, DeepSeek-V2 and GLM-4.7-Flash";
+
 impl Shape {
     /// The shape of a DeepSeek-style model (latent attention, DeepSeek's mixture: DeepSeek-V3,
     /// DeepSeek-V2, GLM-4.7-Flash) from its parsed config, for a memory plan without weights.
@@ -1325,7 +1329,7 @@ impl Shape {
         use exactscore_server::model::config::{Architecture, MoeRouter};
         let (Some(m), Some(moe)) = (&c.mla, &c.moe) else {
             bail!(
-                "{:?}: a plan from the config alone knows DeepSeek-V3, DeepSeek-V2 and                  GLM-4.7-Flash (latent attention and DeepSeek's mixture)",
+                "{:?}: {PLANNED_FAMILIES} (latent attention and DeepSeek's mixture)",
                 c.architecture
             );
         };
@@ -1372,9 +1376,7 @@ impl Shape {
             Architecture::DeepseekV3 => Arch::DeepseekV3 { mla, moe },
             Architecture::DeepseekV2 => Arch::DeepseekV2 { mla, moe },
             Architecture::Glm4MoeLite => Arch::Glm4MoeLite { mla, moe },
-            other => bail!(
-                "{other:?}: a plan from the config alone knows DeepSeek-V3, DeepSeek-V2 and                  GLM-4.7-Flash"
-            ),
+            other => bail!("{other:?}: {PLANNED_FAMILIES}"),
         };
         Ok(shape(
             "config",
