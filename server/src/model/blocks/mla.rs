@@ -166,7 +166,9 @@ impl LatentAttention {
         })?;
         drop((q_in, kv_in));
         let (rank, rope_dim) = (self.cfg.kv_lora_rank, self.cfg.qk_rope_head_dim);
-        let (kv, k_rot) = stage("qkv_proj", dev, || {
+        // its own stage: `--profile` shows the latent's expansion apart from the projections
+        // of the input, and the attention core ("attention") apart from both
+        let (kv, k_rot) = stage("kv_b_proj", dev, || {
             let nope = latent.narrow(1, 0, rank)?.contiguous()?;
             let kv = self
                 .kv_b_proj
