@@ -69,6 +69,104 @@ __device__ void moe_topk(const T* logits, int experts, int k, int norm, uint32_t
         for (int j = 0; j < k; ++j) weights[(long)warp * k + j] /= total;
 }
 
+// A group-limited router (DeepSeek-V3/V2, GLM-4.5, Mistral 4) on its scores (sigmoid or softmax
+// of the logits, in f32, `[tokens, experts]`): the steps of ops::moe_route_grouped, which is its
+// CPU reference, one thread per token. `round`: 0 f32, 1 bf16, 2 f16 (the logits' dtype, which
+// every step is rounded to); `top_two`: a group scores the sum of its two best choice scores,
+// else its best; dropped groups' experts score `masked`. Orders are f32's total order (Rust's
+// total_cmp), ties to the lower index. A token with a NaN score gets the id `experts`
+// everywhere.
+constexpr int MOE_GROUPED_MAX_EXPERTS = 512;
+
+__device__ __forceinline__ float moe_round(float v, int round) {
+    if (round == 1) return __bfloat162float(__float2bfloat16_rn(v));
+    if (round == 2) return __half2float(__float2half_rn(v));
+    return v;
+}
+
+// Rust's f32::total_cmp as an integer key: a < b in total order iff key(a) < key(b).
+__device__ __forceinline__ int moe_total_key(float v) {
+    int bits = __float_as_int(v);
+    return bits ^ (int)(((unsigned)(bits >> 31)) >> 1);
+}
+
+extern "C" __global__ void moe_route_grouped(const float* scores, const float* bias, int tokens,
+                                             int experts, int k, int groups, int topk_group,
+                                             int norm, float scale, int top_two, float masked,
+                                             int round, uint32_t* ids, float* weights) {
+    const int t = blockIdx.x * blockDim.x + threadIdx.x;
+    if (t >= tokens) return;
+    const float* s = scores + (long)t * experts;
+    const int per_group = experts / groups;
+    bool nan = false;
+    for (int e = 0; e < experts; ++e) nan |= isnan(s[e]);
+    if (nan) {
+        for (int j = 0; j < k; ++j) {
+            ids[(long)t * k + j] = experts;
+            weights[(long)t * k + j] = NAN;
+        }
+        return;
+    }
+    // The choice scores, kept in total-order keys; the kept groups as a bit set.
+    int choice[MOE_GROUPED_MAX_EXPERTS];
+    for (int e = 0; e < experts; ++e)
+        choice[e] = moe_total_key(moe_round(s[e], round) + (bias ? bias[e] : 0.0f));
+    uint64_t kept[MOE_GROUPED_MAX_EXPERTS / 64] = {};
+    {
+        float group_score[MOE_GROUPED_MAX_EXPERTS];
+        for (int g = 0; g < groups; ++g) {
+            int best = INT_MIN, second = INT_MIN, best_e = -1;
+            for (int e = g * per_group; e < (g + 1) * per_group; ++e)
+                if (best_e < 0 || choice[e] > best) { best = choice[e]; best_e = e; }
+            for (int e = g * per_group; e < (g + 1) * per_group; ++e)
+                if (e != best_e && (second == INT_MIN || choice[e] > second)) second = choice[e];
+            const float b0 = moe_round(s[best_e], round) + (bias ? bias[best_e] : 0.0f);
+            float score = b0;
+            if (top_two) {
+                // the second best's value (the key is exact, so find the expert that holds it)
+                float b1 = b0;
+                for (int e = g * per_group; e < (g + 1) * per_group; ++e)
+                    if (e != best_e && choice[e] == second) {
+                        b1 = moe_round(s[e], round) + (bias ? bias[e] : 0.0f);
+                        break;
+                    }
+                score = moe_round(b0 + b1, round);
+            }
+            group_score[g] = score;
+        }
+        for (int j = 0; j < topk_group; ++j) {
+            int best = -1;
+            for (int g = 0; g < groups; ++g) {
+                if (kept[g / 64] >> (g % 64) & 1) continue;
+                if (best < 0 || moe_total_key(group_score[g]) > moe_total_key(group_score[best])) best = g;
+            }
+            kept[best / 64] |= 1ull << (best % 64);
+        }
+    }
+    const int masked_key = moe_total_key(masked);
+    uint64_t taken[MOE_GROUPED_MAX_EXPERTS / 64] = {};
+    float sum = 0.0f;
+    for (int j = 0; j < k; ++j) {
+        int best = -1, best_key = 0;
+        for (int e = 0; e < experts; ++e) {
+            if (taken[e / 64] >> (e % 64) & 1) continue;
+            const int g = e / per_group;
+            const int key = (kept[g / 64] >> (g % 64) & 1) ? choice[e] : masked_key;
+            if (best < 0 || key > best_key) { best = e; best_key = key; }
+        }
+        taken[best / 64] |= 1ull << (best % 64);
+        ids[(long)t * k + j] = best;
+        const float w = moe_round(s[best], round);
+        weights[(long)t * k + j] = w;
+        sum += w;
+    }
+    const float denominator = norm ? moe_round(sum, round) + 1e-20f : 1.0f;
+    for (int j = 0; j < k; ++j) {
+        float* w = &weights[(long)t * k + j];
+        *w = moe_round(moe_round(*w / denominator, round) * scale, round);
+    }
+}
+
 // ---- the experts' rows planned on the device ---------------------------------------------------
 // The layout the host plan gives (ExpertRows in model/blocks/moe.rs), without reading the router's
 // choice back: expert e's rows are the entries i = t·k + s with ids[i] = e, in entry order, at

@@ -38,6 +38,85 @@ pub fn moe_topk_on_device(logits: &Tensor, k: usize, norm: bool) -> Result<(Tens
     Ok((ids, weights))
 }
 
+/// A group-limited router on its f32 `scores` `[tokens, experts]` (`bias`: f32 `[experts]`),
+/// as `ops::moe_route_grouped` routes on the CPU: u32 ids and f32 weights, `[tokens × k]`
+/// each, left on the GPU. `(groups, topk_group)`; `top_two`: a group scores its two best;
+/// `masked`: what a dropped group's experts score; `round`: the dtype every step rounds to.
+#[allow(clippy::too_many_arguments)]
+pub fn moe_route_grouped(
+    scores: &Tensor,
+    bias: Option<&Tensor>,
+    k: usize,
+    (groups, topk_group): (usize, usize),
+    norm: bool,
+    scale: f32,
+    top_two: bool,
+    masked: f32,
+    round: DType,
+) -> Result<(Tensor, Tensor)> {
+    let (tokens, experts) = scores.dims2()?;
+    if scores.dtype() != DType::F32
+        || experts > 512
+        || groups == 0
+        || !experts.is_multiple_of(groups)
+        || topk_group > groups
+        || k > experts
+        || bias.is_some_and(|b| b.dims() != [experts] || b.dtype() != DType::F32)
+    {
+        bail!(
+            "moe_route_grouped: scores {:?} {:?}, {groups} groups keeping {topk_group}, k {k}",
+            scores.dims(),
+            scores.dtype()
+        );
+    }
+    let scores = scores.contiguous()?;
+    let bias = bias.map(|b| b.contiguous()).transpose()?;
+    let round = match round {
+        DType::BF16 => 1i32,
+        DType::F16 => 2,
+        _ => 0,
+    };
+    with_slice::<f32, _>(&scores, |ss, so, dev| {
+        let func = kernel(dev, &MOE, "moe_route_grouped")?;
+        // SAFETY: the kernel writes every element of both.
+        let (ids, weights) =
+            unsafe { (dev.alloc::<u32>(tokens * k)?, dev.alloc::<f32>(tokens * k)?) };
+        let ss = ss.slice(so..);
+        let bias_address = match &bias {
+            Some(b) => super::device_address::<f32>(b)?,
+            None => 0,
+        };
+        let (t32, e32, k32, g32, kg32) = (
+            tokens as i32,
+            experts as i32,
+            k as i32,
+            groups as i32,
+            topk_group as i32,
+        );
+        let (n32, two32) = (i32::from(norm), i32::from(top_two));
+        let mut b = func.builder();
+        b.arg(&ss)
+            .arg(&bias_address)
+            .arg(&t32)
+            .arg(&e32)
+            .arg(&k32)
+            .arg(&g32)
+            .arg(&kg32);
+        b.arg(&n32)
+            .arg(&scale)
+            .arg(&two32)
+            .arg(&masked)
+            .arg(&round)
+            .arg(&ids)
+            .arg(&weights);
+        // SAFETY: arguments match `moe_route_grouped` (a thread per token; the bias, where
+        // given, [experts] f32 and alive for the launch: `bias` is held until it returns and
+        // the stream orders its release).
+        unsafe { b.launch(grid_1d(tokens)) }.w()?;
+        Ok((wrap(ids, dev, tokens * k), wrap(weights, dev, tokens * k)))
+    })
+}
+
 /// The experts' rows of a routed batch laid out on the GPU from the router's `ids` and
 /// `weights` (`[tokens × k]`, [`moe_topk_on_device`]), as `ExpertRows` lays them out on the
 /// host: (rows_token u32, row_weight f32, positions u32, each `[tokens × k]`; offsets i64

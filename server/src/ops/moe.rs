@@ -6,6 +6,17 @@ use candle_core::{DType, Device, Result, Tensor};
 super::gpu_entry_points!(moe {
     fn moe_topk(logits: &Tensor, k: usize, norm: bool) -> Result<(Vec<u32>, Vec<f32>)>;
     fn moe_topk_on_device(logits: &Tensor, k: usize, norm: bool) -> Result<(Tensor, Tensor)>;
+    fn moe_route_grouped(
+        scores: &Tensor,
+        bias: Option<&Tensor>,
+        k: usize,
+        groups: (usize, usize),
+        norm: bool,
+        scale: f32,
+        top_two: bool,
+        masked: f32,
+        round: DType,
+    ) -> Result<(Tensor, Tensor)>;
     fn moe_plan(
         ids: &Tensor,
         weights: &Tensor,
@@ -172,8 +183,8 @@ pub enum GroupScore {
 /// experts alike); the weights are the chosen experts' scores, divided by their sum + 1e-20 when
 /// `norm`, times `routed_scaling_factor`. Every step is rounded to the logits' dtype, as torch
 /// computes a router that runs in the compute dtype (Mistral 4's; the others' logits are f32);
-/// torch breaks exact ties among bf16 scores in an order of its own. The GPU reads the logits
-/// back and routes on the CPU (no kernel yet). A NaN score is an error.
+/// torch breaks exact ties among bf16 scores in an order of its own. A NaN score is an error.
+/// Its GPU kernel: [`moe_route_grouped_on_device`].
 pub fn moe_route_grouped(
     logits: &Tensor,
     bias: Option<&Tensor>,
@@ -181,11 +192,7 @@ pub fn moe_route_grouped(
 ) -> Result<TopExperts> {
     let (tokens, num_experts) = logits.dims2()?;
     let round = rounding_to(logits.dtype());
-    let f32_logits = logits.to_dtype(DType::F32)?;
-    let (scores, masked_score) = match routing.scores {
-        RouterScores::Sigmoid => (candle_nn::ops::sigmoid(&f32_logits)?, f32::NEG_INFINITY),
-        RouterScores::Softmax => (candle_nn::ops::softmax_last_dim(&f32_logits)?, 0.0),
-    };
+    let (scores, masked_score) = grouped_router_scores(logits, routing)?;
     let bias = match bias {
         Some(b) => b
             .to_dtype(DType::F32)?
@@ -240,6 +247,39 @@ pub fn moe_route_grouped(
         experts,
         weights,
     })
+}
+
+/// A group-limited router's scores (f32, on the logits' device) and what its dropped groups'
+/// experts score.
+fn grouped_router_scores(logits: &Tensor, routing: &GroupedRouting) -> Result<(Tensor, f32)> {
+    let f32_logits = logits.to_dtype(DType::F32)?;
+    Ok(match routing.scores {
+        RouterScores::Sigmoid => (candle_nn::ops::sigmoid(&f32_logits)?, f32::NEG_INFINITY),
+        RouterScores::Softmax => (candle_nn::ops::softmax_last_dim(&f32_logits)?, 0.0),
+    })
+}
+
+/// [`moe_route_grouped`] with its choice left on the GPU (the same steps in a kernel; ids and
+/// weights as [`moe_route_on_device`] gives them). GPU only; a NaN score gives its token no
+/// expert (its output stays non-finite, which the engine reports).
+pub fn moe_route_grouped_on_device(
+    logits: &Tensor,
+    bias: Option<&Tensor>,
+    routing: &GroupedRouting,
+) -> Result<(Tensor, Tensor)> {
+    super::gpu_only("moe_route_grouped_on_device", logits)?;
+    let (scores, masked) = grouped_router_scores(logits, routing)?;
+    gpu::moe_route_grouped(
+        &scores,
+        bias,
+        routing.k,
+        (routing.n_group, routing.topk_group),
+        routing.norm,
+        routing.routed_scaling_factor as f32,
+        routing.group_score == GroupScore::TopTwoSum,
+        masked,
+        logits.dtype(),
+    )
 }
 
 /// Rounds an f32 to `dtype` (and back), as a torch op in that dtype rounds its f32 result.

@@ -229,17 +229,11 @@ impl Moe {
     }
 
     /// Whether the router's choice and the experts' rows can stay on the GPU
-    /// ([`Self::experts_planned_on_device`]): a softmax router, and experts stacked in one
+    /// ([`Self::experts_planned_on_device`]): the block's own router, and experts stacked in one
     /// int4 GEMM that takes each expert's own row count, which then never has to reach the host.
     fn plans_on_device(&self, x: &Tensor) -> Result<bool> {
-        let plain_router = self.router.is_some()
-            && self
-                .cfg
-                .router
-                .grouped(self.cfg.experts_per_token, self.cfg.norm_topk_prob)
-                .is_none();
         let allowed = DEVICE_PLANS.load(Ordering::Relaxed);
-        if !(allowed && plain_router && ops::stacks_experts(x) && self.stackable) {
+        if !(allowed && self.router.is_some() && ops::stacks_experts(x) && self.stackable) {
             return Ok(false);
         }
         let all: Vec<&Mlp> = self.experts.iter().collect();
@@ -257,8 +251,13 @@ impl Moe {
             candle_core::bail!("this mixture is routed by its decoder layer");
         };
         let experts = self.experts.len();
-        let (ids, weights) = stage("router", dev, || {
-            ops::moe_route_on_device(&ops::matmul_t(x, router)?, k, self.cfg.norm_topk_prob)
+        let norm = self.cfg.norm_topk_prob;
+        let (ids, weights) = stage("router", dev, || match self.cfg.router.grouped(k, norm) {
+            Some(routing) => {
+                let logits = ops::matmul_t(&x.to_dtype(router.dtype())?, router)?;
+                ops::moe_route_grouped_on_device(&logits, self.correction_bias.as_ref(), &routing)
+            }
+            None => ops::moe_route_on_device(&ops::matmul_t(x, router)?, k, norm),
         })?;
         // 64-row tiles where an expert's rows are expected to fit one (a tile decodes its
         // weights once; rows past it take another tile either way).
