@@ -175,6 +175,57 @@ pub fn activation_qdq(x: &Tensor, qdq: &ActivationQdq) -> Result<Tensor> {
         .to_dtype(x.dtype())
 }
 
+/// The fp8 e4m3 scales of [`fp8_head_qdq`]: one per head of the head axis.
+#[derive(Debug, Clone, PartialEq)]
+pub enum HeadScales {
+    /// Static scales: one for every head, or one per head.
+    Static(Vec<f32>),
+    /// Each head's `absmax / 448` over the whole tensor (f32 epsilon for an all-zero head).
+    AbsMax,
+}
+
+/// fp8 e4m3 QDQ of `x` per head along `head_axis`: `x / s` clamped to ±448 (a saturating
+/// conversion), rounded to e4m3 (ties to even), times `s`; computed in f32 and returned in x's
+/// dtype. The KV cache's quantization (`model::blocks::attention`).
+pub fn fp8_head_qdq(x: &Tensor, head_axis: usize, scales: &HeadScales) -> Result<Tensor> {
+    if let (true, HeadScales::Static(s)) = (x.device().is_cuda(), scales) {
+        if let [scale] = s[..] {
+            // one static scale: any split into rows is the same QDQ
+            let k = *x.dims().last().unwrap_or(&1);
+            let rows = x.elem_count() / k.max(1);
+            return gpu::qdq_fp8(&x.reshape((rows, k))?, Some(scale))?.reshape(x.shape());
+        }
+        // Per-head and dynamic scales have no kernel yet: through the host (below) and back.
+    }
+    let dims = x.dims();
+    let heads = dims[head_axis];
+    let inner: usize = dims[head_axis + 1..].iter().product();
+    let mut values = x.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
+    let per_head: Vec<f32> = match scales {
+        HeadScales::Static(s) if s.len() == 1 => vec![s[0]; heads],
+        HeadScales::Static(s) if s.len() == heads => s.clone(),
+        HeadScales::Static(s) => candle_core::bail!("{} scales for {heads} heads", s.len()),
+        HeadScales::AbsMax => {
+            let mut amax = vec![0f32; heads];
+            for (i, chunk) in values.chunks(inner).enumerate() {
+                amax[i % heads] = amax[i % heads].max(absmax(chunk));
+            }
+            amax.iter()
+                .map(|&a| match a / FP8_E4M3_MAX {
+                    0.0 => MIN_SCALE,
+                    s => s,
+                })
+                .collect()
+        }
+    };
+    for (i, chunk) in values.chunks_mut(inner).enumerate() {
+        qdq_fp8(chunk, per_head[i % heads]);
+    }
+    Tensor::from_vec(values, x.shape(), &Device::Cpu)?
+        .to_device(x.device())?
+        .to_dtype(x.dtype())
+}
+
 /// A quantized weight's tensors as its GPU dequantization kernel reads them.
 pub enum Packed<'a> {
     /// pack-quantized int4/int8 words, f32 scales `[out, groups]`, i32 zero points; with
