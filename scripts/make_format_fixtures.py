@@ -640,7 +640,7 @@ def make_ct(name, scheme):
 # ----------------------------------------------------------------------------------------------
 # KV-cache quantization (compressed-tensors `kv_cache_scheme`): W4A16 weights and fp8 e4m3 K/V
 # scales calibrated by llm-compressor on the reference sequences, on a tiny base with two KV
-# heads (per-head scales differ). The emulated reference is transformers with vLLM's
+# heads (per-head scales differ) and sharp attention. The emulated reference is transformers with vLLM's
 # FlashAttention 3 fp8 path hooked in where vLLM applies it (docs/kv-cache.md): after RoPE,
 # q / 1.0, k / k_scale, v / v_scale rounded to e4m3 (saturating) and scaled back, in f32.
 # ----------------------------------------------------------------------------------------------
@@ -706,7 +706,13 @@ def make_kv(name, strategy, seed=401):
     (base / "config.json").write_text(json.dumps(cfg))
     for f in ["tokenizer.json", "tokenizer_config.json"]:
         shutil.copy(DENSE / f, base / f)
-    save_torch(tiny_dense(seed, cfg), str(base / "model.safetensors"))
+    dense = tiny_dense(seed, cfg)
+    # q and k projections x3: scores of order ten and sharp attention, as in trained models
+    # (with the random base's flat attention the KV cache's cost cancels in the mean NLL).
+    for k in dense:
+        if k.endswith(("q_proj.weight", "k_proj.weight")):
+            dense[k] = (dense[k].float() * 3).to(torch.bfloat16)
+    save_torch(dense, str(base / "model.safetensors"))
     model = AutoModelForCausalLM.from_pretrained(str(base), dtype=torch.bfloat16)
     ids = [ids for _, ids in texts()]
     calibration = Dataset.from_dict({"input_ids": ids, "attention_mask": [[1] * len(i) for i in ids]})
