@@ -374,3 +374,36 @@ pub fn matmul_t_int4_stacked_into_rows(
     };
     gpu::matmul_t_int4_stacked_into_rows(out, row0, x, &ints, rows, shape, group, None)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn qdq(values: &[f32], shape: (usize, usize, usize, usize), scales: HeadScales) -> Vec<f32> {
+        let x = Tensor::from_slice(values, shape, &Device::Cpu).unwrap();
+        let y = fp8_head_qdq(&x, 1, &scales).unwrap();
+        y.flatten_all().unwrap().to_vec1::<f32>().unwrap()
+    }
+
+    /// Per-head static scales index the head axis; x / s saturates at ±448 and rounds to e4m3
+    /// (subnormals included) before scaling back.
+    #[test]
+    fn head_qdq_scales_each_head_and_saturates() {
+        // [batch 1, heads 2, len 1, dim 3]
+        let x = [0.3, -1.1, 1000.0, 3.0, 0.01, -1000.0];
+        let got = qdq(&x, (1, 2, 1, 3), HeadScales::Static(vec![0.5, 2.0]));
+        assert_eq!(got, [0.3125, -1.125, 224.0, 3.0, 0.01171875, -896.0]);
+        let one = qdq(&x, (1, 2, 1, 3), HeadScales::Static(vec![2.0]));
+        assert_eq!(one[..3], [0.3125, -1.125, 896.0]);
+    }
+
+    /// Dynamic scales: each head's absmax over every other axis, / 448; an all-zero head stays
+    /// zero.
+    #[test]
+    fn head_qdq_absmax_is_per_head_over_the_sequence() {
+        // [batch 1, heads 2, len 2, dim 2]: head 0 has absmax 896 (scale 2), head 1 is zero
+        let x = [3.0, 0.7, -896.0, 1.0, 0.0, 0.0, 0.0, 0.0];
+        let got = qdq(&x, (1, 2, 2, 2), HeadScales::AbsMax);
+        assert_eq!(got, [3.0, 0.6875, -896.0, 1.0, 0.0, 0.0, 0.0, 0.0]);
+    }
+}
