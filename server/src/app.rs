@@ -378,6 +378,9 @@ fn load_models(config: &Config) -> Result<Loaded, AppError> {
                 let reference_options = ModelOptions {
                     linear: LinearOptions {
                         dtype: r.dtype,
+                        // the KV-cache flags are the served model's (the simulation is what
+                        // /kld measures); a reference's own kv_cache_scheme is emulated
+                        kv_cache: Default::default(),
                         ..options.linear.clone()
                     },
                     ..options.clone()
