@@ -749,6 +749,28 @@ mod tests {
     }
 
     #[test]
+    fn kv_cache_flags_map_and_their_contradiction_is_refused() {
+        let c = parse(&["--kv-cache-dtype", "fp8_e4m3"]).unwrap();
+        assert_eq!(
+            c.kv_cache,
+            KvCacheOptions {
+                quant: KvCacheQuant::Emulate,
+                dtype: KvCacheDtype::Fp8E4m3
+            }
+        );
+        assert_eq!(parse(&[]).unwrap().kv_cache, KvCacheOptions::default());
+        let off = parse(&["--kv-cache-quant", "off"]).unwrap();
+        assert_eq!(off.kv_cache.quant, KvCacheQuant::Off);
+        let msg = parse(&["--kv-cache-quant", "off", "--kv-cache-dtype", "fp8_e4m3"])
+            .unwrap_err()
+            .to_string();
+        assert!(
+            msg.contains("--kv-cache-dtype") && msg.contains("--kv-cache-quant off"),
+            "{msg}"
+        );
+    }
+
+    #[test]
     fn cuda_needs_the_feature() {
         let err = parse(&["--device", "cuda:0"]);
         if cfg!(feature = "cuda") {
