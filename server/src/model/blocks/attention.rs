@@ -87,11 +87,6 @@ impl Attention {
         })
     }
 
-    /// The KV cache's quantization, where it applies.
-    pub fn kv_cache(&self) -> Option<&KvCacheQdq> {
-        self.kv_cache.as_ref()
-    }
-
     /// vLLM's fp8 KV cache on post-RoPE `q`, `k` and `v` (head axis 1): k and v as
     /// `reshape_and_cache_flash` writes them, q as FlashAttention 3 reads it
     /// (docs/kv-cache.md). `sequences`: the lengths along axis 0, where dynamic scales are
