@@ -8,6 +8,7 @@ pub mod dense;
 pub mod float_quantized;
 pub mod gptq;
 pub mod hf_fp8;
+pub mod kv_cache;
 pub mod mxfp4;
 pub mod nvfp4;
 pub mod pack_quantized;
@@ -23,6 +24,7 @@ use crate::checkpoint::{Checkpoint, LoadError};
 use crate::ops::{self, StackRows};
 pub use act_qdq::{ActivationQdq, ActivationQuantMode};
 pub use compressed_tensors::{Format, LayerScheme, QuantizationConfig};
+pub use kv_cache::{KvCacheDtype, KvCacheOptions, KvCacheQdq, KvCacheQuant, KvCacheScheme};
 
 /// A weight matrix `[out, in]` stored in one format. Stays compressed in memory.
 pub trait QuantizedWeight: Send + Sync {
@@ -346,6 +348,7 @@ pub struct LinearOptions {
     pub device: Device,
     pub dtype: DType,
     pub activation_quant: ActivationQuantMode,
+    pub kv_cache: KvCacheOptions,
 }
 
 /// Loads the Linear `name` (`name.weight` or its compressed tensors, optional `name.bias`).

@@ -476,6 +476,7 @@ fn options(
             device: device.clone(),
             dtype,
             activation_quant: act,
+            kv_cache: Default::default(),
         },
         max_seq_len,
         attention,

@@ -1973,6 +1973,7 @@ mod tests {
                     device: Device::Cpu,
                     dtype: DType::F32,
                     activation_quant: ActivationQuantMode::Emulate,
+                    kv_cache: Default::default(),
                 },
                 max_seq_len: 300,
                 attention: AttentionKernel::Auto,

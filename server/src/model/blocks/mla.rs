@@ -57,6 +57,7 @@ impl LatentAttention {
         c: &ModelConfig,
         cfg: &MlaConfig,
     ) -> std::result::Result<Self, LoadError> {
+        vb.refuse_kv_cache("multi-head latent attention (vLLM's MLA caches the latent)")?;
         let (h, heads) = (c.hidden_size, c.num_heads);
         let qk = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim;
         let norm =
