@@ -1,7 +1,7 @@
 //! Launches of kernels/moe.cu: the router's top-k and the combine of the experts' outputs.
 // Kernel launches are FFI: the argument lists below must match the kernel signatures.
 
-use candle_core::cuda_backend::cudarc::driver::PushKernelArg;
+use candle_core::cuda_backend::cudarc::driver::{LaunchConfig, PushKernelArg};
 use candle_core::cuda_backend::WrapErr;
 use candle_core::{bail, DType, Result, Tensor};
 
@@ -109,10 +109,17 @@ pub fn moe_route_grouped(
             .arg(&round)
             .arg(&ids)
             .arg(&weights);
+        // Warps of their own: a token's thread loops over every expert, and a few thousand
+        // tokens in blocks of 256 would occupy a handful of SMs.
+        let config = LaunchConfig {
+            grid_dim: (tokens.div_ceil(32).max(1) as u32, 1, 1),
+            block_dim: (32, 1, 1),
+            shared_mem_bytes: 0,
+        };
         // SAFETY: arguments match `moe_route_grouped` (a thread per token; the bias, where
         // given, [experts] f32 and alive for the launch: `bias` is held until it returns and
         // the stream orders its release).
-        unsafe { b.launch(grid_1d(tokens)) }.w()?;
+        unsafe { b.launch(config) }.w()?;
         Ok((wrap(ids, dev, tokens * k), wrap(weights, dev, tokens * k)))
     })
 }
