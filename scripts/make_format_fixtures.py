@@ -8,7 +8,10 @@ library, and dequantization test vectors.
 
 The AWQ and FP8 fixtures quantize a smaller base (`tiny_dense()`: hidden 128, tied
 embeddings) to stay under 1 MB each; FP8's reference.json also holds `reference_emulated`,
-transformers with vLLM's per-token-group fp8 activation QDQ.
+transformers with vLLM's per-token-group fp8 activation QDQ. The W8A8-INT8 fixture is
+llm-compressor's `W8A8` preset on that base; its `reference_emulated` is vLLM's int8
+activations with the int8 GEMM exact in int32 (`reference_emulated_qdq`: the same activations
+dequantized, then an f32 GEMM).
 
 Needs the fixture venv (transformers 5.17, torch 2.14 CPU) and, for GPTQ and AWQ, GPTQModel 7.7.0
 installed without its dependencies (its pins want a newer transformers) plus the few it imports:
@@ -242,10 +245,11 @@ def dequant_check(deq):
 
 
 def write_variant(name, qconfig, quantized, deq, dequantizer, config=None, dense=None,
-                  emulated=None):
+                  emulated=None, extra_emulated=None):
     """`config` / `dense`: the base model's config.json dict and tensors (llama-dense-bf16's
     when None). `emulated`: (description, hooks) of an activation-emulation reference, written
-    beside the weights-only one as `reference_emulated`."""
+    beside the weights-only one as `reference_emulated`; `extra_emulated`: {key: (description,
+    hooks)} of further ones."""
     out = FIXTURES / name
     if out.exists():
         shutil.rmtree(out)
@@ -269,6 +273,9 @@ def write_variant(name, qconfig, quantized, deq, dequantizer, config=None, dense
         what, hooks = emulated
         em = reference_logprobs(weights, config, hooks)
         ref["reference_emulated"] = {"activations": what, "sequences": em, "mean_nll": mean(em)}
+    for key, (what, hooks) in (extra_emulated or {}).items():
+        em = reference_logprobs(weights, config, hooks)
+        ref[key] = {"activations": what, "sequences": em, "mean_nll": mean(em)}
     (out / "reference.json").write_text(json.dumps(ref, indent=1) + "\n")
     (out / "dequant_check.json").write_text(json.dumps(dequant_check(deq), indent=1) + "\n")
     print(f"{name}: mean NLL {ref['mean_nll']:.6f}, "
@@ -632,6 +639,125 @@ def make_ct(name, scheme):
     print(f"{name}: mean NLL {ref['mean_nll']:.6f}, {len(deq)} Linears")
 
 
+# ----------------------------------------------------------------------------------------------
+# compressed-tensors W8A8-INT8 (llm-compressor preset `W8A8`): `int-quantized` int8 weights per
+# output channel (symmetric), int8 activations per token (dynamic, symmetric)
+# ----------------------------------------------------------------------------------------------
+def vllm_int8_quant(x):
+    """vLLM's `dynamic_scaled_int8_quant_kernel` (csrc/quantization/compressed_tensors/
+    int8_quant_kernels.cu) in f32: per token absmax, scale = absmax / 127 (what the GEMM's
+    epilogue multiplies by), q = cvt.rni.sat.s8(x * (127 / absmax)) (nearest even, saturated
+    to [-128, 127]; a NaN from an all-zero row, 0 * inf, converts to 0)."""
+    x = x.float()
+    absmax = x.abs().amax(-1, keepdim=True)
+    # A true f32 division, as the kernel's `127.0f / absmax` (torch's `127.0 / tensor` would
+    # multiply by the tensor's reciprocal: another rounding).
+    reciprocal = torch.full_like(absmax, 127.0) / absmax
+    q = torch.round(x * reciprocal).clamp(-128, 127)
+    return torch.nan_to_num(q, nan=0.0), absmax / 127.0
+
+
+def int8_gemm_hooks(codes, scales):
+    """Each Linear as vLLM's W8A8-INT8 path computes it (`cutlass_scaled_mm`): the input
+    quantized per token (`vllm_int8_quant`), the int8 GEMM exact (int32 accumulation, here in
+    f64: |sums| < 2^24), then the epilogue `a_scale * (b_scale * f32(acc))` in f32."""
+    def register(model):
+        for name, q_w in codes.items():
+            s_w = scales[name].float().reshape(1, -1)
+            q_w64 = q_w.double()
+
+            def forward(x, q_w64=q_w64, s_w=s_w):
+                shape = x.shape
+                q, s_x = vllm_int8_quant(x.reshape(-1, shape[-1]))
+                acc = (q.double() @ q_w64.T).float()
+                return (s_x * (s_w * acc)).reshape(*shape[:-1], -1)
+            model.get_submodule(name).forward = forward
+    return register
+
+
+def int8_qdq_hooks(linears):
+    """The emulation ExactScore runs: the input quantized and dequantized per token in f32
+    (`q * scale`), then the f32 GEMM with the dequantized weight."""
+    def qdq(x):
+        q, s = vllm_int8_quant(x)
+        return (q * s).to(x.dtype)
+
+    def register(model):
+        for name in linears:
+            model.get_submodule(name).register_forward_pre_hook(lambda _m, args: (qdq(args[0]),))
+    return register
+
+
+def make_ct_w8a8(name):
+    """llm-compressor 0.14 `W8A8` on the tiny base; the weights as compressed-tensors
+    decompresses them; `reference_emulated`: vLLM's int8 activations and int32 GEMM;
+    `reference_emulated_qdq`: the same activations dequantized, then an f32 GEMM."""
+    from llmcompressor import oneshot
+    from llmcompressor.modifiers.quantization import QuantizationModifier
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    cfg, dense = tiny_config(), tiny_dense()
+    base = FIXTURES / f".{name}.base"  # oneshot wants a model with a path
+    model = AutoModelForCausalLM.from_config(LlamaConfig(**cfg), dtype=torch.bfloat16)
+    model.load_state_dict(dense, strict=False)
+    model.tie_weights()
+    model.save_pretrained(str(base))
+    model = AutoModelForCausalLM.from_pretrained(str(base), dtype=torch.bfloat16)
+    model = oneshot(model=model, recipe=QuantizationModifier(
+        targets="Linear", scheme="W8A8", ignore=["lm_head"]))
+    tmp = FIXTURES / f".{name}.tmp"
+    model.save_pretrained(str(tmp), save_compressed=True)
+    shutil.rmtree(base)
+    qconfig = json.loads((tmp / "config.json").read_text())["quantization_config"]
+    quantized = load_file(str(tmp / "model.safetensors"))
+    m = AutoModelForCausalLM.from_pretrained(str(tmp), dtype=torch.float32)
+    hq = getattr(m, "hf_quantizer", None)
+    if hq is not None and hasattr(m, "ct_decompress_hook"):
+        hq.compressor.decompress_model(m)
+    shutil.rmtree(tmp)
+    lins = linear_names(dense)
+    sd = m.state_dict()
+    deq = {lin: sd[lin + ".weight"].detach().float().numpy() for lin in lins}
+    codes = {lin: quantized[lin + ".weight"] for lin in lins}
+    scales = {lin: quantized[lin + ".weight_scale"] for lin in lins}
+    for lin in lins:  # compressed-tensors' reading is the format's formula, exactly
+        spec = (codes[lin].float() * scales[lin].float()).numpy()
+        assert codes[lin].dtype == torch.int8 and np.array_equal(spec, deq[lin]), lin
+    write_variant(name, qconfig, quantized, deq,
+                  "compressed-tensors 0.19.0 (transformers from_pretrained + decompress_model)",
+                  config=cfg, dense=dense,
+                  emulated=("vLLM dynamic_scaled_int8_quant per token, int8 GEMM exact in "
+                            "int32, epilogue a_scale * (b_scale * acc) in f32",
+                            int8_gemm_hooks(codes, scales)),
+                  extra_emulated={"reference_emulated_qdq": (
+                      "vLLM's per-token int8 activations dequantized (q * scale, f32), then an "
+                      "f32 GEMM with the dequantized weight", int8_qdq_hooks(lins))})
+    make_int8_qdq_vectors(FIXTURES / name / "act_qdq_vectors.safetensors", seed=600)
+
+
+def make_int8_qdq_vectors(path, seed):
+    """`synthetic.input` [rows, 256] f32 and `synthetic.input_qdq`, `vllm_int8_quant`'s codes
+    times its scale: random rows of several magnitudes, an all-zero row, a row of ties
+    (absmax 127: x · 1 = k + 0.5, nearest even), and rows where the product by the reciprocal
+    and a division by the scale round to different codes (vLLM multiplies)."""
+    g = torch.Generator().manual_seed(seed)
+    rows = [torch.randn(256, generator=g) * s for s in (1e-3, 0.1, 1.0, 30.0, 1e4)]
+    rows.append(torch.zeros(256))
+    ties = torch.arange(256, dtype=torch.float32) - 128 + 0.5
+    ties[0], ties[-1] = 127.0, -127.0
+    rows.append(ties)
+    found = 0
+    while found < 4:  # rows whose reciprocal product and division disagree somewhere
+        x = torch.randn(256, generator=g)
+        a = x.abs().amax()
+        if not torch.equal(torch.round(x * (torch.tensor(127.0) / a)), torch.round(x / (a / 127.0))):
+            rows.append(x)
+            found += 1
+    x = torch.stack(rows).float()
+    q, s = vllm_int8_quant(x)
+    save_file({"synthetic.input": x.numpy(), "synthetic.input_qdq": (q * s).numpy()}, str(path))
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--only", default="")
@@ -654,6 +780,8 @@ def main():
         make_fp8_block("llama-fp8-block")
     if not only or "fp8-block-vectors" in only:
         make_fp8_vectors(500)
+    if not only or "llama-w8a8-int8" in only:
+        make_ct_w8a8("llama-w8a8-int8")
 
 
 if __name__ == "__main__":

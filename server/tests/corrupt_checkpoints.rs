@@ -541,6 +541,7 @@ const CT_ACT: &str = "llama-w4a16-actorder-g64";
 const Q_PROJ: &str = "model.layers.0.self_attn.q_proj";
 const AWQ: &str = "llama-awq-int4-g64";
 const FP8: &str = "llama-fp8-block";
+const W8A8: &str = "llama-w8a8-int8";
 
 fn malformed_checkpoints() -> Vec<Malformed> {
     use serde_json::json;
@@ -981,6 +982,80 @@ fn malformed_checkpoints() -> Vec<Malformed> {
             |c| c["quantization_config"]["modules_to_not_convert"] = json!(["lm_head", "o_proj"]),
             &["tensor `model.layers.0.self_attn.o_proj.weight`", "F8_E4M3"],
         ),
+        (
+            W8A8,
+            "weights labelled 4 bits",
+            |_| {},
+            |c| {
+                c["quantization_config"]["config_groups"]["group_0"]["weights"]["num_bits"] =
+                    json!(4)
+            },
+            &[
+                "tensor `model.layers.0.self_attn.q_proj.weight`",
+                "4-bit range [-8, 7]",
+            ],
+        ),
+        (
+            W8A8,
+            "channel scales read as groups of 64",
+            |_| {},
+            |c| {
+                let w = &mut c["quantization_config"]["config_groups"]["group_0"]["weights"];
+                w["strategy"] = json!("group");
+                w["group_size"] = json!(64);
+            },
+            &[
+                "tensor `model.layers.0.self_attn.q_proj.weight_scale`",
+                "[128, 1]",
+                "[128, 2]",
+            ],
+        ),
+        (
+            W8A8,
+            "asymmetric int8 activations",
+            |_| {},
+            |c| {
+                c["quantization_config"]["config_groups"]["group_0"]["input_activations"]
+                    ["symmetric"] = json!(false)
+            },
+            &[
+                "config_groups.group_0.input_activations.symmetric",
+                "asymmetric",
+            ],
+        ),
+        (
+            W8A8,
+            "an unknown activation strategy",
+            |_| {},
+            |c| {
+                c["quantization_config"]["config_groups"]["group_0"]["input_activations"]
+                    ["strategy"] = json!("batch")
+            },
+            &["config_groups.group_0.input_activations.strategy", "batch"],
+        ),
+        (
+            W8A8,
+            "static int8 activations",
+            |_| {},
+            |c| {
+                let a =
+                    &mut c["quantization_config"]["config_groups"]["group_0"]["input_activations"];
+                a["strategy"] = json!("tensor");
+                a["dynamic"] = json!(false);
+            },
+            &["config_groups.group_0.input_activations", "Tensor"],
+        ),
+        (
+            W8A8,
+            "int8 weights stored as int32",
+            |t| {
+                let w = t.get_mut("model.layers.0.mlp.up_proj.weight").unwrap();
+                w.0 = Dtype::I32;
+                w.1 = vec![256, 32];
+            },
+            |_| {},
+            &["tensor `model.layers.0.mlp.up_proj.weight`", "I32"],
+        ),
     ]
 }
 
@@ -1000,7 +1075,7 @@ fn malformed_checkpoints_of_other_formats_are_named_at_load() {
 
 #[test]
 fn unmodified_copies_of_other_formats_load() {
-    for variant in [GPTQ4, GPTQ3, MXFP4, CT_ACT, AWQ, FP8] {
+    for variant in [GPTQ4, GPTQ3, MXFP4, CT_ACT, AWQ, FP8, W8A8] {
         let dir = edited_copy(variant, 2, |_| {}, |_| {});
         Model::load(
             dir.path(),

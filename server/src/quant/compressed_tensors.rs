@@ -686,7 +686,15 @@ fn check_scheme(s: &LayerScheme) -> Result<(), LoadError> {
         ));
     }
     if let Some(a) = &s.input_activations {
+        if a.kind == QuantType::Int && !a.symmetric {
+            // vLLM's azp path adds a zero-point correction term to the GEMM: not emulated.
+            return Err(bad(
+                "input_activations.symmetric",
+                "asymmetric int8 activations (a zero point per token) are not supported".into(),
+            ));
+        }
         let supported = match (a.kind, a.num_bits, a.strategy) {
+            (QuantType::Int, 8, Strategy::Token) => a.dynamic,
             (QuantType::Float, 8, Strategy::Token) => a.dynamic && a.symmetric,
             (QuantType::Float, 8, Strategy::Tensor) => !a.dynamic && a.symmetric,
             (QuantType::Float, 4, Strategy::TensorGroup) => a.group_size == Some(16) && a.symmetric,
@@ -697,7 +705,7 @@ fn check_scheme(s: &LayerScheme) -> Result<(), LoadError> {
                 "input_activations",
                 format!(
                     "{:?} {} bits, strategy {:?}, dynamic {} is not supported (fp8 per-token dynamic, \
-                     fp8 per-tensor static, nvfp4 group 16)",
+                     fp8 per-tensor static, nvfp4 group 16, int8 per-token dynamic)",
                     a.kind, a.num_bits, a.strategy, a.dynamic
                 ),
             ));
@@ -785,11 +793,40 @@ mod tests {
     }
 
     #[test]
-    fn int8_activations_are_refused_not_guessed() {
-        let mut c = w4a16(json!(["Linear"]), json!([]));
-        c["config_groups"]["group_0"]["weights"]["num_bits"] = json!(8);
-        c["config_groups"]["group_0"]["input_activations"] = json!({"num_bits": 8, "type": "int", "symmetric": true, "strategy": "token", "dynamic": true});
-        let e = QuantizationConfig::parse(&c).err().unwrap().to_string();
-        assert!(e.contains("input_activations"), "{e}");
+    fn int8_activations_per_token_are_read_and_the_rest_refused_by_name() {
+        let w8a8 = |act: Value| {
+            let mut c = w4a16(json!(["Linear"]), json!([]));
+            c["config_groups"]["group_0"]["weights"] = json!({"num_bits": 8, "type": "int",
+                "symmetric": true, "strategy": "channel"});
+            c["config_groups"]["group_0"]["input_activations"] = act;
+            c["format"] = json!("int-quantized");
+            QuantizationConfig::parse(&c)
+        };
+        let cfg = w8a8(json!({"num_bits": 8, "type": "int", "symmetric": true,
+            "strategy": "token", "dynamic": true}))
+        .unwrap();
+        let s = cfg.scheme_for("model.layers.0.mlp.up_proj", "Linear");
+        let act = s.unwrap().unwrap().input_activations.clone().unwrap();
+        assert_eq!(
+            (act.kind, act.num_bits, act.strategy),
+            (QuantType::Int, 8, Strategy::Token)
+        );
+        // llm-compressor's asymmetric int8 activations: refused by name.
+        let e = w8a8(json!({"num_bits": 8, "type": "int", "symmetric": false,
+            "strategy": "token", "dynamic": true}))
+        .err()
+        .unwrap()
+        .to_string();
+        assert!(e.contains("input_activations.symmetric"), "{e}");
+        // Static per-tensor int8 activations: not implemented, refused.
+        let e = w8a8(json!({"num_bits": 8, "type": "int", "symmetric": true,
+            "strategy": "tensor", "dynamic": false}))
+        .err()
+        .unwrap()
+        .to_string();
+        assert!(
+            e.contains("input_activations") && e.contains("Tensor"),
+            "{e}"
+        );
     }
 }
