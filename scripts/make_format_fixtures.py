@@ -11,7 +11,8 @@ embeddings) to stay under 1 MB each; FP8's reference.json also holds `reference_
 transformers with vLLM's per-token-group fp8 activation QDQ. The W8A8-INT8 fixture is
 llm-compressor's `W8A8` preset on that base; its `reference_emulated` is vLLM's int8
 activations with the int8 GEMM exact in int32 (`reference_emulated_qdq`: the same activations
-dequantized, then an f32 GEMM).
+dequantized, then an f32 GEMM). The ModelOpt NVFP4 fixture is packed by this script from the
+format (nvidia-modelopt is not installed), its config in hf_quant_config.json.
 
 Needs the fixture venv (transformers 5.17, torch 2.14 CPU) and, for GPTQ and AWQ, GPTQModel 7.7.0
 installed without its dependencies (its pins want a newer transformers) plus the few it imports:
@@ -758,6 +759,142 @@ def make_int8_qdq_vectors(path, seed):
     save_file({"synthetic.input": x.numpy(), "synthetic.input_qdq": (q * s).numpy()}, str(path))
 
 
+# ----------------------------------------------------------------------------------------------
+# NVIDIA ModelOpt NVFP4 (`quant_method: modelopt`, hf_quant_config.json): codes in `weight` U8
+# [out, in/2] (low nibble first), `weight_scale` F8_E4M3 [out, in/16], `weight_scale_2` F32 []
+# (multiplies), `input_scale` F32 [] (activations' global scale 1 / input_scale)
+# ----------------------------------------------------------------------------------------------
+E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
+FUSED = [["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"],
+         ["mlp.gate_proj", "mlp.up_proj"], ["self_attn.o_proj"], ["mlp.down_proj"]]
+
+
+def e2m1_codes(x):
+    """Nearest e2m1 code (sign in bit 3) of each value of x (already within ±6); ties to the
+    even code."""
+    mag = x.abs()
+    d = (mag[..., None] - E2M1).abs()
+    best = d.min(-1, keepdim=True).values
+    cand = torch.where(d == best, torch.arange(8), 99)
+    idx = torch.where(cand % 2 == 0, cand, 99).min(-1).values
+    idx = torch.where(idx == 99, cand.min(-1).values, idx)
+    return (idx | torch.where(x < 0, 8, 0)).to(torch.uint8)
+
+
+def modelopt_nvfp4_quantize(w, scale_2):
+    """ModelOpt's NVFP4QTensor quantization of w [N, K] against the per-tensor `scale_2`
+    (amax / (6 * 448)): per block of 16, fp8(amax / 6 / scale_2), codes e2m1(w / (s * scale_2)).
+    Returns (packed U8 [N, K/2], block scales F8_E4M3 [N, K/16])."""
+    n, k = w.shape
+    blocks = w.reshape(n, k // 16, 16)
+    s = (blocks.abs().amax(-1) / 6.0 / scale_2).clamp(max=448.0).to(torch.float8_e4m3fn)
+    s_eff = s.float() * scale_2
+    s_eff = torch.where(s_eff == 0, torch.ones_like(s_eff), s_eff)
+    q = (blocks / s_eff[..., None]).clamp(-6.0, 6.0).reshape(n, k)
+    codes = e2m1_codes(q)
+    return (codes[:, 0::2] | (codes[:, 1::2] << 4)).contiguous(), s
+
+
+def modelopt_nvfp4_dequantize(packed, s, scale_2):
+    """The format's dequantization, per block scale first (ModelOpt's NVFP4QTensor.dequantize):
+    w = e2m1(code) * (f32(s) * scale_2), in f32."""
+    codes = torch.stack([packed & 0xF, packed >> 4], -1).reshape(packed.shape[0], -1).long()
+    vals = E2M1[codes & 7] * torch.where(codes >= 8, -1.0, 1.0)
+    block = (s.float() * scale_2).repeat_interleave(16, dim=1)
+    return (vals * block).numpy()
+
+
+def nvfp4_act_qdq(x, global_scale):
+    """NVFP4 fake-quant of x's rows per 16 values against `global_scale`, compressed-tensors'
+    formula as ExactScore implements it for compressed-tensors NVFP4 (bit-exact with its
+    act_qdq_vectors), in f32: s = fp8(clamp(global * amax / 6, ±448)) (0.125 where it rounds
+    to 0), eff = s / global, q = e2m1(clamp(x / eff, ±6)), x' = q * eff."""
+    shape = x.shape
+    g = x.float().reshape(-1, shape[-1] // 16, 16)
+    s = (global_scale * (g.abs().amax(-1, keepdim=True) / 6.0)).clamp(-448.0, 448.0)
+    s = s.to(torch.float8_e4m3fn).float()
+    s = torch.where(s == 0, torch.full_like(s, 0.125), s)
+    eff = s / global_scale
+    q = (g / eff + 0.0).clamp(-6.0, 6.0)
+    codes = e2m1_codes(q).long()
+    vals = E2M1[codes & 7] * torch.where(codes >= 8, -1.0, 1.0)
+    return (vals * eff).reshape(shape).to(x.dtype)
+
+
+def nvfp4_act_hooks(input_scales):
+    """Each quantized Linear's input through `nvfp4_act_qdq` with the global scale
+    1 / input_scale (vLLM's `input_global_scale_inv`, a true f32 division)."""
+    def register(model):
+        for name, scale in input_scales.items():
+            gs = (torch.tensor(1.0) / scale).float()
+            model.get_submodule(name).register_forward_pre_hook(
+                lambda _m, a, gs=gs: (nvfp4_act_qdq(a[0], gs),))
+    return register
+
+
+@torch.no_grad()
+def input_amax(dense, cfg, lins):
+    """Per quantized Linear, the absmax of its input over the fixture's sequences (f32 model of
+    the dense weights): ModelOpt's max calibration."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+    model = AutoModelForCausalLM.from_config(LlamaConfig(**cfg), dtype=torch.float32)
+    model.load_state_dict({k: v.float() for k, v in dense.items()}, strict=False)
+    model.tie_weights()
+    amax = {lin: torch.tensor(0.0) for lin in lins}
+    for lin in lins:
+        model.get_submodule(lin).register_forward_pre_hook(
+            lambda _m, a, lin=lin: amax.__setitem__(lin, torch.maximum(amax[lin], a[0].abs().amax())))
+    for _text, ids in texts():
+        model(input_ids=torch.tensor([ids]))
+    return amax
+
+
+def make_modelopt_nvfp4(name):
+    """The tiny base quantized as ModelOpt's NVFP4 export lays it out (its packer written from
+    the format; nvidia-modelopt is not installed): the layers vLLM fuses (q/k/v, gate/up) share
+    `weight_scale_2` and `input_scale`, as ModelOpt's export makes them. The config in
+    hf_quant_config.json, config.json without quantization_config."""
+    vectors = load_file(str(FIXTURES / "llama-nvfp4" / "act_qdq_vectors.safetensors"))
+    for p in ["model.layers.0.self_attn.q_proj", "model.layers.1.mlp.down_proj", "synthetic"]:
+        got = nvfp4_act_qdq(vectors[p + ".input"], vectors[p + ".input_global_scale"].reshape(()))
+        assert torch.equal(got.view(torch.int32), vectors[p + ".input_qdq"].view(torch.int32)), p
+    cfg, dense = tiny_config(), tiny_dense()
+    lins = linear_names(dense)
+    amax_in = input_amax(dense, cfg, lins)
+    tensors = base_tensors(dense, set(lins))
+    deq, input_scales = {}, {}
+    for layer in range(cfg["num_hidden_layers"]):
+        for fused in FUSED:
+            names = [f"model.layers.{layer}.{f}" for f in fused]
+            ws = {n: dense[n + ".weight"].float() for n in names}
+            scale_2 = (max(w.abs().amax() for w in ws.values()) / (6.0 * 448.0)).float()
+            in_scale = (max(amax_in[n] for n in names) / (6.0 * 448.0)).float()
+            for n in names:
+                packed, s = modelopt_nvfp4_quantize(ws[n], scale_2)
+                tensors[f"{n}.weight"] = packed
+                tensors[f"{n}.weight_scale"] = s
+                tensors[f"{n}.weight_scale_2"] = scale_2.reshape(()).clone()
+                tensors[f"{n}.input_scale"] = in_scale.reshape(()).clone()
+                deq[n] = modelopt_nvfp4_dequantize(packed, s, scale_2)
+                input_scales[n] = in_scale
+    qconfig = {"producer": {"name": "modelopt", "version": "0.29.0"},
+               "quantization": {"quant_algo": "NVFP4", "kv_cache_quant_algo": None,
+                                "group_size": 16, "exclude_modules": ["lm_head"]}}
+    write_variant(name, qconfig, tensors, deq,
+                  "the format's dequantization (e2m1 * (f32(weight_scale) * weight_scale_2), "
+                  "f32), written from vLLM's ModelOptNvFp4LinearMethod and ModelOpt's "
+                  "NVFP4QTensor",
+                  config=cfg, dense=dense,
+                  emulated=("NVFP4 activation fake-quant per 16 (compressed-tensors' formula, "
+                            "nvfp4_act_qdq) with global scale 1 / input_scale (vLLM's "
+                            "input_global_scale_inv)", nvfp4_act_hooks(input_scales)))
+    out = FIXTURES / name
+    config = json.loads((out / "config.json").read_text())
+    (out / "hf_quant_config.json").write_text(
+        json.dumps(config.pop("quantization_config"), indent=4) + "\n")
+    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--only", default="")
@@ -782,6 +919,8 @@ def main():
         make_fp8_vectors(500)
     if not only or "llama-w8a8-int8" in only:
         make_ct_w8a8("llama-w8a8-int8")
+    if not only or "llama-modelopt-nvfp4" in only:
+        make_modelopt_nvfp4("llama-modelopt-nvfp4")
 
 
 if __name__ == "__main__":

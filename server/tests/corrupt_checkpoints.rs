@@ -542,6 +542,7 @@ const Q_PROJ: &str = "model.layers.0.self_attn.q_proj";
 const AWQ: &str = "llama-awq-int4-g64";
 const FP8: &str = "llama-fp8-block";
 const W8A8: &str = "llama-w8a8-int8";
+const MODELOPT: &str = "llama-modelopt-nvfp4";
 
 fn malformed_checkpoints() -> Vec<Malformed> {
     use serde_json::json;
@@ -1056,6 +1057,72 @@ fn malformed_checkpoints() -> Vec<Malformed> {
             |_| {},
             &["tensor `model.layers.0.mlp.up_proj.weight`", "I32"],
         ),
+        (
+            MODELOPT,
+            "a group size the format lacks (config.json's spelling)",
+            |_| {},
+            |c| {
+                c["quantization_config"] = json!({"quant_method": "modelopt",
+                    "quant_algo": "NVFP4", "group_size": 32, "ignore": ["lm_head"]})
+            },
+            &["config field `quantization_config.group_size`", "32"],
+        ),
+        (
+            MODELOPT,
+            "an FP8 KV cache",
+            |_| {},
+            |c| {
+                c["quantization_config"] = json!({"producer": {"name": "modelopt"},
+                    "quantization": {"quant_algo": "NVFP4", "kv_cache_quant_algo": "FP8",
+                                     "group_size": 16, "exclude_modules": ["lm_head"]}})
+            },
+            &[
+                "quantization_config.quantization.kv_cache_quant_algo",
+                "FP8",
+            ],
+        ),
+        (
+            MODELOPT,
+            "another algorithm",
+            |_| {},
+            |c| {
+                c["quantization_config"] =
+                    json!({"quant_method": "modelopt", "quant_algo": "W4A8_AWQ"})
+            },
+            &["config field `quantization_config.quant_algo`", "W4A8_AWQ"],
+        ),
+        (
+            MODELOPT,
+            "block scales not per 16 inputs",
+            |t| {
+                t.get_mut("model.layers.0.self_attn.q_proj.weight_scale")
+                    .unwrap()
+                    .1 = vec![64, 16];
+            },
+            |_| {},
+            &[
+                "tensor `model.layers.0.self_attn.q_proj.weight_scale`",
+                "[64, 16]",
+                "[128, 8]",
+            ],
+        ),
+        (
+            MODELOPT,
+            "no weight_scale_2",
+            |t| drop(t.remove("model.layers.1.mlp.down_proj.weight_scale_2")),
+            |_| {},
+            &["model.layers.1.mlp.down_proj.weight_scale_2"],
+        ),
+        (
+            MODELOPT,
+            "a zero input_scale",
+            |t| {
+                let s = t.get_mut("model.layers.0.mlp.up_proj.input_scale").unwrap();
+                s.2 = 0f32.to_le_bytes().to_vec();
+            },
+            |_| {},
+            &["model.layers.0.mlp.up_proj.input_scale", "non-zero"],
+        ),
     ]
 }
 
@@ -1075,7 +1142,7 @@ fn malformed_checkpoints_of_other_formats_are_named_at_load() {
 
 #[test]
 fn unmodified_copies_of_other_formats_load() {
-    for variant in [GPTQ4, GPTQ3, MXFP4, CT_ACT, AWQ, FP8, W8A8] {
+    for variant in [GPTQ4, GPTQ3, MXFP4, CT_ACT, AWQ, FP8, W8A8, MODELOPT] {
         let dir = edited_copy(variant, 2, |_| {}, |_| {});
         Model::load(
             dir.path(),

@@ -426,3 +426,75 @@ fn w8a8_int8_emulated_activations_match_vllms_int8_gemm() {
         "emulation off ({off_mean:e}) is as close as on ({mean:e})"
     );
 }
+
+const MODELOPT_NVFP4: &str = "llama-modelopt-nvfp4";
+
+/// ModelOpt NVFP4 (hf_quant_config.json, `weight` / `weight_scale` / `weight_scale_2` /
+/// `input_scale`): weights-only per token against transformers on the format's
+/// dequantization, those weights bit for bit, and the scales read in ModelOpt's direction.
+#[test]
+fn modelopt_nvfp4_weights_only_matches_the_format_per_token() {
+    let reference = reference(MODELOPT_NVFP4);
+    let (max, mean, rel) = deltas_against(MODELOPT_NVFP4, ActivationQuantMode::Off, &reference);
+    println!(
+        "{MODELOPT_NVFP4} weights only: max |Δ| {max:.2e}, mean {mean:.2e}, mean NLL rel {rel:.2e}"
+    );
+    assert!(max <= 1e-4, "max |Δlogprob| {max:e} > 1e-4");
+    assert_dequant_check(MODELOPT_NVFP4);
+    let model = load(MODELOPT_NVFP4, ActivationQuantMode::Emulate);
+    let (name, linear) = &model.linears()[0];
+    let w = linear.weight();
+    assert_eq!(w.describe(), "modelopt nvfp4 fp4 e2m1 g16 (fp8 scales)");
+    assert_eq!(w.bits_per_weight(), 4.5);
+    // The nvfp4 kernel divides by a global scale and rounds to bf16: not this format's reading.
+    assert!(
+        w.packed().is_none(),
+        "{name}: handed to the compressed-tensors kernel"
+    );
+    let ckpt = Checkpoint::open(&fixtures().join(MODELOPT_NVFP4)).unwrap();
+    let input_scale = ckpt
+        .tensor(
+            &format!("{name}.input_scale"),
+            &[safetensors::Dtype::F32],
+            None,
+            &Device::Cpu,
+        )
+        .unwrap()
+        .flatten_all()
+        .unwrap()
+        .to_vec1::<f32>()
+        .unwrap()[0];
+    assert_eq!(
+        linear.activation(),
+        Some(&exactscore_server::quant::ActivationQdq::Nvfp4 {
+            global_scale: 1.0 / input_scale
+        })
+    );
+}
+
+/// `--activation-quant emulate`: NVFP4 activations against the global scale
+/// `1 / input_scale`, against transformers with compressed-tensors' NVFP4 fake-quant of the
+/// same global scale; off misses that reference by far more.
+#[test]
+fn modelopt_nvfp4_emulated_activations_match_the_reference() {
+    let emulated = &reference(MODELOPT_NVFP4)["reference_emulated"];
+    let (max, mean, rel) = deltas_against(MODELOPT_NVFP4, ActivationQuantMode::Emulate, emulated);
+    println!(
+        "{MODELOPT_NVFP4} emulated: max |Δ| {max:.2e}, mean {mean:.2e}, mean NLL rel {rel:.2e}"
+    );
+    assert!(rel <= 1e-3, "mean NLL differs by {rel:e} (relative)");
+    let (off_max, off_mean, off_rel) =
+        deltas_against(MODELOPT_NVFP4, ActivationQuantMode::Off, emulated);
+    println!(
+        "{MODELOPT_NVFP4} off vs emulated reference: max |Δ| {off_max:.2e}, mean {off_mean:.2e}, \
+         mean NLL rel {off_rel:.2e}"
+    );
+    assert!(
+        off_mean > 100.0 * 1e-4,
+        "emulation off: mean |Δ| {off_mean:e}"
+    );
+    assert!(
+        off_mean > 10.0 * mean,
+        "emulation off ({off_mean:e}, {off_rel:e}) is as close as on ({mean:e}, {rel:e})"
+    );
+}

@@ -31,6 +31,9 @@ pub enum Format {
     Awq,
     /// Hugging Face FP8 (`quant_method: fp8`): e4m3 weights, `weight_scale_inv` per block.
     HfFp8,
+    /// NVIDIA ModelOpt NVFP4 (`quant_method: modelopt`): NVFP4 codes in `weight`, a
+    /// multiplying `weight_scale_2`, a static `input_scale`.
+    ModeloptNvfp4,
 }
 
 impl Format {
@@ -64,6 +67,7 @@ impl Format {
             Self::GptqV2 => "gptq_v2",
             Self::Awq => "awq",
             Self::HfFp8 => "fp8",
+            Self::ModeloptNvfp4 => "modelopt nvfp4",
         }
     }
 }
@@ -346,7 +350,8 @@ pub(crate) fn skip_pattern(key: &str, field: &str) -> Result<Regex, LoadError> {
 fn unsupported_method(method: Option<&str>) -> String {
     const READS: &str = "ExactScore reads compressed-tensors checkpoints (quant_method \
                          \"compressed-tensors\": what llm-compressor writes and vLLM serves), \
-                         native GPTQ (\"gptq\"), AWQ (\"awq\") and FP8 (\"fp8\")";
+                         native GPTQ (\"gptq\"), AWQ (\"awq\"), FP8 (\"fp8\") and ModelOpt \
+                         NVFP4 (\"modelopt\")";
     match method {
         Some(m) => format!(
             "\"{m}\" is not supported. {READS}: quantize the original with llm-compressor, \
@@ -363,6 +368,11 @@ impl QuantizationConfig {
             Some("gptq") => return Self::gptq(raw),
             Some("awq") => return Self::awq(raw),
             Some("fp8") => return Self::hf_fp8(raw),
+            Some("modelopt") => return Self::modelopt(raw),
+            // hf_quant_config.json names its producer instead.
+            None if raw.pointer("/producer/name").and_then(Value::as_str) == Some("modelopt") => {
+                return Self::modelopt(raw)
+            }
             _ => {}
         }
         let cfg: RawConfig = serde_json::from_value(raw.clone())
@@ -532,6 +542,19 @@ impl QuantizationConfig {
         })
     }
 
+    /// A ModelOpt config as one group: every Linear but the excluded modules.
+    fn modelopt(raw: &Value) -> Result<Self, LoadError> {
+        let cfg = super::modelopt::parse_config(raw)?;
+        Ok(Self {
+            groups: vec![Group {
+                name: cfg.scheme.group.clone(),
+                targets: vec![Target::Class("Linear".into())],
+                scheme: cfg.scheme,
+            }],
+            ignore: cfg.excluded.into_iter().map(Target::Regex).collect(),
+        })
+    }
+
     /// The scheme of the module `name` of class `class` (`Linear`, `Embedding`), or `None`
     /// when it is not quantized.
     pub fn scheme_for(&self, name: &str, class: &str) -> Result<Option<&LayerScheme>, LoadError> {
@@ -634,7 +657,7 @@ fn check_scheme(s: &LayerScheme) -> Result<(), LoadError> {
             }
         }
         // Checked where the GPTQ and AWQ configs are parsed (`super::gptq`, `super::awq`).
-        Format::Gptq | Format::GptqV2 | Format::Awq | Format::HfFp8 => {}
+        Format::Gptq | Format::GptqV2 | Format::Awq | Format::HfFp8 | Format::ModeloptNvfp4 => {}
         Format::FloatQuantized => {
             if w.kind != QuantType::Float || w.num_bits != 8 || !w.symmetric {
                 return Err(bad(
@@ -676,7 +699,7 @@ fn check_scheme(s: &LayerScheme) -> Result<(), LoadError> {
             ),
         ));
     }
-    if s.format == Format::HfFp8 {
+    if matches!(s.format, Format::HfFp8 | Format::ModeloptNvfp4) {
         return Ok(());
     }
     if w.dynamic {
