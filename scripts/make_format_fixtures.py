@@ -895,6 +895,52 @@ def make_modelopt_nvfp4(name):
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
 
 
+def fp8_static_qdq(x, scale):
+    """FP8 fake-quant with a static per-tensor scale, compressed-tensors' formula as ExactScore
+    implements it (`Fp8Static`), in f32: e4m3(clamp(x / scale + 0, ±448)) * scale."""
+    q = (x.float() / scale + 0.0).clamp(-448.0, 448.0).to(torch.float8_e4m3fn).float()
+    return (q * scale).to(x.dtype)
+
+
+def make_modelopt_fp8(name):
+    """ModelOpt FP8 (`quant_algo: FP8`) as its export lays it out (packed from the format):
+    per Linear `weight` F8_E4M3, `weight_scale` F32 [] = amax / 448, `input_scale` F32 [] =
+    the input's calibrated amax / 448; the layers vLLM fuses share both scales (vLLM would
+    otherwise requantize the weights to the largest). Config in config.json's spelling."""
+    cfg, dense = tiny_config(), tiny_dense()
+    lins = linear_names(dense)
+    amax_in = input_amax(dense, cfg, lins)
+    tensors = base_tensors(dense, set(lins))
+    deq, input_scales = {}, {}
+    for layer in range(cfg["num_hidden_layers"]):
+        for fused in FUSED:
+            names = [f"model.layers.{layer}.{f}" for f in fused]
+            ws = {n: dense[n + ".weight"].float() for n in names}
+            w_scale = (max(w.abs().amax() for w in ws.values()) / 448.0).float()
+            in_scale = (max(amax_in[n] for n in names) / 448.0).float()
+            for n in names:
+                q = (ws[n] / w_scale).clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
+                tensors[f"{n}.weight"] = q
+                tensors[f"{n}.weight_scale"] = w_scale.reshape(()).clone()
+                tensors[f"{n}.input_scale"] = in_scale.reshape(()).clone()
+                deq[n] = (q.float() * w_scale).numpy()
+                input_scales[n] = in_scale
+
+    def hooks(model):
+        for n, sc in input_scales.items():
+            model.get_submodule(n).register_forward_pre_hook(
+                lambda _m, a, sc=sc: (fp8_static_qdq(a[0], sc),))
+    qconfig = {"quant_method": "modelopt", "quant_algo": "FP8", "ignore": ["lm_head"],
+               "kv_cache_scheme": None,
+               "producer": {"name": "modelopt", "version": "0.29.0"}}
+    write_variant(name, qconfig, tensors, deq,
+                  "the format's dequantization (f32(weight) * weight_scale), written from "
+                  "vLLM's ModelOptFp8LinearMethod",
+                  config=cfg, dense=dense,
+                  emulated=("FP8 static per-tensor activation fake-quant with input_scale "
+                            "(fp8_static_qdq)", hooks))
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--only", default="")
@@ -921,6 +967,8 @@ def main():
         make_ct_w8a8("llama-w8a8-int8")
     if not only or "llama-modelopt-nvfp4" in only:
         make_modelopt_nvfp4("llama-modelopt-nvfp4")
+    if not only or "llama-modelopt-fp8" in only:
+        make_modelopt_fp8("llama-modelopt-fp8")
 
 
 if __name__ == "__main__":

@@ -543,6 +543,7 @@ const AWQ: &str = "llama-awq-int4-g64";
 const FP8: &str = "llama-fp8-block";
 const W8A8: &str = "llama-w8a8-int8";
 const MODELOPT: &str = "llama-modelopt-nvfp4";
+const MODELOPT_FP8: &str = "llama-modelopt-fp8";
 
 fn malformed_checkpoints() -> Vec<Malformed> {
     use serde_json::json;
@@ -1123,6 +1124,43 @@ fn malformed_checkpoints() -> Vec<Malformed> {
             |_| {},
             &["model.layers.0.mlp.up_proj.input_scale", "non-zero"],
         ),
+        (
+            MODELOPT_FP8,
+            "per-channel scales under per-tensor FP8",
+            |t| {
+                let s = t
+                    .get_mut("model.layers.0.self_attn.o_proj.weight_scale")
+                    .unwrap();
+                s.1 = vec![128, 1];
+                s.2 = s.2.repeat(128);
+            },
+            |_| {},
+            &[
+                "tensor `model.layers.0.self_attn.o_proj.weight_scale`",
+                "[128, 1]",
+                "[1, 1]",
+            ],
+        ),
+        (
+            MODELOPT_FP8,
+            "a group size on FP8",
+            |_| {},
+            |c| c["quantization_config"]["group_size"] = json!(128),
+            &["config field `quantization_config.group_size`", "128"],
+        ),
+        (
+            MODELOPT_FP8,
+            "NVFP4 codes labelled FP8",
+            |t| {
+                t.get_mut("model.layers.0.mlp.up_proj.weight").unwrap().0 = Dtype::U8;
+            },
+            |_| {},
+            &[
+                "tensor `model.layers.0.mlp.up_proj.weight`",
+                "U8",
+                "F8_E4M3",
+            ],
+        ),
     ]
 }
 
@@ -1142,7 +1180,17 @@ fn malformed_checkpoints_of_other_formats_are_named_at_load() {
 
 #[test]
 fn unmodified_copies_of_other_formats_load() {
-    for variant in [GPTQ4, GPTQ3, MXFP4, CT_ACT, AWQ, FP8, W8A8, MODELOPT] {
+    for variant in [
+        GPTQ4,
+        GPTQ3,
+        MXFP4,
+        CT_ACT,
+        AWQ,
+        FP8,
+        W8A8,
+        MODELOPT,
+        MODELOPT_FP8,
+    ] {
         let dir = edited_copy(variant, 2, |_| {}, |_| {});
         Model::load(
             dir.path(),

@@ -498,3 +498,68 @@ fn modelopt_nvfp4_emulated_activations_match_the_reference() {
         "emulation off ({off_mean:e}, {off_rel:e}) is as close as on ({mean:e}, {rel:e})"
     );
 }
+
+const MODELOPT_FP8: &str = "llama-modelopt-fp8";
+
+/// ModelOpt FP8 (config.json's `quant_method: modelopt`, `quant_algo: FP8`): per-tensor fp8
+/// weights per token against transformers on the format's dequantization, bit for bit, and
+/// the static `input_scale` as the activations' scale.
+#[test]
+fn modelopt_fp8_weights_only_matches_the_format_per_token() {
+    let reference = reference(MODELOPT_FP8);
+    let (max, mean, rel) = deltas_against(MODELOPT_FP8, ActivationQuantMode::Off, &reference);
+    println!(
+        "{MODELOPT_FP8} weights only: max |Δ| {max:.2e}, mean {mean:.2e}, mean NLL rel {rel:.2e}"
+    );
+    assert!(max <= 1e-4, "max |Δlogprob| {max:e} > 1e-4");
+    assert_dequant_check(MODELOPT_FP8);
+    let model = load(MODELOPT_FP8, ActivationQuantMode::Emulate);
+    let (name, linear) = &model.linears()[0];
+    let w = linear.weight();
+    assert_eq!(w.describe(), "modelopt fp8 e4m3 tensor");
+    // 8 bits and one f32 scale per tensor of 128 x 128.
+    assert_eq!(w.bits_per_weight(), 8.0 + 32.0 / (128.0 * 128.0));
+    let ckpt = Checkpoint::open(&fixtures().join(MODELOPT_FP8)).unwrap();
+    let input_scale = ckpt
+        .tensor(
+            &format!("{name}.input_scale"),
+            &[safetensors::Dtype::F32],
+            None,
+            &Device::Cpu,
+        )
+        .unwrap()
+        .flatten_all()
+        .unwrap()
+        .to_vec1::<f32>()
+        .unwrap()[0];
+    assert_eq!(
+        linear.activation(),
+        Some(&exactscore_server::quant::ActivationQdq::Fp8Static { scale: input_scale })
+    );
+}
+
+/// `--activation-quant emulate`: static fp8 activations (`input_scale`) against transformers
+/// with the same QDQ; off misses that reference by far more.
+#[test]
+fn modelopt_fp8_emulated_activations_match_the_reference() {
+    let emulated = &reference(MODELOPT_FP8)["reference_emulated"];
+    let (max, mean, rel) = deltas_against(MODELOPT_FP8, ActivationQuantMode::Emulate, emulated);
+    println!("{MODELOPT_FP8} emulated: max |Δ| {max:.2e}, mean {mean:.2e}, mean NLL rel {rel:.2e}");
+    // One static scale: no dynamic scale for an ulp upstream to move (measured 2.2e-5).
+    assert!(max <= 1e-4, "max |Δlogprob| {max:e} > 1e-4");
+    assert!(rel <= 1e-3, "mean NLL differs by {rel:e} (relative)");
+    let (off_max, off_mean, off_rel) =
+        deltas_against(MODELOPT_FP8, ActivationQuantMode::Off, emulated);
+    println!(
+        "{MODELOPT_FP8} off vs emulated reference: max |Δ| {off_max:.2e}, mean {off_mean:.2e}, \
+         mean NLL rel {off_rel:.2e}"
+    );
+    assert!(
+        off_mean > 100.0 * 1e-4,
+        "emulation off: mean |Δ| {off_mean:e}"
+    );
+    assert!(
+        off_mean > 2.0 * mean,
+        "emulation off ({off_mean:e}) is as close as on ({mean:e})"
+    );
+}

@@ -34,6 +34,8 @@ pub enum Format {
     /// NVIDIA ModelOpt NVFP4 (`quant_method: modelopt`): NVFP4 codes in `weight`, a
     /// multiplying `weight_scale_2`, a static `input_scale`.
     ModeloptNvfp4,
+    /// NVIDIA ModelOpt FP8: e4m3 `weight`, per-tensor `weight_scale`, static `input_scale`.
+    ModeloptFp8,
 }
 
 impl Format {
@@ -68,6 +70,7 @@ impl Format {
             Self::Awq => "awq",
             Self::HfFp8 => "fp8",
             Self::ModeloptNvfp4 => "modelopt nvfp4",
+            Self::ModeloptFp8 => "modelopt fp8",
         }
     }
 }
@@ -657,7 +660,12 @@ fn check_scheme(s: &LayerScheme) -> Result<(), LoadError> {
             }
         }
         // Checked where the GPTQ and AWQ configs are parsed (`super::gptq`, `super::awq`).
-        Format::Gptq | Format::GptqV2 | Format::Awq | Format::HfFp8 | Format::ModeloptNvfp4 => {}
+        Format::Gptq
+        | Format::GptqV2
+        | Format::Awq
+        | Format::HfFp8
+        | Format::ModeloptNvfp4
+        | Format::ModeloptFp8 => {}
         Format::FloatQuantized => {
             if w.kind != QuantType::Float || w.num_bits != 8 || !w.symmetric {
                 return Err(bad(
@@ -699,7 +707,10 @@ fn check_scheme(s: &LayerScheme) -> Result<(), LoadError> {
             ),
         ));
     }
-    if matches!(s.format, Format::HfFp8 | Format::ModeloptNvfp4) {
+    if matches!(
+        s.format,
+        Format::HfFp8 | Format::ModeloptNvfp4 | Format::ModeloptFp8
+    ) {
         return Ok(());
     }
     if w.dynamic {

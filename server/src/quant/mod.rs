@@ -417,7 +417,7 @@ pub fn load_linear(
                 Box::new(mxfp4::Mxfp4Weight::load(ckpt, name, (out, inp), dev)?),
                 vec!["weight_packed", "weight_scale"],
             ),
-            Format::FloatQuantized | Format::HfFp8 => (
+            Format::FloatQuantized | Format::HfFp8 | Format::ModeloptFp8 => (
                 Box::new(float_quantized::Fp8Weight::load(
                     ckpt,
                     name,

@@ -1,5 +1,7 @@
-//! NVIDIA ModelOpt checkpoints (`quant_method: modelopt`, NVIDIA's `*-FP4` releases), read
-//! as vLLM's `ModelOptNvFp4Config` reads them. NVFP4 per Linear: `weight` U8 `[out, in / 2]`
+//! NVIDIA ModelOpt checkpoints (`quant_method: modelopt`, NVIDIA's `*-FP4` and `*-FP8`
+//! releases), read as vLLM's `ModelOptNvFp4Config` and `ModelOptFp8Config` read them. FP8 per
+//! Linear: `weight` F8_E4M3, `weight_scale` F32 scalar, `input_scale` F32 scalar (a static
+//! activation scale), the tensor strategy of [`super::float_quantized`]. NVFP4 per Linear: `weight` U8 `[out, in / 2]`
 //! (fp4 e2m1 codes, low nibble first), `weight_scale` F8_E4M3 `[out, in / 16]`,
 //! `weight_scale_2` F32 (a per-tensor scale that multiplies: compressed-tensors stores its
 //! inverse as `weight_global_scale`) and `input_scale` F32 (the activations' per-tensor scale;
@@ -47,15 +49,20 @@ pub fn parse_config(raw: &Value) -> Result<ModeloptConfig, LoadError> {
     let algo = get("quant_algo")
         .and_then(Value::as_str)
         .ok_or_else(|| LoadError::config(field("quant_algo"), "missing or not a string"))?;
-    if !algo.eq_ignore_ascii_case("NVFP4") {
-        return Err(LoadError::config(
-            field("quant_algo"),
-            format!(
-                "`{algo}` is not supported (NVFP4; ModelOpt FP8, W4A16_NVFP4 and \
-                 MIXED_PRECISION are not implemented)"
-            ),
-        ));
-    }
+    let format = match algo.to_ascii_uppercase().as_str() {
+        "NVFP4" => Format::ModeloptNvfp4,
+        "FP8" => Format::ModeloptFp8,
+        _ => {
+            return Err(LoadError::config(
+                field("quant_algo"),
+                format!(
+                    "`{algo}` is not supported (NVFP4, FP8; W4A16_NVFP4, \
+                     FP8_PER_CHANNEL_PER_TOKEN, FP8_PB_WO, MXFP8 and MIXED_PRECISION are not \
+                     implemented)"
+                ),
+            ))
+        }
+    };
     if let Some(v) = get("kv_cache_quant_algo") {
         return Err(LoadError::config(
             field("kv_cache_quant_algo"),
@@ -70,11 +77,11 @@ pub fn parse_config(raw: &Value) -> Result<ModeloptConfig, LoadError> {
     }
     match get("group_size") {
         None => {}
-        Some(v) if v.as_u64() == Some(GROUP as u64) => {}
+        Some(v) if v.as_u64() == Some(GROUP as u64) && format == Format::ModeloptNvfp4 => {}
         Some(v) => {
             return Err(LoadError::config(
                 field("group_size"),
-                format!("{v} is not supported (NVFP4's block is {GROUP})"),
+                format!("{v} is not supported (NVFP4's block is {GROUP}; FP8 has none)"),
             ))
         }
     }
@@ -111,12 +118,24 @@ pub fn parse_config(raw: &Value) -> Result<ModeloptConfig, LoadError> {
         dynamic,
         actorder: false,
     };
+    // FP8: e4m3 weights with one scale per tensor, activations with a static one
+    // (`input_scale`), as compressed-tensors' float-quantized tensor strategy.
+    let fp8 = QuantArgs {
+        num_bits: 8,
+        strategy: Strategy::Tensor,
+        group_size: None,
+        ..fp4(false)
+    };
+    let (weights, input_activations) = match format {
+        Format::ModeloptNvfp4 => (fp4(false), fp4(true)),
+        _ => (fp8.clone(), fp8),
+    };
     Ok(ModeloptConfig {
         scheme: LayerScheme {
             group: "modelopt".into(),
-            format: Format::ModeloptNvfp4,
-            weights: fp4(false),
-            input_activations: Some(fp4(true)),
+            format,
+            weights,
+            input_activations: Some(input_activations),
         },
         excluded,
     })
@@ -176,8 +195,12 @@ mod tests {
             assert!(e.contains(needle), "{e} lacks {needle}");
         };
         refused(
-            json!({"quant_method": "modelopt", "quant_algo": "FP8"}),
+            json!({"quant_method": "modelopt", "quant_algo": "FP8_PB_WO"}),
             "quantization_config.quant_algo",
+        );
+        refused(
+            json!({"quant_method": "modelopt", "quant_algo": "FP8", "group_size": 16}),
+            "quantization_config.group_size",
         );
         refused(
             json!({"quantization": {"quant_algo": "NVFP4", "kv_cache_quant_algo": "FP8"}}),
