@@ -250,7 +250,7 @@ def write_variant(name, qconfig, quantized, deq, dequantizer, config=None, dense
     """`config` / `dense`: the base model's config.json dict and tensors (llama-dense-bf16's
     when None). `emulated`: (description, hooks) of an activation-emulation reference, written
     beside the weights-only one as `reference_emulated`; `extra_emulated`: {key: (description,
-    hooks)} of further ones."""
+    hooks)} of further ones (their log-probs only, to keep the fixture small)."""
     out = FIXTURES / name
     if out.exists():
         shutil.rmtree(out)
@@ -276,7 +276,8 @@ def write_variant(name, qconfig, quantized, deq, dequantizer, config=None, dense
         ref["reference_emulated"] = {"activations": what, "sequences": em, "mean_nll": mean(em)}
     for key, (what, hooks) in (extra_emulated or {}).items():
         em = reference_logprobs(weights, config, hooks)
-        ref[key] = {"activations": what, "sequences": em, "mean_nll": mean(em)}
+        slim = [{k: s[k] for k in ("token_logprobs", "sum_nll", "num_scored")} for s in em]
+        ref[key] = {"activations": what, "sequences": slim, "mean_nll": mean(em)}
     (out / "reference.json").write_text(json.dumps(ref, indent=1) + "\n")
     (out / "dequant_check.json").write_text(json.dumps(dequant_check(deq), indent=1) + "\n")
     print(f"{name}: mean NLL {ref['mean_nll']:.6f}, "
@@ -737,19 +738,19 @@ def make_ct_w8a8(name):
 
 
 def make_int8_qdq_vectors(path, seed):
-    """`synthetic.input` [rows, 256] f32 and `synthetic.input_qdq`, `vllm_int8_quant`'s codes
+    """`synthetic.input` [rows, 128] f32 and `synthetic.input_qdq`, `vllm_int8_quant`'s codes
     times its scale: random rows of several magnitudes, an all-zero row, a row of ties
     (absmax 127: x · 1 = k + 0.5, nearest even), and rows where the product by the reciprocal
     and a division by the scale round to different codes (vLLM multiplies)."""
     g = torch.Generator().manual_seed(seed)
-    rows = [torch.randn(256, generator=g) * s for s in (1e-3, 0.1, 1.0, 30.0, 1e4)]
-    rows.append(torch.zeros(256))
-    ties = torch.arange(256, dtype=torch.float32) - 128 + 0.5
+    rows = [torch.randn(128, generator=g) * s for s in (1e-3, 0.1, 1.0, 30.0, 1e4)]
+    rows.append(torch.zeros(128))
+    ties = torch.arange(128, dtype=torch.float32) - 64 + 0.5
     ties[0], ties[-1] = 127.0, -127.0
     rows.append(ties)
     found = 0
     while found < 4:  # rows whose reciprocal product and division disagree somewhere
-        x = torch.randn(256, generator=g)
+        x = torch.randn(128, generator=g)
         a = x.abs().amax()
         if not torch.equal(torch.round(x * (torch.tensor(127.0) / a)), torch.round(x / (a / 127.0))):
             rows.append(x)

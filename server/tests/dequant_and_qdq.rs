@@ -114,7 +114,8 @@ fn int8_per_token_qdq_is_bit_exact() {
     assert!(rows[5].iter().all(|&x| x == 0.0), "the all-zero row");
     // The ties row: absmax 127, so x itself is rounded: 0.5 → 0, 1.5 → 2, -0.5 → -0.
     let ties = &rows[6];
-    assert_eq!((ties[128], ties[129], ties[127]), (0.0, 2.0, -0.0));
+    assert_eq!((ties[64], ties[65], ties[63]), (0.0, 2.0, -0.0));
+    assert_eq!(ties[63].to_bits(), (-0.0f32).to_bits());
 }
 
 #[test]
