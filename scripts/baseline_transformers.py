@@ -16,7 +16,15 @@ qwen3.5-35b-a3b (Qwen3_5MoeForCausalLM, the text model of the release), qwen3-ne
 full-attention layer every 4th, run by whatever transformers picks for the conv1d and the delta
 rule (its hub kernels where it can fetch them, else the torch fallbacks; the table's header says
 whether `fla` and `causal_conv1d` are installed); tiny, tiny-moe, tiny-gemma3, tiny-qwen3.5-moe,
-tiny-qwen3-next, tiny-qwen3.5 for a smoke run (`--device cpu`). The shapes other than Llama
+tiny-qwen3-next, tiny-qwen3.5 for a smoke run (`--device cpu`); deepseek-v2-lite
+(DeepseekV2ForCausalLM), glm-4.7-flash (Glm4MoeLiteForCausalLM): latent attention (MLA) run by
+transformers' eager expansion to per-head keys and values and sdpa; glm-4.5-air
+(Glm4MoeForCausalLM); all three DeepSeek's mixture (transformers' fused experts, routed as the
+releases' configs say, the first layer dense); gemma4-26b-a4b (Gemma4ForCausalLM with a text
+config: 128 experts of 704 beside a dense MLP of 2112 in every layer) and gemma4-31b (dense);
+tiny-deepseek-v2, tiny-glm4-moe-lite, tiny-glm4-moe, tiny-gemma4, tiny-gemma4-moe for a smoke
+run. W4A16 weights use the group size random_model.rs `w4a16_group` gives the shape (128, or
+64 where 128 does not divide a Linear's input: 10944, 2112, 704). The shapes other than Llama
 are built directly in bf16 (their f32 init would not fit an 80 GB GPU), draw their embeddings
 and routers as exactscore-bench draws them (the router's logits set how the tokens spread over
 the experts), and score the lm_head in chunks of `--logits-chunk` rows (the whole batch's f32
@@ -34,10 +42,13 @@ import importlib.util
 import time
 
 import torch
-from transformers import (Gemma3ForCausalLM, Gemma3TextConfig, LlamaConfig, LlamaForCausalLM,
-                          Qwen3_5ForCausalLM, Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig,
-                          Qwen3_5TextConfig, Qwen3MoeConfig, Qwen3MoeForCausalLM,
-                          Qwen3NextConfig, Qwen3NextForCausalLM)
+from transformers import (DeepseekV2Config, DeepseekV2ForCausalLM, Gemma3ForCausalLM,
+                          Gemma3TextConfig, Gemma4ForCausalLM, Gemma4TextConfig, Glm4MoeConfig,
+                          Glm4MoeForCausalLM, Glm4MoeLiteConfig, Glm4MoeLiteForCausalLM,
+                          LlamaConfig, LlamaForCausalLM, Qwen3_5ForCausalLM,
+                          Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig, Qwen3_5TextConfig,
+                          Qwen3MoeConfig, Qwen3MoeForCausalLM, Qwen3NextConfig,
+                          Qwen3NextForCausalLM)
 
 
 def llama(**kw):
@@ -96,6 +107,70 @@ def qwen3_5(**kw):
     return Qwen3_5ForCausalLM, hybrid(Qwen3_5TextConfig, True, **kw)
 
 
+def deepseek_moe(experts, per_token, expert_intermediate, shared, scaling):
+    """DeepSeek's mixture as random_model.rs `DeepseekMoe`: one expert group, the first layer
+    dense."""
+    return dict(n_routed_experts=experts, num_experts_per_tok=per_token,
+                moe_intermediate_size=expert_intermediate, n_shared_experts=shared,
+                routed_scaling_factor=scaling, n_group=1, topk_group=1, hidden_act="silu",
+                tie_word_embeddings=False, attention_bias=False)
+
+
+def mla(q_lora_rank, kv_lora_rank, qk_nope, qk_rope, v):
+    return dict(q_lora_rank=q_lora_rank, kv_lora_rank=kv_lora_rank, qk_nope_head_dim=qk_nope,
+                qk_rope_head_dim=qk_rope, v_head_dim=v)
+
+
+def deepseek_v2(**kw):
+    return DeepseekV2ForCausalLM, DeepseekV2Config(
+        **kw, rms_norm_eps=1e-6, max_position_embeddings=163840, topk_method="greedy",
+        norm_topk_prob=False, first_k_dense_replace=1, head_dim=kw["qk_rope_head_dim"],
+        rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 40.0,
+                         "original_max_position_embeddings": 4096, "beta_fast": 32.0,
+                         "beta_slow": 1.0, "mscale": 0.707, "mscale_all_dim": 0.707})
+
+
+def glm4_moe_lite(**kw):
+    layers = kw["num_hidden_layers"]
+    return Glm4MoeLiteForCausalLM, Glm4MoeLiteConfig(
+        **kw, rms_norm_eps=1e-5, max_position_embeddings=202752, norm_topk_prob=True,
+        rope_interleave=True, mlp_layer_types=["dense"] + ["sparse"] * (layers - 1),
+        rope_parameters={"rope_type": "default", "rope_theta": 1e6})
+
+
+def glm4_moe(**kw):
+    return Glm4MoeForCausalLM, Glm4MoeConfig(
+        **{**kw, "attention_bias": True}, rms_norm_eps=1e-5, max_position_embeddings=131072,
+        norm_topk_prob=True, use_qk_norm=False, first_k_dense_replace=1,
+        partial_rotary_factor=0.5, num_nextn_predict_layers=1,
+        rope_parameters={"rope_type": "default", "rope_theta": 1e6, "partial_rotary_factor": 0.5})
+
+
+def gemma4(**kw):
+    """random_model.rs `Arch::Gemma4`: 5 sliding layers then a global one whose keys are its
+    values, no per-layer inputs, softcap 30."""
+    layers, experts = kw["num_hidden_layers"], kw.get("num_experts")
+    return Gemma4ForCausalLM, Gemma4TextConfig(
+        **kw, rms_norm_eps=1e-6, max_position_embeddings=262144,
+        hidden_activation="gelu_pytorch_tanh", tie_word_embeddings=True,
+        final_logit_softcapping=30.0, attention_k_eq_v=True, hidden_size_per_layer_input=0,
+        num_kv_shared_layers=0, use_double_wide_mlp=False, enable_moe_block=experts is not None,
+        vocab_size_per_layer_input=kw["vocab_size"],
+        layer_types=["full_attention" if (i + 1) % 6 == 0 else "sliding_attention"
+                     for i in range(layers)],
+        rope_parameters={
+            "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25,
+                               "rope_theta": 1e6},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}})
+
+
+TINY_DEEPSEEK = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=3,
+                     num_attention_heads=4, num_key_value_heads=4, vocab_size=2000,
+                     **deepseek_moe(8, 2, 128, 1, 1.5))
+TINY_GEMMA4 = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=6,
+                   num_attention_heads=4, num_key_value_heads=2, head_dim=64, global_head_dim=128,
+                   num_global_key_value_heads=1, vocab_size=2000, sliding_window=128)
+
 # The published configs' sizes (random_model.rs cites them): attention 16/2 heads of 256 (24/4
 # for the 27B), linear attention 16 key heads and 32 value heads (48 for the 27B) of 128.
 LINEAR = dict(linear_num_key_heads=16, linear_num_value_heads=32, linear_key_head_dim=128,
@@ -152,9 +227,39 @@ SHAPES = {
     "tiny-qwen3-next": (lambda: qwen3_next(**TINY_HYBRID, **TINY_SHARED_MOE,
                                            intermediate_size=512), 2048),
     "tiny-qwen3.5": (lambda: qwen3_5(**TINY_HYBRID, intermediate_size=512), 2048),
+    "deepseek-v2-lite": (lambda: deepseek_v2(
+        hidden_size=2048, intermediate_size=10944, num_hidden_layers=27, num_attention_heads=16,
+        num_key_value_heads=16, vocab_size=102400, **mla(None, 512, 128, 64, 128),
+        **deepseek_moe(64, 6, 1408, 2, 1.0)), 2048),
+    "glm-4.7-flash": (lambda: glm4_moe_lite(
+        hidden_size=2048, intermediate_size=10240, num_hidden_layers=47, num_attention_heads=20,
+        num_key_value_heads=20, vocab_size=154880, **mla(768, 512, 192, 64, 256),
+        **deepseek_moe(64, 4, 1536, 1, 1.8)), 2048),
+    "glm-4.5-air": (lambda: glm4_moe(
+        hidden_size=4096, intermediate_size=10944, num_hidden_layers=46, num_attention_heads=96,
+        num_key_value_heads=8, head_dim=128, vocab_size=151552,
+        **deepseek_moe(128, 8, 1408, 1, 1.0)), 2048),
+    "gemma4-26b-a4b": (lambda: gemma4(
+        hidden_size=2816, intermediate_size=2112, num_hidden_layers=30, num_attention_heads=16,
+        num_key_value_heads=8, head_dim=256, global_head_dim=512, num_global_key_value_heads=2,
+        vocab_size=262144, sliding_window=1024, num_experts=128, top_k_experts=8,
+        moe_intermediate_size=704), 2048),
+    "gemma4-31b": (lambda: gemma4(
+        hidden_size=5376, intermediate_size=21504, num_hidden_layers=60, num_attention_heads=32,
+        num_key_value_heads=16, head_dim=256, global_head_dim=512, num_global_key_value_heads=4,
+        vocab_size=262144, sliding_window=1024), 2048),
+    "tiny-deepseek-v2": (lambda: deepseek_v2(**TINY_DEEPSEEK, **mla(None, 64, 32, 16, 32)), 2048),
+    "tiny-glm4-moe-lite": (lambda: glm4_moe_lite(**TINY_DEEPSEEK, **mla(64, 64, 48, 16, 64)),
+                           2048),
+    "tiny-glm4-moe": (lambda: glm4_moe(**{**TINY_DEEPSEEK, "num_key_value_heads": 2},
+                                       head_dim=64), 2048),
+    "tiny-gemma4": (lambda: gemma4(**TINY_GEMMA4), 2048),
+    "tiny-gemma4-moe": (lambda: gemma4(**TINY_GEMMA4, num_experts=8, top_k_experts=2,
+                                       moe_intermediate_size=128), 2048),
 }
 # mixtures of experts, whose experts are no Linears in transformers 5
-MOE_CLASSES = (Qwen3MoeForCausalLM, Qwen3NextForCausalLM, Qwen3_5MoeForCausalLM)
+MOE_CLASSES = (Qwen3MoeForCausalLM, Qwen3NextForCausalLM, Qwen3_5MoeForCausalLM,
+               DeepseekV2ForCausalLM, Glm4MoeLiteForCausalLM, Glm4MoeForCausalLM)
 
 ap = argparse.ArgumentParser()
 ap.add_argument("--shape", default="llama3-8b", choices=list(SHAPES))
@@ -183,7 +288,8 @@ build, default_chunk = SHAPES[args.shape]
 model_class, cfg = build()
 chunk = default_chunk if args.logits_chunk is None else args.logits_chunk
 llama_shape = model_class is LlamaForCausalLM
-if args.linears_only and model_class in MOE_CLASSES:
+moe = model_class in MOE_CLASSES or getattr(cfg, "enable_moe_block", False)
+if args.linears_only and moe:
     ap.error("--linears-only: a mixture of experts' experts are not Linears in transformers 5")
 dev = torch.device(args.device)
 cuda = dev.type == "cuda"
@@ -215,9 +321,10 @@ def dequantized(kind, out_features, in_features, shift=0):
     and the activations they lead to, set how much power (and so clock) the GEMMs get. `shift`:
     scales 2^-shift smaller (random_model.rs `scale_shift`: a mixture's residual writers)."""
     shape = (out_features, in_features)
-    if kind == "w4a16":  # int4 codes, one scale per 128 inputs in 2^-8..2^-6
-        codes = torch.randint(-8, 8, (out_features, in_features // 128, 128), device=dev)
-        w = codes * random_float((out_features, in_features // 128, 1), (-8 - shift, -6 - shift), 7)
+    if kind == "w4a16":  # int4 codes, one scale per GROUP inputs in 2^-8..2^-6
+        groups = in_features // GROUP
+        codes = torch.randint(-8, 8, (out_features, groups, GROUP), device=dev)
+        w = codes * random_float((out_features, groups, 1), (-8 - shift, -6 - shift), 7)
     elif kind == "nvfp4":  # e2m1 codes, e4m3 block scales in 16..240 per 16, global 20000
         codes = torch.tensor(FP4_E2M1, device=dev)[
             torch.randint(0, 16, (out_features, in_features // 16, 16), device=dev)]
@@ -244,15 +351,33 @@ def fill_rows(param, draw, rows=16384):
         part.copy_(draw(*part.shape))
 
 
+# The attention's Linears: grouped-query attention's (Gemma 4's global layers have no v_proj)
+# or latent attention's (q_proj, or q_a_proj and q_b_proj).
+ATTENTION = ["q_proj", "q_a_proj", "q_b_proj", "k_proj", "v_proj", "kv_a_proj_with_mqa",
+             "kv_b_proj", "o_proj"]
+
+
 def decoder_linears(layer):
     """The Linears of `layer` that the formats quantize: attention and dense MLPs (a shared
     expert's too)."""
     a, m = getattr(layer, "self_attn", None), layer.mlp
-    out = [a.q_proj, a.k_proj, a.v_proj, a.o_proj] if a is not None else []
-    for mlp in (m, getattr(m, "shared_expert", None)):
+    out = [getattr(a, n) for n in ATTENTION if getattr(a, n, None) is not None] if a else []
+    for mlp in (m, getattr(m, "shared_expert", None), getattr(m, "shared_experts", None)):
         if mlp is not None and hasattr(mlp, "gate_proj"):
             out += [mlp.gate_proj, mlp.up_proj, mlp.down_proj]
     return out
+
+
+def layer_experts(layer):
+    """A layer's fused experts: under `mlp` (Qwen, DeepSeek, GLM) or beside it (Gemma 4)."""
+    return getattr(layer.mlp, "experts", None) or getattr(layer, "experts", None)
+
+
+# W4A16's group: 128 where it divides every quantized input width, as random_model.rs
+# `w4a16_group` (64 for 10944, 2112 and 704).
+WIDTHS = {linear.in_features for layer in model.model.layers for linear in decoder_linears(layer)}
+WIDTHS |= {e.down_proj.shape[-1] for e in map(layer_experts, model.model.layers) if e is not None}
+GROUP = next(g for g in (128, 64, 32, 16) if all(w % g == 0 for w in WIDTHS))
 
 
 def bf16_linears(layer):
@@ -269,18 +394,22 @@ def bf16_linears(layer):
 def residual_writers(layer):
     """random_model.rs `scale_shift`: o_proj, a Gated DeltaNet's out_proj, the shared expert's
     down_proj (and the experts' down_proj, drawn below)."""
-    a, la, shared = (getattr(layer, "self_attn", None), getattr(layer, "linear_attn", None),
-                     getattr(layer.mlp, "shared_expert", None))
-    return [x for x in (a and a.o_proj, la and la.out_proj, shared and shared.down_proj) if x is not None]
+    a, la = getattr(layer, "self_attn", None), getattr(layer, "linear_attn", None)
+    shared = getattr(layer.mlp, "shared_expert", None) or getattr(layer.mlp, "shared_experts", None)
+    dense = layer.mlp if hasattr(layer.mlp, "down_proj") else None
+    return [x for x in (a and a.o_proj, la and la.out_proj, shared and shared.down_proj,
+                        dense and dense.down_proj) if x is not None]
 
 
 with torch.no_grad():
     if args.weights != "init":
         for layer in model.model.layers:
-            experts = getattr(layer.mlp, "experts", None)
+            experts = layer_experts(layer)
             # A mixture's residual writers 2^-16 smaller, as random_model.rs draws them, so
-            # that the router sees each token's embedding and spreads the tokens.
-            shift = 16 if experts is not None else 0
+            # that the router sees each token's embedding and spreads the tokens (in every
+            # layer, a DeepSeek mixture's dense first one too; Gemma 4 normalises them: its
+            # post-norms are drawn small below instead).
+            shift = 16 if moe and model_class is not Gemma4ForCausalLM else 0
             writers = residual_writers(layer)
             for linear in decoder_linears(layer):
                 linear.weight.copy_(dequantized(args.weights, *linear.weight.shape,
@@ -303,9 +432,12 @@ with torch.no_grad():
         if not cfg.tie_word_embeddings:
             fill_rows(model.lm_head.weight, bench_bf16)
         for layer in model.model.layers:
-            router = getattr(layer.mlp, "gate", None)
+            router = getattr(layer.mlp, "gate", None) or getattr(layer, "router", None)
             if router is not None:
-                fill_rows(router.weight, bench_bf16)
+                fill_rows(getattr(router, "proj", router).weight, bench_bf16)
+            if moe and model_class is Gemma4ForCausalLM:  # random_model.rs `norm_value`
+                layer.post_attention_layernorm.weight.fill_(2.0 ** -16)
+                layer.post_feedforward_layernorm.weight.fill_(2.0 ** -16)
 
 
 def log_probs(hidden, targets):
@@ -383,7 +515,7 @@ class Timer:
 
 
 what = "Linear GEMMs only" if args.linears_only else "sdpa"
-if model_class in MOE_CLASSES:
+if moe:
     what += f", experts {model.config._experts_implementation}"
 if hasattr(cfg, "linear_num_value_heads"):
     installed = [m for m in ("fla", "causal_conv1d") if importlib.util.find_spec(m)]

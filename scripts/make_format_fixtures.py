@@ -14,6 +14,11 @@ activations with the int8 GEMM exact in int32 (`reference_emulated_qdq`: the sam
 dequantized, then an f32 GEMM). The ModelOpt NVFP4 fixture is packed by this script from the
 format (nvidia-modelopt is not installed), its config in hf_quant_config.json.
 
+The KV-cache fixtures (`llama-kv-fp8-tensor`, `llama-kv-fp8-head`, `llama-kv-none`) are W4A16
+checkpoints whose fp8 k/v scales llm-compressor 0.14 calibrates (`kv_cache_scheme`, per tensor
+and per head; none for the last), with `reference_kv_emulated` / `reference_kv_simulated`:
+transformers with vLLM's FlashAttention 3 fp8 QDQ of q, k, v after RoPE (docs/kv-cache.md).
+
 Needs the fixture venv (transformers 5.17, torch 2.14 CPU) and, for GPTQ and AWQ, GPTQModel 7.7.0
 installed without its dependencies (its pins want a newer transformers) plus the few it imports:
     BUILD_CUDA_EXT=0 pip install --no-deps gptqmodel==7.7.0 pypcre logbar device-smi \
@@ -399,10 +404,10 @@ def tiny_config():
     return cfg
 
 
-def tiny_dense(seed=400):
-    """The tiny base's tensors (bf16): embeddings N(0, 0.1) (tied with the head: logits of
-    order one), Linears N(0, 1/in), norms near one."""
-    cfg = tiny_config()
+def tiny_dense(seed=400, cfg=None):
+    """The tiny base's tensors (bf16), of `cfg` (`tiny_config()` when None): embeddings
+    N(0, 0.1) (tied with the head: logits of order one), Linears N(0, 1/in), norms near one."""
+    cfg = tiny_config() if cfg is None else cfg
     g = torch.Generator().manual_seed(seed)
     h, i, hd = cfg["hidden_size"], cfg["intermediate_size"], cfg["head_dim"]
     q, kv = cfg["num_attention_heads"] * hd, cfg["num_key_value_heads"] * hd
@@ -942,6 +947,132 @@ def make_modelopt_fp8(name):
                             "(fp8_static_qdq)", hooks))
 
 
+# KV-cache quantization (compressed-tensors `kv_cache_scheme`): W4A16 weights and fp8 e4m3 K/V
+# scales calibrated by llm-compressor on the reference sequences, on a tiny base with two KV
+# heads (per-head scales differ) and sharp attention. The emulated reference is transformers with vLLM's
+# FlashAttention 3 fp8 path hooked in where vLLM applies it (docs/kv-cache.md): after RoPE,
+# q / 1.0, k / k_scale, v / v_scale rounded to e4m3 (saturating) and scaled back, in f32.
+# ----------------------------------------------------------------------------------------------
+KV_VARIANTS = {
+    # name: kv_cache_scheme strategy (None: no scheme, the `--kv-cache-dtype fp8_e4m3` what-if)
+    "llama-kv-fp8-tensor": "tensor",
+    "llama-kv-fp8-head": "attn_head",
+    "llama-kv-none": None,
+}
+
+
+def kv_config():
+    cfg = tiny_config()
+    cfg.update({"num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32})
+    return cfg
+
+
+def fp8_qdq(x, scale):
+    """x / scale rounded to e4m3 (clamped to +-448 first: vLLM's saturating conversion), times
+    scale, in f32; `scale` broadcasts over x's heads."""
+    x = x.float()
+    return torch.clamp(x / scale, -FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).float() * scale
+
+
+def absmax_head_scales(x):
+    """Per head (axis 1 of [batch, heads, len, dim]) absmax / 448 over the sequence: the
+    simulation's dynamic scales (f32 epsilon where a head is all zeros)."""
+    s = x.float().abs().amax(dim=(0, 2, 3), keepdim=True) / FP8_MAX
+    return torch.where(s == 0, torch.finfo(torch.float32).eps, s)
+
+
+def kv_hooks(scales):
+    """An attention function that applies vLLM's fp8 FlashAttention path to sdpa's post-RoPE
+    inputs ([batch, heads, len, dim], keys and values before GQA repetition): `scales(layer,
+    key, value)` gives (k_scale, v_scale) shaped to broadcast over the heads."""
+    from transformers import AttentionInterface
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    def attention(module, query, key, value, *args, **kwargs):
+        ks, vs = scales(module.layer_idx, key, value)
+        return sdpa_attention_forward(module, fp8_qdq(query, 1.0), fp8_qdq(key, ks),
+                                      fp8_qdq(value, vs), *args, **kwargs)
+
+    def register(model):
+        AttentionInterface.register("kv_fp8", attention)
+        model.set_attn_implementation("kv_fp8")
+    return register
+
+
+def make_kv(name, strategy, seed=401):
+    from llmcompressor import oneshot
+    from llmcompressor.modifiers.quantization import QuantizationModifier
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from safetensors.torch import save_file as save_torch
+
+    out = FIXTURES / name
+    if out.exists():
+        shutil.rmtree(out)
+    cfg = kv_config()
+    base = FIXTURES / f".{name}-base"
+    base.mkdir(exist_ok=True)
+    (base / "config.json").write_text(json.dumps(cfg))
+    for f in ["tokenizer.json", "tokenizer_config.json"]:
+        shutil.copy(DENSE / f, base / f)
+    dense = tiny_dense(seed, cfg)
+    # q and k projections x3: scores of order ten and sharp attention, as in trained models
+    # (with the random base's flat attention the KV cache's cost cancels in the mean NLL).
+    for k in dense:
+        if k.endswith(("q_proj.weight", "k_proj.weight")):
+            dense[k] = (dense[k].float() * 3).to(torch.bfloat16)
+    save_torch(dense, str(base / "model.safetensors"))
+    model = AutoModelForCausalLM.from_pretrained(str(base), dtype=torch.bfloat16)
+    ids = [ids for _, ids in texts()]
+    calibration = Dataset.from_dict({"input_ids": ids, "attention_mask": [[1] * len(i) for i in ids]})
+    kv = None if strategy is None else {"num_bits": 8, "type": "float", "strategy": strategy,
+                                        "dynamic": False, "symmetric": True}
+    model = oneshot(model=model, processor=AutoTokenizer.from_pretrained(str(base)),
+                    dataset=calibration, num_calibration_samples=len(ids), max_seq_length=512,
+                    recipe=QuantizationModifier(targets="Linear", scheme="W4A16",
+                                                ignore=["lm_head"], kv_cache_scheme=kv))
+    model.save_pretrained(str(out), save_compressed=True)
+    shutil.rmtree(base)
+    for f in ["tokenizer.json", "tokenizer_config.json"]:
+        shutil.copy(DENSE / f, out / f)
+    # Weights as compressed-tensors decompresses them; the scales as stored (bf16, exact in f32).
+    m = AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32)
+    hq = getattr(m, "hf_quantizer", None)
+    if hq is not None and hasattr(m, "ct_decompress_hook"):
+        hq.compressor.decompress_model(m)
+    stored = load_file(str(out / "model.safetensors"))
+    weights = {k: v.detach().float() for k, v in m.state_dict().items()
+               if not k.endswith(("_scale", "_packed", "_zero_point", "_global_scale", "_shape"))}
+    lins = {k[: -len(".weight")] for k in weights if k.endswith("proj.weight")}
+    deq = {k: weights[k + ".weight"].numpy() for k in lins}
+    mean = lambda seqs: sum(s["sum_nll"] for s in seqs) / sum(s["num_scored"] for s in seqs)
+    seqs = reference_logprobs(weights, cfg)
+    ref = {"variant": name, "torch_dtype_used": "float32", "reference_mode": "weights_only",
+           "dequantizer": "compressed-tensors 0.19.0 (transformers from_pretrained + "
+                          "decompress_model)", "sequences": seqs, "mean_nll": mean(seqs),
+           "versions": versions()}
+    if strategy is not None:
+        def static(layer, key, value):
+            pick = lambda kind: stored[f"model.layers.{layer}.self_attn.{kind}_scale"].float() \
+                .reshape(1, -1, 1, 1)
+            return pick("k"), pick("v")
+        em = reference_logprobs(weights, cfg, kv_hooks(static))
+        ref["reference_kv_emulated"] = {
+            "kv_cache": f"vLLM FlashAttention 3 fp8 path, {strategy} k/v scales from the "
+                        "checkpoint, q scale 1.0", "sequences": em, "mean_nll": mean(em)}
+    else:
+        sim = reference_logprobs(weights, cfg, kv_hooks(
+            lambda layer, key, value: (absmax_head_scales(key), absmax_head_scales(value))))
+        ref["reference_kv_simulated"] = {
+            "kv_cache": "fp8 e4m3 with dynamic per-head absmax/448 k/v scales per sequence, "
+                        "q scale 1.0", "sequences": sim, "mean_nll": mean(sim)}
+    (out / "reference.json").write_text(json.dumps(ref, indent=1) + "\n")
+    (out / "dequant_check.json").write_text(json.dumps(dequant_check(deq), indent=1) + "\n")
+    kv_ref = ref.get("reference_kv_emulated", ref.get("reference_kv_simulated"))
+    print(f"{name}: mean NLL {ref['mean_nll']:.6f} weights only, {kv_ref['mean_nll']:.6f} with "
+          f"the fp8 KV cache, {(out / 'model.safetensors').stat().st_size} bytes")
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--only", default="")
@@ -970,6 +1101,9 @@ def main():
         make_modelopt_nvfp4("llama-modelopt-nvfp4")
     if not only or "llama-modelopt-fp8" in only:
         make_modelopt_fp8("llama-modelopt-fp8")
+    for name, strategy in KV_VARIANTS.items():
+        if not only or name in only:
+            make_kv(name, strategy)
 
 
 if __name__ == "__main__":

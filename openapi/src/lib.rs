@@ -525,6 +525,10 @@ pub struct ModelInfo {
     pub activation_quant: BTreeMap<String, String>,
     /// `emulate` or `off`.
     pub activation_quant_mode: String,
+    /// The KV cache's quantization, when one applies: the checkpoint's `kv_cache_scheme`
+    /// emulated, or labelled a simulation (`--kv-cache-dtype fp8_e4m3`). Absent otherwise.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub kv_cache: Option<String>,
     /// Average stored bits per weight over the decoder Linear layers (scales included).
     pub bits_per_weight: f64,
     /// Attention kernel: `materialized` (f32 scores) or `flash` (fused GPU kernel, bf16/f16).

@@ -119,15 +119,16 @@ constexpr int ig_shared_bytes() {
     return IG_STAGES * sizeof(IgStage<BM>) + 2 * IG_BN * IG_BK * sizeof(uint16_t);
 }
 
+// This block: rows row0..row0 + BM of expert slot z (whose rows start at offsets[z]), outputs
+// blockIdx.x · IG_BN.. (the entry points below map the grid to (z, row0)).
 template <typename T, int BM>
-__device__ void int4_gemm_stacked(const uint64_t* ptrs, const T* x, T* y, int n, int k, int group) {
+__device__ void int4_gemm_stacked(const uint64_t* ptrs, const uint64_t* offsets, int z, int row0,
+                                  const T* x, T* y, int n, int k, int group) {
 #if __CUDA_ARCH__ >= 800
     constexpr int ROWS_W = BM / 2, MT = ROWS_W / 16;  // rows and 16-row MMA tiles per warp
-    const int z = blockIdx.z;
-    const uint64_t* offsets = ptrs + 3 * gridDim.z;
     const long first = (long)offsets[z];
     const int m = (int)((long)offsets[z + 1] - first);
-    const int n0 = blockIdx.x * IG_BN, row0 = blockIdx.y * BM;
+    const int n0 = blockIdx.x * IG_BN;
     if (row0 >= m) return;  // the whole block: no barrier is waiting
     const int32_t* packed = (const int32_t*)ptrs[3 * z];
     const float* scales = (const float*)ptrs[3 * z + 1];

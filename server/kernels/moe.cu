@@ -69,6 +69,175 @@ __device__ void moe_topk(const T* logits, int experts, int k, int norm, uint32_t
         for (int j = 0; j < k; ++j) weights[(long)warp * k + j] /= total;
 }
 
+// A group-limited router (DeepSeek-V3/V2, GLM-4.5, Mistral 4) on its scores (sigmoid or softmax
+// of the logits, in f32, `[tokens, experts]`): the steps of ops::moe_route_grouped, which is its
+// CPU reference, one thread per token. `round`: 0 f32, 1 bf16, 2 f16 (the logits' dtype, which
+// every step is rounded to); `top_two`: a group scores the sum of its two best choice scores,
+// else its best; dropped groups' experts score `masked`. Orders are f32's total order (Rust's
+// total_cmp), ties to the lower index. A token with a NaN score gets the id `experts`
+// everywhere.
+constexpr int MOE_GROUPED_MAX_EXPERTS = 512;
+
+__device__ __forceinline__ float moe_round(float v, int round) {
+    if (round == 1) return __bfloat162float(__float2bfloat16_rn(v));
+    if (round == 2) return __half2float(__float2half_rn(v));
+    return v;
+}
+
+// Rust's f32::total_cmp as an integer key: a < b in total order iff key(a) < key(b).
+__device__ __forceinline__ int moe_total_key(float v) {
+    int bits = __float_as_int(v);
+    return bits ^ (int)(((unsigned)(bits >> 31)) >> 1);
+}
+
+extern "C" __global__ void moe_route_grouped(const float* scores, const float* bias, int tokens,
+                                             int experts, int k, int groups, int topk_group,
+                                             int norm, float scale, int top_two, float masked,
+                                             int round, uint32_t* ids, float* weights) {
+    const int t = blockIdx.x * blockDim.x + threadIdx.x;
+    if (t >= tokens) return;
+    const float* s = scores + (long)t * experts;
+    const int per_group = experts / groups;
+    bool nan = false;
+    for (int e = 0; e < experts; ++e) nan |= isnan(s[e]);
+    if (nan) {
+        for (int j = 0; j < k; ++j) {
+            ids[(long)t * k + j] = experts;
+            weights[(long)t * k + j] = NAN;
+        }
+        return;
+    }
+    // The choice scores, kept in total-order keys; the kept groups as a bit set.
+    int choice[MOE_GROUPED_MAX_EXPERTS];
+    for (int e = 0; e < experts; ++e)
+        choice[e] = moe_total_key(moe_round(s[e], round) + (bias ? bias[e] : 0.0f));
+    uint64_t kept[MOE_GROUPED_MAX_EXPERTS / 64] = {};
+    {
+        float group_score[MOE_GROUPED_MAX_EXPERTS];
+        for (int g = 0; g < groups; ++g) {
+            int best = INT_MIN, second = INT_MIN, best_e = -1;
+            for (int e = g * per_group; e < (g + 1) * per_group; ++e)
+                if (best_e < 0 || choice[e] > best) { best = choice[e]; best_e = e; }
+            for (int e = g * per_group; e < (g + 1) * per_group; ++e)
+                if (e != best_e && (second == INT_MIN || choice[e] > second)) second = choice[e];
+            const float b0 = moe_round(s[best_e], round) + (bias ? bias[best_e] : 0.0f);
+            float score = b0;
+            if (top_two) {
+                // the second best's value (the key is exact, so find the expert that holds it)
+                float b1 = b0;
+                for (int e = g * per_group; e < (g + 1) * per_group; ++e)
+                    if (e != best_e && choice[e] == second) {
+                        b1 = moe_round(s[e], round) + (bias ? bias[e] : 0.0f);
+                        break;
+                    }
+                score = moe_round(b0 + b1, round);
+            }
+            group_score[g] = score;
+        }
+        for (int j = 0; j < topk_group; ++j) {
+            int best = -1;
+            for (int g = 0; g < groups; ++g) {
+                if (kept[g / 64] >> (g % 64) & 1) continue;
+                if (best < 0 || moe_total_key(group_score[g]) > moe_total_key(group_score[best])) best = g;
+            }
+            kept[best / 64] |= 1ull << (best % 64);
+        }
+    }
+    const int masked_key = moe_total_key(masked);
+    uint64_t taken[MOE_GROUPED_MAX_EXPERTS / 64] = {};
+    float sum = 0.0f;
+    for (int j = 0; j < k; ++j) {
+        int best = -1, best_key = 0;
+        for (int e = 0; e < experts; ++e) {
+            if (taken[e / 64] >> (e % 64) & 1) continue;
+            const int g = e / per_group;
+            const int key = (kept[g / 64] >> (g % 64) & 1) ? choice[e] : masked_key;
+            if (best < 0 || key > best_key) { best = e; best_key = key; }
+        }
+        taken[best / 64] |= 1ull << (best % 64);
+        ids[(long)t * k + j] = best;
+        const float w = moe_round(s[best], round);
+        weights[(long)t * k + j] = w;
+        sum += w;
+    }
+    const float denominator = norm ? moe_round(sum, round) + 1e-20f : 1.0f;
+    for (int j = 0; j < k; ++j) {
+        float* w = &weights[(long)t * k + j];
+        *w = moe_round(moe_round(*w / denominator, round) * scale, round);
+    }
+}
+
+// ---- the experts' rows planned on the device ---------------------------------------------------
+// The layout the host plan gives (ExpertRows in model/blocks/moe.rs), without reading the router's
+// choice back: expert e's rows are the entries i = t·k + s with ids[i] = e, in entry order, at
+// offsets[e]..offsets[e + 1]; rows_token / row_weight give each row's token and router weight;
+// positions[t·k + j] is the row of token t's j-th smallest expert (the order moe_combine adds
+// in). A token whose router saw a NaN (ids = experts everywhere) gets no rows and the position
+// MOE_NO_ROW. One warp per expert in both kernels.
+constexpr uint32_t MOE_NO_ROW = 0xffffffffu;
+
+// counts[e]: the entries that chose e; and MOE_NO_ROW for the positions of NaN tokens.
+extern "C" __global__ void moe_plan_count(const uint32_t* ids, int entries, int experts,
+                                          uint32_t* counts, uint32_t* positions) {
+    const long thread = (long)blockIdx.x * blockDim.x + threadIdx.x;
+    for (long i = thread; i < entries; i += (long)gridDim.x * blockDim.x)
+        if (ids[i] >= (uint32_t)experts) positions[i] = MOE_NO_ROW;
+    const int e = thread / 32, lane = threadIdx.x % 32;
+    if (e >= experts) return;
+    uint32_t n = 0;
+    for (int i = lane; i < entries; i += 32) n += ids[i] == (uint32_t)e;
+    for (int s = 16; s > 0; s >>= 1) n += __shfl_xor_sync(0xffffffff, n, s);
+    if (lane == 0) counts[e] = n;
+}
+
+// Every row of expert e, and e's tiles of `tile_rows` rows for matmul_t_int4_tiled: tiles =
+// [count, (e, first row)...], the experts' tiles in expert order.
+extern "C" __global__ void moe_plan_place(const uint32_t* ids, const float* weights,
+                                          const uint32_t* counts, int tokens, int k, int experts,
+                                          int tile_rows, uint32_t* rows_token, float* row_weight,
+                                          uint32_t* positions, uint64_t* offsets, uint32_t* tiles) {
+    const int e = (int)(((long)blockIdx.x * blockDim.x + threadIdx.x) / 32), lane = threadIdx.x % 32;
+    if (e >= experts) return;
+    uint32_t first = 0, tile0 = 0;
+    for (int f = lane; f < e; f += 32) {
+        first += counts[f];
+        tile0 += (counts[f] + tile_rows - 1) / tile_rows;
+    }
+    for (int s = 16; s > 0; s >>= 1) {
+        first += __shfl_xor_sync(0xffffffff, first, s);
+        tile0 += __shfl_xor_sync(0xffffffff, tile0, s);
+    }
+    const uint32_t count = counts[e], my_tiles = (count + tile_rows - 1) / tile_rows;
+    if (lane == 0) {
+        offsets[e] = first;
+        if (e == experts - 1) {
+            offsets[experts] = first + count;
+            tiles[0] = tile0 + my_tiles;
+        }
+    }
+    for (uint32_t j = lane; j < my_tiles; j += 32) {
+        tiles[1 + 2 * (tile0 + j)] = e;
+        tiles[2 + 2 * (tile0 + j)] = j * tile_rows;
+    }
+    const int entries = tokens * k;
+    uint32_t placed = 0;
+    for (int base = 0; base < entries; base += 32) {
+        const int i = base + lane;
+        const bool mine = i < entries && ids[i] == (uint32_t)e;
+        const uint32_t ballot = __ballot_sync(0xffffffff, mine);
+        if (mine) {
+            const uint32_t row = first + placed + __popc(ballot & ((1u << lane) - 1));
+            const int t = i / k;
+            rows_token[row] = t;
+            row_weight[row] = weights[i];
+            int j = 0;
+            for (int s = 0; s < k; ++s) j += ids[t * k + s] < (uint32_t)e;
+            positions[t * k + j] = row;
+        }
+        placed += __popc(ballot);
+    }
+}
+
 // out[t] = residual[t] + (((0 + w_0 y[pos[t][0]]) + w_1 y[pos[t][1]]) + ...): a token's
 // expert outputs weighted by their router weights (in f32 and rounded to T, or, with
 // `compute_dtype_weights`, by the weight rounded to T), summed in the order of `pos` (ascending
@@ -84,6 +253,7 @@ __device__ void moe_combine(const T* y, const float* w, const uint32_t* pos, con
     const int c = idx % cols;
     T acc = from_f32<T>(0.0f);
     for (int j = 0; j < k; ++j) {
+        if (pos[t * k + j] == MOE_NO_ROW) continue;  // a NaN token: its residual is NaN
         const long row = pos[t * k + j];
         const float weight = compute_dtype_weights ? to_f32(from_f32<T>(w[row])) : w[row];
         const T term = from_f32<T>(to_f32(y[row * cols + c]) * weight);

@@ -24,7 +24,7 @@ use crate::http::validate::MAX_TOP_K;
 use crate::http::{self, AppState, Readiness, SharedState};
 use crate::model::placement::{self, PlacementInputs, StagePlan};
 use crate::model::{AttentionKernel, Model, ModelConfig, ModelOptions, ScoreInput};
-use crate::quant::LinearOptions;
+use crate::quant::{KvCacheQdq, LinearOptions, QuantizationConfig};
 use crate::tokenizer::{TextTokenizer, TokenizerError};
 
 #[derive(Debug, thiserror::Error)]
@@ -343,6 +343,7 @@ fn load_models(config: &Config) -> Result<Loaded, AppError> {
             device: Device::Cpu,
             dtype: config.dtype,
             activation_quant: config.activation_quant,
+            kv_cache: config.kv_cache,
         },
         max_seq_len: max_input_tokens,
         attention: config.attention,
@@ -376,6 +377,9 @@ fn load_models(config: &Config) -> Result<Loaded, AppError> {
                 let reference_options = ModelOptions {
                     linear: LinearOptions {
                         dtype: r.dtype,
+                        // the KV-cache flags are the served model's (the simulation is what
+                        // /kld measures); a reference's own kv_cache_scheme is emulated
+                        kv_cache: Default::default(),
                         ..options.linear.clone()
                     },
                     ..options.clone()
@@ -670,6 +674,14 @@ pub fn model_info(loaded: &Loaded, config: &Config, limits: Limits) -> ModelInfo
             crate::quant::ActivationQuantMode::Emulate => "emulate".into(),
             crate::quant::ActivationQuantMode::Off => "off".into(),
         },
+        kv_cache: KvCacheQdq::describe(
+            cfg.quantization_config
+                .as_ref()
+                .and_then(|q| QuantizationConfig::parse(q).ok())
+                .and_then(|q| q.kv_cache)
+                .as_ref(),
+            config.kv_cache,
+        ),
         bits_per_weight: weights.bits_per_weight,
         attention: match model.options().attention {
             AttentionKernel::Flash => "flash".into(),

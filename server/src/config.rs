@@ -10,7 +10,7 @@ use clap::{Parser, ValueEnum};
 use crate::engine::fault::FaultInjection;
 use crate::engine::BatchLimits;
 use crate::model::AttentionKernel;
-use crate::quant::ActivationQuantMode;
+use crate::quant::{ActivationQuantMode, KvCacheDtype, KvCacheOptions, KvCacheQuant};
 
 /// The tiny bundled checkpoint, so that `cargo run -p exactscore-server` serves at once.
 pub const DEFAULT_MODEL_DIR: &str = concat!(
@@ -39,6 +39,13 @@ impl From<DtypeArg> for DType {
 pub enum ActQuantArg {
     Emulate,
     Off,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum KvCacheDtypeArg {
+    Auto,
+    #[value(name = "fp8_e4m3")]
+    Fp8E4m3,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -98,6 +105,24 @@ pub struct Args {
         default_value = "emulate"
     )]
     pub activation_quant: ActQuantArg,
+    /// Apply the checkpoint's `kv_cache_scheme` (fp8 K/V, and q, after RoPE, as vLLM's
+    /// FlashAttention 3 path does: docs/kv-cache.md) or not (`off`).
+    #[arg(
+        long,
+        env = "EXACTSCORE_KV_CACHE_QUANT",
+        value_enum,
+        default_value = "emulate"
+    )]
+    pub kv_cache_quant: ActQuantArg,
+    /// `fp8_e4m3`: simulate an fp8 KV cache on a checkpoint without a `kv_cache_scheme`, with
+    /// dynamic per-head scales (absmax / 448 per sequence; not vLLM's default of 1.0).
+    #[arg(
+        long,
+        env = "EXACTSCORE_KV_CACHE_DTYPE",
+        value_enum,
+        default_value = "auto"
+    )]
+    pub kv_cache_dtype: KvCacheDtypeArg,
     /// Attention kernel: `materialized` (f32 scores, every device and dtype), `flash` (fused,
     /// CUDA with bf16/f16 compute and head sizes 64, 128, 192 or 256, latent attention padded
     /// to one; see docs/performance.md), or `auto`: flash where it exists, materialized
@@ -321,6 +346,7 @@ pub struct Config {
     /// `--micro-batch-sequences`, or `None` for the default.
     pub micro_batch_sequences: Option<usize>,
     pub activation_quant: ActivationQuantMode,
+    pub kv_cache: KvCacheOptions,
     pub attention: AttentionKernel,
     pub http: HttpConfig,
     pub batch: BatchLimits,
@@ -468,6 +494,23 @@ impl Config {
                 .map(|n| n.to_string_lossy().into_owned())
                 .unwrap_or_else(|| "model".into()),
         };
+        let kv_cache = KvCacheOptions {
+            quant: match args.kv_cache_quant {
+                ActQuantArg::Emulate => KvCacheQuant::Emulate,
+                ActQuantArg::Off => KvCacheQuant::Off,
+            },
+            dtype: match args.kv_cache_dtype {
+                KvCacheDtypeArg::Auto => KvCacheDtype::Auto,
+                KvCacheDtypeArg::Fp8E4m3 => KvCacheDtype::Fp8E4m3,
+            },
+        };
+        if kv_cache.quant == KvCacheQuant::Off && kv_cache.dtype == KvCacheDtype::Fp8E4m3 {
+            return Err(invalid(
+                "--kv-cache-dtype",
+                "fp8_e4m3",
+                "simulates a quantized KV cache; it contradicts --kv-cache-quant off",
+            ));
+        }
         Ok(Self {
             model_dir: args.model,
             served_model_name,
@@ -481,6 +524,7 @@ impl Config {
                 ActQuantArg::Emulate => ActivationQuantMode::Emulate,
                 ActQuantArg::Off => ActivationQuantMode::Off,
             },
+            kv_cache,
             attention: match args.attention {
                 AttentionArg::Auto => AttentionKernel::Auto,
                 AttentionArg::Materialized => AttentionKernel::Materialized,
@@ -702,6 +746,28 @@ mod tests {
         assert_eq!((c.host.as_str(), c.port), ("127.0.0.1", 8000));
         assert_eq!(c.resolve_max_input_tokens(131072), 16384);
         assert_eq!(c.resolve_max_input_tokens(512), 512);
+    }
+
+    #[test]
+    fn kv_cache_flags_map_and_their_contradiction_is_refused() {
+        let c = parse(&["--kv-cache-dtype", "fp8_e4m3"]).unwrap();
+        assert_eq!(
+            c.kv_cache,
+            KvCacheOptions {
+                quant: KvCacheQuant::Emulate,
+                dtype: KvCacheDtype::Fp8E4m3
+            }
+        );
+        assert_eq!(parse(&[]).unwrap().kv_cache, KvCacheOptions::default());
+        let off = parse(&["--kv-cache-quant", "off"]).unwrap();
+        assert_eq!(off.kv_cache.quant, KvCacheQuant::Off);
+        let msg = parse(&["--kv-cache-quant", "off", "--kv-cache-dtype", "fp8_e4m3"])
+            .unwrap_err()
+            .to_string();
+        assert!(
+            msg.contains("--kv-cache-dtype") && msg.contains("--kv-cache-quant off"),
+            "{msg}"
+        );
     }
 
     #[test]

@@ -86,6 +86,7 @@ fn options() -> ModelOptions {
             device: Device::Cpu,
             dtype: DType::F32,
             activation_quant: ActivationQuantMode::Emulate,
+            kv_cache: Default::default(),
         },
         max_seq_len: 512,
         attention: AttentionKernel::Auto,

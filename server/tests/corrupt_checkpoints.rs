@@ -544,6 +544,7 @@ const FP8: &str = "llama-fp8-block";
 const W8A8: &str = "llama-w8a8-int8";
 const MODELOPT: &str = "llama-modelopt-nvfp4";
 const MODELOPT_FP8: &str = "llama-modelopt-fp8";
+const KV_HEAD: &str = "llama-kv-fp8-head";
 
 fn malformed_checkpoints() -> Vec<Malformed> {
     use serde_json::json;
@@ -1161,6 +1162,83 @@ fn malformed_checkpoints() -> Vec<Malformed> {
                 "F8_E4M3",
             ],
         ),
+        (
+            KV_HEAD,
+            "a kv_cache_scheme field compressed-tensors does not have",
+            |_| {},
+            |c| c["quantization_config"]["kv_cache_scheme"]["per_channel"] = json!(true),
+            &[
+                "quantization_config.kv_cache_scheme",
+                "unknown field `per_channel`",
+            ],
+        ),
+        (
+            KV_HEAD,
+            "an fp4 KV cache",
+            |_| {},
+            |c| c["quantization_config"]["kv_cache_scheme"]["num_bits"] = json!(4),
+            &[
+                "quantization_config.kv_cache_scheme.num_bits",
+                "4",
+                "only 8",
+            ],
+        ),
+        (
+            KV_HEAD,
+            "an int8 KV cache",
+            |_| {},
+            |c| c["quantization_config"]["kv_cache_scheme"]["type"] = json!("int"),
+            &["quantization_config.kv_cache_scheme.type", "`int`"],
+        ),
+        (
+            KV_HEAD,
+            "a per-channel KV cache",
+            |_| {},
+            |c| c["quantization_config"]["kv_cache_scheme"]["strategy"] = json!("channel"),
+            &["quantization_config.kv_cache_scheme.strategy", "`channel`"],
+        ),
+        (
+            KV_HEAD,
+            "dynamic KV-cache scales",
+            |_| {},
+            |c| c["quantization_config"]["kv_cache_scheme"]["dynamic"] = json!(true),
+            &["quantization_config.kv_cache_scheme.dynamic", "static"],
+        ),
+        (
+            KV_HEAD,
+            "a missing k_scale",
+            |t| drop(t.remove("model.layers.1.self_attn.k_scale")),
+            |_| {},
+            &["tensor `model.layers.1.self_attn.k_scale` is missing"],
+        ),
+        (
+            KV_HEAD,
+            "per-tensor scales under attn_head",
+            |t| t.get_mut("model.layers.0.self_attn.v_scale").unwrap().1 = vec![2],
+            |_| {},
+            &["model.layers.0.self_attn.v_scale", "[2]", "[2, 1, 1]"],
+        ),
+        (
+            KV_HEAD,
+            "per-head scales under strategy tensor",
+            |_| {},
+            |c| c["quantization_config"]["kv_cache_scheme"]["strategy"] = json!("tensor"),
+            &["model.layers.0.self_attn.k_scale", "[2, 1, 1]", "[1]"],
+        ),
+        (
+            KV_HEAD,
+            "a zero KV-cache scale",
+            |t| {
+                let scale = t.get_mut("model.layers.0.self_attn.k_scale").unwrap();
+                scale.2[..2].copy_from_slice(&[0, 0]);
+            },
+            |_| {},
+            &[
+                "model.layers.0.self_attn.k_scale",
+                "finite and positive",
+                "0",
+            ],
+        ),
     ]
 }
 
@@ -1190,6 +1268,7 @@ fn unmodified_copies_of_other_formats_load() {
         W8A8,
         MODELOPT,
         MODELOPT_FP8,
+        KV_HEAD,
     ] {
         let dir = edited_copy(variant, 2, |_| {}, |_| {});
         Model::load(
@@ -1198,4 +1277,31 @@ fn unmodified_copies_of_other_formats_load() {
         )
         .unwrap_or_else(|e| panic!("{variant}: {e}"));
     }
+}
+
+/// `variant` loaded in f32 on the CPU with `--kv-cache-quant emulate` and `dtype`: its error.
+fn kv_load_error(variant: &str, dtype: exactscore_server::quant::KvCacheDtype) -> String {
+    let mut opts = options(candle_core::DType::F32, Default::default());
+    opts.linear.kv_cache.dtype = dtype;
+    match Model::load(&fixtures().join(variant), &opts) {
+        Ok(_) => panic!("{variant} loaded with {dtype:?}"),
+        Err(e) => e.to_string(),
+    }
+}
+
+/// KV-cache quantization where vLLM caches something else (MLA's latent, Gemma 4's shared
+/// layers, linear attention's state) is refused naming the layer, and the what-if
+/// `--kv-cache-dtype fp8_e4m3` on a checkpoint that has a scheme names the flag.
+#[test]
+fn kv_cache_quantization_is_refused_where_it_does_not_apply() {
+    use exactscore_server::quant::KvCacheDtype::Fp8E4m3;
+    let err = kv_load_error("deepseek_v2-w4a16-g32", Fp8E4m3);
+    assert_mentions(
+        &err,
+        &["model.layers.0.self_attn", "latent", "--kv-cache-dtype"],
+    );
+    let err = kv_load_error("qwen3_5-w4a16-g32-linattn", Fp8E4m3);
+    assert_mentions(&err, &["linear_attn", "linear-attention"]);
+    let err = kv_load_error(KV_HEAD, Fp8E4m3);
+    assert_mentions(&err, &["--kv-cache-dtype", "kv_cache_scheme"]);
 }

@@ -54,6 +54,7 @@ fn load(name: &str, max_seq_len: usize) -> Model {
             device: Device::Cpu,
             dtype: DType::F32,
             activation_quant: ActivationQuantMode::Emulate,
+            kv_cache: Default::default(),
         },
         max_seq_len,
         attention: Default::default(),

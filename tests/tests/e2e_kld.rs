@@ -548,3 +548,43 @@ async fn kld_by_position_equals_a_direct_computation() {
     let json: Value = serde_json::to_value(&report).unwrap();
     assert_eq!(json["position_buckets"][1]["tokens"], want[1].0);
 }
+
+/// `--kv-cache-dtype fp8_e4m3` with the same checkpoint as the reference: `/info` labels the
+/// simulation, and `/kld` measures what the fp8 KV cache alone costs (the weights are the
+/// same; the reference never takes the served model's KV flags): exactly zero without the
+/// flag, with it 31.2 nats over the 551 scored tokens (0.057 per token).
+#[tokio::test]
+async fn kld_measures_a_simulated_fp8_kv_cache() {
+    const KV: &str = "llama-kv-none";
+    let dir = fixture(KV);
+    let seqs = common::reference_sequences(KV);
+    let mut sums = Vec::new();
+    for simulate in [false, true] {
+        let mut args = vec!["--reference-model", dir.to_str().unwrap()];
+        if simulate {
+            args.extend(["--kv-cache-dtype", "fp8_e4m3"]);
+        }
+        let server = start(KV, &args).await;
+        let info: ModelInfo = reqwest::get(format!("{}/info", server.base))
+            .await
+            .unwrap()
+            .json()
+            .await
+            .unwrap();
+        match simulate {
+            true => assert!(
+                info.kv_cache.as_deref().unwrap().starts_with("simulation"),
+                "{:?}",
+                info.kv_cache
+            ),
+            false => assert_eq!(info.kv_cache, None),
+        }
+        let (status, text) = post(&server.base, "/kld", json!({ "tokens": seqs })).await;
+        assert_eq!(status, 200, "{text}");
+        let r: KldResponse = serde_json::from_str(&text).unwrap();
+        sums.push(r.sequences.iter().map(|s| s.sum_kld).sum::<f64>());
+    }
+    println!("sum KLD without / with the simulated fp8 KV cache: {sums:?}");
+    assert_eq!(sums[0], 0.0);
+    assert!(sums[1] > 1e-3, "{sums:?}");
+}

@@ -106,6 +106,7 @@ pub fn model_info() -> ModelInfo {
         formats: BTreeMap::from([("q_proj".into(), "pack_quantized".into())]),
         activation_quant: BTreeMap::new(),
         activation_quant_mode: "off".into(),
+        kv_cache: None,
         attention: "materialized".into(),
         bits_per_weight: 4.25,
         dtype: "f32".into(),

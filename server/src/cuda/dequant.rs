@@ -204,25 +204,13 @@ pub fn matmul_t_int4_stacked_into_rows(
     group: usize,
     tile_rows: Option<usize>,
 ) -> Result<()> {
-    let dtype = x.dtype();
     let total: usize = rows.iter().sum();
-    let (x_rows, x_k) = x.dims2()?;
-    let (out_rows, out_n) = out.dims2()?;
-    if x_k != k
-        || x_rows != total
-        || rows.len() != weights.len()
-        || out_n != n
-        || row0 + total > out_rows
-        || out.dtype() != dtype
-        || !out.is_contiguous()
-        || !int4_gemm_takes((n, k), 4, group, dtype)
-    {
+    check_int4_gemm(out, row0, x, weights.len(), total, (n, k), group)?;
+    if rows.len() != weights.len() {
         bail!(
-            "matmul_t_int4_stacked_into_rows: x {:?} ({dtype:?}) for {} weights [{n}, {k}] g{group} \
-             of {total} rows into rows {row0}.. of {:?}",
-            x.dims(),
-            weights.len(),
-            out.dims()
+            "matmul_t_int4_stacked_into_rows: {} row counts for {} weights",
+            rows.len(),
+            weights.len()
         );
     }
     let most = rows.iter().copied().max().unwrap_or(0);
@@ -230,9 +218,6 @@ pub fn matmul_t_int4_stacked_into_rows(
         return Ok(());
     }
     let tile_rows = tile_rows.unwrap_or_else(|| int4_gemm_tile_rows(rows));
-    if !INT4_GEMM_TILE_ROWS.contains(&tile_rows) {
-        bail!("matmul_t_int4_stacked_into_rows: {tile_rows} rows per tile");
-    }
     // The weights' addresses, then each block's first row.
     let mut args = stack_addresses(weights, (n, k), 4, group)?;
     if !int4_codes_aligned(&args) {
@@ -242,35 +227,151 @@ pub fn matmul_t_int4_stacked_into_rows(
         *end += r as u64;
         Some(*end)
     })));
+    let grid = (
+        n.div_ceil(128) as u32,
+        most.div_ceil(tile_rows) as u32,
+        weights.len() as u32,
+    );
+    launch_int4_gemm(out, row0, x, &args, None, tile_rows, grid, n, k, group)
+}
+
+/// [`matmul_t_int4_stacked_into_rows`] on a plan made on the GPU (`ops::moe_plan`): the
+/// experts' rows at `offsets` (i64 `[weights + 1]`, `total` rows in all) and the blocks at
+/// `tiles` (u32 `[1 + 2 · max]`: the count, then (expert, first row) pairs of `tile_rows`
+/// rows), so that no count is read back to the host. The grid holds `max` tiles; those past the
+/// count return at once.
+#[allow(clippy::too_many_arguments)]
+pub fn matmul_t_int4_tiled_into_rows(
+    out: &Tensor,
+    row0: usize,
+    x: &Tensor,
+    weights: &[(&Tensor, &Tensor, Option<&Tensor>)],
+    (offsets, tiles, total): (&Tensor, &Tensor, usize),
+    (n, k): (usize, usize),
+    group: usize,
+    tile_rows: usize,
+) -> Result<()> {
+    check_int4_gemm(out, row0, x, weights.len(), total, (n, k), group)?;
+    let max_tiles = tiles.elem_count().saturating_sub(1) / 2;
+    if offsets.dims() != [weights.len() + 1]
+        || offsets.dtype() != DType::I64
+        || tiles.dtype() != DType::U32
+    {
+        bail!(
+            "matmul_t_int4_tiled_into_rows: offsets {:?} {:?}, tiles {:?} for {} weights",
+            offsets.dims(),
+            offsets.dtype(),
+            tiles.dims(),
+            weights.len()
+        );
+    }
+    if total == 0 || max_tiles == 0 {
+        return Ok(());
+    }
+    let args = stack_addresses(weights, (n, k), 4, group)?;
+    if !int4_codes_aligned(&args) {
+        bail!("matmul_t_int4_tiled_into_rows: codes not 16-byte aligned");
+    }
+    let grid = (n.div_ceil(128) as u32, max_tiles as u32, 1);
+    launch_int4_gemm(
+        out,
+        row0,
+        x,
+        &args,
+        Some((offsets, tiles)),
+        tile_rows,
+        grid,
+        n,
+        k,
+        group,
+    )
+}
+
+/// The checks both int4 GEMM launches make of their tensors.
+fn check_int4_gemm(
+    out: &Tensor,
+    row0: usize,
+    x: &Tensor,
+    weights: usize,
+    total: usize,
+    (n, k): (usize, usize),
+    group: usize,
+) -> Result<()> {
+    let dtype = x.dtype();
+    let (x_rows, x_k) = x.dims2()?;
+    let (out_rows, out_n) = out.dims2()?;
+    if x_k != k
+        || x_rows != total
+        || out_n != n
+        || row0 + total > out_rows
+        || out.dtype() != dtype
+        || !out.is_contiguous()
+        || !int4_gemm_takes((n, k), 4, group, dtype)
+    {
+        bail!(
+            "int4 GEMM: x {:?} ({dtype:?}) for {weights} weights [{n}, {k}] g{group} of {total} \
+             rows into rows {row0}.. of {:?}",
+            x.dims(),
+            out.dims()
+        );
+    }
+    Ok(())
+}
+
+/// One launch of `matmul_t_int4_{stacked,tiled}_m{tile_rows}` (tiled where `plan` gives the
+/// GPU-made offsets and tiles; `args` then holds only the weights' addresses).
+#[allow(clippy::too_many_arguments)]
+fn launch_int4_gemm(
+    out: &Tensor,
+    row0: usize,
+    x: &Tensor,
+    args: &[u64],
+    plan: Option<(&Tensor, &Tensor)>,
+    tile_rows: usize,
+    grid_dim: (u32, u32, u32),
+    n: usize,
+    k: usize,
+    group: usize,
+) -> Result<()> {
+    let dtype = x.dtype();
+    if !INT4_GEMM_TILE_ROWS.contains(&tile_rows) {
+        bail!("int4 GEMM: {tile_rows} rows per tile");
+    }
     let x = x.contiguous()?;
-    let name = kernel_name(&format!("matmul_t_int4_stacked_m{tile_rows}"), dtype);
+    let variant = if plan.is_some() { "tiled" } else { "stacked" };
+    let name = kernel_name(&format!("matmul_t_int4_{variant}_m{tile_rows}"), dtype);
     let shared = int4_gemm_shared_bytes(tile_rows);
     with_float_type!(dtype, T => {
         if !device_address::<T>(&x)?.is_multiple_of(16) {
-            bail!("matmul_t_int4_stacked_into_rows: x is not 16-byte aligned");
+            bail!("int4 GEMM: x is not 16-byte aligned");
         }
         let y = device_address::<T>(out)? + (row0 * n * std::mem::size_of::<T>()) as u64;
+        let plan = plan
+            .map(|(offsets, tiles)| Ok::<_, candle_core::Error>((device_address::<i64>(offsets)?, device_address::<u32>(tiles)?)))
+            .transpose()?;
         with_slice::<T, _>(&x, |xs, xo, dev| {
             let func = kernel(dev, &DEQUANT, &name)?;
             func.allow_shared_bytes(shared)?;
-            let args = dev.clone_htod(&args)?;
+            let args = dev.clone_htod(args)?;
             let xs = xs.slice(xo..);
             let (n32, k32, g32) = (n as i32, k as i32, group as i32);
             let mut b = func.builder();
-            b.arg(&args).arg(&xs).arg(&y).arg(&n32).arg(&k32).arg(&g32);
+            b.arg(&args);
+            if let Some((offsets, tiles)) = &plan {
+                b.arg(offsets).arg(tiles);
+            }
+            b.arg(&xs).arg(&y).arg(&n32).arg(&k32).arg(&g32);
             let config = LaunchConfig {
-                grid_dim: (
-                    n.div_ceil(128) as u32,
-                    most.div_ceil(tile_rows) as u32,
-                    weights.len() as u32,
-                ),
+                grid_dim,
                 block_dim: (256, 1, 1),
                 shared_mem_bytes: shared as u32,
             };
-            // SAFETY: arguments match `matmul_t_int4_stacked_m*`; the weights' shapes, x's and
-            // out's were checked above, and `out` (contiguous, x's dtype) holds rows
-            // row0..row0 + Σ rows of n values, which the kernel alone writes. The weights and
-            // out outlive the launch (the caller holds them; the stream orders any later free).
+            // SAFETY: arguments match `matmul_t_int4_{stacked,tiled}_m*`; the weights' shapes,
+            // x's and out's were checked by check_int4_gemm, and `out` (contiguous, x's dtype)
+            // holds rows row0..row0 + Σ rows of n values, which the kernel alone writes. A
+            // tiled plan's offsets and tiles come from moe_plan (every row of every expert
+            // once, the tiles within the grid). The weights and out outlive the launch (the
+            // caller holds them; the stream orders any later free).
             unsafe { b.launch(config) }.w()?;
             Ok(())
         })

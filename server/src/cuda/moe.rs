@@ -14,6 +14,12 @@ use super::{grid_1d, kernel_name, with_slice, wrap};
 /// probabilities hold a NaN gets the id `experts`. Only these pairs leave the GPU. At most
 /// 512 experts (`MOE_MAX_PER_LANE` in moe.cu), which `ops::moe_route` checks.
 pub fn moe_topk(logits: &Tensor, k: usize, norm: bool) -> Result<(Vec<u32>, Vec<f32>)> {
+    let (ids, weights) = moe_topk_on_device(logits, k, norm)?;
+    Ok((ids.to_vec1()?, weights.to_vec1()?))
+}
+
+/// [`moe_topk`] left on the GPU: u32 ids and f32 weights, `[tokens × k]` each.
+pub fn moe_topk_on_device(logits: &Tensor, k: usize, norm: bool) -> Result<(Tensor, Tensor)> {
     let logits = logits.contiguous()?;
     let (rows, experts) = logits.dims2()?;
     let name = kernel_name("moe_topk", logits.dtype());
@@ -29,7 +35,155 @@ pub fn moe_topk(logits: &Tensor, k: usize, norm: bool) -> Result<(Vec<u32>, Vec<
         unsafe { b.launch(grid_1d(rows * 32)) }.w()?;
         Ok((wrap(ids, dev, rows * k), wrap(weights, dev, rows * k)))
     }))?;
-    Ok((ids.to_vec1()?, weights.to_vec1()?))
+    Ok((ids, weights))
+}
+
+/// A group-limited router on its f32 `scores` `[tokens, experts]` (`bias`: f32 `[experts]`),
+/// as `ops::moe_route_grouped` routes on the CPU: u32 ids and f32 weights, `[tokens × k]`
+/// each, left on the GPU. `(groups, topk_group)`; `top_two`: a group scores its two best;
+/// `masked`: what a dropped group's experts score; `round`: the dtype every step rounds to.
+#[allow(clippy::too_many_arguments)]
+pub fn moe_route_grouped(
+    scores: &Tensor,
+    bias: Option<&Tensor>,
+    k: usize,
+    (groups, topk_group): (usize, usize),
+    norm: bool,
+    scale: f32,
+    top_two: bool,
+    masked: f32,
+    round: DType,
+) -> Result<(Tensor, Tensor)> {
+    let (tokens, experts) = scores.dims2()?;
+    if scores.dtype() != DType::F32
+        || experts > 512
+        || groups == 0
+        || !experts.is_multiple_of(groups)
+        || topk_group > groups
+        || k > experts
+        || bias.is_some_and(|b| b.dims() != [experts] || b.dtype() != DType::F32)
+    {
+        bail!(
+            "moe_route_grouped: scores {:?} {:?}, {groups} groups keeping {topk_group}, k {k}",
+            scores.dims(),
+            scores.dtype()
+        );
+    }
+    let scores = scores.contiguous()?;
+    let bias = bias.map(|b| b.contiguous()).transpose()?;
+    let round = match round {
+        DType::BF16 => 1i32,
+        DType::F16 => 2,
+        _ => 0,
+    };
+    with_slice::<f32, _>(&scores, |ss, so, dev| {
+        let func = kernel(dev, &MOE, "moe_route_grouped")?;
+        // SAFETY: the kernel writes every element of both.
+        let (ids, weights) =
+            unsafe { (dev.alloc::<u32>(tokens * k)?, dev.alloc::<f32>(tokens * k)?) };
+        let ss = ss.slice(so..);
+        let bias_address = match &bias {
+            Some(b) => super::device_address::<f32>(b)?,
+            None => 0,
+        };
+        let (t32, e32, k32, g32, kg32) = (
+            tokens as i32,
+            experts as i32,
+            k as i32,
+            groups as i32,
+            topk_group as i32,
+        );
+        let (n32, two32) = (i32::from(norm), i32::from(top_two));
+        let mut b = func.builder();
+        b.arg(&ss)
+            .arg(&bias_address)
+            .arg(&t32)
+            .arg(&e32)
+            .arg(&k32)
+            .arg(&g32)
+            .arg(&kg32);
+        b.arg(&n32)
+            .arg(&scale)
+            .arg(&two32)
+            .arg(&masked)
+            .arg(&round)
+            .arg(&ids)
+            .arg(&weights);
+        // SAFETY: arguments match `moe_route_grouped` (a thread per token; the bias, where
+        // given, [experts] f32 and alive for the launch: `bias` is held until it returns and
+        // the stream orders its release).
+        unsafe { b.launch(grid_1d(tokens)) }.w()?;
+        Ok((wrap(ids, dev, tokens * k), wrap(weights, dev, tokens * k)))
+    })
+}
+
+/// The experts' rows of a routed batch laid out on the GPU from the router's `ids` and
+/// `weights` (`[tokens × k]`, [`moe_topk_on_device`]), as `ExpertRows` lays them out on the
+/// host: (rows_token u32, row_weight f32, positions u32, each `[tokens × k]`; offsets i64
+/// `[experts + 1]`; tiles u32 `[1 + 2 · max_tiles]` of `tile_rows` rows for
+/// `matmul_t_int4_tiled`).
+pub fn moe_plan(
+    ids: &Tensor,
+    weights: &Tensor,
+    k: usize,
+    experts: usize,
+    tile_rows: usize,
+) -> Result<[Tensor; 5]> {
+    let entries = ids.elem_count();
+    if weights.elem_count() != entries || k == 0 || !entries.is_multiple_of(k) || tile_rows == 0 {
+        bail!(
+            "moe_plan: ids {:?}, weights {:?}, k {k}, tile rows {tile_rows}",
+            ids.dims(),
+            weights.dims()
+        );
+    }
+    let tiles_most = entries.div_ceil(tile_rows) + experts;
+    with_slice::<u32, _>(ids, |is, io, dev| {
+        with_slice::<f32, _>(weights, |ws, wo, _| {
+            let (is, ws) = (is.slice(io..), ws.slice(wo..));
+            // SAFETY (allocations): the kernels write every element the plan reads: counts and
+            // offsets whole, rows and positions once per entry (positions of NaN tokens by
+            // moe_plan_count), tiles up to their count.
+            let counts = unsafe { dev.alloc::<u32>(experts) }?;
+            let positions = unsafe { dev.alloc::<u32>(entries) }?;
+            let (e32, n32) = (experts as i32, entries as i32);
+            let warps = grid_1d(experts * 32);
+            let count = kernel(dev, &MOE, "moe_plan_count")?;
+            let mut b = count.builder();
+            b.arg(&is).arg(&n32).arg(&e32).arg(&counts).arg(&positions);
+            // SAFETY: arguments match `moe_plan_count` (a warp per expert).
+            unsafe { b.launch(warps) }.w()?;
+            let rows_token = unsafe { dev.alloc::<u32>(entries) }?;
+            let row_weight = unsafe { dev.alloc::<f32>(entries) }?;
+            let offsets = unsafe { dev.alloc::<i64>(experts + 1) }?;
+            let tiles = unsafe { dev.alloc::<u32>(1 + 2 * tiles_most) }?;
+            let (t32, k32, r32) = ((entries / k) as i32, k as i32, tile_rows as i32);
+            let place = kernel(dev, &MOE, "moe_plan_place")?;
+            let mut b = place.builder();
+            b.arg(&is)
+                .arg(&ws)
+                .arg(&counts)
+                .arg(&t32)
+                .arg(&k32)
+                .arg(&e32)
+                .arg(&r32);
+            b.arg(&rows_token)
+                .arg(&row_weight)
+                .arg(&positions)
+                .arg(&offsets)
+                .arg(&tiles);
+            // SAFETY: arguments match `moe_plan_place` (a warp per expert); at most
+            // `tiles_most` tiles (Σ ceil(count / tile_rows) <= entries / tile_rows + experts).
+            unsafe { b.launch(warps) }.w()?;
+            Ok([
+                wrap(rows_token, dev, entries),
+                wrap(row_weight, dev, entries),
+                wrap(positions, dev, (entries / k, k)),
+                wrap(offsets, dev, experts + 1),
+                wrap(tiles, dev, 1 + 2 * tiles_most),
+            ])
+        })
+    })
 }
 
 /// `residual[t] + Σ_j weights[r] · y[r]` over `r = positions[t, j]` per token `t` (u32

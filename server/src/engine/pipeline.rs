@@ -594,6 +594,7 @@ mod tests {
                 device: Device::Cpu,
                 dtype: DType::F32,
                 activation_quant: ActivationQuantMode::Emulate,
+                kv_cache: Default::default(),
             },
             max_seq_len: 2048,
             attention: Default::default(),

@@ -5,7 +5,10 @@
 use candle_core::{DType, Device, Tensor};
 
 use crate::checkpoint::{Checkpoint, LoadError};
-use crate::quant::{load_linear, LinearOptions, QuantLinear, QuantizationConfig, SCALE_DTYPES};
+use crate::quant::{
+    load_linear, KvCacheQdq, KvCacheScheme, LinearOptions, QuantLinear, QuantizationConfig,
+    SCALE_DTYPES,
+};
 
 #[derive(Clone)]
 pub struct Loader<'a> {
@@ -44,6 +47,38 @@ impl<'a> Loader<'a> {
             "" => name.to_string(),
             prefix => format!("{prefix}.{name}"),
         }
+    }
+
+    /// The prefix of this loader's names (`model.layers.3.self_attn`).
+    pub fn prefix(&self) -> &str {
+        &self.prefix
+    }
+
+    /// The checkpoint's `kv_cache_scheme`, where it has one.
+    pub fn kv_cache_scheme(&self) -> Option<&KvCacheScheme> {
+        self.quant.and_then(|q| q.kv_cache.as_ref())
+    }
+
+    /// The KV-cache QDQ of the attention under this prefix with `num_kv_heads` heads
+    /// ([`KvCacheQdq::load`]).
+    pub fn kv_cache(&self, num_kv_heads: usize) -> Result<Option<KvCacheQdq>, LoadError> {
+        KvCacheQdq::load(
+            self.ckpt,
+            &self.prefix,
+            num_kv_heads,
+            self.kv_cache_scheme(),
+            self.opts.kv_cache,
+        )
+    }
+
+    /// Refuses a KV-cache quantization for the attention under this prefix, of kind `what`.
+    pub fn refuse_kv_cache(&self, what: &str) -> Result<(), LoadError> {
+        KvCacheQdq::refuse(
+            self.kv_cache_scheme(),
+            self.opts.kv_cache,
+            &self.prefix,
+            what,
+        )
     }
 
     pub fn options(&self) -> &LinearOptions {

@@ -247,9 +247,15 @@ fn capacities(devices: &[Device]) -> Result<Option<Vec<u64>>, PlacementError> {
             return Ok(None);
         };
         let sharing = locations.iter().filter(|l| *l == location).count() as u64;
-        out.push(total / 100 * 92 / sharing);
+        out.push(usable_bytes(total) / sharing);
     }
     Ok(Some(out))
+}
+
+/// What a GPU of `total` bytes may hold: its memory less a margin of 8 % for the CUDA context
+/// and the allocator.
+pub fn usable_bytes(total: u64) -> u64 {
+    total / 100 * 92
 }
 
 /// What each stage may hold for the memory plan's check: `limit` (`--max-memory-gib`) or the

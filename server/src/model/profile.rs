@@ -16,6 +16,11 @@ pub fn set_enabled(on: bool) {
     ENABLED.store(on, Ordering::Relaxed);
 }
 
+/// Whether stages are being timed (`exactscore-bench speed --profile`).
+pub fn enabled() -> bool {
+    ENABLED.load(Ordering::Relaxed)
+}
+
 /// The totals since the last call, and a fresh start.
 pub fn take() -> Vec<(&'static str, Duration, u64)> {
     std::mem::take(&mut *TOTALS.lock().unwrap_or_else(|e| e.into_inner()))

@@ -47,6 +47,16 @@ super::gpu_entry_points!(dequant {
         group: usize,
         tile_rows: Option<usize>,
     ) -> Result<()>;
+    fn matmul_t_int4_tiled_into_rows(
+        out: &Tensor,
+        row0: usize,
+        x: &Tensor,
+        weights: &IntWeights<'_>,
+        plan: (&Tensor, &Tensor, usize),
+        shape: (usize, usize),
+        group: usize,
+        tile_rows: usize,
+    ) -> Result<()>;
     fn dequant_nvfp4(
         packed: &Tensor,
         scales: &Tensor,
@@ -200,6 +210,57 @@ pub fn activation_qdq(x: &Tensor, qdq: &ActivationQdq) -> Result<Tensor> {
         .to_dtype(x.dtype())
 }
 
+/// The fp8 e4m3 scales of [`fp8_head_qdq`]: one per head of the head axis.
+#[derive(Debug, Clone, PartialEq)]
+pub enum HeadScales {
+    /// Static scales: one for every head, or one per head.
+    Static(Vec<f32>),
+    /// Each head's `absmax / 448` over the whole tensor (f32 epsilon for an all-zero head).
+    AbsMax,
+}
+
+/// fp8 e4m3 QDQ of `x` per head along `head_axis`: `x / s` clamped to ±448 (a saturating
+/// conversion), rounded to e4m3 (ties to even), times `s`; computed in f32 and returned in x's
+/// dtype. The KV cache's quantization (`model::blocks::attention`).
+pub fn fp8_head_qdq(x: &Tensor, head_axis: usize, scales: &HeadScales) -> Result<Tensor> {
+    if let (true, HeadScales::Static(s)) = (x.device().is_cuda(), scales) {
+        if let [scale] = s[..] {
+            // one static scale: any split into rows is the same QDQ
+            let k = *x.dims().last().unwrap_or(&1);
+            let rows = x.elem_count() / k.max(1);
+            return gpu::qdq_fp8(&x.reshape((rows, k))?, Some(scale))?.reshape(x.shape());
+        }
+        // Per-head and dynamic scales have no kernel yet: through the host (below) and back.
+    }
+    let dims = x.dims();
+    let heads = dims[head_axis];
+    let inner: usize = dims[head_axis + 1..].iter().product();
+    let mut values = x.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
+    let per_head: Vec<f32> = match scales {
+        HeadScales::Static(s) if s.len() == 1 => vec![s[0]; heads],
+        HeadScales::Static(s) if s.len() == heads => s.clone(),
+        HeadScales::Static(s) => candle_core::bail!("{} scales for {heads} heads", s.len()),
+        HeadScales::AbsMax => {
+            let mut amax = vec![0f32; heads];
+            for (i, chunk) in values.chunks(inner).enumerate() {
+                amax[i % heads] = amax[i % heads].max(absmax(chunk));
+            }
+            amax.iter()
+                .map(|&a| match a / FP8_E4M3_MAX {
+                    0.0 => MIN_SCALE,
+                    s => s,
+                })
+                .collect()
+        }
+    };
+    for (i, chunk) in values.chunks_mut(inner).enumerate() {
+        qdq_fp8(chunk, per_head[i % heads]);
+    }
+    Tensor::from_vec(values, x.shape(), &Device::Cpu)?
+        .to_device(x.device())?
+        .to_dtype(x.dtype())
+}
+
 /// A quantized weight's tensors as its GPU dequantization kernel reads them.
 pub enum Packed<'a> {
     /// pack-quantized int4/int8 words, f32 scales `[out, groups]`, i32 zero points; with
@@ -331,20 +392,91 @@ pub fn decodes_int4_in_gemm(
     }
 }
 
+/// How the rows of a stacked GEMM's input split among its weights: each weight's block of
+/// consecutive rows, counted on the host, or as a plan made on the GPU laid them out
+/// ([`super::moe_plan`]: the counts never leave it).
+#[derive(Clone, Copy)]
+pub enum StackRows<'a> {
+    Counts(&'a [usize]),
+    Planned(&'a super::ExpertPlan),
+}
+
+impl StackRows<'_> {
+    /// The rows of every block together.
+    pub fn total(&self) -> usize {
+        match self {
+            Self::Counts(rows) => rows.iter().sum(),
+            Self::Planned(plan) => plan.rows,
+        }
+    }
+
+    /// The mean rows per block (per weight).
+    pub fn mean(&self, blocks: usize) -> usize {
+        self.total() / blocks.max(1)
+    }
+}
+
 /// Writes `x_z · w_zᵀ` for each weight of a stack that [`decodes_int4_in_gemm`] and its block of
-/// `rows[z]` consecutive rows of `x` (`[Σ rows, k]`) into rows `row0..` of `out`, by one launch
-/// of the kernel that decodes the int4 weights inside the GEMM (the products of the dequantized
-/// weights, without writing them to memory).
+/// rows of `x` (`[Σ rows, k]`, `rows`) into rows `row0..` of `out`, by one launch of the kernel
+/// that decodes the int4 weights inside the GEMM (the products of the dequantized weights,
+/// without writing them to memory).
 pub fn matmul_t_int4_stacked_into_rows(
     out: &Tensor,
     row0: usize,
     x: &Tensor,
     packed: &[Option<Packed<'_>>],
     shape: (usize, usize),
-    rows: &[usize],
+    rows: StackRows<'_>,
 ) -> Result<()> {
     let Some((ints, _, group)) = gpu_ints(packed) else {
         candle_core::bail!("matmul_t_int4_stacked_into_rows: weights that are not int4 on a GPU");
     };
-    gpu::matmul_t_int4_stacked_into_rows(out, row0, x, &ints, rows, shape, group, None)
+    match rows {
+        StackRows::Counts(rows) => {
+            gpu::matmul_t_int4_stacked_into_rows(out, row0, x, &ints, rows, shape, group, None)
+        }
+        StackRows::Planned(plan) => gpu::matmul_t_int4_tiled_into_rows(
+            out,
+            row0,
+            x,
+            &ints,
+            (&plan.offsets, &plan.tiles, plan.rows),
+            shape,
+            group,
+            plan.tile_rows,
+        ),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn qdq(values: &[f32], shape: (usize, usize, usize, usize), scales: HeadScales) -> Vec<f32> {
+        let x = Tensor::from_slice(values, shape, &Device::Cpu).unwrap();
+        let y = fp8_head_qdq(&x, 1, &scales).unwrap();
+        y.flatten_all().unwrap().to_vec1::<f32>().unwrap()
+    }
+
+    /// Per-head static scales index the head axis; x / s saturates at ±448 and rounds to e4m3
+    /// (subnormals included) before scaling back.
+    #[test]
+    fn head_qdq_scales_each_head_and_saturates() {
+        // [batch 1, heads 2, len 1, dim 3]
+        let x = [0.3, -1.1, 1000.0, 3.0, 0.01, -1000.0];
+        let got = qdq(&x, (1, 2, 1, 3), HeadScales::Static(vec![0.5, 2.0]));
+        assert_eq!(got, [0.3125, -1.125, 224.0, 3.0, 0.01171875, -896.0]);
+        let one = qdq(&x, (1, 2, 1, 3), HeadScales::Static(vec![2.0]));
+        assert_eq!(one[..3], [0.3125, -1.125, 896.0]);
+    }
+
+    /// Dynamic scales: each head's absmax over every other axis, / 448; an all-zero head stays
+    /// zero.
+    #[test]
+    fn head_qdq_absmax_is_per_head_over_the_sequence() {
+        // [batch 1, heads 2, len 2, dim 2]: head 0 has absmax 896 (scale 2), head 1 is zero
+        let x = [3.0, 0.7, -896.0, 1.0, 0.0, 0.0, 0.0, 0.0];
+        let got = qdq(&x, (1, 2, 2, 2), HeadScales::AbsMax);
+        assert_eq!(got, [3.0, 0.6875, -896.0, 1.0, 0.0, 0.0, 0.0, 0.0]);
+    }
 }

@@ -5,6 +5,25 @@ use candle_core::{DType, Device, Result, Tensor};
 
 super::gpu_entry_points!(moe {
     fn moe_topk(logits: &Tensor, k: usize, norm: bool) -> Result<(Vec<u32>, Vec<f32>)>;
+    fn moe_topk_on_device(logits: &Tensor, k: usize, norm: bool) -> Result<(Tensor, Tensor)>;
+    fn moe_route_grouped(
+        scores: &Tensor,
+        bias: Option<&Tensor>,
+        k: usize,
+        groups: (usize, usize),
+        norm: bool,
+        scale: f32,
+        top_two: bool,
+        masked: f32,
+        round: DType,
+    ) -> Result<(Tensor, Tensor)>;
+    fn moe_plan(
+        ids: &Tensor,
+        weights: &Tensor,
+        k: usize,
+        experts: usize,
+        tile_rows: usize,
+    ) -> Result<[Tensor; 5]>;
     fn moe_combine(
         y: &Tensor,
         weights: &Tensor,
@@ -64,6 +83,64 @@ pub fn moe_route(logits: &Tensor, k: usize, norm: bool) -> Result<TopExperts> {
     })
 }
 
+/// The experts' rows of a routed batch laid out on the GPU ([`moe_plan`]), as the host lays them
+/// out from [`TopExperts`]: expert `e`'s rows are the (token, choice) pairs that chose it, in
+/// token order, at `offsets[e]..offsets[e + 1]`.
+pub struct ExpertPlan {
+    /// Each row's token, u32 `[rows]`.
+    pub rows_token: Tensor,
+    /// Each row's router weight, f32 `[rows]`.
+    pub row_weight: Tensor,
+    /// u32 `[tokens, k]`: each token's rows in ascending expert order (what [`moe_combine`]
+    /// reads); `u32::MAX` for a token whose router probabilities were NaN.
+    pub positions: Tensor,
+    /// i64 `[experts + 1]`.
+    pub offsets: Tensor,
+    /// The blocks of `tile_rows` rows of the int4 GEMM: u32 `[1 + 2 · max]`, the count, then
+    /// (expert, first row) pairs.
+    pub tiles: Tensor,
+    pub tile_rows: usize,
+    /// Every routed (token, choice) pair: tokens × k.
+    pub rows: usize,
+}
+
+/// The router of [`moe_route`] with its choice left on the GPU: u32 ids and f32 weights,
+/// `[tokens × k]` each. GPU only; a NaN among a token's probabilities gives it no expert (its
+/// output stays non-finite, which the engine reports) instead of an error here.
+pub fn moe_route_on_device(logits: &Tensor, k: usize, norm: bool) -> Result<(Tensor, Tensor)> {
+    super::gpu_only("moe_route_on_device", logits)?;
+    let experts = logits.dims2()?.1;
+    if experts > GPU_MAX_EXPERTS {
+        candle_core::bail!(
+            "the GPU router handles up to {GPU_MAX_EXPERTS} experts, the model has {experts}"
+        );
+    }
+    gpu::moe_topk_on_device(logits, k, norm)
+}
+
+/// The [`ExpertPlan`] of a routed batch (ids and weights from [`moe_route_on_device`]) over
+/// `experts` experts, in blocks of `tile_rows` rows. GPU only.
+pub fn moe_plan(
+    ids: &Tensor,
+    weights: &Tensor,
+    k: usize,
+    experts: usize,
+    tile_rows: usize,
+) -> Result<ExpertPlan> {
+    super::gpu_only("moe_plan", ids)?;
+    let [rows_token, row_weight, positions, offsets, tiles] =
+        gpu::moe_plan(ids, weights, k, experts, tile_rows)?;
+    Ok(ExpertPlan {
+        rows: rows_token.elem_count(),
+        rows_token,
+        row_weight,
+        positions,
+        offsets,
+        tiles,
+        tile_rows,
+    })
+}
+
 /// A group-limited router ([`moe_route_grouped`]): DeepSeek-V3's (sigmoid scores, a
 /// correction bias), DeepSeek-V2's and Mistral 4's (softmax scores).
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -106,8 +183,8 @@ pub enum GroupScore {
 /// experts alike); the weights are the chosen experts' scores, divided by their sum + 1e-20 when
 /// `norm`, times `routed_scaling_factor`. Every step is rounded to the logits' dtype, as torch
 /// computes a router that runs in the compute dtype (Mistral 4's; the others' logits are f32);
-/// torch breaks exact ties among bf16 scores in an order of its own. The GPU reads the logits
-/// back and routes on the CPU (no kernel yet). A NaN score is an error.
+/// torch breaks exact ties among bf16 scores in an order of its own. A NaN score is an error.
+/// Its GPU kernel: [`moe_route_grouped_on_device`].
 pub fn moe_route_grouped(
     logits: &Tensor,
     bias: Option<&Tensor>,
@@ -115,11 +192,7 @@ pub fn moe_route_grouped(
 ) -> Result<TopExperts> {
     let (tokens, num_experts) = logits.dims2()?;
     let round = rounding_to(logits.dtype());
-    let f32_logits = logits.to_dtype(DType::F32)?;
-    let (scores, masked_score) = match routing.scores {
-        RouterScores::Sigmoid => (candle_nn::ops::sigmoid(&f32_logits)?, f32::NEG_INFINITY),
-        RouterScores::Softmax => (candle_nn::ops::softmax_last_dim(&f32_logits)?, 0.0),
-    };
+    let (scores, masked_score) = grouped_router_scores(logits, routing)?;
     let bias = match bias {
         Some(b) => b
             .to_dtype(DType::F32)?
@@ -176,6 +249,39 @@ pub fn moe_route_grouped(
     })
 }
 
+/// A group-limited router's scores (f32, on the logits' device) and what its dropped groups'
+/// experts score.
+fn grouped_router_scores(logits: &Tensor, routing: &GroupedRouting) -> Result<(Tensor, f32)> {
+    let f32_logits = logits.to_dtype(DType::F32)?;
+    Ok(match routing.scores {
+        RouterScores::Sigmoid => (candle_nn::ops::sigmoid(&f32_logits)?, f32::NEG_INFINITY),
+        RouterScores::Softmax => (candle_nn::ops::softmax_last_dim(&f32_logits)?, 0.0),
+    })
+}
+
+/// [`moe_route_grouped`] with its choice left on the GPU (the same steps in a kernel; ids and
+/// weights as [`moe_route_on_device`] gives them). GPU only; a NaN score gives its token no
+/// expert (its output stays non-finite, which the engine reports).
+pub fn moe_route_grouped_on_device(
+    logits: &Tensor,
+    bias: Option<&Tensor>,
+    routing: &GroupedRouting,
+) -> Result<(Tensor, Tensor)> {
+    super::gpu_only("moe_route_grouped_on_device", logits)?;
+    let (scores, masked) = grouped_router_scores(logits, routing)?;
+    gpu::moe_route_grouped(
+        &scores,
+        bias,
+        routing.k,
+        (routing.n_group, routing.topk_group),
+        routing.norm,
+        routing.routed_scaling_factor as f32,
+        routing.group_score == GroupScore::TopTwoSum,
+        masked,
+        logits.dtype(),
+    )
+}
+
 /// Rounds an f32 to `dtype` (and back), as a torch op in that dtype rounds its f32 result.
 fn rounding_to(dtype: DType) -> fn(f32) -> f32 {
     match dtype {
@@ -226,14 +332,13 @@ pub fn moe_combine(
     y: &Tensor,
     weights: &Tensor,
     compute_dtype_weights: bool,
-    rows_token: &[u32],
+    rows_token: &Tensor,
     positions: &Tensor,
     residual: &Tensor,
 ) -> Result<Tensor> {
     if y.device().is_cuda() {
         return gpu::moe_combine(y, weights, compute_dtype_weights, positions, residual);
     }
-    let rows_token = Tensor::new(rows_token, y.device())?;
     let dtype = y.dtype();
     let y = if compute_dtype_weights {
         y.broadcast_mul(&weights.to_dtype(dtype)?)?
@@ -242,5 +347,5 @@ pub fn moe_combine(
             .broadcast_mul(weights)?
             .to_dtype(dtype)?
     };
-    residual + residual.zeros_like()?.index_add(&rows_token, &y, 0)?
+    residual + residual.zeros_like()?.index_add(rows_token, &y, 0)?
 }

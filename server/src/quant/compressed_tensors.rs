@@ -7,6 +7,7 @@ use regex::Regex;
 use serde::Deserialize;
 use serde_json::Value;
 
+use super::kv_cache::KvCacheScheme;
 use crate::checkpoint::LoadError;
 
 /// On-disk layout of a quantized Linear (the `format` key).
@@ -315,6 +316,8 @@ struct Group {
 pub struct QuantizationConfig {
     groups: Vec<Group>,
     ignore: Vec<Target>,
+    /// The `kv_cache_scheme`, where the checkpoint has one.
+    pub kv_cache: Option<KvCacheScheme>,
 }
 
 #[derive(Deserialize)]
@@ -400,7 +403,6 @@ impl QuantizationConfig {
         for (field, value) in [
             ("sparsity_config", &cfg.sparsity_config),
             ("transform_config", &cfg.transform_config),
-            ("kv_cache_scheme", &cfg.kv_cache_scheme),
         ] {
             if !is_empty(value) {
                 return Err(LoadError::config(
@@ -480,7 +482,12 @@ impl QuantizationConfig {
             .iter()
             .map(|t| Target::parse(t, &format!("{ROOT}.ignore")))
             .collect::<Result<Vec<_>, _>>()?;
-        Ok(Self { groups, ignore })
+        let kv_cache = KvCacheScheme::parse(&cfg.kv_cache_scheme)?;
+        Ok(Self {
+            groups,
+            ignore,
+            kv_cache,
+        })
     }
 
     /// A GPTQ config as one group: every Linear (only those `modules_in_block_to_quantize`
@@ -513,6 +520,7 @@ impl QuantizationConfig {
                 scheme: cfg.scheme,
             }],
             ignore,
+            kv_cache: None,
         })
     }
 
@@ -527,6 +535,7 @@ impl QuantizationConfig {
                 scheme: cfg.scheme,
             }],
             ignore: cfg.not_converted.into_iter().map(Target::Regex).collect(),
+            kv_cache: None,
         })
     }
 
@@ -542,6 +551,7 @@ impl QuantizationConfig {
                 scheme: cfg.scheme,
             }],
             ignore: cfg.not_converted.into_iter().map(Target::Regex).collect(),
+            kv_cache: None,
         })
     }
 
@@ -555,6 +565,7 @@ impl QuantizationConfig {
                 scheme: cfg.scheme,
             }],
             ignore: cfg.excluded.into_iter().map(Target::Regex).collect(),
+            kv_cache: None,
         })
     }
 

@@ -8,6 +8,7 @@ pub mod dense;
 pub mod float_quantized;
 pub mod gptq;
 pub mod hf_fp8;
+pub mod kv_cache;
 pub mod modelopt;
 pub mod mxfp4;
 pub mod nvfp4;
@@ -21,9 +22,10 @@ use candle_core::{DType, Device, Result, Tensor};
 use safetensors::Dtype as StDtype;
 
 use crate::checkpoint::{Checkpoint, LoadError};
-use crate::ops;
+use crate::ops::{self, StackRows};
 pub use act_qdq::{ActivationQdq, ActivationQuantMode};
 pub use compressed_tensors::{Format, LayerScheme, QuantizationConfig};
+pub use kv_cache::{KvCacheDtype, KvCacheOptions, KvCacheQdq, KvCacheQuant, KvCacheScheme};
 
 /// A weight matrix `[out, in]` stored in one format. Stays compressed in memory.
 pub trait QuantizedWeight: Send + Sync {
@@ -236,16 +238,16 @@ pub fn decodes_in_gemm(linears: &[&QuantLinear], mean_rows: usize, dtype: DType)
 }
 
 /// `x_z · w_zᵀ` for each of `linears` (one shape `[n, k]`: a mixture's experts) and its block of
-/// `rows[z]` consecutive rows of `x` (`[Σ rows, k]`), as one `[Σ rows, n]` tensor: by the kernel
-/// that decodes the weights inside the GEMM where [`decodes_in_gemm`], else (every block the
-/// same size) the weights dequantized together and one batched GEMM.
-pub fn matmul_t_stacked(linears: &[&QuantLinear], x: &Tensor, rows: &[usize]) -> Result<Tensor> {
+/// rows of `x` (`[Σ rows, k]`, split by `rows`), as one `[Σ rows, n]` tensor: by the kernel that
+/// decodes the weights inside the GEMM where [`decodes_in_gemm`], else (every block the same
+/// size, counted on the host) the weights dequantized together and one batched GEMM.
+pub fn matmul_t_stacked(linears: &[&QuantLinear], x: &Tensor, rows: StackRows) -> Result<Tensor> {
     let n = linears.first().map_or(0, |l| l.weight.shape().0);
-    let total: usize = rows.iter().sum();
+    let total = rows.total();
     match dequantized_unless_decoded(linears, x, rows)? {
         Some(w) => {
-            let m = rows.first().copied().unwrap_or(0);
-            x.reshape((rows.len(), m, x.dim(1)?))?
+            let m = total / linears.len().max(1);
+            x.reshape((linears.len(), m, x.dim(1)?))?
                 .matmul(&w.t()?)?
                 .reshape((total, n))
         }
@@ -262,7 +264,7 @@ pub fn matmul_t_stacked(linears: &[&QuantLinear], x: &Tensor, rows: &[usize]) ->
 pub fn matmul_t_stacked_into_rows(
     linears: &[&QuantLinear],
     x: &Tensor,
-    rows: &[usize],
+    rows: StackRows,
     out: &Tensor,
     row0: usize,
 ) -> Result<()> {
@@ -277,20 +279,23 @@ pub fn matmul_t_stacked_into_rows(
 }
 
 /// `None` where `linears` decode inside the GEMM for these rows, else their weights dequantized
-/// into one `[linears, n, k]` tensor (which needs blocks of one size).
+/// into one `[linears, n, k]` tensor (which needs blocks of one size, counted on the host).
 fn dequantized_unless_decoded(
     linears: &[&QuantLinear],
     x: &Tensor,
-    rows: &[usize],
+    rows: StackRows,
 ) -> Result<Option<Tensor>> {
-    let total: usize = rows.iter().sum();
-    if decodes_in_gemm(linears, total / rows.len().max(1), x.dtype())? {
+    if decodes_in_gemm(linears, rows.mean(linears.len()), x.dtype())? {
         return Ok(None);
     }
-    if rows.windows(2).any(|w| w[0] != w[1]) {
-        candle_core::bail!(
+    match rows {
+        StackRows::Counts(rows) if rows.windows(2).all(|w| w[0] == w[1]) => {}
+        StackRows::Counts(_) => candle_core::bail!(
             "stacked GEMM: blocks of different sizes need weights that decode in the GEMM"
-        );
+        ),
+        StackRows::Planned(_) => candle_core::bail!(
+            "stacked GEMM: a plan made on the GPU needs weights that decode in the GEMM"
+        ),
     }
     Ok(Some(dequantize_stacked(linears, x.dtype(), x.device())?))
 }
@@ -344,6 +349,7 @@ pub struct LinearOptions {
     pub device: Device,
     pub dtype: DType,
     pub activation_quant: ActivationQuantMode,
+    pub kv_cache: KvCacheOptions,
 }
 
 /// Loads the Linear `name` (`name.weight` or its compressed tensors, optional `name.bias`).

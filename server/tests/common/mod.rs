@@ -29,6 +29,7 @@ pub fn options(dtype: DType, act: ActivationQuantMode) -> ModelOptions {
             device: Device::Cpu,
             dtype,
             activation_quant: act,
+            kv_cache: Default::default(),
         },
         max_seq_len: 512,
         attention: Default::default(),

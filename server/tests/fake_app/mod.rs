@@ -26,6 +26,7 @@ pub fn info(max_queued: usize) -> ModelInfo {
         formats: BTreeMap::new(),
         activation_quant: BTreeMap::new(),
         activation_quant_mode: "emulate".into(),
+        kv_cache: None,
         attention: "materialized".into(),
         bits_per_weight: 4.25,
         dtype: "f32".into(),

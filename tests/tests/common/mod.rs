@@ -69,6 +69,7 @@ pub fn load_model_options() -> exactscore_server::model::ModelOptions {
             device: candle_core::Device::Cpu,
             dtype: candle_core::DType::F32,
             activation_quant: ActivationQuantMode::Emulate,
+            kv_cache: Default::default(),
         },
         max_seq_len: 512,
         attention: Default::default(),

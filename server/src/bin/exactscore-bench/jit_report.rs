@@ -22,6 +22,7 @@ pub fn report(model_dir: &Path, device: &Device) -> Result<()> {
             device: device.clone(),
             dtype: DType::BF16,
             activation_quant: ActivationQuantMode::Emulate,
+            kv_cache: Default::default(),
         },
         max_seq_len: 2048,
         attention: AttentionKernel::Auto,

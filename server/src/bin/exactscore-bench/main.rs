@@ -8,7 +8,8 @@
 //! * `speed --shape llama3-8b --formats w4a16,nvfp4,fp8,bf16 --batch 1,2,4`: scores 2048-token
 //!   windows of a random-weight model of that shape (built in memory, no file; shapes in
 //!   `random_model.rs`: Llama 3 8B/70B, Mistral Large, Qwen3-30B-A3B, Gemma 3 27B,
-//!   Qwen3.5-35B-A3B, Qwen3-Next-80B-A3B, Qwen3.5-27B, tiny ones),
+//!   Qwen3.5-35B-A3B, Qwen3-Next-80B-A3B, Qwen3.5-27B, DeepSeek-V2-Lite, GLM-4.7-Flash,
+//!   GLM-4.5-Air, Gemma 4 26B-A4B and 31B, tiny ones),
 //!   through the same `Model::score` the server uses, and prints ms/window, tokens/s, fraction
 //!   of the measured cuBLAS bf16 ceiling and peak GPU memory (also over the checkpoint's stored
 //!   weight bytes), for each `--attention` kernel; `--profile` adds a per-stage line and, for a
@@ -20,6 +21,9 @@
 //!   by layer, per-layer errors, the final divergence) timed next to `/score`, and the cost of
 //!   attributing the first `--modules` modules, per module per window; `check` also judges the
 //!   GPU `/diff` path (its f64 sums on the same states, the whole path) on the fixtures.
+//! * `plan --config docs/configs/deepseek-v3-671b.json --format w4a16 --gpus 8`: a memory
+//!   plan from a config.json alone (no weights): the GPUs a DeepSeek-style model needs at
+//!   W4A16, FP8-block and bf16, and its stages, with the server's own placement.
 //! * `jit --model DIR` (run with an empty `CUDA_CACHE_PATH`): which of candle's PTX modules the
 //!   first forward JIT-compiles and what each module costs; the rest of start-up is SASS.
 //! * `write-checkpoint --shape llama3-8b --format w4a16 --out DIR --tokenizer TOKDIR`: the same
@@ -42,6 +46,7 @@ mod diff_bench;
 #[cfg(feature = "cuda")]
 mod jit_report;
 mod kld_bench;
+mod memory_plan;
 #[cfg(feature = "cuda")]
 mod moe_gemm_bench;
 mod pipeline_bench;
@@ -100,8 +105,11 @@ enum Command {
     /// Scoring throughput on a random-weight model of a real shape.
     Speed {
         /// A shape of random_model.rs: llama3-8b, llama3-70b, mistral-large-123b,
-        /// qwen3-30b-a3b, gemma3-27b, qwen3.5-35b-a3b, qwen3-next-80b-a3b, qwen3.5-27b, or tiny,
-        /// tiny-moe, tiny-gemma3, tiny-qwen3.5-moe, tiny-qwen3-next, tiny-qwen3.5 (CPU runs).
+        /// qwen3-30b-a3b, gemma3-27b, qwen3.5-35b-a3b, qwen3-next-80b-a3b, qwen3.5-27b,
+        /// deepseek-v2-lite, glm-4.7-flash, glm-4.5-air, gemma4-26b-a4b, gemma4-31b, or tiny,
+        /// tiny-moe, tiny-gemma3, tiny-qwen3.5-moe, tiny-qwen3-next, tiny-qwen3.5,
+        /// tiny-deepseek-v2, tiny-glm4-moe-lite, tiny-glm4-moe, tiny-gemma4, tiny-gemma4-moe
+        /// (CPU runs).
         #[arg(long, default_value = "llama3-8b")]
         shape: String,
         /// Comma list of w4a16, nvfp4, nvfp4a16, fp8, bf16.
@@ -228,6 +236,29 @@ enum Command {
         #[arg(long)]
         distinct_layers: Option<usize>,
     },
+    /// A memory plan from a config.json alone (DeepSeek-V3, DeepSeek-V2, GLM-4.7-Flash) or of
+    /// a bench shape: the GPUs the model needs in each format, and its stages on `--gpus` GPUs
+    /// of `--gpu-gib` GiB; fails where they do not fit.
+    Plan {
+        #[arg(long, conflicts_with = "shape", required_unless_present = "shape")]
+        config: Option<PathBuf>,
+        /// A shape of random_model.rs instead of a config.json.
+        #[arg(long)]
+        shape: Option<String>,
+        /// w4a16, fp8-block, fp8, nvfp4, nvfp4a16 or bf16.
+        #[arg(long, default_value = "w4a16")]
+        format: String,
+        #[arg(long, default_value_t = 8)]
+        gpus: usize,
+        /// Each GPU's memory (H100: 80, H200: 141).
+        #[arg(long, default_value_t = 80.0)]
+        gpu_gib: f64,
+        /// Tokens per batch (`--max-batch-tokens`): 8 windows of 2048 by default.
+        #[arg(long, default_value_t = 16384)]
+        batch_tokens: usize,
+        #[arg(long, default_value_t = 2048)]
+        max_seq: usize,
+    },
 }
 
 fn main() -> Result<()> {
@@ -348,6 +379,27 @@ fn main() -> Result<()> {
                 split: reference_split,
             }),
         }),
+        Command::Plan {
+            config,
+            shape,
+            format,
+            gpus,
+            gpu_gib,
+            batch_tokens,
+            max_seq,
+        } => memory_plan::run(
+            &match (config, shape) {
+                (Some(path), _) => memory_plan::Planned::read(&path)?,
+                (None, shape) => memory_plan::Planned::shape(&shape.unwrap_or_default())?,
+            },
+            &memory_plan::Request {
+                format: &format,
+                gpus,
+                gpu_gib,
+                batch_tokens,
+                max_seq,
+            },
+        ),
         Command::WriteCheckpoint {
             shape,
             format,
@@ -424,6 +476,7 @@ fn options(
             device: device.clone(),
             dtype,
             activation_quant: act,
+            kv_cache: Default::default(),
         },
         max_seq_len,
         attention,
@@ -638,6 +691,11 @@ fn check(fixtures: &Path, device: &Device, only: &[String]) -> Result<()> {
                 }
                 let long_scores = score(&flash16, &long)?;
                 flash_bitwise &= (0..long.len()).all(|i| long_scores[i] == f16[i % seqs.len()]);
+                // A mixture's experts planned on the host instead of the GPU: the same bits.
+                exactscore_server::model::blocks::plan_experts_on_device(false);
+                let host_planned = score(&flash16, &seqs);
+                exactscore_server::model::blocks::plan_experts_on_device(true);
+                flash_bitwise &= host_planned? == f16;
                 // Dequantization on the device vs the CPU reference, bit for bit.
                 let mut dequant_exact = true;
                 for (_, linear) in gpu32.linears() {
@@ -684,7 +742,11 @@ fn check(fixtures: &Path, device: &Device, only: &[String]) -> Result<()> {
                     let x = Tensor::randn(0f32, 1.0, (total, k), device)?.to_dtype(DType::BF16)?;
                     let out = Tensor::zeros((total, n), DType::BF16, device)?;
                     exactscore_server::quant::matmul_t_stacked_into_rows(
-                        linears, &x, &rows, &out, 0,
+                        linears,
+                        &x,
+                        exactscore_server::ops::StackRows::Counts(&rows),
+                        &out,
+                        0,
                     )?;
                     let w =
                         exactscore_server::quant::dequantize_stacked(linears, DType::F32, device)?;
@@ -756,7 +818,7 @@ fn check(fixtures: &Path, device: &Device, only: &[String]) -> Result<()> {
             rows.push(format!("| {variant:<38} | error: {e} | FAIL |"));
         }
     }
-    println!("All |Δ| are per-token log-prob differences against the CPU f32 path. (no flash): the model has only the materialized kernel, whose bf16 rows fill the flash columns. Every row fails unless each sequence scores the same bits alone and batched through the flash kernel (the GPU default) and, for dense models, the materialized one; mixture-of-experts rows report the materialized column without judging it.");
+    println!("All |Δ| are per-token log-prob differences against the CPU f32 path. (no flash): the model has only the materialized kernel, whose bf16 rows fill the flash columns. Every row fails unless each sequence scores the same bits alone and batched through the flash kernel (the GPU default), with a mixture's experts planned on the GPU or the host, and, for dense models, the materialized one; mixture-of-experts rows report the materialized column without judging it.");
     println!("| variant | f32 max |Δ| | f32 mean | f32 argmax / top-5 ids = CPU | bf16 max |Δ| | bf16 mean | bf16 flash max |Δ| | bf16 flash mean | reference bf16 mean | alone vs batched max |Δ| f32 / bf16 | bitwise (flash) | dequant bitwise | stacked GEMM bf16 max rel | |");
     println!("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|");
     for r in rows {

@@ -7,6 +7,7 @@ use std::path::Path;
 
 use anyhow::{bail, Result};
 use exactscore_server::checkpoint::{Checkpoint, HostTensor};
+use exactscore_server::model::placement::PartBytes;
 use exactscore_server::model::{Model, ModelConfig};
 use safetensors::tensor::TensorView;
 use safetensors::Dtype;
@@ -44,6 +45,76 @@ pub enum Arch {
     /// `Qwen3_5MoeForConditionalGeneration`, text model only: Qwen3.5's hybrid layers, every
     /// layer a mixture of experts with a shared expert (always renormalised; no dense MLP).
     Qwen3_5Moe { hybrid: Hybrid, moe: SharedMoe },
+    /// `DeepseekV3ForCausalLM`: latent attention with a low-rank query, DeepSeek-V3's sigmoid
+    /// router with `e_score_correction_bias` over `groups` groups, YaRN RoPE.
+    DeepseekV3 { mla: Mla, moe: DeepseekMoe },
+    /// `DeepseekV2ForCausalLM`: latent attention, DeepSeek's mixture with a softmax router
+    /// (`topk_method` `greedy`, never renormalised), YaRN RoPE (docs/architectures/deepseek.md).
+    DeepseekV2 { mla: Mla, moe: DeepseekMoe },
+    /// `Glm4MoeLiteForCausalLM` (GLM-4.7-Flash): latent attention, DeepSeek-V3's sigmoid router
+    /// with `e_score_correction_bias`, the layer kinds in `mlp_layer_types`.
+    Glm4MoeLite { mla: Mla, moe: DeepseekMoe },
+    /// `Glm4MoeForCausalLM` (GLM-4.5): grouped-query attention with q/k/v bias and RoPE on the
+    /// first `rotary_fraction` of each head, DeepSeek-V3's sigmoid router.
+    Glm4Moe {
+        moe: DeepseekMoe,
+        rotary_fraction: f64,
+    },
+    /// `Gemma4ForCausalLM` (text): five sliding-window layers of `window` tokens, then a global
+    /// one of `global_head_dim` heads whose keys are its values (`attention_k_eq_v`: no v_proj)
+    /// with `global_kv_heads` of them; a dense GeGLU MLP in every layer, beside `experts` where
+    /// the layers have them; plain-weight norms; tied embeddings; no per-layer inputs.
+    Gemma4 {
+        window: usize,
+        global_head_dim: usize,
+        global_kv_heads: usize,
+        experts: Option<Gemma4Experts>,
+    },
+}
+
+/// Multi-head latent attention (`DeepseekV3Attention`): queries through `q_proj`, or through a
+/// rank-`q_lora_rank` bottleneck where it is not 0; keys and values expanded from a
+/// `kv_lora_rank` latent by `kv_b_proj`; `qk_nope + qk_rope` wide queries and keys (the shape's
+/// `head_dim` is `qk_rope`), `v_dim` wide values; as many key/value heads as query heads.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Mla {
+    pub q_lora_rank: usize,
+    pub kv_lora_rank: usize,
+    pub qk_nope: usize,
+    pub qk_rope: usize,
+    pub v_dim: usize,
+}
+
+/// DeepSeek's mixture: the first `dense_layers` layers a dense MLP of the shape's
+/// `intermediate`, the others `experts` routed MLPs of `expert_intermediate`, `per_token` of
+/// them per token from the best `kept_groups` of `groups` groups, beside `shared` shared
+/// experts (one MLP of `shared · expert_intermediate`); the router's weights times
+/// `routed_scaling`.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct DeepseekMoe {
+    pub experts: usize,
+    pub per_token: usize,
+    pub expert_intermediate: usize,
+    pub shared: usize,
+    pub dense_layers: usize,
+    pub groups: usize,
+    pub kept_groups: usize,
+    pub routed_scaling: f64,
+}
+
+/// Gemma 4's mixture: `experts` GeGLU MLPs of `expert_intermediate`, `per_token` per token.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Gemma4Experts {
+    pub experts: usize,
+    pub per_token: usize,
+    pub expert_intermediate: usize,
+}
+
+impl Mla {
+    /// `qk_nope + qk_rope`: the query and key width.
+    fn qk_dim(&self) -> usize {
+        self.qk_nope + self.qk_rope
+    }
 }
 
 /// What the Qwen3-Next family's layers share (docs/architectures/qwen3_5.md): every
@@ -249,6 +320,153 @@ pub const SHAPES: &[Shape] = &[
         [5120, 17408, 64, 24, 4, 256, 248320],
         1e7,
     ),
+    // deepseek-ai/DeepSeek-V3 (its config.json, checked in as
+    // docs/configs/deepseek-v3-671b.json): 61 layers, the first 3 dense of 18432; 128 heads,
+    // `q_lora_rank` 1536, `kv_lora_rank` 512, qk 128 + 64, v 128; 256 experts of 2048, 8 per
+    // token from 4 of 8 groups (renormalised, scaling 2.5), 1 shared; vocab 129280, untied; the
+    // multi-token-prediction layer is not drawn. 671 G parameters: for `plan` and pipelines
+    // over several GPUs (`pipeline --distinct-layers`).
+    shape(
+        "deepseek-v3",
+        Arch::DeepseekV3 {
+            mla: Mla {
+                q_lora_rank: 1536,
+                kv_lora_rank: 512,
+                qk_nope: 128,
+                qk_rope: 64,
+                v_dim: 128,
+            },
+            moe: DeepseekMoe {
+                experts: 256,
+                per_token: 8,
+                expert_intermediate: 2048,
+                shared: 1,
+                dense_layers: 3,
+                groups: 8,
+                kept_groups: 4,
+                routed_scaling: 2.5,
+            },
+        },
+        [7168, 18432, 61, 128, 128, 64, 129280],
+        1e4,
+    ),
+    // deepseek-ai/DeepSeek-V2-Lite (config.json of the release; the same values in NVIDIA
+    // Megatron-Bridge's deepseek_v2_lite.yaml and MaxText's deepseek2-16b.yml): 27 layers, the
+    // first dense of 10944; 16 heads, `q_lora_rank` null, `kv_lora_rank` 512, qk 128 + 64, v
+    // 128; 64 experts of 1408, 6 per token (`greedy`, `norm_topk_prob` false, scaling 1.0), 2
+    // shared; vocab 102400, untied; YaRN factor 40 over 4096 with mscale = mscale_all_dim =
+    // 0.707, RoPE 1e4.
+    shape(
+        "deepseek-v2-lite",
+        Arch::DeepseekV2 {
+            mla: Mla {
+                q_lora_rank: 0,
+                kv_lora_rank: 512,
+                qk_nope: 128,
+                qk_rope: 64,
+                v_dim: 128,
+            },
+            moe: DeepseekMoe {
+                experts: 64,
+                per_token: 6,
+                expert_intermediate: 1408,
+                shared: 2,
+                dense_layers: 1,
+                groups: 1,
+                kept_groups: 1,
+                routed_scaling: 1.0,
+            },
+        },
+        [2048, 10944, 27, 16, 16, 64, 102400],
+        1e4,
+    ),
+    // zai-org/GLM-4.7-Flash (transformers 5.17's `Glm4MoeLiteConfig` defaults are this
+    // release's config; RoPE theta 1e6 from the release's config.json as vendored by
+    // blap/Mod's glm_4_7_flash/config.py): 47 layers, the first dense of 10240; 20 heads,
+    // `q_lora_rank` 768, `kv_lora_rank` 512, qk 192 + 64, v 256; 64 experts of 1536, 4 per token
+    // (one group, renormalised, scaling 1.8), 1 shared; vocab 154880, untied.
+    shape(
+        "glm-4.7-flash",
+        Arch::Glm4MoeLite {
+            mla: Mla {
+                q_lora_rank: 768,
+                kv_lora_rank: 512,
+                qk_nope: 192,
+                qk_rope: 64,
+                v_dim: 256,
+            },
+            moe: DeepseekMoe {
+                experts: 64,
+                per_token: 4,
+                expert_intermediate: 1536,
+                shared: 1,
+                dense_layers: 1,
+                groups: 1,
+                kept_groups: 1,
+                routed_scaling: 1.8,
+            },
+        },
+        [2048, 10240, 47, 20, 20, 64, 154880],
+        1e6,
+    ),
+    // zai-org/GLM-4.5-Air (transformers 5.17's `Glm4MoeConfig` defaults are this release's
+    // config; RoPE 1e6 and the rest confirmed by THUDM slime's glm4.5-106B-A12B.sh): 46
+    // layers, the first dense of 10944; 96 query heads, 8 key/value heads of 128, q/k/v bias,
+    // no q/k norm, half the head rotary; 128 experts of 1408, 8 per token (one group,
+    // renormalised, scaling 1.0), 1 shared; vocab 151552, untied. The release's one
+    // multi-token-prediction layer is not loaded (not drawn).
+    shape(
+        "glm-4.5-air",
+        Arch::Glm4Moe {
+            moe: DeepseekMoe {
+                experts: 128,
+                per_token: 8,
+                expert_intermediate: 1408,
+                shared: 1,
+                dense_layers: 1,
+                groups: 1,
+                kept_groups: 1,
+                routed_scaling: 1.0,
+            },
+            rotary_fraction: 0.5,
+        },
+        [4096, 10944, 46, 96, 8, 128, 151552],
+        1e6,
+    ),
+    // google/gemma-4-26B-A4B (text_config, as vendored by the Gemma 4 ports' tests, e.g. the
+    // Swift `Gemma4MoEConfigTests` and the JAX `GEMMA4_26B_A4B` table: no copy of the
+    // release's config.json was found): 30 layers, 5 sliding (1024 tokens, 8 kv heads of 256)
+    // then 1 global (2 kv heads of 512, keys = values); 16 query heads; a dense MLP of 2112
+    // and 128 experts of 704 with 8 per token in every layer; softcap 30; vocab 262144, tied.
+    shape(
+        "gemma4-26b-a4b",
+        Arch::Gemma4 {
+            window: 1024,
+            global_head_dim: 512,
+            global_kv_heads: 2,
+            experts: Some(Gemma4Experts {
+                experts: 128,
+                per_token: 8,
+                expert_intermediate: 704,
+            }),
+        },
+        [2816, 2112, 30, 16, 8, 256, 262144],
+        1e6,
+    ),
+    // google/gemma-4-31B (the same sources): the largest dense Gemma 4 (about 17 GB at W4A16,
+    // one H100); 60 layers of the 26B's pattern, 32 query heads, 16 sliding kv heads of 256,
+    // 4 global of 512; an MLP of 21504; vocab 262144, tied.
+    shape(
+        "gemma4-31b",
+        Arch::Gemma4 {
+            window: 1024,
+            global_head_dim: 512,
+            global_kv_heads: 4,
+            experts: None,
+        },
+        [5376, 21504, 60, 32, 16, 256, 262144],
+        1e6,
+    ),
     shape("tiny", Arch::Llama, [256, 512, 2, 4, 2, 64, 2000], 5e5),
     shape(
         "tiny-moe",
@@ -299,7 +517,86 @@ pub const SHAPES: &[Shape] = &[
         [256, 512, 4, 4, 2, 64, 2000],
         1e7,
     ),
+    // The MLA and DeepSeek-routed families at toy size with the big ones' structure: the first
+    // layer dense, then experts beside shared experts.
+    shape(
+        "tiny-deepseek-v2",
+        Arch::DeepseekV2 {
+            mla: Mla {
+                q_lora_rank: 0,
+                kv_lora_rank: 64,
+                qk_nope: 32,
+                qk_rope: 16,
+                v_dim: 32,
+            },
+            moe: TINY_DEEPSEEK_MOE,
+        },
+        [256, 512, 3, 4, 4, 16, 2000],
+        1e4,
+    ),
+    shape(
+        "tiny-glm4-moe-lite",
+        Arch::Glm4MoeLite {
+            mla: Mla {
+                q_lora_rank: 64,
+                kv_lora_rank: 64,
+                qk_nope: 48,
+                qk_rope: 16,
+                v_dim: 64,
+            },
+            moe: TINY_DEEPSEEK_MOE,
+        },
+        [256, 512, 3, 4, 4, 16, 2000],
+        1e6,
+    ),
+    shape(
+        "tiny-glm4-moe",
+        Arch::Glm4Moe {
+            moe: TINY_DEEPSEEK_MOE,
+            rotary_fraction: 0.5,
+        },
+        [256, 512, 3, 4, 2, 64, 2000],
+        1e6,
+    ),
+    // Six layers (five sliding, one global), as the big ones' pattern.
+    shape(
+        "tiny-gemma4",
+        Arch::Gemma4 {
+            window: 128,
+            global_head_dim: 128,
+            global_kv_heads: 1,
+            experts: None,
+        },
+        [256, 512, 6, 4, 2, 64, 2000],
+        1e6,
+    ),
+    shape(
+        "tiny-gemma4-moe",
+        Arch::Gemma4 {
+            window: 128,
+            global_head_dim: 128,
+            global_kv_heads: 1,
+            experts: Some(Gemma4Experts {
+                experts: 8,
+                per_token: 2,
+                expert_intermediate: 128,
+            }),
+        },
+        [256, 512, 6, 4, 2, 64, 2000],
+        1e6,
+    ),
 ];
+
+const TINY_DEEPSEEK_MOE: DeepseekMoe = DeepseekMoe {
+    experts: 8,
+    per_token: 2,
+    expert_intermediate: 128,
+    shared: 1,
+    dense_layers: 1,
+    groups: 1,
+    kept_groups: 1,
+    routed_scaling: 1.5,
+};
 
 impl Shape {
     pub fn named(name: &str) -> Result<Self> {
@@ -318,7 +615,63 @@ impl Shape {
             Arch::Qwen3Next { hybrid, .. }
             | Arch::Qwen3_5 { hybrid }
             | Arch::Qwen3_5Moe { hybrid, .. } => Some(hybrid),
-            Arch::Llama | Arch::Qwen3Moe { .. } | Arch::Gemma3 { .. } => None,
+            _ => None,
+        }
+    }
+
+    /// The latent attention of the DeepSeek-V2 and GLM-4.7-Flash shapes.
+    fn mla(&self) -> Option<&Mla> {
+        match &self.arch {
+            Arch::DeepseekV3 { mla, .. }
+            | Arch::DeepseekV2 { mla, .. }
+            | Arch::Glm4MoeLite { mla, .. } => Some(mla),
+            _ => None,
+        }
+    }
+
+    /// DeepSeek's mixture of the DeepSeek-V2 and GLM shapes.
+    fn deepseek_moe(&self) -> Option<&DeepseekMoe> {
+        match &self.arch {
+            Arch::DeepseekV3 { moe, .. }
+            | Arch::DeepseekV2 { moe, .. }
+            | Arch::Glm4MoeLite { moe, .. }
+            | Arch::Glm4Moe { moe, .. } => Some(moe),
+            _ => None,
+        }
+    }
+
+    /// The routed experts of layer `l` (none in a dense layer): (experts, per token).
+    pub fn experts(&self, l: usize) -> Option<(usize, usize)> {
+        match self.arch {
+            Arch::Qwen3Moe {
+                experts, per_token, ..
+            } => Some((experts, per_token)),
+            Arch::Gemma4 {
+                experts: Some(x), ..
+            } => Some((x.experts, x.per_token)),
+            _ => match (self.shared_moe(), self.deepseek_moe()) {
+                (Some(moe), _) => Some((moe.experts, moe.per_token)),
+                (_, Some(moe)) if l >= moe.dense_layers => Some((moe.experts, moe.per_token)),
+                _ => None,
+            },
+        }
+    }
+
+    /// Decoder layer `l` is a Gemma global (full-attention) layer: every sixth.
+    fn is_global(&self, l: usize) -> bool {
+        (l + 1).is_multiple_of(6)
+    }
+
+    /// (head size, key/value heads, whether it has a v_proj) of layer `l`'s attention: Gemma
+    /// 4's global layers have their own, and their keys double as values.
+    fn attention_heads(&self, l: usize) -> (usize, usize, bool) {
+        match self.arch {
+            Arch::Gemma4 {
+                global_head_dim,
+                global_kv_heads,
+                ..
+            } if self.is_global(l) => (global_head_dim, global_kv_heads, false),
+            _ => (self.head_dim, self.kv_heads, true),
         }
     }
 
@@ -351,10 +704,37 @@ impl Shape {
     /// re:.*linear_attn.*]`), the `linear_attn` Linears and the shared-expert gate stay bf16.
     fn linears(&self, l: usize) -> Vec<(String, usize, usize, bool)> {
         let h = self.hidden;
-        let (q, kv) = (self.heads * self.head_dim, self.kv_heads * self.head_dim);
+        let (head_dim, kv_heads, has_v) = self.attention_heads(l);
+        let (q, kv) = (self.heads * head_dim, kv_heads * head_dim);
         let mut out = Vec::new();
-        match self.hybrid() {
-            Some(la) if self.is_linear_attention(l) => {
+        match (self.mla(), self.hybrid()) {
+            (Some(mla), _) => {
+                let heads = self.heads;
+                let a = "self_attn";
+                match mla.q_lora_rank {
+                    0 => out.push((format!("{a}.q_proj"), heads * mla.qk_dim(), h, true)),
+                    rank => out.extend([
+                        (format!("{a}.q_a_proj"), rank, h, true),
+                        (format!("{a}.q_b_proj"), heads * mla.qk_dim(), rank, true),
+                    ]),
+                }
+                out.extend([
+                    (
+                        format!("{a}.kv_a_proj_with_mqa"),
+                        mla.kv_lora_rank + mla.qk_rope,
+                        h,
+                        true,
+                    ),
+                    (
+                        format!("{a}.kv_b_proj"),
+                        heads * (mla.qk_nope + mla.v_dim),
+                        mla.kv_lora_rank,
+                        true,
+                    ),
+                    (format!("{a}.o_proj"), h, heads * mla.v_dim, true),
+                ]);
+            }
+            (_, Some(la)) if self.is_linear_attention(l) => {
                 let (key, value, v_heads) = (la.key_dim(), la.value_dim(), la.v_heads);
                 let projections: &[(&str, usize)] = match self.arch {
                     // grouped per key head: [q; k; v; z] and [b; a]
@@ -374,15 +754,17 @@ impl Shape {
                 }
                 out.push(("linear_attn.out_proj".to_string(), h, value, false));
             }
-            hybrid => {
+            (_, hybrid) => {
                 // the output gate doubles q_proj: [query; gate] per head
                 let q_rows = if hybrid.is_some() { 2 * q } else { q };
                 out.extend([
                     ("self_attn.q_proj".to_string(), q_rows, h, true),
                     ("self_attn.k_proj".to_string(), kv, h, true),
-                    ("self_attn.v_proj".to_string(), kv, h, true),
-                    ("self_attn.o_proj".to_string(), h, q, true),
                 ]);
+                if has_v {
+                    out.push(("self_attn.v_proj".to_string(), kv, h, true));
+                }
+                out.push(("self_attn.o_proj".to_string(), h, q, true));
             }
         }
         let mlp = |prefix: &str, i: usize| {
@@ -409,11 +791,45 @@ impl Shape {
                 out.extend(mlp("mlp.shared_expert", moe.shared_intermediate));
                 out.push(("mlp.shared_expert_gate".to_string(), 1, h, false));
             }
-            Arch::Llama | Arch::Gemma3 { .. } | Arch::Qwen3_5 { .. } => {
-                out.extend(mlp("mlp", self.intermediate))
+            Arch::DeepseekV3 { moe, .. }
+            | Arch::DeepseekV2 { moe, .. }
+            | Arch::Glm4MoeLite { moe, .. }
+            | Arch::Glm4Moe { moe, .. }
+                if l >= moe.dense_layers =>
+            {
+                for e in 0..moe.experts {
+                    out.extend(mlp(&format!("mlp.experts.{e}"), moe.expert_intermediate));
+                }
+                let shared = moe.shared * moe.expert_intermediate;
+                out.extend(mlp("mlp.shared_experts", shared));
             }
+            Arch::Gemma4 { experts, .. } => {
+                // the dense MLP beside the experts (`experts.{e}`, outside `mlp`)
+                out.extend(mlp("mlp", self.intermediate));
+                for e in 0..experts.map_or(0, |x| x.experts) {
+                    let width = experts.map_or(0, |x| x.expert_intermediate);
+                    out.extend(mlp(&format!("experts.{e}"), width));
+                }
+            }
+            _ => out.extend(mlp("mlp", self.intermediate)),
         }
         out
+    }
+
+    /// The group size of this shape's W4A16 checkpoint: 128 (llm-compressor's examples) where
+    /// it divides every quantized Linear's input width, else the largest power of two that
+    /// does (GLM-4.5-Air's and DeepSeek-V2-Lite's dense 10944, Gemma 4 26B's 2112 and 704 are
+    /// multiples of 64, not of 128; llm-compressor refuses a group that does not divide).
+    pub fn w4a16_group(&self) -> usize {
+        let widths: Vec<usize> = (0..self.layers.min(6))
+            .flat_map(|l| self.linears(l))
+            .filter(|&(_, _, _, quantized)| quantized)
+            .map(|(_, _, inp, _)| inp)
+            .collect();
+        [128, 64, 32, 16]
+            .into_iter()
+            .find(|g| widths.iter().all(|w| w.is_multiple_of(*g)))
+            .unwrap_or(8)
     }
 
     /// FLOPs of one window of `T = ctx` tokens, summed over the layers:
@@ -431,6 +847,9 @@ impl Shape {
     ///   runs does this plus `O(T·C·(Dk + Dv))` per head within chunks of C = 64 (not counted:
     ///   the figure stays the model's work, not one algorithm's).
     pub fn flops_per_window(&self, ctx: usize) -> f64 {
+        if self.mla().is_some() || self.deepseek_moe().is_some() || self.is_gemma4() {
+            return self.flops_from_linears(ctx);
+        }
         let (h, t) = (self.hidden, ctx as f64);
         let (q, kv) = (self.heads * self.head_dim, self.kv_heads * self.head_dim);
         let mlp = match self.arch {
@@ -445,7 +864,7 @@ impl Shape {
                     + 3 * moe.shared_intermediate
                     + 1)
             }
-            Arch::Llama | Arch::Gemma3 { .. } | Arch::Qwen3_5 { .. } => 3 * h * self.intermediate,
+            _ => 3 * h * self.intermediate,
         };
         let mut flops = 2.0 * t * (self.vocab * h) as f64;
         for l in 0..self.layers {
@@ -465,17 +884,71 @@ impl Shape {
         flops
     }
 
+    /// FLOPs of one window of `T = ctx` tokens of the MLA, GLM and Gemma 4 shapes, from their
+    /// Linears: 2·T·(the weights a token multiplies: every Linear of the layer, a routed
+    /// expert's times `per_token / experts`, the router `H·E`), lm_head `V·H`, and the
+    /// attention's two products over the full T×T scores, `2·T²·heads·(qk + v)` (MLA:
+    /// `qk_nope + qk_rope` and `v_dim`; else the layer's head size twice).
+    fn flops_from_linears(&self, ctx: usize) -> f64 {
+        let t = ctx as f64;
+        let mut flops = 2.0 * t * (self.vocab * self.hidden) as f64;
+        for l in 0..self.layers {
+            let routed = self.experts(l);
+            let weights: f64 = self
+                .linears(l)
+                .iter()
+                .map(|(name, out, inp, _)| {
+                    let w = (out * inp) as f64;
+                    let expert = name.starts_with("experts.") || name.starts_with("mlp.experts.");
+                    match (expert, routed) {
+                        (true, Some((experts, k))) => w * k as f64 / experts as f64,
+                        _ => w,
+                    }
+                })
+                .sum();
+            let router = routed.map_or(0, |(experts, _)| experts * self.hidden) as f64;
+            let (qk, v) = match self.mla() {
+                Some(mla) => (mla.qk_dim(), mla.v_dim),
+                None => (self.attention_heads(l).0, self.attention_heads(l).0),
+            };
+            flops += 2.0 * t * (weights + router) + 2.0 * t * t * (self.heads * (qk + v)) as f64;
+        }
+        flops
+    }
+
+    fn is_gemma4(&self) -> bool {
+        matches!(self.arch, Arch::Gemma4 { .. })
+    }
+
     /// The embedding doubles as the lm_head (Gemma).
     fn tied(&self) -> bool {
-        matches!(self.arch, Arch::Gemma3 { .. })
+        matches!(self.arch, Arch::Gemma3 { .. } | Arch::Gemma4 { .. })
     }
 
     /// Norms' stored weight: 1 (`x̂ · w`), or 0 for Gemma's and the Qwen3-Next family's
     /// `x̂ · (1 + w)`: the same scale.
     fn norm_weight(&self) -> f32 {
         match self.arch {
-            Arch::Llama | Arch::Qwen3Moe { .. } => 1.0,
-            _ => 0.0,
+            Arch::Gemma3 { .. } | Arch::Qwen3Next { .. } | Arch::Qwen3_5 { .. } => 0.0,
+            Arch::Qwen3_5Moe { .. } => 0.0,
+            _ => 1.0,
+        }
+    }
+
+    /// The stored weight of norm `name`: [`Self::norm_weight`], except Gemma 4's with experts
+    /// in the norms that write its residual stream (`post_attention_layernorm`,
+    /// `post_feedforward_layernorm`), 2^-16: Gemma normalises the attention's and the
+    /// feed-forward's outputs, so the Linears' scales cannot keep them small; as
+    /// [`Self::scale_shift`] does for the others, they leave the embeddings as the routers'
+    /// input.
+    fn norm_value(&self, name: &str) -> f32 {
+        let writes_residual =
+            name == "post_attention_layernorm" || name == "post_feedforward_layernorm";
+        match self.arch {
+            Arch::Gemma4 {
+                experts: Some(_), ..
+            } if writes_residual => 2f32.powi(-16),
+            _ => self.norm_weight(),
         }
     }
 
@@ -494,7 +967,13 @@ impl Shape {
         let writes_residual =
             name.ends_with("o_proj") || name.ends_with("down_proj") || name.ends_with("out_proj");
         match self.arch {
-            Arch::Qwen3Moe { .. } | Arch::Qwen3Next { .. } | Arch::Qwen3_5Moe { .. }
+            Arch::Qwen3Moe { .. }
+            | Arch::Qwen3Next { .. }
+            | Arch::Qwen3_5Moe { .. }
+            | Arch::DeepseekV3 { .. }
+            | Arch::DeepseekV2 { .. }
+            | Arch::Glm4MoeLite { .. }
+            | Arch::Glm4Moe { .. }
                 if writes_residual =>
             {
                 16
@@ -505,16 +984,36 @@ impl Shape {
 
     /// The norms of decoder layer `l`: (name suffix, size).
     fn norms(&self, l: usize) -> Vec<(&'static str, usize)> {
-        let (h, d) = (self.hidden, self.head_dim);
+        let (h, d) = (self.hidden, self.attention_heads(l).0);
         let mut norms = vec![("input_layernorm", h), ("post_attention_layernorm", h)];
-        if let Arch::Gemma3 { .. } = self.arch {
+        if let Arch::Gemma3 { .. } | Arch::Gemma4 { .. } = self.arch {
             norms.extend([
                 ("pre_feedforward_layernorm", h),
                 ("post_feedforward_layernorm", h),
             ]);
         }
-        if self.arch != Arch::Llama && !self.is_linear_attention(l) {
-            norms.extend([("self_attn.q_norm", d), ("self_attn.k_norm", d)]);
+        if let Arch::Gemma4 {
+            experts: Some(_), ..
+        } = self.arch
+        {
+            // the dense MLP's output norm, the experts' input and output norms
+            norms.extend([
+                ("post_feedforward_layernorm_1", h),
+                ("pre_feedforward_layernorm_2", h),
+                ("post_feedforward_layernorm_2", h),
+            ]);
+        }
+        match (self.mla(), &self.arch) {
+            (Some(mla), _) => {
+                norms.push(("self_attn.kv_a_layernorm", mla.kv_lora_rank));
+                if mla.q_lora_rank > 0 {
+                    norms.push(("self_attn.q_a_layernorm", mla.q_lora_rank));
+                }
+            }
+            // GLM-4.5-Air: `use_qk_norm` false
+            (_, Arch::Llama | Arch::Glm4Moe { .. }) => {}
+            _ if self.is_linear_attention(l) => {}
+            _ => norms.extend([("self_attn.q_norm", d), ("self_attn.k_norm", d)]),
         }
         norms
     }
@@ -600,6 +1099,110 @@ impl Shape {
                 c["model_type"] = json!("qwen3_5_text");
                 c
             }
+            Arch::DeepseekV3 { mla, moe } => {
+                let mut c = self.deepseek_config(&moe, Some(&mla));
+                extend(
+                    &mut c,
+                    json!({
+                        "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3",
+                        "rms_norm_eps": 1e-6, "max_position_embeddings": 163840,
+                        "norm_topk_prob": true, "rope_interleave": true,
+                        "num_nextn_predict_layers": 1,
+                        "rope_parameters": {"rope_type": "yarn", "rope_theta": self.rope_theta,
+                            "factor": 40.0, "original_max_position_embeddings": 4096,
+                            "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0,
+                            "mscale_all_dim": 1.0},
+                    }),
+                );
+                c
+            }
+            Arch::DeepseekV2 { mla, moe } => {
+                let mut c = self.deepseek_config(&moe, Some(&mla));
+                extend(
+                    &mut c,
+                    json!({
+                        "architectures": ["DeepseekV2ForCausalLM"], "model_type": "deepseek_v2",
+                        "rms_norm_eps": 1e-6, "max_position_embeddings": 163840,
+                        "topk_method": "greedy", "norm_topk_prob": false, "mlp_bias": false,
+                        "rope_parameters": {"rope_type": "yarn", "rope_theta": self.rope_theta,
+                            "factor": 40.0, "original_max_position_embeddings": 4096,
+                            "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 0.707,
+                            "mscale_all_dim": 0.707},
+                    }),
+                );
+                c
+            }
+            Arch::Glm4MoeLite { mla, moe } => {
+                let mut c = self.deepseek_config(&moe, Some(&mla));
+                let kinds: Vec<&str> = (0..self.layers)
+                    .map(|l| match l < moe.dense_layers {
+                        true => "dense",
+                        false => "sparse",
+                    })
+                    .collect();
+                extend(
+                    &mut c,
+                    json!({
+                        "architectures": ["Glm4MoeLiteForCausalLM"], "model_type": "glm4_moe_lite",
+                        "rms_norm_eps": 1e-5, "max_position_embeddings": 202752,
+                        "norm_topk_prob": true, "rope_interleave": true, "mlp_layer_types": kinds,
+                        "rope_parameters": {"rope_type": "default", "rope_theta": self.rope_theta},
+                    }),
+                );
+                // the class has no `head_dim` (the rotary width is `qk_rope_head_dim`)
+                c.as_object_mut().map(|c| c.remove("head_dim"));
+                c
+            }
+            Arch::Glm4Moe {
+                moe,
+                rotary_fraction,
+            } => {
+                let mut c = self.deepseek_config(&moe, None);
+                extend(
+                    &mut c,
+                    json!({
+                        "architectures": ["Glm4MoeForCausalLM"], "model_type": "glm4_moe",
+                        "rms_norm_eps": 1e-5, "max_position_embeddings": 131072,
+                        "norm_topk_prob": true, "attention_bias": true, "use_qk_norm": false,
+                        "partial_rotary_factor": rotary_fraction, "num_nextn_predict_layers": 1,
+                        "rope_parameters": {"rope_type": "default", "rope_theta": self.rope_theta,
+                            "partial_rotary_factor": rotary_fraction},
+                    }),
+                );
+                c
+            }
+            Arch::Gemma4 {
+                window,
+                global_head_dim,
+                global_kv_heads,
+                experts,
+            } => {
+                let layer_types: Vec<&str> = (0..self.layers)
+                    .map(|l| match self.is_global(l) {
+                        true => "full_attention",
+                        false => "sliding_attention",
+                    })
+                    .collect();
+                json!({
+                    "architectures": ["Gemma4ForCausalLM"], "model_type": "gemma4_text",
+                    "rms_norm_eps": 1e-6, "hidden_activation": "gelu_pytorch_tanh",
+                    "sliding_window": window, "layer_types": layer_types,
+                    "global_head_dim": global_head_dim,
+                    "num_global_key_value_heads": global_kv_heads, "attention_k_eq_v": true,
+                    "hidden_size_per_layer_input": 0, "vocab_size_per_layer_input": self.vocab,
+                    "num_kv_shared_layers": 0, "use_double_wide_mlp": false,
+                    "enable_moe_block": experts.is_some(),
+                    "num_experts": experts.map(|x| x.experts),
+                    "top_k_experts": experts.map(|x| x.per_token),
+                    "moe_intermediate_size": experts.map(|x| x.expert_intermediate),
+                    "rope_parameters": {
+                        "full_attention": {"rope_type": "proportional",
+                            "partial_rotary_factor": 0.25, "rope_theta": self.rope_theta},
+                        "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}},
+                    "max_position_embeddings": 262144, "tie_word_embeddings": true,
+                    "final_logit_softcapping": 30.0, "attention_bias": false,
+                })
+            }
             Arch::Qwen3_5Moe { hybrid, moe } => {
                 let mut c = self.hybrid_config(&hybrid, true);
                 c["model_type"] = json!("qwen3_5_moe_text");
@@ -643,6 +1246,34 @@ impl Shape {
         }
     }
 
+    /// The keys DeepSeek's mixture and latent attention (`mla`) write, as the DeepSeek-V3
+    /// family's configs do: one expert group, the dense layers first.
+    fn deepseek_config(&self, moe: &DeepseekMoe, mla: Option<&Mla>) -> serde_json::Value {
+        let mut c = json!({
+            "hidden_act": "silu", "tie_word_embeddings": false, "attention_bias": false,
+            "n_routed_experts": moe.experts, "num_experts_per_tok": moe.per_token,
+            "moe_intermediate_size": moe.expert_intermediate, "n_shared_experts": moe.shared,
+            "first_k_dense_replace": moe.dense_layers,
+            "routed_scaling_factor": moe.routed_scaling, "n_group": moe.groups,
+            "topk_group": moe.kept_groups,
+        });
+        if let Some(mla) = mla {
+            let q_lora_rank = match mla.q_lora_rank {
+                0 => serde_json::Value::Null,
+                rank => json!(rank),
+            };
+            extend(
+                &mut c,
+                json!({
+                    "q_lora_rank": q_lora_rank, "kv_lora_rank": mla.kv_lora_rank,
+                    "qk_nope_head_dim": mla.qk_nope, "qk_rope_head_dim": mla.qk_rope,
+                    "qk_head_dim": mla.qk_dim(), "v_head_dim": mla.v_dim,
+                }),
+            );
+        }
+        c
+    }
+
     /// The keys the Qwen3-Next family's text configs share, as the releases write them
     /// (docs/architectures/qwen3_5.md §2). `layer_types`: the Qwen3.5 releases list the layer
     /// kinds (and carry mrope's sections, which text scoring does not read); Qwen3-Next's
@@ -684,6 +1315,153 @@ impl Shape {
             None => drawn,
         };
         drawn.min(self.layers)
+    }
+}
+
+/// What [`Shape::from_config`] refuses the other families with.
+const PLANNED_FAMILIES: &str =
+    "a plan from the config alone knows DeepSeek-V3, DeepSeek-V2 and GLM-4.7-Flash";
+
+impl Shape {
+    /// The shape of a DeepSeek-style model (latent attention, DeepSeek's mixture: DeepSeek-V3,
+    /// DeepSeek-V2, GLM-4.7-Flash) from its parsed config, for a memory plan without weights.
+    pub fn from_config(c: &ModelConfig) -> Result<Self> {
+        use exactscore_server::model::config::{Architecture, MoeRouter};
+        let (Some(m), Some(moe)) = (&c.mla, &c.moe) else {
+            bail!(
+                "{:?}: {PLANNED_FAMILIES} (latent attention and DeepSeek's mixture)",
+                c.architecture
+            );
+        };
+        let dense_layers = moe.sparse_layers.iter().take_while(|s| !**s).count();
+        if moe.sparse_layers[dense_layers..].iter().any(|s| !s) {
+            bail!("sparse_layers: a dense layer after the first sparse one is not planned");
+        }
+        let (groups, kept_groups, routed_scaling) = match moe.router {
+            MoeRouter::SigmoidGrouped {
+                n_group,
+                topk_group,
+                routed_scaling_factor,
+            }
+            | MoeRouter::SoftmaxGrouped {
+                n_group,
+                topk_group,
+                routed_scaling_factor,
+                ..
+            } => (n_group, topk_group, routed_scaling_factor),
+            MoeRouter::Softmax => (1, 1, 1.0),
+        };
+        let shared =
+            moe.shared_expert_intermediate_size.unwrap_or(0) / moe.expert_intermediate_size;
+        let (mla, moe) = (
+            Mla {
+                q_lora_rank: m.q_lora_rank.unwrap_or(0),
+                kv_lora_rank: m.kv_lora_rank,
+                qk_nope: m.qk_nope_head_dim,
+                qk_rope: m.qk_rope_head_dim,
+                v_dim: m.v_head_dim,
+            },
+            DeepseekMoe {
+                experts: moe.num_experts,
+                per_token: moe.experts_per_token,
+                expert_intermediate: moe.expert_intermediate_size,
+                shared,
+                dense_layers,
+                groups,
+                kept_groups,
+                routed_scaling,
+            },
+        );
+        let arch = match c.architecture {
+            Architecture::DeepseekV3 => Arch::DeepseekV3 { mla, moe },
+            Architecture::DeepseekV2 => Arch::DeepseekV2 { mla, moe },
+            Architecture::Glm4MoeLite => Arch::Glm4MoeLite { mla, moe },
+            other => bail!("{other:?}: {PLANNED_FAMILIES}"),
+        };
+        Ok(shape(
+            "config",
+            arch,
+            [
+                c.hidden_size,
+                c.intermediate_size,
+                c.num_layers,
+                c.num_heads,
+                c.num_heads,
+                m.qk_rope_head_dim,
+                c.vocab_size,
+            ],
+            c.rope.theta,
+        ))
+    }
+
+    /// The config this shape's checkpoint in `format` carries, parsed by the loader.
+    pub fn model_config(&self, format: &str) -> Result<ModelConfig> {
+        let quant = quantization_config(format, &[], self.w4a16_group())?;
+        Ok(ModelConfig::from_json(&self.config(quant).to_string())?)
+    }
+
+    /// The stored bytes of the embedding, each decoder layer and the head of this shape's
+    /// checkpoint in `format` (as [`write`] stores it), without drawing it: what a memory
+    /// plan needs. `fp8-block` (DeepSeek-V3's release: e4m3 weights with an f32 scale per
+    /// 128×128 block) is counted here only; the random checkpoints have no such format.
+    pub fn part_bytes(&self, format: &str) -> Result<PartBytes> {
+        let group = self.w4a16_group();
+        let linear = |out: usize, inp: usize, quantized: bool| -> Result<usize> {
+            Ok(match format {
+                _ if format == "bf16" || !quantized => 2 * out * inp,
+                "w4a16" => out * inp / 2 + 2 * out * (inp / group) + 16,
+                "nvfp4a16" => out * inp / 2 + out * inp / 16 + 4,
+                "nvfp4" => out * inp / 2 + out * inp / 16 + 8,
+                "fp8" => out * inp + 2 * out,
+                "fp8-block" => out * inp + 4 * out.div_ceil(128) * inp.div_ceil(128),
+                other => {
+                    bail!("unknown format {other} (w4a16, nvfp4, nvfp4a16, fp8, fp8-block, bf16)")
+                }
+            })
+        };
+        let h = self.hidden;
+        let mut layers = Vec::with_capacity(self.layers);
+        for l in 0..self.layers {
+            let mut bytes: usize = self.norms(l).iter().map(|(_, size)| 4 * size).sum();
+            bytes += match (self.experts(l), &self.arch) {
+                // proj, scale, per_expert_scale
+                (Some((e, _)), Arch::Gemma4 { .. }) => 2 * (e * h + h + e),
+                (
+                    Some((e, _)),
+                    Arch::DeepseekV3 { .. } | Arch::Glm4MoeLite { .. } | Arch::Glm4Moe { .. },
+                ) => 2 * e * h + 4 * e,
+                (Some((e, _)), _) => 2 * e * h,
+                (None, _) => 0,
+            };
+            bytes += match self.arch {
+                Arch::Gemma4 { .. } => 2,
+                Arch::Glm4Moe { .. } => 2 * (self.heads + 2 * self.kv_heads) * self.head_dim,
+                _ => 0,
+            };
+            if let Some(la) = self.hybrid().filter(|_| self.is_linear_attention(l)) {
+                let f32_stored = !matches!(self.arch, Arch::Qwen3Next { .. });
+                let s = if f32_stored { 4 } else { 2 };
+                bytes += 2 * la.conv_dim() * la.conv_kernel + (s + 2) * la.v_heads + s * la.v_dim;
+            }
+            for (_, out, inp, quantized) in self.linears(l) {
+                bytes += linear(out, inp, quantized)?;
+            }
+            layers.push(bytes as u64);
+        }
+        // bf16 tables; a tied head counts the embedding again, as `PartBytes::of` does
+        let embed = (2 * self.vocab * h) as u64;
+        Ok(PartBytes {
+            embed,
+            layers,
+            head: 4 * h as u64 + embed,
+        })
+    }
+}
+
+/// `config` with `keys` added (replacing those it has).
+fn extend(config: &mut serde_json::Value, keys: serde_json::Value) {
+    for (k, v) in keys.as_object().into_iter().flatten() {
+        config[k] = v.clone();
     }
 }
 
@@ -757,13 +1535,18 @@ fn fp8_in(b: u8, exponents: Range<u8>, signed: bool) -> u8 {
     sign | (b & 0x07) | ((exponents.start + (b >> 3) % (exponents.end - exponents.start)) << 3)
 }
 
-/// The `quantization_config` of `format`; `ignore`: the Linears left unquantized.
-fn quantization_config(format: &str, ignore: &[&str]) -> Result<Option<serde_json::Value>> {
+/// The `quantization_config` of `format`; `ignore`: the Linears left unquantized; `group`:
+/// W4A16's group size.
+fn quantization_config(
+    format: &str,
+    ignore: &[&str],
+    group: usize,
+) -> Result<Option<serde_json::Value>> {
     let (fmt, weights, input) = match format {
         "bf16" => return Ok(None),
         "w4a16" => (
             "pack-quantized",
-            json!({"num_bits": 4, "type": "int", "symmetric": true, "strategy": "group", "group_size": 128}),
+            json!({"num_bits": 4, "type": "int", "symmetric": true, "strategy": "group", "group_size": group}),
             None,
         ),
         "nvfp4a16" => (
@@ -866,8 +1649,14 @@ fn tensors(
 ) -> Result<(serde_json::Value, HashMap<String, HostTensor>)> {
     let ignore: &[&str] = match shape.arch {
         // llm-compressor leaves the router unquantized
-        Arch::Qwen3Moe { .. } => &["lm_head", "re:.*mlp\\.gate$"],
+        Arch::Qwen3Moe { .. }
+        | Arch::DeepseekV3 { .. }
+        | Arch::DeepseekV2 { .. }
+        | Arch::Glm4MoeLite { .. }
+        | Arch::Glm4Moe { .. } => &["lm_head", "re:.*mlp\\.gate$"],
         Arch::Llama | Arch::Gemma3 { .. } => &["lm_head"],
+        // Gemma 4's router (tests/fixtures/gemma4_moe-w4a16-g32/recipe.yaml)
+        Arch::Gemma4 { .. } => &["lm_head", "re:.*router\\.proj$"],
         // and, in its Qwen3.5 / Qwen3-Next examples, the shared-expert gate and every
         // `linear_attn` module (tests/fixtures/qwen3_5*/recipe.yaml)
         Arch::Qwen3Next { .. } | Arch::Qwen3_5 { .. } | Arch::Qwen3_5Moe { .. } => &[
@@ -877,11 +1666,14 @@ fn tensors(
             "re:.*linear_attn.*",
         ],
     };
-    let config = shape.config(quantization_config(format, ignore)?);
+    let group = shape.w4a16_group();
+    let config = shape.config(quantization_config(format, ignore, group)?);
     let mut rng = Rng(0x9E37_79B9_7F4A_7C15);
     let mut t: HashMap<String, HostTensor> = HashMap::new();
     let f32_bytes = |v: f32| v.to_le_bytes().to_vec();
-    let norm = |size: usize| constant(Dtype::F32, vec![size], shape.norm_weight(), f32_bytes);
+    let norm = |name: &str, size: usize| {
+        constant(Dtype::F32, vec![size], shape.norm_value(name), f32_bytes)
+    };
     let m = shape.text_prefix();
     t.insert(
         format!("{m}.embed_tokens.weight"),
@@ -893,7 +1685,7 @@ fn tensors(
             rng.bf16(vec![shape.vocab, shape.hidden]),
         );
     }
-    t.insert(format!("{m}.norm.weight"), norm(shape.hidden));
+    t.insert(format!("{m}.norm.weight"), norm("norm", shape.hidden));
     let drawn = shape.drawn_layers(distinct);
     for l in 0..shape.layers {
         let p = format!("{m}.layers.{l}");
@@ -916,19 +1708,54 @@ fn tensors(
             continue;
         }
         for (name, size) in shape.norms(l) {
-            t.insert(format!("{p}.{name}.weight"), norm(size));
+            t.insert(format!("{p}.{name}.weight"), norm(name, size));
         }
-        let experts = match shape.arch {
-            Arch::Qwen3Moe { experts, .. } => Some(experts),
-            _ => shape.shared_moe().map(|moe| moe.experts),
-        };
-        if let Some(experts) = experts {
-            // The router, in bf16 like the embeddings: its logits spread the tokens over the
-            // experts.
+        // The router, in bf16 like the embeddings: its logits spread the tokens over the
+        // experts.
+        match (shape.experts(l), &shape.arch) {
+            (Some((experts, _)), Arch::Gemma4 { .. }) => {
+                // `softmax(proj(norm(x) · scale / √hidden))`, each expert's weight times its
+                // `per_expert_scale`: both 1 here
+                let ones = |n: usize| constant(Dtype::BF16, vec![n], 1.0, bf16_bytes);
+                t.insert(
+                    format!("{p}.router.proj.weight"),
+                    rng.bf16(vec![experts, shape.hidden]),
+                );
+                t.insert(format!("{p}.router.scale"), ones(shape.hidden));
+                t.insert(format!("{p}.router.per_expert_scale"), ones(experts));
+            }
+            (Some((experts, _)), arch) => {
+                t.insert(
+                    format!("{p}.mlp.gate.weight"),
+                    rng.bf16(vec![experts, shape.hidden]),
+                );
+                // DeepSeek-V3's sigmoid router (GLM's) adds a bias to the choice; 0 here
+                if let Arch::DeepseekV3 { .. } | Arch::Glm4MoeLite { .. } | Arch::Glm4Moe { .. } =
+                    arch
+                {
+                    t.insert(
+                        format!("{p}.mlp.gate.e_score_correction_bias"),
+                        constant(Dtype::F32, vec![experts], 0.0, f32_bytes),
+                    );
+                }
+            }
+            (None, _) => {}
+        }
+        if let Arch::Gemma4 { .. } = shape.arch {
             t.insert(
-                format!("{p}.mlp.gate.weight"),
-                rng.bf16(vec![experts, shape.hidden]),
+                format!("{p}.layer_scalar"),
+                constant(Dtype::BF16, vec![1], 1.0, bf16_bytes),
             );
+        }
+        if let Arch::Glm4Moe { .. } = shape.arch {
+            // `attention_bias`: q/k/v carry one (o_proj never)
+            let (q, kv) = (
+                shape.heads * shape.head_dim,
+                shape.kv_heads * shape.head_dim,
+            );
+            for (name, width) in [("q_proj", q), ("k_proj", kv), ("v_proj", kv)] {
+                t.insert(format!("{p}.self_attn.{name}.bias"), rng.bf16(vec![width]));
+            }
         }
         if let Some(la) = shape.hybrid().filter(|_| shape.is_linear_attention(l)) {
             // The Gated DeltaNet's parameters that are no Linears, in the releases' stored
@@ -981,7 +1808,7 @@ fn tensors(
                     // faster) than a real checkpoint's.
                     t.insert(
                         format!("{n}.weight_scale"),
-                        rng.bf16_in(vec![out, inp / 128], 119 - shift..121 - shift, false),
+                        rng.bf16_in(vec![out, inp / group], 119 - shift..121 - shift, false),
                     );
                     // [out, in], as llm-compressor writes it: compressed-tensors (transformers)
                     // cannot unpack the codes without it.
@@ -1069,7 +1896,7 @@ mod tests {
 
     fn config(name: &str) -> ModelConfig {
         let shape = Shape::named(name).unwrap();
-        let quant = quantization_config("w4a16", &["lm_head"]).unwrap();
+        let quant = quantization_config("w4a16", &["lm_head"], shape.w4a16_group()).unwrap();
         ModelConfig::from_json(&shape.config(quant).to_string()).unwrap()
     }
 
@@ -1131,6 +1958,13 @@ mod tests {
             ("tiny-qwen3.5-moe", "nvfp4"),
             ("tiny-qwen3-next", "fp8"),
             ("tiny-qwen3.5", "bf16"),
+            ("tiny-deepseek-v2", "w4a16"),
+            ("tiny-glm4-moe-lite", "w4a16"),
+            ("tiny-glm4-moe", "w4a16"),
+            ("tiny-gemma4", "w4a16"),
+            ("tiny-gemma4-moe", "w4a16"),
+            ("tiny-glm4-moe-lite", "fp8"),
+            ("tiny-gemma4-moe", "nvfp4"),
         ] {
             let shape = Shape::named(name)?;
             let (config, ckpt) = build(&shape, format, None)?;
@@ -1139,6 +1973,7 @@ mod tests {
                     device: Device::Cpu,
                     dtype: DType::F32,
                     activation_quant: ActivationQuantMode::Emulate,
+                    kv_cache: Default::default(),
                 },
                 max_seq_len: 300,
                 attention: AttentionKernel::Auto,
@@ -1157,17 +1992,11 @@ mod tests {
                 "{name} {format}"
             );
             let routes = model.expert_routes(&[&tokens[..16]])?;
-            let per_token = match shape.arch {
-                Arch::Qwen3Moe { per_token, .. } => Some(per_token),
-                _ => shape.shared_moe().map(|moe| moe.per_token),
-            };
-            match per_token {
-                Some(per_token) => {
-                    assert_eq!(routes.len(), shape.layers);
-                    assert!(routes.iter().all(|(_, r)| r.len() == 16
-                        && r.iter().all(|experts| experts.len() == per_token)));
-                }
-                None => assert!(routes.is_empty()),
+            let sparse: Vec<(usize, usize)> =
+                (0..shape.layers).filter_map(|l| shape.experts(l)).collect();
+            assert_eq!(routes.len(), sparse.len(), "{name}");
+            for ((_, r), (_, per_token)) in routes.iter().zip(sparse) {
+                assert!(r.len() == 16 && r.iter().all(|experts| experts.len() == per_token));
             }
         }
         Ok(())
@@ -1352,6 +2181,149 @@ mod tests {
                 assert_eq!(dtype("layers.0.mlp.down_proj.weight_packed")?, Dtype::I32);
             }
             assert_eq!(st.tensor("lm_head.weight")?.dtype(), Dtype::BF16);
+        }
+        Ok(())
+    }
+
+    /// The MLA, GLM and Gemma 4 benchmark shapes parse, through the loader's own config parser,
+    /// as the published configs their comments cite: zai-org/GLM-4.7-Flash,
+    /// deepseek-ai/DeepSeek-V2-Lite, zai-org/GLM-4.5-Air, google/gemma-4-26B-A4B and -31B.
+    #[test]
+    fn mla_glm_and_gemma4_shapes_are_the_real_models_configs() {
+        let mla = |c: &ModelConfig| {
+            let m = c.mla.as_ref().unwrap();
+            (
+                m.q_lora_rank,
+                m.kv_lora_rank,
+                m.qk_nope_head_dim,
+                m.qk_rope_head_dim,
+                m.v_head_dim,
+            )
+        };
+        let moe = |c: &ModelConfig| {
+            let m = c.moe.as_ref().unwrap();
+            let dense = m.sparse_layers.iter().take_while(|s| !**s).count();
+            (
+                m.num_experts,
+                m.experts_per_token,
+                m.expert_intermediate_size,
+                m.shared_expert_intermediate_size,
+                dense,
+            )
+        };
+        let c = config("glm-4.7-flash");
+        assert_eq!(c.architecture, Architecture::Glm4MoeLite);
+        assert_eq!(mla(&c), (Some(768), 512, 192, 64, 256));
+        assert_eq!(moe(&c), (64, 4, 1536, Some(1536), 1));
+        assert_eq!(
+            (
+                c.hidden_size,
+                c.intermediate_size,
+                c.num_layers,
+                c.num_heads
+            ),
+            (2048, 10240, 47, 20)
+        );
+        assert_eq!((c.vocab_size, c.rope.theta), (154880, 1e6));
+
+        let c = config("deepseek-v2-lite");
+        assert_eq!(c.architecture, Architecture::DeepseekV2);
+        assert_eq!(mla(&c), (None, 512, 128, 64, 128));
+        assert_eq!(moe(&c), (64, 6, 1408, Some(2816), 1));
+        assert!(!c.moe.as_ref().unwrap().norm_topk_prob);
+        assert_eq!(
+            (
+                c.hidden_size,
+                c.intermediate_size,
+                c.num_layers,
+                c.num_heads
+            ),
+            (2048, 10944, 27, 16)
+        );
+        assert!(matches!(c.rope.scaling, RopeScaling::Yarn { .. }));
+
+        let c = config("glm-4.5-air");
+        assert_eq!(c.architecture, Architecture::Glm4Moe);
+        assert_eq!(moe(&c), (128, 8, 1408, Some(1408), 1));
+        assert_eq!((c.num_heads, c.num_kv_heads, c.head_dim), (96, 8, 128));
+        assert_eq!((c.rotary_dim, c.rope.theta), (64, 1e6));
+        assert!(c.qkv_bias && !c.o_bias && !c.qk_norm);
+        assert_eq!(
+            (c.hidden_size, c.num_layers, c.vocab_size),
+            (4096, 46, 151552)
+        );
+
+        for (name, hidden, layers, heads, global_kv, experts) in [
+            ("gemma4-26b-a4b", 2816, 30, (16, 8), 2, Some((128, 8, 704))),
+            ("gemma4-31b", 5376, 60, (32, 16), 4, None),
+        ] {
+            let c = config(name);
+            assert_eq!(c.architecture, Architecture::Gemma4, "{name}");
+            assert_eq!((c.hidden_size, c.num_layers), (hidden, layers));
+            assert_eq!((c.num_heads, c.vocab_size), (heads.0, 262144));
+            assert_eq!(c.final_logit_softcapping, Some(30.0));
+            assert!(c.tie_word_embeddings);
+            let g = c.gemma4.as_ref().unwrap();
+            assert!(g.per_layer_input.is_none());
+            for (l, layer) in g.layers.iter().enumerate() {
+                let global = (l + 1) % 6 == 0;
+                let expected = match global {
+                    true => (false, 512, global_kv, true),
+                    false => (true, 256, heads.1, false),
+                };
+                assert_eq!(
+                    (
+                        layer.sliding,
+                        layer.head_dim,
+                        layer.num_kv_heads,
+                        layer.keys_as_values
+                    ),
+                    expected,
+                    "{name} layer {l}"
+                );
+            }
+            let moe = g
+                .moe
+                .as_ref()
+                .map(|m| (m.num_experts, m.top_k, m.intermediate_size));
+            assert_eq!(moe, experts, "{name}");
+        }
+        // llm-compressor's group of 128 does not divide 10944, 2112 or 704
+        let groups: Vec<usize> = [
+            "glm-4.7-flash",
+            "deepseek-v2-lite",
+            "glm-4.5-air",
+            "gemma4-26b-a4b",
+            "gemma4-31b",
+        ]
+        .iter()
+        .map(|n| Shape::named(n).unwrap().w4a16_group())
+        .collect();
+        assert_eq!(groups, [128, 64, 64, 64, 128]);
+    }
+
+    /// `part_bytes` (a memory plan's counts, no weights drawn) equals the stored bytes the
+    /// loader's placement reads from the drawn checkpoint, part by part.
+    #[test]
+    fn part_bytes_are_the_drawn_checkpoints() -> Result<()> {
+        use exactscore_server::model::placement::PartBytes;
+        for (name, format) in [
+            ("tiny-deepseek-v2", "w4a16"),
+            ("tiny-glm4-moe-lite", "fp8"),
+            ("tiny-glm4-moe", "nvfp4"),
+            ("tiny-gemma4-moe", "w4a16"),
+            ("tiny-gemma4", "bf16"),
+            ("tiny-qwen3-next", "w4a16"),
+            ("tiny-moe", "nvfp4a16"),
+            ("tiny", "w4a16"),
+        ] {
+            let shape = Shape::named(name)?;
+            let (config, ckpt) = build(&shape, format, None)?;
+            assert_eq!(
+                shape.part_bytes(format)?,
+                PartBytes::of(&config, &ckpt),
+                "{name} {format}"
+            );
         }
         Ok(())
     }

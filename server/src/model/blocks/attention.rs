@@ -14,7 +14,7 @@ use crate::model::loader::Loader;
 use crate::model::profile::stage;
 use crate::model::rope::RopeTables;
 use crate::ops;
-use crate::quant::{common_qdq, ActivationQdq, QuantLinear};
+use crate::quant::{common_qdq, ActivationQdq, KvCacheQdq, QuantLinear};
 
 #[derive(Clone)]
 pub struct Attention {
@@ -40,6 +40,8 @@ pub struct Attention {
     /// q_proj yields `[query (head_dim); gate (head_dim)]` per head, and the attention output
     /// is multiplied by `sigmoid(gate)` channel by channel before o_proj (Qwen3-Next, Qwen3.5).
     output_gate: bool,
+    /// The KV cache's fp8 QDQ (and FlashAttention 3's of q) after RoPE, where it applies.
+    kv_cache: Option<KvCacheQdq>,
 }
 
 impl Attention {
@@ -81,6 +83,42 @@ impl Attention {
                 .is_some_and(|s| s.sliding[layer] && s.local_rope.is_some()),
             rotary_dim: c.rotary_dim,
             output_gate: c.attn_output_gate,
+            kv_cache: vb.kv_cache(c.num_kv_heads)?,
+        })
+    }
+
+    /// vLLM's fp8 KV cache on post-RoPE `q`, `k` and `v` (head axis 1): k and v as
+    /// `reshape_and_cache_flash` writes them, q as FlashAttention 3 reads it
+    /// (docs/kv-cache.md). `sequences`: the lengths along axis 0, where dynamic scales are
+    /// computed per sequence; empty for one sequence.
+    fn kv_cache_qdq(
+        &self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        sequences: &[usize],
+    ) -> Result<(Tensor, Tensor, Tensor)> {
+        let Some(qdq) = &self.kv_cache else {
+            return Ok((q, k, v));
+        };
+        let each = |x: &Tensor, scales: &ops::HeadScales| -> Result<Tensor> {
+            if *scales != ops::HeadScales::AbsMax || sequences.len() <= 1 {
+                return ops::fp8_head_qdq(x, 1, scales);
+            }
+            let mut parts = Vec::with_capacity(sequences.len());
+            let mut start = 0;
+            for &len in sequences {
+                parts.push(ops::fp8_head_qdq(&x.narrow(0, start, len)?, 1, scales)?);
+                start += len;
+            }
+            Tensor::cat(&parts, 0)
+        };
+        stage("kv_cache", &q.device().clone(), || {
+            Ok((
+                each(&q, &qdq.query)?,
+                each(&k, &qdq.key)?,
+                each(&v, &qdq.value)?,
+            ))
         })
     }
 
@@ -144,7 +182,7 @@ impl Attention {
             false => (q, None),
         };
         let out = match &batch.flash {
-            Some(index) => self.flash_attend(q, k, v, index, rope)?,
+            Some(index) => self.flash_attend(q, k, v, index, &batch.lens, rope)?,
             None => stage("attention", dev, || {
                 self.attend_each_sequence(&q, &k, &v, batch, rope)
             })?,
@@ -217,6 +255,7 @@ impl Attention {
                 Some(rope),
             )?;
             let v = self.heads(&v.narrow(0, offset, len)?, self.num_kv_heads, None, None)?;
+            let (q, k, v) = self.kv_cache_qdq(q, k, v, &[])?;
             outputs.push(self.attend(&q, &k, &v, batch.blocks)?);
             offset += len;
         }
@@ -253,6 +292,7 @@ impl Attention {
         k: Tensor,
         v: Tensor,
         index: &FlashIndex,
+        lens: &[usize],
         rope: &RopeTables,
     ) -> Result<Tensor> {
         let tokens = q.dims()[0];
@@ -278,6 +318,7 @@ impl Attention {
                 rotate(k, self.num_kv_heads, self.k_norm.as_ref())?,
             ))
         })?;
+        let (q, k, v) = self.kv_cache_qdq(q, k, v, lens)?;
         let opts = ops::FlashOptions {
             // in f32, as before the scale became configurable (same bits on the GPU)
             scale: 1.0 / (self.query_scalar as f32).sqrt(),

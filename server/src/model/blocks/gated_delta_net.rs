@@ -51,6 +51,7 @@ pub struct GatedDeltaNet {
 impl GatedDeltaNet {
     /// The Gated DeltaNet whose tensors `vb` names (`….linear_attn`).
     pub fn load(vb: &Loader, c: &ModelConfig) -> std::result::Result<Self, LoadError> {
+        vb.refuse_kv_cache("a linear-attention layer (its state is no KV cache)")?;
         let la = c
             .linear_attention
             .clone()

@@ -57,6 +57,7 @@ impl LatentAttention {
         c: &ModelConfig,
         cfg: &MlaConfig,
     ) -> std::result::Result<Self, LoadError> {
+        vb.refuse_kv_cache("multi-head latent attention (vLLM's MLA caches the latent)")?;
         let (h, heads) = (c.hidden_size, c.num_heads);
         let qk = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim;
         let norm =
@@ -166,7 +167,9 @@ impl LatentAttention {
         })?;
         drop((q_in, kv_in));
         let (rank, rope_dim) = (self.cfg.kv_lora_rank, self.cfg.qk_rope_head_dim);
-        let (kv, k_rot) = stage("qkv_proj", dev, || {
+        // its own stage: `--profile` shows the latent's expansion apart from the projections
+        // of the input, and the attention core ("attention") apart from both
+        let (kv, k_rot) = stage("kv_b_proj", dev, || {
             let nope = latent.narrow(1, 0, rank)?.contiguous()?;
             let kv = self
                 .kv_b_proj
@@ -174,7 +177,7 @@ impl LatentAttention {
             Ok((kv, latent.narrow(1, rank, rope_dim)?.contiguous()?))
         })?;
         let out = match batch.flash() {
-            Some(index) => self.flash_attend(&q, &kv, &k_rot, index, rope)?,
+            Some(index) => self.flash_attend(&q, &kv, &k_rot, index, batch.lens(), rope)?,
             None => self.attend_each_sequence(&q, &kv, &k_rot, batch, rope)?,
         };
         let [o_in] = layer_inputs([&self.o_proj], &out, false)?;
@@ -236,15 +239,7 @@ impl LatentAttention {
             .rotate(&k_rot.reshape((1, 1, len, rot))?, rope)?
             .broadcast_as((1, heads, len, rot))?;
         let q = Tensor::cat(&[&q.narrow(3, 0, nope)?, &q_rot], 3)?.contiguous()?;
-        // Mistral 4: every feature of the query of position p, in the compute dtype.
-        let q = match &self.cfg.query_scaling {
-            Some(scaling) => {
-                let scale: Vec<f32> = (0..len).map(|p| scaling.scale(p)).collect();
-                let scale = Tensor::from_vec(scale, (1, 1, len, 1), q.device())?;
-                q.broadcast_mul(&scale.to_dtype(q.dtype())?)?
-            }
-            None => q,
-        };
+        let q = self.scale_queries(q, 0..len, (1, 1, len, 1))?;
         let k = Tensor::cat(&[&kv.narrow(3, 0, nope)?, &k_rot], 3)?.contiguous()?;
         let v = kv.narrow(3, nope, v_dim)?.contiguous()?;
         ops::causal_attention(&q, &k, &v, self.cfg.softmax_scale, None, None, blocks)?
@@ -261,6 +256,7 @@ impl LatentAttention {
         kv: &Tensor,
         k_rot: &Tensor,
         index: &FlashIndex,
+        lens: &[usize],
         rope: &RopeTables,
     ) -> Result<Tensor> {
         let MlaConfig {
@@ -303,8 +299,10 @@ impl LatentAttention {
             let q_rot = rotate(q.narrow(2, nope, rot)?)?;
             let k_rot =
                 rotate(k_rot.reshape((tokens, 1, rot))?)?.broadcast_as((tokens, heads, rot))?;
+            let q = Tensor::cat(&[&q.narrow(2, 0, nope)?, &q_rot], 2)?;
+            let positions = lens.iter().flat_map(|&len| 0..len);
             Ok((
-                pad(Tensor::cat(&[&q.narrow(2, 0, nope)?, &q_rot], 2)?)?,
+                pad(self.scale_queries(q, positions, (tokens, 1, 1))?)?,
                 pad(Tensor::cat(&[&kv.narrow(2, 0, nope)?, &k_rot], 2)?)?,
                 pad(kv.narrow(2, nope, v_dim)?)?,
             ))
@@ -321,6 +319,23 @@ impl LatentAttention {
                 .contiguous()?
                 .reshape((tokens, heads * v_dim))
         })
+    }
+
+    /// Mistral 4's queries times the scale of their positions, in the compute dtype, as
+    /// transformers multiplies them (both attention paths call this); `shape` puts the
+    /// positions on `q`'s token axis.
+    fn scale_queries(
+        &self,
+        q: Tensor,
+        positions: impl Iterator<Item = usize>,
+        shape: impl candle_core::shape::ShapeWithOneHole,
+    ) -> Result<Tensor> {
+        let Some(scaling) = &self.cfg.query_scaling else {
+            return Ok(q);
+        };
+        let scale: Vec<f32> = positions.map(|p| scaling.scale(p)).collect();
+        let scale = Tensor::from_vec(scale, shape, q.device())?;
+        q.broadcast_mul(&scale.to_dtype(q.dtype())?)
     }
 
     /// RoPE of `x` `[1, heads, len, rope]`. DeepSeek's interleaved layout pairs `(x0, x1),

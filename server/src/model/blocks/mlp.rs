@@ -8,7 +8,7 @@ use crate::checkpoint::LoadError;
 use crate::model::config::Activation;
 use crate::model::loader::Loader;
 use crate::model::profile::stage;
-use crate::ops;
+use crate::ops::{self, StackRows};
 use crate::quant::dense::DenseWeight;
 use crate::quant::{
     common_qdq, decodes_in_gemm, matmul_t_stacked, matmul_t_stacked_into_rows, ActivationQdq,
@@ -184,15 +184,15 @@ pub fn stack_decodes_in_gemm(experts: &[&Mlp], mean_rows: usize, dtype: DType) -
 }
 
 /// Several [`stackable`] MLPs of one shape (a mixture's experts), each on its own block of
-/// `rows[i]` consecutive rows of `x` (`[Σ rows, hidden]`, expert by expert; the counts all equal
-/// unless [`stack_decodes_in_gemm`]): each projection is one launch over the experts' weights
+/// consecutive rows of `x` (`[Σ rows, hidden]`, expert by expert, as `rows` splits them; counts
+/// all equal unless [`stack_decodes_in_gemm`], which a plan made on the GPU needs): each projection is one launch over the experts' weights
 /// ([`matmul_t_stacked`]: decoded inside the GEMM, or dequantized together right before one
 /// batched GEMM); down writes the experts' outputs into rows `row0..` of `out`
 /// (`[rows, hidden]`, a GPU tensor that [`ops::adds_into_rows`] accepts), without a residual.
 pub fn forward_stacked(
     experts: &[&Mlp],
     x: Tensor,
-    rows: &[usize],
+    rows: StackRows,
     out: &Tensor,
     row0: usize,
 ) -> Result<()> {

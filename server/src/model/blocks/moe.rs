@@ -8,6 +8,8 @@
 //! bf16/f16 the experts run stacked, a group at a time, so that a layer costs a few launches
 //! rather than several per expert.
 
+use std::sync::atomic::{AtomicBool, Ordering};
+
 use candle_core::{DType, Result, Tensor};
 
 use super::mlp::{forward_stacked, stack_decodes_in_gemm, stackable, Mlp, PROJ_NAMES};
@@ -15,8 +17,18 @@ use crate::checkpoint::LoadError;
 use crate::model::config::{ModelConfig, MoeConfig, MoeRouter};
 use crate::model::loader::Loader;
 use crate::model::profile::{self, stage};
-use crate::ops::{self, TopExperts};
+use crate::ops::{self, StackRows, TopExperts};
 use crate::quant::QuantLinear;
+
+/// Whether a mixture may plan its experts' rows on the GPU ([`Moe::plans_on_device`]); off,
+/// every mixture plans on the host. On by default; `exactscore-bench check` turns it off to
+/// show that both plans give the same bits.
+static DEVICE_PLANS: AtomicBool = AtomicBool::new(true);
+
+/// Allows or forbids planning the experts' rows on the GPU, process-wide.
+pub fn plan_experts_on_device(on: bool) {
+    DEVICE_PLANS.store(on, Ordering::Relaxed);
+}
 
 #[derive(Clone)]
 pub struct Moe {
@@ -208,8 +220,70 @@ impl Moe {
         residual: Tensor,
         routes: Option<&mut Vec<Route>>,
     ) -> Result<Tensor> {
+        if routes.is_none() && self.plans_on_device(x)? {
+            let combined = self.experts_planned_on_device(x)?;
+            return self.combine(x, combined, residual);
+        }
         let top = stage("router", x.device(), || self.route(x))?;
         self.forward_routed(x, top, residual, routes)
+    }
+
+    /// Whether the router's choice and the experts' rows can stay on the GPU
+    /// ([`Self::experts_planned_on_device`]): the block's own router, and experts stacked in one
+    /// int4 GEMM that takes each expert's own row count, which then never has to reach the host.
+    fn plans_on_device(&self, x: &Tensor) -> Result<bool> {
+        let allowed = DEVICE_PLANS.load(Ordering::Relaxed);
+        if !(allowed && self.router.is_some() && ops::stacks_experts(x) && self.stackable) {
+            return Ok(false);
+        }
+        let all: Vec<&Mlp> = self.experts.iter().collect();
+        let mean_rows = x.dims()[0] * self.cfg.experts_per_token / all.len().max(1);
+        stack_decodes_in_gemm(&all, mean_rows, x.dtype())
+    }
+
+    /// The router, the experts' rows and the experts' GEMMs without a host round trip: the
+    /// router's top-k and the rows' layout are made on the GPU ([`ops::moe_plan`], the layout
+    /// [`ExpertRows`] gives), and the int4 GEMMs read each expert's rows from there. The same
+    /// rows in the same order as the host plan, so the same bits.
+    fn experts_planned_on_device(&self, x: &Tensor) -> Result<Combined> {
+        let (dev, k) = (x.device(), self.cfg.experts_per_token);
+        let Some(router) = &self.router else {
+            candle_core::bail!("this mixture is routed by its decoder layer");
+        };
+        let experts = self.experts.len();
+        let norm = self.cfg.norm_topk_prob;
+        let (ids, weights) = stage("router", dev, || match self.cfg.router.grouped(k, norm) {
+            Some(routing) => {
+                let logits = ops::matmul_t(&x.to_dtype(router.dtype())?, router)?;
+                ops::moe_route_grouped_on_device(&logits, self.correction_bias.as_ref(), &routing)
+            }
+            None => ops::moe_route_on_device(&ops::matmul_t(x, router)?, k, norm),
+        })?;
+        // 64-row tiles where an expert's rows are expected to fit one (a tile decodes its
+        // weights once; rows past it take another tile either way).
+        let tile_rows = match x.dims()[0] * k / experts.max(1) <= 32 {
+            true => 64,
+            false => 128,
+        };
+        let plan = stage("experts", dev, || {
+            ops::moe_plan(&ids, &weights, k, experts, tile_rows)
+        })?;
+        if profile::enabled() {
+            let offsets = plan.offsets.to_vec1::<i64>()?;
+            profile::record_expert_load(offsets.windows(2).map(|w| (w[1] - w[0]) as usize));
+        }
+        let xs = stage("experts", dev, || ops::gather_rows(x, &plan.rows_token))?;
+        let y = stage("experts", dev, || {
+            Tensor::zeros((plan.rows, x.dims()[1]), x.dtype(), dev)
+        })?;
+        let all: Vec<&Mlp> = self.experts.iter().collect();
+        forward_stacked(&all, xs, StackRows::Planned(&plan), &y, 0)?;
+        Ok(Combined {
+            y,
+            weights: plan.row_weight.reshape((plan.rows, 1))?,
+            rows_token: plan.rows_token,
+            positions: plan.positions,
+        })
     }
 
     /// [`Self::forward`] with the experts `top` already chosen.
@@ -220,7 +294,6 @@ impl Moe {
         residual: Tensor,
         routes: Option<&mut Vec<Route>>,
     ) -> Result<Tensor> {
-        let dev = x.device().clone();
         let plan = ExpertRows::new(&top, self.experts.len());
         profile::record_expert_load(plan.ranges.iter().map(|r| r.len()));
         let combined = if ops::stacks_experts(x) && self.stackable {
@@ -228,8 +301,21 @@ impl Moe {
         } else {
             self.experts_one_by_one(x, plan)?
         };
-        // With a shared expert the routed experts add into zeros (transformers' index_add_),
-        // the gated shared expert is added to that, and the sum to the residual stream.
+        let out = self.combine(x, combined, residual)?;
+        if let Some(routes) = routes {
+            let pairs = top.experts.iter().map(|&e| e as usize).zip(top.weights);
+            let pairs: Vec<(usize, f32)> = pairs.collect();
+            routes.extend(pairs.chunks(top.k.max(1)).map(<[_]>::to_vec));
+        }
+        Ok(out)
+    }
+
+    /// `residual` plus the experts' outputs added back per token, and the shared expert where
+    /// the block has one. With a shared expert the routed experts add into zeros (transformers'
+    /// index_add_), the gated shared expert is added to that, and the sum to the residual
+    /// stream.
+    fn combine(&self, x: &Tensor, combined: Combined, residual: Tensor) -> Result<Tensor> {
+        let dev = x.device().clone();
         let shared_zeros = |residual: &Tensor| stage("experts", &dev, || residual.zeros_like());
         let into = match &self.shared {
             Some(_) => shared_zeros(&residual)?,
@@ -242,13 +328,12 @@ impl Moe {
                 rows_token,
                 positions,
             } = combined;
-            let tokens = positions.len() / top.k.max(1);
             ops::moe_combine(
                 &y,
-                &Tensor::from_slice(&weights, (weights.len(), 1), &dev)?,
+                &weights,
                 self.cfg.weights_in_compute_dtype,
                 &rows_token,
-                &Tensor::from_slice(&positions, (tokens, top.k), &dev)?,
+                &positions,
                 &into,
             )
         })?;
@@ -268,11 +353,6 @@ impl Moe {
             }
             None => out,
         };
-        if let Some(routes) = routes {
-            let pairs = top.experts.iter().map(|&e| e as usize).zip(top.weights);
-            let pairs: Vec<(usize, f32)> = pairs.collect();
-            routes.extend(pairs.chunks(top.k.max(1)).map(<[_]>::to_vec));
-        }
         Ok(out)
     }
 
@@ -292,12 +372,13 @@ impl Moe {
             let xs = xs.narrow(0, rows.start, n)?;
             ys.push(expert.forward(xs, Tensor::zeros((n, hidden), dtype, dev)?, false)?);
         }
-        Ok(Combined {
-            y: Tensor::cat(&ys, 0)?,
-            weights: plan.weight,
-            rows_token: plan.token,
-            positions: plan.positions,
-        })
+        Combined::upload(
+            Tensor::cat(&ys, 0)?,
+            &plan.weight,
+            &plan.token,
+            &plan.positions,
+            plan.k,
+        )
     }
 
     /// The experts in groups, most rows first: each group's rows are padded to its first
@@ -352,18 +433,14 @@ impl Moe {
                 ops::gather_rows(x, &Tensor::new(&rows_token[first_row..], dev)?)
             })?;
             let experts: Vec<&Mlp> = group.iter().map(|&e| &self.experts[e]).collect();
-            forward_stacked(&experts, xs, rows, &y, first_row)?;
+            forward_stacked(&experts, xs, StackRows::Counts(rows), &y, first_row)?;
         }
-        Ok(Combined {
-            y,
-            weights,
-            rows_token,
-            positions: plan
-                .positions
-                .iter()
-                .map(|&r| padded_row[r as usize])
-                .collect(),
-        })
+        let positions: Vec<u32> = plan
+            .positions
+            .iter()
+            .map(|&r| padded_row[r as usize])
+            .collect();
+        Combined::upload(y, &weights, &rows_token, &positions, plan.k)
     }
 
     /// Every Linear with its name under the block (`experts.3.up_proj`,
@@ -437,12 +514,33 @@ fn stack_groups(ranges: &[std::ops::Range<usize>], most: usize) -> Vec<Vec<usize
 struct Combined {
     /// One row per routed (token, expert) pair, and any padding rows.
     y: Tensor,
-    /// Each row's router weight.
-    weights: Vec<f32>,
-    /// Each row's token.
-    rows_token: Vec<u32>,
-    /// `[tokens, k]`: each token's rows of `y`, in ascending expert order.
-    positions: Vec<u32>,
+    /// Each row's router weight, f32 `[rows, 1]`.
+    weights: Tensor,
+    /// Each row's token, u32 `[rows]`.
+    rows_token: Tensor,
+    /// u32 `[tokens, k]`: each token's rows of `y`, in ascending expert order.
+    positions: Tensor,
+}
+
+impl Combined {
+    /// The host plan's vectors on `y`'s device.
+    fn upload(
+        y: Tensor,
+        weights: &[f32],
+        rows_token: &[u32],
+        positions: &[u32],
+        k: usize,
+    ) -> Result<Self> {
+        let dev = y.device().clone();
+        stage("experts", &dev, || {
+            Ok(Self {
+                weights: Tensor::from_slice(weights, (weights.len(), 1), &dev)?,
+                rows_token: Tensor::new(rows_token, &dev)?,
+                positions: Tensor::from_slice(positions, (positions.len() / k.max(1), k), &dev)?,
+                y,
+            })
+        })
+    }
 }
 
 /// The routed tokens sorted by expert: one row per (token, expert) pair.
@@ -455,6 +553,8 @@ struct ExpertRows {
     ranges: Vec<std::ops::Range<usize>>,
     /// `[tokens, k]`: each token's rows, in ascending expert order.
     positions: Vec<u32>,
+    /// Experts per token.
+    k: usize,
 }
 
 impl ExpertRows {
@@ -469,6 +569,7 @@ impl ExpertRows {
             weight: Vec::with_capacity(top.experts.len()),
             ranges: Vec::with_capacity(experts),
             positions: vec![0; top.experts.len()],
+            k,
         };
         let mut filled = vec![0usize; top.experts.len() / k.max(1)];
         for group in groups {

@@ -53,6 +53,7 @@ impl SharedKvAttention {
         layer: usize,
         shape: &Gemma4Layer,
     ) -> std::result::Result<Self, LoadError> {
+        vb.refuse_kv_cache("Gemma 4's attention (shared KV layers)")?;
         let (h, d, kv) = (c.hidden_size, shape.head_dim, shape.num_kv_heads);
         let norm =
             |name: &str| RmsNorm::load(&vb.pp(name), d, c.rms_norm_eps, NormKind::WeightInF32);
