@@ -8,7 +8,11 @@ library, and dequantization test vectors.
 
 The AWQ and FP8 fixtures quantize a smaller base (`tiny_dense()`: hidden 128, tied
 embeddings) to stay under 1 MB each; FP8's reference.json also holds `reference_emulated`,
-transformers with vLLM's per-token-group fp8 activation QDQ.
+transformers with vLLM's per-token-group fp8 activation QDQ. The W8A8-INT8 fixture is
+llm-compressor's `W8A8` preset on that base; its `reference_emulated` is vLLM's int8
+activations with the int8 GEMM exact in int32 (`reference_emulated_qdq`: the same activations
+dequantized, then an f32 GEMM). The ModelOpt NVFP4 fixture is packed by this script from the
+format (nvidia-modelopt is not installed), its config in hf_quant_config.json.
 
 The KV-cache fixtures (`llama-kv-fp8-tensor`, `llama-kv-fp8-head`, `llama-kv-none`) are W4A16
 checkpoints whose fp8 k/v scales llm-compressor 0.14 calibrates (`kv_cache_scheme`, per tensor
@@ -247,10 +251,11 @@ def dequant_check(deq):
 
 
 def write_variant(name, qconfig, quantized, deq, dequantizer, config=None, dense=None,
-                  emulated=None):
+                  emulated=None, extra_emulated=None):
     """`config` / `dense`: the base model's config.json dict and tensors (llama-dense-bf16's
     when None). `emulated`: (description, hooks) of an activation-emulation reference, written
-    beside the weights-only one as `reference_emulated`."""
+    beside the weights-only one as `reference_emulated`; `extra_emulated`: {key: (description,
+    hooks)} of further ones (their log-probs only, to keep the fixture small)."""
     out = FIXTURES / name
     if out.exists():
         shutil.rmtree(out)
@@ -274,6 +279,10 @@ def write_variant(name, qconfig, quantized, deq, dequantizer, config=None, dense
         what, hooks = emulated
         em = reference_logprobs(weights, config, hooks)
         ref["reference_emulated"] = {"activations": what, "sequences": em, "mean_nll": mean(em)}
+    for key, (what, hooks) in (extra_emulated or {}).items():
+        em = reference_logprobs(weights, config, hooks)
+        slim = [{k: s[k] for k in ("token_logprobs", "sum_nll", "num_scored")} for s in em]
+        ref[key] = {"activations": what, "sequences": slim, "mean_nll": mean(em)}
     (out / "reference.json").write_text(json.dumps(ref, indent=1) + "\n")
     (out / "dequant_check.json").write_text(json.dumps(dequant_check(deq), indent=1) + "\n")
     print(f"{name}: mean NLL {ref['mean_nll']:.6f}, "
@@ -638,6 +647,306 @@ def make_ct(name, scheme):
 
 
 # ----------------------------------------------------------------------------------------------
+# compressed-tensors W8A8-INT8 (llm-compressor preset `W8A8`): `int-quantized` int8 weights per
+# output channel (symmetric), int8 activations per token (dynamic, symmetric)
+# ----------------------------------------------------------------------------------------------
+def vllm_int8_quant(x):
+    """vLLM's `dynamic_scaled_int8_quant_kernel` (csrc/quantization/compressed_tensors/
+    int8_quant_kernels.cu) in f32: per token absmax, scale = absmax / 127 (what the GEMM's
+    epilogue multiplies by), q = cvt.rni.sat.s8(x * (127 / absmax)) (nearest even, saturated
+    to [-128, 127]; a NaN from an all-zero row, 0 * inf, converts to 0)."""
+    x = x.float()
+    absmax = x.abs().amax(-1, keepdim=True)
+    # A true f32 division, as the kernel's `127.0f / absmax` (torch's `127.0 / tensor` would
+    # multiply by the tensor's reciprocal: another rounding).
+    reciprocal = torch.full_like(absmax, 127.0) / absmax
+    q = torch.round(x * reciprocal).clamp(-128, 127)
+    return torch.nan_to_num(q, nan=0.0), absmax / 127.0
+
+
+def int8_gemm_hooks(codes, scales):
+    """Each Linear as vLLM's W8A8-INT8 path computes it (`cutlass_scaled_mm`): the input
+    quantized per token (`vllm_int8_quant`), the int8 GEMM exact (int32 accumulation, here in
+    f64: |sums| < 2^24), then the epilogue `a_scale * (b_scale * f32(acc))` in f32."""
+    def register(model):
+        for name, q_w in codes.items():
+            s_w = scales[name].float().reshape(1, -1)
+            q_w64 = q_w.double()
+
+            def forward(x, q_w64=q_w64, s_w=s_w):
+                shape = x.shape
+                q, s_x = vllm_int8_quant(x.reshape(-1, shape[-1]))
+                acc = (q.double() @ q_w64.T).float()
+                return (s_x * (s_w * acc)).reshape(*shape[:-1], -1)
+            model.get_submodule(name).forward = forward
+    return register
+
+
+def int8_qdq_hooks(linears):
+    """The emulation ExactScore runs: the input quantized and dequantized per token in f32
+    (`q * scale`), then the f32 GEMM with the dequantized weight."""
+    def qdq(x):
+        q, s = vllm_int8_quant(x)
+        return (q * s).to(x.dtype)
+
+    def register(model):
+        for name in linears:
+            model.get_submodule(name).register_forward_pre_hook(lambda _m, args: (qdq(args[0]),))
+    return register
+
+
+def make_ct_w8a8(name):
+    """llm-compressor 0.14 `W8A8` on the tiny base; the weights as compressed-tensors
+    decompresses them; `reference_emulated`: vLLM's int8 activations and int32 GEMM;
+    `reference_emulated_qdq`: the same activations dequantized, then an f32 GEMM."""
+    from llmcompressor import oneshot
+    from llmcompressor.modifiers.quantization import QuantizationModifier
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    cfg, dense = tiny_config(), tiny_dense()
+    base = FIXTURES / f".{name}.base"  # oneshot wants a model with a path
+    model = AutoModelForCausalLM.from_config(LlamaConfig(**cfg), dtype=torch.bfloat16)
+    model.load_state_dict(dense, strict=False)
+    model.tie_weights()
+    model.save_pretrained(str(base))
+    model = AutoModelForCausalLM.from_pretrained(str(base), dtype=torch.bfloat16)
+    model = oneshot(model=model, recipe=QuantizationModifier(
+        targets="Linear", scheme="W8A8", ignore=["lm_head"]))
+    tmp = FIXTURES / f".{name}.tmp"
+    model.save_pretrained(str(tmp), save_compressed=True)
+    shutil.rmtree(base)
+    qconfig = json.loads((tmp / "config.json").read_text())["quantization_config"]
+    quantized = load_file(str(tmp / "model.safetensors"))
+    m = AutoModelForCausalLM.from_pretrained(str(tmp), dtype=torch.float32)
+    hq = getattr(m, "hf_quantizer", None)
+    if hq is not None and hasattr(m, "ct_decompress_hook"):
+        hq.compressor.decompress_model(m)
+    shutil.rmtree(tmp)
+    lins = linear_names(dense)
+    sd = m.state_dict()
+    deq = {lin: sd[lin + ".weight"].detach().float().numpy() for lin in lins}
+    codes = {lin: quantized[lin + ".weight"] for lin in lins}
+    scales = {lin: quantized[lin + ".weight_scale"] for lin in lins}
+    for lin in lins:  # compressed-tensors' reading is the format's formula, exactly
+        spec = (codes[lin].float() * scales[lin].float()).numpy()
+        assert codes[lin].dtype == torch.int8 and np.array_equal(spec, deq[lin]), lin
+    write_variant(name, qconfig, quantized, deq,
+                  "compressed-tensors 0.19.0 (transformers from_pretrained + decompress_model)",
+                  config=cfg, dense=dense,
+                  emulated=("vLLM dynamic_scaled_int8_quant per token, int8 GEMM exact in "
+                            "int32, epilogue a_scale * (b_scale * acc) in f32",
+                            int8_gemm_hooks(codes, scales)),
+                  extra_emulated={"reference_emulated_qdq": (
+                      "vLLM's per-token int8 activations dequantized (q * scale, f32), then an "
+                      "f32 GEMM with the dequantized weight", int8_qdq_hooks(lins))})
+    make_int8_qdq_vectors(FIXTURES / name / "act_qdq_vectors.safetensors", seed=600)
+
+
+def make_int8_qdq_vectors(path, seed):
+    """`synthetic.input` [rows, 128] f32 and `synthetic.input_qdq`, `vllm_int8_quant`'s codes
+    times its scale: random rows of several magnitudes, an all-zero row, a row of ties
+    (absmax 127: x · 1 = k + 0.5, nearest even), and rows where the product by the reciprocal
+    and a division by the scale round to different codes (vLLM multiplies)."""
+    g = torch.Generator().manual_seed(seed)
+    rows = [torch.randn(128, generator=g) * s for s in (1e-3, 0.1, 1.0, 30.0, 1e4)]
+    rows.append(torch.zeros(128))
+    ties = torch.arange(128, dtype=torch.float32) - 64 + 0.5
+    ties[0], ties[-1] = 127.0, -127.0
+    rows.append(ties)
+    found = 0
+    while found < 4:  # rows whose reciprocal product and division disagree somewhere
+        x = torch.randn(128, generator=g)
+        a = x.abs().amax()
+        if not torch.equal(torch.round(x * (torch.tensor(127.0) / a)), torch.round(x / (a / 127.0))):
+            rows.append(x)
+            found += 1
+    x = torch.stack(rows).float()
+    q, s = vllm_int8_quant(x)
+    save_file({"synthetic.input": x.numpy(), "synthetic.input_qdq": (q * s).numpy()}, str(path))
+
+
+# ----------------------------------------------------------------------------------------------
+# NVIDIA ModelOpt NVFP4 (`quant_method: modelopt`, hf_quant_config.json): codes in `weight` U8
+# [out, in/2] (low nibble first), `weight_scale` F8_E4M3 [out, in/16], `weight_scale_2` F32 []
+# (multiplies), `input_scale` F32 [] (activations' global scale 1 / input_scale)
+# ----------------------------------------------------------------------------------------------
+E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
+FUSED = [["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"],
+         ["mlp.gate_proj", "mlp.up_proj"], ["self_attn.o_proj"], ["mlp.down_proj"]]
+
+
+def e2m1_codes(x):
+    """Nearest e2m1 code (sign in bit 3) of each value of x (already within ±6); ties to the
+    even code."""
+    mag = x.abs()
+    d = (mag[..., None] - E2M1).abs()
+    best = d.min(-1, keepdim=True).values
+    cand = torch.where(d == best, torch.arange(8), 99)
+    idx = torch.where(cand % 2 == 0, cand, 99).min(-1).values
+    idx = torch.where(idx == 99, cand.min(-1).values, idx)
+    return (idx | torch.where(x < 0, 8, 0)).to(torch.uint8)
+
+
+def modelopt_nvfp4_quantize(w, scale_2):
+    """ModelOpt's NVFP4QTensor quantization of w [N, K] against the per-tensor `scale_2`
+    (amax / (6 * 448)): per block of 16, fp8(amax / 6 / scale_2), codes e2m1(w / (s * scale_2)).
+    Returns (packed U8 [N, K/2], block scales F8_E4M3 [N, K/16])."""
+    n, k = w.shape
+    blocks = w.reshape(n, k // 16, 16)
+    s = (blocks.abs().amax(-1) / 6.0 / scale_2).clamp(max=448.0).to(torch.float8_e4m3fn)
+    s_eff = s.float() * scale_2
+    s_eff = torch.where(s_eff == 0, torch.ones_like(s_eff), s_eff)
+    q = (blocks / s_eff[..., None]).clamp(-6.0, 6.0).reshape(n, k)
+    codes = e2m1_codes(q)
+    return (codes[:, 0::2] | (codes[:, 1::2] << 4)).contiguous(), s
+
+
+def modelopt_nvfp4_dequantize(packed, s, scale_2):
+    """The format's dequantization, per block scale first (ModelOpt's NVFP4QTensor.dequantize):
+    w = e2m1(code) * (f32(s) * scale_2), in f32."""
+    codes = torch.stack([packed & 0xF, packed >> 4], -1).reshape(packed.shape[0], -1).long()
+    vals = E2M1[codes & 7] * torch.where(codes >= 8, -1.0, 1.0)
+    block = (s.float() * scale_2).repeat_interleave(16, dim=1)
+    return (vals * block).numpy()
+
+
+def nvfp4_act_qdq(x, global_scale):
+    """NVFP4 fake-quant of x's rows per 16 values against `global_scale`, compressed-tensors'
+    formula as ExactScore implements it for compressed-tensors NVFP4 (bit-exact with its
+    act_qdq_vectors), in f32: s = fp8(clamp(global * amax / 6, ±448)) (0.125 where it rounds
+    to 0), eff = s / global, q = e2m1(clamp(x / eff, ±6)), x' = q * eff."""
+    shape = x.shape
+    g = x.float().reshape(-1, shape[-1] // 16, 16)
+    s = (global_scale * (g.abs().amax(-1, keepdim=True) / 6.0)).clamp(-448.0, 448.0)
+    s = s.to(torch.float8_e4m3fn).float()
+    s = torch.where(s == 0, torch.full_like(s, 0.125), s)
+    eff = s / global_scale
+    q = (g / eff + 0.0).clamp(-6.0, 6.0)
+    codes = e2m1_codes(q).long()
+    vals = E2M1[codes & 7] * torch.where(codes >= 8, -1.0, 1.0)
+    return (vals * eff).reshape(shape).to(x.dtype)
+
+
+def nvfp4_act_hooks(input_scales):
+    """Each quantized Linear's input through `nvfp4_act_qdq` with the global scale
+    1 / input_scale (vLLM's `input_global_scale_inv`, a true f32 division)."""
+    def register(model):
+        for name, scale in input_scales.items():
+            gs = (torch.tensor(1.0) / scale).float()
+            model.get_submodule(name).register_forward_pre_hook(
+                lambda _m, a, gs=gs: (nvfp4_act_qdq(a[0], gs),))
+    return register
+
+
+@torch.no_grad()
+def input_amax(dense, cfg, lins):
+    """Per quantized Linear, the absmax of its input over the fixture's sequences (f32 model of
+    the dense weights): ModelOpt's max calibration."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+    model = AutoModelForCausalLM.from_config(LlamaConfig(**cfg), dtype=torch.float32)
+    model.load_state_dict({k: v.float() for k, v in dense.items()}, strict=False)
+    model.tie_weights()
+    amax = {lin: torch.tensor(0.0) for lin in lins}
+    for lin in lins:
+        model.get_submodule(lin).register_forward_pre_hook(
+            lambda _m, a, lin=lin: amax.__setitem__(lin, torch.maximum(amax[lin], a[0].abs().amax())))
+    for _text, ids in texts():
+        model(input_ids=torch.tensor([ids]))
+    return amax
+
+
+def make_modelopt_nvfp4(name):
+    """The tiny base quantized as ModelOpt's NVFP4 export lays it out (its packer written from
+    the format; nvidia-modelopt is not installed): the layers vLLM fuses (q/k/v, gate/up) share
+    `weight_scale_2` and `input_scale`, as ModelOpt's export makes them. The config in
+    hf_quant_config.json, config.json without quantization_config."""
+    vectors = load_file(str(FIXTURES / "llama-nvfp4" / "act_qdq_vectors.safetensors"))
+    for p in ["model.layers.0.self_attn.q_proj", "model.layers.1.mlp.down_proj", "synthetic"]:
+        got = nvfp4_act_qdq(vectors[p + ".input"], vectors[p + ".input_global_scale"].reshape(()))
+        assert torch.equal(got.view(torch.int32), vectors[p + ".input_qdq"].view(torch.int32)), p
+    cfg, dense = tiny_config(), tiny_dense()
+    lins = linear_names(dense)
+    amax_in = input_amax(dense, cfg, lins)
+    tensors = base_tensors(dense, set(lins))
+    deq, input_scales = {}, {}
+    for layer in range(cfg["num_hidden_layers"]):
+        for fused in FUSED:
+            names = [f"model.layers.{layer}.{f}" for f in fused]
+            ws = {n: dense[n + ".weight"].float() for n in names}
+            scale_2 = (max(w.abs().amax() for w in ws.values()) / (6.0 * 448.0)).float()
+            in_scale = (max(amax_in[n] for n in names) / (6.0 * 448.0)).float()
+            for n in names:
+                packed, s = modelopt_nvfp4_quantize(ws[n], scale_2)
+                tensors[f"{n}.weight"] = packed
+                tensors[f"{n}.weight_scale"] = s
+                tensors[f"{n}.weight_scale_2"] = scale_2.reshape(()).clone()
+                tensors[f"{n}.input_scale"] = in_scale.reshape(()).clone()
+                deq[n] = modelopt_nvfp4_dequantize(packed, s, scale_2)
+                input_scales[n] = in_scale
+    qconfig = {"producer": {"name": "modelopt", "version": "0.29.0"},
+               "quantization": {"quant_algo": "NVFP4", "kv_cache_quant_algo": None,
+                                "group_size": 16, "exclude_modules": ["lm_head"]}}
+    write_variant(name, qconfig, tensors, deq,
+                  "the format's dequantization (e2m1 * (f32(weight_scale) * weight_scale_2), "
+                  "f32), written from vLLM's ModelOptNvFp4LinearMethod and ModelOpt's "
+                  "NVFP4QTensor",
+                  config=cfg, dense=dense,
+                  emulated=("NVFP4 activation fake-quant per 16 (compressed-tensors' formula, "
+                            "nvfp4_act_qdq) with global scale 1 / input_scale (vLLM's "
+                            "input_global_scale_inv)", nvfp4_act_hooks(input_scales)))
+    out = FIXTURES / name
+    config = json.loads((out / "config.json").read_text())
+    (out / "hf_quant_config.json").write_text(
+        json.dumps(config.pop("quantization_config"), indent=4) + "\n")
+    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+
+
+def fp8_static_qdq(x, scale):
+    """FP8 fake-quant with a static per-tensor scale, compressed-tensors' formula as ExactScore
+    implements it (`Fp8Static`), in f32: e4m3(clamp(x / scale + 0, ±448)) * scale."""
+    q = (x.float() / scale + 0.0).clamp(-448.0, 448.0).to(torch.float8_e4m3fn).float()
+    return (q * scale).to(x.dtype)
+
+
+def make_modelopt_fp8(name):
+    """ModelOpt FP8 (`quant_algo: FP8`) as its export lays it out (packed from the format):
+    per Linear `weight` F8_E4M3, `weight_scale` F32 [] = amax / 448, `input_scale` F32 [] =
+    the input's calibrated amax / 448; the layers vLLM fuses share both scales (vLLM would
+    otherwise requantize the weights to the largest). Config in config.json's spelling."""
+    cfg, dense = tiny_config(), tiny_dense()
+    lins = linear_names(dense)
+    amax_in = input_amax(dense, cfg, lins)
+    tensors = base_tensors(dense, set(lins))
+    deq, input_scales = {}, {}
+    for layer in range(cfg["num_hidden_layers"]):
+        for fused in FUSED:
+            names = [f"model.layers.{layer}.{f}" for f in fused]
+            ws = {n: dense[n + ".weight"].float() for n in names}
+            w_scale = (max(w.abs().amax() for w in ws.values()) / 448.0).float()
+            in_scale = (max(amax_in[n] for n in names) / 448.0).float()
+            for n in names:
+                q = (ws[n] / w_scale).clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
+                tensors[f"{n}.weight"] = q
+                tensors[f"{n}.weight_scale"] = w_scale.reshape(()).clone()
+                tensors[f"{n}.input_scale"] = in_scale.reshape(()).clone()
+                deq[n] = (q.float() * w_scale).numpy()
+                input_scales[n] = in_scale
+
+    def hooks(model):
+        for n, sc in input_scales.items():
+            model.get_submodule(n).register_forward_pre_hook(
+                lambda _m, a, sc=sc: (fp8_static_qdq(a[0], sc),))
+    qconfig = {"quant_method": "modelopt", "quant_algo": "FP8", "ignore": ["lm_head"],
+               "kv_cache_scheme": None,
+               "producer": {"name": "modelopt", "version": "0.29.0"}}
+    write_variant(name, qconfig, tensors, deq,
+                  "the format's dequantization (f32(weight) * weight_scale), written from "
+                  "vLLM's ModelOptFp8LinearMethod",
+                  config=cfg, dense=dense,
+                  emulated=("FP8 static per-tensor activation fake-quant with input_scale "
+                            "(fp8_static_qdq)", hooks))
+
+
 # KV-cache quantization (compressed-tensors `kv_cache_scheme`): W4A16 weights and fp8 e4m3 K/V
 # scales calibrated by llm-compressor on the reference sequences, on a tiny base with two KV
 # heads (per-head scales differ) and sharp attention. The emulated reference is transformers with vLLM's
@@ -786,6 +1095,12 @@ def main():
         make_fp8_block("llama-fp8-block")
     if not only or "fp8-block-vectors" in only:
         make_fp8_vectors(500)
+    if not only or "llama-w8a8-int8" in only:
+        make_ct_w8a8("llama-w8a8-int8")
+    if not only or "llama-modelopt-nvfp4" in only:
+        make_modelopt_nvfp4("llama-modelopt-nvfp4")
+    if not only or "llama-modelopt-fp8" in only:
+        make_modelopt_fp8("llama-modelopt-fp8")
     for name, strategy in KV_VARIANTS.items():
         if not only or name in only:
             make_kv(name, strategy)

@@ -12,7 +12,7 @@ use exactscore_api::{Limits, ModelInfo, ReferenceInfo, ReplicaPlacement, StagePl
 use tokio::net::TcpListener;
 use tokio::sync::Semaphore;
 
-use crate::checkpoint::{check_model_dir, read_to_string, Checkpoint, LoadError};
+use crate::checkpoint::{check_model_dir, Checkpoint, LoadError};
 use crate::config::{Config, DeviceName, HttpConfig};
 use crate::engine::batcher::EngineThread;
 use crate::engine::fault::FaultInjecting;
@@ -336,7 +336,7 @@ pub struct Loaded {
 fn load_models(config: &Config) -> Result<Loaded, AppError> {
     let dir = &config.model_dir;
     check_model_dir(dir)?;
-    let model_config = ModelConfig::from_json(&read_to_string(&dir.join("config.json"))?)?;
+    let model_config = ModelConfig::from_dir(dir)?;
     let max_input_tokens = config.resolve_max_input_tokens(model_config.max_position_embeddings);
     let mut options = ModelOptions {
         linear: LinearOptions {
@@ -356,8 +356,7 @@ fn load_models(config: &Config) -> Result<Loaded, AppError> {
             let dir = &r.model_dir;
             let open = || -> Result<Source, AppError> {
                 check_model_dir(dir)?;
-                let reference_config =
-                    ModelConfig::from_json(&read_to_string(&dir.join("config.json"))?)?;
+                let reference_config = ModelConfig::from_dir(dir)?;
                 Source::open(dir, reference_config)
             };
             Some((open().map_err(of_the_reference)?, r))

@@ -541,6 +541,9 @@ const CT_ACT: &str = "llama-w4a16-actorder-g64";
 const Q_PROJ: &str = "model.layers.0.self_attn.q_proj";
 const AWQ: &str = "llama-awq-int4-g64";
 const FP8: &str = "llama-fp8-block";
+const W8A8: &str = "llama-w8a8-int8";
+const MODELOPT: &str = "llama-modelopt-nvfp4";
+const MODELOPT_FP8: &str = "llama-modelopt-fp8";
 const KV_HEAD: &str = "llama-kv-fp8-head";
 
 fn malformed_checkpoints() -> Vec<Malformed> {
@@ -983,6 +986,183 @@ fn malformed_checkpoints() -> Vec<Malformed> {
             &["tensor `model.layers.0.self_attn.o_proj.weight`", "F8_E4M3"],
         ),
         (
+            W8A8,
+            "weights labelled 4 bits",
+            |_| {},
+            |c| {
+                c["quantization_config"]["config_groups"]["group_0"]["weights"]["num_bits"] =
+                    json!(4)
+            },
+            &[
+                "tensor `model.layers.0.self_attn.q_proj.weight`",
+                "4-bit range [-8, 7]",
+            ],
+        ),
+        (
+            W8A8,
+            "channel scales read as groups of 64",
+            |_| {},
+            |c| {
+                let w = &mut c["quantization_config"]["config_groups"]["group_0"]["weights"];
+                w["strategy"] = json!("group");
+                w["group_size"] = json!(64);
+            },
+            &[
+                "tensor `model.layers.0.self_attn.q_proj.weight_scale`",
+                "[128, 1]",
+                "[128, 2]",
+            ],
+        ),
+        (
+            W8A8,
+            "asymmetric int8 activations",
+            |_| {},
+            |c| {
+                c["quantization_config"]["config_groups"]["group_0"]["input_activations"]
+                    ["symmetric"] = json!(false)
+            },
+            &[
+                "config_groups.group_0.input_activations.symmetric",
+                "asymmetric",
+            ],
+        ),
+        (
+            W8A8,
+            "an unknown activation strategy",
+            |_| {},
+            |c| {
+                c["quantization_config"]["config_groups"]["group_0"]["input_activations"]
+                    ["strategy"] = json!("batch")
+            },
+            &["config_groups.group_0.input_activations.strategy", "batch"],
+        ),
+        (
+            W8A8,
+            "static int8 activations",
+            |_| {},
+            |c| {
+                let a =
+                    &mut c["quantization_config"]["config_groups"]["group_0"]["input_activations"];
+                a["strategy"] = json!("tensor");
+                a["dynamic"] = json!(false);
+            },
+            &["config_groups.group_0.input_activations", "Tensor"],
+        ),
+        (
+            W8A8,
+            "int8 weights stored as int32",
+            |t| {
+                let w = t.get_mut("model.layers.0.mlp.up_proj.weight").unwrap();
+                w.0 = Dtype::I32;
+                w.1 = vec![256, 32];
+            },
+            |_| {},
+            &["tensor `model.layers.0.mlp.up_proj.weight`", "I32"],
+        ),
+        (
+            MODELOPT,
+            "a group size the format lacks (config.json's spelling)",
+            |_| {},
+            |c| {
+                c["quantization_config"] = json!({"quant_method": "modelopt",
+                    "quant_algo": "NVFP4", "group_size": 32, "ignore": ["lm_head"]})
+            },
+            &["config field `quantization_config.group_size`", "32"],
+        ),
+        (
+            MODELOPT,
+            "an FP8 KV cache",
+            |_| {},
+            |c| {
+                c["quantization_config"] = json!({"producer": {"name": "modelopt"},
+                    "quantization": {"quant_algo": "NVFP4", "kv_cache_quant_algo": "FP8",
+                                     "group_size": 16, "exclude_modules": ["lm_head"]}})
+            },
+            &[
+                "quantization_config.quantization.kv_cache_quant_algo",
+                "FP8",
+            ],
+        ),
+        (
+            MODELOPT,
+            "another algorithm",
+            |_| {},
+            |c| {
+                c["quantization_config"] =
+                    json!({"quant_method": "modelopt", "quant_algo": "W4A8_AWQ"})
+            },
+            &["config field `quantization_config.quant_algo`", "W4A8_AWQ"],
+        ),
+        (
+            MODELOPT,
+            "block scales not per 16 inputs",
+            |t| {
+                t.get_mut("model.layers.0.self_attn.q_proj.weight_scale")
+                    .unwrap()
+                    .1 = vec![64, 16];
+            },
+            |_| {},
+            &[
+                "tensor `model.layers.0.self_attn.q_proj.weight_scale`",
+                "[64, 16]",
+                "[128, 8]",
+            ],
+        ),
+        (
+            MODELOPT,
+            "no weight_scale_2",
+            |t| drop(t.remove("model.layers.1.mlp.down_proj.weight_scale_2")),
+            |_| {},
+            &["model.layers.1.mlp.down_proj.weight_scale_2"],
+        ),
+        (
+            MODELOPT,
+            "a zero input_scale",
+            |t| {
+                let s = t.get_mut("model.layers.0.mlp.up_proj.input_scale").unwrap();
+                s.2 = 0f32.to_le_bytes().to_vec();
+            },
+            |_| {},
+            &["model.layers.0.mlp.up_proj.input_scale", "non-zero"],
+        ),
+        (
+            MODELOPT_FP8,
+            "per-channel scales under per-tensor FP8",
+            |t| {
+                let s = t
+                    .get_mut("model.layers.0.self_attn.o_proj.weight_scale")
+                    .unwrap();
+                s.1 = vec![128, 1];
+                s.2 = s.2.repeat(128);
+            },
+            |_| {},
+            &[
+                "tensor `model.layers.0.self_attn.o_proj.weight_scale`",
+                "[128, 1]",
+                "[1, 1]",
+            ],
+        ),
+        (
+            MODELOPT_FP8,
+            "a group size on FP8",
+            |_| {},
+            |c| c["quantization_config"]["group_size"] = json!(128),
+            &["config field `quantization_config.group_size`", "128"],
+        ),
+        (
+            MODELOPT_FP8,
+            "NVFP4 codes labelled FP8",
+            |t| {
+                t.get_mut("model.layers.0.mlp.up_proj.weight").unwrap().0 = Dtype::U8;
+            },
+            |_| {},
+            &[
+                "tensor `model.layers.0.mlp.up_proj.weight`",
+                "U8",
+                "F8_E4M3",
+            ],
+        ),
+        (
             KV_HEAD,
             "a kv_cache_scheme field compressed-tensors does not have",
             |_| {},
@@ -1078,7 +1258,18 @@ fn malformed_checkpoints_of_other_formats_are_named_at_load() {
 
 #[test]
 fn unmodified_copies_of_other_formats_load() {
-    for variant in [GPTQ4, GPTQ3, MXFP4, CT_ACT, AWQ, FP8, KV_HEAD] {
+    for variant in [
+        GPTQ4,
+        GPTQ3,
+        MXFP4,
+        CT_ACT,
+        AWQ,
+        FP8,
+        W8A8,
+        MODELOPT,
+        MODELOPT_FP8,
+        KV_HEAD,
+    ] {
         let dir = edited_copy(variant, 2, |_| {}, |_| {});
         Model::load(
             dir.path(),

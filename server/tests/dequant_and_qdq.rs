@@ -99,3 +99,35 @@ fn loaded_nvfp4_layers_carry_the_checkpoint_input_global_scale() {
     let off = load("llama-nvfp4", ActivationQuantMode::Off);
     assert!(off.linears()[0].1.activation().is_none());
 }
+
+/// vLLM's `dynamic_scaled_int8_quant` then `q · scale`, bit for bit against the fixture
+/// script's torch transcription: rows of several magnitudes, an all-zero row (zeros, not NaN),
+/// ties (nearest even), and rows where a division by the scale would round differently from
+/// vLLM's product by the reciprocal.
+#[test]
+fn int8_per_token_qdq_is_bit_exact() {
+    let v = qdq_vectors("llama-w8a8-int8");
+    let input = &v["synthetic.input"];
+    let expected = &v["synthetic.input_qdq"];
+    assert_bit_exact(&ActivationQdq::Int8PerToken, input, expected, "synthetic");
+    let rows = expected.to_vec2::<f32>().unwrap();
+    assert!(rows[5].iter().all(|&x| x == 0.0), "the all-zero row");
+    // The ties row: absmax 127, so x itself is rounded: 0.5 → 0, 1.5 → 2, -0.5 → -0.
+    let ties = &rows[6];
+    assert_eq!((ties[64], ties[65], ties[63]), (0.0, 2.0, -0.0));
+    assert_eq!(ties[63].to_bits(), (-0.0f32).to_bits());
+}
+
+#[test]
+fn loaded_w8a8_layers_quantize_activations_per_token_unless_off() {
+    let model = load("llama-w8a8-int8", ActivationQuantMode::Emulate);
+    for (name, linear) in model.linears().into_iter().filter(|(n, _)| n != "lm_head") {
+        assert_eq!(
+            linear.activation(),
+            Some(&ActivationQdq::Int8PerToken),
+            "{name}"
+        );
+    }
+    let off = load("llama-w8a8-int8", ActivationQuantMode::Off);
+    assert!(off.linears()[0].1.activation().is_none());
+}

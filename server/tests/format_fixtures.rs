@@ -374,6 +374,203 @@ fn hf_fp8_edge_blocks_equal_the_block_formula() {
     }
 }
 
+const W8A8_INT8: &str = "llama-w8a8-int8";
+
+/// compressed-tensors W8A8-INT8 (llm-compressor's `W8A8`: `int-quantized` int8 weights per
+/// channel, int8 activations per token): weights-only per token against transformers on the
+/// weights compressed-tensors decompressed, and those weights bit for bit.
+#[test]
+fn w8a8_int8_weights_only_matches_compressed_tensors_per_token() {
+    let reference = reference(W8A8_INT8);
+    let (max, mean, rel) = deltas_against(W8A8_INT8, ActivationQuantMode::Off, &reference);
+    println!(
+        "{W8A8_INT8} weights only: max |Δ| {max:.2e}, mean {mean:.2e}, mean NLL rel {rel:.2e}"
+    );
+    assert!(max <= 1e-4, "max |Δlogprob| {max:e} > 1e-4");
+    assert_dequant_check(W8A8_INT8);
+    let model = load(W8A8_INT8, ActivationQuantMode::Emulate);
+    let linear = &model.linears()[0].1;
+    assert_eq!(linear.weight().describe(), "int8 channel sym");
+    // 8 bits and one bf16 scale per output row of 128 inputs.
+    assert_eq!(linear.weight().bits_per_weight(), 8.0 + 16.0 / 128.0);
+    assert_eq!(
+        linear.activation().map(|a| a.describe()),
+        Some("int8 per-token dynamic")
+    );
+}
+
+/// `--activation-quant emulate`: vLLM's per-token int8 activations, emulated as quantize then
+/// dequantize in f32 before an f32 GEMM, against transformers computing what vLLM computes
+/// (int8 codes, the GEMM exact in int32, `a_scale * (b_scale * acc)`). The two are not the
+/// same bits (the QDQ rounds `q · a_scale` and every product, the int32 GEMM rounds only the
+/// epilogue), so per token they part where a rounding flips a downstream int8 code: the
+/// match is the mean NLL within 0.1 %. Off, the per-token deltas are far above the 1e-4
+/// tolerance and above emulation's.
+#[test]
+fn w8a8_int8_emulated_activations_match_vllms_int8_gemm() {
+    let reference = reference(W8A8_INT8);
+    let emulated = &reference["reference_emulated"];
+    let (max, mean, rel) = deltas_against(W8A8_INT8, ActivationQuantMode::Emulate, emulated);
+    println!("{W8A8_INT8} emulated vs int32 GEMM: max |Δ| {max:.2e}, mean {mean:.2e}, mean NLL rel {rel:.2e}");
+    assert!(rel <= 1e-3, "mean NLL differs by {rel:e} (relative)");
+    let qdq = &reference["reference_emulated_qdq"];
+    let (qmax, qmean, qrel) = deltas_against(W8A8_INT8, ActivationQuantMode::Emulate, qdq);
+    println!(
+        "{W8A8_INT8} emulated vs QDQ + f32 GEMM: max |Δ| {qmax:.2e}, mean {qmean:.2e}, mean NLL rel {qrel:.2e}"
+    );
+    assert!(qrel <= 1e-3, "mean NLL differs by {qrel:e} (relative)");
+    let (off_max, off_mean, off_rel) =
+        deltas_against(W8A8_INT8, ActivationQuantMode::Off, emulated);
+    println!(
+        "{W8A8_INT8} off vs int32 GEMM: max |Δ| {off_max:.2e}, mean {off_mean:.2e}, mean NLL rel {off_rel:.2e}"
+    );
+    assert!(
+        off_mean > 100.0 * 1e-4,
+        "emulation off: mean |Δ| {off_mean:e}"
+    );
+    assert!(
+        off_mean > 2.0 * mean,
+        "emulation off ({off_mean:e}) is as close as on ({mean:e})"
+    );
+}
+
+const MODELOPT_NVFP4: &str = "llama-modelopt-nvfp4";
+
+/// ModelOpt NVFP4 (hf_quant_config.json, `weight` / `weight_scale` / `weight_scale_2` /
+/// `input_scale`): weights-only per token against transformers on the format's
+/// dequantization, those weights bit for bit, and the scales read in ModelOpt's direction.
+#[test]
+fn modelopt_nvfp4_weights_only_matches_the_format_per_token() {
+    let reference = reference(MODELOPT_NVFP4);
+    let (max, mean, rel) = deltas_against(MODELOPT_NVFP4, ActivationQuantMode::Off, &reference);
+    println!(
+        "{MODELOPT_NVFP4} weights only: max |Δ| {max:.2e}, mean {mean:.2e}, mean NLL rel {rel:.2e}"
+    );
+    assert!(max <= 1e-4, "max |Δlogprob| {max:e} > 1e-4");
+    assert_dequant_check(MODELOPT_NVFP4);
+    let model = load(MODELOPT_NVFP4, ActivationQuantMode::Emulate);
+    let (name, linear) = &model.linears()[0];
+    let w = linear.weight();
+    assert_eq!(w.describe(), "modelopt nvfp4 fp4 e2m1 g16 (fp8 scales)");
+    assert_eq!(w.bits_per_weight(), 4.5);
+    // The nvfp4 kernel divides by a global scale and rounds to bf16: not this format's reading.
+    assert!(
+        w.packed().is_none(),
+        "{name}: handed to the compressed-tensors kernel"
+    );
+    let ckpt = Checkpoint::open(&fixtures().join(MODELOPT_NVFP4)).unwrap();
+    let input_scale = ckpt
+        .tensor(
+            &format!("{name}.input_scale"),
+            &[safetensors::Dtype::F32],
+            None,
+            &Device::Cpu,
+        )
+        .unwrap()
+        .flatten_all()
+        .unwrap()
+        .to_vec1::<f32>()
+        .unwrap()[0];
+    assert_eq!(
+        linear.activation(),
+        Some(&exactscore_server::quant::ActivationQdq::Nvfp4 {
+            global_scale: 1.0 / input_scale
+        })
+    );
+}
+
+/// `--activation-quant emulate`: NVFP4 activations against the global scale
+/// `1 / input_scale`, against transformers with compressed-tensors' NVFP4 fake-quant of the
+/// same global scale; off misses that reference by far more.
+#[test]
+fn modelopt_nvfp4_emulated_activations_match_the_reference() {
+    let emulated = &reference(MODELOPT_NVFP4)["reference_emulated"];
+    let (max, mean, rel) = deltas_against(MODELOPT_NVFP4, ActivationQuantMode::Emulate, emulated);
+    println!(
+        "{MODELOPT_NVFP4} emulated: max |Δ| {max:.2e}, mean {mean:.2e}, mean NLL rel {rel:.2e}"
+    );
+    assert!(rel <= 1e-3, "mean NLL differs by {rel:e} (relative)");
+    let (off_max, off_mean, off_rel) =
+        deltas_against(MODELOPT_NVFP4, ActivationQuantMode::Off, emulated);
+    println!(
+        "{MODELOPT_NVFP4} off vs emulated reference: max |Δ| {off_max:.2e}, mean {off_mean:.2e}, \
+         mean NLL rel {off_rel:.2e}"
+    );
+    assert!(
+        off_mean > 100.0 * 1e-4,
+        "emulation off: mean |Δ| {off_mean:e}"
+    );
+    assert!(
+        off_mean > 10.0 * mean,
+        "emulation off ({off_mean:e}, {off_rel:e}) is as close as on ({mean:e}, {rel:e})"
+    );
+}
+
+const MODELOPT_FP8: &str = "llama-modelopt-fp8";
+
+/// ModelOpt FP8 (config.json's `quant_method: modelopt`, `quant_algo: FP8`): per-tensor fp8
+/// weights per token against transformers on the format's dequantization, bit for bit, and
+/// the static `input_scale` as the activations' scale.
+#[test]
+fn modelopt_fp8_weights_only_matches_the_format_per_token() {
+    let reference = reference(MODELOPT_FP8);
+    let (max, mean, rel) = deltas_against(MODELOPT_FP8, ActivationQuantMode::Off, &reference);
+    println!(
+        "{MODELOPT_FP8} weights only: max |Δ| {max:.2e}, mean {mean:.2e}, mean NLL rel {rel:.2e}"
+    );
+    assert!(max <= 1e-4, "max |Δlogprob| {max:e} > 1e-4");
+    assert_dequant_check(MODELOPT_FP8);
+    let model = load(MODELOPT_FP8, ActivationQuantMode::Emulate);
+    let (name, linear) = &model.linears()[0];
+    let w = linear.weight();
+    assert_eq!(w.describe(), "modelopt fp8 e4m3 tensor");
+    // 8 bits and one f32 scale per tensor of 128 x 128.
+    assert_eq!(w.bits_per_weight(), 8.0 + 32.0 / (128.0 * 128.0));
+    let ckpt = Checkpoint::open(&fixtures().join(MODELOPT_FP8)).unwrap();
+    let input_scale = ckpt
+        .tensor(
+            &format!("{name}.input_scale"),
+            &[safetensors::Dtype::F32],
+            None,
+            &Device::Cpu,
+        )
+        .unwrap()
+        .flatten_all()
+        .unwrap()
+        .to_vec1::<f32>()
+        .unwrap()[0];
+    assert_eq!(
+        linear.activation(),
+        Some(&exactscore_server::quant::ActivationQdq::Fp8Static { scale: input_scale })
+    );
+}
+
+/// `--activation-quant emulate`: static fp8 activations (`input_scale`) against transformers
+/// with the same QDQ; off misses that reference by far more.
+#[test]
+fn modelopt_fp8_emulated_activations_match_the_reference() {
+    let emulated = &reference(MODELOPT_FP8)["reference_emulated"];
+    let (max, mean, rel) = deltas_against(MODELOPT_FP8, ActivationQuantMode::Emulate, emulated);
+    println!("{MODELOPT_FP8} emulated: max |Δ| {max:.2e}, mean {mean:.2e}, mean NLL rel {rel:.2e}");
+    // One static scale: no dynamic scale for an ulp upstream to move (measured 2.2e-5).
+    assert!(max <= 1e-4, "max |Δlogprob| {max:e} > 1e-4");
+    assert!(rel <= 1e-3, "mean NLL differs by {rel:e} (relative)");
+    let (off_max, off_mean, off_rel) =
+        deltas_against(MODELOPT_FP8, ActivationQuantMode::Off, emulated);
+    println!(
+        "{MODELOPT_FP8} off vs emulated reference: max |Δ| {off_max:.2e}, mean {off_mean:.2e}, \
+         mean NLL rel {off_rel:.2e}"
+    );
+    assert!(
+        off_mean > 100.0 * 1e-4,
+        "emulation off: mean |Δ| {off_mean:e}"
+    );
+    assert!(
+        off_mean > 2.0 * mean,
+        "emulation off ({off_mean:e}) is as close as on ({mean:e})"
+    );
+}
+
 /// `variant` loaded in f32 on the CPU with the KV-cache options `kv`.
 fn load_kv(variant: &str, quant: KvCacheQuant, dtype: KvCacheDtype) -> Model {
     let mut opts = options(candle_core::DType::F32, ActivationQuantMode::Emulate);

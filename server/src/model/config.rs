@@ -261,6 +261,21 @@ impl ModelConfig {
         }
     }
 
+    /// The config.json of the checkpoint directory `dir`; where it has no
+    /// `quantization_config`, an older ModelOpt export's `hf_quant_config.json` is that.
+    pub fn from_dir(dir: &std::path::Path) -> Result<Self, LoadError> {
+        use crate::checkpoint::read_to_string;
+        let mut config = Self::from_json(&read_to_string(&dir.join("config.json"))?)?;
+        let legacy = dir.join(crate::quant::modelopt::LEGACY_CONFIG);
+        if config.quantization_config.is_none() && legacy.is_file() {
+            let raw = serde_json::from_str(&read_to_string(&legacy)?).map_err(|e| {
+                LoadError::config(crate::quant::modelopt::LEGACY_CONFIG, e.to_string())
+            })?;
+            config.quantization_config = Some(raw);
+        }
+        Ok(config)
+    }
+
     pub fn from_json(text: &str) -> Result<Self, LoadError> {
         let root: Value = serde_json::from_str(text)
             .map_err(|e| LoadError::config("config.json", e.to_string()))?;

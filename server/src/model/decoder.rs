@@ -20,7 +20,7 @@ use super::rope::{Rope, RopeTables};
 use super::scoring::{score_logits, SequenceScores};
 use super::stored_kld::{stored_rows, StoredRequest};
 use super::{deepseek, gemma, gemma4, llama, qwen3_next};
-use crate::checkpoint::{read_to_string, Checkpoint, LoadError};
+use crate::checkpoint::{Checkpoint, LoadError};
 use crate::ops;
 use crate::quant::dense::DenseWeight;
 use crate::quant::{LinearOptions, QuantLinear, QuantizationConfig, SCALE_DTYPES};
@@ -313,7 +313,7 @@ pub fn keep_sequences(x: &Tensor, lens: &[usize], keep: &[bool]) -> Result<(Tens
 impl Model {
     /// Loads the checkpoint directory `dir` (config.json + safetensors).
     pub fn load(dir: &Path, opts: &ModelOptions) -> std::result::Result<Self, LoadError> {
-        let config = ModelConfig::from_json(&read_to_string(&dir.join("config.json"))?)?;
+        let config = ModelConfig::from_dir(dir)?;
         Self::from_checkpoint(config, &Checkpoint::open(dir)?, opts)
     }
 

@@ -84,6 +84,9 @@ pub enum ActivationQdq {
     Fp8PerTokenGroup { group: usize },
     /// NVFP4: fp4 e2m1 per 16 values, fp8 group scales against a static global scale.
     Nvfp4 { global_scale: f32 },
+    /// int8, one dynamic symmetric scale per token, as vLLM's `dynamic_scaled_int8_quant`
+    /// computes it for W8A8-INT8 Linears.
+    Int8PerToken,
 }
 
 /// Smallest scale compressed-tensors allows (f32 epsilon).
@@ -100,6 +103,7 @@ impl ActivationQdq {
             Self::Fp8Static { .. } => "fp8 e4m3 per-tensor static",
             Self::Fp8PerTokenGroup { .. } => "fp8 e4m3 per-token-group dynamic",
             Self::Nvfp4 { .. } => "nvfp4 g16",
+            Self::Int8PerToken => "int8 per-token dynamic",
         }
     }
 
@@ -130,6 +134,7 @@ impl ActivationQdq {
                     qdq_nvfp4_group(group, global_scale);
                 }
             }
+            Self::Int8PerToken => qdq_int8_token(row),
         }
     }
 }
@@ -163,6 +168,26 @@ fn qdq_nvfp4_group(group: &mut [f32], global_scale: f32) {
     }
 }
 
+/// vLLM's `dynamic_scaled_int8_quant_kernel` (csrc/quantization/compressed_tensors/
+/// int8_quant_kernels.cu) followed by the dequantization its GEMM's epilogue applies: scale =
+/// absmax / 127, q = `cvt.rni.sat.s8`(x · (127 / absmax)) (a product by the reciprocal, not a
+/// division; nearest even; saturated to [-128, 127]), x' = q · scale. An all-zero row gives
+/// NaN products there (0 · inf), which the conversion turns into 0.
+fn qdq_int8_token(row: &mut [f32]) {
+    let absmax = row.iter().fold(0f32, |m, v| m.max(v.abs()));
+    let scale = absmax / 127.0;
+    let reciprocal = 127.0 / absmax;
+    for v in row {
+        let q = (*v * reciprocal).round_ties_even();
+        let q = if q.is_nan() {
+            0.0
+        } else {
+            q.clamp(-128.0, 127.0)
+        };
+        *v = q * scale;
+    }
+}
+
 /// `qdq` of `x` (`[tokens, k]`, any float dtype), computed in f32 and returned in x's dtype:
 /// one kernel on a GPU; row by row on the CPU ([`ActivationQdq::qdq_row`]).
 pub fn activation_qdq(x: &Tensor, qdq: &ActivationQdq) -> Result<Tensor> {
@@ -172,7 +197,7 @@ pub fn activation_qdq(x: &Tensor, qdq: &ActivationQdq) -> Result<Tensor> {
             ActivationQdq::Fp8Static { scale } => return gpu::qdq_fp8(x, Some(scale)),
             ActivationQdq::Nvfp4 { global_scale } => return gpu::qdq_nvfp4(x, global_scale),
             // No kernel yet: the rows go through the host (below) and back.
-            ActivationQdq::Fp8PerTokenGroup { .. } => {}
+            ActivationQdq::Fp8PerTokenGroup { .. } | ActivationQdq::Int8PerToken => {}
         }
     }
     let (rows, k) = x.dims2()?;

@@ -43,6 +43,7 @@ impl ActivationQdq {
             (QuantType::Float, 8, Strategy::Tensor) => Self::Fp8Static {
                 scale: load_scalar(ckpt, &format!("{name}.input_scale"))?,
             },
+            (QuantType::Int, 8, Strategy::Token) => Self::Int8PerToken,
             (QuantType::Float, 4, Strategy::TensorGroup) => Self::Nvfp4 {
                 global_scale: load_scalar(ckpt, &format!("{name}.input_global_scale"))?,
             },

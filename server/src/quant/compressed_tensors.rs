@@ -32,6 +32,11 @@ pub enum Format {
     Awq,
     /// Hugging Face FP8 (`quant_method: fp8`): e4m3 weights, `weight_scale_inv` per block.
     HfFp8,
+    /// NVIDIA ModelOpt NVFP4 (`quant_method: modelopt`): NVFP4 codes in `weight`, a
+    /// multiplying `weight_scale_2`, a static `input_scale`.
+    ModeloptNvfp4,
+    /// NVIDIA ModelOpt FP8: e4m3 `weight`, per-tensor `weight_scale`, static `input_scale`.
+    ModeloptFp8,
 }
 
 impl Format {
@@ -65,6 +70,8 @@ impl Format {
             Self::GptqV2 => "gptq_v2",
             Self::Awq => "awq",
             Self::HfFp8 => "fp8",
+            Self::ModeloptNvfp4 => "modelopt nvfp4",
+            Self::ModeloptFp8 => "modelopt fp8",
         }
     }
 }
@@ -349,7 +356,8 @@ pub(crate) fn skip_pattern(key: &str, field: &str) -> Result<Regex, LoadError> {
 fn unsupported_method(method: Option<&str>) -> String {
     const READS: &str = "ExactScore reads compressed-tensors checkpoints (quant_method \
                          \"compressed-tensors\": what llm-compressor writes and vLLM serves), \
-                         native GPTQ (\"gptq\"), AWQ (\"awq\") and FP8 (\"fp8\")";
+                         native GPTQ (\"gptq\"), AWQ (\"awq\"), FP8 (\"fp8\") and ModelOpt \
+                         NVFP4 (\"modelopt\")";
     match method {
         Some(m) => format!(
             "\"{m}\" is not supported. {READS}: quantize the original with llm-compressor, \
@@ -366,6 +374,11 @@ impl QuantizationConfig {
             Some("gptq") => return Self::gptq(raw),
             Some("awq") => return Self::awq(raw),
             Some("fp8") => return Self::hf_fp8(raw),
+            Some("modelopt") => return Self::modelopt(raw),
+            // hf_quant_config.json names its producer instead.
+            None if raw.pointer("/producer/name").and_then(Value::as_str) == Some("modelopt") => {
+                return Self::modelopt(raw)
+            }
             _ => {}
         }
         let cfg: RawConfig = serde_json::from_value(raw.clone())
@@ -542,6 +555,20 @@ impl QuantizationConfig {
         })
     }
 
+    /// A ModelOpt config as one group: every Linear but the excluded modules.
+    fn modelopt(raw: &Value) -> Result<Self, LoadError> {
+        let cfg = super::modelopt::parse_config(raw)?;
+        Ok(Self {
+            groups: vec![Group {
+                name: cfg.scheme.group.clone(),
+                targets: vec![Target::Class("Linear".into())],
+                scheme: cfg.scheme,
+            }],
+            ignore: cfg.excluded.into_iter().map(Target::Regex).collect(),
+            kv_cache: None,
+        })
+    }
+
     /// The scheme of the module `name` of class `class` (`Linear`, `Embedding`), or `None`
     /// when it is not quantized.
     pub fn scheme_for(&self, name: &str, class: &str) -> Result<Option<&LayerScheme>, LoadError> {
@@ -644,7 +671,12 @@ fn check_scheme(s: &LayerScheme) -> Result<(), LoadError> {
             }
         }
         // Checked where the GPTQ and AWQ configs are parsed (`super::gptq`, `super::awq`).
-        Format::Gptq | Format::GptqV2 | Format::Awq | Format::HfFp8 => {}
+        Format::Gptq
+        | Format::GptqV2
+        | Format::Awq
+        | Format::HfFp8
+        | Format::ModeloptNvfp4
+        | Format::ModeloptFp8 => {}
         Format::FloatQuantized => {
             if w.kind != QuantType::Float || w.num_bits != 8 || !w.symmetric {
                 return Err(bad(
@@ -686,7 +718,10 @@ fn check_scheme(s: &LayerScheme) -> Result<(), LoadError> {
             ),
         ));
     }
-    if s.format == Format::HfFp8 {
+    if matches!(
+        s.format,
+        Format::HfFp8 | Format::ModeloptNvfp4 | Format::ModeloptFp8
+    ) {
         return Ok(());
     }
     if w.dynamic {
@@ -696,7 +731,15 @@ fn check_scheme(s: &LayerScheme) -> Result<(), LoadError> {
         ));
     }
     if let Some(a) = &s.input_activations {
+        if a.kind == QuantType::Int && !a.symmetric {
+            // vLLM's azp path adds a zero-point correction term to the GEMM: not emulated.
+            return Err(bad(
+                "input_activations.symmetric",
+                "asymmetric int8 activations (a zero point per token) are not supported".into(),
+            ));
+        }
         let supported = match (a.kind, a.num_bits, a.strategy) {
+            (QuantType::Int, 8, Strategy::Token) => a.dynamic,
             (QuantType::Float, 8, Strategy::Token) => a.dynamic && a.symmetric,
             (QuantType::Float, 8, Strategy::Tensor) => !a.dynamic && a.symmetric,
             (QuantType::Float, 4, Strategy::TensorGroup) => a.group_size == Some(16) && a.symmetric,
@@ -707,7 +750,7 @@ fn check_scheme(s: &LayerScheme) -> Result<(), LoadError> {
                 "input_activations",
                 format!(
                     "{:?} {} bits, strategy {:?}, dynamic {} is not supported (fp8 per-token dynamic, \
-                     fp8 per-tensor static, nvfp4 group 16)",
+                     fp8 per-tensor static, nvfp4 group 16, int8 per-token dynamic)",
                     a.kind, a.num_bits, a.strategy, a.dynamic
                 ),
             ));
@@ -795,11 +838,40 @@ mod tests {
     }
 
     #[test]
-    fn int8_activations_are_refused_not_guessed() {
-        let mut c = w4a16(json!(["Linear"]), json!([]));
-        c["config_groups"]["group_0"]["weights"]["num_bits"] = json!(8);
-        c["config_groups"]["group_0"]["input_activations"] = json!({"num_bits": 8, "type": "int", "symmetric": true, "strategy": "token", "dynamic": true});
-        let e = QuantizationConfig::parse(&c).err().unwrap().to_string();
-        assert!(e.contains("input_activations"), "{e}");
+    fn int8_activations_per_token_are_read_and_the_rest_refused_by_name() {
+        let w8a8 = |act: Value| {
+            let mut c = w4a16(json!(["Linear"]), json!([]));
+            c["config_groups"]["group_0"]["weights"] = json!({"num_bits": 8, "type": "int",
+                "symmetric": true, "strategy": "channel"});
+            c["config_groups"]["group_0"]["input_activations"] = act;
+            c["format"] = json!("int-quantized");
+            QuantizationConfig::parse(&c)
+        };
+        let cfg = w8a8(json!({"num_bits": 8, "type": "int", "symmetric": true,
+            "strategy": "token", "dynamic": true}))
+        .unwrap();
+        let s = cfg.scheme_for("model.layers.0.mlp.up_proj", "Linear");
+        let act = s.unwrap().unwrap().input_activations.clone().unwrap();
+        assert_eq!(
+            (act.kind, act.num_bits, act.strategy),
+            (QuantType::Int, 8, Strategy::Token)
+        );
+        // llm-compressor's asymmetric int8 activations: refused by name.
+        let e = w8a8(json!({"num_bits": 8, "type": "int", "symmetric": false,
+            "strategy": "token", "dynamic": true}))
+        .err()
+        .unwrap()
+        .to_string();
+        assert!(e.contains("input_activations.symmetric"), "{e}");
+        // Static per-tensor int8 activations: not implemented, refused.
+        let e = w8a8(json!({"num_bits": 8, "type": "int", "symmetric": true,
+            "strategy": "tensor", "dynamic": false}))
+        .err()
+        .unwrap()
+        .to_string();
+        assert!(
+            e.contains("input_activations") && e.contains("Tensor"),
+            "{e}"
+        );
     }
 }

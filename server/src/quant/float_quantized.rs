@@ -98,6 +98,7 @@ impl QuantizedWeight for Fp8Weight {
         };
         let source = match self.format {
             Format::HfFp8 => "hf",
+            Format::ModeloptFp8 => "modelopt",
             _ => "float-quantized",
         };
         format!("{source} fp8 e4m3 {how}")

@@ -9,6 +9,7 @@ pub mod float_quantized;
 pub mod gptq;
 pub mod hf_fp8;
 pub mod kv_cache;
+pub mod modelopt;
 pub mod mxfp4;
 pub mod nvfp4;
 pub mod pack_quantized;
@@ -409,11 +410,20 @@ pub fn load_linear(
                 Box::new(nvfp4::Nvfp4Weight::load(ckpt, name, (out, inp), dev)?),
                 vec!["weight_packed", "weight_scale", "weight_global_scale"],
             ),
+            Format::ModeloptNvfp4 => (
+                Box::new(nvfp4::Nvfp4Weight::load_modelopt(
+                    ckpt,
+                    name,
+                    (out, inp),
+                    dev,
+                )?),
+                vec!["weight", "weight_scale", "weight_scale_2"],
+            ),
             Format::Mxfp4PackQuantized => (
                 Box::new(mxfp4::Mxfp4Weight::load(ckpt, name, (out, inp), dev)?),
                 vec!["weight_packed", "weight_scale"],
             ),
-            Format::FloatQuantized | Format::HfFp8 => (
+            Format::FloatQuantized | Format::HfFp8 | Format::ModeloptFp8 => (
                 Box::new(float_quantized::Fp8Weight::load(
                     ckpt,
                     name,
@@ -440,7 +450,10 @@ pub fn load_linear(
     let activation = match scheme.and_then(|s| s.input_activations.as_ref()) {
         Some(args) => {
             used.extend(["input_global_scale", "input_scale", "input_zero_point"]);
-            let qdq = ActivationQdq::load(ckpt, name, args)?;
+            let qdq = match scheme.map(|s| s.format) {
+                Some(Format::ModeloptNvfp4) => modelopt::input_qdq(ckpt, name)?,
+                _ => ActivationQdq::load(ckpt, name, args)?,
+            };
             (opts.activation_quant == ActivationQuantMode::Emulate).then_some(qdq)
         }
         None => None,

@@ -50,7 +50,7 @@ impl Mxfp4Weight {
         device: &Device,
     ) -> std::result::Result<Self, LoadError> {
         // on the host first: the NVFP4 form of the scales is derived from the codes
-        let packed = load_fp4_codes(ckpt, name, (out, inp), GROUP, &Device::Cpu)?;
+        let packed = load_fp4_codes(ckpt, name, "weight_packed", (out, inp), GROUP, &Device::Cpu)?;
         let scale_name = format!("{name}.weight_scale");
         let exponents = ckpt
             .tensor(

@@ -1,8 +1,12 @@
-//! `nvfp4-pack-quantized`: fp4 e2m1 codes (two per byte, low nibble first), one fp8 e4m3 scale
-//! per 16 weights, and an f32 global scale that divides.
+//! NVFP4 weights: fp4 e2m1 codes (two per byte, low nibble first), one fp8 e4m3 scale per 16
+//! weights, and an f32 per-tensor scale, in two spellings:
 //!
-//! `w = bf16(fp4(code) * (f32(fp8(scale)) / global))`: compressed-tensors always produces bf16
-//! here, so the f32 reference is rounded to bf16 too.
+//! * compressed-tensors `nvfp4-pack-quantized`: codes in `weight_packed`, a global scale that
+//!   divides (`weight_global_scale`): `w = bf16(fp4(code) * (f32(fp8(scale)) / global))`;
+//!   compressed-tensors always produces bf16 here, so the f32 reference is rounded to bf16 too.
+//! * ModelOpt (`super::modelopt`): codes in `weight`, a scale that multiplies
+//!   (`weight_scale_2`): `w = fp4(code) * (f32(fp8(scale)) * weight_scale_2)` in f32, as
+//!   ModelOpt's `NVFP4QTensor` dequantizes (per-block scale first), not rounded to bf16.
 
 use candle_core::{Device, Result, Tensor};
 use safetensors::Dtype as StDtype;
@@ -14,19 +18,29 @@ use crate::ops::Packed;
 
 pub const GROUP: usize = 16;
 
+/// The per-tensor scale and what it does to the per-block scales.
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum PerTensor {
+    /// compressed-tensors' `weight_global_scale`: divides; the weight rounded to bf16.
+    Divides(f32),
+    /// ModelOpt's `weight_scale_2`: multiplies; the weight kept in f32.
+    Multiplies(f32),
+}
+
 pub struct Nvfp4Weight {
     out: usize,
     inp: usize,
     packed: Tensor,
     scale: Tensor,
-    global_scale: f32,
+    per_tensor: PerTensor,
 }
 
-/// `{name}.weight_packed`: fp4 codes two per byte `[out, in / 2]` (NVFP4's and MXFP4's
-/// packing), for `in` a multiple of the scale `group`.
+/// `{name}.{codes}`: fp4 codes two per byte `[out, in / 2]` (NVFP4's and MXFP4's packing), for
+/// `in` a multiple of the scale `group`.
 pub(crate) fn load_fp4_codes(
     ckpt: &Checkpoint,
     name: &str,
+    codes: &str,
     (out, inp): (usize, usize),
     group: usize,
     device: &Device,
@@ -39,7 +53,7 @@ pub(crate) fn load_fp4_codes(
         });
     }
     ckpt.tensor(
-        &format!("{name}.weight_packed"),
+        &format!("{name}.{codes}"),
         &[StDtype::U8],
         Some(&[out, inp / 2]),
         device,
@@ -47,32 +61,73 @@ pub(crate) fn load_fp4_codes(
 }
 
 impl Nvfp4Weight {
+    /// compressed-tensors' spelling: `weight_packed`, `weight_scale`, `weight_global_scale`.
     pub fn load(
         ckpt: &Checkpoint,
         name: &str,
-        (out, inp): (usize, usize),
+        shape: (usize, usize),
         device: &Device,
     ) -> std::result::Result<Self, LoadError> {
-        let packed = load_fp4_codes(ckpt, name, (out, inp), GROUP, device)?;
+        let global = load_scalar(ckpt, &format!("{name}.weight_global_scale"))?;
+        Self::load_codes(
+            ckpt,
+            name,
+            "weight_packed",
+            shape,
+            PerTensor::Divides(global),
+            device,
+        )
+    }
+
+    /// ModelOpt's spelling: `weight`, `weight_scale`, `weight_scale_2`.
+    pub fn load_modelopt(
+        ckpt: &Checkpoint,
+        name: &str,
+        shape: (usize, usize),
+        device: &Device,
+    ) -> std::result::Result<Self, LoadError> {
+        let scale_2 = load_scalar(ckpt, &format!("{name}.weight_scale_2"))?;
+        Self::load_codes(
+            ckpt,
+            name,
+            "weight",
+            shape,
+            PerTensor::Multiplies(scale_2),
+            device,
+        )
+    }
+
+    fn load_codes(
+        ckpt: &Checkpoint,
+        name: &str,
+        codes: &str,
+        (out, inp): (usize, usize),
+        per_tensor: PerTensor,
+        device: &Device,
+    ) -> std::result::Result<Self, LoadError> {
+        let packed = load_fp4_codes(ckpt, name, codes, (out, inp), GROUP, device)?;
         let scale = ckpt.tensor(
             &format!("{name}.weight_scale"),
             &[StDtype::F8_E4M3],
             Some(&[out, inp / GROUP]),
             device,
         )?;
-        let global_scale = load_scalar(ckpt, &format!("{name}.weight_global_scale"))?;
         Ok(Self {
             out,
             inp,
             packed,
             scale,
-            global_scale,
+            per_tensor,
         })
     }
 
-    /// The global scale (a divisor), for GPU kernels that decode the same bytes.
-    pub fn global_scale(&self) -> f32 {
-        self.global_scale
+    /// The global scale (a divisor), for GPU kernels that decode the same bytes; `None` for a
+    /// ModelOpt weight, whose scale multiplies and which is not rounded to bf16.
+    pub fn global_scale(&self) -> Option<f32> {
+        match self.per_tensor {
+            PerTensor::Divides(g) => Some(g),
+            PerTensor::Multiplies(_) => None,
+        }
     }
 }
 
@@ -82,7 +137,11 @@ impl QuantizedWeight for Nvfp4Weight {
     }
 
     fn describe(&self) -> String {
-        "nvfp4-pack-quantized fp4 e2m1 g16 (fp8 scales)".into()
+        let source = match self.per_tensor {
+            PerTensor::Divides(_) => "nvfp4-pack-quantized",
+            PerTensor::Multiplies(_) => "modelopt nvfp4",
+        };
+        format!("{source} fp4 e2m1 g16 (fp8 scales)")
     }
 
     fn bits_per_weight(&self) -> f64 {
@@ -96,8 +155,15 @@ impl QuantizedWeight for Nvfp4Weight {
             .flatten_all()?
             .to_vec1::<u8>()?
             .into_iter()
-            .map(|b| fp8_e4m3_to_f32(b) / self.global_scale)
+            .map(|b| match self.per_tensor {
+                PerTensor::Divides(g) => fp8_e4m3_to_f32(b) / g,
+                PerTensor::Multiplies(m) => fp8_e4m3_to_f32(b) * m,
+            })
             .collect();
+        let round = match self.per_tensor {
+            PerTensor::Divides(_) => bf16_round,
+            PerTensor::Multiplies(_) => std::convert::identity,
+        };
         let groups = self.inp / GROUP;
         let mut w = Vec::with_capacity(self.out * self.inp);
         for r in 0..self.out {
@@ -105,17 +171,19 @@ impl QuantizedWeight for Nvfp4Weight {
                 let byte = bytes[(r * self.inp + c) / 2];
                 let nibble = if c % 2 == 0 { byte & 0x0F } else { byte >> 4 };
                 let s = scales[r * groups + c / GROUP];
-                w.push(bf16_round(fp4_e2m1_to_f32(nibble) * s));
+                w.push(round(fp4_e2m1_to_f32(nibble) * s));
             }
         }
         Ok(w)
     }
 
+    /// The nvfp4 kernel divides and rounds to bf16: a ModelOpt weight has no kernel yet and is
+    /// dequantized by the reference (on the host).
     fn packed(&self) -> Option<Packed<'_>> {
         Some(Packed::Nvfp4 {
             packed: &self.packed,
             scale: &self.scale,
-            global_scale: self.global_scale,
+            global_scale: self.global_scale()?,
         })
     }
 }

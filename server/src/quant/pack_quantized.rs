@@ -124,7 +124,20 @@ impl IntWeight {
                 Some(&[out, inp]),
                 cpu,
             )?;
-            let words: Vec<i32> = signed_bytes(&bytes)?
+            let codes = signed_bytes(&bytes)?;
+            // One byte per code holds any width: a code outside `bits` means mislabelled bits.
+            let (lo, hi) = (-(1i32 << (bits - 1)), (1i32 << (bits - 1)) - 1);
+            if let Some(i) = codes.iter().position(|c| !(lo..=hi).contains(c)) {
+                return Err(LoadError::BadTensor {
+                    name: format!("{name}.weight"),
+                    reason: format!(
+                        "code {} at element {i} is outside the {bits}-bit range [{lo}, {hi}] \
+                         that weights.num_bits declares",
+                        codes[i]
+                    ),
+                });
+            }
+            let words: Vec<i32> = codes
                 .chunks(inp)
                 .flat_map(|row| pack_int32(row, bits))
                 .collect();

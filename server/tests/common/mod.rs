@@ -155,6 +155,11 @@ pub fn edited_copy(
         serde_json::from_str(&std::fs::read_to_string(src.join("config.json")).unwrap()).unwrap();
     config_edit(&mut config);
     std::fs::write(dir.path().join("config.json"), config.to_string()).unwrap();
+    // An older ModelOpt export's quantization config lies beside config.json.
+    let legacy = src.join("hf_quant_config.json");
+    if legacy.is_file() {
+        std::fs::copy(&legacy, dir.path().join("hf_quant_config.json")).unwrap();
+    }
     dir
 }
 

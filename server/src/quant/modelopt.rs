@@ -1,0 +1,214 @@
+//! NVIDIA ModelOpt checkpoints (`quant_method: modelopt`, NVIDIA's `*-FP4` and `*-FP8`
+//! releases), read as vLLM's `ModelOptNvFp4Config` and `ModelOptFp8Config` read them. FP8 per
+//! Linear: `weight` F8_E4M3, `weight_scale` F32 scalar, `input_scale` F32 scalar (a static
+//! activation scale), the tensor strategy of [`super::float_quantized`]. NVFP4 per Linear: `weight` U8 `[out, in / 2]`
+//! (fp4 e2m1 codes, low nibble first), `weight_scale` F8_E4M3 `[out, in / 16]`,
+//! `weight_scale_2` F32 (a per-tensor scale that multiplies: compressed-tensors stores its
+//! inverse as `weight_global_scale`) and `input_scale` F32 (the activations' per-tensor scale;
+//! vLLM quantizes the input to NVFP4 against the global scale `1 / input_scale`).
+//!
+//! The config comes in two spellings: config.json's `quantization_config` `{"quant_method":
+//! "modelopt", "quant_algo": "NVFP4", "group_size": 16, "ignore": [...], "kv_cache_scheme":
+//! ...}`, and the legacy `hf_quant_config.json` `{"producer": ..., "quantization":
+//! {"quant_algo", "group_size", "kv_cache_quant_algo", "exclude_modules"}}`.
+
+use regex::Regex;
+use serde_json::Value;
+
+use super::compressed_tensors::{Format, LayerScheme, QuantArgs, QuantType, Strategy};
+use super::{load_scalar, ActivationQdq};
+use crate::checkpoint::{Checkpoint, LoadError};
+
+/// The file an older ModelOpt export keeps its config in, beside a config.json without
+/// `quantization_config`.
+pub const LEGACY_CONFIG: &str = "hf_quant_config.json";
+
+/// The NVFP4 block: one fp8 scale per 16 weights (and activations).
+pub const GROUP: usize = 16;
+
+const ROOT: &str = "quantization_config";
+
+/// The one scheme of a ModelOpt config and the modules it leaves unquantized.
+pub struct ModeloptConfig {
+    pub scheme: LayerScheme,
+    /// `exclude_modules` / `ignore`, each matched as vLLM matches it: a shell wildcard over
+    /// the whole module name, or a substring of it.
+    pub excluded: Vec<Regex>,
+}
+
+/// Parses a ModelOpt config (either spelling); refuses every algorithm and option that is not
+/// implemented, by name.
+pub fn parse_config(raw: &Value) -> Result<ModeloptConfig, LoadError> {
+    // The legacy file nests the keys under `quantization`.
+    let (cfg, prefix) = match raw.get("quantization") {
+        Some(inner) => (inner, format!("{ROOT}.quantization")),
+        None => (raw, ROOT.to_string()),
+    };
+    let field = |f: &str| format!("{prefix}.{f}");
+    let get = |key: &str| cfg.get(key).filter(|v| !v.is_null());
+    let algo = get("quant_algo")
+        .and_then(Value::as_str)
+        .ok_or_else(|| LoadError::config(field("quant_algo"), "missing or not a string"))?;
+    let format = match algo.to_ascii_uppercase().as_str() {
+        "NVFP4" => Format::ModeloptNvfp4,
+        "FP8" => Format::ModeloptFp8,
+        _ => {
+            return Err(LoadError::config(
+                field("quant_algo"),
+                format!(
+                    "`{algo}` is not supported (NVFP4, FP8; W4A16_NVFP4, \
+                     FP8_PER_CHANNEL_PER_TOKEN, FP8_PB_WO, MXFP8 and MIXED_PRECISION are not \
+                     implemented)"
+                ),
+            ))
+        }
+    };
+    if let Some(v) = get("kv_cache_quant_algo") {
+        return Err(LoadError::config(
+            field("kv_cache_quant_algo"),
+            format!("{v}: KV-cache quantization is not supported"),
+        ));
+    }
+    if let Some(v) = get("kv_cache_scheme") {
+        return Err(LoadError::config(
+            field("kv_cache_scheme"),
+            format!("{v}: KV-cache quantization is not supported"),
+        ));
+    }
+    match get("group_size") {
+        None => {}
+        Some(v) if v.as_u64() == Some(GROUP as u64) && format == Format::ModeloptNvfp4 => {}
+        Some(v) => {
+            return Err(LoadError::config(
+                field("group_size"),
+                format!("{v} is not supported (NVFP4's block is {GROUP}; FP8 has none)"),
+            ))
+        }
+    }
+    if let Some(v) = get("nvfp4_embed").filter(|v| v.as_bool() != Some(false)) {
+        return Err(LoadError::config(
+            field("nvfp4_embed"),
+            format!("{v}: NVFP4 embeddings are not supported"),
+        ));
+    }
+    let key = ["exclude_modules", "ignore"]
+        .into_iter()
+        .find(|k| get(k).is_some())
+        .unwrap_or("exclude_modules");
+    let excluded = match get(key) {
+        None => Vec::new(),
+        Some(v) => {
+            let names: Option<Vec<&str>> = v
+                .as_array()
+                .and_then(|l| l.iter().map(Value::as_str).collect());
+            names
+                .ok_or_else(|| LoadError::config(field(key), format!("{v} is not a list")))?
+                .into_iter()
+                .map(|p| exclude_pattern(p, &field(key)))
+                .collect::<Result<_, _>>()?
+        }
+    };
+    let fp4 = |dynamic| QuantArgs {
+        num_bits: 4,
+        kind: QuantType::Float,
+        symmetric: true,
+        strategy: Strategy::TensorGroup,
+        group_size: Some(GROUP),
+        block_structure: None,
+        dynamic,
+        actorder: false,
+    };
+    // FP8: e4m3 weights with one scale per tensor, activations with a static one
+    // (`input_scale`), as compressed-tensors' float-quantized tensor strategy.
+    let fp8 = QuantArgs {
+        num_bits: 8,
+        strategy: Strategy::Tensor,
+        group_size: None,
+        ..fp4(false)
+    };
+    let (weights, input_activations) = match format {
+        Format::ModeloptNvfp4 => (fp4(false), fp4(true)),
+        _ => (fp8.clone(), fp8),
+    };
+    Ok(ModeloptConfig {
+        scheme: LayerScheme {
+            group: "modelopt".into(),
+            format,
+            weights,
+            input_activations: Some(input_activations),
+        },
+        excluded,
+    })
+}
+
+/// vLLM's `is_layer_excluded`: `fnmatch(name, pattern)` (`*` any run, `?` one character) or
+/// the pattern a substring of the name.
+fn exclude_pattern(pattern: &str, field: &str) -> Result<Regex, LoadError> {
+    let wildcard: String = pattern
+        .chars()
+        .map(|c| match c {
+            '*' => ".*".to_string(),
+            '?' => ".".to_string(),
+            c => regex::escape(&c.to_string()),
+        })
+        .collect();
+    Regex::new(&format!("^(?:{wildcard})$|{}", regex::escape(pattern)))
+        .map_err(|e| LoadError::config(field, format!("bad pattern `{pattern}`: {e}")))
+}
+
+/// The activation QDQ of a ModelOpt NVFP4 Linear: NVFP4 per 16 inputs against the global
+/// scale `1 / input_scale` (vLLM's `input_global_scale_inv`, an f32 division).
+pub fn input_qdq(ckpt: &Checkpoint, name: &str) -> Result<ActivationQdq, LoadError> {
+    let input_scale = load_scalar(ckpt, &format!("{name}.input_scale"))?;
+    Ok(ActivationQdq::Nvfp4 {
+        global_scale: 1.0 / input_scale,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    #[test]
+    fn both_spellings_read_and_exclusions_match_as_vllm() {
+        let legacy = json!({"producer": {"name": "modelopt", "version": "0.29.0"},
+            "quantization": {"quant_algo": "NVFP4", "kv_cache_quant_algo": null,
+                             "group_size": 16, "exclude_modules": ["lm_head", "model.layers.1*"]}});
+        let flat = json!({"quant_method": "modelopt", "quant_algo": "NVFP4", "group_size": 16,
+                          "ignore": ["lm_head", "model.layers.1*"]});
+        for raw in [legacy, flat] {
+            let cfg = parse_config(&raw).unwrap();
+            let excluded = |n: &str| cfg.excluded.iter().any(|r| r.is_match(n));
+            assert!(excluded("lm_head"));
+            assert!(excluded("model.layers.1.mlp.up_proj"));
+            assert!(excluded("model.layers.12.mlp.up_proj"));
+            assert!(!excluded("model.layers.0.mlp.up_proj"));
+            assert_eq!(cfg.scheme.format, Format::ModeloptNvfp4);
+        }
+    }
+
+    #[test]
+    fn other_algorithms_kv_cache_and_groups_are_refused_by_name() {
+        let refused = |raw: Value, needle: &str| {
+            let e = parse_config(&raw).err().unwrap().to_string();
+            assert!(e.contains(needle), "{e} lacks {needle}");
+        };
+        refused(
+            json!({"quant_method": "modelopt", "quant_algo": "FP8_PB_WO"}),
+            "quantization_config.quant_algo",
+        );
+        refused(
+            json!({"quant_method": "modelopt", "quant_algo": "FP8", "group_size": 16}),
+            "quantization_config.group_size",
+        );
+        refused(
+            json!({"quantization": {"quant_algo": "NVFP4", "kv_cache_quant_algo": "FP8"}}),
+            "quantization_config.quantization.kv_cache_quant_algo",
+        );
+        refused(
+            json!({"quant_method": "modelopt", "quant_algo": "NVFP4", "group_size": 32}),
+            "quantization_config.group_size",
+        );
+    }
+}
