@@ -608,6 +608,10 @@ const CHECKED: &[&str] = &[
     "deepseek_v2-w4a16-g32",
     "deepseek_v2-fp8-dynamic",
     "mistral4-w4a16-g32",
+    // compressed-tensors W8A8-INT8 (int8 per-token activations); ModelOpt NVFP4 and FP8
+    "llama-w8a8-int8",
+    "llama-modelopt-nvfp4",
+    "llama-modelopt-fp8",
     // an fp8 KV-cache scheme, per tensor and per KV head (emulated: the default)
     "llama-kv-fp8-tensor",
     "llama-kv-fp8-head",
