@@ -273,6 +273,37 @@ fn deltas_against(variant: &str, act: ActivationQuantMode, block: &Value) -> (f6
     deltas_of(&load(variant, act), variant, block)
 }
 
+/// `variant` with its activations emulated against its emulated reference `emulated` (the
+/// mean NLL within 0.1 %), then with emulation off against the same reference, which must miss
+/// it: a mean |Δ| over 100× the per-token tolerance and over `factor` × emulation's. Returns
+/// (on, off) as (max |Δ|, mean |Δ|, mean NLL relative).
+fn assert_emulation_matters(
+    variant: &str,
+    emulated: &Value,
+    factor: f64,
+) -> ((f64, f64, f64), (f64, f64, f64)) {
+    let (max, mean, rel) = deltas_against(variant, ActivationQuantMode::Emulate, emulated);
+    println!("{variant} emulated: max |Δ| {max:.2e}, mean {mean:.2e}, mean NLL rel {rel:.2e}");
+    assert!(
+        rel <= 1e-3,
+        "{variant}: mean NLL differs by {rel:e} (relative)"
+    );
+    let (off_max, off_mean, off_rel) = deltas_against(variant, ActivationQuantMode::Off, emulated);
+    println!(
+        "{variant} off vs emulated reference: max |Δ| {off_max:.2e}, mean {off_mean:.2e}, \
+         mean NLL rel {off_rel:.2e}"
+    );
+    assert!(
+        off_mean > 100.0 * 1e-4,
+        "{variant}: emulation off: mean |Δ| {off_mean:e}"
+    );
+    assert!(
+        off_mean > factor * mean,
+        "{variant}: emulation off ({off_mean:e}, {off_rel:e}) is as close as on ({mean:e}, {rel:e})"
+    );
+    ((max, mean, rel), (off_max, off_mean, off_rel))
+}
+
 /// [`deltas_against`] of a loaded `model` of `variant`.
 fn deltas_of(model: &Model, variant: &str, block: &Value) -> (f64, f64, f64) {
     let reference = reference(variant);
@@ -326,22 +357,10 @@ fn hf_fp8_block_weights_only_matches_transformers_per_token() {
 #[test]
 fn hf_fp8_block_emulated_activations_match_the_vllm_emulation() {
     let emulated = &reference(FP8_BLOCK)["reference_emulated"];
-    let (max, mean, rel) = deltas_against(FP8_BLOCK, ActivationQuantMode::Emulate, emulated);
-    println!("{FP8_BLOCK} emulated: max |Δ| {max:.2e}, mean {mean:.2e}, mean NLL rel {rel:.2e}");
-    assert!(rel <= 1e-3, "mean NLL differs by {rel:e} (relative)");
-    let (off_max, off_mean, off_rel) =
-        deltas_against(FP8_BLOCK, ActivationQuantMode::Off, emulated);
-    println!(
-        "{FP8_BLOCK} off vs emulated reference: max |Δ| {off_max:.2e}, mean {off_mean:.2e}, \
-         mean NLL rel {off_rel:.2e}"
-    );
+    let ((_, _, rel), (_, _, off_rel)) = assert_emulation_matters(FP8_BLOCK, emulated, 2.0);
     assert!(
-        off_mean > 100.0 * 1e-4,
-        "emulation off: mean |Δ| {off_mean:e}"
-    );
-    assert!(
-        off_mean > 2.0 * mean && off_rel > 2.0 * rel,
-        "emulation off ({off_mean:e}, {off_rel:e}) is as close as on ({mean:e}, {rel:e})"
+        off_rel > 2.0 * rel,
+        "emulation off's mean NLL ({off_rel:e}) is as close as on's ({rel:e})"
     );
 }
 
@@ -409,29 +428,13 @@ fn w8a8_int8_weights_only_matches_compressed_tensors_per_token() {
 #[test]
 fn w8a8_int8_emulated_activations_match_vllms_int8_gemm() {
     let reference = reference(W8A8_INT8);
-    let emulated = &reference["reference_emulated"];
-    let (max, mean, rel) = deltas_against(W8A8_INT8, ActivationQuantMode::Emulate, emulated);
-    println!("{W8A8_INT8} emulated vs int32 GEMM: max |Δ| {max:.2e}, mean {mean:.2e}, mean NLL rel {rel:.2e}");
-    assert!(rel <= 1e-3, "mean NLL differs by {rel:e} (relative)");
+    assert_emulation_matters(W8A8_INT8, &reference["reference_emulated"], 2.0);
     let qdq = &reference["reference_emulated_qdq"];
     let (qmax, qmean, qrel) = deltas_against(W8A8_INT8, ActivationQuantMode::Emulate, qdq);
     println!(
         "{W8A8_INT8} emulated vs QDQ + f32 GEMM: max |Δ| {qmax:.2e}, mean {qmean:.2e}, mean NLL rel {qrel:.2e}"
     );
     assert!(qrel <= 1e-3, "mean NLL differs by {qrel:e} (relative)");
-    let (off_max, off_mean, off_rel) =
-        deltas_against(W8A8_INT8, ActivationQuantMode::Off, emulated);
-    println!(
-        "{W8A8_INT8} off vs int32 GEMM: max |Δ| {off_max:.2e}, mean {off_mean:.2e}, mean NLL rel {off_rel:.2e}"
-    );
-    assert!(
-        off_mean > 100.0 * 1e-4,
-        "emulation off: mean |Δ| {off_mean:e}"
-    );
-    assert!(
-        off_mean > 2.0 * mean,
-        "emulation off ({off_mean:e}) is as close as on ({mean:e})"
-    );
 }
 
 const MODELOPT_NVFP4: &str = "llama-modelopt-nvfp4";
@@ -485,25 +488,7 @@ fn modelopt_nvfp4_weights_only_matches_the_format_per_token() {
 #[test]
 fn modelopt_nvfp4_emulated_activations_match_the_reference() {
     let emulated = &reference(MODELOPT_NVFP4)["reference_emulated"];
-    let (max, mean, rel) = deltas_against(MODELOPT_NVFP4, ActivationQuantMode::Emulate, emulated);
-    println!(
-        "{MODELOPT_NVFP4} emulated: max |Δ| {max:.2e}, mean {mean:.2e}, mean NLL rel {rel:.2e}"
-    );
-    assert!(rel <= 1e-3, "mean NLL differs by {rel:e} (relative)");
-    let (off_max, off_mean, off_rel) =
-        deltas_against(MODELOPT_NVFP4, ActivationQuantMode::Off, emulated);
-    println!(
-        "{MODELOPT_NVFP4} off vs emulated reference: max |Δ| {off_max:.2e}, mean {off_mean:.2e}, \
-         mean NLL rel {off_rel:.2e}"
-    );
-    assert!(
-        off_mean > 100.0 * 1e-4,
-        "emulation off: mean |Δ| {off_mean:e}"
-    );
-    assert!(
-        off_mean > 10.0 * mean,
-        "emulation off ({off_mean:e}, {off_rel:e}) is as close as on ({mean:e}, {rel:e})"
-    );
+    assert_emulation_matters(MODELOPT_NVFP4, emulated, 10.0);
 }
 
 const MODELOPT_FP8: &str = "llama-modelopt-fp8";
@@ -550,25 +535,9 @@ fn modelopt_fp8_weights_only_matches_the_format_per_token() {
 #[test]
 fn modelopt_fp8_emulated_activations_match_the_reference() {
     let emulated = &reference(MODELOPT_FP8)["reference_emulated"];
-    let (max, mean, rel) = deltas_against(MODELOPT_FP8, ActivationQuantMode::Emulate, emulated);
-    println!("{MODELOPT_FP8} emulated: max |Δ| {max:.2e}, mean {mean:.2e}, mean NLL rel {rel:.2e}");
+    let ((max, _, _), _) = assert_emulation_matters(MODELOPT_FP8, emulated, 2.0);
     // One static scale: no dynamic scale for an ulp upstream to move (measured 2.2e-5).
     assert!(max <= 1e-4, "max |Δlogprob| {max:e} > 1e-4");
-    assert!(rel <= 1e-3, "mean NLL differs by {rel:e} (relative)");
-    let (off_max, off_mean, off_rel) =
-        deltas_against(MODELOPT_FP8, ActivationQuantMode::Off, emulated);
-    println!(
-        "{MODELOPT_FP8} off vs emulated reference: max |Δ| {off_max:.2e}, mean {off_mean:.2e}, \
-         mean NLL rel {off_rel:.2e}"
-    );
-    assert!(
-        off_mean > 100.0 * 1e-4,
-        "emulation off: mean |Δ| {off_mean:e}"
-    );
-    assert!(
-        off_mean > 2.0 * mean,
-        "emulation off ({off_mean:e}) is as close as on ({mean:e})"
-    );
 }
 
 /// `variant` loaded in f32 on the CPU with the KV-cache options `kv`.
