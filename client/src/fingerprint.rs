@@ -1,7 +1,7 @@
 //! What, besides the dataset and the windows, changes a run's numbers: a server's model, its
-//! reference, their formats and dtypes, the activation-quantization emulation, the attention
-//! kernel, the device kind and the server version, all read from `/info`. A partial file records
-//! it so that `--resume` cannot mix numbers of two configurations, and the servers of one run
+//! reference, their formats and dtypes, the activation-quantization emulation, the KV-cache
+//! quantization, the attention kernel, the device kind and the server version, all read from
+//! `/info`. A partial file records it so that `--resume` cannot mix numbers of two configurations, and the servers of one run
 //! must agree on it.
 //!
 //! The checkpoints are identified by `/info`'s `checkpoint_sha256` (config, tokenizer, every
@@ -27,6 +27,10 @@ pub struct Fingerprint {
     pub dtype: String,
     pub activation_quant: BTreeMap<String, String>,
     pub activation_quant_mode: String,
+    /// `/info`'s `kv_cache`: the KV-cache quantization emulated or simulated, if any (absent
+    /// from partial files written before it, as from servers without one).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub kv_cache: Option<String>,
     pub attention: String,
     /// `cpu`, `cuda`: the kinds of the devices, not their count.
     pub device_kinds: Vec<String>,
@@ -90,6 +94,7 @@ impl From<&ModelInfo> for Fingerprint {
             dtype: i.dtype.clone(),
             activation_quant: i.activation_quant.clone(),
             activation_quant_mode: i.activation_quant_mode.clone(),
+            kv_cache: i.kv_cache.clone(),
             attention: i.attention.clone(),
             device_kinds: device_kinds(&i.devices),
             version: i.version.clone(),
@@ -157,6 +162,7 @@ mod tests {
             dtype: "f32".into(),
             activation_quant: BTreeMap::new(),
             activation_quant_mode: "off".into(),
+            kv_cache: None,
             attention: "materialized".into(),
             device_kinds: vec!["cpu".into()],
             version: "0.1.0".into(),
@@ -203,6 +209,13 @@ mod tests {
                 r#"checkpoint_sha256 "ab" vs "ef""#,
                 r#"reference.checkpoint_sha256 "cd" vs "01""#
             ]
+        );
+        // An fp8 KV cache emulated on one server and not the other.
+        let mut e = d.clone();
+        e.kv_cache = Some("fp8 e4m3 per tensor (emulated)".into());
+        assert_eq!(
+            differences(&e, &d),
+            vec![r#"kv_cache "fp8 e4m3 per tensor (emulated)" vs (none)"#]
         );
     }
 }
