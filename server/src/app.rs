@@ -462,6 +462,7 @@ impl Source {
         };
         let dtype = options.linear.dtype;
         let flash = config.attention != AttentionKernel::Materialized
+            && self.config.flash_attention_possible()
             && opened.iter().all(|d| {
                 crate::ops::flash_attention_available(d, self.config.attention_head_dim(), dtype)
             });

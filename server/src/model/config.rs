@@ -261,6 +261,15 @@ impl ModelConfig {
         }
     }
 
+    /// Whether this architecture can attend through the flash kernel at all (it still needs a
+    /// GPU, bf16/f16 and a head size the kernel has, `ops::flash_attention_available`): not
+    /// with soft-capped scores (Gemma 2: the kernel has no soft-cap) nor Gemma 4 (KV-shared
+    /// layers and 512-wide global heads), which attend materialized. The model's kernel
+    /// choice and the memory plans both ask this.
+    pub fn flash_attention_possible(&self) -> bool {
+        self.attn_logit_softcapping.is_none() && self.gemma4.is_none()
+    }
+
     /// The config.json of the checkpoint directory `dir`; where it has no
     /// `quantization_config`, an older ModelOpt export's `hf_quant_config.json` is that.
     pub fn from_dir(dir: &std::path::Path) -> Result<Self, LoadError> {

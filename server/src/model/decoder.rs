@@ -516,14 +516,9 @@ impl Model {
     /// `Auto` resolves to the fastest one that does.
     pub fn set_attention(&mut self, kernel: AttentionKernel) -> std::result::Result<(), LoadError> {
         let lin = &self.opts.linear;
-        // The flash kernel has no soft-capping of the scores (Gemma 2): such models attend
-        // through the materialised path.
         let softcap = self.config.attn_logit_softcapping.is_some();
-        // Gemma 4's attention (blocks/shared_kv_attention.rs) runs materialised on every
-        // device.
         let head_dim = self.config.attention_head_dim();
-        let flash = !softcap
-            && self.config.gemma4.is_none()
+        let flash = self.config.flash_attention_possible()
             && self
                 .stages
                 .iter()

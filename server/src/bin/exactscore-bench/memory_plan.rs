@@ -62,10 +62,11 @@ impl Planned {
     /// how much, and what the limit is.
     pub fn stages(&self, request: &Request) -> Result<Vec<StagePlan>> {
         let parts = self.shape.part_bytes(request.format)?;
-        let flash = exactscore_server::ops::flash_attention_supported(
-            self.config.attention_head_dim(),
-            DType::BF16,
-        );
+        let flash = self.config.flash_attention_possible()
+            && exactscore_server::ops::flash_attention_supported(
+                self.config.attention_head_dim(),
+                DType::BF16,
+            );
         let activation = ActivationBytes::estimate(
             &self.config,
             DType::BF16,

@@ -206,3 +206,21 @@ fn math_changing_keys_are_refused_by_name() {
         assert!(err.contains(key), "{key}: {err}");
     }
 }
+
+/// Gemma 2 (soft-capped scores) and Gemma 4 attend materialized whatever the device: the
+/// model's kernel choice and the memory plans read one answer.
+#[test]
+fn flash_is_possible_except_for_soft_capped_scores_and_gemma4() {
+    let fixtures = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures");
+    for (fixture, possible) in [
+        ("llama-w4a16-g128", true),
+        ("deepseek_v3-w4a16-g32", true),
+        ("gemma3-w4a16-g32", true),
+        ("gemma2-w4a16-g32", false),
+        ("gemma4-w4a16-g32", false),
+        ("gemma4_moe-w4a16-g32", false),
+    ] {
+        let config = ModelConfig::from_dir(&fixtures.join(fixture)).unwrap();
+        assert_eq!(config.flash_attention_possible(), possible, "{fixture}");
+    }
+}
