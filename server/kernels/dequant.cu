@@ -1,4 +1,4 @@
-// The dequant family (ops/dequant.rs, cuda/dequant.rs): compressed-tensors weights decoded to
+// The dequant family (ops/dequant.rs, cuda/dequant/): compressed-tensors weights decoded to
 // the compute dtype, activation QDQ, and the int4 GEMM that decodes inside the product
 // (int4_gemm.cuh). Every kernel mirrors a CPU reference in ops/dequant.rs or quant/; all
 // arithmetic is IEEE f32 (no fast math), so dequantization and QDQ are bit-identical to the CPU.
@@ -225,7 +225,7 @@ DEQUANT_ENTRIES(f32, float)
 DEQUANT_ENTRIES(bf16, __nv_bfloat16)
 DEQUANT_ENTRIES(f16, __half)
 
-// One entry per dtype and tile height; the launcher's int4_gemm_shared_bytes (cuda/dequant.rs) gives
+// One entry per dtype and tile height; the launcher's int4_gemm_shared_bytes (cuda/dequant/int4_gemm.rs) gives
 // each one's dynamic shared memory, as asserted below. `stacked`: block (x, y, z) takes expert
 // slot z's rows y · BM.., the offsets following the weights' addresses in ptrs (a plan made on
 // the host). `tiled`: block (x, y) takes tile y of `tiles` ([count, (slot, first row)...], as
@@ -249,5 +249,5 @@ INT4_GEMM_ENTRY(bf16, __nv_bfloat16, 128)
 INT4_GEMM_ENTRY(f16, __half, 128)
 INT4_GEMM_ENTRY(bf16, __nv_bfloat16, 64)
 INT4_GEMM_ENTRY(f16, __half, 64)
-static_assert(ig_shared_bytes<64>() == 75776, "int4_gemm_shared_bytes in cuda/dequant.rs");
-static_assert(ig_shared_bytes<128>() == 100352, "int4_gemm_shared_bytes in cuda/dequant.rs");
+static_assert(ig_shared_bytes<64>() == 75776, "int4_gemm_shared_bytes in cuda/dequant/int4_gemm.rs");
+static_assert(ig_shared_bytes<128>() == 100352, "int4_gemm_shared_bytes in cuda/dequant/int4_gemm.rs");
