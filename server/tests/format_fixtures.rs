@@ -273,6 +273,15 @@ fn deltas_against(variant: &str, act: ActivationQuantMode, block: &Value) -> (f6
     deltas_of(&load(variant, act), variant, block)
 }
 
+/// `variant` with activation emulation off against its weights-only reference: within 1e-4
+/// per token, and every quantized Linear bit for bit ([`assert_dequant_check`]).
+fn assert_weights_only_matches(variant: &str) {
+    let (max, mean, rel) = deltas_against(variant, ActivationQuantMode::Off, &reference(variant));
+    println!("{variant} weights only: max |Δ| {max:.2e}, mean {mean:.2e}, mean NLL rel {rel:.2e}");
+    assert!(max <= 1e-4, "{variant}: max |Δlogprob| {max:e} > 1e-4");
+    assert_dequant_check(variant);
+}
+
 /// `variant` with its activations emulated against its emulated reference `emulated` (the
 /// mean NLL within 0.1 %), then with emulation off against the same reference, which must miss
 /// it: a mean |Δ| over 100× the per-token tolerance and over `factor` × emulation's. Returns
@@ -328,13 +337,7 @@ const FP8_BLOCK: &str = "llama-fp8-block";
 /// per token, and the weights bit for bit as transformers' `from_pretrained` dequantizes them.
 #[test]
 fn hf_fp8_block_weights_only_matches_transformers_per_token() {
-    let reference = reference(FP8_BLOCK);
-    let (max, mean, rel) = deltas_against(FP8_BLOCK, ActivationQuantMode::Off, &reference);
-    println!(
-        "{FP8_BLOCK} weights only: max |Δ| {max:.2e}, mean {mean:.2e}, mean NLL rel {rel:.2e}"
-    );
-    assert!(max <= 1e-4, "max |Δlogprob| {max:e} > 1e-4");
-    assert_dequant_check(FP8_BLOCK);
+    assert_weights_only_matches(FP8_BLOCK);
     let model = load(FP8_BLOCK, ActivationQuantMode::Off);
     let w = model.linears()[0].1.weight();
     assert_eq!(w.describe(), "hf fp8 e4m3 block 128x128");
@@ -400,13 +403,7 @@ const W8A8_INT8: &str = "llama-w8a8-int8";
 /// weights compressed-tensors decompressed, and those weights bit for bit.
 #[test]
 fn w8a8_int8_weights_only_matches_compressed_tensors_per_token() {
-    let reference = reference(W8A8_INT8);
-    let (max, mean, rel) = deltas_against(W8A8_INT8, ActivationQuantMode::Off, &reference);
-    println!(
-        "{W8A8_INT8} weights only: max |Δ| {max:.2e}, mean {mean:.2e}, mean NLL rel {rel:.2e}"
-    );
-    assert!(max <= 1e-4, "max |Δlogprob| {max:e} > 1e-4");
-    assert_dequant_check(W8A8_INT8);
+    assert_weights_only_matches(W8A8_INT8);
     let model = load(W8A8_INT8, ActivationQuantMode::Emulate);
     let linear = &model.linears()[0].1;
     assert_eq!(linear.weight().describe(), "int8 channel sym");
@@ -444,13 +441,7 @@ const MODELOPT_NVFP4: &str = "llama-modelopt-nvfp4";
 /// dequantization, those weights bit for bit, and the scales read in ModelOpt's direction.
 #[test]
 fn modelopt_nvfp4_weights_only_matches_the_format_per_token() {
-    let reference = reference(MODELOPT_NVFP4);
-    let (max, mean, rel) = deltas_against(MODELOPT_NVFP4, ActivationQuantMode::Off, &reference);
-    println!(
-        "{MODELOPT_NVFP4} weights only: max |Δ| {max:.2e}, mean {mean:.2e}, mean NLL rel {rel:.2e}"
-    );
-    assert!(max <= 1e-4, "max |Δlogprob| {max:e} > 1e-4");
-    assert_dequant_check(MODELOPT_NVFP4);
+    assert_weights_only_matches(MODELOPT_NVFP4);
     let model = load(MODELOPT_NVFP4, ActivationQuantMode::Emulate);
     let (name, linear) = &model.linears()[0];
     let w = linear.weight();
@@ -498,13 +489,7 @@ const MODELOPT_FP8: &str = "llama-modelopt-fp8";
 /// the static `input_scale` as the activations' scale.
 #[test]
 fn modelopt_fp8_weights_only_matches_the_format_per_token() {
-    let reference = reference(MODELOPT_FP8);
-    let (max, mean, rel) = deltas_against(MODELOPT_FP8, ActivationQuantMode::Off, &reference);
-    println!(
-        "{MODELOPT_FP8} weights only: max |Δ| {max:.2e}, mean {mean:.2e}, mean NLL rel {rel:.2e}"
-    );
-    assert!(max <= 1e-4, "max |Δlogprob| {max:e} > 1e-4");
-    assert_dequant_check(MODELOPT_FP8);
+    assert_weights_only_matches(MODELOPT_FP8);
     let model = load(MODELOPT_FP8, ActivationQuantMode::Emulate);
     let (name, linear) = &model.linears()[0];
     let w = linear.weight();

@@ -59,7 +59,7 @@ pub fn moe_max_experts(device: &Device) -> usize {
 /// experts by softmax probability in f32 (ties to the lowest id), with their probabilities,
 /// renormalised to sum 1 when `norm`. A NaN among a token's probabilities is an error.
 pub fn moe_route(logits: &Tensor, k: usize, norm: bool) -> Result<TopExperts> {
-    let (tokens, num_experts) = logits.dims2()?;
+    let num_experts = logits.dims2()?.1;
     let (experts, weights) = if logits.device().is_cuda() {
         if num_experts > GPU_MAX_EXPERTS {
             candle_core::bail!(
@@ -70,17 +70,31 @@ pub fn moe_route(logits: &Tensor, k: usize, norm: bool) -> Result<TopExperts> {
     } else {
         route_on_cpu(logits, k, norm)?
     };
-    if let Some(at) = experts.iter().position(|&e| e as usize >= num_experts) {
-        candle_core::bail!(
-            "the router probabilities of token {} of {tokens} are NaN",
-            at / k.max(1)
-        );
+    TopExperts::refusing_nan(k, experts, weights, num_experts)
+}
+
+impl TopExperts {
+    /// The router kernels' choice, refused where a token got the id `num_experts` (its
+    /// router saw a NaN).
+    fn refusing_nan(
+        k: usize,
+        experts: Vec<u32>,
+        weights: Vec<f32>,
+        num_experts: usize,
+    ) -> Result<Self> {
+        if let Some(at) = experts.iter().position(|&e| e as usize >= num_experts) {
+            candle_core::bail!(
+                "the router probabilities of token {} of {} are NaN",
+                at / k.max(1),
+                experts.len() / k.max(1)
+            );
+        }
+        Ok(Self {
+            k,
+            experts,
+            weights,
+        })
     }
-    Ok(TopExperts {
-        k,
-        experts,
-        weights,
-    })
 }
 
 /// The experts' rows of a routed batch laid out on the GPU ([`moe_plan`]), as the host lays them
@@ -195,18 +209,8 @@ pub fn moe_route_grouped(
     let (tokens, num_experts) = logits.dims2()?;
     if logits.device().is_cuda() {
         let (ids, weights) = moe_route_grouped_on_device(logits, bias, routing)?;
-        let experts = ids.to_vec1::<u32>()?;
-        if let Some(at) = experts.iter().position(|&e| e as usize >= num_experts) {
-            candle_core::bail!(
-                "the router scores of token {} of {tokens} are NaN",
-                at / routing.k.max(1)
-            );
-        }
-        return Ok(TopExperts {
-            k: routing.k,
-            experts,
-            weights: weights.to_vec1()?,
-        });
+        let (ids, weights) = (ids.to_vec1()?, weights.to_vec1()?);
+        return TopExperts::refusing_nan(routing.k, ids, weights, num_experts);
     }
     let round = rounding_to(logits.dtype());
     let (scores, masked_score) = grouped_router_scores(logits, routing)?;
