@@ -219,6 +219,10 @@ pub fn model_card(record: &Record, name: &str, plots: &[(String, String)]) -> St
         m.bits_per_weight,
         short(&m.checkpoint_sha256)
     );
+    // The numbers include the KV cache's quantization: the card says which.
+    if let Some(kv) = &m.kv_cache {
+        let _ = writeln!(s, "| KV cache | {kv} |");
+    }
     if let Some(r) = &record.reference {
         let _ = writeln!(
             s,

@@ -79,6 +79,12 @@ pub struct ModelFacts {
     pub dtype: String,
     pub activation_quant: BTreeMap<String, String>,
     pub activation_quant_mode: String,
+    /// `/info`'s `kv_cache`: the KV-cache quantization emulated or simulated, if any.
+    pub kv_cache: Option<String>,
+    /// `--kv-cache-quant` and `--kv-cache-dtype` as the server ran; `null` from servers that do
+    /// not report them.
+    pub kv_cache_quant_mode: Option<String>,
+    pub kv_cache_dtype: Option<String>,
     pub attention: String,
     pub num_layers: usize,
     pub hidden_size: usize,
@@ -272,11 +278,19 @@ fn model_facts(i: &ModelInfo) -> ModelFacts {
         dtype: i.dtype.clone(),
         activation_quant: i.activation_quant.clone(),
         activation_quant_mode: i.activation_quant_mode.clone(),
+        kv_cache: i.kv_cache.clone(),
+        kv_cache_quant_mode: reported(&i.kv_cache_quant_mode),
+        kv_cache_dtype: reported(&i.kv_cache_dtype),
         attention: i.attention.clone(),
         num_layers: i.num_layers,
         hidden_size: i.hidden_size,
         vocab_size: i.vocab_size,
     }
+}
+
+/// A string field of `/info` that servers older than it leave empty.
+fn reported(value: &str) -> Option<String> {
+    (!value.is_empty()).then(|| value.to_string())
 }
 
 /// A word of a command line as a POSIX shell reads it back: as it is where that is safe, else
@@ -360,6 +374,14 @@ pub fn server_command(info: &ModelInfo) -> String {
         "--activation-quant".into(),
         info.activation_quant_mode.clone(),
     ]);
+    // The defaults (`emulate`, `auto`) are left out: servers older than these flags take the
+    // line too.
+    if info.kv_cache_quant_mode == "off" {
+        w.extend(["--kv-cache-quant".into(), "off".into()]);
+    }
+    if !matches!(info.kv_cache_dtype.as_str(), "" | "auto") {
+        w.extend(["--kv-cache-dtype".into(), info.kv_cache_dtype.clone()]);
+    }
     if let Some(r) = &info.reference {
         w.extend(["--reference-model".into(), r.model.clone()]);
         if let Some(d) = &r.dtype {

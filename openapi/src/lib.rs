@@ -529,6 +529,14 @@ pub struct ModelInfo {
     /// emulated, or labelled a simulation (`--kv-cache-dtype fp8_e4m3`). Absent otherwise.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub kv_cache: Option<String>,
+    /// `--kv-cache-quant`: `emulate` or `off` (`off` on a checkpoint with a `kv_cache_scheme`
+    /// leaves `kv_cache` absent). Empty from servers older than this field.
+    #[serde(default)]
+    pub kv_cache_quant_mode: String,
+    /// `--kv-cache-dtype`: `auto` or `fp8_e4m3` (the simulation). Empty from servers older than
+    /// this field.
+    #[serde(default)]
+    pub kv_cache_dtype: String,
     /// Average stored bits per weight over the decoder Linear layers (scales included).
     pub bits_per_weight: f64,
     /// Attention kernel: `materialized` (f32 scores) or `flash` (fused GPU kernel, bf16/f16).

@@ -683,6 +683,8 @@ pub fn model_info(loaded: &Loaded, config: &Config, limits: Limits) -> ModelInfo
                 .as_ref(),
             config.kv_cache,
         ),
+        kv_cache_quant_mode: config.kv_cache.flag_values().0.into(),
+        kv_cache_dtype: config.kv_cache.flag_values().1.into(),
         bits_per_weight: weights.bits_per_weight,
         attention: match model.options().attention {
             AttentionKernel::Flash => "flash".into(),

@@ -588,3 +588,60 @@ async fn kld_measures_a_simulated_fp8_kv_cache() {
     assert_eq!(sums[0], 0.0);
     assert!(sums[1] > 1e-3, "{sums:?}");
 }
+
+/// `/info` reports both KV-cache flags, and the server command line a report writes for
+/// reproduction (`exactscore_client::record::server_command`) gives them back to the server:
+/// parsed as the server parses its arguments, it loads with the same KV-cache options.
+#[tokio::test]
+async fn the_kv_cache_flags_are_reported_and_reproduced() {
+    let cases: [(&str, &[&str], &str, &str); 3] = [
+        ("llama-kv-fp8-tensor", &[], "emulate", "auto"),
+        (
+            "llama-kv-fp8-tensor",
+            &["--kv-cache-quant", "off"],
+            "off",
+            "auto",
+        ),
+        (
+            "llama-kv-none",
+            &["--kv-cache-dtype", "fp8_e4m3"],
+            "emulate",
+            "fp8_e4m3",
+        ),
+    ];
+    for (variant, flags, quant, dtype) in cases {
+        let server = start(variant, flags).await;
+        let info: ModelInfo = reqwest::get(format!("{}/info", server.base))
+            .await
+            .unwrap()
+            .json()
+            .await
+            .unwrap();
+        assert_eq!(
+            (
+                info.kv_cache_quant_mode.as_str(),
+                info.kv_cache_dtype.as_str()
+            ),
+            (quant, dtype),
+            "{variant} {flags:?}"
+        );
+        // Emulated or simulated: named; off: absent.
+        assert_eq!(
+            info.kv_cache.is_some(),
+            quant == "emulate",
+            "{:?}",
+            info.kv_cache
+        );
+        let line = exactscore_client::record::server_command(&info);
+        let words = line.split(' ').map(|w| w.trim_matches('\''));
+        let mut args = Args::try_parse_from(words).unwrap_or_else(|e| panic!("{line}: {e}"));
+        args.model = fixture(variant);
+        let reproduced = Config::from_args(args).unwrap().kv_cache;
+        let original = {
+            let mut args = Args::try_parse_from(["exactscore-server"].iter().chain(flags)).unwrap();
+            args.model = fixture(variant);
+            Config::from_args(args).unwrap().kv_cache
+        };
+        assert_eq!(reproduced, original, "{line}");
+    }
+}

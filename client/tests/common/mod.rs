@@ -107,6 +107,8 @@ pub fn model_info() -> ModelInfo {
         activation_quant: BTreeMap::new(),
         activation_quant_mode: "off".into(),
         kv_cache: None,
+        kv_cache_quant_mode: "emulate".into(),
+        kv_cache_dtype: "auto".into(),
         attention: "materialized".into(),
         bits_per_weight: 4.25,
         dtype: "f32".into(),

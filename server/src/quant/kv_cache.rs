@@ -38,6 +38,22 @@ pub struct KvCacheOptions {
     pub dtype: KvCacheDtype,
 }
 
+impl KvCacheOptions {
+    /// The flags' values as the command line spells them: (`--kv-cache-quant`,
+    /// `--kv-cache-dtype`), for `/info`.
+    pub fn flag_values(self) -> (&'static str, &'static str) {
+        let quant = match self.quant {
+            KvCacheQuant::Emulate => "emulate",
+            KvCacheQuant::Off => "off",
+        };
+        let dtype = match self.dtype {
+            KvCacheDtype::Auto => "auto",
+            KvCacheDtype::Fp8E4m3 => "fp8_e4m3",
+        };
+        (quant, dtype)
+    }
+}
+
 /// How the stored k/v scales are shaped.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum KvScaleStrategy {
