@@ -117,3 +117,83 @@ pub fn kld_rows(reference_logits: &Tensor, logits: &Tensor, targets: &[u32]) -> 
         })
     }))
 }
+
+/// The largest stored-reference `k` the kernels take (their shared-memory lists).
+pub const STORED_MAX_K: usize = 4096;
+
+/// Per row of `logits` `[rows, vocab]`: its `k` best ids, their log-probabilities and the
+/// log-mass of the rest (`reference_rows` in the kernels), as 4-byte words: the ids and the
+/// log-probabilities (`rows * k` each, f32 bits), then one tail word a row.
+pub fn reference_rows(logits: &Tensor, k: usize) -> Result<Vec<u32>> {
+    let logits = logits.contiguous()?;
+    let (rows, vocab) = logits.dims2()?;
+    if k == 0 || k > vocab.min(STORED_MAX_K) {
+        bail!(
+            "reference_rows: k {k} outside 1..={} (vocabulary {vocab})",
+            vocab.min(STORED_MAX_K)
+        );
+    }
+    let words = 2 * rows * k + rows;
+    let name = kernel_name("reference_rows", logits.dtype());
+    with_float_type!(logits.dtype(), T => with_slice::<T, _>(&logits, |ls, lo, dev| {
+        let func = kernel(dev, &SCORING, &name)?;
+        // SAFETY: the kernel writes every word: k ids and log-probabilities a row, one tail.
+        let out = unsafe { dev.alloc::<u32>(words.max(1)) }?;
+        let (ids, lps, tails) = (out.slice(0..), out.slice(rows * k..), out.slice(2 * rows * k..));
+        let ls = ls.slice(lo..);
+        let (v32, k32) = (vocab as i32, k as i32);
+        let mut b = func.builder();
+        b.arg(&ls).arg(&v32).arg(&k32).arg(&ids).arg(&lps).arg(&tails);
+        // SAFETY: arguments match `reference_rows_*` (i32 and f32 outputs are 4-byte words).
+        unsafe { b.launch(grid_rows(rows)) }.w()?;
+        copy_to_host(dev, &out.slice(0..words))
+    }))
+}
+
+/// The served model's side of a stored reference per row of `logits` `[rows, vocab]`
+/// (`served_tail_rows` in the kernels) against `ids` (`rows * k`, distinct per row), with each
+/// row's tail budget (`mass`, `cap`). 4-byte words: three f64 vectors (the stored tokens' log
+/// q, `rows * k`; the tail's log-mass; the worst tail), then the log q(target) (f32 bits) and
+/// the argmax of each row.
+pub fn served_tail_rows(
+    logits: &Tensor,
+    ids: &[i32],
+    k: usize,
+    targets: &[i32],
+    mass: &[f64],
+    cap: &[f64],
+) -> Result<Vec<u32>> {
+    let logits = logits.contiguous()?;
+    let (rows, vocab) = logits.dims2()?;
+    if k == 0 || k > vocab || k > STORED_MAX_K || ids.len() != rows * k {
+        bail!(
+            "served_tail_rows: {} ids for {rows} rows of k {k} (vocabulary {vocab})",
+            ids.len()
+        );
+    }
+    if targets.len() != rows || mass.len() != rows || cap.len() != rows {
+        bail!("served_tail_rows: one target, mass and cap a row ({rows} rows)");
+    }
+    let f64_words = 2 * (rows * k + 2 * rows);
+    let words = f64_words + 2 * rows;
+    let name = kernel_name("served_tail_rows", logits.dtype());
+    with_float_type!(logits.dtype(), T => with_slice::<T, _>(&logits, |ls, lo, dev| {
+        let func = kernel(dev, &SCORING, &name)?;
+        let (ids, targets) = (dev.clone_htod(ids)?, dev.clone_htod(targets)?);
+        let (mass, cap) = (dev.clone_htod(mass)?, dev.clone_htod(cap)?);
+        // SAFETY: the kernel writes every word (the f64 vectors as two words each).
+        let out = unsafe { dev.alloc::<u32>(words) }?;
+        let part = |at: usize| out.slice(at..);
+        let (lp, tail, worst) = (part(0), part(2 * rows * k), part(2 * rows * (k + 1)));
+        let (tlp, top) = (part(f64_words), part(f64_words + rows));
+        let ls = ls.slice(lo..);
+        let (v32, k32) = (vocab as i32, k as i32);
+        let mut b = func.builder();
+        b.arg(&ls).arg(&v32).arg(&ids).arg(&k32).arg(&targets).arg(&mass).arg(&cap);
+        b.arg(&lp).arg(&tail).arg(&worst).arg(&tlp).arg(&top);
+        // SAFETY: arguments match `served_tail_rows_*`; the f64 vectors start the (256-byte
+        // aligned) buffer at even word offsets, so their values are aligned.
+        unsafe { b.launch(grid_rows(rows)) }.w()?;
+        copy_to_host(dev, &out.slice(0..words))
+    }))
+}

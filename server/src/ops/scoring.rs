@@ -15,6 +15,17 @@ super::gpu_entry_points!(scoring {
     /// The kernel's output words ([`decode_kld_words`]).
     fn kld_rows(reference_logits: &Tensor, logits: &Tensor, targets: &[u32]) -> Result<Vec<u32>>;
     fn row_pair_sums(a: &Tensor, b: &Tensor) -> Result<Vec<[f64; 4]>>;
+    /// The kernel's output words ([`decode_reference_words`]).
+    fn reference_rows(logits: &Tensor, k: usize) -> Result<Vec<u32>>;
+    /// The kernel's output words ([`decode_served_tail_words`]).
+    fn served_tail_rows(
+        logits: &Tensor,
+        ids: &[i32],
+        k: usize,
+        targets: &[i32],
+        mass: &[f64],
+        cap: &[f64],
+    ) -> Result<Vec<u32>>;
 });
 
 /// What one position of a sequence yields.
@@ -188,14 +199,29 @@ pub struct ReferenceRow {
 }
 
 /// [`ServedTail`] of every row of `logits` `[rows, vocab]` against the stored tokens
-/// `ids[row]` (no id twice). The CPU reference; a CUDA row is read back to the host and
-/// scored here, until a fused kernel keeps it on the device.
+/// `ids[row]` (no id twice, as many in every row): with the fused kernel on a GPU, so only
+/// O(K) numbers per row leave it; row by row on the CPU.
 pub fn served_tail_rows(
     logits: &Tensor,
     ids: &[&[u32]],
     targets: &[u32],
     budgets: &[TailBudget],
 ) -> Result<Vec<ServedTail>> {
+    if logits.device().is_cuda() && !ids.is_empty() {
+        let k = ids[0].len();
+        if ids.iter().any(|r| r.len() != k) {
+            candle_core::bail!("served_tail_rows: rows with different numbers of stored ids");
+        }
+        let flat: Vec<i32> = ids
+            .iter()
+            .flat_map(|r| r.iter().map(|&i| i as i32))
+            .collect();
+        let t: Vec<i32> = targets.iter().map(|&t| t as i32).collect();
+        let mass: Vec<f64> = budgets.iter().map(|b| b.mass).collect();
+        let cap: Vec<f64> = budgets.iter().map(|b| b.cap).collect();
+        let words = gpu::served_tail_rows(logits, &flat, k, &t, &mass, &cap)?;
+        return Ok(decode_served_tail_words(&words, targets.len(), k));
+    }
     let rows = logits.to_dtype(DType::F32)?.to_vec2::<f32>()?;
     Ok(rows
         .par_iter()
@@ -206,11 +232,52 @@ pub fn served_tail_rows(
         .collect())
 }
 
-/// [`ReferenceRow`] of every row of `logits` `[rows, vocab]`, with `k` tokens each. The CPU
-/// reference; a CUDA row is read back to the host until a fused kernel keeps it there.
+/// [`ReferenceRow`] of every row of `logits` `[rows, vocab]`, with `k` tokens each: with the
+/// fused kernel on a GPU (only the K best and one tail number per row leave it); row by row on
+/// the CPU.
 pub fn reference_rows(logits: &Tensor, k: usize) -> Result<Vec<ReferenceRow>> {
+    if logits.device().is_cuda() && logits.dim(0)? > 0 {
+        let k = k.min(logits.dim(1)?);
+        let words = gpu::reference_rows(logits, k)?;
+        return Ok(decode_reference_words(&words, logits.dim(0)?, k));
+    }
     let rows = logits.to_dtype(DType::F32)?.to_vec2::<f32>()?;
     Ok(rows.par_iter().map(|row| reference_row(row, k)).collect())
+}
+
+/// The rows of `reference_rows` in kernels/scoring.cu from its words: the ids and the
+/// log-probabilities (`rows * k` each, f32 bits), then the tail's log-mass a row.
+fn decode_reference_words(words: &[u32], rows: usize, k: usize) -> Vec<ReferenceRow> {
+    let (lps, tails) = (rows * k, 2 * rows * k);
+    (0..rows)
+        .map(|r| ReferenceRow {
+            ids: words[r * k..(r + 1) * k].to_vec(),
+            logprobs: words[lps + r * k..lps + (r + 1) * k]
+                .iter()
+                .map(|&w| f32::from_bits(w))
+                .collect(),
+            tail_logmass: f32::from_bits(words[tails + r]),
+        })
+        .collect()
+}
+
+/// The rows of `served_tail_rows` in kernels/scoring.cu from its words: three f64 vectors
+/// (two words a value: the stored tokens' log q, `rows * k`; the tail's log-mass; the worst
+/// tail), then the log q(target) (f32 bits) and the argmax of each row.
+fn decode_served_tail_words(words: &[u32], rows: usize, k: usize) -> Vec<ServedTail> {
+    let f64_at =
+        |at: usize| f64::from_bits(u64::from(words[2 * at]) | (u64::from(words[2 * at + 1]) << 32));
+    let (tails, worst) = (rows * k, rows * (k + 1));
+    let words_at = 2 * rows * (k + 2);
+    (0..rows)
+        .map(|r| ServedTail {
+            logprobs: (r * k..(r + 1) * k).map(f64_at).collect(),
+            log_tail_mass: f64_at(tails + r),
+            target_logprob: f32::from_bits(words[words_at + r]),
+            argmax: words[words_at + rows + r],
+            worst_tail: f64_at(worst + r),
+        })
+        .collect()
 }
 
 /// One row of [`reference_rows`].

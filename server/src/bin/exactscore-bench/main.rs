@@ -51,6 +51,7 @@ mod memory_plan;
 mod moe_gemm_bench;
 mod pipeline_bench;
 mod random_model;
+mod stored_reference_check;
 
 #[derive(Parser)]
 #[command(about = "ExactScore GPU numerics check and throughput benchmark")]
@@ -843,6 +844,9 @@ fn check(fixtures: &Path, device: &Device, only: &[String]) -> Result<()> {
     }
     failures += kld_bench::check(fixtures, device)?;
     failures += diff_bench::check(fixtures, device)?;
+    if device.is_cuda() {
+        failures += stored_reference_check::run(device)?;
+    }
     #[cfg(feature = "cuda")]
     if device.is_cuda() {
         if let Err(e) = attention_check::run(device) {
