@@ -82,18 +82,22 @@ __device__ void dequant_int_words_stacked(const uint64_t* ptrs, T* out, int rows
 // nvfp4: w = bf16(fp4(code) * (fp8(scale) / global)), two codes per byte, low nibble first.
 // One thread per group of 16 weights (8 bytes, one scale).
 template <typename T>
-__device__ void dequant_nvfp4(const uint8_t* packed, const uint8_t* scales, float global_scale, T* out,
-                              int rows, int cols) {
+__device__ void dequant_nvfp4(const uint8_t* packed, const uint8_t* scales, float per_tensor,
+                              int multiplies, T* out, int rows, int cols) {
     long g = (long)blockIdx.x * blockDim.x + threadIdx.x;
     if (g >= (long)rows * (cols / 16)) return;
-    float s = fp8_e4m3_to_f32(scales[g]) / global_scale;
+    // compressed-tensors: fp8 scale / global scale, each weight rounded to bf16 (as it decodes);
+    // ModelOpt: fp8 scale * weight_scale_2, kept in f32 (quant/nvfp4.rs).
+    const float s = multiplies ? fp8_e4m3_to_f32(scales[g]) * per_tensor
+                               : fp8_e4m3_to_f32(scales[g]) / per_tensor;
     uint2 bytes = reinterpret_cast<const uint2*>(packed)[g];
     Pack<T, 16> p;
 #pragma unroll
     for (int i = 0; i < 8; ++i) {
         uint8_t b = ((i < 4 ? bytes.x : bytes.y) >> ((i % 4) * 8)) & 0xFF;
-        p.v[2 * i] = from_f32<T>(bf16_round(fp4_e2m1_to_f32(b & 0xF) * s));
-        p.v[2 * i + 1] = from_f32<T>(bf16_round(fp4_e2m1_to_f32(b >> 4) * s));
+        const float lo = fp4_e2m1_to_f32(b & 0xF) * s, hi = fp4_e2m1_to_f32(b >> 4) * s;
+        p.v[2 * i] = from_f32<T>(multiplies ? lo : bf16_round(lo));
+        p.v[2 * i + 1] = from_f32<T>(multiplies ? hi : bf16_round(hi));
     }
     reinterpret_cast<Pack<T, 16>*>(out)[g] = p;
 }
@@ -152,6 +156,66 @@ __device__ void qdq_fp8_token(const T* x, T* out, int k, float static_scale) {
     fp8_qdq_row<T, VEC>(row, out + (long)blockIdx.x * k, k, scale);
 }
 
+// int8 per token, as vLLM's dynamic_scaled_int8_quant_kernel and its GEMM's dequantization
+// (ops/dequant.rs: qdq_int8_token): scale = absmax / 127, q = x * (127 / absmax) rounded to
+// nearest even and saturated to [-128, 127] (NaN, from an all-zero row, to 0), x' = q * scale.
+template <typename T>
+__device__ void qdq_int8_token(const T* x, T* out, int k) {
+    const T* row = x + (long)blockIdx.x * k;
+    T* dst = out + (long)blockIdx.x * k;
+    __shared__ float s_max[32];
+    float amax = 0.0f;
+    for (int i = threadIdx.x; i < k; i += 256) amax = fmaxf(amax, fabsf(to_f32(row[i])));
+    for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffff, amax, o));
+    if (threadIdx.x % 32 == 0) s_max[threadIdx.x / 32] = amax;
+    __syncthreads();
+    for (int w = 0; w < 256 / 32; ++w) amax = fmaxf(amax, s_max[w]);
+    const float scale = amax / 127.0f, reciprocal = 127.0f / amax;
+    for (int i = threadIdx.x; i < k; i += 256) {
+        float q = rintf(__fmul_rn(to_f32(row[i]), reciprocal));
+        q = isnan(q) ? 0.0f : fminf(fmaxf(q, -128.0f), 127.0f);
+        dst[i] = from_f32<T>(__fmul_rn(q, scale));
+    }
+}
+
+// fp8 per token and `group` inputs, as vLLM's per_token_group_quant_fp8 (ops/dequant.rs:
+// Fp8PerTokenGroup): a warp per group, scale = max(absmax, 1e-10) / 448 (the last group of a
+// row may be shorter).
+template <typename T>
+__device__ void qdq_fp8_group(const T* x, T* out, int k, int group) {
+    const T* row = x + (long)blockIdx.x * k;
+    T* dst = out + (long)blockIdx.x * k;
+    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+    for (int first = warp * group; first < k; first += 8 * group) {
+        const int end = min(first + group, k);
+        float amax = 0.0f;
+        for (int i = first + lane; i < end; i += 32) amax = fmaxf(amax, fabsf(to_f32(row[i])));
+        for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffff, amax, o));
+        const float scale = fmaxf(amax, 1e-10f) / 448.0f;
+        for (int i = first + lane; i < end; i += 32) {
+            const float q = fminf(fmaxf(to_f32(row[i]) / scale + 0.0f, -448.0f), 448.0f);
+            dst[i] = from_f32<T>(round_to_grid(q, -6, 3) * scale);
+        }
+    }
+}
+
+// fp8 per head (ops/dequant.rs: fp8_head_qdq): element i of n belongs to head (i / inner) %
+// heads; its scale is scales[head], or with `absmax` set scales[head] / 448 (f32 epsilon where
+// that is 0): the KV cache's static per-head scales, or the simulation's dynamic ones.
+template <typename T>
+__device__ void qdq_fp8_heads(const T* x, T* out, long n, int heads, long inner,
+                              const float* scales, int absmax) {
+    const long i = (long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= n) return;
+    float scale = scales[(i / inner) % heads];
+    if (absmax) {
+        scale = scale / 448.0f;
+        if (scale == 0.0f) scale = 1.1920929e-07f;
+    }
+    const float q = fminf(fmaxf(to_f32(x[i]) / scale + 0.0f, -448.0f), 448.0f);
+    out[i] = from_f32<T>(round_to_grid(q, -6, 3) * scale);
+}
+
 // nvfp4: one thread per group of 16 values, read and written as vectors (x and out 16-byte
 // aligned, checked by the caller).
 template <typename T>
@@ -202,9 +266,9 @@ __device__ void qdq_nvfp4(const T* x, T* out, long groups, float global_scale) {
                                                                    int cols, int g) {              \
         dequant_int_words_stacked<T, 8>(ptrs, o, rows, cols, g);                                   \
     }                                                                                              \
-    extern "C" __global__ void dequant_nvfp4_##SUFFIX(const uint8_t* p, const uint8_t* s, float gs, \
-                                                      T* o, int rows, int cols) {                  \
-        dequant_nvfp4<T>(p, s, gs, o, rows, cols);                                                 \
+    extern "C" __global__ void dequant_nvfp4_##SUFFIX(const uint8_t* p, const uint8_t* s, float pt, \
+                                                      int mul, T* o, int rows, int cols) {         \
+        dequant_nvfp4<T>(p, s, pt, mul, o, rows, cols);                                            \
     }                                                                                              \
     extern "C" __global__ void dequant_fp8_##SUFFIX(const uint8_t* c, const float* s, T* o, int rows, \
                                                     int cols, int br, int bc, int sc) {            \
@@ -219,6 +283,16 @@ __device__ void qdq_nvfp4(const T* x, T* out, long groups, float global_scale) {
     }                                                                                              \
     extern "C" __global__ void qdq_nvfp4_##SUFFIX(const T* x, T* o, long groups, float gs) {       \
         qdq_nvfp4<T>(x, o, groups, gs);                                                            \
+    }                                                                                              \
+    extern "C" __global__ void qdq_int8_token_##SUFFIX(const T* x, T* o, int k) {                  \
+        qdq_int8_token<T>(x, o, k);                                                                \
+    }                                                                                              \
+    extern "C" __global__ void qdq_fp8_group_##SUFFIX(const T* x, T* o, int k, int group) {        \
+        qdq_fp8_group<T>(x, o, k, group);                                                          \
+    }                                                                                              \
+    extern "C" __global__ void qdq_fp8_heads_##SUFFIX(const T* x, T* o, long n, int heads,         \
+                                                      long inner, const float* s, int absmax) {    \
+        qdq_fp8_heads<T>(x, o, n, heads, inner, s, absmax);                                        \
     }
 
 DEQUANT_ENTRIES(f32, float)

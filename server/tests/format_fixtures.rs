@@ -8,7 +8,7 @@ use candle_core::Device;
 use common::*;
 use exactscore_server::checkpoint::Checkpoint;
 use exactscore_server::model::Model;
-use exactscore_server::ops::Packed;
+use exactscore_server::ops::{Nvfp4PerTensor, Packed};
 use exactscore_server::quant::{
     awq, gptq, ActivationQuantMode, KvCacheDtype, KvCacheOptions, KvCacheQuant, QuantizedWeight,
 };
@@ -167,7 +167,7 @@ fn mxfp4_layers_are_held_as_nvfp4_with_the_same_weights() {
         let Some(Packed::Nvfp4 {
             packed,
             scale,
-            global_scale,
+            per_tensor: Nvfp4PerTensor::Divides(global_scale),
         }) = w.packed()
         else {
             panic!("{name}: not held as NVFP4");
@@ -447,15 +447,10 @@ fn modelopt_nvfp4_weights_only_matches_the_format_per_token() {
     let w = linear.weight();
     assert_eq!(w.describe(), "modelopt nvfp4 fp4 e2m1 g16 (fp8 scales)");
     assert_eq!(w.bits_per_weight(), 4.5);
-    // The nvfp4 kernel divides by a global scale and rounds to bf16: not this format's reading.
-    assert!(
-        w.packed().is_none(),
-        "{name}: handed to the compressed-tensors kernel"
-    );
     let ckpt = Checkpoint::open(&fixtures().join(MODELOPT_NVFP4)).unwrap();
-    let input_scale = ckpt
-        .tensor(
-            &format!("{name}.input_scale"),
+    let scalar = |tensor: &str| {
+        ckpt.tensor(
+            &format!("{name}.{tensor}"),
             &[safetensors::Dtype::F32],
             None,
             &Device::Cpu,
@@ -464,7 +459,18 @@ fn modelopt_nvfp4_weights_only_matches_the_format_per_token() {
         .flatten_all()
         .unwrap()
         .to_vec1::<f32>()
-        .unwrap()[0];
+        .unwrap()[0]
+    };
+    // The GPU kernel gets `weight_scale_2` as a multiplier (kept in f32), not compressed-tensors'
+    // dividing global scale (rounded to bf16).
+    let Some(Packed::Nvfp4 { per_tensor, .. }) = w.packed() else {
+        panic!("{name}: not held for the nvfp4 kernel");
+    };
+    assert_eq!(
+        per_tensor,
+        Nvfp4PerTensor::Multiplies(scalar("weight_scale_2"))
+    );
+    let input_scale = scalar("input_scale");
     assert_eq!(
         linear.activation(),
         Some(&exactscore_server::quant::ActivationQdq::Nvfp4 {

@@ -13,6 +13,15 @@ pub type IntWeights<'a> = [(&'a Tensor, &'a Tensor, Option<&'a Tensor>)];
 super::gpu_entry_points!(dequant {
     fn qdq_fp8(x: &Tensor, static_scale: Option<f32>) -> Result<Tensor>;
     fn qdq_nvfp4(x: &Tensor, global_scale: f32) -> Result<Tensor>;
+    fn qdq_int8_token(x: &Tensor) -> Result<Tensor>;
+    fn qdq_fp8_group(x: &Tensor, group: usize) -> Result<Tensor>;
+    fn qdq_fp8_heads(
+        x: &Tensor,
+        heads: usize,
+        inner: usize,
+        scales: &Tensor,
+        absmax: bool,
+    ) -> Result<Tensor>;
     fn dequant_int(
         codes: &Tensor,
         scales: &Tensor,
@@ -60,7 +69,7 @@ super::gpu_entry_points!(dequant {
     fn dequant_nvfp4(
         packed: &Tensor,
         scales: &Tensor,
-        global_scale: f32,
+        per_tensor: Nvfp4PerTensor,
         shape: (usize, usize),
         dtype: DType,
     ) -> Result<Tensor>;
@@ -196,8 +205,8 @@ pub fn activation_qdq(x: &Tensor, qdq: &ActivationQdq) -> Result<Tensor> {
             ActivationQdq::Fp8PerToken => return gpu::qdq_fp8(x, None),
             ActivationQdq::Fp8Static { scale } => return gpu::qdq_fp8(x, Some(scale)),
             ActivationQdq::Nvfp4 { global_scale } => return gpu::qdq_nvfp4(x, global_scale),
-            // No kernel yet: the rows go through the host (below) and back.
-            ActivationQdq::Fp8PerTokenGroup { .. } | ActivationQdq::Int8PerToken => {}
+            ActivationQdq::Fp8PerTokenGroup { group } => return gpu::qdq_fp8_group(x, group),
+            ActivationQdq::Int8PerToken => return gpu::qdq_int8_token(x),
         }
     }
     let (rows, k) = x.dims2()?;
@@ -223,18 +232,35 @@ pub enum HeadScales {
 /// conversion), rounded to e4m3 (ties to even), times `s`; computed in f32 and returned in x's
 /// dtype. The KV cache's quantization (`model::blocks::attention`).
 pub fn fp8_head_qdq(x: &Tensor, head_axis: usize, scales: &HeadScales) -> Result<Tensor> {
-    if let (true, HeadScales::Static(s)) = (x.device().is_cuda(), scales) {
-        if let [scale] = s[..] {
-            // one static scale: any split into rows is the same QDQ
-            let k = *x.dims().last().unwrap_or(&1);
-            let rows = x.elem_count() / k.max(1);
-            return gpu::qdq_fp8(&x.reshape((rows, k))?, Some(scale))?.reshape(x.shape());
-        }
-        // Per-head and dynamic scales have no kernel yet: through the host (below) and back.
-    }
     let dims = x.dims();
     let heads = dims[head_axis];
     let inner: usize = dims[head_axis + 1..].iter().product();
+    if x.device().is_cuda() {
+        return match scales {
+            // One static scale: any split into rows is the same QDQ, with the scale an argument.
+            HeadScales::Static(s) if s.len() == 1 => {
+                let k = *dims.last().unwrap_or(&1);
+                let rows = x.elem_count() / k.max(1);
+                gpu::qdq_fp8(&x.reshape((rows, k))?, Some(s[0]))?.reshape(x.shape())
+            }
+            HeadScales::Static(s) if s.len() == heads => {
+                let s = Tensor::from_slice(s, heads, x.device())?;
+                gpu::qdq_fp8_heads(x, heads, inner, &s, false)
+            }
+            HeadScales::Static(s) => candle_core::bail!("{} scales for {heads} heads", s.len()),
+            HeadScales::AbsMax => {
+                // Each head's absmax over the tensor, on the device (a max: exact in any order).
+                let outer = x.elem_count() / (heads * inner).max(1);
+                let amax = x
+                    .reshape((outer, heads, inner))?
+                    .abs()?
+                    .max(2)?
+                    .max(0)?
+                    .to_dtype(DType::F32)?;
+                gpu::qdq_fp8_heads(x, heads, inner, &amax, true)
+            }
+        };
+    }
     let mut values = x.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
     let per_head: Vec<f32> = match scales {
         HeadScales::Static(s) if s.len() == 1 => vec![s[0]; heads],
@@ -261,6 +287,15 @@ pub fn fp8_head_qdq(x: &Tensor, head_axis: usize, scales: &HeadScales) -> Result
         .to_dtype(x.dtype())
 }
 
+/// How an NVFP4 weight's per-tensor scale applies to its fp8 group scales.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum Nvfp4PerTensor {
+    /// compressed-tensors' `weight_global_scale`: divides; the weight rounded to bf16.
+    Divides(f32),
+    /// ModelOpt's `weight_scale_2`: multiplies; the weight kept in f32.
+    Multiplies(f32),
+}
+
 /// A quantized weight's tensors as its GPU dequantization kernel reads them.
 pub enum Packed<'a> {
     /// pack-quantized int4/int8 words, f32 scales `[out, groups]`, i32 zero points; with
@@ -273,11 +308,11 @@ pub enum Packed<'a> {
         bits: usize,
         group: usize,
     },
-    /// fp4 codes two per byte, fp8 scales per 16 weights, the global scale.
+    /// fp4 codes two per byte, fp8 scales per 16 weights, the per-tensor scale.
     Nvfp4 {
         packed: &'a Tensor,
         scale: &'a Tensor,
-        global_scale: f32,
+        per_tensor: Nvfp4PerTensor,
     },
     /// fp8 codes, f32 scales per `block` (rows, columns).
     Fp8 {
@@ -316,8 +351,8 @@ pub fn dequantize(
         Packed::Nvfp4 {
             packed,
             scale,
-            global_scale,
-        } => gpu::dequant_nvfp4(packed, scale, global_scale, shape, dtype),
+            per_tensor,
+        } => gpu::dequant_nvfp4(packed, scale, per_tensor, shape, dtype),
         Packed::Fp8 {
             weight,
             scale,

@@ -17,7 +17,7 @@ use super::minifloat::{bf16_round, fp4_e2m1_to_f32};
 use super::nvfp4::load_fp4_codes;
 use super::QuantizedWeight;
 use crate::checkpoint::{Checkpoint, LoadError};
-use crate::ops::Packed;
+use crate::ops::{Nvfp4PerTensor, Packed};
 
 pub const GROUP: usize = 32;
 /// UE8M0's NaN.
@@ -153,7 +153,7 @@ impl QuantizedWeight for Mxfp4Weight {
             .map(|(scale, global_scale)| Packed::Nvfp4 {
                 packed: &self.packed,
                 scale,
-                global_scale: *global_scale,
+                per_tensor: Nvfp4PerTensor::Divides(*global_scale),
             })
     }
 }

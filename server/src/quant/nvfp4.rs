@@ -14,25 +14,16 @@ use safetensors::Dtype as StDtype;
 use super::minifloat::{bf16_round, fp4_e2m1_to_f32, fp8_e4m3_to_f32};
 use super::{load_scalar, QuantizedWeight};
 use crate::checkpoint::{Checkpoint, LoadError};
-use crate::ops::Packed;
+use crate::ops::{Nvfp4PerTensor, Packed};
 
 pub const GROUP: usize = 16;
-
-/// The per-tensor scale and what it does to the per-block scales.
-#[derive(Debug, Clone, Copy, PartialEq)]
-enum PerTensor {
-    /// compressed-tensors' `weight_global_scale`: divides; the weight rounded to bf16.
-    Divides(f32),
-    /// ModelOpt's `weight_scale_2`: multiplies; the weight kept in f32.
-    Multiplies(f32),
-}
 
 pub struct Nvfp4Weight {
     out: usize,
     inp: usize,
     packed: Tensor,
     scale: Tensor,
-    per_tensor: PerTensor,
+    per_tensor: Nvfp4PerTensor,
 }
 
 /// `{name}.{codes}`: fp4 codes two per byte `[out, in / 2]` (NVFP4's and MXFP4's packing), for
@@ -74,7 +65,7 @@ impl Nvfp4Weight {
             name,
             "weight_packed",
             shape,
-            PerTensor::Divides(global),
+            Nvfp4PerTensor::Divides(global),
             device,
         )
     }
@@ -92,7 +83,7 @@ impl Nvfp4Weight {
             name,
             "weight",
             shape,
-            PerTensor::Multiplies(scale_2),
+            Nvfp4PerTensor::Multiplies(scale_2),
             device,
         )
     }
@@ -102,7 +93,7 @@ impl Nvfp4Weight {
         name: &str,
         codes: &str,
         (out, inp): (usize, usize),
-        per_tensor: PerTensor,
+        per_tensor: Nvfp4PerTensor,
         device: &Device,
     ) -> std::result::Result<Self, LoadError> {
         let packed = load_fp4_codes(ckpt, name, codes, (out, inp), GROUP, device)?;
@@ -120,15 +111,6 @@ impl Nvfp4Weight {
             per_tensor,
         })
     }
-
-    /// The global scale (a divisor), for GPU kernels that decode the same bytes; `None` for a
-    /// ModelOpt weight, whose scale multiplies and which is not rounded to bf16.
-    pub fn global_scale(&self) -> Option<f32> {
-        match self.per_tensor {
-            PerTensor::Divides(g) => Some(g),
-            PerTensor::Multiplies(_) => None,
-        }
-    }
 }
 
 impl QuantizedWeight for Nvfp4Weight {
@@ -138,8 +120,8 @@ impl QuantizedWeight for Nvfp4Weight {
 
     fn describe(&self) -> String {
         let source = match self.per_tensor {
-            PerTensor::Divides(_) => "nvfp4-pack-quantized",
-            PerTensor::Multiplies(_) => "modelopt nvfp4",
+            Nvfp4PerTensor::Divides(_) => "nvfp4-pack-quantized",
+            Nvfp4PerTensor::Multiplies(_) => "modelopt nvfp4",
         };
         format!("{source} fp4 e2m1 g16 (fp8 scales)")
     }
@@ -156,13 +138,13 @@ impl QuantizedWeight for Nvfp4Weight {
             .to_vec1::<u8>()?
             .into_iter()
             .map(|b| match self.per_tensor {
-                PerTensor::Divides(g) => fp8_e4m3_to_f32(b) / g,
-                PerTensor::Multiplies(m) => fp8_e4m3_to_f32(b) * m,
+                Nvfp4PerTensor::Divides(g) => fp8_e4m3_to_f32(b) / g,
+                Nvfp4PerTensor::Multiplies(m) => fp8_e4m3_to_f32(b) * m,
             })
             .collect();
         let round = match self.per_tensor {
-            PerTensor::Divides(_) => bf16_round,
-            PerTensor::Multiplies(_) => std::convert::identity,
+            Nvfp4PerTensor::Divides(_) => bf16_round,
+            Nvfp4PerTensor::Multiplies(_) => std::convert::identity,
         };
         let groups = self.inp / GROUP;
         let mut w = Vec::with_capacity(self.out * self.inp);
@@ -177,13 +159,11 @@ impl QuantizedWeight for Nvfp4Weight {
         Ok(w)
     }
 
-    /// The nvfp4 kernel divides and rounds to bf16: a ModelOpt weight has no kernel yet and is
-    /// dequantized by the reference (on the host).
     fn packed(&self) -> Option<Packed<'_>> {
         Some(Packed::Nvfp4 {
             packed: &self.packed,
             scale: &self.scale,
-            global_scale: self.global_scale()?,
+            per_tensor: self.per_tensor,
         })
     }
 }

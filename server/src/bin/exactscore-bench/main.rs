@@ -50,6 +50,7 @@ mod memory_plan;
 #[cfg(feature = "cuda")]
 mod moe_gemm_bench;
 mod pipeline_bench;
+mod qdq_check;
 mod random_model;
 mod stored_reference_check;
 
@@ -846,6 +847,7 @@ fn check(fixtures: &Path, device: &Device, only: &[String]) -> Result<()> {
     failures += diff_bench::check(fixtures, device)?;
     if device.is_cuda() {
         failures += stored_reference_check::run(device)?;
+        failures += qdq_check::run(device)?;
     }
     #[cfg(feature = "cuda")]
     if device.is_cuda() {

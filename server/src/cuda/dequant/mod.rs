@@ -2,6 +2,7 @@
 //! the int4 GEMM that decodes inside the product is in [`int4_gemm`].
 // Kernel launches are FFI: the argument lists below must match the kernel signatures.
 
+use crate::ops::Nvfp4PerTensor;
 use candle_core::cuda_backend::cudarc::driver::{CudaSlice, PushKernelArg};
 use candle_core::cuda_backend::WrapErr;
 use candle_core::{bail, DType, Result, Tensor};
@@ -168,11 +169,12 @@ fn stack_addresses(
     Ok(addresses)
 }
 
-/// nvfp4 → `[rows, cols]` in `dtype` (values rounded to bf16 first, as the reference does).
+/// nvfp4 → `[rows, cols]` in `dtype`: compressed-tensors' values rounded to bf16 first, ModelOpt's
+/// kept in f32, as the references in quant/nvfp4.rs.
 pub fn dequant_nvfp4(
     packed: &Tensor,
     scales: &Tensor,
-    global_scale: f32,
+    per_tensor: Nvfp4PerTensor,
     (rows, cols): (usize, usize),
     dtype: DType,
 ) -> Result<Tensor> {
@@ -185,8 +187,13 @@ pub fn dequant_nvfp4(
                 let out = unsafe { dev.alloc::<T>(rows * cols) }?;
                 let (packed, scales) = (packed.slice(po..), scales.slice(so..));
                 let (r, c) = (rows as i32, cols as i32);
+                let (scale, multiplies) = match per_tensor {
+                    Nvfp4PerTensor::Divides(g) => (g, 0i32),
+                    Nvfp4PerTensor::Multiplies(m) => (m, 1i32),
+                };
                 let mut b = func.builder();
-                b.arg(&packed).arg(&scales).arg(&global_scale).arg(&out).arg(&r).arg(&c);
+                b.arg(&packed).arg(&scales).arg(&scale).arg(&multiplies);
+                b.arg(&out).arg(&r).arg(&c);
                 // SAFETY: arguments match `dequant_nvfp4_*` (one thread per 16 weights).
                 unsafe { b.launch(grid_1d(rows * cols / 16)) }.w()?;
                 Ok(wrap(out, dev, (rows, cols)))
@@ -246,6 +253,83 @@ pub fn qdq_fp8(x: &Tensor, static_scale: Option<f32>) -> Result<Tensor> {
         // aligned vectors checked above).
         unsafe { b.launch(grid_rows(rows)) }.w()?;
         Ok(wrap(out, dev, (rows, k)))
+    }))
+}
+
+/// int8 per-token QDQ of `x` `[rows, k]` (vLLM's dynamic symmetric scales).
+pub fn qdq_int8_token(x: &Tensor) -> Result<Tensor> {
+    qdq_rows(x, "qdq_int8_token", None)
+}
+
+/// fp8 QDQ of `x` `[rows, k]` with one dynamic scale per token and `group` inputs.
+pub fn qdq_fp8_group(x: &Tensor, group: usize) -> Result<Tensor> {
+    if group == 0 {
+        bail!("fp8 group QDQ needs a group of at least one input");
+    }
+    qdq_rows(x, "qdq_fp8_group", Some(group as i32))
+}
+
+/// A QDQ kernel that takes one 256-thread block per row: (x, out, k[, extra]).
+fn qdq_rows(x: &Tensor, base: &str, extra: Option<i32>) -> Result<Tensor> {
+    let x = x.contiguous()?;
+    let (rows, k) = x.dims2()?;
+    let name = kernel_name(base, x.dtype());
+    with_float_type!(x.dtype(), T => with_slice::<T, _>(&x, |xs, xo, dev| {
+        let func = kernel(dev, &DEQUANT, &name)?;
+        // SAFETY: the kernel writes every element.
+        let out = unsafe { dev.alloc::<T>((rows * k).max(1)) }?;
+        let xs = xs.slice(xo..);
+        let k32 = k as i32;
+        let mut b = func.builder();
+        b.arg(&xs).arg(&out).arg(&k32);
+        if let Some(extra) = &extra {
+            b.arg(extra);
+        }
+        if rows > 0 {
+            // SAFETY: arguments match `qdq_int8_token_*` (x, out, k) / `qdq_fp8_group_*` (x,
+            // out, k, group).
+            unsafe { b.launch(grid_rows(rows)) }.w()?;
+        }
+        Ok(wrap(out, dev, (rows, k)))
+    }))
+}
+
+/// fp8 QDQ of `x` per head: element i's head is `(i / inner) % heads`; `scales` (f32, one per
+/// head, on x's device) are the scales, or with `absmax` each head's absmax (the scale is
+/// absmax / 448).
+pub fn qdq_fp8_heads(
+    x: &Tensor,
+    heads: usize,
+    inner: usize,
+    scales: &Tensor,
+    absmax: bool,
+) -> Result<Tensor> {
+    let x = x.contiguous()?;
+    let scales = scales.to_dtype(DType::F32)?.contiguous()?;
+    let n = x.elem_count();
+    if n == 0 {
+        return Ok(x);
+    }
+    if scales.elem_count() != heads || heads * inner == 0 || n % (heads * inner) != 0 {
+        bail!(
+            "fp8 head QDQ: {} scales, {heads} heads of {inner} for {n} values",
+            scales.elem_count()
+        );
+    }
+    let name = kernel_name("qdq_fp8_heads", x.dtype());
+    with_float_type!(x.dtype(), T => with_slice::<T, _>(&x, |xs, xo, dev| {
+        with_slice::<f32, _>(&scales, |ss, so, _| {
+            let func = kernel(dev, &DEQUANT, &name)?;
+            // SAFETY: the kernel writes every element.
+            let out = unsafe { dev.alloc::<T>(n) }?;
+            let (xs, ss) = (xs.slice(xo..), ss.slice(so..));
+            let (n64, h32, inner64, dynamic) = (n as i64, heads as i32, inner as i64, i32::from(absmax));
+            let mut b = func.builder();
+            b.arg(&xs).arg(&out).arg(&n64).arg(&h32).arg(&inner64).arg(&ss).arg(&dynamic);
+            // SAFETY: arguments match `qdq_fp8_heads_*` (one thread per element).
+            unsafe { b.launch(grid_1d(n)) }.w()?;
+            Ok(wrap(out, dev, x.shape().clone()))
+        })
     }))
 }
 
