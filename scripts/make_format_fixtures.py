@@ -19,6 +19,10 @@ checkpoints whose fp8 k/v scales llm-compressor 0.14 calibrates (`kv_cache_schem
 and per head; none for the last), with `reference_kv_emulated` / `reference_kv_simulated`:
 transformers with vLLM's FlashAttention 3 fp8 QDQ of q, k, v after RoPE (docs/kv-cache.md).
 
+The AutoRound fixtures (`llama-autoround-int4-g64-sym`, `llama-autoround-awq-int4-g64`) are
+quantized and exported by auto-round 0.16.1 itself (RTN, on the CPU, the reference sequences as
+calibration), which needs `pip install --no-deps auto-round==0.16.1` beside GPTQModel.
+
 Needs the fixture venv (transformers 5.17, torch 2.14 CPU) and, for GPTQ and AWQ, GPTQModel 7.7.0
 installed without its dependencies (its pins want a newer transformers) plus the few it imports:
     BUILD_CUDA_EXT=0 pip install --no-deps gptqmodel==7.7.0 pypcre logbar device-smi \
@@ -491,6 +495,74 @@ def make_awq(name, group=64):
                   "gptqmodel 7.7.0 quantization.awq.utils.packing_utils.dequantize_gemm "
                   "(f32 scales) of the tensors its pack_awq packed",
                   config=tiny_config(), dense=dense)
+
+
+# ----------------------------------------------------------------------------------------------
+# AutoRound (`quant_method: auto-round`): quantized and exported by auto-round itself (RTN,
+# iters=0, on the CPU), in both of its packings: `auto_round:auto_gptq` (sym, GPTQ's layout,
+# zero points stored minus one) and `auto_round:auto_awq` (what it writes for asymmetric 4-bit).
+# The weights as auto-round's inference modules dequantize them, with the scales upcast to f32:
+# its torch QuantLinear for the GPTQ packing, GPTQModel's dequantize_gemm for the AWQ one.
+# ----------------------------------------------------------------------------------------------
+AUTOROUND_VARIANTS = {
+    # name: (sym, format passed to quantize_and_save)
+    "llama-autoround-int4-g64-sym": (True, "auto_round"),
+    "llama-autoround-awq-int4-g64": (False, "auto_round"),
+}
+
+
+def make_autoround(name, sym, fmt, group=64):
+    from auto_round import AutoRound
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from safetensors.torch import save_file as save_torch, load_file as load_torch
+
+    cfg = tiny_config()
+    dense = tiny_dense(cfg=cfg)
+    work = FIXTURES / f".{name}-work"
+    shutil.rmtree(work, ignore_errors=True)
+    base = work / "base"
+    base.mkdir(parents=True)
+    (base / "config.json").write_text(json.dumps(cfg))
+    for f in ["tokenizer.json", "tokenizer_config.json"]:
+        shutil.copy(DENSE / f, base / f)
+    save_torch(dense, str(base / "model.safetensors"))
+    model = AutoModelForCausalLM.from_pretrained(str(base), dtype=torch.float32)
+    tok = AutoTokenizer.from_pretrained(str(base))
+    calibration = [text for text, _ in texts()]
+    ar = AutoRound(model, tok, bits=4, group_size=group, sym=sym, iters=0, dataset=calibration,
+                   nsamples=len(calibration), seqlen=64, device_map="cpu", disable_opt_rtn=True)
+    ar.quantize_and_save(str(work / "out"), format=fmt)
+    saved = next(p.parent for p in (work / "out").rglob("model.safetensors"))
+    qconfig = json.loads((saved / "config.json").read_text())["quantization_config"]
+    # auto-round's dequantization, f32 scales
+    m = AutoModelForCausalLM.from_pretrained(str(saved), dtype=torch.float32, device_map="cpu")
+    deq = {}
+    for lin, mod in m.named_modules():
+        if not hasattr(mod, "qweight"):
+            continue
+        if qconfig["packing_format"] == "auto_round:auto_awq":
+            from gptqmodel.quantization.awq.utils.packing_utils import dequantize_gemm
+            w = dequantize_gemm(mod.qweight, mod.qzeros, mod.scales.float(), 4, group).T
+        else:
+            # The weight its forward multiplies by (captured: a product with an identity
+            # would turn its -0.0s into +0.0).
+            mod.scales = mod.scales.float()
+            seen, matmul = [], torch.matmul
+            torch.matmul = lambda x, w: seen.append(w) or matmul(x, w)
+            try:
+                with torch.no_grad():
+                    mod(torch.zeros(1, mod.infeatures, dtype=torch.float32))
+            finally:
+                torch.matmul = matmul
+            w = seen[0].T
+        deq[lin] = w.contiguous().float().numpy()
+    tensors = {k: v for k, v in load_torch(str(saved / "model.safetensors")).items()}
+    shutil.rmtree(work)
+    import auto_round
+    write_variant(name, qconfig, tensors, deq,
+                  f"auto-round {auto_round.__version__} ({qconfig['packing_format']}): its "
+                  "inference module's dequantization with f32 scales",
+                  config=cfg, dense=dense)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -1101,6 +1173,9 @@ def main():
         make_modelopt_nvfp4("llama-modelopt-nvfp4")
     if not only or "llama-modelopt-fp8" in only:
         make_modelopt_fp8("llama-modelopt-fp8")
+    for name, (sym, fmt) in AUTOROUND_VARIANTS.items():
+        if not only or name in only:
+            make_autoround(name, sym, fmt)
     for name, strategy in KV_VARIANTS.items():
         if not only or name in only:
             make_kv(name, strategy)

@@ -540,6 +540,8 @@ const MXFP4: &str = "llama-mxfp4a16";
 const CT_ACT: &str = "llama-w4a16-actorder-g64";
 const Q_PROJ: &str = "model.layers.0.self_attn.q_proj";
 const AWQ: &str = "llama-awq-int4-g64";
+const AUTOROUND: &str = "llama-autoround-int4-g64-sym";
+const AUTOROUND_AWQ: &str = "llama-autoround-awq-int4-g64";
 const FP8: &str = "llama-fp8-block";
 const W8A8: &str = "llama-w8a8-int8";
 const MODELOPT: &str = "llama-modelopt-nvfp4";
@@ -775,6 +777,78 @@ fn malformed_checkpoints() -> Vec<Malformed> {
                      "dynamic": true, "symmetric": true});
             },
             &["quantization field `config_groups.group_0.input_activations`"],
+        ),
+        (
+            AUTOROUND,
+            "an AutoRound packing that is not read",
+            |_| {},
+            |c| c["quantization_config"]["packing_format"] = json!("auto_round:gptqmodel"),
+            &[
+                "config field `quantization_config.packing_format`",
+                "auto_round:gptqmodel",
+            ],
+        ),
+        (
+            AUTOROUND,
+            "an AutoRound data type other than int",
+            |_| {},
+            |c| c["quantization_config"]["data_type"] = json!("nv_fp"),
+            &["config field `quantization_config.data_type`", "nv_fp"],
+        ),
+        (
+            AUTOROUND,
+            "AutoRound activation quantization",
+            |_| {},
+            |c| c["quantization_config"]["act_bits"] = json!(8),
+            &["config field `quantization_config.act_bits`", "8"],
+        ),
+        (
+            AUTOROUND,
+            "an extra_config entry of a width GPTQ does not pack",
+            |_| {},
+            |c| {
+                c["quantization_config"]["extra_config"] =
+                    json!({"model.layers.1.mlp.up_proj": {"bits": 5}});
+            },
+            &[
+                "config field `quantization_config.extra_config.model.layers.1.mlp.up_proj.bits`",
+                "5",
+            ],
+        ),
+        (
+            AUTOROUND,
+            "an extra_config entry that leaves a quantized Linear in 16 bits",
+            |_| {},
+            |c| {
+                c["quantization_config"]["extra_config"] =
+                    json!({"model.layers.1.mlp.up_proj": {"bits": 16}});
+            },
+            &["model.layers.1.mlp.up_proj.weight"],
+        ),
+        (
+            AUTOROUND,
+            "an extra_config group size the tensors do not have",
+            |_| {},
+            |c| {
+                c["quantization_config"]["extra_config"] =
+                    json!({"model.layers.1.mlp.up_proj": {"group_size": 128}});
+            },
+            &[
+                "tensor `model.layers.1.mlp.up_proj.qzeros`",
+                "[2, 32]",
+                "[1, 32]",
+            ],
+        ),
+        (
+            AUTOROUND_AWQ,
+            "sym: true over AWQ zero points that are not the midpoint",
+            |_| {},
+            |c| c["quantization_config"]["sym"] = json!(true),
+            &[
+                "tensor `model.layers.0.self_attn.q_proj.qzeros`",
+                "sym: true",
+                "midpoint 8",
+            ],
         ),
         (
             AWQ,

@@ -145,6 +145,32 @@ fn gptq_vectors_of_every_width_equal_gptqmodel() {
     }
 }
 
+/// AutoRound (`quant_method: auto-round`), quantized and exported by auto-round itself, in
+/// its GPTQ packing (symmetric) and its AWQ packing (what it writes for asymmetric 4-bit):
+/// per token against transformers on auto-round's own dequantization, those weights bit for
+/// bit, and `/info` naming the producer and the packing.
+#[test]
+fn autoround_checkpoints_match_the_reference_per_token() {
+    for (variant, format) in [
+        (
+            "llama-autoround-int4-g64-sym",
+            "auto-round gptq int4 g64 sym",
+        ),
+        (
+            "llama-autoround-awq-int4-g64",
+            "auto-round awq int4 g64 asym",
+        ),
+    ] {
+        assert_weights_only_matches(variant);
+        let model = load(variant, ActivationQuantMode::Emulate);
+        let (name, linear) = &model.linears()[0];
+        assert_eq!(linear.weight().describe(), format, "{name}");
+        // `block_name_to_quantize: model.layers`: the head stays as stored.
+        let head = model.linears().into_iter().find(|(n, _)| n == "lm_head");
+        assert!(head.is_none_or(|(_, l)| l.weight().describe().starts_with("dense")));
+    }
+}
+
 #[test]
 fn mxfp4a16_matches_reference_per_token() {
     assert_matches_reference("llama-mxfp4a16");

@@ -193,6 +193,21 @@ pub fn load(
             codes[n * inp + k] = q[k * out + n] as i32 - 8;
         }
     }
+    // AutoRound's AWQ packing with `sym: true`: symmetric kernels never read qzeros, AutoAWQ's
+    // do; they agree only where every zero point is the midpoint.
+    if scheme.weights.symmetric {
+        if let Some(i) = z.iter().position(|&z| z != 8) {
+            return Err(LoadError::BadTensor {
+                name: format!("{name}.qzeros"),
+                reason: format!(
+                    "`sym: true` but the zero point of output {} in group {} is {} (the midpoint 8)",
+                    i % out,
+                    i / out,
+                    z[i]
+                ),
+            });
+        }
+    }
     let mut zero_point = vec![0i32; out * groups];
     let mut scale = vec![0f32; out * groups];
     for g in 0..groups {
@@ -212,7 +227,7 @@ pub fn load(
             g_idx: None,
             symmetric: false,
             stored_bits: 4.0 + (scale_bits + 4.0) / group as f64,
-            label: "awq int4".into(),
+            label: super::gptq::packing_label(scheme, "awq int4"),
         },
         device,
     )?)

@@ -356,8 +356,8 @@ pub(crate) fn skip_pattern(key: &str, field: &str) -> Result<Regex, LoadError> {
 fn unsupported_method(method: Option<&str>) -> String {
     const READS: &str = "ExactScore reads compressed-tensors checkpoints (quant_method \
                          \"compressed-tensors\": what llm-compressor writes and vLLM serves), \
-                         native GPTQ (\"gptq\"), AWQ (\"awq\"), FP8 (\"fp8\") and ModelOpt \
-                         NVFP4 (\"modelopt\")";
+                         native GPTQ (\"gptq\"), AutoRound (\"auto-round\"), AWQ (\"awq\"), \
+                         FP8 (\"fp8\") and ModelOpt NVFP4 (\"modelopt\")";
     match method {
         Some(m) => format!(
             "\"{m}\" is not supported. {READS}: quantize the original with llm-compressor, \
@@ -372,6 +372,7 @@ impl QuantizationConfig {
         const ROOT: &str = "quantization_config";
         match raw.get("quant_method").and_then(Value::as_str) {
             Some("gptq") => return Self::gptq(raw),
+            Some("auto-round") => return Self::auto_round(raw),
             Some("awq") => return Self::awq(raw),
             Some("fp8") => return Self::hf_fp8(raw),
             Some("modelopt") => return Self::modelopt(raw),
@@ -519,6 +520,50 @@ impl QuantizationConfig {
                 targets,
                 scheme: cfg.scheme,
             }],
+            ignore,
+            kv_cache: None,
+        })
+    }
+
+    /// An AutoRound config: one group for the Linears under its blocks (every Linear but
+    /// `lm_head` without them), one per `extra_config` entry by exact name, which beats the
+    /// blocks (an entry of 16 bits or more: that module is not quantized). Which Linears a
+    /// checkpoint quantized, their `qweight` tensors say, as for GPTQ.
+    fn auto_round(raw: &Value) -> Result<Self, LoadError> {
+        let cfg = super::auto_round::parse_config(raw)?;
+        let targets = match &cfg.blocks {
+            None => vec![Target::Class("Linear".into())],
+            Some(prefixes) => {
+                let prefixes: Vec<String> = prefixes.iter().map(|p| regex::escape(p)).collect();
+                let pattern = format!(r"^(?:{})", prefixes.join("|"));
+                vec![Target::Regex(Regex::new(&pattern).map_err(|e| {
+                    LoadError::config("quantization_config.block_name_to_quantize", e.to_string())
+                })?)]
+            }
+        };
+        let mut groups = vec![Group {
+            name: "auto-round".into(),
+            targets,
+            scheme: cfg.scheme,
+        }];
+        let mut ignore = Vec::new();
+        let mut lm_head_named = false;
+        for (name, scheme) in cfg.overrides {
+            lm_head_named |= name == "lm_head";
+            match scheme {
+                None => ignore.push(Target::Name(name)),
+                Some(scheme) => groups.push(Group {
+                    name: format!("extra_config.{name}"),
+                    targets: vec![Target::Name(name)],
+                    scheme,
+                }),
+            }
+        }
+        if !lm_head_named {
+            ignore.push(Target::Name("lm_head".into()));
+        }
+        Ok(Self {
+            groups,
             ignore,
             kv_cache: None,
         })

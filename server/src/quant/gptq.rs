@@ -206,6 +206,15 @@ fn words_u32(t: &candle_core::Tensor) -> candle_core::Result<Vec<u32>> {
         .collect())
 }
 
+/// `/info`'s name of a GPTQ or AWQ packing: prefixed by `auto-round` where an AutoRound
+/// config chose it.
+pub(super) fn packing_label(scheme: &LayerScheme, packing: &str) -> String {
+    match scheme.group.starts_with("auto-round") {
+        true => format!("auto-round {packing}"),
+        false => packing.to_string(),
+    }
+}
+
 fn bad(name: String, reason: String) -> LoadError {
     LoadError::BadTensor { name, reason }
 }
@@ -325,7 +334,7 @@ pub fn load(
             symmetric: args.symmetric,
             // GPTQ stores zero points even when symmetric.
             stored_bits: bits as f64 + grouping_bits,
-            label: format!("{} int{bits}", scheme.format.name()),
+            label: packing_label(scheme, &format!("{} int{bits}", scheme.format.name())),
         },
         device,
     )?)

@@ -2,6 +2,7 @@
 //! code holds a [`QuantLinear`] and never asks what is inside.
 
 pub mod act_qdq;
+pub mod auto_round;
 pub mod awq;
 pub mod compressed_tensors;
 pub mod dense;

@@ -585,6 +585,8 @@ const CHECKED: &[&str] = &[
     "llama-fp8-block",
     // native AWQ (held as pack-quantized int4 with zero points)
     "llama-awq-int4-g64",
+    "llama-autoround-int4-g64-sym",
+    "llama-autoround-awq-int4-g64",
     "qwen3moe-w4a16-g32",
     "qwen3moe-fp8-dynamic",
     "qwen3moe-nvfp4",
