@@ -572,6 +572,32 @@ def make_autoround(name, sym, fmt, group=64):
 FP8_MAX = 448.0
 
 
+def ceil_power_of_two(s):
+    """2^ceil(log2 s) of positive normal f32s, exactly (a set mantissa carries into the
+    exponent): DeepGEMM's and DeepSeek's `ceil_to_ue8m0`, without log2's rounding."""
+    bits = s.float().contiguous().view(torch.int32)
+    return ((bits + 0x7FFFFF) & -0x800000).view(torch.float32)
+
+
+def fp8_block_quantize_ue8m0(w, block):
+    """DeepSeek-V3.1's `per_block_cast_to_fp8(use_ue8m0=True)` of w [N, K]: per block, the
+    scale amax / 448 rounded up to a power of two (stored as `weight_scale_inv`), codes
+    e4m3(w / scale)."""
+    w = torch.from_numpy(w).float()
+    n, k = w.shape
+    b0, b1 = block
+    rows, cols = -(-n // b0), -(-k // b1)
+    q = torch.empty(n, k, dtype=torch.float8_e4m3fn)
+    inv = torch.empty(rows, cols, dtype=torch.float32)
+    for r in range(rows):
+        for c in range(cols):
+            tile = w[r * b0:(r + 1) * b0, c * b1:(c + 1) * b1]
+            scale = ceil_power_of_two((tile.abs().amax().clamp(min=1e-4) / FP8_MAX).reshape(1))[0]
+            inv[r, c] = scale
+            q[r * b0:(r + 1) * b0, c * b1:(c + 1) * b1] = (tile / scale).to(torch.float8_e4m3fn)
+    return q, inv
+
+
 def fp8_block_quantize(w, block):
     """transformers' Fp8Quantize of w [N, K] (per block: inverse scale amax / 448, stored;
     codes clamp(w * 448 / amax) to e4m3), over ceil-sized blocks so that edge blocks (N or K
@@ -601,43 +627,51 @@ def fp8_block_spec_dequantize(q, inv, block):
     return (q.float() * s).numpy()
 
 
-def vllm_group_qdq(x, group=128):
+def vllm_group_qdq(x, group=128, ue8m0=False):
     """vLLM's per_token_group_quant_fp8 (the dynamic activations of a block-FP8 Linear) then
     the dequantization its block GEMM applies, in f32: per token and group of 128 inputs,
-    s = max(amax |x|, 1e-10) / 448, q = e4m3(clamp(x / s, ±448)), x' = q * s."""
+    s = max(amax |x|, 1e-10) / 448 (with `ue8m0`, rounded up to a power of two, as
+    `use_ue8m0` does), q = e4m3(clamp(x / s, ±448)), x' = q * s."""
     shape = x.shape
     x = x.float().reshape(-1, shape[-1] // group, group)
     s = x.abs().amax(-1, keepdim=True).clamp(min=1e-10) / FP8_MAX
+    if ue8m0:
+        s = ceil_power_of_two(s)
     q = torch.clamp(x / s, -FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).float()
     return (q * s).reshape(shape)
 
 
-def fp8_hooks(linears):
+def fp8_hooks(linears, ue8m0=False):
     def register(model):
         for name in linears:
             model.get_submodule(name).register_forward_pre_hook(
-                lambda _m, args: (vllm_group_qdq(args[0]),))
+                lambda _m, args: (vllm_group_qdq(args[0], ue8m0=ue8m0),))
     return register
 
 
-def make_fp8_block(name, block=(128, 128)):
+def make_fp8_block(name, block=(128, 128), ue8m0=False):
     dense = tiny_dense()
     lins = linear_names(dense)
     tensors = base_tensors(dense, set(lins))
     spec = {}
+    quantize = fp8_block_quantize_ue8m0 if ue8m0 else fp8_block_quantize
     for lin in lins:
-        q, inv = fp8_block_quantize(dense[lin + ".weight"].float().numpy(), block)
+        q, inv = quantize(dense[lin + ".weight"].float().numpy(), block)
         tensors[f"{lin}.weight"] = q
         tensors[f"{lin}.weight_scale_inv"] = inv
         spec[lin] = fp8_block_spec_dequantize(q, inv, block)
-    # As the Qwen3 FP8 releases write it (Qwen/Qwen3-8B-FP8: these keys and values).
+    # As the Qwen3 FP8 releases write it (Qwen/Qwen3-8B-FP8: these keys and values); with
+    # ue8m0 as DeepSeek-V3.1's (deepseek-ai/DeepSeek-V3.1: `scale_fmt: ue8m0`).
     qconfig = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
                "weight_block_size": list(block)}
+    if ue8m0:
+        qconfig["scale_fmt"] = "ue8m0"
+    scales = ", scales rounded up to powers of two (ue8m0)" if ue8m0 else ""
     write_variant(name, qconfig, tensors, spec, "transformers 5.17 finegrained_fp8 "
                   "(from_pretrained on the CPU: Fp8Dequantize), equal to the block formula",
                   config=tiny_config(), dense=dense,
-                  emulated=("vLLM per_token_group_quant_fp8, group 128, then the block GEMM's "
-                            "dequantization (f32)", fp8_hooks(lins)))
+                  emulated=(f"vLLM per_token_group_quant_fp8, group 128{scales}, then the "
+                            "block GEMM's dequantization (f32)", fp8_hooks(lins, ue8m0)))
     # The library's reading: transformers loads the fixture (no GPU: dequantize=True).
     from transformers import AutoModelForCausalLM
     m = AutoModelForCausalLM.from_pretrained(str(FIXTURES / name), dtype=torch.float32)
@@ -1165,6 +1199,8 @@ def main():
         make_awq("llama-awq-int4-g64")
     if not only or "llama-fp8-block" in only:
         make_fp8_block("llama-fp8-block")
+    if not only or "llama-fp8-block-ue8m0" in only:
+        make_fp8_block("llama-fp8-block-ue8m0", ue8m0=True)
     if not only or "fp8-block-vectors" in only:
         make_fp8_vectors(500)
     if not only or "llama-w8a8-int8" in only:

@@ -179,10 +179,10 @@ __device__ void qdq_int8_token(const T* x, T* out, int k) {
 }
 
 // fp8 per token and `group` inputs, as vLLM's per_token_group_quant_fp8 (ops/dequant.rs:
-// Fp8PerTokenGroup): a warp per group, scale = max(absmax, 1e-10) / 448 (the last group of a
-// row may be shorter).
+// Fp8PerTokenGroup): a warp per group, scale = max(absmax, 1e-10) / 448, or that rounded up to
+// a power of two (the last group of a row may be shorter).
 template <typename T>
-__device__ void qdq_fp8_group(const T* x, T* out, int k, int group) {
+__device__ void qdq_fp8_group(const T* x, T* out, int k, int group, int power_of_two) {
     const T* row = x + (long)blockIdx.x * k;
     T* dst = out + (long)blockIdx.x * k;
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
@@ -191,7 +191,9 @@ __device__ void qdq_fp8_group(const T* x, T* out, int k, int group) {
         float amax = 0.0f;
         for (int i = first + lane; i < end; i += 32) amax = fmaxf(amax, fabsf(to_f32(row[i])));
         for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffff, amax, o));
-        const float scale = fmaxf(amax, 1e-10f) / 448.0f;
+        float scale = fmaxf(amax, 1e-10f) / 448.0f;
+        // UE8M0: rounded up to a power of two (a set mantissa carries into the exponent).
+        if (power_of_two) scale = __uint_as_float((__float_as_uint(scale) + 0x7fffffu) & 0xff800000u);
         for (int i = first + lane; i < end; i += 32) {
             const float q = fminf(fmaxf(to_f32(row[i]) / scale + 0.0f, -448.0f), 448.0f);
             dst[i] = from_f32<T>(round_to_grid(q, -6, 3) * scale);
@@ -287,8 +289,9 @@ __device__ void qdq_nvfp4(const T* x, T* out, long groups, float global_scale) {
     extern "C" __global__ void qdq_int8_token_##SUFFIX(const T* x, T* o, int k) {                  \
         qdq_int8_token<T>(x, o, k);                                                                \
     }                                                                                              \
-    extern "C" __global__ void qdq_fp8_group_##SUFFIX(const T* x, T* o, int k, int group) {        \
-        qdq_fp8_group<T>(x, o, k, group);                                                          \
+    extern "C" __global__ void qdq_fp8_group_##SUFFIX(const T* x, T* o, int k, int group,         \
+                                                      int pow2) {                                  \
+        qdq_fp8_group<T>(x, o, k, group, pow2);                                                    \
     }                                                                                              \
     extern "C" __global__ void qdq_fp8_heads_##SUFFIX(const T* x, T* o, long n, int heads,         \
                                                       long inner, const float* s, int absmax) {    \

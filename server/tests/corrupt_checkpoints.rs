@@ -1011,10 +1011,21 @@ fn malformed_checkpoints() -> Vec<Malformed> {
         ),
         (
             FP8,
-            "power-of-two scales",
+            "ue8m0 declared over scales that are not powers of two",
             |_| {},
             |c| c["quantization_config"]["scale_fmt"] = json!("ue8m0"),
-            &["config field `quantization_config.scale_fmt`", "ue8m0"],
+            &[
+                "tensor `model.layers.0.self_attn.q_proj.weight_scale_inv`",
+                "scale_fmt: ue8m0",
+                "not a power of two",
+            ],
+        ),
+        (
+            FP8,
+            "a scale format that is neither float nor ue8m0",
+            |_| {},
+            |c| c["quantization_config"]["scale_fmt"] = json!("e5m2"),
+            &["config field `quantization_config.scale_fmt`", "e5m2"],
         ),
         (
             FP8,

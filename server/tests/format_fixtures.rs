@@ -393,6 +393,56 @@ fn hf_fp8_block_emulated_activations_match_the_vllm_emulation() {
     );
 }
 
+const FP8_UE8M0: &str = "llama-fp8-block-ue8m0";
+
+/// DeepSeek-V3.1's `scale_fmt: ue8m0`: power-of-two block scales (per token as transformers
+/// reads them), and dynamic activation scales rounded up to a power of two, against
+/// transformers with the same QDQ; the emulation without the rounding (the `float` scale
+/// format's) misses that reference by more.
+#[test]
+fn hf_fp8_ue8m0_scales_match_the_reference() {
+    assert_weights_only_matches(FP8_UE8M0);
+    let model = load(FP8_UE8M0, ActivationQuantMode::Emulate);
+    let (_, linear) = &model.linears()[0];
+    assert_eq!(
+        linear.weight().describe(),
+        "hf fp8 e4m3 block 128x128 (ue8m0 scales)"
+    );
+    assert_eq!(
+        linear.activation(),
+        Some(&exactscore_server::quant::ActivationQdq::Fp8PerTokenGroup {
+            group: 128,
+            power_of_two: true
+        })
+    );
+    let emulated = &reference(FP8_UE8M0)["reference_emulated"];
+    let ((_, _, rel), (_, _, off_rel)) = assert_emulation_matters(FP8_UE8M0, emulated, 2.0);
+    assert!(off_rel > 2.0 * rel, "off {off_rel:e}, on {rel:e}");
+    // The same checkpoint read as `scale_fmt: float` (its scales are powers of two either way):
+    // the activation scales not rounded, further from this reference.
+    let dir = tempfile::tempdir().unwrap();
+    for entry in std::fs::read_dir(fixtures().join(FP8_UE8M0)).unwrap() {
+        let path = entry.unwrap().path();
+        std::fs::copy(&path, dir.path().join(path.file_name().unwrap())).unwrap();
+    }
+    let config = dir.path().join("config.json");
+    let mut raw: Value = serde_json::from_str(&std::fs::read_to_string(&config).unwrap()).unwrap();
+    raw["quantization_config"]["scale_fmt"] = "float".into();
+    std::fs::write(&config, raw.to_string()).unwrap();
+    let float = Model::load(
+        dir.path(),
+        &options(candle_core::DType::F32, ActivationQuantMode::Emulate),
+    )
+    .unwrap();
+    let (_, on_mean, _) = deltas_against(FP8_UE8M0, ActivationQuantMode::Emulate, emulated);
+    let (_, float_mean, float_rel) = deltas_of(&float, FP8_UE8M0, emulated);
+    println!("ue8m0 reference: emulated mean |Δ| {on_mean:.2e}, float scales {float_mean:.2e} (mean NLL rel {float_rel:.2e}), off rel {off_rel:.2e}");
+    assert!(
+        float_mean > 2.0 * on_mean,
+        "unrounded scales ({float_mean:e}) as close as ue8m0 ({on_mean:e})"
+    );
+}
+
 /// Edge blocks (`out` or `in` not a multiple of 128): each weight as the block formula gives
 /// it (scripts/make_format_fixtures.py), which transformers' CPU path refuses or misreads.
 #[test]

@@ -14,7 +14,7 @@ super::gpu_entry_points!(dequant {
     fn qdq_fp8(x: &Tensor, static_scale: Option<f32>) -> Result<Tensor>;
     fn qdq_nvfp4(x: &Tensor, global_scale: f32) -> Result<Tensor>;
     fn qdq_int8_token(x: &Tensor) -> Result<Tensor>;
-    fn qdq_fp8_group(x: &Tensor, group: usize) -> Result<Tensor>;
+    fn qdq_fp8_group(x: &Tensor, group: usize, power_of_two: bool) -> Result<Tensor>;
     fn qdq_fp8_heads(
         x: &Tensor,
         heads: usize,
@@ -89,8 +89,9 @@ pub enum ActivationQdq {
     /// fp8 e4m3, one static scale (`input_scale`).
     Fp8Static { scale: f32 },
     /// fp8 e4m3, one dynamic scale per token and `group` inputs, as vLLM's
-    /// `per_token_group_quant_fp8` computes it for block-FP8 Linears.
-    Fp8PerTokenGroup { group: usize },
+    /// `per_token_group_quant_fp8` computes it for block-FP8 Linears; with `power_of_two`, the
+    /// scale rounded up to a power of two (UE8M0).
+    Fp8PerTokenGroup { group: usize, power_of_two: bool },
     /// NVFP4: fp4 e2m1 per 16 values, fp8 group scales against a static global scale.
     Nvfp4 { global_scale: f32 },
     /// int8, one dynamic symmetric scale per token, as vLLM's `dynamic_scaled_int8_quant`
@@ -110,7 +111,13 @@ impl ActivationQdq {
         match self {
             Self::Fp8PerToken => "fp8 e4m3 per-token dynamic",
             Self::Fp8Static { .. } => "fp8 e4m3 per-tensor static",
-            Self::Fp8PerTokenGroup { .. } => "fp8 e4m3 per-token-group dynamic",
+            Self::Fp8PerTokenGroup {
+                power_of_two: false,
+                ..
+            } => "fp8 e4m3 per-token-group dynamic",
+            Self::Fp8PerTokenGroup {
+                power_of_two: true, ..
+            } => "fp8 e4m3 per-token-group dynamic (ue8m0 scales)",
             Self::Nvfp4 { .. } => "nvfp4 g16",
             Self::Int8PerToken => "int8 per-token dynamic",
         }
@@ -133,9 +140,20 @@ impl ActivationQdq {
                 qdq_fp8(row, scale);
             }
             Self::Fp8Static { scale } => qdq_fp8(row, scale),
-            Self::Fp8PerTokenGroup { group } => {
+            Self::Fp8PerTokenGroup {
+                group,
+                power_of_two,
+            } => {
                 for part in row.chunks_mut(group) {
-                    qdq_fp8(part, absmax(part).max(VLLM_GROUP_EPS) / FP8_E4M3_MAX);
+                    let scale = absmax(part).max(VLLM_GROUP_EPS) / FP8_E4M3_MAX;
+                    qdq_fp8(
+                        part,
+                        if power_of_two {
+                            ceil_power_of_two(scale)
+                        } else {
+                            scale
+                        },
+                    );
                 }
             }
             Self::Nvfp4 { global_scale } => {
@@ -146,6 +164,12 @@ impl ActivationQdq {
             Self::Int8PerToken => qdq_int8_token(row),
         }
     }
+}
+
+/// The smallest power of two at least `s` (a positive normal f32): `2^ceil(log2 s)`, exact
+/// (a set mantissa carries into the exponent).
+pub fn ceil_power_of_two(s: f32) -> f32 {
+    f32::from_bits((s.to_bits() + 0x007f_ffff) & 0xff80_0000)
 }
 
 /// `max(|min(min x, 0)|, |max(max x, 0)|)`.
@@ -205,7 +229,10 @@ pub fn activation_qdq(x: &Tensor, qdq: &ActivationQdq) -> Result<Tensor> {
             ActivationQdq::Fp8PerToken => return gpu::qdq_fp8(x, None),
             ActivationQdq::Fp8Static { scale } => return gpu::qdq_fp8(x, Some(scale)),
             ActivationQdq::Nvfp4 { global_scale } => return gpu::qdq_nvfp4(x, global_scale),
-            ActivationQdq::Fp8PerTokenGroup { group } => return gpu::qdq_fp8_group(x, group),
+            ActivationQdq::Fp8PerTokenGroup {
+                group,
+                power_of_two,
+            } => return gpu::qdq_fp8_group(x, group, power_of_two),
             ActivationQdq::Int8PerToken => return gpu::qdq_int8_token(x),
         }
     }

@@ -39,6 +39,7 @@ impl ActivationQdq {
             // Hugging Face FP8's dynamic activations (`super::hf_fp8`).
             (QuantType::Float, 8, Strategy::Group) => Self::Fp8PerTokenGroup {
                 group: args.group_size.expect("set by hf_fp8::parse_config"),
+                power_of_two: args.power_of_two_scales,
             },
             (QuantType::Float, 8, Strategy::Tensor) => Self::Fp8Static {
                 scale: load_scalar(ckpt, &format!("{name}.input_scale"))?,

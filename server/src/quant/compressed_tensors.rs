@@ -104,6 +104,9 @@ pub struct QuantArgs {
     pub dynamic: bool,
     /// Act-order with a stored group index per input (`actorder: group`, GPTQ's `desc_act`).
     pub actorder: bool,
+    /// Scales that are powers of two (UE8M0: Hugging Face FP8's `scale_fmt: ue8m0`): stored so
+    /// for weights, rounded up to one for dynamic activations.
+    pub power_of_two_scales: bool,
 }
 
 #[derive(Deserialize)]
@@ -156,6 +159,7 @@ impl QuantArgs {
             block_structure: None,
             dynamic: false,
             actorder,
+            power_of_two_scales: false,
         }
     }
 
@@ -259,6 +263,7 @@ impl QuantArgs {
             block_structure,
             dynamic,
             actorder,
+            power_of_two_scales: false,
         })
     }
 }

@@ -31,6 +31,8 @@ pub struct Fp8Weight {
     stored_bits: f64,
     format: Format,
     strategy: Strategy,
+    /// `scale_fmt: ue8m0` (checked at load).
+    power_of_two_scales: bool,
 }
 
 impl Fp8Weight {
@@ -68,6 +70,20 @@ impl Fp8Weight {
                 expected: expected.to_vec(),
             });
         }
+        if scheme.weights.power_of_two_scales {
+            // `scale_fmt: ue8m0` declares powers of two; other scales would be requantized by
+            // the serving kernels (not emulated): a mislabelled checkpoint.
+            let values = to_f32_vec(&scale)?;
+            if let Some(i) = values.iter().position(|&v| !is_power_of_two(v)) {
+                return Err(LoadError::BadTensor {
+                    name: scale_name,
+                    reason: format!(
+                        "`scale_fmt: ue8m0` but scale {i} is {:e}, not a power of two",
+                        values[i]
+                    ),
+                });
+            }
+        }
         Ok(Self {
             out,
             inp,
@@ -80,8 +96,14 @@ impl Fp8Weight {
             stored_bits: 8.0 + scale_bits / (block.0 * block.1) as f64,
             format: scheme.format,
             strategy: scheme.weights.strategy,
+            power_of_two_scales: scheme.weights.power_of_two_scales,
         })
     }
+}
+
+/// A positive normal power of two (UE8M0's values).
+fn is_power_of_two(v: f32) -> bool {
+    v.is_normal() && v > 0.0 && v.to_bits() & 0x007f_ffff == 0
 }
 
 impl QuantizedWeight for Fp8Weight {
@@ -101,7 +123,11 @@ impl QuantizedWeight for Fp8Weight {
             Format::ModeloptFp8 => "modelopt",
             _ => "float-quantized",
         };
-        format!("{source} fp8 e4m3 {how}")
+        let ue8m0 = match self.power_of_two_scales {
+            true => " (ue8m0 scales)",
+            false => "",
+        };
+        format!("{source} fp8 e4m3 {how}{ue8m0}")
     }
 
     fn bits_per_weight(&self) -> f64 {

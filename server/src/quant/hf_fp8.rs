@@ -87,17 +87,19 @@ pub fn parse_config(raw: &Value) -> Result<Fp8Config, LoadError> {
             return Err(field_error("fmt", format!("{v} is not supported (e4m3)")));
         }
     }
-    if let Some(v) = get("scale_fmt") {
-        if v.as_str() != Some("float") {
+    // DeepSeek-V3.1's `ue8m0`: the stored weight scales are powers of two, and the dynamic
+    // activation scales are rounded up to one, as DeepSeek's reference kernels and DeepGEMM's
+    // UE8M0 path (vLLM, with DeepGEMM) compute them.
+    let power_of_two_scales = match get("scale_fmt").map(|v| (v, v.as_str())) {
+        None | Some((_, Some("float"))) => false,
+        Some((_, Some("ue8m0"))) => true,
+        Some((v, _)) => {
             return Err(field_error(
                 "scale_fmt",
-                format!(
-                    "{v} is not supported (float): power-of-two (ue8m0) scales change vLLM's \
-                     activation quantization, which is not implemented"
-                ),
-            ));
+                format!("{v} is not supported (float, ue8m0)"),
+            ))
         }
-    }
+    };
     match get("modules_to_convert") {
         None => {}
         Some(Value::Array(a)) if a.is_empty() => {}
@@ -135,6 +137,7 @@ pub fn parse_config(raw: &Value) -> Result<Fp8Config, LoadError> {
         block_structure: Some(block),
         dynamic: false,
         actorder: false,
+        power_of_two_scales,
     };
     // Per token, one scale per group of a block's columns.
     let input_activations = QuantArgs {
@@ -146,6 +149,7 @@ pub fn parse_config(raw: &Value) -> Result<Fp8Config, LoadError> {
         block_structure: None,
         dynamic: true,
         actorder: false,
+        power_of_two_scales,
     };
     Ok(Fp8Config {
         scheme: LayerScheme {

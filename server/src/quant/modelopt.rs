@@ -117,6 +117,7 @@ pub fn parse_config(raw: &Value) -> Result<ModeloptConfig, LoadError> {
         block_structure: None,
         dynamic,
         actorder: false,
+        power_of_two_scales: false,
     };
     // FP8: e4m3 weights with one scale per tensor, activations with a static one
     // (`input_scale`), as compressed-tensors' float-quantized tensor strategy.

@@ -583,6 +583,7 @@ const CHECKED: &[&str] = &[
     "llama-mxfp4a16",
     // Hugging Face FP8 with 128 x 128 block scales
     "llama-fp8-block",
+    "llama-fp8-block-ue8m0",
     // native AWQ (held as pack-quantized int4 with zero points)
     "llama-awq-int4-g64",
     "llama-autoround-int4-g64-sym",

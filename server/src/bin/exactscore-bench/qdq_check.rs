@@ -30,7 +30,14 @@ pub fn run(device: &Device) -> Result<usize> {
     let activations = [
         ActivationQdq::Fp8PerToken,
         ActivationQdq::Fp8Static { scale: 0.037 },
-        ActivationQdq::Fp8PerTokenGroup { group: 128 },
+        ActivationQdq::Fp8PerTokenGroup {
+            group: 128,
+            power_of_two: false,
+        },
+        ActivationQdq::Fp8PerTokenGroup {
+            group: 128,
+            power_of_two: true,
+        },
         ActivationQdq::Nvfp4 {
             global_scale: 301.0,
         },

@@ -258,19 +258,20 @@ pub fn qdq_fp8(x: &Tensor, static_scale: Option<f32>) -> Result<Tensor> {
 
 /// int8 per-token QDQ of `x` `[rows, k]` (vLLM's dynamic symmetric scales).
 pub fn qdq_int8_token(x: &Tensor) -> Result<Tensor> {
-    qdq_rows(x, "qdq_int8_token", None)
+    qdq_rows(x, "qdq_int8_token", &[])
 }
 
-/// fp8 QDQ of `x` `[rows, k]` with one dynamic scale per token and `group` inputs.
-pub fn qdq_fp8_group(x: &Tensor, group: usize) -> Result<Tensor> {
+/// fp8 QDQ of `x` `[rows, k]` with one dynamic scale per token and `group` inputs (rounded up
+/// to a power of two with `power_of_two`).
+pub fn qdq_fp8_group(x: &Tensor, group: usize, power_of_two: bool) -> Result<Tensor> {
     if group == 0 {
         bail!("fp8 group QDQ needs a group of at least one input");
     }
-    qdq_rows(x, "qdq_fp8_group", Some(group as i32))
+    qdq_rows(x, "qdq_fp8_group", &[group as i32, i32::from(power_of_two)])
 }
 
-/// A QDQ kernel that takes one 256-thread block per row: (x, out, k[, extra]).
-fn qdq_rows(x: &Tensor, base: &str, extra: Option<i32>) -> Result<Tensor> {
+/// A QDQ kernel that takes one 256-thread block per row: (x, out, k, extra...).
+fn qdq_rows(x: &Tensor, base: &str, extra: &[i32]) -> Result<Tensor> {
     let x = x.contiguous()?;
     let (rows, k) = x.dims2()?;
     let name = kernel_name(base, x.dtype());
@@ -282,12 +283,12 @@ fn qdq_rows(x: &Tensor, base: &str, extra: Option<i32>) -> Result<Tensor> {
         let k32 = k as i32;
         let mut b = func.builder();
         b.arg(&xs).arg(&out).arg(&k32);
-        if let Some(extra) = &extra {
-            b.arg(extra);
+        for e in extra {
+            b.arg(e);
         }
         if rows > 0 {
             // SAFETY: arguments match `qdq_int8_token_*` (x, out, k) / `qdq_fp8_group_*` (x,
-            // out, k, group).
+            // out, k, group, power_of_two).
             unsafe { b.launch(grid_rows(rows)) }.w()?;
         }
         Ok(wrap(out, dev, (rows, k)))
