@@ -334,6 +334,51 @@ def make_gptq(name, spec, seed):
                   "gptqmodel 7.7.0 PackableQuantLinear.dequantize_weight (f32 scales)")
 
 
+# GPTQModel's `dynamic` (per-module overrides, first matching pattern wins): layer 0's
+# down_proj left in bf16 (`-:`), layer 1's Linears 8-bit, group 64, asymmetric; the rest 4-bit,
+# group 128, symmetric. The order matters: layer 1's pattern would not match layer 0 anyway,
+# but a `.*down_proj` entry after it would be shadowed for layer 1.
+GPTQ_DYNAMIC = {
+    r"-:model\.layers\.0\.mlp\.down_proj": {},
+    r"+:model\.layers\.1\..*": {"bits": 8, "group_size": 64, "sym": False},
+    r"-:.*down_proj": {},
+}
+
+
+def make_gptq_dynamic(name, seed, base=(4, 128, True)):
+    import re
+    rng = np.random.default_rng(seed)
+    dense = tiny_dense()
+    lins = linear_names(dense)
+    spec = {}
+    for lin in lins:
+        for pattern, overrides in GPTQ_DYNAMIC.items():
+            negative = pattern.startswith("-:")
+            if re.match(pattern[2:], lin):
+                spec[lin] = None if negative else (overrides.get("bits", base[0]),
+                                                   overrides.get("group_size", base[1]),
+                                                   overrides.get("sym", base[2]))
+                break
+        else:
+            spec[lin] = base
+    tensors = base_tensors(dense, {l for l in lins if spec[l] is not None})
+    deq = {}
+    for lin in lins:
+        if spec[lin] is None:
+            continue
+        bits, group, sym = spec[lin]
+        w = dense[lin + ".weight"].float().numpy()
+        t = gptq_tensors(w, bits, group, sym, False, True, rng)
+        for k, v in t.items():
+            tensors[f"{lin}.{k}"] = v
+        deq[lin] = gptqmodel_dequantize(t, bits, group, sym, False, True)
+    qconfig = gptq_config(*base, False, "gptq")
+    qconfig["dynamic"] = GPTQ_DYNAMIC
+    write_variant(name, qconfig, tensors, deq,
+                  "gptqmodel 7.7.0 PackableQuantLinear.dequantize_weight (f32 scales), each "
+                  "layer with its `dynamic` overrides", config=tiny_config(), dense=dense)
+
+
 def make_ct_actorder(name, seed, group=64):
     """compressed-tensors `pack-quantized` int4, symmetric, `actorder: group` with
     `weight_g_idx`, as compressed-tensors wrote it before 0.19 removed it (0.19 can no longer
@@ -1188,6 +1233,8 @@ def main():
     for i, (name, spec) in enumerate(GPTQ_VARIANTS.items()):
         if not only or name in only:
             make_gptq(name, spec, 100 + i)
+    if not only or "llama-gptq-dynamic" in only:
+        make_gptq_dynamic("llama-gptq-dynamic", 110)
     if not only or "gptq-vectors" in only:
         make_gptq_vectors(200)
     if not only or "llama-w4a16-actorder-g64" in only:

@@ -646,10 +646,39 @@ fn malformed_checkpoints() -> Vec<Malformed> {
         ),
         (
             GPTQ4,
-            "per-module overrides",
+            "a dynamic exclusion of Linears that are quantized",
             |_| {},
             |c| c["quantization_config"]["dynamic"] = json!({"-:.*down_proj": {}}),
-            &["config field `quantization_config.dynamic`"],
+            &["model.layers.0.mlp.down_proj.weight"],
+        ),
+        (
+            GPTQ4,
+            "a dynamic override that is not implemented",
+            |_| {},
+            |c| {
+                c["quantization_config"]["dynamic"] = json!({"+:.*q_proj": {"pack_dtype": "int16"}})
+            },
+            &[
+                "config field `quantization_config.dynamic.+:.*q_proj.pack_dtype`",
+                "int16",
+            ],
+        ),
+        (
+            GPTQ4,
+            "a dynamic pattern that is not a regex",
+            |_| {},
+            |c| c["quantization_config"]["dynamic"] = json!({"+:model.layers.(": {"bits": 8}}),
+            &[
+                "config field `quantization_config.dynamic.+:model.layers.(`",
+                "bad pattern",
+            ],
+        ),
+        (
+            GPTQ4,
+            "a dynamic width the tensors do not have",
+            |_| {},
+            |c| c["quantization_config"]["dynamic"] = json!({"+:.*\\.1\\..*": {"bits": 8}}),
+            &["tensor `model.layers.1.self_attn.q_proj.qweight`"],
         ),
         (
             GPTQ4,

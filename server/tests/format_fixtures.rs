@@ -56,7 +56,11 @@ fn assert_dequant_check(variant: &str) {
         );
         checked += 1;
     }
-    assert_eq!(checked, 14, "{variant}: every quantized Linear checked");
+    let listed = checks.as_object().unwrap().len();
+    assert_eq!(
+        checked, listed,
+        "{variant}: every Linear of dequant_check.json"
+    );
 }
 
 #[test]
@@ -142,6 +146,31 @@ fn gptq_vectors_of_every_width_equal_gptqmodel() {
             "{layer}: {differ} of {} weights differ",
             want.len()
         );
+    }
+}
+
+/// GPTQModel's `dynamic` overrides, the first matching pattern deciding: layer 0's down_proj
+/// excluded (`-:`, stored in bf16), layer 1's Linears 8-bit g64 asymmetric (whose down_proj a
+/// later `-:.*down_proj` does not reach), the rest the base 4-bit g128 symmetric; per token
+/// against transformers on GPTQModel's dequantization, each quantized weight bit for bit.
+#[test]
+fn gptq_dynamic_overrides_apply_in_order() {
+    const VARIANT: &str = "llama-gptq-dynamic";
+    assert_weights_only_matches(VARIANT);
+    let model = load(VARIANT, ActivationQuantMode::Emulate);
+    let formats: std::collections::BTreeMap<String, String> = model
+        .linears()
+        .into_iter()
+        .map(|(n, l)| (n, l.weight().describe()))
+        .collect();
+    for (name, format) in [
+        // a group of 128 over 128 inputs: one per output channel
+        ("model.layers.0.self_attn.q_proj", "gptq int4 channel sym"),
+        ("model.layers.0.mlp.down_proj", "dense bf16"),
+        ("model.layers.1.self_attn.q_proj", "gptq int8 g64 asym"),
+        ("model.layers.1.mlp.down_proj", "gptq int8 g64 asym"),
+    ] {
+        assert_eq!(formats[name], format, "{name}");
     }
 }
 

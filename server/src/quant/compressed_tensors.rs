@@ -321,6 +321,9 @@ struct Group {
 pub struct QuantizationConfig {
     groups: Vec<Group>,
     ignore: Vec<Target>,
+    /// Patterns tried in order before the groups, the first match deciding (GPTQModel's
+    /// `dynamic`): `None` for not quantized.
+    ordered: Vec<(Regex, Option<LayerScheme>)>,
     /// The `kv_cache_scheme`, where the checkpoint has one.
     pub kv_cache: Option<KvCacheScheme>,
 }
@@ -493,6 +496,7 @@ impl QuantizationConfig {
             groups,
             ignore,
             kv_cache,
+            ordered: Vec::new(),
         })
     }
 
@@ -501,7 +505,8 @@ impl QuantizationConfig {
     /// checkpoint actually quantized, its `qweight` tensors say (`load_linear`): GPTQ configs
     /// do not list them (GPTQModel's model definitions do, and leave out e.g. MoE gates).
     fn gptq(raw: &Value) -> Result<Self, LoadError> {
-        let cfg = super::gptq::parse_config(raw)?;
+        let mut cfg = super::gptq::parse_config(raw)?;
+        let ordered = std::mem::take(&mut cfg.dynamic);
         let targets = match &cfg.modules {
             None => vec![Target::Class("Linear".into())],
             Some(names) => {
@@ -527,6 +532,7 @@ impl QuantizationConfig {
             }],
             ignore,
             kv_cache: None,
+            ordered,
         })
     }
 
@@ -571,6 +577,7 @@ impl QuantizationConfig {
             groups,
             ignore,
             kv_cache: None,
+            ordered: Vec::new(),
         })
     }
 
@@ -586,6 +593,7 @@ impl QuantizationConfig {
             }],
             ignore: cfg.not_converted.into_iter().map(Target::Regex).collect(),
             kv_cache: None,
+            ordered: Vec::new(),
         })
     }
 
@@ -602,6 +610,7 @@ impl QuantizationConfig {
             }],
             ignore: cfg.not_converted.into_iter().map(Target::Regex).collect(),
             kv_cache: None,
+            ordered: Vec::new(),
         })
     }
 
@@ -616,6 +625,7 @@ impl QuantizationConfig {
             }],
             ignore: cfg.excluded.into_iter().map(Target::Regex).collect(),
             kv_cache: None,
+            ordered: Vec::new(),
         })
     }
 
@@ -628,6 +638,11 @@ impl QuantizationConfig {
             .any(|t| t.precedence(name, class).is_some())
         {
             return Ok(None);
+        }
+        if class == "Linear" {
+            if let Some((_, scheme)) = self.ordered.iter().find(|(r, _)| r.is_match(name)) {
+                return Ok(scheme.as_ref());
+            }
         }
         let mut best: Option<(u8, &Group)> = None;
         for group in &self.groups {

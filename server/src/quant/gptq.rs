@@ -17,10 +17,11 @@
 //! difference and the weight are unchanged); `bits_per_weight` counts the stored bits.
 
 use candle_core::Device;
+use regex::Regex;
 use safetensors::Dtype as StDtype;
 use serde_json::Value;
 
-use super::compressed_tensors::{Format, LayerScheme, QuantArgs};
+use super::compressed_tensors::{Format, LayerScheme, QuantArgs, Strategy};
 use super::pack_quantized::{IntParts, IntWeight};
 use super::{to_f32_vec, SCALE_DTYPES};
 use crate::checkpoint::{Checkpoint, LoadError};
@@ -50,12 +51,84 @@ pub(super) fn group_size(value: Option<&Value>) -> Result<Option<usize>, LoadErr
     }
 }
 
-/// The one scheme of a GPTQ `quantization_config`, and whether `lm_head` is quantized too.
+/// The scheme of a GPTQ `quantization_config`, and whether `lm_head` is quantized too.
 pub struct GptqConfig {
     pub scheme: LayerScheme,
     pub lm_head: bool,
     /// `modules_in_block_to_quantize`, flattened: names relative to a decoder layer.
     pub modules: Option<Vec<String>>,
+    /// GPTQModel's `dynamic`, in order: the first pattern that matches a module's name decides
+    /// (`-:` patterns: not quantized; others: the base scheme with the entry's overrides).
+    pub dynamic: Vec<(Regex, Option<LayerScheme>)>,
+}
+
+/// Keys of a `dynamic` entry that only steered the quantization run, not what the stored
+/// weights mean.
+const DYNAMIC_RUN_ONLY: [&str; 6] = [
+    "damp_percent",
+    "damp_auto_increment",
+    "mse",
+    "static_groups",
+    "true_sequential",
+    "v2",
+];
+
+/// GPTQModel's `dynamic` (`{pattern: overrides}`, matched with `re.match` in order, as
+/// GPTQModel's `dynamic_get` and vLLM's `get_dynamic_override` do).
+fn parse_dynamic(
+    raw: &Value,
+    base: &LayerScheme,
+) -> Result<Vec<(Regex, Option<LayerScheme>)>, LoadError> {
+    let entries = raw
+        .as_object()
+        .ok_or_else(|| field_error("dynamic", format!("{raw} is not an object")))?;
+    let mut out = Vec::new();
+    for (key, overrides) in entries {
+        let at = format!("dynamic.{key}");
+        let (pattern, quantized) = match key.strip_prefix("-:") {
+            Some(p) => (p, false),
+            None => (key.strip_prefix("+:").unwrap_or(key), true),
+        };
+        let regex = Regex::new(&format!("^(?:{pattern})"))
+            .map_err(|e| field_error(&at, format!("bad pattern: {e}")))?;
+        let overrides = overrides
+            .as_object()
+            .ok_or_else(|| field_error(&at, format!("{overrides} is not an object")))?;
+        if !quantized {
+            out.push((regex, None));
+            continue;
+        }
+        let mut w = base.weights.clone();
+        for (name, v) in overrides {
+            let bad = |why: &str| field_error(&format!("{at}.{name}"), format!("{v} {why}"));
+            match name.as_str() {
+                "bits" => match v.as_u64() {
+                    Some(b @ (2 | 3 | 4 | 8)) => w.num_bits = b as u32,
+                    _ => return Err(bad("is not 2, 3, 4 or 8")),
+                },
+                "group_size" => {
+                    w.group_size = group_size(Some(v))?;
+                    w.strategy = match w.group_size {
+                        Some(_) => Strategy::Group,
+                        None => Strategy::Channel,
+                    };
+                }
+                "sym" => w.symmetric = v.as_bool().ok_or_else(|| bad("is not a boolean"))?,
+                "desc_act" => w.actorder = v.as_bool().ok_or_else(|| bad("is not a boolean"))?,
+                other if DYNAMIC_RUN_ONLY.contains(&other) => {}
+                _ => return Err(bad("is an override ExactScore does not implement")),
+            }
+        }
+        out.push((
+            regex,
+            Some(LayerScheme {
+                group: format!("gptq {at}"),
+                weights: w,
+                ..base.clone()
+            }),
+        ));
+    }
+    Ok(out)
 }
 
 /// Parses a `quant_method: gptq` config as transformers' `GPTQConfig` and GPTQModel's
@@ -117,8 +190,8 @@ pub fn parse_config(raw: &Value) -> Result<GptqConfig, LoadError> {
             ));
         }
     }
-    // Per-module overrides and transforms change what some weights mean: refused, not ignored.
-    for key in ["dynamic", "extra_config", "rotation", "activation"] {
+    // Transforms and AutoRound's overrides change what some weights mean: refused, not ignored.
+    for key in ["extra_config", "rotation", "activation"] {
         match get(key) {
             None => {}
             Some(Value::Object(m)) if m.is_empty() => {}
@@ -162,10 +235,15 @@ pub fn parse_config(raw: &Value) -> Result<GptqConfig, LoadError> {
         weights: QuantArgs::int_weights(bits, sym, group_size, desc_act),
         input_activations: None,
     };
+    let dynamic = match get("dynamic") {
+        None => Vec::new(),
+        Some(v) => parse_dynamic(v, &scheme)?,
+    };
     Ok(GptqConfig {
         scheme,
         lm_head,
         modules,
+        dynamic,
     })
 }
 

@@ -579,6 +579,7 @@ const CHECKED: &[&str] = &[
     // native GPTQ (held as pack-quantized int), act-order (g_idx), MXFP4 (as NVFP4 scales)
     "llama-gptq-int4-g128",
     "llama-gptq-v2-int3-actorder-asym",
+    "llama-gptq-dynamic",
     "llama-w4a16-actorder-g64",
     "llama-mxfp4a16",
     // Hugging Face FP8 with 128 x 128 block scales
