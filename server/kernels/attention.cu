@@ -77,6 +77,54 @@ __device__ void rope_rotate_half(const T* x, T* out, const int32_t* pos, const T
     *reinterpret_cast<V*>(dst + i + half) = o2;
 }
 
+// MLA's flash inputs in one pass (model/blocks/mla.rs: flash_attend): per token and head,
+// q = [q_nope; rope(q_rot)] (times `qscale[token]` where given: Mistral 4), k = [kv_nope;
+// rope(k_rot)] (k_rot shared by the heads), v = kv's value part, each zero-padded to `width`.
+// The same arithmetic as the composition it replaces: rope_rotate_half's rounding above, the
+// scale a product rounded once, the padding +0. `interleave`: DeepSeek's paired layout, whose
+// de-interleaved copy ([evens; odds]) is rotated. One thread per (token, head, d < width).
+template <typename T>
+__device__ T mla_rope_at(const T* x, int j, int rot, bool interleave, const T* cos, const T* sin,
+                         long t) {
+    const int half = rot / 2;
+    const int i = j < half ? j : j - half;
+    // x' = interleave ? [x0, x2, ...; x1, x3, ...] : x
+    const float a = to_f32(interleave ? x[2 * i] : x[i]);
+    const float b = to_f32(interleave ? x[2 * i + 1] : x[i + half]);
+    const float c = to_f32(cos[t * half + i]), s = to_f32(sin[t * half + i]);
+    auto r = [](float v) { return to_f32(from_f32<T>(v)); };
+    return j < half ? from_f32<T>(r(a * c) - r(b * s)) : from_f32<T>(r(b * c) + r(a * s));
+}
+
+template <typename T>
+__device__ void mla_flash_inputs(const T* q, const T* kv, const T* k_rot, const int32_t* pos,
+                                 const T* cos, const T* sin, const T* qscale, T* q_out, T* k_out,
+                                 T* v_out, int tokens, int heads, int nope, int rot, int v_dim,
+                                 int width, int interleave) {
+    const long idx = (long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (idx >= (long)tokens * heads * width) return;
+    const int d = (int)(idx % width);
+    const long row = idx / width;  // token * heads + head
+    const long token = row / heads;
+    const long t = pos[token];
+    const T zero = from_f32<T>(0.0f);
+    const T* qh = q + row * (nope + rot);
+    const T* kvh = kv + row * (nope + v_dim);
+    T qv = zero, kval = zero, vv = zero;
+    if (d < nope) {
+        qv = qh[d];
+        kval = kvh[d];
+    } else if (d < nope + rot) {
+        qv = mla_rope_at(qh + nope, d - nope, rot, interleave, cos, sin, t);
+        kval = mla_rope_at(k_rot + token * rot, d - nope, rot, interleave, cos, sin, t);
+    }
+    if (qscale != nullptr && d < nope + rot) qv = from_f32<T>(to_f32(qv) * to_f32(qscale[token]));
+    if (d < v_dim) vv = kvh[nope + d];
+    q_out[idx] = qv;
+    k_out[idx] = kval;
+    v_out[idx] = vv;
+}
+
 // ---- flash attention ---------------------------------------------------------------------------
 //
 // One block = 4 warps of MT 16-row MMA tiles each (64 * MT query rows of one head of one
@@ -240,8 +288,19 @@ __device__ void flash_attention(const T* __restrict__ q, const T* __restrict__ k
         rope_rotate_half<T, 8>(x, o, pos, c, s, heads, half, groups);                                \
     }
 
+#define MLA_ENTRY(SUFFIX, T)                                                                          \
+    extern "C" __global__ void mla_flash_inputs_##SUFFIX(                                             \
+        const T* q, const T* kv, const T* kr, const int32_t* pos, const T* c, const T* s,            \
+        const T* qs, T* qo, T* ko, T* vo, int tokens, int heads, int nope, int rot, int v_dim,       \
+        int width, int interleave) {                                                                  \
+        mla_flash_inputs<T>(q, kv, kr, pos, c, s, qs, qo, ko, vo, tokens, heads, nope, rot, v_dim,   \
+                            width, interleave);                                                       \
+    }
+
 ROPE_ENTRY(bf16, __nv_bfloat16)
 ROPE_ENTRY(f16, __half)
+MLA_ENTRY(bf16, __nv_bfloat16)
+MLA_ENTRY(f16, __half)
 FLASH_ENTRIES(bf16, __nv_bfloat16)
 FLASH_ENTRIES(f16, __half)
 

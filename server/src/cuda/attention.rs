@@ -98,6 +98,92 @@ pub fn rope_rotate_half(
     }))
 }
 
+/// MLA's flash inputs (`mla_flash_inputs` in the kernels): `q` `[tokens, heads * (nope + rot)]`,
+/// `kv` `[tokens, heads * (nope + v)]`, `k_rot` `[tokens, rot]`, optional per-token query
+/// scales `[tokens]`; returns q, k, v `[tokens, heads, width]`, zero-padded.
+#[allow(clippy::too_many_arguments)]
+pub fn mla_flash_inputs(
+    q: &Tensor,
+    kv: &Tensor,
+    k_rot: &Tensor,
+    positions: &Tensor,
+    cos: &Tensor,
+    sin: &Tensor,
+    query_scale: Option<&Tensor>,
+    (heads, nope, rot, v_dim, width, interleave): (usize, usize, usize, usize, usize, bool),
+) -> Result<(Tensor, Tensor, Tensor)> {
+    let (q, kv, k_rot) = (q.contiguous()?, kv.contiguous()?, k_rot.contiguous()?);
+    let tokens = q.dims()[0];
+    if q.dims() != [tokens, heads * (nope + rot)]
+        || kv.dims() != [tokens, heads * (nope + v_dim)]
+        || k_rot.dims() != [tokens, rot]
+        || rot % 2 != 0
+        || width < (nope + rot).max(v_dim)
+    {
+        bail!(
+            "mla_flash_inputs: q {:?}, kv {:?}, k_rot {:?} for {heads} heads of {nope} + {rot} / \
+             {v_dim} in {width}",
+            q.dims(),
+            kv.dims(),
+            k_rot.dims()
+        );
+    }
+    let n = tokens * heads * width;
+    let scale = query_scale
+        .map(|s| s.to_dtype(q.dtype())?.contiguous())
+        .transpose()?;
+    let name = kernel_name("mla_flash_inputs", q.dtype());
+    with_float_type!(q.dtype(), T => with_slice::<T, _>(&q, |qs, qo, dev| {
+        with_slice::<T, _>(&kv, |kvs, kvo, _| {
+            with_slice::<T, _>(&k_rot, |krs, kro, _| {
+                with_slice::<i32, _>(positions, |ps, po, _| {
+                    with_slice::<T, _>(cos, |cs, co, _| {
+                        with_slice::<T, _>(sin, |ss, so, _| {
+                            let func = kernel(dev, &ATTENTION, &name)?;
+                            // SAFETY: the kernel writes every element of the three outputs.
+                            let (qo_, ko_, vo_) = unsafe {
+                                (dev.alloc::<T>(n.max(1))?, dev.alloc::<T>(n.max(1))?, dev.alloc::<T>(n.max(1))?)
+                            };
+                            let (qs, kvs, krs) = (qs.slice(qo..), kvs.slice(kvo..), krs.slice(kro..));
+                            let (ps, cs, ss) = (ps.slice(po..), cs.slice(co..), ss.slice(so..));
+                            let dims = [tokens, heads, nope, rot, v_dim, width].map(|v| v as i32);
+                            let interleave = i32::from(interleave);
+                            // The scales' argument: their view, or a null pointer.
+                            macro_rules! launch {
+                                ($scales:expr) => {{
+                                    let mut b = func.builder();
+                                    b.arg(&qs).arg(&kvs).arg(&krs).arg(&ps).arg(&cs).arg(&ss);
+                                    b.arg($scales).arg(&qo_).arg(&ko_).arg(&vo_);
+                                    for d in &dims {
+                                        b.arg(d);
+                                    }
+                                    b.arg(&interleave);
+                                    // SAFETY: arguments match `mla_flash_inputs_*` (one thread
+                                    // per output element).
+                                    unsafe { b.launch(grid_1d(n)) }.w()?;
+                                }};
+                            }
+                            match &scale {
+                                Some(scale) => with_slice::<T, _>(scale, |sc, sco, _| {
+                                    let view = sc.slice(sco..);
+                                    launch!(&view);
+                                    Ok(())
+                                })?,
+                                None => {
+                                    let null = 0u64;
+                                    launch!(&null)
+                                }
+                            }
+                            let shape = (tokens, heads, width);
+                            Ok((wrap(qo_, dev, shape), wrap(ko_, dev, shape), wrap(vo_, dev, shape)))
+                        })
+                    })
+                })
+            })
+        })
+    }))
+}
+
 /// Causal softmax attention of `q` `[tokens, hq, d]` over `k`, `v` `[tokens, hkv, d]` for the
 /// sequences whose token ranges are `starts[i]..starts[i + 1]` (i32, on the device); `max_len`
 /// is the longest of them. Returns `[tokens, hq * d]` in the compute dtype. Scores and the

@@ -10,6 +10,16 @@ super::gpu_entry_points!(attention {
     fn matmul_tf32(a: &Tensor, b: &Tensor) -> Result<Tensor>;
     fn causal_softmax(scores: &Tensor, scale: f32, window: Option<usize>, dtype: DType) -> Result<Tensor>;
     fn rope_rotate_half(x: &Tensor, positions: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor>;
+    fn mla_flash_inputs(
+        q: &Tensor,
+        kv: &Tensor,
+        k_rot: &Tensor,
+        positions: &Tensor,
+        cos: &Tensor,
+        sin: &Tensor,
+        query_scale: Option<&Tensor>,
+        dims: (usize, usize, usize, usize, usize, bool),
+    ) -> Result<(Tensor, Tensor, Tensor)>;
     /// `tile`: rows and keys per block, and whether the kernel is the wgmma one.
     fn flash_attention(
         q: &Tensor,
@@ -222,6 +232,40 @@ pub fn rope_rotate_half(
 ) -> Result<Tensor> {
     gpu_only("rope_rotate_half", x)?;
     gpu::rope_rotate_half(x, positions, cos, sin)
+}
+
+/// The shapes of an MLA layer's heads for [`mla_flash_inputs`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct MlaHeads {
+    pub heads: usize,
+    pub nope: usize,
+    pub rope: usize,
+    pub value: usize,
+    /// The flash kernel's head size every head is zero-padded to.
+    pub width: usize,
+    /// DeepSeek's paired rotary layout (rotated as its de-interleaved copy).
+    pub interleave: bool,
+}
+
+/// MLA's flash-kernel inputs in one pass: `q` `[tokens, heads * (nope + rope)]` with its
+/// rotary part rotated (and times `query_scale[token]`, Mistral 4's, where given), `k` the
+/// `kv` nope part with the shared `k_rot` `[tokens, rope]` rotated, `v` the value part, each
+/// `[tokens, heads, width]` zero-padded: the bits of the rope, concatenation, scaling and
+/// padding it replaces (a GPU kernel only).
+#[allow(clippy::too_many_arguments)]
+pub fn mla_flash_inputs(
+    q: &Tensor,
+    kv: &Tensor,
+    k_rot: &Tensor,
+    positions: &Tensor,
+    cos: &Tensor,
+    sin: &Tensor,
+    query_scale: Option<&Tensor>,
+    h: MlaHeads,
+) -> Result<(Tensor, Tensor, Tensor)> {
+    gpu_only("mla_flash_inputs", q)?;
+    let dims = (h.heads, h.nope, h.rope, h.value, h.width, h.interleave);
+    gpu::mla_flash_inputs(q, kv, k_rot, positions, cos, sin, query_scale, dims)
 }
 
 /// Causal attention of a whole batch in the projections' `[tokens, heads, head_dim]` layout

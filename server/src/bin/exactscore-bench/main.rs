@@ -48,6 +48,8 @@ mod jit_report;
 mod kld_bench;
 mod memory_plan;
 #[cfg(feature = "cuda")]
+mod mla_inputs_check;
+#[cfg(feature = "cuda")]
 mod moe_gemm_bench;
 mod pipeline_bench;
 mod qdq_check;
@@ -861,6 +863,7 @@ fn check(fixtures: &Path, device: &Device, only: &[String]) -> Result<()> {
         }
         failures += usize::from(!gemm_f32_check(device)?);
         failures += usize::from(!linear_attention_check(device)?);
+        failures += mla_inputs_check::run(device)?;
     }
     if failures > 0 {
         bail!("{failures} check(s) failed");

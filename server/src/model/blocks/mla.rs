@@ -268,44 +268,28 @@ impl LatentAttention {
         let (tokens, heads, dev) = (q.dims()[0], self.num_heads, q.device().clone());
         let width = ops::flash_head_dim_holding((nope + rot).max(v_dim))
             .ok_or_else(|| candle_core::Error::Msg("no flash head size holds MLA's".into()))?;
-        let pad = |x: Tensor| -> Result<Tensor> {
-            let (_, h, d) = x.dims3()?;
-            match d < width {
-                true => {
-                    let zeros = Tensor::zeros((tokens, h, width - d), x.dtype(), x.device())?;
-                    // the kernel reads contiguous heads; a cat of strided parts is a view
-                    Tensor::cat(&[&x, &zeros], 2)?.contiguous()
-                }
-                false => x.contiguous(),
-            }
-        };
         let (cos, sin) = rope.tables();
-        // The rotary part of `x` `[tokens, h, rope]`, de-interleaved first where DeepSeek's
-        // layout pairs neighbours (see [`Self::rotate`]).
-        let rotate = |x: Tensor| -> Result<Tensor> {
-            let x = match self.cfg.rope_interleave {
-                true => x
-                    .reshape((tokens, x.dims()[1], rot / 2, 2))?
-                    .transpose(2, 3)?
-                    .contiguous()?
-                    .reshape((tokens, x.dims()[1], rot))?,
-                false => x.contiguous()?,
-            };
-            ops::rope_rotate_half(&x, &index.positions, cos, sin)
+        let positions = lens.iter().flat_map(|&len| 0..len);
+        let shape = ops::MlaHeads {
+            heads,
+            nope,
+            rope: rot,
+            value: v_dim,
+            width,
+            interleave: self.cfg.rope_interleave,
         };
         let (q, k, v) = stage("rope", &dev, || {
-            let q = q.reshape((tokens, heads, nope + rot))?;
-            let kv = kv.reshape((tokens, heads, nope + v_dim))?;
-            let q_rot = rotate(q.narrow(2, nope, rot)?)?;
-            let k_rot =
-                rotate(k_rot.reshape((tokens, 1, rot))?)?.broadcast_as((tokens, heads, rot))?;
-            let q = Tensor::cat(&[&q.narrow(2, 0, nope)?, &q_rot], 2)?;
-            let positions = lens.iter().flat_map(|&len| 0..len);
-            Ok((
-                pad(self.scale_queries(q, positions, (tokens, 1, 1))?)?,
-                pad(Tensor::cat(&[&kv.narrow(2, 0, nope)?, &k_rot], 2)?)?,
-                pad(kv.narrow(2, nope, v_dim)?)?,
-            ))
+            let scale = self.query_scales(positions, tokens, &dev, q.dtype())?;
+            ops::mla_flash_inputs(
+                q,
+                kv,
+                k_rot,
+                &index.positions,
+                cos,
+                sin,
+                scale.as_ref(),
+                shape,
+            )
         })?;
         let opts = ops::FlashOptions {
             scale: self.cfg.softmax_scale as f32,
@@ -336,6 +320,24 @@ impl LatentAttention {
         let scale: Vec<f32> = positions.map(|p| scaling.scale(p)).collect();
         let scale = Tensor::from_vec(scale, shape, q.device())?;
         q.broadcast_mul(&scale.to_dtype(q.dtype())?)
+    }
+
+    /// [`Self::scale_queries`]'s scales `[tokens]` in `dtype` (`None` without query scaling),
+    /// for the fused flash-input kernel, which multiplies as `broadcast_mul` does.
+    fn query_scales(
+        &self,
+        positions: impl Iterator<Item = usize>,
+        tokens: usize,
+        device: &candle_core::Device,
+        dtype: candle_core::DType,
+    ) -> Result<Option<Tensor>> {
+        let Some(scaling) = &self.cfg.query_scaling else {
+            return Ok(None);
+        };
+        let scale: Vec<f32> = positions.map(|p| scaling.scale(p)).collect();
+        Tensor::from_vec(scale, tokens, device)?
+            .to_dtype(dtype)
+            .map(Some)
     }
 
     /// RoPE of `x` `[1, heads, len, rope]`. DeepSeek's interleaved layout pairs `(x0, x1),
