@@ -1378,6 +1378,8 @@ fn unmodified_copies_of_other_formats_load() {
         MXFP4,
         CT_ACT,
         AWQ,
+        AUTOROUND,
+        AUTOROUND_AWQ,
         FP8,
         W8A8,
         MODELOPT,
@@ -1391,6 +1393,39 @@ fn unmodified_copies_of_other_formats_load() {
         )
         .unwrap_or_else(|e| panic!("{variant}: {e}"));
     }
+}
+
+/// W4A8-FP8 (integer weights, fp8 activations): vLLM converts the weights' group scales to fp8
+/// for its kernels, which is not emulated: refused under `--activation-quant emulate` naming
+/// the layer, the field and the way out; with `off` the stored weights load.
+#[test]
+fn integer_weights_with_fp8_activations_are_refused_when_emulated() {
+    let dir = corrupted(
+        |_| {},
+        |c| {
+            c["quantization_config"]["config_groups"]["group_0"]["input_activations"] = serde_json::json!({
+                "num_bits": 8, "type": "float", "strategy": "token", "dynamic": true,
+                "symmetric": true});
+        },
+    );
+    let err = load_error(dir.path());
+    assert_mentions(
+        &err,
+        &[
+            "model.layers.0.self_attn.q_proj",
+            "input_activations",
+            "W4A8-FP8",
+            "--activation-quant off",
+        ],
+    );
+    Model::load(
+        dir.path(),
+        &options(
+            candle_core::DType::F32,
+            exactscore_server::quant::ActivationQuantMode::Off,
+        ),
+    )
+    .unwrap();
 }
 
 /// `variant` loaded in f32 on the CPU with `--kv-cache-quant emulate` and `dtype`: its error.

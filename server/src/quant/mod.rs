@@ -25,7 +25,7 @@ use safetensors::Dtype as StDtype;
 use crate::checkpoint::{Checkpoint, LoadError};
 use crate::ops::{self, StackRows};
 pub use act_qdq::{ActivationQdq, ActivationQuantMode};
-pub use compressed_tensors::{Format, LayerScheme, QuantizationConfig};
+pub use compressed_tensors::{Format, LayerScheme, QuantType, QuantizationConfig};
 pub use kv_cache::{KvCacheDtype, KvCacheOptions, KvCacheQdq, KvCacheQuant, KvCacheScheme};
 
 /// A weight matrix `[out, in]` stored in one format. Stays compressed in memory.
@@ -449,6 +449,23 @@ pub fn load_linear(
         None
     };
     let activation = match scheme.and_then(|s| s.input_activations.as_ref()) {
+        // W4A8-FP8: vLLM's kernels for integer weights with fp8 activations first convert the
+        // group scales to fp8 (`convert_bf16_scales_to_fp8`), which is not emulated.
+        Some(args)
+            if args.kind == QuantType::Float
+                && scheme.is_some_and(|s| s.weights.kind == QuantType::Int)
+                && opts.activation_quant == ActivationQuantMode::Emulate =>
+        {
+            return Err(LoadError::Unsupported {
+                layer: name.into(),
+                field: "input_activations".into(),
+                reason: "integer weights with fp8 activations (W4A8-FP8): vLLM's kernels convert \
+                         the weights' group scales to fp8, which is not emulated; \
+                         --activation-quant off scores the stored weights with unquantized \
+                         activations"
+                    .into(),
+            });
+        }
         Some(args) => {
             used.extend(["input_global_scale", "input_scale", "input_zero_point"]);
             let qdq = match scheme.map(|s| s.format) {
