@@ -624,29 +624,12 @@ def ceil_power_of_two(s):
     return ((bits + 0x7FFFFF) & -0x800000).view(torch.float32)
 
 
-def fp8_block_quantize_ue8m0(w, block):
-    """DeepSeek-V3.1's `per_block_cast_to_fp8(use_ue8m0=True)` of w [N, K]: per block, the
-    scale amax / 448 rounded up to a power of two (stored as `weight_scale_inv`), codes
-    e4m3(w / scale)."""
-    w = torch.from_numpy(w).float()
-    n, k = w.shape
-    b0, b1 = block
-    rows, cols = -(-n // b0), -(-k // b1)
-    q = torch.empty(n, k, dtype=torch.float8_e4m3fn)
-    inv = torch.empty(rows, cols, dtype=torch.float32)
-    for r in range(rows):
-        for c in range(cols):
-            tile = w[r * b0:(r + 1) * b0, c * b1:(c + 1) * b1]
-            scale = ceil_power_of_two((tile.abs().amax().clamp(min=1e-4) / FP8_MAX).reshape(1))[0]
-            inv[r, c] = scale
-            q[r * b0:(r + 1) * b0, c * b1:(c + 1) * b1] = (tile / scale).to(torch.float8_e4m3fn)
-    return q, inv
-
-
-def fp8_block_quantize(w, block):
+def fp8_block_quantize(w, block, ue8m0=False):
     """transformers' Fp8Quantize of w [N, K] (per block: inverse scale amax / 448, stored;
     codes clamp(w * 448 / amax) to e4m3), over ceil-sized blocks so that edge blocks (N or K
-    not a multiple of the block) are quantized too, as DeepSeek's and vLLM's quantizers do."""
+    not a multiple of the block) are quantized too, as DeepSeek's and vLLM's quantizers do.
+    With `ue8m0`, DeepSeek-V3.1's `per_block_cast_to_fp8(use_ue8m0=True)`: the inverse scale
+    max(amax, 1e-4) / 448 rounded up to a power of two, codes e4m3(w / it)."""
     w = torch.from_numpy(w).float()
     n, k = w.shape
     b0, b1 = block
@@ -657,10 +640,14 @@ def fp8_block_quantize(w, block):
         for c in range(cols):
             tile = w[r * b0:(r + 1) * b0, c * b1:(c + 1) * b1]
             amax = tile.abs().amax()
-            scale = FP8_MAX / amax if amax > 0 else torch.tensor(1.0)
-            inv[r, c] = (1.0 / scale).float()
-            q[r * b0:(r + 1) * b0, c * b1:(c + 1) * b1] = \
-                torch.clamp(tile * scale, -FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+            if ue8m0:
+                inv[r, c] = ceil_power_of_two((amax.clamp(min=1e-4) / FP8_MAX).reshape(1))[0]
+                codes = tile / inv[r, c]
+            else:
+                scale = FP8_MAX / amax if amax > 0 else torch.tensor(1.0)
+                inv[r, c] = (1.0 / scale).float()
+                codes = torch.clamp(tile * scale, -FP8_MAX, FP8_MAX)
+            q[r * b0:(r + 1) * b0, c * b1:(c + 1) * b1] = codes.to(torch.float8_e4m3fn)
     return q, inv
 
 
@@ -699,9 +686,8 @@ def make_fp8_block(name, block=(128, 128), ue8m0=False):
     lins = linear_names(dense)
     tensors = base_tensors(dense, set(lins))
     spec = {}
-    quantize = fp8_block_quantize_ue8m0 if ue8m0 else fp8_block_quantize
     for lin in lins:
-        q, inv = quantize(dense[lin + ".weight"].float().numpy(), block)
+        q, inv = fp8_block_quantize(dense[lin + ".weight"].float().numpy(), block, ue8m0)
         tensors[f"{lin}.weight"] = q
         tensors[f"{lin}.weight_scale_inv"] = inv
         spec[lin] = fp8_block_spec_dequantize(q, inv, block)

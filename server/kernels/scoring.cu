@@ -187,18 +187,25 @@ __device__ void score_rows(const T* logits, int vocab, const int32_t* targets, i
 
 // ---- KL-divergence: one block (256 threads) per row of both models' logits --------------------
 
-// Block-wide sum in f64, broadcast to every thread (fixed order: deterministic).
-__device__ double block_sum(double v, double* s_sum) {
-    int tid = threadIdx.x;
-    s_sum[tid] = v;
+// Block-wide reduction of one value a thread by `op`, in a fixed tree (deterministic),
+// broadcast to every thread; `s`: ROW_THREADS of shared scratch.
+template <typename T, typename Op>
+__device__ T block_reduce(T v, T* s, Op op) {
+    const int tid = threadIdx.x;
+    s[tid] = v;
     __syncthreads();
-    for (int s = ROW_THREADS / 2; s > 0; s >>= 1) {
-        if (tid < s) s_sum[tid] += s_sum[tid + s];
+    for (int w = ROW_THREADS / 2; w > 0; w >>= 1) {
+        if (tid < w) s[tid] = op(s[tid], s[tid + w]);
         __syncthreads();
     }
-    double total = s_sum[0];
+    const T total = s[0];
     __syncthreads();
     return total;
+}
+
+// Block-wide sum in f64, broadcast to every thread.
+__device__ double block_sum(double v, double* s_sum) {
+    return block_reduce(v, s_sum, [](double a, double b) { return a + b; });
 }
 
 // The KLD_TOP best ids of a row (block_top; mirrors ops/scoring.rs: top_ids_and_lse). Thread
@@ -325,16 +332,7 @@ __device__ __forceinline__ float key_value(uint32_t k) {
 
 // Block-wide max of f32 (fmaxf: NaN skipped unless every value is NaN), broadcast.
 __device__ float block_max(float v, float* s_val) {
-    const int tid = threadIdx.x;
-    s_val[tid] = v;
-    __syncthreads();
-    for (int s = ROW_THREADS / 2; s > 0; s >>= 1) {
-        if (tid < s) s_val[tid] = fmaxf(s_val[tid], s_val[tid + s]);
-        __syncthreads();
-    }
-    const float m = s_val[0];
-    __syncthreads();
-    return m;
+    return block_reduce(v, s_val, [](float a, float b) { return fmaxf(a, b); });
 }
 
 // The key of rank `rank` (1-based) among the row's values that `counted(i)` admits, counting
@@ -381,16 +379,7 @@ __device__ uint32_t select_key(const T* row, int vocab, int rank, Counted counte
 
 // Block-wide min of f64 (fmin: NaN skipped), broadcast.
 __device__ double block_min(double v, double* s_sum) {
-    const int tid = threadIdx.x;
-    s_sum[tid] = v;
-    __syncthreads();
-    for (int s = ROW_THREADS / 2; s > 0; s >>= 1) {
-        if (tid < s) s_sum[tid] = fmin(s_sum[tid], s_sum[tid + s]);
-        __syncthreads();
-    }
-    const double m = s_sum[0];
-    __syncthreads();
-    return m;
+    return block_reduce(v, s_sum, [](double a, double b) { return fmin(a, b); });
 }
 
 // How many threads of the block before this one have `flag` set (warp ballots), and the total.

@@ -3,7 +3,7 @@
 //! which `server/tests/kld_numerics.rs` checks against an independent f64 one.
 
 use clap::Parser;
-use exactscore_api::{ErrorBody, KldResponse, ModelInfo};
+use exactscore_api::{ErrorBody, KldResponse};
 use exactscore_server::app::Server;
 use exactscore_server::config::{Args, Config};
 use exactscore_server::model::kld_batch;
@@ -113,12 +113,7 @@ async fn kld_over_http_equals_the_model_computation() {
     assert_eq!(short.sequences[0].sum_kld, r.sequences[1].sum_kld);
 
     // /info carries both models' bits per weight.
-    let info: ModelInfo = reqwest::get(format!("{}/info", server.base))
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+    let info = common::info(&server.base).await;
     let reference = info.reference.expect("reference in /info");
     assert_eq!(reference.model, REFERENCE);
     assert_eq!(reference.bits_per_weight, 16.0);
@@ -389,12 +384,7 @@ async fn noise_floor_is_the_kld_of_bf16_arithmetic_on_the_same_windows() {
     ];
     let floor = start(REFERENCE, &floor_args).await;
 
-    let info: ModelInfo = reqwest::get(format!("{}/info", floor.base))
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+    let info = common::info(&floor.base).await;
     assert_eq!(info.dtype, "bf16");
     assert_eq!(info.reference.unwrap().dtype.as_deref(), Some("f32"));
 
@@ -565,12 +555,7 @@ async fn kld_measures_a_simulated_fp8_kv_cache() {
             args.extend(["--kv-cache-dtype", "fp8_e4m3"]);
         }
         let server = start(KV, &args).await;
-        let info: ModelInfo = reqwest::get(format!("{}/info", server.base))
-            .await
-            .unwrap()
-            .json()
-            .await
-            .unwrap();
+        let info = common::info(&server.base).await;
         match simulate {
             true => assert!(
                 info.kv_cache.as_deref().unwrap().starts_with("simulation"),
@@ -611,12 +596,7 @@ async fn the_kv_cache_flags_are_reported_and_reproduced() {
     ];
     for (variant, flags, quant, dtype) in cases {
         let server = start(variant, flags).await;
-        let info: ModelInfo = reqwest::get(format!("{}/info", server.base))
-            .await
-            .unwrap()
-            .json()
-            .await
-            .unwrap();
+        let info = common::info(&server.base).await;
         assert_eq!(
             (
                 info.kv_cache_quant_mode.as_str(),

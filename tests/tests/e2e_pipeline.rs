@@ -187,12 +187,7 @@ async fn info_shows_the_placement() {
         ],
     )
     .await;
-    let info: exactscore_api::ModelInfo = reqwest::get(format!("{}/info", server.base))
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+    let info = common::info(&server.base).await;
     assert_eq!(info.placement.len(), 2);
     for (r, replica) in info.placement.iter().enumerate() {
         assert_eq!(replica.replica, r);

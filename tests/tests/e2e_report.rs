@@ -6,7 +6,6 @@
 
 use std::path::{Path, PathBuf};
 
-use exactscore_api::ModelInfo;
 use exactscore_client::record::Record;
 use exactscore_client::report_dir::{self, run_report, ReportOptions};
 use exactscore_client::{run_diff, run_ppl, DiffConfig, PplConfig, Task};
@@ -139,12 +138,7 @@ async fn report_directory_holds_the_runners_numbers_and_passes_its_schemas() {
     let layers = record.layers.as_ref().unwrap();
     assert_eq!(layers.layers, diff.layers);
     assert_eq!(layers.kld, diff.kld);
-    let info: ModelInfo = reqwest::get(format!("{}/info", quantized.base))
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+    let info = common::info(&quantized.base).await;
     let reference = record.reference.as_ref().unwrap();
     assert_eq!(record.model.checkpoint_sha256, info.checkpoint_sha256);
     assert_eq!(

@@ -37,6 +37,16 @@ pub async fn post(base: &str, route: &str, body: serde_json::Value) -> (u16, Str
     (res.status().as_u16(), res.text().await.unwrap())
 }
 
+/// `GET {base}/info`.
+pub async fn info(base: &str) -> exactscore_api::ModelInfo {
+    reqwest::get(format!("{base}/info"))
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap()
+}
+
 /// [`post`] that must answer 200: the body's text.
 pub async fn post_ok(base: &str, route: &str, body: serde_json::Value) -> String {
     let (status, text) = post(base, route, body).await;
