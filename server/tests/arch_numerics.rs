@@ -411,6 +411,32 @@ fn mistral3_wrapper_of_latent_attention_text_weights_match_reference() {
     }
 }
 
+/// DeepSeek-V2's `mlp_bias` (tests/fixtures/deepseek_v2-mlp-bias, a float32 checkpoint written
+/// by scripts/audit_config_variants_mla.py --fixture): biases on the dense MLP and on the shared
+/// experts (both `DeepseekV2MLP`), none on the routed experts. Zeroing the shared experts'
+/// biases must move the scores, so that they are shown to be read.
+#[test]
+fn deepseek_v2_mlp_bias_matches_reference() {
+    let variant = "deepseek_v2-mlp-bias";
+    let config = config_of(variant).to_string();
+    let reference = reference(variant);
+    let max = max_delta(&config, weights(variant), &reference, Off);
+    println!("{variant}: max |Δ| {max:.2e}");
+    assert!(max <= 1e-4, "max |Δlogprob| {max:e}");
+    let mut unbiased = weights(variant);
+    for (name, t) in unbiased.iter_mut() {
+        if name.contains("shared_experts.") && name.ends_with(".bias") {
+            t.data.fill(0);
+        }
+    }
+    let moved = max_delta(&config, unbiased, &reference, Off);
+    println!("{variant}, shared experts' biases zeroed: max |Δ| {moved:.2e}");
+    assert!(
+        moved > 1e-2,
+        "the shared experts' biases barely matter: {moved:e}"
+    );
+}
+
 /// `variant`'s weights-only f32 scores with `config` and `tensors` in place of its own, against
 /// the weights-only reference: (mean, max) |Δ logprob|.
 fn mutated_deltas(
