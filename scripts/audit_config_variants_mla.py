@@ -9,7 +9,8 @@ variant (one or two config keys changed from the tiny base that scripts/make_arc
 uses), this:
   1. builds a seeded random float32 model with transformers (weights scaled so that the logits
      are not flat, a random e_score_correction_bias where the router has one),
-  2. writes it with save_pretrained (the tensor names transformers writes) plus the 2000-token
+  2. writes it with save_pretrained (the tensor names transformers writes) in float32, or with
+     --bf16 in bf16 (the reference then loads it back in float32), plus the 2000-token
      tokenizer of tests/fixtures/llama-dense-bf16,
   3. computes float32 reference log-probs of three seeded token sequences (40, 80, 120 ids),
   4. starts the server (--dtype f32 --device cpu) on it, scores the same ids through /score,
@@ -23,12 +24,13 @@ Usage (CPU only, no network; a few seconds a variant):
 Last run (2026-11-28, transformers 5.17.0, torch 2.14.0, CPU f32): 97 variants; 90 pass (max
 |delta| <= 1.1e-5); transformers itself cannot build or run the other 7 (n_shared_experts 0 for
 V3 and V2, num_key_value_heads != num_attention_heads for MLA, topk_method noaux_tc for V2,
-Mistral 4 without llama_4_scaling_beta or without YaRN, Mixtral YaRN without head_dim). main's
-server before this audit's fixes: 79 of its 89 variants passed; it refused DeepSeek-V2's
+Mistral 4 without llama_4_scaling_beta or without YaRN, Mixtral YaRN without head_dim); the same
+with --bf16 (checkpoints stored in bf16, the reference loading them in f32), max |delta| 7.8e-6.
+main's server before this audit's fixes: 79 of its 89 variants passed; it refused DeepSeek-V2's
 mlp_bias and Mistral 3 around a DeepSeek-V3 text model (twice), the rest as above.
 
 `--fixture NAME` instead writes the test fixture tests/fixtures/NAME/ of FIXTURES (a variant
-shrunk to a 256-token vocabulary and one dense plus one sparse layer, float32, ~100 KB):
+shrunk to a 256-token vocabulary and one dense plus one sparse layer, float32, ~170 KB):
 config.json and model.safetensors as save_pretrained writes them, and reference.json with the
 float32 log-probs of three sequences in the layout of the other fixtures' references
 (`sequences[i].token_ids`, `.token_logprobs` with a leading null). server/tests/arch_numerics.rs
@@ -56,6 +58,7 @@ REPO = Path(__file__).resolve().parent.parent
 TOKENIZER_DIR = REPO / "tests" / "fixtures" / "llama-dense-bf16"
 VOCAB = 2000
 PASS = 1e-4
+STORE_BF16 = False
 
 YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 40.0,
         "original_max_position_embeddings": 32, "beta_fast": 32.0, "beta_slow": 1.0}
@@ -350,7 +353,11 @@ def run_variant(server, family, name, overrides, seed, work):
         torch.manual_seed(seed)
         model = cls(cfg).to(torch.float32).eval()
         init_weights(model, seed)
-        model.save_pretrained(out, safe_serialization=True)
+        if STORE_BF16:  # bf16 on disk; the reference loads it in f32, as a user would
+            model.to(torch.bfloat16).save_pretrained(out, safe_serialization=True)
+            model = cls.from_pretrained(out, dtype=torch.float32).eval()
+        else:
+            model.save_pretrained(out, safe_serialization=True)
     except Exception as e:  # transformers refuses the variant itself
         return "transformers refuses: %s" % str(e).splitlines()[0][:110]
     for f in ("tokenizer.json", "tokenizer_config.json"):
@@ -396,10 +403,13 @@ def main():
     ap.add_argument("--only", default=None, help="comma-separated families")
     ap.add_argument("--variant", default=None, help="substring of variant names")
     ap.add_argument("--keep", default=None, help="write the checkpoints here and keep them")
+    ap.add_argument("--bf16", action="store_true", help="store the checkpoints in bf16")
     ap.add_argument("--fixture", default=None, choices=sorted(FIXTURES), help="write this fixture")
     args = ap.parse_args()
     if args.fixture:
         return write_fixture(args.fixture)
+    global STORE_BF16
+    STORE_BF16 = args.bf16
     torch.set_num_threads(2)
     work = Path(args.keep) if args.keep else Path(tempfile.mkdtemp(prefix="audit-mla-"))
     work.mkdir(parents=True, exist_ok=True)
