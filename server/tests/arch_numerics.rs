@@ -378,34 +378,63 @@ fn mistral3_conditional_generation_text_weights_match_reference() {
     }
 }
 
-/// Mistral 3's wrapper of a Mistral 4 text model (transformers' `Mistral3Config` builds any
-/// `text_config.model_type` through `AutoConfig`, and `Mistral3Model` its text model through
-/// `AutoModel`): the mistral4-w4a16-g32 tensors in transformers 5's layout (Mistral 4 is
-/// newer than the 4.x one; the quantization's ignore list names `lm_head` as 5 writes it), its
-/// config nested as `text_config`, score exactly as the text-only checkpoint's reference.
+/// Mistral 3's wrapper of a Mistral 4 or DeepSeek-V3 text model (transformers' `Mistral3Config`
+/// builds any `text_config.model_type` through `AutoConfig`, and `Mistral3Model` its text model
+/// through `AutoModel`): the mistral4-w4a16-g32 and deepseek_v3-w4a16-g32 tensors in
+/// transformers 5's layout (both newer than the 4.x one; the quantization's ignore list names
+/// `lm_head` as 5 writes it), the config nested as `text_config`, score exactly as the
+/// text-only checkpoint's reference.
 #[test]
-fn mistral3_wrapper_of_mistral4_text_weights_match_reference() {
-    let mut text = config_of("mistral4-w4a16-g32");
-    let quantization = text.as_object_mut().unwrap().remove("quantization_config");
-    text.as_object_mut().unwrap().remove("architectures");
-    let config = serde_json::json!({
-        "architectures": ["Mistral3ForConditionalGeneration"],
-        "text_config": text,
-        "quantization_config": quantization,
-        "tie_word_embeddings": false,
-    });
-    let parsed = exactscore_server::model::ModelConfig::from_json(&config.to_string()).unwrap();
-    assert_eq!(
-        parsed.architecture.hf_name(),
-        "Mistral3ForConditionalGeneration"
+fn mistral3_wrapper_of_latent_attention_text_weights_match_reference() {
+    for variant in ["mistral4-w4a16-g32", "deepseek_v3-w4a16-g32"] {
+        let mut text = config_of(variant);
+        let quantization = text.as_object_mut().unwrap().remove("quantization_config");
+        text.as_object_mut().unwrap().remove("architectures");
+        let config = serde_json::json!({
+            "architectures": ["Mistral3ForConditionalGeneration"],
+            "text_config": text,
+            "quantization_config": quantization,
+            "tie_word_embeddings": false,
+        });
+        let parsed = exactscore_server::model::ModelConfig::from_json(&config.to_string()).unwrap();
+        assert_eq!(
+            parsed.architecture.hf_name(),
+            "Mistral3ForConditionalGeneration"
+        );
+        assert!(parsed.mla.is_some() && parsed.architecture.is_vision_language());
+        let reference = reference(variant);
+        let (base, head) = TEXT_LAYOUTS[0];
+        let tensors = text_model_under(&format!("{variant}/model.safetensors"), base, head);
+        let max = max_delta(&config.to_string(), tensors, &reference, Emulate);
+        println!("Mistral3ForConditionalGeneration ({variant}), {base}.*: max |Δ| {max:.2e}");
+        assert!(max <= 1e-4, "{variant} {base}: max |Δlogprob| {max:e}");
+    }
+}
+
+/// DeepSeek-V2's `mlp_bias` (tests/fixtures/deepseek_v2-mlp-bias, a float32 checkpoint written
+/// by scripts/audit_config_variants_mla.py --fixture): biases on the dense MLP and on the shared
+/// experts (both `DeepseekV2MLP`), none on the routed experts. Zeroing the shared experts'
+/// biases must move the scores, so that they are shown to be read.
+#[test]
+fn deepseek_v2_mlp_bias_matches_reference() {
+    let variant = "deepseek_v2-mlp-bias";
+    let config = config_of(variant).to_string();
+    let reference = reference(variant);
+    let max = max_delta(&config, weights(variant), &reference, Off);
+    println!("{variant}: max |Δ| {max:.2e}");
+    assert!(max <= 1e-4, "max |Δlogprob| {max:e}");
+    let mut unbiased = weights(variant);
+    for (name, t) in unbiased.iter_mut() {
+        if name.contains("shared_experts.") && name.ends_with(".bias") {
+            t.data.fill(0);
+        }
+    }
+    let moved = max_delta(&config, unbiased, &reference, Off);
+    println!("{variant}, shared experts' biases zeroed: max |Δ| {moved:.2e}");
+    assert!(
+        moved > 1e-2,
+        "the shared experts' biases barely matter: {moved:e}"
     );
-    assert!(parsed.mla.is_some() && parsed.architecture.is_vision_language());
-    let reference = reference("mistral4-w4a16-g32");
-    let (base, head) = TEXT_LAYOUTS[0];
-    let tensors = text_model_under("mistral4-w4a16-g32/model.safetensors", base, head);
-    let max = max_delta(&config.to_string(), tensors, &reference, Emulate);
-    println!("Mistral3ForConditionalGeneration (mistral4), {base}.*: max |Δ| {max:.2e}");
-    assert!(max <= 1e-4, "{base}: max |Δlogprob| {max:e}");
 }
 
 /// `variant`'s weights-only f32 scores with `config` and `tensors` in place of its own, against

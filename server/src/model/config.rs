@@ -85,7 +85,8 @@ pub struct ModelConfig {
     pub qkv_bias: bool,
     /// o_proj carries a bias (`attention_bias` in Llama, Qwen3 and Gemma; never in Qwen2).
     pub o_bias: bool,
-    /// The dense MLP's projections carry a bias (`mlp_bias`, read by Llama only).
+    /// The dense MLP's and shared experts' projections carry a bias (`mlp_bias`, read by Llama
+    /// and DeepSeek-V2 only; routed experts never do).
     pub mlp_bias: bool,
     /// Per-head RMSNorm of q and k before RoPE (Qwen3).
     pub qk_norm: bool,

@@ -139,7 +139,14 @@ impl Moe {
                     ),
                     false => ("shared_experts", None),
                 };
-                let mlp = Mlp::load(&vb.pp(name), PROJ_NAMES, (h, inter), false, c.hidden_act)?;
+                // DeepSeek-V2's shared experts are its dense MLP class, biases included.
+                let mlp = Mlp::load(
+                    &vb.pp(name),
+                    PROJ_NAMES,
+                    (h, inter),
+                    c.mlp_bias,
+                    c.hidden_act,
+                )?;
                 Ok::<_, LoadError>(SharedExpert { mlp, gate })
             })
             .transpose()?;

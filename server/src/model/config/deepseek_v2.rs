@@ -10,7 +10,7 @@ use super::architecture::{ArchitectureConfig, DecoderFamily};
 use super::deepseek_v3::{
     expert_groups, first_k_dense, mla, routed_scaling_factor, shared_expert_moe,
 };
-use super::shared::{GroupScore, MlaConfig, MoeConfig, MoeRouter};
+use super::shared::{GroupScore, MlaConfig, MoeConfig, MoeRouter, ProjectionBiases, SharedKeys};
 use crate::checkpoint::LoadError;
 use crate::model::rope::Rope;
 
@@ -47,6 +47,12 @@ impl ArchitectureConfig for DeepseekV2ForCausalLM {
             map.remove("rope_interleave");
         }
         Ok(root)
+    }
+
+    /// `attention_bias` on the attention's projections, `mlp_bias` on the dense MLPs and the
+    /// shared experts (`DeepseekV2MLP`).
+    fn biases(&self, keys: &SharedKeys) -> ProjectionBiases {
+        ProjectionBiases::attention_and_mlp_bias(keys)
     }
 
     /// Its rotary pairs `(x0, x1), …` come back in place, not as `[evens'; odds']` as

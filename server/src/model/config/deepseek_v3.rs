@@ -8,17 +8,34 @@
 use serde_json::{json, Value};
 
 use super::architecture::{ArchitectureConfig, DecoderFamily};
+use super::mistral3::wrapped_text_config;
+use super::mistral4::text_model_type;
 use super::shared::{
     experts, optional_usize, positive_finite, required_size, size, MlaConfig, MoeConfig, MoeRouter,
 };
 use crate::checkpoint::LoadError;
 use crate::model::rope::{Rope, RopeScaling};
 
-pub(super) struct DeepseekV3ForCausalLM;
+/// `DeepseekV3ForCausalLM`, or the text model of a `Mistral3ForConditionalGeneration` whose
+/// `text_config` is a DeepSeek-V3's (transformers builds any text model there).
+pub(super) struct DeepseekV3 {
+    pub(super) vision_language: bool,
+}
 
-impl ArchitectureConfig for DeepseekV3ForCausalLM {
+impl ArchitectureConfig for DeepseekV3 {
     fn hf_name(&self) -> &'static str {
-        "DeepseekV3ForCausalLM"
+        match self.vision_language {
+            false => "DeepseekV3ForCausalLM",
+            true => "Mistral3ForConditionalGeneration",
+        }
+    }
+
+    fn is_vision_language(&self) -> bool {
+        self.vision_language
+    }
+
+    fn reads(&self, root: &Value) -> bool {
+        !self.vision_language || text_model_type(root) == Some("deepseek_v3")
     }
 
     /// `DeepseekV3Config`'s defaults (sizes and vocabulary excepted).
@@ -38,7 +55,10 @@ impl ArchitectureConfig for DeepseekV3ForCausalLM {
     }
 
     fn text_config(&self, root: Value) -> Result<Value, LoadError> {
-        Ok(attribute_names(root))
+        Ok(attribute_names(match self.vision_language {
+            false => root,
+            true => wrapped_text_config(&root)?,
+        }))
     }
 
     fn mla(&self, root: &Value, rope: &Rope) -> Result<Option<MlaConfig>, LoadError> {
@@ -285,6 +305,29 @@ mod tests {
             }
         );
         assert_eq!(c.mtp_layers, 1);
+    }
+
+    /// Mistral 3's wrapper builds any text model; a DeepSeek-V3 one is read as DeepSeek-V3,
+    /// its lm_head tied by the top-level flag.
+    #[test]
+    fn mistral3_wrapper_reads_a_deepseek_v3_text_model() {
+        let mut text: serde_json::Value = serde_json::from_str(V3).unwrap();
+        text.as_object_mut().unwrap().remove("architectures");
+        text["model_type"] = "deepseek_v3".into();
+        text["num_local_experts"] = text
+            .as_object_mut()
+            .unwrap()
+            .remove("n_routed_experts")
+            .unwrap();
+        let wrapped = serde_json::json!({
+            "architectures": ["Mistral3ForConditionalGeneration"], "text_config": text,
+            "tie_word_embeddings": false,
+        });
+        let c = ModelConfig::from_json(&wrapped.to_string()).unwrap();
+        assert_eq!(c.architecture, Architecture::DeepseekV3Multimodal);
+        assert!(c.architecture.is_vision_language() && !c.tie_word_embeddings);
+        assert_eq!(c.mla.unwrap().kv_lora_rank, 32);
+        assert_eq!(c.moe.unwrap().num_experts, 8);
     }
 
     #[test]

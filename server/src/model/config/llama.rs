@@ -1,5 +1,5 @@
 //! `LlamaForCausalLM`: the reading every other architecture starts from (the provided methods
-//! of `ArchitectureConfig`), and the only one whose MLP may carry biases.
+//! of `ArchitectureConfig`); its MLP may carry biases (as DeepSeek-V2's may).
 
 use serde_json::{json, Value};
 
@@ -18,9 +18,6 @@ impl ArchitectureConfig for LlamaForCausalLM {
     }
 
     fn biases(&self, keys: &SharedKeys) -> ProjectionBiases {
-        ProjectionBiases {
-            mlp: keys.mlp_bias.unwrap_or(false),
-            ..ProjectionBiases::attention_bias(keys)
-        }
+        ProjectionBiases::attention_and_mlp_bias(keys)
     }
 }

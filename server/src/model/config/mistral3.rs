@@ -24,36 +24,50 @@ impl ArchitectureConfig for Mistral3ForConditionalGeneration {
         true
     }
 
-    /// A Mistral 4 text model is another architecture ([`super::mistral4`]).
+    /// A Mistral 4 or DeepSeek-V3 text model is another architecture ([`super::mistral4`],
+    /// [`super::deepseek_v3`]).
     fn reads(&self, root: &Value) -> bool {
-        super::mistral4::text_model_type(root) != Some("mistral4")
+        !matches!(
+            super::mistral4::text_model_type(root),
+            Some("mistral4" | "deepseek_v3")
+        )
     }
 
     /// transformers builds the text model from `text_config.model_type` (another one,
     /// Ministral 3's, is another architecture), and ties its lm_head by the top-level flag
     /// (default true) where the checkpoint has none; the text model's own is not read.
     fn text_config(&self, root: Value) -> Result<Value, LoadError> {
-        let mut text = vision_language::text_config(&root)?;
+        let text = wrapped_text_config(&root)?;
         match text.get("model_type") {
             None | Some(Value::Null) => {}
             Some(t) if t == "mistral" => {}
             Some(other) => {
                 return Err(LoadError::config(
                     "text_config.model_type",
-                    format!("{other} is not supported (supported: \"mistral\", \"mistral4\")"),
+                    format!(
+                        "{other} is not supported (supported: \"mistral\", \"mistral4\", \
+                         \"deepseek_v3\")"
+                    ),
                 ))
             }
         }
-        text["tie_word_embeddings"] = root
-            .get("tie_word_embeddings")
-            .cloned()
-            .unwrap_or(Value::Bool(true));
-        Ok(vision_language::with_top_level_keys(&root, text))
+        Ok(text)
     }
 
     fn biases(&self, keys: &SharedKeys) -> ProjectionBiases {
         MistralForCausalLM.biases(keys)
     }
+}
+
+/// The text model's config of a `Mistral3ForConditionalGeneration`, whichever it is: its lm_head
+/// is tied by the top-level flag (default true), never by the text model's own.
+pub(super) fn wrapped_text_config(root: &Value) -> Result<Value, LoadError> {
+    let mut text = vision_language::text_config(root)?;
+    text["tie_word_embeddings"] = root
+        .get("tie_word_embeddings")
+        .cloned()
+        .unwrap_or(Value::Bool(true));
+    Ok(vision_language::with_top_level_keys(root, text))
 }
 
 #[cfg(test)]

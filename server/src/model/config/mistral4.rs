@@ -10,7 +10,6 @@ use super::deepseek_v3::{
     expert_groups, first_k_dense, mla, routed_scaling_factor, shared_expert_moe,
 };
 use super::shared::{GroupScore, Llama4QueryScaling, MlaConfig, MoeConfig, MoeRouter};
-use super::vision_language;
 use crate::checkpoint::LoadError;
 use crate::model::rope::Rope;
 
@@ -70,14 +69,7 @@ impl ArchitectureConfig for Mistral4 {
     fn text_config(&self, root: Value) -> Result<Value, LoadError> {
         let mut root = match self.vision_language {
             false => root,
-            true => {
-                let mut text = vision_language::text_config(&root)?;
-                text["tie_word_embeddings"] = root
-                    .get("tie_word_embeddings")
-                    .cloned()
-                    .unwrap_or(Value::Bool(true));
-                vision_language::with_top_level_keys(&root, text)
-            }
+            true => super::mistral3::wrapped_text_config(&root)?,
         };
         if let Some(map) = root.as_object_mut() {
             if let Some(v) = map.remove("num_local_experts") {

@@ -62,7 +62,9 @@ architectures! {
     /// The text part of a Qwen3.5-MoE vision-language checkpoint (`model.language_model.`).
     Qwen3_5MoeMultimodal => qwen3_5_moe::Qwen3_5Moe { vision_language: true },
     /// Multi-head latent attention, sigmoid group-limited routing, shared experts.
-    DeepseekV3 => deepseek_v3::DeepseekV3ForCausalLM,
+    DeepseekV3 => deepseek_v3::DeepseekV3 { vision_language: false },
+    /// Mistral 3's vision-language wrapper of a DeepSeek-V3 text model (`model.language_model.`).
+    DeepseekV3Multimodal => deepseek_v3::DeepseekV3 { vision_language: true },
     /// DeepSeek-V2: latent attention, softmax routing (`topk_method`), shared experts.
     DeepseekV2 => deepseek_v2::DeepseekV2ForCausalLM,
     /// GLM-4.5/4.6/4.7: partial rotary attention, DeepSeek-V3's routing.

@@ -187,6 +187,14 @@ impl ProjectionBiases {
         }
     }
 
+    /// [`Self::attention_bias`], and the MLP as `mlp_bias` says (absent: none).
+    pub(super) fn attention_and_mlp_bias(keys: &SharedKeys) -> Self {
+        Self {
+            mlp: keys.mlp_bias.unwrap_or(false),
+            ..Self::attention_bias(keys)
+        }
+    }
+
     /// transformers' Mistral and Mixtral build no bias whatever the config says.
     pub(super) const NONE: Self = Self {
         qkv: false,
