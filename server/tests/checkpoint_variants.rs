@@ -1,7 +1,8 @@
 //! Checkpoint shapes and architectures without their own Python reference, checked against the
 //! Llama fixture they must reduce to: a sharded copy, Qwen2 with zero q/k/v biases, Mistral with
-//! a sliding window longer than the text, and the window actually applied when shorter. Qwen3
-//! must find its q/k norms, and `attention_bias` is read only where the architecture reads it.
+//! a sliding window longer than the text, and the window actually applied when shorter (Qwen2's
+//! only in its window layers). Qwen3 must find its q/k norms, and `attention_bias` is read only
+//! where the architecture reads it.
 
 mod common;
 
@@ -138,6 +139,43 @@ fn mistral_sliding_window_longer_than_text_changes_nothing_shorter_one_does() {
         assert_eq!(g.rows[..window], w.rows[..window]);
         if w.rows.len() > window + 1 {
             assert_ne!(g.rows[window..], w.rows[window..]);
+        }
+    }
+}
+
+/// Qwen2/Qwen3's `use_sliding_window` slides only the layers `layer_types` names (else those
+/// from `max_window_layers` on), as transformers 5.17 does: a window of 8 on no layer scores
+/// like Llama; on the last layer only, positions past the window change.
+#[test]
+fn qwen2_sliding_window_only_in_the_window_layers() {
+    let (seqs, want) = base_scores();
+    let qwen2_window = |max_window_layers: usize, layer_types: Option<[&'static str; 2]>| {
+        move |c: &mut serde_json::Value| {
+            architecture("Qwen2ForCausalLM")(c);
+            c["use_sliding_window"] = serde_json::json!(true);
+            c["sliding_window"] = serde_json::json!(8);
+            c["max_window_layers"] = serde_json::json!(max_window_layers);
+            if let Some(types) = layer_types {
+                c["layer_types"] = serde_json::json!(types);
+            }
+        }
+    };
+    let biases = || zero_attention_biases(&["q_proj", "k_proj", "v_proj"]);
+    for no_sliding_layer in [
+        qwen2_window(2, None),
+        qwen2_window(0, Some(["full_attention", "full_attention"])),
+    ] {
+        let dir = edited_copy(BASE, 1, biases(), no_sliding_layer);
+        assert_eq!(score(dir.path(), &seqs), want);
+    }
+    let last_slides = edited_copy(BASE, 1, biases(), qwen2_window(1, None));
+    let got = score(last_slides.path(), &seqs);
+    let longest = want.iter().map(|w| w.rows.len()).max().unwrap();
+    assert!(longest > 9, "a sequence longer than the window");
+    for (g, w) in got.iter().zip(&want) {
+        assert_eq!(g.rows[..8], w.rows[..8]);
+        if w.rows.len() > 9 {
+            assert_ne!(g.rows[8..], w.rows[8..]);
         }
     }
 }

@@ -110,7 +110,10 @@ pub(super) fn layer_types(
     Ok(sliding)
 }
 
-fn listed_layer_types(types: &[Value], num_layers: usize) -> Result<Vec<bool>, LoadError> {
+pub(super) fn listed_layer_types(
+    types: &[Value],
+    num_layers: usize,
+) -> Result<Vec<bool>, LoadError> {
     if types.len() != num_layers {
         return Err(LoadError::config(
             "layer_types",

@@ -1,10 +1,14 @@
 //! `Qwen2ForCausalLM`: q/k/v always carry biases and o_proj never does; a `sliding_window` in
-//! the file is only active with `use_sliding_window` (as in every Qwen).
+//! the file is only active with `use_sliding_window` (as in every Qwen), and then only in the
+//! layers `layer_types` names (else those from `max_window_layers` on).
 
 use serde_json::{json, Value};
 
 use super::architecture::ArchitectureConfig;
-use super::shared::{ProjectionBiases, SharedKeys};
+use super::gemma2::listed_layer_types;
+use super::shared::{optional_usize, ProjectionBiases, SharedKeys, SlidingLayers};
+use crate::checkpoint::LoadError;
+use crate::model::rope::Rope;
 
 pub(super) struct Qwen2ForCausalLM;
 
@@ -24,6 +28,15 @@ impl ArchitectureConfig for Qwen2ForCausalLM {
         window_if_used(window, keys)
     }
 
+    fn sliding_layers(
+        &self,
+        root: &Value,
+        num_layers: usize,
+        _local_rope: Option<Rope>,
+    ) -> Result<Option<SlidingLayers>, LoadError> {
+        window_layers(root, num_layers)
+    }
+
     fn biases(&self, _keys: &SharedKeys) -> ProjectionBiases {
         ProjectionBiases {
             qkv: true,
@@ -36,4 +49,30 @@ impl ArchitectureConfig for Qwen2ForCausalLM {
 /// Qwen configs carry a `sliding_window` value that is only active with `use_sliding_window`.
 pub(super) fn window_if_used(window: Option<usize>, keys: &SharedKeys) -> Option<usize> {
     window.filter(|_| keys.use_sliding_window == Some(true))
+}
+
+/// Which layers slide (`Qwen2Config` / `Qwen3Config`): those `layer_types` calls
+/// `sliding_attention` (transformers 5 writes the list), else layer `i >= max_window_layers`
+/// (default 28). Without the list every layer would slide, which transformers never does.
+pub(super) fn window_layers(
+    root: &Value,
+    num_layers: usize,
+) -> Result<Option<SlidingLayers>, LoadError> {
+    let sliding = match root.get("layer_types") {
+        Some(Value::Array(types)) => listed_layer_types(types, num_layers)?,
+        None | Some(Value::Null) => {
+            let first = optional_usize(root, "max_window_layers")?.unwrap_or(28);
+            (0..num_layers).map(|i| i >= first).collect()
+        }
+        Some(other) => {
+            return Err(LoadError::config(
+                "layer_types",
+                format!("{other} is not a list"),
+            ))
+        }
+    };
+    Ok(Some(SlidingLayers {
+        sliding,
+        local_rope: None,
+    }))
 }

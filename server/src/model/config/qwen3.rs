@@ -3,8 +3,10 @@
 use serde_json::Value;
 
 use super::architecture::ArchitectureConfig;
-use super::qwen2::{window_if_used, Qwen2ForCausalLM};
-use super::shared::SharedKeys;
+use super::qwen2::{window_if_used, window_layers, Qwen2ForCausalLM};
+use super::shared::{SharedKeys, SlidingLayers};
+use crate::checkpoint::LoadError;
+use crate::model::rope::Rope;
 
 pub(super) struct Qwen3ForCausalLM;
 
@@ -20,6 +22,15 @@ impl ArchitectureConfig for Qwen3ForCausalLM {
 
     fn sliding_window(&self, window: Option<usize>, keys: &SharedKeys) -> Option<usize> {
         window_if_used(window, keys)
+    }
+
+    fn sliding_layers(
+        &self,
+        root: &Value,
+        num_layers: usize,
+        _local_rope: Option<Rope>,
+    ) -> Result<Option<SlidingLayers>, LoadError> {
+        window_layers(root, num_layers)
     }
 
     fn qk_norm(&self, _root: &Value) -> bool {

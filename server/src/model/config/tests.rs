@@ -224,3 +224,34 @@ fn flash_is_possible_except_for_soft_capped_scores_and_gemma4() {
         assert_eq!(config.flash_attention_possible(), possible, "{fixture}");
     }
 }
+
+/// Qwen2/Qwen3 with `use_sliding_window`: only the layers `layer_types` names slide (else
+/// those from `max_window_layers` on), as `Qwen3Config` / `Qwen3Attention` decide; the
+/// audit's `qwen3/sliding_window8` scored 1.3 nats off with every layer sliding.
+#[test]
+fn qwen_sliding_window_only_in_the_window_layers() {
+    const QWEN3: &str = r#"{"architectures":["Qwen3ForCausalLM"],"vocab_size":10,"hidden_size":8,
+        "intermediate_size":16,"num_hidden_layers":3,"num_attention_heads":2,"num_key_value_heads":1,
+        "use_sliding_window":true,"sliding_window":8,"max_window_layers":1,
+        "layer_types":["full_attention","sliding_attention","sliding_attention"]}"#;
+    let windows = |c: &ModelConfig| (0..3).map(|l| c.layer_window(l)).collect::<Vec<_>>();
+    let listed = ModelConfig::from_json(QWEN3).unwrap();
+    assert_eq!(windows(&listed), vec![None, Some(8), Some(8)]);
+    // without the list: max_window_layers; Qwen2 the same
+    let derived = QWEN3.replace(
+        r#""layer_types":["full_attention","sliding_attention","sliding_attention"]"#,
+        r#""max_window_layers":2"#,
+    );
+    let derived = derived.replace(r#""max_window_layers":1,"#, "");
+    for arch in ["Qwen3ForCausalLM", "Qwen2ForCausalLM"] {
+        let c = ModelConfig::from_json(&derived.replace("Qwen3ForCausalLM", arch)).unwrap();
+        assert_eq!(windows(&c), vec![None, None, Some(8)], "{arch}");
+    }
+    // the window is off without use_sliding_window, whatever layer_types says
+    let off = QWEN3.replace(
+        r#""use_sliding_window":true"#,
+        r#""use_sliding_window":false"#,
+    );
+    let c = ModelConfig::from_json(&off).unwrap();
+    assert_eq!(windows(&c), vec![None, None, None]);
+}
