@@ -318,6 +318,9 @@ pub struct QuantizationConfig {
     ignore: Vec<Target>,
     /// The `kv_cache_scheme`, where the checkpoint has one.
     pub kv_cache: Option<KvCacheScheme>,
+    /// gpt-oss's native MXFP4 (`quant_method: mxfp4`): its experts' `*_blocks` / `*_scales`
+    /// (`quant::mxfp4::load_native_experts`); no Linear is quantized.
+    pub native_mxfp4: bool,
 }
 
 #[derive(Deserialize)]
@@ -356,8 +359,8 @@ pub(crate) fn skip_pattern(key: &str, field: &str) -> Result<Regex, LoadError> {
 fn unsupported_method(method: Option<&str>) -> String {
     const READS: &str = "ExactScore reads compressed-tensors checkpoints (quant_method \
                          \"compressed-tensors\": what llm-compressor writes and vLLM serves), \
-                         native GPTQ (\"gptq\"), AWQ (\"awq\"), FP8 (\"fp8\") and ModelOpt \
-                         NVFP4 (\"modelopt\")";
+                         native GPTQ (\"gptq\"), AWQ (\"awq\"), FP8 (\"fp8\"), ModelOpt \
+                         NVFP4 (\"modelopt\") and gpt-oss's MXFP4 (\"mxfp4\")";
     match method {
         Some(m) => format!(
             "\"{m}\" is not supported. {READS}: quantize the original with llm-compressor, \
@@ -375,6 +378,7 @@ impl QuantizationConfig {
             Some("awq") => return Self::awq(raw),
             Some("fp8") => return Self::hf_fp8(raw),
             Some("modelopt") => return Self::modelopt(raw),
+            Some("mxfp4") => return Self::native_mxfp4(raw),
             // hf_quant_config.json names its producer instead.
             None if raw.pointer("/producer/name").and_then(Value::as_str) == Some("modelopt") => {
                 return Self::modelopt(raw)
@@ -487,6 +491,7 @@ impl QuantizationConfig {
             groups,
             ignore,
             kv_cache,
+            native_mxfp4: false,
         })
     }
 
@@ -521,6 +526,7 @@ impl QuantizationConfig {
             }],
             ignore,
             kv_cache: None,
+            native_mxfp4: false,
         })
     }
 
@@ -536,6 +542,7 @@ impl QuantizationConfig {
             }],
             ignore: cfg.not_converted.into_iter().map(Target::Regex).collect(),
             kv_cache: None,
+            native_mxfp4: false,
         })
     }
 
@@ -552,6 +559,30 @@ impl QuantizationConfig {
             }],
             ignore: cfg.not_converted.into_iter().map(Target::Regex).collect(),
             kv_cache: None,
+            native_mxfp4: false,
+        })
+    }
+
+    /// transformers' `Mxfp4Config` (gpt-oss): only the experts, which are not Linears, are
+    /// quantized, so no group; `modules_to_not_convert` (the attention, router, embeddings and
+    /// head) are Linears and stay dense either way.
+    fn native_mxfp4(raw: &Value) -> Result<Self, LoadError> {
+        const FIELD: &str = "quantization_config.modules_to_not_convert";
+        match raw.get("modules_to_not_convert") {
+            None | Some(Value::Null) => {}
+            Some(Value::Array(names)) if names.iter().all(Value::is_string) => {}
+            Some(other) => {
+                return Err(LoadError::config(
+                    FIELD,
+                    format!("{other} is not a list of module names"),
+                ))
+            }
+        }
+        Ok(Self {
+            groups: Vec::new(),
+            ignore: Vec::new(),
+            kv_cache: None,
+            native_mxfp4: true,
         })
     }
 
@@ -566,6 +597,7 @@ impl QuantizationConfig {
             }],
             ignore: cfg.excluded.into_iter().map(Target::Regex).collect(),
             kv_cache: None,
+            native_mxfp4: false,
         })
     }
 

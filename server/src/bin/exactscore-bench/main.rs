@@ -608,6 +608,9 @@ const CHECKED: &[&str] = &[
     "deepseek_v2-w4a16-g32",
     "deepseek_v2-fp8-dynamic",
     "mistral4-w4a16-g32",
+    // gpt-oss: attention sinks (materialized), clamped SwiGLU experts in bf16 and native MXFP4
+    "gpt_oss-dense-bf16",
+    "gpt_oss-mxfp4",
     // compressed-tensors W8A8-INT8 (int8 per-token activations); ModelOpt NVFP4 and FP8
     "llama-w8a8-int8",
     "llama-modelopt-nvfp4",
