@@ -439,8 +439,11 @@ mod tests {
             let k = Tensor::randn(0f32, 1.0, (1, heads, len, dim), dev)?;
             let v = Tensor::randn(0f32, 1.0, (1, heads, len, dim), dev)?;
             let scale = 1.0 / (dim as f64).sqrt();
+            // gpt-oss's sinks where there is no soft-cap (no architecture has both)
+            let sinks = Tensor::randn(0f32, 1.0, heads, dev)?;
+            let sinks = softcap.is_none().then_some(&sinks);
             let attend =
-                |blocks| causal_attention(&q, &k, &v, scale, softcap, None, window, blocks);
+                |blocks| causal_attention(&q, &k, &v, scale, softcap, sinks, window, blocks);
             let want = attend(whole)?.flatten_all()?.to_vec1::<f32>()?;
             let mut shapes = Vec::new();
             for elements in [1, 65 * len, 100 * len, 2 * 100 * len, heads * 97 * len] {
@@ -461,6 +464,42 @@ mod tests {
                     shapes.iter().any(|&(r, g)| r < len && g < heads),
                     "{shapes:?}"
                 );
+            }
+        }
+        Ok(())
+    }
+
+    /// A sink is one more logit in each row's softmax, then dropped: with equal scores and
+    /// values of 1, row i (i + 1 keys seen) outputs (i + 1) / (i + 1 + e^sink).
+    #[test]
+    fn sinks_join_the_denominator_and_are_dropped() -> Result<()> {
+        let dev = &Device::Cpu;
+        let (heads, len, dim) = (2, 9, 4);
+        let zeros = Tensor::zeros((1, heads, len, dim), DType::F32, dev)?;
+        let ones = Tensor::ones((1, heads, len, dim), DType::F32, dev)?;
+        let sinks = Tensor::new(&[0.5f32, -2.0], dev)?;
+        let blocks = AttentionBlocks::default();
+        for window in [None, Some(3)] {
+            let got = causal_attention(
+                &zeros,
+                &zeros,
+                &ones,
+                1.0,
+                None,
+                Some(&sinks),
+                window,
+                blocks,
+            )?
+            .squeeze(0)?
+            .to_vec3::<f32>()?;
+            for (h, s) in [0.5f64, -2.0].into_iter().enumerate() {
+                for (i, row) in got[h].iter().enumerate() {
+                    let seen = window.unwrap_or(usize::MAX).min(i + 1) as f64;
+                    let want = seen / (seen + s.exp());
+                    for &x in row {
+                        assert!((x as f64 - want).abs() < 1e-6, "h {h} i {i}: {x} vs {want}");
+                    }
+                }
             }
         }
         Ok(())
