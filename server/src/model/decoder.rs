@@ -561,6 +561,16 @@ impl Model {
                     .to_string(),
             ));
         }
+        if kernel == AttentionKernel::Flash && self.config.attention_sinks {
+            return Err(LoadError::config(
+                "attention",
+                format!(
+                    "the flash kernel has no attention sinks ({} has self_attn.sinks); use the \
+                     materialized kernel (--attention materialized)",
+                    self.config.architecture.hf_name()
+                ),
+            ));
+        }
         if kernel == AttentionKernel::Flash && !flash {
             return Err(LoadError::Config {
                 field: "attention".into(),

@@ -151,9 +151,10 @@ fn attend_rows(
                 .contiguous()?;
             let with_sink = Tensor::cat(&[&masked, &column], 3)?;
             drop(masked);
-            candle_nn::ops::softmax_last_dim(&with_sink)?
-                .narrow(3, 0, len)?
-                .contiguous()?
+            // two `[heads, rows, len]`-sized tensors alive at once, as without sinks
+            let probs = candle_nn::ops::softmax_last_dim(&with_sink)?;
+            drop(with_sink);
+            probs.narrow(3, 0, len)?.contiguous()?
         }
     };
     probs.matmul(v)

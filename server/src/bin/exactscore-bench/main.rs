@@ -638,10 +638,10 @@ fn check(fixtures: &Path, device: &Device, only: &[String]) -> Result<()> {
             let config = exactscore_server::model::ModelConfig::from_json(
                 &std::fs::read_to_string(dir.join("config.json"))?,
             )?;
-            // The flash kernel cannot soft-cap scores (Gemma 2), and exists only on a GPU: models
-            // without it have only the materialized kernel, whose bf16 rows then stand in for the
-            // flash columns.
-            let flash = config.attn_logit_softcapping.is_none()
+            // The flash kernel cannot soft-cap scores (Gemma 2) nor add sinks (gpt-oss), and
+            // exists only on a GPU: models without it have only the materialized kernel, whose
+            // bf16 rows then stand in for the flash columns.
+            let flash = config.flash_attention_possible()
                 && exactscore_server::ops::flash_attention_available(
                     device,
                     config.attention_head_dim(),
