@@ -102,7 +102,8 @@ pub fn gated_mul(
     up: &Tensor,
     qdq: Option<&ActivationQdq>,
 ) -> Result<Tensor> {
-    let fused = fuses_qdq(qdq, gate.device());
+    // the clamped SwiGLU has no kernel of its own to fuse the QDQ into
+    let fused = act != Activation::ClampedSwiglu && fuses_qdq(qdq, gate.device());
     let product = match (gate.device().is_cuda(), act) {
         (true, Activation::Silu) => gpu::silu_mul(gate, up, fused)?,
         (true, Activation::GeluTanh) => gpu::gelu_tanh_mul(gate, up, fused)?,
