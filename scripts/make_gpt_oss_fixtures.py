@@ -25,7 +25,7 @@ scripts/make_arch_fixtures.py (eager attention, the only one with sinks on the C
 each token chose per layer, and `mutations`: the mean and max |Δ log-prob| when one mechanism is
 broken on purpose in transformers (sinks dropped, clamp removed, gate/up read as halves, softmax
 over all experts before the top-k without renormalising, sliding window ignored, YaRN ignored,
-biases dropped).
+biases dropped); `bf16_run`: transformers' own bf16 run against that float32 reference.
 
 Usage (CPU, no network, under a minute):
     /tmp/venv-fixtures/bin/python scripts/make_gpt_oss_fixtures.py
@@ -284,6 +284,19 @@ def reference(model, texts, variant, extra):
     return record, lps
 
 
+def bf16_run(model, texts, base_lps):
+    """transformers' own bf16 run (eager, CPU; the norms stay f32 as `_keep_in_fp32_modules`
+    keeps them): how far bf16 compute alone moves the log-probs from the f32 reference."""
+    import copy
+    bf16 = copy.deepcopy(model).to(torch.bfloat16)
+    for name in ("input_layernorm", "post_attention_layernorm"):
+        for layer in bf16.model.layers:
+            getattr(layer, name).to(torch.float32)
+    bf16.model.norm.to(torch.float32)
+    _, lps = run_all(bf16, texts, attn="eager")
+    return {"diff_stats_vs_f32": deltas(base_lps, lps)}
+
+
 def main():
     tok = AutoTokenizer.from_pretrained(TOKENIZER_DIR)
     texts = make_texts(tok)
@@ -297,6 +310,8 @@ def main():
                                                attn_implementation="eager").eval()
     record, base_lps = reference(loaded, texts, "gpt_oss-dense-bf16", {})
     record["mutations"] = mutations(loaded, texts, base_lps)
+    record["bf16_run"] = bf16_run(loaded, texts, base_lps)
+    print(f"bf16 run: {record['bf16_run']}")
     (dense_dir / "reference.json").write_text(json.dumps(record, indent=1) + "\n")
 
     native = {k: v for k, v in state.items() if not k.endswith(("gate_up_proj", "down_proj"))}
@@ -316,7 +331,6 @@ def main():
         mx_dir, quantization_config=Mxfp4Config(dequantize=True), attn_implementation="eager",
     ).to(torch.float32).eval()
     # transformers' decode of the bytes against our packing's intent: every weight a bf16 value
-    decoded = modeling_gpt_oss  # noqa: F841
     err = max(float((getattr(l.mlp.experts, p).float() - getattr(model.model.layers[i].mlp.experts, p)
                      ).abs().max()) for i, l in enumerate(mx.model.layers)
               for p in ("gate_up_proj", "down_proj"))
@@ -324,6 +338,7 @@ def main():
     mx_record, mx_lps = reference(mx, texts, "gpt_oss-mxfp4",
                                   {"max_abs_weight_error_vs_bf16": err})
     mx_record["vs_dense_bf16"] = deltas(base_lps, mx_lps)
+    mx_record["bf16_run"] = bf16_run(mx, texts, mx_lps)
     print(f"mxfp4 vs bf16 log-probs: {mx_record['vs_dense_bf16']}")
     (mx_dir / "reference.json").write_text(json.dumps(mx_record, indent=1) + "\n")
 

@@ -1080,3 +1080,36 @@ fn gpt_oss_per_expert_layout_matches_reference() {
     println!("{variant} per expert: mean |Δ| {mean:.2e}, max {max:.2e}");
     assert!(max <= 1e-4, "{variant} per expert: max |Δlogprob| {max:e}");
 }
+
+/// bf16 compute on the CPU (the norms' weights in f32, as transformers keeps gpt-oss's): every
+/// log-prob finite, and no farther from the f32 reference on average than transformers' own
+/// bf16 run (`bf16_run`: routing flips under bf16 make both far from f32).
+#[test]
+fn gpt_oss_bf16_compute_is_as_close_to_f32_as_transformers_bf16() {
+    for variant in ["gpt_oss-dense-bf16", "gpt_oss-mxfp4"] {
+        let reference = reference(variant);
+        let model = exactscore_server::model::Model::load(
+            &fixtures().join(variant),
+            &options(candle_core::DType::BF16, Off),
+        )
+        .unwrap();
+        let d = deltas(
+            &score_all(&model, &sequences(&reference), 1),
+            &reference_logprobs(&reference["sequences"]),
+        );
+        let mean = d.iter().sum::<f64>() / d.len() as f64;
+        let max = d.iter().copied().fold(0.0, f64::max);
+        let theirs = &reference["bf16_run"]["diff_stats_vs_f32"];
+        let their_mean = theirs["mean"].as_f64().unwrap();
+        println!(
+            "{variant} bf16 vs f32 reference: ours mean {mean:.3e} max {max:.3e}, transformers' \
+             mean {their_mean:.3e} max {:.3e}",
+            theirs["max"].as_f64().unwrap()
+        );
+        assert!(d.iter().all(|x| x.is_finite()), "{variant}: non-finite");
+        assert!(
+            mean <= 1.5 * their_mean,
+            "{variant}: bf16 mean |Δ| {mean:e}"
+        );
+    }
+}
