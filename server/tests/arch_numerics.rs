@@ -1,6 +1,7 @@
 //! Qwen3-MoE, Mixtral, Gemma 3, Gemma 2, Gemma 4, Mistral 3, Qwen3.5, Qwen3.5-MoE, Qwen3-Next,
-//! DeepSeek-V3, DeepSeek-V2, Mistral 4, GLM-4.5 and GLM-4.7-Flash fixtures
-//! scored in f32 on the CPU against the references of scripts/make_arch_fixtures.py
+//! DeepSeek-V3, DeepSeek-V2, Mistral 4, GLM-4.5, GLM-4.7-Flash and gpt-oss fixtures
+//! scored in f32 on the CPU against the references of scripts/make_arch_fixtures.py,
+//! scripts/make_gpt_oss_fixtures.py
 //! (transformers, float32, per-expert Linears) and scripts/make_mistral3_fixture.py.
 
 mod common;
@@ -959,6 +960,185 @@ fn deepseek_family_mutations_land_where_transformers_put_them() {
             variant,
             "correction_bias_ignored",
             mutated_deltas(variant, &config_of(variant), tensors),
+        );
+    }
+}
+
+#[test]
+fn gpt_oss_dense_bf16_matches_reference_per_token() {
+    assert_exact("gpt_oss-dense-bf16", Off, "sequences");
+}
+
+/// The native MXFP4 experts (`*_blocks`, `*_scales`) decoded as transformers'
+/// `convert_moe_packed_tensors` decodes them.
+#[test]
+fn gpt_oss_mxfp4_matches_reference_per_token() {
+    assert_exact("gpt_oss-mxfp4", Off, "sequences");
+}
+
+/// Each row of the last axis (`2 * inter` bf16 values) rewritten so that reading it interleaved
+/// (even gate, odd up) gives its halves: gate/up read as halves, as transformers' mutation.
+fn interleave_halves(t: &mut exactscore_server::checkpoint::HostTensor) {
+    let width = 2 * t.shape.last().unwrap();
+    let rows: Vec<u8> = t
+        .data
+        .chunks_exact(width)
+        .flat_map(|row| {
+            let (gate, up) = row.split_at(width / 2);
+            gate.chunks_exact(2)
+                .zip(up.chunks_exact(2))
+                .flat_map(|(g, u)| [g[0], g[1], u[0], u[1]])
+                .collect::<Vec<u8>>()
+        })
+        .collect();
+    t.data = rows;
+}
+
+/// gpt-oss's mechanisms broken on purpose, as scripts/make_gpt_oss_fixtures.py broke them in
+/// transformers: those a tensor or config key expresses land where its `mutations` say; those
+/// only code expresses (the clamp, the router's order) move transformers' own log-probs far, so
+/// the per-token test above shows that ours has them.
+#[test]
+fn gpt_oss_mutations_land_where_transformers_put_them() {
+    let variant = "gpt_oss-dense-bf16";
+    let with_tensors = |mutation: &str, edit: &dyn Fn(&mut _) -> usize, edited: usize| {
+        let mut tensors = weights(variant);
+        assert_eq!(edit(&mut tensors), edited, "{mutation}");
+        let got = mutated_deltas(variant, &config_of(variant), tensors);
+        assert_mutation(variant, mutation, got);
+    };
+    with_tensors(
+        "sinks_dropped",
+        &|t| edit_bf16(t, |n| n.ends_with("self_attn.sinks"), |_| -1e30),
+        4,
+    );
+    // q, k, v, o, the router's, gate_up's and down's: 7 a layer
+    with_tensors(
+        "biases_dropped",
+        &|t| edit_bf16(t, |n| n.ends_with("bias"), |_| 0.0),
+        28,
+    );
+    with_tensors(
+        "gate_up_not_interleaved",
+        &|t| {
+            let picked = |n: &str| n.ends_with("gate_up_proj") || n.ends_with("gate_up_proj_bias");
+            t.iter_mut()
+                .filter(|(n, _)| picked(n))
+                .map(|(_, t)| interleave_halves(t))
+                .count()
+        },
+        8,
+    );
+    let with_config = |mutation: &str, edit: &dyn Fn(&mut Value)| {
+        let mut config = config_of(variant);
+        edit(&mut config);
+        assert_mutation(
+            variant,
+            mutation,
+            mutated_deltas(variant, &config, weights(variant)),
+        );
+    };
+    with_config("sliding_window_ignored", &|c| {
+        c["layer_types"] = serde_json::json!(vec!["full_attention"; 4]);
+    });
+    with_config("yarn_ignored", &|c| {
+        c["rope_parameters"] = serde_json::json!({"rope_type": "default", "rope_theta": 10000.0});
+    });
+    for mutation in ["clamp_dropped", "router_softmax_before_topk"] {
+        let mean = reference(variant)["mutations"][mutation]["mean"]
+            .as_f64()
+            .unwrap();
+        println!("{variant} {mutation}: transformers' mean |Δ| {mean:.4e}");
+        assert!(
+            mean > 1e-2,
+            "{variant} {mutation}: the fixture does not exercise it"
+        );
+    }
+}
+
+/// llm-compressor's per-expert layout of gpt-oss (`experts.E.{gate,up,down}_proj`, each with
+/// its bias: `GptOssExpertMLP`), made in memory from the fused bf16 fixture (stored as f32,
+/// the same values), scores as the fused layout does.
+#[test]
+fn gpt_oss_per_expert_layout_matches_reference() {
+    use exactscore_server::checkpoint::HostTensor;
+    let variant = "gpt_oss-dense-bf16";
+    let mut tensors = weights(variant);
+    let (experts, h, i) = (8, 64, 64);
+    let mut take = |name: String| -> Vec<f32> {
+        let t = tensors.remove(&name).unwrap();
+        assert_eq!(t.dtype, safetensors::Dtype::BF16, "{name}");
+        t.data
+            .chunks_exact(2)
+            .map(|b| half::bf16::from_le_bytes([b[0], b[1]]).to_f32())
+            .collect()
+    };
+    let mut split = Vec::new();
+    for layer in 0..4 {
+        let p = format!("model.layers.{layer}.mlp.experts");
+        let gate_up = take(format!("{p}.gate_up_proj")); // [E, H, 2I]
+        let gate_up_bias = take(format!("{p}.gate_up_proj_bias")); // [E, 2I]
+        let down = take(format!("{p}.down_proj")); // [E, I, H]
+        let down_bias = take(format!("{p}.down_proj_bias")); // [E, H]
+        let (gate_up, down) = (&gate_up, &down);
+        for e in 0..experts {
+            for (name, part) in [("gate_proj", 0), ("up_proj", 1)] {
+                let w = (0..i)
+                    .flat_map(|r| (0..h).map(move |c| gate_up[(e * h + c) * 2 * i + 2 * r + part]))
+                    .collect();
+                let b = (0..i)
+                    .map(|r| gate_up_bias[e * 2 * i + 2 * r + part])
+                    .collect();
+                split.push((format!("{p}.{e}.{name}.weight"), vec![i, h], w));
+                split.push((format!("{p}.{e}.{name}.bias"), vec![i], b));
+            }
+            let w = (0..h)
+                .flat_map(|r| (0..i).map(move |c| down[(e * i + c) * h + r]))
+                .collect();
+            let b = down_bias[e * h..(e + 1) * h].to_vec();
+            split.push((format!("{p}.{e}.down_proj.weight"), vec![h, i], w));
+            split.push((format!("{p}.{e}.down_proj.bias"), vec![h], b));
+        }
+    }
+    for (name, shape, values) in split {
+        let data = values.iter().flat_map(|v: &f32| v.to_le_bytes()).collect();
+        let dtype = safetensors::Dtype::F32;
+        tensors.insert(name, HostTensor { dtype, shape, data });
+    }
+    let (mean, max) = mutated_deltas(variant, &config_of(variant), tensors);
+    println!("{variant} per expert: mean |Δ| {mean:.2e}, max {max:.2e}");
+    assert!(max <= 1e-4, "{variant} per expert: max |Δlogprob| {max:e}");
+}
+
+/// bf16 compute on the CPU (the norms' weights in f32, as transformers keeps gpt-oss's): every
+/// log-prob finite, and no farther from the f32 reference on average than transformers' own
+/// bf16 run (`bf16_run`: routing flips under bf16 make both far from f32).
+#[test]
+fn gpt_oss_bf16_compute_is_as_close_to_f32_as_transformers_bf16() {
+    for variant in ["gpt_oss-dense-bf16", "gpt_oss-mxfp4"] {
+        let reference = reference(variant);
+        let model = exactscore_server::model::Model::load(
+            &fixtures().join(variant),
+            &options(candle_core::DType::BF16, Off),
+        )
+        .unwrap();
+        let d = deltas(
+            &score_all(&model, &sequences(&reference), 1),
+            &reference_logprobs(&reference["sequences"]),
+        );
+        let mean = d.iter().sum::<f64>() / d.len() as f64;
+        let max = d.iter().copied().fold(0.0, f64::max);
+        let theirs = &reference["bf16_run"]["diff_stats_vs_f32"];
+        let their_mean = theirs["mean"].as_f64().unwrap();
+        println!(
+            "{variant} bf16 vs f32 reference: ours mean {mean:.3e} max {max:.3e}, transformers' \
+             mean {their_mean:.3e} max {:.3e}",
+            theirs["max"].as_f64().unwrap()
+        );
+        assert!(d.iter().all(|x| x.is_finite()), "{variant}: non-finite");
+        assert!(
+            mean <= 1.5 * their_mean,
+            "{variant}: bf16 mean |Δ| {mean:e}"
         );
     }
 }

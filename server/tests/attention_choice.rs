@@ -35,3 +35,17 @@ fn flash_is_refused_on_the_cpu_naming_the_field() {
     assert!(err.contains("attention"), "{err}");
     assert!(err.contains("CUDA device"), "{err}");
 }
+
+/// gpt-oss's sinks have no flash path: asking for it names the reason, not the device.
+#[test]
+fn flash_is_refused_for_attention_sinks() {
+    let opts = ModelOptions {
+        attention: AttentionKernel::Flash,
+        ..options(DType::BF16, ActivationQuantMode::Emulate)
+    };
+    let err = match Model::load(&fixtures().join("gpt_oss-dense-bf16"), &opts) {
+        Ok(_) => panic!("flash attention loaded with sinks"),
+        Err(e) => e.to_string(),
+    };
+    assert!(err.contains("attention") && err.contains("sinks"), "{err}");
+}

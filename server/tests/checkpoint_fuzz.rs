@@ -71,7 +71,8 @@ fn fixture_dir(variant: &str) -> std::path::PathBuf {
 
 /// The fixtures of the other checkpoint formats (issue 35), whose config mutations are fuzzed
 /// too: their quantization configs are read by other code.
-const OTHER_FORMATS: [&str; 6] = [
+const OTHER_FORMATS: [&str; 7] = [
+    "gpt_oss-mxfp4",
     "llama-gptq-int4-g128",
     "llama-gptq-v2-int3-actorder-asym",
     "llama-mxfp4a16",

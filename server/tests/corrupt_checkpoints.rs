@@ -1454,3 +1454,38 @@ fn kv_cache_quantization_is_refused_where_it_does_not_apply() {
     let err = kv_load_error(KV_HEAD, Fp8E4m3);
     assert_mentions(&err, &["--kv-cache-dtype", "kv_cache_scheme"]);
 }
+
+/// gpt-oss's native MXFP4 experts: a malformed `*_blocks` / `*_scales` tensor, or their
+/// quantization config on an architecture without them, is refused naming what is wrong.
+#[test]
+fn malformed_native_mxfp4_experts_are_named() {
+    const VARIANT: &str = "gpt_oss-mxfp4";
+    const BLOCKS: &str = "model.layers.1.mlp.experts.gate_up_proj_blocks";
+    const SCALES: &str = "model.layers.2.mlp.experts.down_proj_scales";
+    let error = |edit: &dyn Fn(&mut Tensors), config_edit: &dyn Fn(&mut serde_json::Value)| {
+        load_error(edited_copy(VARIANT, 1, edit, config_edit).path())
+    };
+    let untouched = |_: &mut serde_json::Value| {};
+    // [8 experts, 128 rows, 2 groups, 16 bytes] read as 4 groups of 8 bytes
+    let err = error(
+        &|t| t.get_mut(BLOCKS).unwrap().1 = vec![8, 128, 4, 8],
+        &untouched,
+    );
+    assert_mentions(&err, &[BLOCKS, "[8, 128, 4, 8]", "[8, 128, 2, 16]"]);
+    let err = error(&|t| drop(t.remove(SCALES)), &untouched);
+    assert_mentions(&err, &[SCALES, "missing"]);
+    // UE8M0's NaN in the 5th exponent
+    let err = error(&|t| t.get_mut(SCALES).unwrap().2[4] = 255, &untouched);
+    assert_mentions(&err, &[SCALES, "element 4", "NaN"]);
+    let err = error(&|t| t.get_mut(BLOCKS).unwrap().0 = Dtype::I8, &untouched);
+    assert_mentions(&err, &[BLOCKS, "I8", "U8"]);
+    // the native tensors without `quant_method: mxfp4`
+    let err = error(&|_| {}, &|c| {
+        c["quantization_config"] = serde_json::Value::Null
+    });
+    assert_mentions(&err, &[BLOCKS.replace("1.", "0.").as_str(), "mxfp4"]);
+    let err = error(&|_| {}, &|c| {
+        c["architectures"] = serde_json::json!(["MixtralForCausalLM"])
+    });
+    assert_mentions(&err, &["quant_method", "mxfp4", "MixtralForCausalLM"]);
+}

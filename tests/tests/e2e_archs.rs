@@ -1,6 +1,7 @@
 //! End to end on the real server (f32, CPU): Qwen3-MoE, Mixtral, Gemma 3, Gemma 2, Gemma 4,
-//! Qwen3.5-MoE and Qwen3-Next fixtures through `/score` and `/v1/completions` against the transformers
-//! references, and `/kld` with Gemma 3's dense bf16 checkpoint as the reference of its W4A16.
+//! Qwen3.5-MoE, Qwen3-Next and gpt-oss (native MXFP4) fixtures through `/score` and
+//! `/v1/completions` against the transformers references, and `/kld` with Gemma 3's dense bf16
+//! checkpoint as the reference of its W4A16.
 
 use exactscore_api::{CompletionResponse, KldResponse, ScoreResponse};
 use exactscore_server::model::kld_batch;
@@ -141,4 +142,28 @@ async fn gemma3_kld_against_its_dense_original() {
     }
     let _ = server.stop.send(());
     server.done.await.unwrap().unwrap();
+}
+
+/// gpt-oss with its experts in the native MXFP4 layout: `/info` names the format and the
+/// materialized attention (sinks), and the scores are transformers'.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn gpt_oss_mxfp4_over_http_matches_reference() {
+    let variant = "gpt_oss-mxfp4";
+    let server = start(variant, &[]).await;
+    let info: Value = reqwest::get(format!("{}/info", server.base))
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(info["architecture"], "GptOssForCausalLM", "{info}");
+    assert_eq!(info["attention"], "materialized", "{info}");
+    let formats = info["formats"].to_string();
+    assert!(
+        formats.contains("mxfp4 fp4 e2m1 g32 (ue8m0 scales)"),
+        "{info}"
+    );
+    let _ = server.stop.send(());
+    server.done.await.unwrap().unwrap();
+    score_and_complete(variant).await;
 }

@@ -16,6 +16,7 @@ mod gemma3;
 mod gemma4;
 mod glm4_moe;
 mod glm4_moe_lite;
+mod gpt_oss;
 mod llama;
 mod mistral;
 mod mistral3;
@@ -90,6 +91,9 @@ pub struct ModelConfig {
     pub mlp_bias: bool,
     /// Per-head RMSNorm of q and k before RoPE (Qwen3).
     pub qk_norm: bool,
+    /// One learned logit per head joins every attention row's softmax (gpt-oss's
+    /// `self_attn.sinks`).
+    pub attention_sinks: bool,
     /// Mistral-style sliding-window attention: a token sees at most this many positions.
     pub sliding_window: Option<usize>,
     /// Only these layers slide (Gemma's `layer_types`); `None`: every layer, when there is a window.
@@ -264,11 +268,11 @@ impl ModelConfig {
 
     /// Whether this architecture can attend through the flash kernel at all (it still needs a
     /// GPU, bf16/f16 and a head size the kernel has, `ops::flash_attention_available`): not
-    /// with soft-capped scores (Gemma 2: the kernel has no soft-cap) nor Gemma 4 (KV-shared
-    /// layers and 512-wide global heads), which attend materialized. The model's kernel
-    /// choice and the memory plans both ask this.
+    /// with soft-capped scores (Gemma 2: the kernel has no soft-cap), attention sinks (gpt-oss:
+    /// nor sinks) nor Gemma 4 (KV-shared layers and 512-wide global heads), which attend
+    /// materialized. The model's kernel choice and the memory plans both ask this.
     pub fn flash_attention_possible(&self) -> bool {
-        self.attn_logit_softcapping.is_none() && self.gemma4.is_none()
+        self.attn_logit_softcapping.is_none() && !self.attention_sinks && self.gemma4.is_none()
     }
 
     /// The config.json of the checkpoint directory `dir`; where it has no
@@ -368,6 +372,7 @@ impl ModelConfig {
             o_bias: biases.o,
             mlp_bias: biases.mlp,
             qk_norm: arch.qk_norm(root),
+            attention_sinks: arch.attention_sinks(),
             sliding_window,
             sliding_layers,
             hidden_act,

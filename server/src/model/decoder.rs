@@ -242,7 +242,12 @@ fn text_names(ckpt: &Checkpoint, c: &ModelConfig) -> (&'static str, &'static str
 /// The family `architecture` belongs to.
 fn family(architecture: Architecture) -> &'static dyn Family {
     match architecture.decoder_family() {
-        DecoderFamily::Llama => &llama::Llama,
+        DecoderFamily::Llama => &llama::Llama {
+            norm: NormKind::Weight,
+        },
+        DecoderFamily::GptOss => &llama::Llama {
+            norm: NormKind::WeightInF32,
+        },
         DecoderFamily::Gemma => &gemma::Gemma,
         DecoderFamily::Qwen3Next => &qwen3_next::Qwen3Next,
         DecoderFamily::Mla => &deepseek::Mla,
@@ -350,6 +355,16 @@ impl Model {
             .map(QuantizationConfig::parse)
             .transpose()?;
         if let Some(q) = &quant {
+            let gpt_oss = config.moe.as_ref().is_some_and(|m| m.gpt_oss_experts);
+            if q.native_mxfp4 && !gpt_oss {
+                return Err(LoadError::config(
+                    "quantization_config.quant_method",
+                    format!(
+                        "\"mxfp4\" is gpt-oss's own format (its experts); {} has none",
+                        config.architecture.hf_name()
+                    ),
+                ));
+            }
             if q.scheme_for("model.embed_tokens", "Embedding")?.is_some() {
                 return Err(LoadError::Unsupported {
                     layer: "model.embed_tokens".into(),
@@ -544,6 +559,16 @@ impl Model {
                 "Gemma 4's attention (KV-shared layers, 512-wide global heads) has no flash \
                  path yet; use the materialized kernel (--attention materialized)"
                     .to_string(),
+            ));
+        }
+        if kernel == AttentionKernel::Flash && self.config.attention_sinks {
+            return Err(LoadError::config(
+                "attention",
+                format!(
+                    "the flash kernel has no attention sinks ({} has self_attn.sinks); use the \
+                     materialized kernel (--attention materialized)",
+                    self.config.architecture.hf_name()
+                ),
             ));
         }
         if kernel == AttentionKernel::Flash && !flash {

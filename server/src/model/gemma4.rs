@@ -253,6 +253,7 @@ impl MoeBranch {
             shared_expert_intermediate_size: None,
             shared_expert_gate: false,
             router: MoeRouter::Softmax,
+            gpt_oss_experts: false,
         };
         let norm = |name: &str| RmsNorm::load(&vb.pp(name), c.hidden_size, c.rms_norm_eps, kind);
         Ok(Self {

@@ -1,5 +1,5 @@
-//! Llama and the architectures built like it: Mistral, Qwen2 and Qwen3, and Qwen3-MoE and
-//! Mixtral, whose feed-forward is a mixture of experts in some or all layers. A pre-norm
+//! Llama and the architectures built like it: Mistral, Qwen2 and Qwen3, and Qwen3-MoE, Mixtral
+//! and gpt-oss, whose feed-forward is a mixture of experts in some or all layers. A pre-norm
 //! decoder layer: `x + attn(norm(x))`, then `x + ffn(norm(x))`; the config says which Linears
 //! carry biases, whether q and k are normed per head, and where a layer is sparse.
 
@@ -13,8 +13,11 @@ use super::profile::stage;
 use super::rope::RopeTables;
 use crate::checkpoint::LoadError;
 
-/// The Llama family.
-pub struct Llama;
+/// The Llama family, its norms' weights as `norm` holds them: in the compute dtype, or in f32
+/// where transformers keeps them there (gpt-oss's `_keep_in_fp32_modules`).
+pub struct Llama {
+    pub norm: NormKind,
+}
 
 impl Family for Llama {
     fn load_layer(
@@ -34,7 +37,7 @@ impl Family for Llama {
     }
 
     fn norm(&self) -> NormKind {
-        NormKind::Weight
+        self.norm
     }
 }
 

@@ -59,6 +59,11 @@ impl<'a> Loader<'a> {
         self.quant.and_then(|q| q.kv_cache.as_ref())
     }
 
+    /// Whether the checkpoint is gpt-oss's native MXFP4 (`quant_method: mxfp4`).
+    pub fn native_mxfp4(&self) -> bool {
+        self.quant.is_some_and(|q| q.native_mxfp4)
+    }
+
     /// The KV-cache QDQ of the attention under this prefix with `num_kv_heads` heads
     /// ([`KvCacheQdq::load`]).
     pub fn kv_cache(&self, num_kv_heads: usize) -> Result<Option<KvCacheQdq>, LoadError> {

@@ -38,22 +38,37 @@ super::gpu_entry_points!(attention {
 /// Causal softmax attention of one sequence: `q`, `k`, `v` `[1, heads, len, head_dim]` (k and v
 /// already repeated to the query heads), scores scaled by `scale`, soft-capped as
 /// `cap * tanh(s / cap)` when `softcap` is set, keys limited to a sliding `window` when set.
+/// `sinks` (f32 `[heads]`, gpt-oss's attention sinks): one more logit per head that joins each
+/// row's softmax denominator and is then dropped, so a row's weights sum to less than 1.
 /// Returns `[1, heads, len, head_dim]` in `q`'s dtype.
 ///
 /// GPU: scores in f32 (TF32 tensor cores for bf16/f16 inputs, exact there), then scale, mask
 /// and softmax in one kernel, probabilities in the compute dtype for P·V. CPU: everything in
 /// f32, rounded once at the end, in the query-row and head blocks of `blocks`: memory linear
 /// in `len`, and every output the same bits whatever the blocks (see [`AttentionBlocks`]).
+/// With sinks the GPU runs candle's ops (no kernel of ours has them): scores, mask and softmax
+/// in f32 as on the CPU, one sequence at once.
+#[allow(clippy::too_many_arguments)]
 pub fn causal_attention(
     q: &Tensor,
     k: &Tensor,
     v: &Tensor,
     scale: f64,
     softcap: Option<f64>,
+    sinks: Option<&Tensor>,
     window: Option<usize>,
     blocks: AttentionBlocks,
 ) -> Result<Tensor> {
     let dtype = q.dtype();
+    if q.device().is_cuda() && sinks.is_some() {
+        let (q, k, v) = (
+            q.to_dtype(DType::F32)?,
+            k.to_dtype(DType::F32)?,
+            v.to_dtype(DType::F32)?,
+        );
+        let len = q.dims4()?.2;
+        return attend_rows(&q, &k, &v, 0..len, scale, softcap, sinks, window)?.to_dtype(dtype);
+    }
     if q.device().is_cuda() {
         let (q32, k32) = (q.to_dtype(DType::F32)?, k.to_dtype(DType::F32)?);
         let scores = if dtype == DType::F32 {
@@ -91,7 +106,17 @@ pub fn causal_attention(
             // rows than `min_block_rows` would take other GEMM kernels, other bits.
             let first = start.min(end.saturating_sub(blocks.min_rows(len, dim)));
             let q = q.narrow(2, first, end - first)?.contiguous()?;
-            let out = attend_rows(&q, &k, &v, first..end, scale, softcap, window)?;
+            let sinks = sinks.map(|s| s.narrow(0, h0, g)).transpose()?;
+            let out = attend_rows(
+                &q,
+                &k,
+                &v,
+                first..end,
+                scale,
+                softcap,
+                sinks.as_ref(),
+                window,
+            )?;
             row_blocks.push(out.narrow(2, start - first, end - start)?);
         }
         head_blocks.push(Tensor::cat(&row_blocks, 2)?);
@@ -102,6 +127,7 @@ pub fn causal_attention(
 /// The CPU attention of the query rows `rows` (`q`: `[1, heads, rows, head_dim]`, f32) over all
 /// `len` keys of `k`, `v`; the keys after a row are masked, not cut, so that P·V sums over the
 /// same depth, in the same blocks, as for the whole sequence.
+#[allow(clippy::too_many_arguments)]
 fn attend_rows(
     q: &Tensor,
     k: &Tensor,
@@ -109,6 +135,7 @@ fn attend_rows(
     rows: std::ops::Range<usize>,
     scale: f64,
     softcap: Option<f64>,
+    sinks: Option<&Tensor>,
     window: Option<usize>,
 ) -> Result<Tensor> {
     let mut scores = (q.matmul(&k.t()?)? * scale)?;
@@ -121,8 +148,25 @@ fn attend_rows(
     // through the softmax made three (3469 MiB against 2195 estimated for 2 × 8192 tokens).
     let masked = scores.broadcast_add(&mask)?;
     drop((scores, mask));
-    let probs = candle_nn::ops::softmax_last_dim(&masked)?;
-    drop(masked);
+    let probs = match sinks {
+        None => candle_nn::ops::softmax_last_dim(&masked)?,
+        // transformers' eager_attention_forward: the sink as a last column of the scores,
+        // softmax, the column dropped.
+        Some(sinks) => {
+            let (b, heads, rows, len) = masked.dims4()?;
+            let column = sinks
+                .to_dtype(DType::F32)?
+                .reshape((1, heads, 1, 1))?
+                .broadcast_as((b, heads, rows, 1))?
+                .contiguous()?;
+            let with_sink = Tensor::cat(&[&masked, &column], 3)?;
+            drop(masked);
+            // two `[heads, rows, len]`-sized tensors alive at once, as without sinks
+            let probs = candle_nn::ops::softmax_last_dim(&with_sink)?;
+            drop(with_sink);
+            probs.narrow(3, 0, len)?.contiguous()?
+        }
+    };
     probs.matmul(v)
 }
 
@@ -440,7 +484,11 @@ mod tests {
             let k = Tensor::randn(0f32, 1.0, (1, heads, len, dim), dev)?;
             let v = Tensor::randn(0f32, 1.0, (1, heads, len, dim), dev)?;
             let scale = 1.0 / (dim as f64).sqrt();
-            let attend = |blocks| causal_attention(&q, &k, &v, scale, softcap, window, blocks);
+            // gpt-oss's sinks where there is no soft-cap (no architecture has both)
+            let sinks = Tensor::randn(0f32, 1.0, heads, dev)?;
+            let sinks = softcap.is_none().then_some(&sinks);
+            let attend =
+                |blocks| causal_attention(&q, &k, &v, scale, softcap, sinks, window, blocks);
             let want = attend(whole)?.flatten_all()?.to_vec1::<f32>()?;
             let mut shapes = Vec::new();
             for elements in [1, 65 * len, 100 * len, 2 * 100 * len, heads * 97 * len] {
@@ -461,6 +509,42 @@ mod tests {
                     shapes.iter().any(|&(r, g)| r < len && g < heads),
                     "{shapes:?}"
                 );
+            }
+        }
+        Ok(())
+    }
+
+    /// A sink is one more logit in each row's softmax, then dropped: with equal scores and
+    /// values of 1, row i (i + 1 keys seen) outputs (i + 1) / (i + 1 + e^sink).
+    #[test]
+    fn sinks_join_the_denominator_and_are_dropped() -> Result<()> {
+        let dev = &Device::Cpu;
+        let (heads, len, dim) = (2, 9, 4);
+        let zeros = Tensor::zeros((1, heads, len, dim), DType::F32, dev)?;
+        let ones = Tensor::ones((1, heads, len, dim), DType::F32, dev)?;
+        let sinks = Tensor::new(&[0.5f32, -2.0], dev)?;
+        let blocks = AttentionBlocks::default();
+        for window in [None, Some(3)] {
+            let got = causal_attention(
+                &zeros,
+                &zeros,
+                &ones,
+                1.0,
+                None,
+                Some(&sinks),
+                window,
+                blocks,
+            )?
+            .squeeze(0)?
+            .to_vec3::<f32>()?;
+            for (h, s) in [0.5f64, -2.0].into_iter().enumerate() {
+                for (i, row) in got[h].iter().enumerate() {
+                    let seen = window.unwrap_or(usize::MAX).min(i + 1) as f64;
+                    let want = seen / (seen + s.exp());
+                    for &x in row {
+                        assert!((x as f64 - want).abs() < 1e-6, "h {h} i {i}: {x} vs {want}");
+                    }
+                }
             }
         }
         Ok(())

@@ -18,7 +18,14 @@ pub enum Activation {
     Silu,
     /// `gelu_pytorch_tanh`: GELU with the tanh approximation (GeGLU).
     GeluTanh,
+    /// gpt-oss's clamped SwiGLU (`GptOssExperts._apply_gate`): the gate clamped to at most
+    /// [`CLAMPED_SWIGLU_LIMIT`], up to ±limit, then `(up + 1) * gate * sigmoid(alpha * gate)`.
+    ClampedSwiglu,
 }
+
+/// gpt-oss's `limit` and `alpha`: constants of transformers' `GptOssExperts`, not config keys.
+pub const CLAMPED_SWIGLU_LIMIT: f64 = 7.0;
+pub const CLAMPED_SWIGLU_ALPHA: f64 = 1.702;
 
 impl Activation {
     /// The profile stage of the gated product `act(gate) * up`.
@@ -26,6 +33,7 @@ impl Activation {
         match self {
             Self::Silu => "silu_mul",
             Self::GeluTanh => "gelu_mul",
+            Self::ClampedSwiglu => "clamped_swiglu",
         }
     }
 }
@@ -94,14 +102,28 @@ pub fn gated_mul(
     up: &Tensor,
     qdq: Option<&ActivationQdq>,
 ) -> Result<Tensor> {
-    let fused = fuses_qdq(qdq, gate.device());
+    // the clamped SwiGLU has no kernel of its own to fuse the QDQ into
+    let fused = act != Activation::ClampedSwiglu && fuses_qdq(qdq, gate.device());
     let product = match (gate.device().is_cuda(), act) {
         (true, Activation::Silu) => gpu::silu_mul(gate, up, fused)?,
         (true, Activation::GeluTanh) => gpu::gelu_tanh_mul(gate, up, fused)?,
         (false, Activation::Silu) => (candle_nn::Activation::Silu.forward(gate)? * up)?,
         (false, Activation::GeluTanh) => (gate.gelu()? * up)?,
+        // No kernel of its own: candle's ops, which run on every device.
+        (_, Activation::ClampedSwiglu) => clamped_swiglu(gate, up)?,
     };
     finish_qdq(product, qdq, fused)
+}
+
+/// gpt-oss's gated product, each step rounded to the compute dtype as PyTorch rounds it:
+/// `gate.clamp(max=limit)`, `up.clamp(-limit, limit)`, `glu = gate * sigmoid(gate * alpha)`,
+/// `(up + 1) * glu`.
+fn clamped_swiglu(gate: &Tensor, up: &Tensor) -> Result<Tensor> {
+    let limit = CLAMPED_SWIGLU_LIMIT;
+    let gate = gate.minimum(limit)?;
+    let up = up.clamp(-limit, limit)?;
+    let glu = (&gate * sigmoid(&(&gate * CLAMPED_SWIGLU_ALPHA)?)?)?;
+    (up + 1.0)? * glu
 }
 
 /// `sigmoid(x)` as PyTorch computes it in every dtype: in f32 (`1 / (1 + exp(-x))`), rounded

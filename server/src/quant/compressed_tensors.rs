@@ -326,6 +326,9 @@ pub struct QuantizationConfig {
     ordered: Vec<(Regex, Option<LayerScheme>)>,
     /// The `kv_cache_scheme`, where the checkpoint has one.
     pub kv_cache: Option<KvCacheScheme>,
+    /// gpt-oss's native MXFP4 (`quant_method: mxfp4`): its experts' `*_blocks` / `*_scales`
+    /// (`quant::mxfp4::load_native_experts`); no Linear is quantized.
+    pub native_mxfp4: bool,
 }
 
 #[derive(Deserialize)]
@@ -365,7 +368,8 @@ fn unsupported_method(method: Option<&str>) -> String {
     const READS: &str = "ExactScore reads compressed-tensors checkpoints (quant_method \
                          \"compressed-tensors\": what llm-compressor writes and vLLM serves), \
                          native GPTQ (\"gptq\"), AutoRound (\"auto-round\"), AWQ (\"awq\"), \
-                         FP8 (\"fp8\") and ModelOpt NVFP4 (\"modelopt\")";
+                         FP8 (\"fp8\"), ModelOpt NVFP4 (\"modelopt\") and gpt-oss's MXFP4 \
+                         (\"mxfp4\")";
     match method {
         Some(m) => format!(
             "\"{m}\" is not supported. {READS}: quantize the original with llm-compressor, \
@@ -384,6 +388,7 @@ impl QuantizationConfig {
             Some("awq") => return Self::awq(raw),
             Some("fp8") => return Self::hf_fp8(raw),
             Some("modelopt") => return Self::modelopt(raw),
+            Some("mxfp4") => return Self::native_mxfp4(raw),
             // hf_quant_config.json names its producer instead.
             None if raw.pointer("/producer/name").and_then(Value::as_str) == Some("modelopt") => {
                 return Self::modelopt(raw)
@@ -497,6 +502,7 @@ impl QuantizationConfig {
             ignore,
             kv_cache,
             ordered: Vec::new(),
+            native_mxfp4: false,
         })
     }
 
@@ -533,6 +539,7 @@ impl QuantizationConfig {
             ignore,
             kv_cache: None,
             ordered,
+            native_mxfp4: false,
         })
     }
 
@@ -578,6 +585,7 @@ impl QuantizationConfig {
             ignore,
             kv_cache: None,
             ordered: Vec::new(),
+            native_mxfp4: false,
         })
     }
 
@@ -594,6 +602,7 @@ impl QuantizationConfig {
             ignore: cfg.not_converted.into_iter().map(Target::Regex).collect(),
             kv_cache: None,
             ordered: Vec::new(),
+            native_mxfp4: false,
         })
     }
 
@@ -611,6 +620,31 @@ impl QuantizationConfig {
             ignore: cfg.not_converted.into_iter().map(Target::Regex).collect(),
             kv_cache: None,
             ordered: Vec::new(),
+            native_mxfp4: false,
+        })
+    }
+
+    /// transformers' `Mxfp4Config` (gpt-oss): only the experts, which are not Linears, are
+    /// quantized, so no group; `modules_to_not_convert` (the attention, router, embeddings and
+    /// head) are Linears and stay dense either way.
+    fn native_mxfp4(raw: &Value) -> Result<Self, LoadError> {
+        const FIELD: &str = "quantization_config.modules_to_not_convert";
+        match raw.get("modules_to_not_convert") {
+            None | Some(Value::Null) => {}
+            Some(Value::Array(names)) if names.iter().all(Value::is_string) => {}
+            Some(other) => {
+                return Err(LoadError::config(
+                    FIELD,
+                    format!("{other} is not a list of module names"),
+                ))
+            }
+        }
+        Ok(Self {
+            groups: Vec::new(),
+            ignore: Vec::new(),
+            kv_cache: None,
+            ordered: Vec::new(),
+            native_mxfp4: true,
         })
     }
 
@@ -626,6 +660,7 @@ impl QuantizationConfig {
             ignore: cfg.excluded.into_iter().map(Target::Regex).collect(),
             kv_cache: None,
             ordered: Vec::new(),
+            native_mxfp4: false,
         })
     }
 

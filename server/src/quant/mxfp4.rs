@@ -4,7 +4,8 @@
 //! `w = bf16(fp4(code) · 2^(e - 127))`: compressed-tensors decodes in bf16
 //! (`decompress_mx_scale`), where the product of two such numbers is exact unless it leaves
 //! bf16's range. gpt-oss's native `*_blocks` / `*_scales` tensors hold the same bytes
-//! (`[out, in/32, 16]` and `[out, in/32]`).
+//! (`[out, in/32, 16]` and `[out, in/32]` per expert, [`load_native_experts`]), which
+//! transformers decodes the same way, in bf16.
 //!
 //! Where the layer's scales span at most 18 octaves (every real checkpoint we know of), they
 //! are also held as NVFP4's (an e4m3 power of two per 16 weights over an f32 power-of-two
@@ -32,6 +33,8 @@ pub struct Mxfp4Weight {
     /// The scales as NVFP4's: e4m3 bytes `[out, in/16]` on the layer's device, and the global
     /// scale that divides them.
     as_nvfp4: Option<(Tensor, f32)>,
+    /// gpt-oss's native layout rather than compressed-tensors' (the same bytes).
+    native: bool,
 }
 
 /// `2^(e - 127)` as an f32 (exact: 2^-127 is an f32 subnormal).
@@ -39,6 +42,17 @@ pub fn ue8m0_to_f32(e: u8) -> f32 {
     match e {
         0 => f32::from_bits(1 << 22),
         e => f32::from_bits((e as u32) << 23),
+    }
+}
+
+/// Refuses UE8M0's NaN anywhere in the exponents of the tensor `name`.
+fn refuse_nan(exponents: &[u8], name: &str) -> std::result::Result<(), LoadError> {
+    match exponents.iter().position(|&e| e == NAN_EXPONENT) {
+        Some(i) => Err(LoadError::BadTensor {
+            name: name.into(),
+            reason: format!("element {i} is 255, UE8M0's NaN"),
+        }),
+        None => Ok(()),
     }
 }
 
@@ -61,14 +75,26 @@ impl Mxfp4Weight {
             )?
             .flatten_all()?
             .to_vec1::<u8>()?;
-        if let Some(i) = exponents.iter().position(|&e| e == NAN_EXPONENT) {
-            return Err(LoadError::BadTensor {
-                name: scale_name,
-                reason: format!("element {i} is 255, UE8M0's NaN"),
-            });
-        }
+        refuse_nan(&exponents, &scale_name)?;
         let codes = packed.flatten_all()?.to_vec1::<u8>()?;
-        let packed = packed.to_device(device)?;
+        Ok(Self::from_host(
+            codes,
+            exponents,
+            (out, inp),
+            false,
+            device,
+        )?)
+    }
+
+    /// The weight of `codes` (`[out, in/2]`, two per byte, low nibble first) and `exponents`
+    /// (`[out, in/32]`), checked already.
+    fn from_host(
+        codes: Vec<u8>,
+        exponents: Vec<u8>,
+        (out, inp): (usize, usize),
+        native: bool,
+        device: &Device,
+    ) -> Result<Self> {
         let as_nvfp4 = nvfp4_scales(&codes, &exponents)
             .map(|(bytes, global)| {
                 Tensor::from_vec(bytes, (out, inp / 16), device).map(|t| (t, global))
@@ -77,11 +103,71 @@ impl Mxfp4Weight {
         Ok(Self {
             out,
             inp,
-            packed,
+            packed: Tensor::from_vec(codes, (out, inp / 2), device)?,
             exponents,
             as_nvfp4,
+            native,
         })
     }
+}
+
+/// gpt-oss's native MXFP4 experts (`quant_method: mxfp4`): `{name}_blocks` uint8 `[experts,
+/// out, in/32, 16]` and `{name}_scales` uint8 `[experts, out, in/32]`, each expert's `[out,
+/// in]` weight in the bytes of `mxfp4-pack-quantized` (transformers' `convert_moe_packed_tensors`
+/// decodes them to bf16, low nibble first, times `2^(scale - 127)`, then transposes to
+/// `[experts, in, out]` for its `x @ w`). Each expert's rows are dealt into `parts` weights of
+/// `out / parts` rows, row `r` to weight `r % parts` (gpt-oss interleaves gate and up rows).
+pub fn load_native_experts(
+    ckpt: &Checkpoint,
+    name: &str,
+    experts: usize,
+    (out, inp): (usize, usize),
+    parts: usize,
+    device: &Device,
+) -> std::result::Result<Vec<Vec<Mxfp4Weight>>, LoadError> {
+    let blocks_name = format!("{name}_blocks");
+    if inp % GROUP != 0 || out % parts != 0 {
+        return Err(LoadError::BadTensor {
+            name: blocks_name,
+            reason: format!(
+                "{out} x {inp} weights do not split into {parts} parts of groups of {GROUP}"
+            ),
+        });
+    }
+    let groups = inp / GROUP;
+    let read = |name: &str, shape: &[usize]| -> std::result::Result<Vec<u8>, LoadError> {
+        let t = ckpt.tensor(name, &[StDtype::U8], Some(shape), &Device::Cpu)?;
+        Ok(t.flatten_all()?.to_vec1::<u8>()?)
+    };
+    let blocks = read(&blocks_name, &[experts, out, groups, GROUP / 2])?;
+    let scales_name = format!("{name}_scales");
+    let scales = read(&scales_name, &[experts, out, groups])?;
+    refuse_nan(&scales, &scales_name)?;
+    let (row_bytes, rows) = (inp / 2, out / parts);
+    (0..experts)
+        .map(|e| {
+            (0..parts)
+                .map(|p| {
+                    let picked = (0..rows).map(|r| e * out + r * parts + p);
+                    let (mut codes, mut exponents) = (
+                        Vec::with_capacity(rows * row_bytes),
+                        Vec::with_capacity(rows * groups),
+                    );
+                    for row in picked {
+                        codes.extend_from_slice(&blocks[row * row_bytes..(row + 1) * row_bytes]);
+                        exponents.extend_from_slice(&scales[row * groups..(row + 1) * groups]);
+                    }
+                    Ok(Mxfp4Weight::from_host(
+                        codes,
+                        exponents,
+                        (rows, inp),
+                        true,
+                        device,
+                    )?)
+                })
+                .collect()
+        })
+        .collect()
 }
 
 /// The e4m3 bytes (two per MXFP4 group) and the global scale that express every scale of a
@@ -125,7 +211,10 @@ impl QuantizedWeight for Mxfp4Weight {
     }
 
     fn describe(&self) -> String {
-        "mxfp4-pack-quantized fp4 e2m1 g32 (ue8m0 scales)".into()
+        match self.native {
+            true => "mxfp4 fp4 e2m1 g32 (ue8m0 scales)".into(),
+            false => "mxfp4-pack-quantized fp4 e2m1 g32 (ue8m0 scales)".into(),
+        }
     }
 
     fn bits_per_weight(&self) -> f64 {

@@ -616,6 +616,9 @@ const CHECKED: &[&str] = &[
     "deepseek_v2-w4a16-g32",
     "deepseek_v2-fp8-dynamic",
     "mistral4-w4a16-g32",
+    // gpt-oss: attention sinks (materialized), clamped SwiGLU experts in bf16 and native MXFP4
+    "gpt_oss-dense-bf16",
+    "gpt_oss-mxfp4",
     // compressed-tensors W8A8-INT8 (int8 per-token activations); ModelOpt NVFP4 and FP8
     "llama-w8a8-int8",
     "llama-modelopt-nvfp4",
@@ -643,10 +646,10 @@ fn check(fixtures: &Path, device: &Device, only: &[String]) -> Result<()> {
             let config = exactscore_server::model::ModelConfig::from_json(
                 &std::fs::read_to_string(dir.join("config.json"))?,
             )?;
-            // The flash kernel cannot soft-cap scores (Gemma 2), and exists only on a GPU: models
-            // without it have only the materialized kernel, whose bf16 rows then stand in for the
-            // flash columns.
-            let flash = config.attn_logit_softcapping.is_none()
+            // The flash kernel cannot soft-cap scores (Gemma 2) nor add sinks (gpt-oss), and
+            // exists only on a GPU: models without it have only the materialized kernel, whose
+            // bf16 rows then stand in for the flash columns.
+            let flash = config.flash_attention_possible()
                 && exactscore_server::ops::flash_attention_available(
                     device,
                     config.attention_head_dim(),

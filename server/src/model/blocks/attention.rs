@@ -42,6 +42,9 @@ pub struct Attention {
     output_gate: bool,
     /// The KV cache's fp8 QDQ (and FlashAttention 3's of q) after RoPE, where it applies.
     kv_cache: Option<KvCacheQdq>,
+    /// gpt-oss's attention sinks `self_attn.sinks` (f32 `[heads]`): one logit per head in
+    /// every row's softmax denominator ([`ops::causal_attention`]); never through flash.
+    sinks: Option<Tensor>,
 }
 
 impl Attention {
@@ -84,6 +87,13 @@ impl Attention {
             rotary_dim: c.rotary_dim,
             output_gate: c.attn_output_gate,
             kv_cache: vb.kv_cache(c.num_kv_heads)?,
+            sinks: c
+                .attention_sinks
+                .then(|| {
+                    let device = &vb.options().device;
+                    vb.get_as("sinks", &[c.num_heads], candle_core::DType::F32, device)
+                })
+                .transpose()?,
         })
     }
 
@@ -319,6 +329,11 @@ impl Attention {
             ))
         })?;
         let (q, k, v) = self.kv_cache_qdq(q, k, v, lens)?;
+        if self.sinks.is_some() {
+            candle_core::bail!(
+                "flash attention has no attention sinks (gpt-oss attends materialized)"
+            );
+        }
         let opts = ops::FlashOptions {
             // in f32, as before the scale became configurable (same bits on the GPU)
             scale: 1.0 / (self.query_scalar as f32).sqrt(),
@@ -353,7 +368,8 @@ impl Attention {
         let (k, v) = (repeat(k)?, repeat(v)?);
         let scale = 1.0 / self.query_scalar.sqrt();
         let window = self.sliding_window;
-        ops::causal_attention(q, &k, &v, scale, self.softcap, window, blocks)?
+        let sinks = self.sinks.as_ref();
+        ops::causal_attention(q, &k, &v, scale, self.softcap, sinks, window, blocks)?
             .transpose(1, 2)?
             .reshape((len, heads * dim))
     }

@@ -242,7 +242,7 @@ impl LatentAttention {
         let q = self.scale_queries(q, 0..len, (1, 1, len, 1))?;
         let k = Tensor::cat(&[&kv.narrow(3, 0, nope)?, &k_rot], 3)?.contiguous()?;
         let v = kv.narrow(3, nope, v_dim)?.contiguous()?;
-        ops::causal_attention(&q, &k, &v, self.cfg.softmax_scale, None, None, blocks)?
+        ops::causal_attention(&q, &k, &v, self.cfg.softmax_scale, None, None, None, blocks)?
             .transpose(1, 2)?
             .reshape((len, heads * v_dim))
     }

@@ -10,9 +10,10 @@ use crate::model::loader::Loader;
 use crate::model::profile::stage;
 use crate::ops::{self, StackRows};
 use crate::quant::dense::DenseWeight;
+use crate::quant::mxfp4::{self, Mxfp4Weight};
 use crate::quant::{
     common_qdq, decodes_in_gemm, matmul_t_stacked, matmul_t_stacked_into_rows, ActivationQdq,
-    QuantLinear, SCALE_DTYPES,
+    QuantLinear, QuantizedWeight, SCALE_DTYPES,
 };
 
 /// Rows of the MLP input processed at once. The `[rows, intermediate]` activations (gate, up
@@ -90,6 +91,107 @@ impl Mlp {
             .collect()
     }
 
+    /// gpt-oss's experts under `vb` (`mlp.experts`), stored fused with their biases, gate and
+    /// up interleaved (`gate_up[..., ::2]` gate, `[..., 1::2]` up): bf16 `gate_up_proj`
+    /// `[experts, hidden, 2 * intermediate]` and `down_proj` `[experts, intermediate, hidden]`
+    /// (transformers' `x @ w` layout, transposed here to Linears'), or their native MXFP4
+    /// `*_blocks` / `*_scales` (already `[out, in]` per expert, kept compressed); and
+    /// `gate_up_proj_bias` `[experts, 2 * intermediate]`, `down_proj_bias` `[experts, hidden]`.
+    ///
+    /// llm-compressor writes them per expert instead (`{vb}.E.{gate,up,down}_proj`, its
+    /// `GptOssExpertMLP`: the interleaved columns already split, each Linear with its bias, in
+    /// any format the quantization config gives).
+    pub fn load_gpt_oss(
+        vb: &Loader,
+        experts: usize,
+        (hidden, intermediate): (usize, usize),
+    ) -> std::result::Result<Vec<Self>, LoadError> {
+        let (ckpt, device) = (vb.checkpoint(), &vb.options().device);
+        let per_expert = vb.pp(0).pp("gate_proj");
+        if ckpt
+            .names_with_prefix(&format!("{}.", per_expert.prefix()))
+            .next()
+            .is_some()
+        {
+            let act = Activation::ClampedSwiglu;
+            return (0..experts)
+                .map(|e| Self::load(&vb.pp(e), PROJ_NAMES, (hidden, intermediate), true, act))
+                .collect();
+        }
+        let blocks = vb.name("gate_up_proj_blocks");
+        let (gate_up, down) = if ckpt.contains(&blocks) {
+            if !vb.native_mxfp4() {
+                return Err(LoadError::BadTensor {
+                    name: blocks,
+                    reason: "gpt-oss's native MXFP4 experts need quantization_config.quant_method \
+                             \"mxfp4\""
+                        .into(),
+                });
+            }
+            let load = |name: &str, shape, parts| -> std::result::Result<Vec<Vec<_>>, LoadError> {
+                let weights = mxfp4::load_native_experts(
+                    ckpt,
+                    &vb.name(name),
+                    experts,
+                    shape,
+                    parts,
+                    device,
+                )?;
+                let boxed = |w: Mxfp4Weight| Box::new(w) as Box<dyn QuantizedWeight>;
+                Ok(weights
+                    .into_iter()
+                    .map(|e| e.into_iter().map(boxed).collect())
+                    .collect())
+            };
+            (
+                load("gate_up_proj", (2 * intermediate, hidden), 2)?,
+                load("down_proj", (hidden, intermediate), 1)?,
+            )
+        } else {
+            let read = |name: &str, shape: &[usize]| {
+                ckpt.tensor(&vb.name(name), SCALE_DTYPES, Some(shape), &Device::Cpu)
+            };
+            let gate_up = read("gate_up_proj", &[experts, hidden, 2 * intermediate])?;
+            let down = read("down_proj", &[experts, intermediate, hidden])?;
+            let dense = |w: Tensor| -> Result<Box<dyn QuantizedWeight>> {
+                let w = w.t()?.contiguous()?.to_device(device)?;
+                Ok(Box::new(DenseWeight::from_tensor(w)))
+            };
+            let mut fused = (Vec::with_capacity(experts), Vec::with_capacity(experts));
+            for e in 0..experts {
+                let pairs = gate_up.get(e)?.reshape((hidden, intermediate, 2))?;
+                let part = |p| dense(pairs.narrow(2, p, 1)?.squeeze(2)?);
+                fused.0.push(vec![part(0)?, part(1)?]);
+                fused.1.push(vec![dense(down.get(e)?)?]);
+            }
+            fused
+        };
+        let gate_up_bias = vb.get("gate_up_proj_bias", &[experts, 2 * intermediate])?;
+        let down_bias = vb.get("down_proj_bias", &[experts, hidden])?;
+        let linear = |w, b: Tensor| -> Result<QuantLinear> {
+            Ok(QuantLinear::new(w, Some(b.contiguous()?)))
+        };
+        gate_up
+            .into_iter()
+            .zip(down)
+            .enumerate()
+            .map(|(e, (gate_up, down))| {
+                let [gate, up]: [Box<dyn QuantizedWeight>; 2] = gate_up
+                    .try_into()
+                    .unwrap_or_else(|_| unreachable!("two parts"));
+                let [down]: [Box<dyn QuantizedWeight>; 1] =
+                    down.try_into().unwrap_or_else(|_| unreachable!("one part"));
+                let bias = gate_up_bias.get(e)?.reshape((intermediate, 2))?;
+                Ok(Self {
+                    gate_proj: linear(gate, bias.narrow(1, 0, 1)?.squeeze(1)?)?,
+                    up_proj: linear(up, bias.narrow(1, 1, 1)?.squeeze(1)?)?,
+                    down_proj: linear(down, down_bias.get(e)?)?,
+                    act: Activation::ClampedSwiglu,
+                })
+            })
+            .collect()
+    }
+
     /// The activation QDQ that gate and up share, if they do (see [`common_qdq`]).
     pub fn input_qdq(&self) -> Option<Option<&ActivationQdq>> {
         common_qdq(&[&self.gate_proj, &self.up_proj])
@@ -157,8 +259,16 @@ impl Mlp {
 }
 
 /// Whether `experts` can run as one stack ([`forward_stacked`]): every gate and up apply one
-/// activation QDQ, and every down one, so the first expert's stand for all.
+/// activation QDQ, and every down one, so the first expert's stand for all; and no projection
+/// has a bias (gpt-oss's), which the stacked GEMMs do not add.
 pub fn stackable(experts: &[Mlp]) -> bool {
+    let biased = experts
+        .iter()
+        .flat_map(|e| e.linears())
+        .any(|(_, l)| l.bias().is_some());
+    if biased {
+        return false;
+    }
     let all_same = |linears: Vec<&QuantLinear>| common_qdq(&linears).is_some();
     all_same(
         experts

@@ -36,6 +36,8 @@ pub struct Moe {
     /// unquantized); in f32 for DeepSeek-V3's and DeepSeek-V2's routers, which route in f32.
     /// `None` where the family routes itself ([`Self::load_experts`]).
     router: Option<Tensor>,
+    /// gpt-oss's router bias `[experts]`, in the router's dtype.
+    router_bias: Option<Tensor>,
     /// DeepSeek's `e_score_correction_bias` (f32 `[experts]`) for [`MoeRouter::SigmoidGrouped`].
     correction_bias: Option<Tensor>,
     /// Gated MLPs whose Linears may be in any supported format.
@@ -104,6 +106,9 @@ impl Moe {
                 ),
             ));
         }
+        if cfg.gpt_oss_experts {
+            return Self::load_gpt_oss(&vb, c, cfg);
+        }
         let f32 =
             |name: &str, shape: &[usize]| vb.get_as(name, shape, DType::F32, &vb.options().device);
         let (router, correction_bias) = match cfg.router {
@@ -152,11 +157,33 @@ impl Moe {
             .transpose()?;
         Ok(Self {
             router: Some(router),
+            router_bias: None,
             correction_bias,
             stackable: stackable(&experts),
             experts,
             cfg: cfg.clone(),
             shared,
+        })
+    }
+
+    /// gpt-oss's block under `vb` (`mlp`): `router.{weight,bias}` and the fused experts
+    /// ([`Mlp::load_gpt_oss`]).
+    fn load_gpt_oss(
+        vb: &Loader,
+        c: &ModelConfig,
+        cfg: &MoeConfig,
+    ) -> std::result::Result<Self, LoadError> {
+        let (h, experts) = (c.hidden_size, cfg.num_experts);
+        let inter = cfg.expert_intermediate_size;
+        let experts = Mlp::load_gpt_oss(&vb.pp("experts"), experts, (h, inter))?;
+        Ok(Self {
+            router: Some(vb.get("router.weight", &[cfg.num_experts, h])?),
+            router_bias: Some(vb.get("router.bias", &[cfg.num_experts])?),
+            correction_bias: None,
+            stackable: stackable(&experts),
+            experts,
+            cfg: cfg.clone(),
+            shared: None,
         })
     }
 
@@ -187,6 +214,7 @@ impl Moe {
         };
         Ok(Self {
             router: None,
+            router_bias: None,
             correction_bias: None,
             stackable: stackable(&experts),
             experts,
@@ -211,7 +239,16 @@ impl Moe {
                 let logits = ops::matmul_t(&x, router)?;
                 ops::moe_route_grouped(&logits, self.correction_bias.as_ref(), &routing)
             }
-            None => ops::moe_route(&ops::matmul_t(x, router)?, k, norm),
+            None => ops::moe_route(&self.router_logits(x, router)?, k, norm),
+        }
+    }
+
+    /// `x · routerᵀ`, plus the router's bias where it has one (gpt-oss).
+    fn router_logits(&self, x: &Tensor, router: &Tensor) -> Result<Tensor> {
+        let logits = ops::matmul_t(x, router)?;
+        match &self.router_bias {
+            Some(bias) => logits.broadcast_add(bias),
+            None => Ok(logits),
         }
     }
 
@@ -264,7 +301,7 @@ impl Moe {
                 let logits = ops::matmul_t(&x.to_dtype(router.dtype())?, router)?;
                 ops::moe_route_grouped_on_device(&logits, self.correction_bias.as_ref(), &routing)
             }
-            None => ops::moe_route_on_device(&ops::matmul_t(x, router)?, k, norm),
+            None => ops::moe_route_on_device(&self.router_logits(x, router)?, k, norm),
         })?;
         // 64-row tiles where an expert's rows are expected to fit one (a tile decodes its
         // weights once; rows past it take another tile either way).

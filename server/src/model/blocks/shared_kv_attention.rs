@@ -189,8 +189,16 @@ impl SharedKvAttention {
                     .reshape((1, self.num_heads, len, self.head_dim))
             };
             let (k, v) = (repeat(k)?, repeat(v)?);
-            let out =
-                ops::causal_attention(&q, &k, &v, 1.0, None, self.sliding_window, batch.blocks())?;
+            let out = ops::causal_attention(
+                &q,
+                &k,
+                &v,
+                1.0,
+                None,
+                None,
+                self.sliding_window,
+                batch.blocks(),
+            )?;
             outputs.push(
                 out.transpose(1, 2)?
                     .reshape((len, self.num_heads * self.head_dim))?,

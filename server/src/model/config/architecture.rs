@@ -16,6 +16,8 @@ use crate::model::rope::Rope;
 pub enum DecoderFamily {
     /// Pre-norm layers: Llama, Mistral, Qwen and their mixtures of experts.
     Llama,
+    /// Llama's layers with the norms' weights kept in f32, as transformers keeps gpt-oss's.
+    GptOss,
     /// `(1 + w)` norms, scaled embeddings, norms after attention and MLP.
     Gemma,
     /// Qwen3-Next, Qwen3.5: pre-norm `(1 + w)` layers of Gated DeltaNet or gated attention.
@@ -173,6 +175,11 @@ pub(super) trait ArchitectureConfig: Sync {
 
     /// q_proj also yields a per-channel output gate: `attn * sigmoid(gate)` before o_proj.
     fn attn_output_gate(&self) -> bool {
+        false
+    }
+
+    /// Each attention layer has `self_attn.sinks`, one softmax logit per head (gpt-oss).
+    fn attention_sinks(&self) -> bool {
         false
     }
 }

@@ -7,8 +7,8 @@ use super::architecture::{ArchitectureConfig, DecoderFamily};
 use super::shared::required;
 use super::{deepseek_v2, mistral4};
 use super::{
-    deepseek_v3, gemma2, gemma3, gemma4, glm4_moe, glm4_moe_lite, llama, mistral, mistral3,
-    mixtral, qwen2, qwen3, qwen3_5, qwen3_5_moe, qwen3_moe, qwen3_next,
+    deepseek_v3, gemma2, gemma3, gemma4, glm4_moe, glm4_moe_lite, gpt_oss, llama, mistral,
+    mistral3, mixtral, qwen2, qwen3, qwen3_5, qwen3_5_moe, qwen3_moe, qwen3_next,
 };
 use crate::checkpoint::LoadError;
 
@@ -75,6 +75,8 @@ architectures! {
     Mistral4 => mistral4::Mistral4 { vision_language: false },
     /// Mistral 3's vision-language wrapper of a Mistral 4 text model (`model.language_model.`).
     Mistral4Multimodal => mistral4::Mistral4 { vision_language: true },
+    /// gpt-oss: attention sinks, a router with a bias, clamped-SwiGLU experts (native MXFP4).
+    GptOss => gpt_oss::GptOssForCausalLM,
 }
 
 impl Architecture {

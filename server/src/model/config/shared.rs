@@ -34,6 +34,10 @@ pub struct MoeConfig {
     pub shared_expert_gate: bool,
     /// How the router picks and weighs a token's experts.
     pub router: MoeRouter,
+    /// gpt-oss's block: `mlp.router` with a bias, and experts with biases stored fused
+    /// (`experts.gate_up_proj`, gate and up interleaved, bf16 or native MXFP4) whose gated
+    /// activation is the clamped SwiGLU.
+    pub gpt_oss_experts: bool,
 }
 
 /// A mixture-of-experts router.
@@ -383,5 +387,6 @@ pub(super) fn experts(
         shared_expert_intermediate_size: None,
         shared_expert_gate: true,
         router: MoeRouter::Softmax,
+        gpt_oss_experts: false,
     })
 }

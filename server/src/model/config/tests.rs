@@ -121,14 +121,15 @@ const GEMMA3: &str = r#"{"architectures":["Gemma3ForCausalLM"],"vocab_size":10,"
 
 #[test]
 fn unsupported_architecture_lists_the_supported_ones() {
-    let err = ModelConfig::from_json(&V4.replace("LlamaForCausalLM", "GptOssForCausalLM"))
+    let err = ModelConfig::from_json(&V4.replace("LlamaForCausalLM", "GraniteMoeForCausalLM"))
         .unwrap_err()
         .to_string();
     assert!(
-        err.contains("unsupported architecture [\"GptOssForCausalLM\"]"),
+        err.contains("unsupported architecture [\"GraniteMoeForCausalLM\"]"),
         "{err}"
     );
     for name in [
+        "GptOssForCausalLM",
         "DeepseekV2ForCausalLM",
         "DeepseekV3ForCausalLM",
         "Mistral4ForCausalLM",
