@@ -66,10 +66,11 @@ super::gpu_entry_points!(dequant {
         group: usize,
         tile_rows: usize,
     ) -> Result<()>;
+    /// `per_tensor`: the scale, and whether it multiplies (ModelOpt) or divides.
     fn dequant_nvfp4(
         packed: &Tensor,
         scales: &Tensor,
-        per_tensor: Nvfp4PerTensor,
+        per_tensor: (f32, bool),
         shape: (usize, usize),
         dtype: DType,
     ) -> Result<Tensor>;
@@ -379,7 +380,13 @@ pub fn dequantize(
             packed,
             scale,
             per_tensor,
-        } => gpu::dequant_nvfp4(packed, scale, per_tensor, shape, dtype),
+        } => {
+            let per_tensor = match per_tensor {
+                Nvfp4PerTensor::Divides(g) => (g, false),
+                Nvfp4PerTensor::Multiplies(m) => (m, true),
+            };
+            gpu::dequant_nvfp4(packed, scale, per_tensor, shape, dtype)
+        }
         Packed::Fp8 {
             weight,
             scale,

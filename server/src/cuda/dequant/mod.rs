@@ -2,7 +2,6 @@
 //! the int4 GEMM that decodes inside the product is in [`int4_gemm`].
 // Kernel launches are FFI: the argument lists below must match the kernel signatures.
 
-use crate::ops::Nvfp4PerTensor;
 use candle_core::cuda_backend::cudarc::driver::{CudaSlice, PushKernelArg};
 use candle_core::cuda_backend::WrapErr;
 use candle_core::{bail, DType, Result, Tensor};
@@ -169,12 +168,13 @@ fn stack_addresses(
     Ok(addresses)
 }
 
-/// nvfp4 → `[rows, cols]` in `dtype`: compressed-tensors' values rounded to bf16 first, ModelOpt's
-/// kept in f32, as the references in quant/nvfp4.rs.
+/// nvfp4 → `[rows, cols]` in `dtype`: the fp8 scales divided by the per-tensor scale and each
+/// value rounded to bf16 (compressed-tensors), or with `multiplies` times it, kept in f32
+/// (ModelOpt), as the references in quant/nvfp4.rs.
 pub fn dequant_nvfp4(
     packed: &Tensor,
     scales: &Tensor,
-    per_tensor: Nvfp4PerTensor,
+    (per_tensor, multiplies): (f32, bool),
     (rows, cols): (usize, usize),
     dtype: DType,
 ) -> Result<Tensor> {
@@ -187,12 +187,9 @@ pub fn dequant_nvfp4(
                 let out = unsafe { dev.alloc::<T>(rows * cols) }?;
                 let (packed, scales) = (packed.slice(po..), scales.slice(so..));
                 let (r, c) = (rows as i32, cols as i32);
-                let (scale, multiplies) = match per_tensor {
-                    Nvfp4PerTensor::Divides(g) => (g, 0i32),
-                    Nvfp4PerTensor::Multiplies(m) => (m, 1i32),
-                };
+                let multiplies = i32::from(multiplies);
                 let mut b = func.builder();
-                b.arg(&packed).arg(&scales).arg(&scale).arg(&multiplies);
+                b.arg(&packed).arg(&scales).arg(&per_tensor).arg(&multiplies);
                 b.arg(&out).arg(&r).arg(&c);
                 // SAFETY: arguments match `dequant_nvfp4_*` (one thread per 16 weights).
                 unsafe { b.launch(grid_1d(rows * cols / 16)) }.w()?;
