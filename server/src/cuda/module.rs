@@ -43,6 +43,7 @@ kernel_modules! {
     MOE: "moe",
     NORM: "norm",
     SCORING: "scoring",
+    STORED_REFERENCE: "stored_reference",
 }
 
 impl KernelModule {

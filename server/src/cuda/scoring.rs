@@ -6,7 +6,7 @@ use candle_core::cuda_backend::cudarc::driver::PushKernelArg;
 use candle_core::cuda_backend::WrapErr;
 use candle_core::{bail, DType, Result, Tensor};
 
-use super::module::{kernel, SCORING};
+use super::module::{kernel, SCORING, STORED_REFERENCE};
 use super::{
     copy_to_host, grid_rows, kernel_name, rows_of_vectors, vector_kernel_name, with_slice, wrap,
 };
@@ -118,7 +118,8 @@ pub fn kld_rows(reference_logits: &Tensor, logits: &Tensor, targets: &[u32]) -> 
     }))
 }
 
-/// The largest stored-reference `k` the kernels take (their shared-memory lists).
+/// The largest stored-reference `k` the kernels (kernels/stored_reference.cu) take (their
+/// shared-memory lists).
 pub const STORED_MAX_K: usize = 4096;
 
 /// Per row of `logits` `[rows, vocab]`: its `k` best ids, their log-probabilities and the
@@ -136,7 +137,7 @@ pub fn reference_rows(logits: &Tensor, k: usize) -> Result<Vec<u32>> {
     let words = 2 * rows * k + rows;
     let name = kernel_name("reference_rows", logits.dtype());
     with_float_type!(logits.dtype(), T => with_slice::<T, _>(&logits, |ls, lo, dev| {
-        let func = kernel(dev, &SCORING, &name)?;
+        let func = kernel(dev, &STORED_REFERENCE, &name)?;
         // SAFETY: the kernel writes every word: k ids and log-probabilities a row, one tail.
         let out = unsafe { dev.alloc::<u32>(words.max(1)) }?;
         let (ids, lps, tails) = (out.slice(0..), out.slice(rows * k..), out.slice(2 * rows * k..));
@@ -178,7 +179,7 @@ pub fn served_tail_rows(
     let words = f64_words + 2 * rows;
     let name = kernel_name("served_tail_rows", logits.dtype());
     with_float_type!(logits.dtype(), T => with_slice::<T, _>(&logits, |ls, lo, dev| {
-        let func = kernel(dev, &SCORING, &name)?;
+        let func = kernel(dev, &STORED_REFERENCE, &name)?;
         let (ids, targets) = (dev.clone_htod(ids)?, dev.clone_htod(targets)?);
         let (mass, cap) = (dev.clone_htod(mass)?, dev.clone_htod(cap)?);
         // SAFETY: the kernel writes every word (the f64 vectors as two words each).
