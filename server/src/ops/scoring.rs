@@ -245,7 +245,7 @@ pub fn reference_rows(logits: &Tensor, k: usize) -> Result<Vec<ReferenceRow>> {
     Ok(rows.par_iter().map(|row| reference_row(row, k)).collect())
 }
 
-/// The rows of `reference_rows` in kernels/scoring.cu from its words: the ids and the
+/// The rows of `reference_rows` in kernels/stored_reference.cu from its words: the ids and the
 /// log-probabilities (`rows * k` each, f32 bits), then the tail's log-mass a row.
 fn decode_reference_words(words: &[u32], rows: usize, k: usize) -> Vec<ReferenceRow> {
     let (lps, tails) = (rows * k, 2 * rows * k);
@@ -261,7 +261,7 @@ fn decode_reference_words(words: &[u32], rows: usize, k: usize) -> Vec<Reference
         .collect()
 }
 
-/// The rows of `served_tail_rows` in kernels/scoring.cu from its words: three f64 vectors
+/// The rows of `served_tail_rows` in kernels/stored_reference.cu from its words: three f64 vectors
 /// (two words a value: the stored tokens' log q, `rows * k`; the tail's log-mass; the worst
 /// tail), then the log q(target) (f32 bits) and the argmax of each row.
 fn decode_served_tail_words(words: &[u32], rows: usize, k: usize) -> Vec<ServedTail> {
