@@ -266,13 +266,15 @@ __device__ void served_tail_rows(const T* logits, int vocab, const int32_t* ids,
         below = block_sum(below, s_sum);
         count = (int)block_sum((double)count, s_sum);
         const double at = lse - (double)key_value(threshold);
+        // No mass on a token adds nothing, even at q = 0 (an infinite surprise): 0 · ∞ is 0.
+        const auto times = [](double p, double s) { return p > 0.0 ? p * s : 0.0; };
         if (full < tokens) {
-            worst = row_cap * (below + (double)(full - count) * at) + rest * at;
+            worst = row_cap * (below + times((double)(full - count), at)) + times(rest, at);
         } else {
             // every tail token full: all of them, and the rounding's rest on the largest
             // surprise (the smallest logit)
-            const double all_tail = below + (double)(tokens - count) * at;
-            worst = row_cap * all_tail + rest * (lse - smallest);
+            const double all_tail = below + times((double)(tokens - count), at);
+            worst = row_cap * all_tail + times(rest, lse - smallest);
         }
     }
     if (tid == 0) {

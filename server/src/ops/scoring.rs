@@ -342,14 +342,17 @@ fn worst_tail(surprise: &mut [f64], budget: TailBudget) -> f64 {
     }
     let full = ((mass / cap).floor() as usize).min(surprise.len());
     let rest = (mass - full as f64 * cap).max(0.0);
+    // No mass on a token adds nothing, even where the served model gives it q = 0 (an
+    // infinite surprise): 0 · ∞ is 0 here, not NaN.
+    let rest_on = |s: f64| if rest > 0.0 { rest * s } else { 0.0 };
     let descending = |a: &f64, b: &f64| b.total_cmp(a);
     if full == surprise.len() {
         // Only through rounding of a mass that fills every token: the rest on the largest.
         let largest = surprise.iter().copied().fold(f64::NEG_INFINITY, f64::max);
-        return cap * surprise.iter().sum::<f64>() + rest * largest;
+        return cap * surprise.iter().sum::<f64>() + rest_on(largest);
     }
     surprise.select_nth_unstable_by(full, descending);
-    cap * surprise[..full].iter().sum::<f64>() + rest * surprise[full]
+    cap * surprise[..full].iter().sum::<f64>() + rest_on(surprise[full])
 }
 
 /// Per row of two states `[rows, hidden]` on one device: (Σ a·b, Σ a², Σ b², Σ (a − b)²),

@@ -837,7 +837,9 @@ fn check(fixtures: &Path, device: &Device, only: &[String]) -> Result<()> {
             ));
             }
             if has_act && dir.join("act_qdq_vectors.safetensors").exists() {
-                rows.push(qdq_row(&dir, variant, device)?);
+                let (row, exact) = qdq_row(&dir, variant, device)?;
+                failures += usize::from(!exact);
+                rows.push(row);
             }
             Ok(())
         };
@@ -882,7 +884,9 @@ fn check(fixtures: &Path, device: &Device, only: &[String]) -> Result<()> {
 fn gemm_f32_check(device: &Device) -> Result<bool> {
     use exactscore_server::ops::gemm::matmul_t_sequential_fma;
     let (mut reference_exact, mut invariant) = (true, true);
-    for (n, k) in [(200, 130), (257, 1000), (1024, 4096)] {
+    // (64, 2048) and (48, 130): the narrow kernel (a router's 64 experts), with and without
+    // float4 loads.
+    for (n, k) in [(200, 130), (257, 1000), (1024, 4096), (64, 2048), (48, 130)] {
         let x = Tensor::randn(0f32, 1.0, (300, k), device)?;
         let w = Tensor::randn(0f32, 1.0, (n, k), device)?;
         let all = exactscore_server::cuda::gemm::matmul_t_f32(&x, &w)?;
@@ -914,10 +918,16 @@ fn gemm_f32_check(device: &Device) -> Result<bool> {
     let ours = time(&|| exactscore_server::cuda::gemm::matmul_t_f32(&x, &w))?;
     let cublas = time(&|| x.matmul(&w.t()?))?;
     let tflops = |ms: f64| 2.0 * (m * n * k) as f64 / ms / 1e9;
+    // A DeepSeek-style f32 router over one window: 64 experts, hidden 2048.
+    let router = Tensor::randn(0f32, 1.0, (64, 2048), device)?;
+    let hidden = Tensor::randn(0f32, 1.0, (2048, 2048), device)?;
+    let router_ms = time(&|| exactscore_server::cuda::gemm::matmul_t_f32(&hidden, &router))?;
+    let router_cublas = time(&|| hidden.matmul(&router.t()?))?;
     println!(
         "| f32 GEMM kernel: = CPU reference bitwise {reference_exact}; rows alone = rows among \
          300, 1..=130 rows, bitwise {invariant}; [{m}, {k}] x [{n}, {k}]ᵀ: {ours:.2} ms \
-         ({:.1} TFLOP/s) vs cuBLAS {cublas:.2} ms ({:.1} TFLOP/s) |",
+         ({:.1} TFLOP/s) vs cuBLAS {cublas:.2} ms ({:.1} TFLOP/s); router [2048, 2048] x \
+         [64, 2048]ᵀ: {router_ms:.3} ms vs cuBLAS {router_cublas:.3} ms |",
         tflops(ours),
         tflops(cublas)
     );
@@ -1052,26 +1062,44 @@ fn linear_attention_check(device: &Device) -> Result<bool> {
     Ok(ok)
 }
 
-fn qdq_row(dir: &Path, variant: &str, device: &Device) -> Result<String> {
+/// The fixture's activation-QDQ vectors quantized on the device, bit for bit. The scheme is the
+/// one the checkpoint's first Linear emulates; an NVFP4 vector carries its own global scale.
+fn qdq_row(dir: &Path, variant: &str, device: &Device) -> Result<(String, bool)> {
     let v = candle_core::safetensors::load(dir.join("act_qdq_vectors.safetensors"), &Device::Cpu)?;
-    let mut exact = true;
-    for prefix in [
-        "model.layers.0.self_attn.q_proj",
-        "model.layers.1.mlp.down_proj",
-        "synthetic",
-    ] {
-        let qdq = match v.get(&format!("{prefix}.input_global_scale")) {
-            Some(g) => ActivationQdq::Nvfp4 {
+    let opts = options(
+        &Device::Cpu,
+        DType::F32,
+        ActivationQuantMode::Emulate,
+        512,
+        AttentionKernel::Materialized,
+    );
+    let model = Model::load(dir, &opts)?;
+    let scheme = model
+        .linears()
+        .iter()
+        .find_map(|(_, l)| l.activation().cloned())
+        .with_context(|| format!("{variant}: no Linear quantizes its activations"))?;
+    let mut prefixes: Vec<&str> = v.keys().filter_map(|k| k.strip_suffix(".input")).collect();
+    prefixes.sort_unstable();
+    let mut exact = !prefixes.is_empty();
+    for prefix in &prefixes {
+        let qdq = match (&scheme, v.get(&format!("{prefix}.input_global_scale"))) {
+            (ActivationQdq::Nvfp4 { .. }, Some(g)) => ActivationQdq::Nvfp4 {
                 global_scale: g.to_vec1::<f32>()?[0],
             },
-            None => ActivationQdq::Fp8PerToken,
+            (ActivationQdq::Nvfp4 { .. }, None) => bail!("{variant}: {prefix} has no global scale"),
+            (other, _) => other.clone(),
         };
         let input = v[&format!("{prefix}.input")].to_device(device)?;
         exact &= bits_equal(&qdq.apply(&input)?, &v[&format!("{prefix}.input_qdq")])?;
     }
-    Ok(format!(
-        "| {variant} activation QDQ on device vs vectors: bit-exact = {exact} |"
-    ))
+    let row = format!(
+        "| {variant} activation QDQ ({}) on device vs {} vectors: bit-exact = {exact} | {} |",
+        scheme.describe(),
+        prefixes.len(),
+        if exact { "ok" } else { "FAIL" }
+    );
+    Ok((row, exact))
 }
 
 // ---- speed ---------------------------------------------------------------------------------
