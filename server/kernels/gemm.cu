@@ -98,6 +98,77 @@ __device__ void matmul_t_f32(const float* __restrict__ x, const float* __restric
     }
 }
 
+// ---- the same sums for narrow outputs (a router: n = 64 experts) ------------------------------
+//
+// With n <= 64 the 128 x 128 tiles leave most of a block idle and give a 2048-row batch 16
+// blocks for 132 SMs. Here a block of 256 threads makes 16 x 64 outputs, 4 a thread (row ty,
+// columns tx*4..), k in steps of 32 through shared memory. Each output is the same fmaf chain over
+// k = 0, 1, ... from 0, so both kernels give the same bits and either may serve any shape.
+constexpr int NARROW_BM = 16, NARROW_BN = 64, NARROW_BK = 32;
+
+template <bool VEC4>
+__device__ void matmul_t_f32_narrow(const float* __restrict__ x, const float* __restrict__ w,
+                                    float* __restrict__ out, int m, int n, int k) {
+    __shared__ __align__(16) float xs[NARROW_BK][NARROW_BM];
+    __shared__ __align__(16) float ws[NARROW_BK][NARROW_BN + GEMM_PAD];
+    const int tid = threadIdx.x;
+    const long row0 = (long)blockIdx.y * NARROW_BM, col0 = (long)blockIdx.x * NARROW_BN;
+    const int ty = tid >> 4, tx = tid & 15;
+    // Loads: 8 threads a tile row, 4 k offsets each; x by threads 0..127, w's 64 rows in two
+    // halves by every thread.
+    const int load_r = tid >> 3, load_k = (tid & 7) * 4;
+    float acc[4] = {0.f, 0.f, 0.f, 0.f};
+    // The next step's values, loaded while the current step is multiplied.
+    float xv[4], wv[2][4];
+    const auto load = [&](int k0) {
+        if (load_r < NARROW_BM) gemm_load4<VEC4>(x, row0 + load_r, m, k0 + load_k, k, xv);
+#pragma unroll
+        for (int half = 0; half < 2; ++half)
+            gemm_load4<VEC4>(w, col0 + load_r + half * 32, n, k0 + load_k, k, wv[half]);
+    };
+    load(0);
+    for (int k0 = 0; k0 < k; k0 += NARROW_BK) {
+        if (load_r < NARROW_BM) {
+#pragma unroll
+            for (int i = 0; i < 4; ++i) xs[load_k + i][load_r] = xv[i];
+        }
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+#pragma unroll
+            for (int i = 0; i < 4; ++i) ws[load_k + i][load_r + half * 32] = wv[half][i];
+        }
+        __syncthreads();
+        if (k0 + NARROW_BK < k) load(k0 + NARROW_BK);
+#pragma unroll
+        for (int kk = 0; kk < NARROW_BK; ++kk) {
+            const float a = xs[kk][ty];
+            const float4 b = *reinterpret_cast<const float4*>(&ws[kk][tx * 4]);
+            acc[0] = fmaf(a, b.x, acc[0]);
+            acc[1] = fmaf(a, b.y, acc[1]);
+            acc[2] = fmaf(a, b.z, acc[2]);
+            acc[3] = fmaf(a, b.w, acc[3]);
+        }
+        __syncthreads();
+    }
+    const long r = row0 + ty;
+    if (r >= m) return;
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+        const long c = col0 + tx * 4 + j;
+        if (c < n) out[r * n + c] = acc[j];
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(GEMM_THREADS)
+    matmul_t_f32_narrow(const float* x, const float* w, float* o, int m, int n, int k) {
+    matmul_t_f32_narrow<false>(x, w, o, m, n, k);
+}
+
+extern "C" __global__ void __launch_bounds__(GEMM_THREADS)
+    matmul_t_f32_narrow_v4(const float* x, const float* w, float* o, int m, int n, int k) {
+    matmul_t_f32_narrow<true>(x, w, o, m, n, k);
+}
+
 extern "C" __global__ void __launch_bounds__(GEMM_THREADS, 2)
     matmul_t_f32(const float* x, const float* w, float* o, int m, int n, int k) {
     matmul_t_f32<false>(x, w, o, m, n, k);

@@ -71,12 +71,14 @@ __device__ void moe_topk(const T* logits, int experts, int k, int norm, uint32_t
 
 // A group-limited router (DeepSeek-V3/V2, GLM-4.5, Mistral 4) on its scores (sigmoid or softmax
 // of the logits, in f32, `[tokens, experts]`): the steps of ops::moe_route_grouped, which is its
-// CPU reference, one thread per token. `round`: 0 f32, 1 bf16, 2 f16 (the logits' dtype, which
-// every step is rounded to); `top_two`: a group scores the sum of its two best choice scores,
-// else its best; dropped groups' experts score `masked`. Orders are f32's total order (Rust's
-// total_cmp), ties to the lower index. A token with a NaN score gets the id `experts`
-// everywhere.
+// CPU reference, one warp per token (lane l holds experts l, l + 32, ...). `round`: 0 f32, 1 bf16,
+// 2 f16 (the logits' dtype, which every step is rounded to); `top_two`: a group scores the sum of
+// its two best choice scores, else its best; dropped groups' experts score `masked`. Orders are
+// f32's total order (Rust's total_cmp), ties to the lower index. A token with a NaN score gets
+// the id `experts` everywhere.
 constexpr int MOE_GROUPED_MAX_EXPERTS = 512;
+constexpr int MOE_GROUPED_PER_LANE = MOE_GROUPED_MAX_EXPERTS / 32;
+constexpr int MOE_GROUPED_WARPS = 4;  // warps (tokens) per block
 
 __device__ __forceinline__ float moe_round(float v, int round) {
     if (round == 1) return __bfloat162float(__float2bfloat16_rn(v));
@@ -84,85 +86,137 @@ __device__ __forceinline__ float moe_round(float v, int round) {
     return v;
 }
 
-// Rust's f32::total_cmp as an integer key: a < b in total order iff key(a) < key(b).
+// Rust's f32::total_cmp as an integer key: a < b in total order iff key(a) < key(b). Its own
+// inverse: the value of a key is __int_as_float(moe_total_key(key)) read back as bits.
 __device__ __forceinline__ int moe_total_key(float v) {
     int bits = __float_as_int(v);
     return bits ^ (int)(((unsigned)(bits >> 31)) >> 1);
 }
 
-extern "C" __global__ void moe_route_grouped(const float* scores, const float* bias, int tokens,
-                                             int experts, int k, int groups, int topk_group,
-                                             int norm, float scale, int top_two, float masked,
-                                             int round, uint32_t* ids, float* weights) {
-    const int t = blockIdx.x * blockDim.x + threadIdx.x;
-    if (t >= tokens) return;
-    const float* s = scores + (long)t * experts;
+__device__ __forceinline__ float moe_key_value(int key) {
+    return __int_as_float(key ^ (int)(((unsigned)(key >> 31)) >> 1));
+}
+
+// The warp's best (key, index): the larger key, the lower index on ties; index -1 is none.
+// Broadcast to every lane: a sequential scan in index order keeping strictly larger keys.
+__device__ __forceinline__ void warp_best(int& key, int& index) {
+    for (int o = 16; o > 0; o >>= 1) {
+        const int k2 = __shfl_xor_sync(0xffffffff, key, o);
+        const int i2 = __shfl_xor_sync(0xffffffff, index, o);
+        if (i2 >= 0 && (index < 0 || k2 > key || (k2 == key && i2 < index))) {
+            key = k2;
+            index = i2;
+        }
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(32 * MOE_GROUPED_WARPS)
+    moe_route_grouped(const float* scores, const float* bias, int tokens, int experts, int k,
+                      int groups, int topk_group, int norm, float scale, int top_two,
+                      float masked, int round, uint32_t* ids, float* weights) {
+    __shared__ float s_group[MOE_GROUPED_WARPS][MOE_GROUPED_MAX_EXPERTS];
+    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+    const long t = (long)blockIdx.x * MOE_GROUPED_WARPS + warp;
+    if (t >= tokens) return;  // the whole warp
+    const float* s = scores + t * experts;
     const int per_group = experts / groups;
+    // This lane's experts' choice scores, kept as total-order keys.
+    int choice[MOE_GROUPED_PER_LANE];
     bool nan = false;
-    for (int e = 0; e < experts; ++e) nan |= isnan(s[e]);
-    if (nan) {
-        for (int j = 0; j < k; ++j) {
-            ids[(long)t * k + j] = experts;
-            weights[(long)t * k + j] = NAN;
+#pragma unroll
+    for (int j = 0; j < MOE_GROUPED_PER_LANE; ++j) {
+        const int e = lane + 32 * j;
+        choice[j] = 0;
+        if (e < experts) {
+            nan |= isnan(s[e]);
+            choice[j] = moe_total_key(moe_round(s[e], round) + (bias ? bias[e] : 0.0f));
+        }
+    }
+    if (__any_sync(0xffffffff, nan)) {
+        for (int j = lane; j < k; j += 32) {
+            ids[t * k + j] = experts;
+            weights[t * k + j] = NAN;
         }
         return;
     }
-    // The choice scores, kept in total-order keys; the kept groups as a bit set.
-    int choice[MOE_GROUPED_MAX_EXPERTS];
-    for (int e = 0; e < experts; ++e)
-        choice[e] = moe_total_key(moe_round(s[e], round) + (bias ? bias[e] : 0.0f));
-    uint64_t kept[MOE_GROUPED_MAX_EXPERTS / 64] = {};
-    {
-        float group_score[MOE_GROUPED_MAX_EXPERTS];
-        for (int g = 0; g < groups; ++g) {
-            int best = INT_MIN, second = INT_MIN, best_e = -1;
-            for (int e = g * per_group; e < (g + 1) * per_group; ++e)
-                if (best_e < 0 || choice[e] > best) { best = choice[e]; best_e = e; }
-            for (int e = g * per_group; e < (g + 1) * per_group; ++e)
-                if (e != best_e && (second == INT_MIN || choice[e] > second)) second = choice[e];
-            const float b0 = moe_round(s[best_e], round) + (bias ? bias[best_e] : 0.0f);
-            float score = b0;
-            if (top_two) {
-                // the second best's value (the key is exact, so find the expert that holds it)
-                float b1 = b0;
-                for (int e = g * per_group; e < (g + 1) * per_group; ++e)
-                    if (e != best_e && choice[e] == second) {
-                        b1 = moe_round(s[e], round) + (bias ? bias[e] : 0.0f);
-                        break;
-                    }
-                score = moe_round(b0 + b1, round);
+    // Each group's score: its best choice score, plus (top_two) the next best.
+    for (int g = 0; g < groups; ++g) {
+        int best = 0, best_e = -1;
+#pragma unroll
+        for (int j = 0; j < MOE_GROUPED_PER_LANE; ++j) {
+            const int e = lane + 32 * j;
+            if (e < experts && e / per_group == g && (best_e < 0 || choice[j] > best)) {
+                best = choice[j];
+                best_e = e;
             }
-            group_score[g] = score;
         }
-        for (int j = 0; j < topk_group; ++j) {
-            int best = -1;
-            for (int g = 0; g < groups; ++g) {
-                if (kept[g / 64] >> (g % 64) & 1) continue;
-                if (best < 0 || moe_total_key(group_score[g]) > moe_total_key(group_score[best])) best = g;
+        warp_best(best, best_e);
+        const float b0 = moe_key_value(best);
+        float score = b0;
+        if (top_two) {
+            int second = 0, second_e = -1;
+#pragma unroll
+            for (int j = 0; j < MOE_GROUPED_PER_LANE; ++j) {
+                const int e = lane + 32 * j;
+                if (e < experts && e / per_group == g && e != best_e &&
+                    (second_e < 0 || choice[j] > second)) {
+                    second = choice[j];
+                    second_e = e;
+                }
             }
-            kept[best / 64] |= 1ull << (best % 64);
+            warp_best(second, second_e);
+            const float b1 = second_e < 0 ? b0 : moe_key_value(second);
+            score = moe_round(b0 + b1, round);
         }
+        if (lane == 0) s_group[warp][g] = score;
     }
+    __syncwarp();
+    // The kept groups (a bit set, the same in every lane).
+    uint64_t kept[MOE_GROUPED_MAX_EXPERTS / 64] = {};
+    for (int j = 0; j < topk_group; ++j) {
+        int best = 0, best_g = -1;
+        for (int g = lane; g < groups; g += 32) {
+            if (kept[g / 64] >> (g % 64) & 1) continue;
+            const int key = moe_total_key(s_group[warp][g]);
+            if (best_g < 0 || key > best) {
+                best = key;
+                best_g = g;
+            }
+        }
+        warp_best(best, best_g);
+        kept[best_g / 64] |= 1ull << (best_g % 64);
+    }
+    // The top k experts of the kept groups (the others at `masked`), best first.
     const int masked_key = moe_total_key(masked);
-    uint64_t taken[MOE_GROUPED_MAX_EXPERTS / 64] = {};
+    bool taken[MOE_GROUPED_PER_LANE] = {};
     float sum = 0.0f;
     for (int j = 0; j < k; ++j) {
-        int best = -1, best_key = 0;
-        for (int e = 0; e < experts; ++e) {
-            if (taken[e / 64] >> (e % 64) & 1) continue;
+        int best = 0, best_e = -1;
+#pragma unroll
+        for (int i = 0; i < MOE_GROUPED_PER_LANE; ++i) {
+            const int e = lane + 32 * i;
+            if (e >= experts || taken[i]) continue;
             const int g = e / per_group;
-            const int key = (kept[g / 64] >> (g % 64) & 1) ? choice[e] : masked_key;
-            if (best < 0 || key > best_key) { best = e; best_key = key; }
+            const int key = (kept[g / 64] >> (g % 64) & 1) ? choice[i] : masked_key;
+            if (best_e < 0 || key > best) {
+                best = key;
+                best_e = e;
+            }
         }
-        taken[best / 64] |= 1ull << (best % 64);
-        ids[(long)t * k + j] = best;
-        const float w = moe_round(s[best], round);
-        weights[(long)t * k + j] = w;
+        warp_best(best, best_e);
+#pragma unroll
+        for (int i = 0; i < MOE_GROUPED_PER_LANE; ++i) taken[i] |= lane + 32 * i == best_e;
+        const float w = moe_round(s[best_e], round);
+        if (lane == 0) {
+            ids[t * k + j] = best_e;
+            weights[t * k + j] = w;
+        }
         sum += w;
     }
+    if (lane != 0) return;
     const float denominator = norm ? moe_round(sum, round) + 1e-20f : 1.0f;
     for (int j = 0; j < k; ++j) {
-        float* w = &weights[(long)t * k + j];
+        float* w = &weights[t * k + j];
         *w = moe_round(moe_round(*w / denominator, round) * scale, round);
     }
 }

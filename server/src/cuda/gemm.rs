@@ -40,16 +40,20 @@ pub fn matmul_t_f32(x: &Tensor, w: &Tensor) -> Result<Tensor> {
     if m == 0 || n == 0 {
         return Tensor::zeros((m, n), DType::F32, x.device());
     }
-    // Tile sizes of the kernel: 128 x 128 outputs per block of 256 threads.
-    const TILE: usize = 128;
+    // Tiles (rows, columns) per block of 256 threads: 128 x 128, or 16 x 64 for outputs at
+    // most 64 wide (a router), which would leave most of a 128-wide tile idle. Both kernels
+    // sum each output in the same order: the choice changes no bit.
+    let narrow = n <= 64;
+    let (tile_m, tile_n) = if narrow { (16, 64) } else { (128, 128) };
     with_slice::<f32, _>(&x, |xs, xo, dev| {
         with_slice::<f32, _>(&w, |ws, wo, _| {
             // float4 loads: k and both start offsets multiples of 4 (16-byte aligned rows).
             let vec4 = k.is_multiple_of(4) && xo.is_multiple_of(4) && wo.is_multiple_of(4);
-            let name = if vec4 {
-                "matmul_t_f32_v4"
-            } else {
-                "matmul_t_f32"
+            let name = match (narrow, vec4) {
+                (false, true) => "matmul_t_f32_v4",
+                (false, false) => "matmul_t_f32",
+                (true, true) => "matmul_t_f32_narrow_v4",
+                (true, false) => "matmul_t_f32_narrow",
             };
             let func = kernel(dev, &GEMM, name)?;
             // SAFETY: the kernel writes every element.
@@ -59,11 +63,11 @@ pub fn matmul_t_f32(x: &Tensor, w: &Tensor) -> Result<Tensor> {
             let mut b = func.builder();
             b.arg(&xs).arg(&ws).arg(&out).arg(&m32).arg(&n32).arg(&k32);
             let config = LaunchConfig {
-                grid_dim: (n.div_ceil(TILE) as u32, m.div_ceil(TILE) as u32, 1),
+                grid_dim: (n.div_ceil(tile_n) as u32, m.div_ceil(tile_m) as u32, 1),
                 block_dim: (256, 1, 1),
                 shared_mem_bytes: 0,
             };
-            // SAFETY: arguments match `matmul_t_f32` / `matmul_t_f32_v4`; x holds m * k
+            // SAFETY: arguments match the four `matmul_t_f32*` kernels; x holds m * k
             // values, w n * k, out m * n.
             unsafe { b.launch(config) }.w()?;
             Ok(wrap(out, dev, (m, n)))

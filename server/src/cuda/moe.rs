@@ -109,14 +109,13 @@ pub fn moe_route_grouped(
             .arg(&round)
             .arg(&ids)
             .arg(&weights);
-        // Warps of their own: a token's thread loops over every expert, and a few thousand
-        // tokens in blocks of 256 would occupy a handful of SMs.
+        // A warp per token, MOE_GROUPED_WARPS (4) a block.
         let config = LaunchConfig {
-            grid_dim: (tokens.div_ceil(32).max(1) as u32, 1, 1),
-            block_dim: (32, 1, 1),
+            grid_dim: (tokens.div_ceil(4).max(1) as u32, 1, 1),
+            block_dim: (128, 1, 1),
             shared_mem_bytes: 0,
         };
-        // SAFETY: arguments match `moe_route_grouped` (a thread per token; the bias, where
+        // SAFETY: arguments match `moe_route_grouped` (a warp per token; the bias, where
         // given, [experts] f32 and alive for the launch: `bias` is held until it returns and
         // the stream orders its release).
         unsafe { b.launch(config) }.w()?;
