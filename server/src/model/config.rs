@@ -257,22 +257,43 @@ impl ModelConfig {
     /// size and the value size zero-padded to the smallest flash head size that holds both
     /// ([`crate::ops::flash_head_dim_holding`]; their own larger size where none does).
     pub fn attention_head_dim(&self) -> usize {
-        match &self.mla {
-            Some(mla) => {
-                let widest = self.head_dim.max(mla.v_head_dim);
-                crate::ops::flash_head_dim_holding(widest).unwrap_or(widest)
-            }
-            None => self.head_dim,
+        let padded = |dim: usize| crate::ops::flash_head_dim_holding(dim).unwrap_or(dim);
+        match (&self.mla, &self.gemma4) {
+            (Some(mla), _) => padded(self.head_dim.max(mla.v_head_dim)),
+            // Gemma 4: the sliding layers' heads; its wider global layers attend materialized
+            (None, Some(g)) => padded(g.sliding_head_dim),
+            (None, None) => self.head_dim,
         }
+    }
+
+    /// Whether the flash kernel of [`Self::attention_head_dim`], when chosen, serves a layer
+    /// with heads of `head_dim` (zero-padded to its size): every layer but Gemma 4's global ones
+    /// when their heads are wider (512) than the sliding layers'.
+    pub fn flash_serves_heads(&self, head_dim: usize) -> bool {
+        match &self.gemma4 {
+            Some(_) => {
+                crate::ops::flash_head_dim_holding(head_dim) == Some(self.attention_head_dim())
+            }
+            None => true,
+        }
+    }
+
+    /// Whether flash attention, when chosen, serves every decoder layer (no layer then
+    /// materializes its `[T, T]` scores: the memory plans ask this).
+    pub fn flash_serves_every_layer(&self) -> bool {
+        self.gemma4
+            .as_ref()
+            .is_none_or(|g| g.layers.iter().all(|l| self.flash_serves_heads(l.head_dim)))
     }
 
     /// Whether this architecture can attend through the flash kernel at all (it still needs a
     /// GPU, bf16/f16 and a head size the kernel has, `ops::flash_attention_available`): not
-    /// with soft-capped scores (Gemma 2: the kernel has no soft-cap), attention sinks (gpt-oss:
-    /// nor sinks) nor Gemma 4 (KV-shared layers and 512-wide global heads), which attend
-    /// materialized. The model's kernel choice and the memory plans both ask this.
+    /// with soft-capped scores (Gemma 2: the kernel has no soft-cap) nor attention sinks
+    /// (gpt-oss: nor sinks), which attend materialized. Gemma 4 attends flash in the layers
+    /// [`Self::flash_serves_heads`] admits. The model's kernel choice and the memory plans
+    /// both ask this.
     pub fn flash_attention_possible(&self) -> bool {
-        self.attn_logit_softcapping.is_none() && !self.attention_sinks && self.gemma4.is_none()
+        self.attn_logit_softcapping.is_none() && !self.attention_sinks
     }
 
     /// The config.json of the checkpoint directory `dir`; where it has no

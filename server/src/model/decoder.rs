@@ -553,14 +553,6 @@ impl Model {
                 ),
             ));
         }
-        if kernel == AttentionKernel::Flash && self.config.gemma4.is_some() {
-            return Err(LoadError::config(
-                "attention",
-                "Gemma 4's attention (KV-shared layers, 512-wide global heads) has no flash \
-                 path yet; use the materialized kernel (--attention materialized)"
-                    .to_string(),
-            ));
-        }
         if kernel == AttentionKernel::Flash && self.config.attention_sinks {
             return Err(LoadError::config(
                 "attention",

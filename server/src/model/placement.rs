@@ -109,6 +109,8 @@ impl ActivationBytes {
     ) -> Self {
         let s = dtype.size_in_bytes() as u64;
         let (t, h) = (tokens as u64, config.hidden_size as u64);
+        // Gemma 4's global layers attend materialized beside flash sliding layers.
+        let flash = flash && config.flash_serves_every_layer();
         // Gemma 4: the widest layer's heads and MLP, and the wider stream its layers hand on.
         let (q, kv, inter, width) = match &config.gemma4 {
             Some(g) => {

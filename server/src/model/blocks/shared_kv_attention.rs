@@ -1,11 +1,13 @@
 //! Gemma 4's attention: per-head RMSNorms of q, k and v (v's without a weight), unscaled
 //! scores, its own head size and key/value heads per layer, values that are the keys'
 //! projection (`attention_k_eq_v`), and layers that compute no keys or values but attend to
-//! those of an earlier layer (`num_kv_shared_layers`). The materialised path only: its heads
-//! (256 and 512) are wider than the flash kernel's.
+//! those of an earlier layer (`num_kv_shared_layers`). The layers whose heads fit the flash
+//! kernel (the sliding layers' 256, zero-padded where narrower) attend through it when the
+//! model attends flash; the wider global heads (512) attend materialized.
 
 use candle_core::{Result, Tensor};
 
+use super::attention::FlashIndex;
 use super::norm::{NormKind, RmsNorm};
 use super::BatchLayout;
 use crate::checkpoint::LoadError;
@@ -27,6 +29,9 @@ pub struct SharedKvAttention {
     num_kv_heads: usize,
     head_dim: usize,
     sliding_window: Option<usize>,
+    /// The flash kernel's head size when this layer's heads fit it (zero-padded to it), else
+    /// `None`: the layer attends materialized.
+    flash_head_dim: Option<usize>,
 }
 
 #[derive(Clone)]
@@ -78,6 +83,7 @@ impl SharedKvAttention {
             num_kv_heads: kv,
             head_dim: d,
             sliding_window: c.layer_window(layer),
+            flash_head_dim: c.flash_serves_heads(d).then(|| c.attention_head_dim()),
         })
     }
 
@@ -144,10 +150,65 @@ impl SharedKvAttention {
         let dev = x.device();
         let q = stage("qkv_proj", dev, || self.q_proj.forward(x))?;
         let q = self.head_norm(&q, &self.q_norm)?;
-        let out = stage("attention", dev, || {
-            self.attend_each_sequence(&q, kv, batch, rope)
-        })?;
+        let out = match (batch.flash(), self.flash_head_dim) {
+            (Some(index), Some(width)) => self.flash_attend(&q, kv, index, rope, width)?,
+            _ => stage("attention", dev, || {
+                self.attend_each_sequence(&q, kv, batch, rope)
+            })?,
+        };
         stage("o_proj", dev, || self.o_proj.forward(&out))
+    }
+
+    /// The whole batch through the flash kernel in the projections' `[tokens, heads, dim]`
+    /// layout, heads zero-padded to `width` (a padded head attends as the unpadded one: its dot
+    /// products gain exact zeros, its output zero columns), RoPE as the materialised path's
+    /// tables give it, scores unscaled; returns `[tokens, heads * head_dim]`.
+    fn flash_attend(
+        &self,
+        q: &Tensor,
+        kv: &KeyValues,
+        index: &FlashIndex,
+        rope: &RopeTables,
+        width: usize,
+    ) -> Result<Tensor> {
+        let (dev, tokens, d) = (q.device(), q.dims()[0], self.head_dim);
+        let split = |x: &Tensor, heads: usize| x.reshape((tokens, heads, d));
+        let pad = |x: Tensor| match width - d {
+            0 => Ok(x),
+            extra => x.pad_with_zeros(2, 0, extra),
+        };
+        let (cos, sin) = rope.tables();
+        let (q, k) = stage("rope", dev, || {
+            let rotate = |x: &Tensor, heads| {
+                pad(ops::rope_rotate_half(
+                    &split(x, heads)?,
+                    &index.positions,
+                    cos,
+                    sin,
+                )?)
+            };
+            Ok((
+                rotate(q, self.num_heads)?,
+                rotate(&kv.keys, self.num_kv_heads)?,
+            ))
+        })?;
+        let v = pad(split(&kv.values, self.num_kv_heads)?.contiguous()?)?;
+        let opts = ops::FlashOptions {
+            scale: 1.0,
+            window: self.sliding_window,
+            tiling: index.tiling,
+        };
+        let out = stage("attention", dev, || {
+            ops::flash_attention(&q, &k, &v, &index.starts, index.max_len, &opts)
+        })?;
+        match width - d {
+            0 => Ok(out),
+            _ => out
+                .reshape((tokens, self.num_heads, width))?
+                .narrow(2, 0, d)?
+                .contiguous()?
+                .reshape((tokens, self.num_heads * d)),
+        }
     }
 
     /// `[len, heads * head_dim]` → `[1, heads, len, head_dim]`, rotated where `rope` is given.

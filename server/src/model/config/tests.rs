@@ -208,22 +208,38 @@ fn math_changing_keys_are_refused_by_name() {
     }
 }
 
-/// Gemma 2 (soft-capped scores) and Gemma 4 attend materialized whatever the device: the
-/// model's kernel choice and the memory plans read one answer.
+/// Gemma 2 (soft-capped scores) attends materialized whatever the device: the model's kernel
+/// choice and the memory plans read one answer. Gemma 4 attends flash where its heads fit the
+/// kernel: the tiny fixtures' 32- and 64-wide heads in the 64-wide kernel, the release's
+/// 256-wide sliding heads, not its 512-wide global ones.
 #[test]
-fn flash_is_possible_except_for_soft_capped_scores_and_gemma4() {
+fn flash_is_possible_except_for_soft_capped_scores() {
     let fixtures = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures");
     for (fixture, possible) in [
         ("llama-w4a16-g128", true),
         ("deepseek_v3-w4a16-g32", true),
         ("gemma3-w4a16-g32", true),
         ("gemma2-w4a16-g32", false),
-        ("gemma4-w4a16-g32", false),
-        ("gemma4_moe-w4a16-g32", false),
+        ("gemma4-w4a16-g32", true),
+        ("gemma4_moe-w4a16-g32", true),
     ] {
         let config = ModelConfig::from_dir(&fixtures.join(fixture)).unwrap();
         assert_eq!(config.flash_attention_possible(), possible, "{fixture}");
     }
+    let tiny = ModelConfig::from_dir(&fixtures.join("gemma4-w4a16-g32")).unwrap();
+    assert_eq!(tiny.attention_head_dim(), 64);
+    assert!(tiny.flash_serves_every_layer());
+    let mut released: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(fixtures.join("gemma4-w4a16-g32/config.json")).unwrap(),
+    )
+    .unwrap();
+    released["head_dim"] = 256.into();
+    released["global_head_dim"] = 512.into();
+    released.as_object_mut().unwrap().remove("per_layer_config");
+    let released = ModelConfig::from_json(&released.to_string()).unwrap();
+    assert_eq!(released.attention_head_dim(), 256);
+    assert!(released.flash_serves_heads(256) && !released.flash_serves_heads(512));
+    assert!(!released.flash_serves_every_layer());
 }
 
 /// Qwen2/Qwen3 with `use_sliding_window`: only the layers `layer_types` names slide (else
