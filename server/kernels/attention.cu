@@ -41,6 +41,21 @@ __device__ void causal_softmax(const float* scores, T* out, int t, float scale, 
         dst[j] = from_f32<T>((j >= lo && j <= i) ? expf(src[j] * scale - m) / sum : 0.0f);
 }
 
+// ---- soft-capping: cap * tanh(x / cap) (Gemma's logits and attention scores) -----------------
+//
+// One pass for candle's three (ops/attention.rs: soft_cap): x * mul + 0 with mul = 1 / cap as
+// the dtype holds it, tanh, * cap, each rounded to the dtype as candle's kernels round them.
+template <typename T>
+__device__ void soft_cap(const T* x, T* out, long n, float mul, float cap) {
+    const auto round = [](float v) { return to_f32(from_f32<T>(v)); };
+    for (long i = (long)blockIdx.x * blockDim.x + threadIdx.x; i < n;
+         i += (long)gridDim.x * blockDim.x) {
+        const float scaled = round(fmaf(to_f32(x[i]), mul, 0.0f));
+        const float t = round(tanhf(scaled));
+        out[i] = from_f32<T>(fmaf(t, cap, 0.0f));
+    }
+}
+
 // ---- RoPE ------------------------------------------------------------------------------------
 
 // transformers' `x * cos + rotate_half(x) * sin` with every product and the sum rounded to T,
@@ -311,3 +326,11 @@ FLASH_ENTRIES(f16, __half)
 CAUSAL_SOFTMAX_ENTRIES(f32, float)
 CAUSAL_SOFTMAX_ENTRIES(bf16, __nv_bfloat16)
 CAUSAL_SOFTMAX_ENTRIES(f16, __half)
+
+#define SOFT_CAP_ENTRY(SUFFIX, T)                                                                  \
+    extern "C" __global__ void soft_cap_##SUFFIX(const T* x, T* o, long n, float mul, float cap) { \
+        soft_cap<T>(x, o, n, mul, cap);                                                            \
+    }
+SOFT_CAP_ENTRY(f32, float)
+SOFT_CAP_ENTRY(bf16, __nv_bfloat16)
+SOFT_CAP_ENTRY(f16, __half)

@@ -273,3 +273,32 @@ pub fn causal_softmax(
         })
     })
 }
+
+/// `cap · tanh(x / cap)` in one pass, rounded as candle's `(x / cap).tanh() * cap` rounds it:
+/// `mul` and `cap` are `1 / cap` and `cap` as the dtype holds them (candle's affine takes
+/// `T::from_f64`).
+pub fn soft_cap(x: &Tensor, cap: f64) -> Result<Tensor> {
+    let x = x.contiguous()?;
+    let n = x.elem_count();
+    let as_dtype = |v: f64| -> f32 {
+        match x.dtype() {
+            DType::BF16 => half::bf16::from_f64(v).to_f32(),
+            DType::F16 => half::f16::from_f64(v).to_f32(),
+            _ => v as f32,
+        }
+    };
+    let (mul, cap) = (as_dtype(1.0 / cap), as_dtype(cap));
+    let name = kernel_name("soft_cap", x.dtype());
+    with_float_type!(x.dtype(), T => with_slice::<T, _>(&x, |xs, xo, dev| {
+        let func = kernel(dev, &ATTENTION, &name)?;
+        // SAFETY: the kernel writes every element.
+        let out = unsafe { dev.alloc::<T>(n) }?;
+        let xs = xs.slice(xo..);
+        let n64 = n as i64;
+        let mut b = func.builder();
+        b.arg(&xs).arg(&out).arg(&n64).arg(&mul).arg(&cap);
+        // SAFETY: arguments match `soft_cap_*` (a grid-stride loop over n elements).
+        unsafe { b.launch(grid_1d(n.min(1 << 22))) }.w()?;
+        Ok(wrap(out, dev, x.dims()))
+    }))
+}

@@ -10,6 +10,7 @@ super::gpu_entry_points!(attention {
     fn matmul_tf32(a: &Tensor, b: &Tensor) -> Result<Tensor>;
     fn causal_softmax(scores: &Tensor, scale: f32, window: Option<usize>, dtype: DType) -> Result<Tensor>;
     fn rope_rotate_half(x: &Tensor, positions: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor>;
+    fn soft_cap(x: &Tensor, cap: f64) -> Result<Tensor>;
     fn mla_flash_inputs(
         q: &Tensor,
         kv: &Tensor,
@@ -248,6 +249,15 @@ pub fn causal_mask_rows(
 
 /// `cap * tanh(x / cap)` (Gemma's soft-capping), in `x`'s dtype.
 pub fn soft_cap(x: &Tensor, cap: f64) -> Result<Tensor> {
+    if x.device().is_cuda() {
+        // one pass instead of three over a logits chunk (Gemma 4: 4 % of a window's time)
+        return gpu::soft_cap(x, cap);
+    }
+    soft_cap_composed(x, cap)
+}
+
+/// [`soft_cap`] as candle's three ops (the CPU's, and the GPU kernel's reference in `check`).
+pub fn soft_cap_composed(x: &Tensor, cap: f64) -> Result<Tensor> {
     (x / cap)?.tanh()? * cap
 }
 

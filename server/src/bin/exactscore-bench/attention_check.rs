@@ -156,6 +156,36 @@ pub fn run(device: &Device) -> Result<()> {
         reference.len(),
         if same { "ok" } else { "FAIL" }
     );
+    // Soft-capping in one kernel against candle's three ops on the same device, bitwise:
+    // logits of Gemma's range and beyond the cap, zeros of both signs, ±∞.
+    let mut values: Vec<f32> = (0..1 << 16)
+        .map(|i| (i as f32 - 32768.0) * 0.0031)
+        .collect();
+    values.extend([0.0, -0.0, f32::INFINITY, f32::NEG_INFINITY, 1e-30, -1e-30]);
+    let x = Tensor::new(values.as_slice(), device)?;
+    let mut soft_cap_same = Vec::new();
+    for (dtype, cap) in [(DType::F32, 30.0), (DType::BF16, 30.0), (DType::BF16, 50.0)] {
+        let x = x.to_dtype(dtype)?;
+        let fused = host_f32(&exactscore_server::ops::soft_cap(&x, cap)?)?;
+        let composed = host_f32(&exactscore_server::ops::soft_cap_composed(&x, cap)?)?;
+        let differ = fused
+            .iter()
+            .zip(&composed)
+            .filter(|(a, b)| a.to_bits() != b.to_bits())
+            .count();
+        soft_cap_same.push(format!("{dtype:?} cap {cap}: {differ} differ"));
+        failures += usize::from(differ > 0);
+    }
+    println!(
+        "| soft-cap kernel vs candle's three ops, bitwise over {} values: {} | | | {} |",
+        values.len(),
+        soft_cap_same.join(", "),
+        if soft_cap_same.iter().all(|s| s.contains(": 0 differ")) {
+            "ok"
+        } else {
+            "FAIL"
+        }
+    );
     if failures > 0 {
         bail!("{failures} flash-attention check(s) failed");
     }
