@@ -184,6 +184,8 @@ struct Router {
     /// `[hidden]`, in the compute dtype.
     scale: Tensor,
     per_expert_scale: Vec<f32>,
+    /// The same, f32 on the model's device (routing there).
+    per_expert_scale_on_device: Tensor,
     norm: RmsNorm,
     top_k: usize,
     hidden: usize,
@@ -203,9 +205,11 @@ impl Router {
             )?
             .to_dtype(DType::F32)?
             .to_vec1::<f32>()?;
+        let device = &vb.options().device;
         Ok(Self {
             proj: vb.get("proj.weight", &[m.num_experts, h])?,
             scale: vb.get("scale", &[h])?,
+            per_expert_scale_on_device: Tensor::new(per_expert_scale.as_slice(), device)?,
             per_expert_scale,
             norm: RmsNorm::unit(h, c.rms_norm_eps, &vb.options().device)?,
             top_k: m.top_k,
@@ -213,14 +217,26 @@ impl Router {
         })
     }
 
-    fn route(&self, x: &Tensor) -> Result<ops::TopExperts> {
+    fn logits(&self, x: &Tensor) -> Result<Tensor> {
         let normed = self.norm.forward(x, None)?.broadcast_mul(&self.scale)?;
         let scaled = (normed * (self.hidden as f64).powf(-0.5))?;
-        let mut top = ops::moe_route(&ops::matmul_t(&scaled, &self.proj)?, self.top_k, true)?;
+        ops::matmul_t(&scaled, &self.proj)
+    }
+
+    fn route(&self, x: &Tensor) -> Result<ops::TopExperts> {
+        let mut top = ops::moe_route(&self.logits(x)?, self.top_k, true)?;
         for (w, &e) in top.weights.iter_mut().zip(&top.experts) {
             *w *= self.per_expert_scale[e as usize];
         }
         Ok(top)
+    }
+
+    /// [`Self::route`] left on the GPU: ids and f32 weights `[tokens · k]`, the weights times
+    /// their experts' scales there (the same f32 products).
+    fn route_on_device(&self, x: &Tensor) -> Result<(Tensor, Tensor)> {
+        let (ids, weights) = ops::moe_route_on_device(&self.logits(x)?, self.top_k, true)?;
+        let scales = self.per_expert_scale_on_device.index_select(&ids, 0)?;
+        Ok((ids, (weights * scales)?))
     }
 }
 
@@ -273,13 +289,23 @@ impl MoeBranch {
         routes: Option<&mut Vec<Route>>,
     ) -> Result<Tensor> {
         let dev = x.device();
-        let top = stage("router", dev, || self.router.route(x))?;
         let normed = stage("norm", dev, || {
             self.pre_feedforward_layernorm_2.forward(x, None)
         })?;
-        let experts = self
-            .experts
-            .forward_routed(&normed, top, x.zeros_like()?, routes)?;
+        // Routed on the device where the experts' rows can be planned there, with no host
+        // round trip; on the host where the routes are recorded.
+        let experts = match routes.is_none() && self.experts.experts_plan_on_device(&normed)? {
+            true => {
+                let (ids, weights) = stage("router", dev, || self.router.route_on_device(x))?;
+                self.experts
+                    .forward_routed_on_device(&normed, &ids, &weights, x.zeros_like()?)?
+            }
+            false => {
+                let top = stage("router", dev, || self.router.route(x))?;
+                self.experts
+                    .forward_routed(&normed, top, x.zeros_like()?, routes)?
+            }
+        };
         stage("norm", dev, || {
             self.post_feedforward_layernorm_1.forward(dense, None)?
                 + self.post_feedforward_layernorm_2.forward(&experts, None)?

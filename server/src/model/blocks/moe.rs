@@ -276,8 +276,15 @@ impl Moe {
     /// ([`Self::experts_planned_on_device`]): the block's own router, and experts stacked in one
     /// int4 GEMM that takes each expert's own row count, which then never has to reach the host.
     fn plans_on_device(&self, x: &Tensor) -> Result<bool> {
+        Ok(self.router.is_some() && self.experts_plan_on_device(x)?)
+    }
+
+    /// Whether the experts' rows can stay on the GPU whoever routes them (a model's own router
+    /// then calls [`Self::forward_routed_on_device`]): experts stacked in one int4 GEMM that
+    /// takes each expert's own row count.
+    pub fn experts_plan_on_device(&self, x: &Tensor) -> Result<bool> {
         let allowed = DEVICE_PLANS.load(Ordering::Relaxed);
-        if !(allowed && self.router.is_some() && ops::stacks_experts(x) && self.stackable) {
+        if !(allowed && ops::stacks_experts(x) && self.stackable) {
             return Ok(false);
         }
         let all: Vec<&Mlp> = self.experts.iter().collect();
@@ -294,7 +301,6 @@ impl Moe {
         let Some(router) = &self.router else {
             candle_core::bail!("this mixture is routed by its decoder layer");
         };
-        let experts = self.experts.len();
         let norm = self.cfg.norm_topk_prob;
         let (ids, weights) = stage("router", dev, || match self.cfg.router.grouped(k, norm) {
             Some(routing) => {
@@ -303,6 +309,27 @@ impl Moe {
             }
             None => ops::moe_route_on_device(&self.router_logits(x, router)?, k, norm),
         })?;
+        self.experts_on_device(x, &ids, &weights)
+    }
+
+    /// [`Self::forward`] with the experts chosen on the device by the model's own router: `ids`
+    /// and `weights` `[tokens · k]` as [`ops::moe_route_on_device`] gives them. Only where
+    /// [`Self::experts_plan_on_device`].
+    pub fn forward_routed_on_device(
+        &self,
+        x: &Tensor,
+        ids: &Tensor,
+        weights: &Tensor,
+        residual: Tensor,
+    ) -> Result<Tensor> {
+        let combined = self.experts_on_device(x, ids, weights)?;
+        self.combine(x, combined, residual)
+    }
+
+    /// The experts' rows laid out and multiplied on the device from the router's choice there.
+    fn experts_on_device(&self, x: &Tensor, ids: &Tensor, weights: &Tensor) -> Result<Combined> {
+        let (dev, k) = (x.device(), self.cfg.experts_per_token);
+        let experts = self.experts.len();
         // 64-row tiles where an expert's rows are expected to fit one (a tile decodes its
         // weights once; rows past it take another tile either way).
         let tile_rows = match x.dims()[0] * k / experts.max(1) <= 32 {
@@ -310,7 +337,7 @@ impl Moe {
             false => 128,
         };
         let plan = stage("experts", dev, || {
-            ops::moe_plan(&ids, &weights, k, experts, tile_rows)
+            ops::moe_plan(ids, weights, k, experts, tile_rows)
         })?;
         if profile::enabled() {
             let offsets = plan.offsets.to_vec1::<i64>()?;
