@@ -138,49 +138,18 @@ fn the_gap_shrinks_as_k_grows() {
 fn a_zero_probability_tail_token_is_infinite_only_where_mass_can_fall_on_it() {
     use exactscore_server::ops::TailBudget;
     let model = [2.0f32, 1.0, 0.5, f32::NEG_INFINITY];
-    let stored = [0u32];
+    // The worst tail of `logits` with token 0 stored, for a tail of `mass` in caps of `cap`.
+    let worst = |logits: &[f32], mass: f64, cap: f64| {
+        served_tail_row(logits, &[0], 0, TailBudget { mass, cap }).worst_tail
+    };
     // Three tail tokens, caps of a third: every token full, nothing rests.
-    let full = served_tail_row(
-        &model,
-        &stored,
-        0,
-        TailBudget {
-            mass: 0.3,
-            cap: 0.1,
-        },
-    );
-    assert_eq!(full.worst_tail, f64::INFINITY);
+    assert_eq!(worst(&model, 0.3, 0.1), f64::INFINITY);
     // The cap fits the mass exactly once: the −∞ token takes it all, the rest is zero.
-    let once = served_tail_row(
-        &model,
-        &stored,
-        0,
-        TailBudget {
-            mass: 0.25,
-            cap: 0.25,
-        },
-    );
-    assert_eq!(once.worst_tail, f64::INFINITY);
+    assert_eq!(worst(&model, 0.25, 0.25), f64::INFINITY);
     // Without the −∞ token, rest 0 on the next: a finite number, not NaN.
-    let finite = served_tail_row(
-        &model[..3],
-        &stored,
-        0,
-        TailBudget {
-            mass: 0.2,
-            cap: 0.1,
-        },
-    );
-    assert!(finite.worst_tail.is_finite(), "{}", finite.worst_tail);
-    // Every token full with the −∞ one among them, nothing resting on the largest surprise.
-    let all = served_tail_row(
-        &model,
-        &stored,
-        0,
-        TailBudget {
-            mass: 0.75,
-            cap: 0.25,
-        },
-    );
-    assert!(!all.worst_tail.is_nan());
+    let finite = worst(&model[..3], 0.2, 0.1);
+    assert!(finite.is_finite(), "{finite}");
+    // Every token full with the −∞ one among them, nothing resting on the largest surprise
+    // (0 · ∞ gave NaN here).
+    assert!(!worst(&model, 0.75, 0.25).is_nan());
 }

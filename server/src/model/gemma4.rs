@@ -184,7 +184,9 @@ struct Router {
     /// `[hidden]`, in the compute dtype.
     scale: Tensor,
     per_expert_scale: Vec<f32>,
-    /// The same, f32 on the model's device (routing there).
+    /// The same as a column `[experts + 1, 1]` of f32 on the model's device (routing there),
+    /// its last row NaN: the id `experts` is what the device router gives a token whose scores
+    /// were NaN, and the gather reads every id it is given.
     per_expert_scale_on_device: Tensor,
     norm: RmsNorm,
     top_k: usize,
@@ -209,7 +211,13 @@ impl Router {
         Ok(Self {
             proj: vb.get("proj.weight", &[m.num_experts, h])?,
             scale: vb.get("scale", &[h])?,
-            per_expert_scale_on_device: Tensor::new(per_expert_scale.as_slice(), device)?,
+            per_expert_scale_on_device: Tensor::new(
+                [per_expert_scale.as_slice(), &[f32::NAN]]
+                    .concat()
+                    .as_slice(),
+                device,
+            )?
+            .reshape((m.num_experts + 1, 1))?,
             per_expert_scale,
             norm: RmsNorm::unit(h, c.rms_norm_eps, &vb.options().device)?,
             top_k: m.top_k,
@@ -235,7 +243,8 @@ impl Router {
     /// their experts' scales there (the same f32 products).
     fn route_on_device(&self, x: &Tensor) -> Result<(Tensor, Tensor)> {
         let (ids, weights) = ops::moe_route_on_device(&self.logits(x)?, self.top_k, true)?;
-        let scales = self.per_expert_scale_on_device.index_select(&ids, 0)?;
+        let scales = ops::gather_rows(&self.per_expert_scale_on_device, &ids)?;
+        let scales = scales.reshape(weights.shape())?;
         Ok((ids, (weights * scales)?))
     }
 }
