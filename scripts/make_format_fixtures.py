@@ -1084,6 +1084,73 @@ def make_modelopt_fp8(name):
                             "(fp8_static_qdq)", hooks))
 
 
+def make_modelopt_mixed(name):
+    """ModelOpt `quant_algo: MIXED_PRECISION` (the per-module map NVIDIA's mixed exports
+    write, vLLM's ModelOptMixedPrecisionConfig): layer 0's attention FP8 and its MLP NVFP4;
+    layer 1's attention left out of `quantized_layers` (unquantized, bf16), its gate/up NVFP4
+    and its down_proj FP8. Each module packed as make_modelopt_nvfp4 / make_modelopt_fp8
+    pack it (fused layers share their scales); config.json's spelling."""
+    cfg, dense = tiny_config(), tiny_dense()
+    lins = linear_names(dense)
+    amax_in = input_amax(dense, cfg, lins)
+    algos = {}
+    for layer, (attention, gate_up, down) in enumerate([("FP8", "NVFP4", "NVFP4"),
+                                                         (None, "NVFP4", "FP8")]):
+        for fused, algo in zip(FUSED, [attention, gate_up, attention, down]):
+            for f in fused:
+                algos[f"model.layers.{layer}.{f}"] = algo
+    listed = {n for n, a in algos.items() if a}
+    tensors = base_tensors(dense, listed)
+    deq, nvfp4_scales, fp8_scales = {}, {}, {}
+    for layer in range(cfg["num_hidden_layers"]):
+        for fused in FUSED:
+            names = [f"model.layers.{layer}.{f}" for f in fused]
+            algo = algos[names[0]]
+            if algo is None:
+                continue
+            ws = {n: dense[n + ".weight"].float() for n in names}
+            amax_w = max(w.abs().amax() for w in ws.values())
+            amax_x = max(amax_in[n] for n in names)
+            for n in names:
+                if algo == "NVFP4":
+                    scale_2 = (amax_w / (6.0 * 448.0)).float()
+                    in_scale = (amax_x / (6.0 * 448.0)).float()
+                    packed, sc = modelopt_nvfp4_quantize(ws[n], scale_2)
+                    tensors[f"{n}.weight"] = packed
+                    tensors[f"{n}.weight_scale"] = sc
+                    tensors[f"{n}.weight_scale_2"] = scale_2.reshape(()).clone()
+                    deq[n] = modelopt_nvfp4_dequantize(packed, sc, scale_2)
+                    nvfp4_scales[n] = in_scale
+                else:
+                    w_scale = (amax_w / 448.0).float()
+                    in_scale = (amax_x / 448.0).float()
+                    q = (ws[n] / w_scale).clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
+                    tensors[f"{n}.weight"] = q
+                    tensors[f"{n}.weight_scale"] = w_scale.reshape(()).clone()
+                    deq[n] = (q.float() * w_scale).numpy()
+                    fp8_scales[n] = in_scale
+                tensors[f"{n}.input_scale"] = in_scale.reshape(()).clone()
+
+    def hooks(model):
+        nvfp4_act_hooks(nvfp4_scales)(model)
+        for n, sc in fp8_scales.items():
+            model.get_submodule(n).register_forward_pre_hook(
+                lambda _m, a, sc=sc: (fp8_static_qdq(a[0], sc),))
+    quantized_layers = {n: ({"quant_algo": "NVFP4", "group_size": 16} if a == "NVFP4"
+                            else {"quant_algo": "FP8"})
+                        for n, a in sorted(algos.items()) if a}
+    qconfig = {"quant_method": "modelopt", "quant_algo": "MIXED_PRECISION",
+               "quantized_layers": quantized_layers, "ignore": ["lm_head"],
+               "kv_cache_scheme": None, "producer": {"name": "modelopt", "version": "0.29.0"}}
+    write_variant(name, qconfig, tensors, deq,
+                  "per module, the format's dequantization of its quant_algo (NVFP4: e2m1 * "
+                  "(f32(weight_scale) * weight_scale_2); FP8: f32(weight) * weight_scale); the "
+                  "modules not listed stay bf16",
+                  config=cfg, dense=dense,
+                  emulated=("per module: NVFP4 activation fake-quant against 1 / input_scale, "
+                            "FP8 static fake-quant with input_scale", hooks))
+
+
 # KV-cache quantization (compressed-tensors `kv_cache_scheme`): W4A16 weights and fp8 e4m3 K/V
 # scales calibrated by llm-compressor on the reference sequences, on a tiny base with two KV
 # heads (per-head scales differ) and sharp attention. The emulated reference is transformers with vLLM's
@@ -1242,6 +1309,8 @@ def main():
         make_modelopt_nvfp4("llama-modelopt-nvfp4")
     if not only or "llama-modelopt-fp8" in only:
         make_modelopt_fp8("llama-modelopt-fp8")
+    if not only or "llama-modelopt-mixed" in only:
+        make_modelopt_mixed("llama-modelopt-mixed")
     for name, (sym, fmt) in AUTOROUND_VARIANTS.items():
         if not only or name in only:
             make_autoround(name, sym, fmt)

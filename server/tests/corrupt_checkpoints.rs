@@ -546,6 +546,7 @@ const FP8: &str = "llama-fp8-block";
 const W8A8: &str = "llama-w8a8-int8";
 const MODELOPT: &str = "llama-modelopt-nvfp4";
 const MODELOPT_FP8: &str = "llama-modelopt-fp8";
+const MODELOPT_MIXED: &str = "llama-modelopt-mixed";
 const KV_HEAD: &str = "llama-kv-fp8-head";
 
 fn malformed_checkpoints() -> Vec<Malformed> {
@@ -1195,6 +1196,29 @@ fn malformed_checkpoints() -> Vec<Malformed> {
             &[
                 "quantization_config.quantization.kv_cache_quant_algo",
                 "FP8",
+            ],
+        ),
+        (
+            MODELOPT_MIXED,
+            "a module listed as FP8 that holds NVFP4 codes",
+            |_| {},
+            |c| {
+                c["quantization_config"]["quantized_layers"]["model.layers.0.mlp.down_proj"] =
+                    json!({"quant_algo": "FP8"})
+            },
+            &["model.layers.0.mlp.down_proj.weight"],
+        ),
+        (
+            MODELOPT_MIXED,
+            "an unimplemented algorithm among the listed modules",
+            |_| {},
+            |c| {
+                c["quantization_config"]["quantized_layers"]["model.layers.1.mlp.up_proj"] =
+                    json!({"quant_algo": "W4A16_NVFP4", "group_size": 16})
+            },
+            &[
+                "quantization_config.quantized_layers.model.layers.1.mlp.up_proj.quant_algo",
+                "W4A16_NVFP4",
             ],
         ),
         (

@@ -636,6 +636,53 @@ fn modelopt_fp8_emulated_activations_match_the_reference() {
     assert!(max <= 1e-4, "max |Δlogprob| {max:e} > 1e-4");
 }
 
+const MODELOPT_MIXED: &str = "llama-modelopt-mixed";
+
+/// ModelOpt MIXED_PRECISION (`quantized_layers`: layer 0's attention FP8 and MLP NVFP4, layer
+/// 1's attention unlisted, its gate/up NVFP4 and down_proj FP8): each module read as its own
+/// algorithm, the unlisted ones dense, per token against transformers on the format's
+/// dequantization.
+#[test]
+fn modelopt_mixed_precision_reads_each_module_as_listed() {
+    assert_weights_only_matches(MODELOPT_MIXED);
+    let model = load(MODELOPT_MIXED, ActivationQuantMode::Emulate);
+    let described: std::collections::BTreeMap<String, String> = model
+        .linears()
+        .iter()
+        .map(|(name, l)| (name.clone(), l.weight().describe()))
+        .collect();
+    let of = |name: &str| described[name].as_str();
+    assert_eq!(
+        of("model.layers.0.self_attn.q_proj"),
+        "modelopt fp8 e4m3 tensor"
+    );
+    assert!(
+        of("model.layers.0.mlp.down_proj").contains("nvfp4"),
+        "{described:?}"
+    );
+    assert!(
+        !of("model.layers.1.self_attn.q_proj").contains("modelopt"),
+        "{described:?}"
+    );
+    assert_eq!(
+        of("model.layers.1.mlp.down_proj"),
+        "modelopt fp8 e4m3 tensor"
+    );
+    assert!(
+        of("model.layers.1.mlp.up_proj").contains("nvfp4"),
+        "{described:?}"
+    );
+}
+
+/// `--activation-quant emulate`: each quantized module's activations as its algorithm has them
+/// (NVFP4 against 1 / input_scale, FP8 static), none on the dense modules; off misses that
+/// reference by far more.
+#[test]
+fn modelopt_mixed_precision_emulated_activations_match_the_reference() {
+    let emulated = &reference(MODELOPT_MIXED)["reference_emulated"];
+    assert_emulation_matters(MODELOPT_MIXED, emulated, 5.0);
+}
+
 /// `variant` loaded in f32 on the CPU with the KV-cache options `kv`.
 fn load_kv(variant: &str, quant: KvCacheQuant, dtype: KvCacheDtype) -> Model {
     let mut opts = options(candle_core::DType::F32, ActivationQuantMode::Emulate);

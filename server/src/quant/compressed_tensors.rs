@@ -648,18 +648,44 @@ impl QuantizationConfig {
         })
     }
 
-    /// A ModelOpt config as one group: every Linear but the excluded modules.
+    /// A ModelOpt config as one group (every Linear but the excluded modules) or, for
+    /// MIXED_PRECISION, its listed modules in order, each covering the modules under it.
     fn modelopt(raw: &Value) -> Result<Self, LoadError> {
+        use super::modelopt::ModeloptLayers;
         let cfg = super::modelopt::parse_config(raw)?;
+        let (groups, ordered) = match cfg.layers {
+            ModeloptLayers::All(scheme) => (
+                vec![Group {
+                    name: scheme.group.clone(),
+                    targets: vec![Target::Class("Linear".into())],
+                    scheme,
+                }],
+                Vec::new(),
+            ),
+            ModeloptLayers::Listed(layers) => {
+                let ordered = layers
+                    .into_iter()
+                    .map(|(name, scheme)| {
+                        // a mixture's `….experts` entry covers every expert's projections
+                        let under = match name.ends_with("experts") {
+                            true => "(?:\\..*)?",
+                            false => "",
+                        };
+                        let pattern = format!("^{}{under}$", regex::escape(&name));
+                        let regex = Regex::new(&pattern).map_err(|e| {
+                            LoadError::config("quantization_config.quantized_layers", e.to_string())
+                        })?;
+                        Ok((regex, Some(scheme)))
+                    })
+                    .collect::<Result<_, LoadError>>()?;
+                (Vec::new(), ordered)
+            }
+        };
         Ok(Self {
-            groups: vec![Group {
-                name: cfg.scheme.group.clone(),
-                targets: vec![Target::Class("Linear".into())],
-                scheme: cfg.scheme,
-            }],
+            groups,
             ignore: cfg.excluded.into_iter().map(Target::Regex).collect(),
             kv_cache: None,
-            ordered: Vec::new(),
+            ordered,
             native_mxfp4: false,
         })
     }

@@ -28,12 +28,23 @@ pub const GROUP: usize = 16;
 
 const ROOT: &str = "quantization_config";
 
-/// The one scheme of a ModelOpt config and the modules it leaves unquantized.
+/// The schemes of a ModelOpt config and the modules it leaves unquantized.
 pub struct ModeloptConfig {
-    pub scheme: LayerScheme,
+    pub layers: ModeloptLayers,
     /// `exclude_modules` / `ignore`, each matched as vLLM matches it: a shell wildcard over
     /// the whole module name, or a substring of it.
     pub excluded: Vec<Regex>,
+}
+
+/// Which Linears a ModelOpt config quantizes, and how.
+pub enum ModeloptLayers {
+    /// `quant_algo` NVFP4 or FP8: every Linear not excluded.
+    All(LayerScheme),
+    /// `quant_algo: MIXED_PRECISION`: the modules `quantized_layers` names, each with its own
+    /// algorithm (a `….experts` entry, vLLM's fused-mixture prefix, covers every expert's
+    /// projections), the most specific name first; the others stay unquantized, as vLLM's
+    /// `ModelOptMixedPrecisionConfig` reads them.
+    Listed(Vec<(String, LayerScheme)>),
 }
 
 /// Parses a ModelOpt config (either spelling); refuses every algorithm and option that is not
@@ -49,20 +60,7 @@ pub fn parse_config(raw: &Value) -> Result<ModeloptConfig, LoadError> {
     let algo = get("quant_algo")
         .and_then(Value::as_str)
         .ok_or_else(|| LoadError::config(field("quant_algo"), "missing or not a string"))?;
-    let format = match algo.to_ascii_uppercase().as_str() {
-        "NVFP4" => Format::ModeloptNvfp4,
-        "FP8" => Format::ModeloptFp8,
-        _ => {
-            return Err(LoadError::config(
-                field("quant_algo"),
-                format!(
-                    "`{algo}` is not supported (NVFP4, FP8; W4A16_NVFP4, \
-                     FP8_PER_CHANNEL_PER_TOKEN, FP8_PB_WO, MXFP8 and MIXED_PRECISION are not \
-                     implemented)"
-                ),
-            ))
-        }
-    };
+    let mixed = algo.eq_ignore_ascii_case("MIXED_PRECISION");
     if let Some(v) = get("kv_cache_quant_algo") {
         return Err(LoadError::config(
             field("kv_cache_quant_algo"),
@@ -74,16 +72,6 @@ pub fn parse_config(raw: &Value) -> Result<ModeloptConfig, LoadError> {
             field("kv_cache_scheme"),
             format!("{v}: KV-cache quantization is not supported"),
         ));
-    }
-    match get("group_size") {
-        None => {}
-        Some(v) if v.as_u64() == Some(GROUP as u64) && format == Format::ModeloptNvfp4 => {}
-        Some(v) => {
-            return Err(LoadError::config(
-                field("group_size"),
-                format!("{v} is not supported (NVFP4's block is {GROUP}; FP8 has none)"),
-            ))
-        }
     }
     if let Some(v) = get("nvfp4_embed").filter(|v| v.as_bool() != Some(false)) {
         return Err(LoadError::config(
@@ -108,6 +96,68 @@ pub fn parse_config(raw: &Value) -> Result<ModeloptConfig, LoadError> {
                 .collect::<Result<_, _>>()?
         }
     };
+    let layers = match mixed {
+        false => ModeloptLayers::All(layer_scheme(algo, get("group_size"), &field)?),
+        true => {
+            let listed = get("quantized_layers")
+                .and_then(Value::as_object)
+                .ok_or_else(|| {
+                    LoadError::config(
+                        field("quantized_layers"),
+                        "MIXED_PRECISION needs a map of module names to their quant_algo",
+                    )
+                })?;
+            let mut layers = listed
+                .iter()
+                .map(|(name, entry)| {
+                    let at = |f: &str| field(&format!("quantized_layers.{name}.{f}"));
+                    let algo = entry
+                        .get("quant_algo")
+                        .and_then(Value::as_str)
+                        .ok_or_else(|| LoadError::config(at("quant_algo"), "missing"))?;
+                    let group = entry.get("group_size").filter(|v| !v.is_null());
+                    Ok((name.clone(), layer_scheme(algo, group, &at)?))
+                })
+                .collect::<Result<Vec<_>, LoadError>>()?;
+            // the most specific name decides
+            layers.sort_by(|a, b| b.0.len().cmp(&a.0.len()).then(a.0.cmp(&b.0)));
+            ModeloptLayers::Listed(layers)
+        }
+    };
+    Ok(ModeloptConfig { layers, excluded })
+}
+
+/// The scheme of one `quant_algo` (NVFP4 or FP8) and its `group_size`; `field(key)` names
+/// the config key in errors.
+fn layer_scheme(
+    algo: &str,
+    group_size: Option<&Value>,
+    field: &dyn Fn(&str) -> String,
+) -> Result<LayerScheme, LoadError> {
+    let format = match algo.to_ascii_uppercase().as_str() {
+        "NVFP4" => Format::ModeloptNvfp4,
+        "FP8" => Format::ModeloptFp8,
+        _ => {
+            return Err(LoadError::config(
+                field("quant_algo"),
+                format!(
+                    "`{algo}` is not supported (NVFP4, FP8, and MIXED_PRECISION of them; \
+                     W4A16_NVFP4, FP8_PER_CHANNEL_PER_TOKEN, FP8_PB_WO and MXFP8 are not \
+                     implemented)"
+                ),
+            ))
+        }
+    };
+    match group_size {
+        None => {}
+        Some(v) if v.as_u64() == Some(GROUP as u64) && format == Format::ModeloptNvfp4 => {}
+        Some(v) => {
+            return Err(LoadError::config(
+                field("group_size"),
+                format!("{v} is not supported (NVFP4's block is {GROUP}; FP8 has none)"),
+            ))
+        }
+    }
     let fp4 = |dynamic| QuantArgs {
         num_bits: 4,
         kind: QuantType::Float,
@@ -131,14 +181,11 @@ pub fn parse_config(raw: &Value) -> Result<ModeloptConfig, LoadError> {
         Format::ModeloptNvfp4 => (fp4(false), fp4(true)),
         _ => (fp8.clone(), fp8),
     };
-    Ok(ModeloptConfig {
-        scheme: LayerScheme {
-            group: "modelopt".into(),
-            format,
-            weights,
-            input_activations: Some(input_activations),
-        },
-        excluded,
+    Ok(LayerScheme {
+        group: "modelopt".into(),
+        format,
+        weights,
+        input_activations: Some(input_activations),
     })
 }
 
@@ -185,8 +232,56 @@ mod tests {
             assert!(excluded("model.layers.1.mlp.up_proj"));
             assert!(excluded("model.layers.12.mlp.up_proj"));
             assert!(!excluded("model.layers.0.mlp.up_proj"));
-            assert_eq!(cfg.scheme.format, Format::ModeloptNvfp4);
+            let ModeloptLayers::All(scheme) = cfg.layers else {
+                panic!("one scheme for every Linear");
+            };
+            assert_eq!(scheme.format, Format::ModeloptNvfp4);
         }
+    }
+
+    /// MIXED_PRECISION: each listed module its own algorithm, the most specific name first; a
+    /// listed algorithm or group size that is not implemented is refused naming its module.
+    #[test]
+    fn mixed_precision_lists_modules_by_specificity_and_refuses_by_module() {
+        let raw = json!({"quant_method": "modelopt", "quant_algo": "MIXED_PRECISION",
+            "quantized_layers": {
+                "model.layers.0.mlp.experts": {"quant_algo": "NVFP4", "group_size": 16},
+                "model.layers.0.self_attn.q_proj": {"quant_algo": "FP8"}},
+            "ignore": ["lm_head"]});
+        let cfg = parse_config(&raw).unwrap();
+        let ModeloptLayers::Listed(layers) = cfg.layers else {
+            panic!("a list of modules");
+        };
+        let listed: Vec<(&str, Format)> =
+            layers.iter().map(|(n, s)| (n.as_str(), s.format)).collect();
+        assert_eq!(
+            listed,
+            [
+                ("model.layers.0.self_attn.q_proj", Format::ModeloptFp8),
+                ("model.layers.0.mlp.experts", Format::ModeloptNvfp4),
+            ]
+        );
+        for (entry, needle) in [
+            (
+                json!({"quant_algo": "W4A16_NVFP4"}),
+                "quantized_layers.m.quant_algo",
+            ),
+            (
+                json!({"quant_algo": "NVFP4", "group_size": 32}),
+                "quantized_layers.m.group_size",
+            ),
+            (json!({"group_size": 16}), "quantized_layers.m.quant_algo"),
+        ] {
+            let raw = json!({"quant_method": "modelopt", "quant_algo": "MIXED_PRECISION",
+                             "quantized_layers": {"m": entry}});
+            let e = parse_config(&raw).err().unwrap().to_string();
+            assert!(e.contains(needle), "{e} lacks {needle}");
+        }
+        let e = parse_config(&json!({"quant_method": "modelopt", "quant_algo": "MIXED_PRECISION"}))
+            .err()
+            .unwrap()
+            .to_string();
+        assert!(e.contains("quantization_config.quantized_layers"), "{e}");
     }
 
     #[test]

@@ -623,6 +623,7 @@ const CHECKED: &[&str] = &[
     "llama-w8a8-int8",
     "llama-modelopt-nvfp4",
     "llama-modelopt-fp8",
+    "llama-modelopt-mixed",
     // an fp8 KV-cache scheme, per tensor and per KV head (emulated: the default)
     "llama-kv-fp8-tensor",
     "llama-kv-fp8-head",
