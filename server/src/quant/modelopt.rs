@@ -119,12 +119,54 @@ pub fn parse_config(raw: &Value) -> Result<ModeloptConfig, LoadError> {
                     Ok((name.clone(), layer_scheme(algo, group, &at)?))
                 })
                 .collect::<Result<Vec<_>, LoadError>>()?;
+            refuse_split_fused_layers(&layers, &field)?;
             // the most specific name decides
             layers.sort_by(|a, b| b.0.len().cmp(&a.0.len()).then(a.0.cmp(&b.0)));
             ModeloptLayers::Listed(layers)
         }
     };
     Ok(ModeloptConfig { layers, excluded })
+}
+
+/// The projections vLLM fuses into one layer (`qkv_proj`, `gate_up_proj`, MLA's
+/// `fused_qkv_a_proj`), whose listed algorithms must agree: vLLM refuses a checkpoint whose
+/// shards of one fused layer differ, so it is not served and has no scores to reproduce.
+const FUSED_SHARDS: [&[&str]; 3] = [
+    &["q_proj", "k_proj", "v_proj"],
+    &["gate_proj", "up_proj"],
+    &["q_a_proj", "kv_a_proj_with_mqa"],
+];
+
+fn refuse_split_fused_layers(
+    layers: &[(String, LayerScheme)],
+    field: &dyn Fn(&str) -> String,
+) -> Result<(), LoadError> {
+    let format_of = |name: &str| {
+        layers
+            .iter()
+            .find(|(n, _)| n == name)
+            .map(|(_, s)| s.format)
+    };
+    for (name, scheme) in layers {
+        let Some((base, leaf)) = name.rsplit_once('.') else {
+            continue;
+        };
+        let Some(shards) = FUSED_SHARDS.iter().find(|s| s.contains(&leaf)) else {
+            continue;
+        };
+        for sibling in shards.iter().map(|s| format!("{base}.{s}")) {
+            if format_of(&sibling).is_some_and(|f| f != scheme.format) {
+                return Err(LoadError::config(
+                    field(&format!("quantized_layers.{name}.quant_algo")),
+                    format!(
+                        "differs from `{sibling}`'s: vLLM fuses them into one layer and refuses \
+                         shards of different algorithms"
+                    ),
+                ));
+            }
+        }
+    }
+    Ok(())
 }
 
 /// The scheme of one `quant_algo` (NVFP4 or FP8) and its `group_size`; `field(key)` names
@@ -240,7 +282,8 @@ mod tests {
     }
 
     /// MIXED_PRECISION: each listed module its own algorithm, the most specific name first; a
-    /// listed algorithm or group size that is not implemented is refused naming its module.
+    /// listed algorithm or group size that is not implemented, and shards of one fused layer
+    /// listed with different algorithms, are refused naming the module.
     #[test]
     fn mixed_precision_lists_modules_by_specificity_and_refuses_by_module() {
         let raw = json!({"quant_method": "modelopt", "quant_algo": "MIXED_PRECISION",
@@ -277,6 +320,15 @@ mod tests {
             let e = parse_config(&raw).err().unwrap().to_string();
             assert!(e.contains(needle), "{e} lacks {needle}");
         }
+        let split = json!({"quant_method": "modelopt", "quant_algo": "MIXED_PRECISION",
+            "quantized_layers": {"l.self_attn.q_proj": {"quant_algo": "FP8"},
+                                 "l.self_attn.k_proj": {"quant_algo": "NVFP4", "group_size": 16},
+                                 "l.mlp.gate_proj": {"quant_algo": "FP8"}}});
+        let e = parse_config(&split).err().unwrap().to_string();
+        assert!(
+            e.contains("quantized_layers.l.self_attn.") && e.contains("differs"),
+            "{e}"
+        );
         let e = parse_config(&json!({"quant_method": "modelopt", "quant_algo": "MIXED_PRECISION"}))
             .err()
             .unwrap()
