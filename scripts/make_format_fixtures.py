@@ -1045,6 +1045,15 @@ def fp8_static_qdq(x, scale):
     return (q * scale).to(x.dtype)
 
 
+def fp8_static_hooks(input_scales):
+    """Each listed Linear's input through `fp8_static_qdq` with its `input_scale`."""
+    def register(model):
+        for n, sc in input_scales.items():
+            model.get_submodule(n).register_forward_pre_hook(
+                lambda _m, a, sc=sc: (fp8_static_qdq(a[0], sc),))
+    return register
+
+
 def make_modelopt_fp8(name):
     """ModelOpt FP8 (`quant_algo: FP8`) as its export lays it out (packed from the format):
     per Linear `weight` F8_E4M3, `weight_scale` F32 [] = amax / 448, `input_scale` F32 [] =
@@ -1069,10 +1078,6 @@ def make_modelopt_fp8(name):
                 deq[n] = (q.float() * w_scale).numpy()
                 input_scales[n] = in_scale
 
-    def hooks(model):
-        for n, sc in input_scales.items():
-            model.get_submodule(n).register_forward_pre_hook(
-                lambda _m, a, sc=sc: (fp8_static_qdq(a[0], sc),))
     qconfig = {"quant_method": "modelopt", "quant_algo": "FP8", "ignore": ["lm_head"],
                "kv_cache_scheme": None,
                "producer": {"name": "modelopt", "version": "0.29.0"}}
@@ -1081,7 +1086,7 @@ def make_modelopt_fp8(name):
                   "vLLM's ModelOptFp8LinearMethod",
                   config=cfg, dense=dense,
                   emulated=("FP8 static per-tensor activation fake-quant with input_scale "
-                            "(fp8_static_qdq)", hooks))
+                            "(fp8_static_qdq)", fp8_static_hooks(input_scales)))
 
 
 def make_modelopt_mixed(name):
@@ -1133,9 +1138,7 @@ def make_modelopt_mixed(name):
 
     def hooks(model):
         nvfp4_act_hooks(nvfp4_scales)(model)
-        for n, sc in fp8_scales.items():
-            model.get_submodule(n).register_forward_pre_hook(
-                lambda _m, a, sc=sc: (fp8_static_qdq(a[0], sc),))
+        fp8_static_hooks(fp8_scales)(model)
     quantized_layers = {n: ({"quant_algo": "NVFP4", "group_size": 16} if a == "NVFP4"
                             else {"quant_algo": "FP8"})
                         for n, a in sorted(algos.items()) if a}

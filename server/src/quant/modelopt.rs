@@ -141,12 +141,9 @@ fn refuse_split_fused_layers(
     layers: &[(String, LayerScheme)],
     field: &dyn Fn(&str) -> String,
 ) -> Result<(), LoadError> {
-    let format_of = |name: &str| {
-        layers
-            .iter()
-            .find(|(n, _)| n == name)
-            .map(|(_, s)| s.format)
-    };
+    // a map, not a scan per entry: a large mixture lists tens of thousands of expert modules
+    let formats: std::collections::HashMap<&str, Format> =
+        layers.iter().map(|(n, s)| (n.as_str(), s.format)).collect();
     for (name, scheme) in layers {
         let Some((base, leaf)) = name.rsplit_once('.') else {
             continue;
@@ -155,7 +152,10 @@ fn refuse_split_fused_layers(
             continue;
         };
         for sibling in shards.iter().map(|s| format!("{base}.{s}")) {
-            if format_of(&sibling).is_some_and(|f| f != scheme.format) {
+            if formats
+                .get(sibling.as_str())
+                .is_some_and(|&f| f != scheme.format)
+            {
                 return Err(LoadError::config(
                     field(&format!("quantized_layers.{name}.quant_algo")),
                     format!(

@@ -673,11 +673,19 @@ fn check(fixtures: &Path, device: &Device, only: &[String]) -> Result<()> {
             } else {
                 &[ActivationQuantMode::Emulate]
             };
+            // The activation QDQ the emulated CPU model applies (the QDQ vectors' scheme).
+            let mut emulated_qdq = None;
             for &act in modes {
                 let load = |device: &Device, dtype, attention| {
                     Model::load(&dir, &options(device, dtype, act, 512, attention))
                 };
                 let cpu = load(&Device::Cpu, DType::F32, AttentionKernel::Materialized)?;
+                if act == ActivationQuantMode::Emulate {
+                    emulated_qdq = cpu
+                        .linears()
+                        .iter()
+                        .find_map(|(_, l)| l.activation().cloned());
+                }
                 let gpu32 = load(device, DType::F32, AttentionKernel::Materialized)?;
                 let gpu16 = load(device, DType::BF16, AttentionKernel::Materialized)?;
                 let flash16 = match flash {
@@ -838,7 +846,9 @@ fn check(fixtures: &Path, device: &Device, only: &[String]) -> Result<()> {
             ));
             }
             if has_act && dir.join("act_qdq_vectors.safetensors").exists() {
-                let (row, exact) = qdq_row(&dir, variant, device)?;
+                let scheme = emulated_qdq
+                    .with_context(|| format!("{variant}: no Linear quantizes its activations"))?;
+                let (row, exact) = qdq_row(&dir, variant, &scheme, device)?;
                 failures += usize::from(!exact);
                 rows.push(row);
             }
@@ -1063,28 +1073,20 @@ fn linear_attention_check(device: &Device) -> Result<bool> {
     Ok(ok)
 }
 
-/// The fixture's activation-QDQ vectors quantized on the device, bit for bit. The scheme is the
-/// one the checkpoint's first Linear emulates; an NVFP4 vector carries its own global scale.
-fn qdq_row(dir: &Path, variant: &str, device: &Device) -> Result<(String, bool)> {
+/// The fixture's activation-QDQ vectors quantized on the device by `scheme` (the checkpoint's
+/// emulated QDQ), bit for bit; an NVFP4 vector carries its own global scale.
+fn qdq_row(
+    dir: &Path,
+    variant: &str,
+    scheme: &ActivationQdq,
+    device: &Device,
+) -> Result<(String, bool)> {
     let v = candle_core::safetensors::load(dir.join("act_qdq_vectors.safetensors"), &Device::Cpu)?;
-    let opts = options(
-        &Device::Cpu,
-        DType::F32,
-        ActivationQuantMode::Emulate,
-        512,
-        AttentionKernel::Materialized,
-    );
-    let model = Model::load(dir, &opts)?;
-    let scheme = model
-        .linears()
-        .iter()
-        .find_map(|(_, l)| l.activation().cloned())
-        .with_context(|| format!("{variant}: no Linear quantizes its activations"))?;
     let mut prefixes: Vec<&str> = v.keys().filter_map(|k| k.strip_suffix(".input")).collect();
     prefixes.sort_unstable();
     let mut exact = !prefixes.is_empty();
     for prefix in &prefixes {
-        let qdq = match (&scheme, v.get(&format!("{prefix}.input_global_scale"))) {
+        let qdq = match (scheme, v.get(&format!("{prefix}.input_global_scale"))) {
             (ActivationQdq::Nvfp4 { .. }, Some(g)) => ActivationQdq::Nvfp4 {
                 global_scale: g.to_vec1::<f32>()?[0],
             },
