@@ -37,3 +37,15 @@ __device__ __forceinline__ float round_to_grid(float x, int min_exp, int mant) {
 }
 
 __device__ __forceinline__ float bf16_round(float v) { return __bfloat162float(__float2bfloat16_rn(v)); }
+
+// The e4m3fn byte of a value already on the e4m3 grid (round_to_grid(x, -6, 3) of x clamped to
+// ±448): exact, by moving the f32 exponent and top three mantissa bits (ops/minifloat.rs:
+// fp8_e4m3_from_grid). Subnormals (below 2^-6) are multiples of 2^-9.
+__device__ __forceinline__ uint8_t fp8_e4m3_from_grid(float v) {
+    uint32_t bits = __float_as_uint(v);
+    uint32_t sign = (bits >> 24) & 0x80;
+    float mag = fabsf(v);
+    if (mag < 0.015625f) return (uint8_t)(sign | (uint32_t)(mag * 512.0f));
+    uint32_t exp = ((bits >> 23) & 0xFF) - 120;  // (e - 127) + 7
+    return (uint8_t)(sign | (exp << 3) | ((bits >> 20) & 7));
+}

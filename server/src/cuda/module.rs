@@ -38,6 +38,7 @@ kernel_modules! {
     ATTENTION_SM90: "attention_sm90",
     DEQUANT: "dequant",
     EMBEDDING: "embedding",
+    FP8_GEMM: "fp8_gemm",
     GEMM: "gemm",
     LINEAR_ATTENTION: "linear_attention",
     MOE: "moe",

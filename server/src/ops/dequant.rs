@@ -133,13 +133,7 @@ impl ActivationQdq {
     /// QDQ of one token's activations, in place.
     pub fn qdq_row(&self, row: &mut [f32]) {
         match *self {
-            Self::Fp8PerToken => {
-                let mut scale = absmax(row) / FP8_E4M3_MAX;
-                if scale == 0.0 {
-                    scale = MIN_SCALE;
-                }
-                qdq_fp8(row, scale);
-            }
+            Self::Fp8PerToken => qdq_fp8(row, fp8_token_scale(row)),
             Self::Fp8Static { scale } => qdq_fp8(row, scale),
             Self::Fp8PerTokenGroup {
                 group,
@@ -171,6 +165,16 @@ impl ActivationQdq {
 /// (a set mantissa carries into the exponent).
 pub fn ceil_power_of_two(s: f32) -> f32 {
     f32::from_bits((s.to_bits() + 0x007f_ffff) & 0xff80_0000)
+}
+
+/// The per-token fp8 scale of a row: absmax / 448, or f32 epsilon for a row of zeros.
+pub fn fp8_token_scale(row: &[f32]) -> f32 {
+    let scale = absmax(row) / FP8_E4M3_MAX;
+    if scale == 0.0 {
+        MIN_SCALE
+    } else {
+        scale
+    }
 }
 
 /// `max(|min(min x, 0)|, |max(max x, 0)|)`.

@@ -25,6 +25,20 @@ pub fn round_to_fp8_e4m3(x: f32) -> f32 {
     round_to_grid(x, -6, 3)
 }
 
+/// The e4m3fn byte of a value already on the e4m3 grid ([`round_to_fp8_e4m3`] of a value within
+/// ±448): exact, by moving the f32 exponent and top three mantissa bits (subnormals, below
+/// 2^-6, are multiples of 2^-9). The inverse of [`fp8_e4m3_to_f32`] on that grid.
+pub fn fp8_e4m3_from_grid(v: f32) -> u8 {
+    let bits = v.to_bits();
+    let sign = ((bits >> 24) & 0x80) as u8;
+    let magnitude = v.abs();
+    if magnitude < 0.015625 {
+        return sign | (magnitude * 512.0) as u8;
+    }
+    let exp = ((bits >> 23) & 0xFF) - 120; // (e - 127) + 7
+    sign | (exp << 3) as u8 | ((bits >> 20) & 7) as u8
+}
+
 /// fp4 e2m1 magnitudes indexed by the low three bits of a code.
 pub const FP4_E2M1_VALUES: [f32; 8] = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0];
 
@@ -63,6 +77,17 @@ pub fn bf16_round(x: f32) -> f32 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn fp8_encode_inverts_decode_on_the_grid() {
+        for byte in 0..=255u8 {
+            let v = fp8_e4m3_to_f32(byte);
+            if v.is_nan() {
+                continue;
+            }
+            assert_eq!(fp8_e4m3_from_grid(v), byte, "{v}");
+        }
+    }
 
     #[test]
     fn fp8_decode_known_values() {

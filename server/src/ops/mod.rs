@@ -12,6 +12,7 @@
 pub mod attention;
 pub mod dequant;
 pub mod embedding;
+pub mod fp8_gemm;
 pub mod gemm;
 pub mod linear_attention;
 pub mod minifloat;
@@ -22,6 +23,7 @@ pub mod scoring;
 pub use attention::*;
 pub use dequant::*;
 pub use embedding::*;
+pub use fp8_gemm::*;
 pub use gemm::*;
 pub use linear_attention::*;
 pub use moe::*;

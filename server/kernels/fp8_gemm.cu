@@ -1,0 +1,81 @@
+// The fp8 tensor-core GEMM family (ops/fp8_gemm.rs, cuda/fp8_gemm.rs): a Linear's input
+// quantized to e4m3 codes with one f32 scale per row, for cuBLASLt's fp8 GEMM, which multiplies
+// the codes exactly, sums in f32 and applies the row and column scales. The codes are the ones
+// the activation QDQ (qdq.cuh) rounds to, so `code * scale` is the QDQ'd value bit for bit.
+#include "qdq.cuh"
+
+// The e4m3 codes of 8 values, as fp8_qdq_row computes them up to the multiplication by the
+// scale, packed little-endian.
+template <typename V>
+__device__ __forceinline__ uint2 fp8_codes8(const V& v, float scale) {
+    uint32_t word[2] = {0, 0};
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+        float q = fminf(fmaxf(to_f32(v.v[j]) / scale + 0.0f, -448.0f), 448.0f);
+        word[j / 4] |= (uint32_t)fp8_e4m3_from_grid(round_to_grid(q, -6, 3)) << (8 * (j % 4));
+    }
+    return make_uint2(word[0], word[1]);
+}
+
+// A lane's UNROLL vectors of 8 values of a row at base, base + 256, ..., those below k.
+template <typename V, int UNROLL, typename T>
+__device__ __forceinline__ void load_vectors(V (&v)[UNROLL], const T* row, int base, int k) {
+#pragma unroll
+    for (int u = 0; u < UNROLL; ++u) {
+        const int i = base + u * 32 * 8;
+        if (i < k) v[u] = *reinterpret_cast<const V*>(row + i);
+    }
+}
+
+// One warp per row of k values (k % 8 == 0), eight rows per block of 256 threads;
+// `static_scale` > 0 replaces the dynamic per-token scale (absmax / 448, reduced across the
+// warp: the max does not depend on the order, so this is fp8_token_scale's value). Writes
+// codes[row, :] and scales[row]. The row is read twice, the second time mostly from cache; each
+// lane keeps UNROLL 16-byte loads in flight.
+template <typename T>
+__device__ void quantize_fp8_rows(const T* x, uint8_t* codes, float* scales, int m, int k,
+                                  float static_scale) {
+    constexpr int VEC = 8, UNROLL = 4;
+    using V = Pack<T, VEC>;
+    const int lane = threadIdx.x % 32;
+    const long r = (long)blockIdx.x * 8 + threadIdx.x / 32;
+    if (r >= m) return;
+    const T* row = x + r * k;
+    uint8_t* out = codes + r * k;
+    float scale = static_scale;
+    if (scale <= 0.0f) {
+        float amax = 0.0f;
+        for (int base = lane * VEC; base < k; base += 32 * VEC * UNROLL) {
+            V v[UNROLL];
+            load_vectors(v, row, base, k);
+#pragma unroll
+            for (int u = 0; u < UNROLL; ++u) {
+                if (base + u * 32 * VEC >= k) break;
+#pragma unroll
+                for (int j = 0; j < VEC; ++j) amax = fmaxf(amax, fabsf(to_f32(v[u].v[j])));
+            }
+        }
+        for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffff, amax, o));
+        scale = amax / 448.0f;
+        if (scale == 0.0f) scale = 1.1920929e-07f;
+    }
+    for (int base = lane * VEC; base < k; base += 32 * VEC * UNROLL) {
+        V v[UNROLL];
+        load_vectors(v, row, base, k);
+#pragma unroll
+        for (int u = 0; u < UNROLL; ++u) {
+            const int i = base + u * 32 * VEC;
+            if (i < k) *reinterpret_cast<uint2*>(out + i) = fp8_codes8(v[u], scale);
+        }
+    }
+    if (lane == 0) scales[r] = scale;
+}
+
+#define FP8_GEMM_ENTRIES(T, SUFFIX)                                                                \
+    extern "C" __global__ void quantize_fp8_rows_##SUFFIX(const T* x, uint8_t* codes,             \
+                                                           float* scales, int m, int k, float s) { \
+        quantize_fp8_rows<T>(x, codes, scales, m, k, s);                                           \
+    }
+
+FP8_GEMM_ENTRIES(__nv_bfloat16, bf16)
+FP8_GEMM_ENTRIES(__half, f16)
