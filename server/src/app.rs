@@ -344,6 +344,7 @@ fn load_models(config: &Config) -> Result<Loaded, AppError> {
             dtype: config.dtype,
             activation_quant: config.activation_quant,
             kv_cache: config.kv_cache,
+            fp8_matmul: config.fp8_matmul,
         },
         max_seq_len: max_input_tokens,
         attention: config.attention,
@@ -380,6 +381,7 @@ fn load_models(config: &Config) -> Result<Loaded, AppError> {
                         // the KV-cache flags are the served model's (the simulation is what
                         // /kld measures); a reference's own kv_cache_scheme is emulated
                         kv_cache: Default::default(),
+                        fp8_matmul: config.fp8_matmul,
                         ..options.linear.clone()
                     },
                     ..options.clone()
@@ -736,10 +738,12 @@ impl WeightSummary {
             let w = linear.weight();
             push_unique(formats.entry(kind.clone()).or_default(), w.describe());
             if let Some(qdq) = linear.activation() {
-                push_unique(
-                    activation.entry(kind.clone()).or_default(),
-                    qdq.describe().into(),
-                );
+                // How it runs is part of what the numbers are (bf16 sums differ).
+                let how = match linear.on_fp8_tensor_cores() {
+                    true => format!("{}, on the fp8 tensor cores", qdq.describe()),
+                    false => qdq.describe().into(),
+                };
+                push_unique(activation.entry(kind.clone()).or_default(), how);
             }
             if kind != "lm_head" {
                 let (out, inp) = w.shape();

@@ -10,7 +10,7 @@ use clap::{Parser, ValueEnum};
 use crate::engine::fault::FaultInjection;
 use crate::engine::BatchLimits;
 use crate::model::AttentionKernel;
-use crate::quant::{ActivationQuantMode, KvCacheDtype, KvCacheOptions, KvCacheQuant};
+use crate::quant::{ActivationQuantMode, Fp8Matmul, KvCacheDtype, KvCacheOptions, KvCacheQuant};
 
 /// The tiny bundled checkpoint, so that `cargo run -p exactscore-server` serves at once.
 pub const DEFAULT_MODEL_DIR: &str = concat!(
@@ -39,6 +39,12 @@ impl From<DtypeArg> for DType {
 pub enum ActQuantArg {
     Emulate,
     Off,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum Fp8MatmulArg {
+    TensorCores,
+    Emulated,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -105,6 +111,18 @@ pub struct Args {
         default_value = "emulate"
     )]
     pub activation_quant: ActQuantArg,
+    /// How a Linear with fp8 e4m3 weights (per channel or tensor) and fp8 activations (per
+    /// token or static) multiplies in bf16/f16 on a GPU with fp8 tensor cores (compute
+    /// capability 8.9+): the e4m3 codes on the tensor cores with f32 sums, as vLLM runs it
+    /// (`tensor-cores`), or the QDQ'd activations times the dequantized weight in bf16
+    /// (`emulated`). f32 and the CPU always emulate.
+    #[arg(
+        long,
+        env = "EXACTSCORE_FP8_MATMUL",
+        value_enum,
+        default_value = "tensor-cores"
+    )]
+    pub fp8_matmul: Fp8MatmulArg,
     /// Apply the checkpoint's `kv_cache_scheme` (fp8 K/V, and q, after RoPE, as vLLM's
     /// FlashAttention 3 path does: docs/kv-cache.md) or not (`off`).
     #[arg(
@@ -346,6 +364,7 @@ pub struct Config {
     /// `--micro-batch-sequences`, or `None` for the default.
     pub micro_batch_sequences: Option<usize>,
     pub activation_quant: ActivationQuantMode,
+    pub fp8_matmul: Fp8Matmul,
     pub kv_cache: KvCacheOptions,
     pub attention: AttentionKernel,
     pub http: HttpConfig,
@@ -523,6 +542,10 @@ impl Config {
             activation_quant: match args.activation_quant {
                 ActQuantArg::Emulate => ActivationQuantMode::Emulate,
                 ActQuantArg::Off => ActivationQuantMode::Off,
+            },
+            fp8_matmul: match args.fp8_matmul {
+                Fp8MatmulArg::TensorCores => Fp8Matmul::TensorCores,
+                Fp8MatmulArg::Emulated => Fp8Matmul::Emulated,
             },
             kv_cache,
             attention: match args.attention {

@@ -88,6 +88,7 @@ fn options() -> ModelOptions {
             dtype: DType::F32,
             activation_quant: ActivationQuantMode::Emulate,
             kv_cache: Default::default(),
+            fp8_matmul: Default::default(),
         },
         max_seq_len: 512,
         attention: AttentionKernel::Auto,

@@ -55,6 +55,7 @@ fn load(name: &str, max_seq_len: usize) -> Model {
             dtype: DType::F32,
             activation_quant: ActivationQuantMode::Emulate,
             kv_cache: Default::default(),
+            fp8_matmul: Default::default(),
         },
         max_seq_len,
         attention: Default::default(),

@@ -595,6 +595,7 @@ mod tests {
                 dtype: DType::F32,
                 activation_quant: ActivationQuantMode::Emulate,
                 kv_cache: Default::default(),
+                fp8_matmul: Default::default(),
             },
             max_seq_len: 2048,
             attention: Default::default(),

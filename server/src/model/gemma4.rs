@@ -283,7 +283,7 @@ impl MoeBranch {
         let norm = |name: &str| RmsNorm::load(&vb.pp(name), c.hidden_size, c.rms_norm_eps, kind);
         Ok(Self {
             router: Router::load(&vb.pp("router"), c, m)?,
-            experts: Moe::load_experts(&vb.pp("experts"), c, &cfg)?,
+            experts: Moe::load_experts(&vb.experts("experts"), c, &cfg)?,
             pre_feedforward_layernorm_2: norm("pre_feedforward_layernorm_2")?,
             post_feedforward_layernorm_1: norm("post_feedforward_layernorm_1")?,
             post_feedforward_layernorm_2: norm("post_feedforward_layernorm_2")?,

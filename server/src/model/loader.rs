@@ -6,8 +6,8 @@ use candle_core::{DType, Device, Tensor};
 
 use crate::checkpoint::{Checkpoint, LoadError};
 use crate::quant::{
-    load_linear, KvCacheQdq, KvCacheScheme, LinearOptions, QuantLinear, QuantizationConfig,
-    SCALE_DTYPES,
+    load_linear, Fp8Matmul, KvCacheQdq, KvCacheScheme, LinearOptions, QuantLinear,
+    QuantizationConfig, SCALE_DTYPES,
 };
 
 #[derive(Clone)]
@@ -16,6 +16,8 @@ pub struct Loader<'a> {
     quant: Option<&'a QuantizationConfig>,
     opts: &'a LinearOptions,
     prefix: String,
+    /// Whether Linears may run on the fp8 tensor cores ([`Self::experts`] turns it off).
+    fp8_tensor_cores: bool,
 }
 
 impl<'a> Loader<'a> {
@@ -30,6 +32,17 @@ impl<'a> Loader<'a> {
             quant,
             opts,
             prefix: String::new(),
+            fp8_tensor_cores: true,
+        }
+    }
+
+    /// The loader of a mixture's experts under `name`: their Linears emulate fp8 activations
+    /// (whatever `--fp8-matmul` says), since the experts multiply as one stack of GEMMs over a
+    /// shared QDQ'd input, which the fp8 tensor-core GEMM does not do yet.
+    pub fn experts(&self, name: impl std::fmt::Display) -> Self {
+        Self {
+            fp8_tensor_cores: false,
+            ..self.pp(name)
         }
     }
 
@@ -107,7 +120,16 @@ impl<'a> Loader<'a> {
             Some(q) => q.scheme_for(&name, "Linear")?,
             None => None,
         };
-        load_linear(self.ckpt, &name, shape, bias, scheme, self.opts)
+        match self.fp8_tensor_cores {
+            true => load_linear(self.ckpt, &name, shape, bias, scheme, self.opts),
+            false => {
+                let opts = LinearOptions {
+                    fp8_matmul: Fp8Matmul::Emulated,
+                    ..self.opts.clone()
+                };
+                load_linear(self.ckpt, &name, shape, bias, scheme, &opts)
+            }
+        }
     }
 
     /// The float tensor `name` of `shape`, in the compute dtype on the loader's device.

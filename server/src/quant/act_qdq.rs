@@ -28,6 +28,29 @@ impl std::str::FromStr for ActivationQuantMode {
     }
 }
 
+/// How a Linear with e4m3 weights (one scale per channel or per tensor) and e4m3 activations
+/// (per token, or static) multiplies in bf16/f16 on a GPU with fp8 tensor cores
+/// ([`crate::ops::fp8_gemm`]); elsewhere, and in f32, such a layer is always emulated.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Fp8Matmul {
+    /// The e4m3 codes on the tensor cores, f32 sums, both scales applied to each sum, rounded
+    /// once: how vLLM runs the layer (default).
+    #[default]
+    TensorCores,
+    /// QDQ'd activations times the dequantized weight, both in the compute dtype.
+    Emulated,
+}
+
+impl Fp8Matmul {
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::TensorCores => "tensor-cores",
+            Self::Emulated => "emulated",
+        }
+    }
+}
+
 impl ActivationQdq {
     pub fn load(
         ckpt: &Checkpoint,

@@ -24,7 +24,7 @@ use safetensors::Dtype as StDtype;
 
 use crate::checkpoint::{Checkpoint, LoadError};
 use crate::ops::{self, StackRows};
-pub use act_qdq::{ActivationQdq, ActivationQuantMode};
+pub use act_qdq::{ActivationQdq, ActivationQuantMode, Fp8Matmul};
 pub use compressed_tensors::{Format, LayerScheme, QuantType, QuantizationConfig};
 pub use kv_cache::{KvCacheDtype, KvCacheOptions, KvCacheQdq, KvCacheQuant, KvCacheScheme};
 
@@ -68,7 +68,14 @@ pub struct QuantLinear {
     weight: Arc<dyn QuantizedWeight>,
     bias: Option<Tensor>,
     activation: Option<ActivationQdq>,
+    /// Set where the layer multiplies on the fp8 tensor cores: it then quantizes its own input
+    /// (its [`Self::input_qdq`] is `None`).
+    fp8_tensor_cores: Option<Arc<Fp8TensorCores>>,
 }
+
+/// A Linear's weight ready for several row chunks of one input ([`QuantLinear::prepared_like`]):
+/// dequantized to the input's dtype, or nothing for a layer that multiplies its codes.
+pub struct PreparedWeight(Option<Tensor>);
 
 impl QuantLinear {
     pub fn new(weight: Box<dyn QuantizedWeight>, bias: Option<Tensor>) -> Self {
@@ -76,39 +83,48 @@ impl QuantLinear {
             weight: Arc::from(weight),
             bias,
             activation: None,
+            fp8_tensor_cores: None,
         }
     }
 
     /// `x`: `[tokens, in]` in the compute dtype.
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        match &self.activation {
+        match self.input_qdq() {
             Some(qdq) => self.forward_quantized(&qdq.apply(x)?),
             None => self.forward_quantized(x),
         }
     }
 
-    /// `x · Wᵀ (+ b)` of an input that has been through this layer's activation QDQ already
-    /// (see [`quantized_inputs`]).
+    /// `x · Wᵀ (+ b)` of an input that has been through this layer's [`Self::input_qdq`]
+    /// already (see [`quantized_inputs`]).
     pub fn forward_quantized(&self, x: &Tensor) -> Result<Tensor> {
-        self.forward_dequantized(x, &self.dequantized_like(x)?)
+        self.forward_prepared(x, &self.prepared_like(x)?)
     }
 
-    /// The weight dequantized to `x`'s dtype and device, for several
-    /// [`Self::forward_dequantized`] calls (row chunks of one input) that share it.
-    pub fn dequantized_like(&self, x: &Tensor) -> Result<Tensor> {
-        self.weight.dequantize(x.dtype(), x.device())
+    /// The weight ready for `x`'s dtype and device, for several [`Self::forward_prepared`]
+    /// calls (row chunks of one input) that share it.
+    pub fn prepared_like(&self, x: &Tensor) -> Result<PreparedWeight> {
+        Ok(PreparedWeight(match self.fp8_tensor_cores {
+            Some(_) => None,
+            None => Some(self.weight.dequantize(x.dtype(), x.device())?),
+        }))
     }
 
-    /// [`Self::forward_quantized`] with the weight [`Self::dequantized_like`] gave.
-    pub fn forward_dequantized(&self, x: &Tensor, w: &Tensor) -> Result<Tensor> {
-        self.add_bias(ops::matmul_t(x, w)?)
+    /// [`Self::forward_quantized`] with the weight [`Self::prepared_like`] gave.
+    pub fn forward_prepared(&self, x: &Tensor, w: &PreparedWeight) -> Result<Tensor> {
+        let y = match (&self.fp8_tensor_cores, &w.0) {
+            (Some(fp8), _) => fp8.forward(x)?,
+            (None, Some(w)) => ops::matmul_t(x, w)?,
+            (None, None) => candle_core::bail!("a weight prepared for another layer"),
+        };
+        self.add_bias(y)
     }
 
     /// `residual + x · Wᵀ (+ b)` of an input that has been through this layer's activation QDQ
     /// already: this layer's output added to the residual stream. See [`RowChunks`].
     pub fn add_to_residual(&self, residual: Tensor, x: &Tensor) -> Result<Tensor> {
         let mut out = self.row_chunks_added_to(residual)?;
-        out.push(x, &self.dequantized_like(x)?)?;
+        out.push(x, &self.prepared_like(x)?)?;
         out.finish()
     }
 
@@ -149,8 +165,94 @@ impl QuantLinear {
         self.bias.as_ref()
     }
 
+    /// The activation QDQ the checkpoint declares for this layer's input (and that is applied).
     pub fn activation(&self) -> Option<&ActivationQdq> {
         self.activation.as_ref()
+    }
+
+    /// The activation QDQ that whatever feeds this layer applies to its input: [`Self::activation`],
+    /// except for a layer on the fp8 tensor cores, which quantizes its input itself.
+    pub fn input_qdq(&self) -> Option<&ActivationQdq> {
+        match self.fp8_tensor_cores {
+            Some(_) => None,
+            None => self.activation.as_ref(),
+        }
+    }
+
+    /// Whether this layer multiplies on the fp8 tensor cores ([`ops::fp8_gemm`]).
+    pub fn on_fp8_tensor_cores(&self) -> bool {
+        self.fp8_tensor_cores.is_some()
+    }
+}
+
+/// A Linear with e4m3 weights (one scale per output channel, or per tensor) and e4m3
+/// activations (per token, or one static scale) that multiplies on the fp8 tensor cores.
+#[derive(Clone)]
+struct Fp8TensorCores {
+    codes: Tensor,
+    /// f32, one per output channel.
+    scales: Tensor,
+    /// The activations' static scale, or `None` for one per token.
+    static_scale: Option<f32>,
+}
+
+impl Fp8TensorCores {
+    /// The layer's settings where `opts` and the device let it run on the fp8 tensor cores:
+    /// bf16/f16 compute on a GPU that has them, a weight and an activation scheme the GEMM
+    /// computes as the emulation does, and shapes cuBLASLt's fp8 GEMM takes.
+    fn for_layer(
+        weight: &dyn QuantizedWeight,
+        activation: Option<&ActivationQdq>,
+        opts: &LinearOptions,
+    ) -> Result<Option<Self>> {
+        let static_scale = match activation {
+            Some(ActivationQdq::Fp8PerToken) => None,
+            Some(&ActivationQdq::Fp8Static { scale }) => Some(scale),
+            _ => return Ok(None),
+        };
+        let (out, inp) = weight.shape();
+        let applies = opts.fp8_matmul == Fp8Matmul::TensorCores
+            && matches!(opts.dtype, DType::BF16 | DType::F16)
+            && inp.is_multiple_of(16)
+            && out.is_multiple_of(8)
+            && ops::fp8_tensor_cores(&opts.device);
+        let Some(ops::Packed::Fp8 {
+            weight: codes,
+            scale,
+            block,
+        }) = weight.packed().filter(|_| applies)
+        else {
+            return Ok(None);
+        };
+        let scales = match block {
+            (1, cols) if cols == inp => scale.clone(),
+            (rows, cols) if (rows, cols) == (out, inp) => scale.broadcast_as(out)?.contiguous()?,
+            _ => return Ok(None),
+        };
+        Ok(Some(Self {
+            codes: codes.clone(),
+            scales,
+            static_scale,
+        }))
+    }
+
+    fn columns(&self) -> ops::Fp8Columns<'_> {
+        ops::Fp8Columns {
+            codes: &self.codes,
+            scales: &self.scales,
+        }
+    }
+
+    /// `QDQ(x) · Wᵀ` of the unquantized `x`.
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        let rows = ops::quantize_fp8_rows(x, self.static_scale)?;
+        ops::fp8_matmul_t(&rows, &self.columns(), x.dtype())
+    }
+
+    /// Adds `QDQ(x) · Wᵀ` into rows `row0..` of `out`.
+    fn add_into_rows(&self, out: &Tensor, row0: usize, x: &Tensor) -> Result<()> {
+        let rows = ops::quantize_fp8_rows(x, self.static_scale)?;
+        ops::fp8_matmul_t_add_into_rows(out, row0, &rows, &self.columns())
     }
 }
 
@@ -170,8 +272,8 @@ pub struct RowChunks<'a> {
 }
 
 impl RowChunks<'_> {
-    /// `x · wᵀ` for the next `x.dims()[0]` rows; `w` from [`QuantLinear::dequantized_like`].
-    pub fn push(&mut self, x: &Tensor, w: &Tensor) -> Result<()> {
+    /// `x · wᵀ` for the next `x.dims()[0]` rows; `w` from [`QuantLinear::prepared_like`].
+    pub fn push(&mut self, x: &Tensor, w: &PreparedWeight) -> Result<()> {
         let n = x.dims()[0];
         if self.filled + n > self.rows {
             candle_core::bail!(
@@ -180,10 +282,12 @@ impl RowChunks<'_> {
                 self.rows
             );
         }
-        if self.in_place {
-            ops::matmul_t_add_into_rows(&self.residual, self.filled, x, w)?;
-        } else {
-            self.parts.push(ops::matmul_t(x, w)?);
+        match (&self.linear.fp8_tensor_cores, &w.0) {
+            (Some(fp8), _) if self.in_place => fp8.add_into_rows(&self.residual, self.filled, x)?,
+            (None, Some(w)) if self.in_place => {
+                ops::matmul_t_add_into_rows(&self.residual, self.filled, x, w)?
+            }
+            _ => self.parts.push(self.linear.forward_prepared(x, w)?),
         }
         self.filled += n;
         Ok(())
@@ -201,8 +305,52 @@ impl RowChunks<'_> {
             1 => self.parts.remove(0),
             _ => Tensor::cat(&self.parts, 0)?,
         };
-        self.residual + self.linear.add_bias(y)?
+        self.residual + y
     }
+}
+
+/// [`QuantLinear::forward_prepared`] of each layer on its input. Layers on the fp8 tensor cores
+/// that follow one another and read the same input (one tensor, as q/k/v and gate/up do) with
+/// the same activation scale quantize it once.
+pub fn forward_prepared_all<const N: usize>(
+    layers: [(&QuantLinear, &Tensor, &PreparedWeight); N],
+) -> Result<[Tensor; N]> {
+    let mut shared: Option<(candle_core::TensorId, Option<f32>, ops::Fp8Rows)> = None;
+    let mut out = Vec::with_capacity(N);
+    for (linear, x, w) in layers {
+        let Some(fp8) = &linear.fp8_tensor_cores else {
+            out.push(linear.forward_prepared(x, w)?);
+            continue;
+        };
+        let rows = match shared.take() {
+            Some(same) if (same.0, same.1) == (x.id(), fp8.static_scale) => same,
+            _ => (
+                x.id(),
+                fp8.static_scale,
+                ops::quantize_fp8_rows(x, fp8.static_scale)?,
+            ),
+        };
+        out.push(linear.add_bias(ops::fp8_matmul_t(&rows.2, &fp8.columns(), x.dtype())?)?);
+        shared = Some(rows);
+    }
+    Ok(out
+        .try_into()
+        .unwrap_or_else(|_| unreachable!("one output per layer")))
+}
+
+/// [`forward_prepared_all`] with each weight prepared for its input.
+pub fn forward_quantized_all<const N: usize>(
+    layers: [(&QuantLinear, &Tensor); N],
+) -> Result<[Tensor; N]> {
+    let prepared = layers
+        .iter()
+        .map(|(l, x)| l.prepared_like(x))
+        .collect::<Result<Vec<_>>>()?;
+    let mut i = 0;
+    forward_prepared_all(layers.map(|(l, x)| {
+        i += 1;
+        (l, x, &prepared[i - 1])
+    }))
 }
 
 /// The weights of `linears` (of one shape: a mixture's experts) dequantized into one `[linears,
@@ -302,10 +450,14 @@ fn dequantized_unless_decoded(
 }
 
 /// The activation QDQ that every layer of `linears` applies to its input, when they all apply
-/// the same one (`Some(None)`: none of them quantizes its input); `None` when they differ.
+/// the same one (`Some(None)`: none of them quantizes its input); `None` when they differ, or
+/// when one quantizes its input on the fp8 tensor cores (the stacked experts' GEMMs do not).
 /// Where it is `Some`, whatever produces the shared input may apply it once (fused into its own
 /// kernel), and each layer then runs [`QuantLinear::forward_quantized`].
 pub fn common_qdq<'a>(linears: &[&'a QuantLinear]) -> Option<Option<&'a ActivationQdq>> {
+    if linears.iter().any(|l| l.on_fp8_tensor_cores()) {
+        return None;
+    }
     let first = linears.first()?.activation.as_ref();
     linears[1..]
         .iter()
@@ -326,7 +478,7 @@ pub fn quantized_inputs<const N: usize>(
     let mut last: Option<(&ActivationQdq, Tensor)> = None;
     let mut inputs = Vec::with_capacity(N);
     for linear in linears {
-        let input = match &linear.activation {
+        let input = match linear.input_qdq() {
             None => x.clone(),
             Some(qdq) => {
                 let input = match last.take() {
@@ -351,6 +503,7 @@ pub struct LinearOptions {
     pub dtype: DType,
     pub activation_quant: ActivationQuantMode,
     pub kv_cache: KvCacheOptions,
+    pub fp8_matmul: Fp8Matmul,
 }
 
 /// Loads the Linear `name` (`name.weight` or its compressed tensors, optional `name.bias`).
@@ -489,10 +642,13 @@ pub fn load_linear(
             ),
         });
     }
+    let fp8_tensor_cores =
+        Fp8TensorCores::for_layer(weight.as_ref(), activation.as_ref(), opts)?.map(Arc::new);
     Ok(QuantLinear {
         weight: Arc::from(weight),
         bias,
         activation,
+        fp8_tensor_cores,
     })
 }
 
@@ -535,6 +691,7 @@ mod tests {
             weight: Arc::new(dense::DenseWeight::from_tensor(w)),
             bias: None,
             activation,
+            fp8_tensor_cores: None,
         })
     }
 

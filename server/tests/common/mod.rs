@@ -30,6 +30,7 @@ pub fn options(dtype: DType, act: ActivationQuantMode) -> ModelOptions {
             dtype,
             activation_quant: act,
             kv_cache: Default::default(),
+            fp8_matmul: Default::default(),
         },
         max_seq_len: 512,
         attention: Default::default(),

@@ -80,6 +80,7 @@ pub fn load_model_options() -> exactscore_server::model::ModelOptions {
             dtype: candle_core::DType::F32,
             activation_quant: ActivationQuantMode::Emulate,
             kv_cache: Default::default(),
+            fp8_matmul: Default::default(),
         },
         max_seq_len: 512,
         attention: Default::default(),

@@ -23,6 +23,7 @@ pub fn report(model_dir: &Path, device: &Device) -> Result<()> {
             dtype: DType::BF16,
             activation_quant: ActivationQuantMode::Emulate,
             kv_cache: Default::default(),
+            fp8_matmul: Default::default(),
         },
         max_seq_len: 2048,
         attention: AttentionKernel::Auto,

@@ -1974,6 +1974,7 @@ mod tests {
                     dtype: DType::F32,
                     activation_quant: ActivationQuantMode::Emulate,
                     kv_cache: Default::default(),
+                    fp8_matmul: Default::default(),
                 },
                 max_seq_len: 300,
                 attention: AttentionKernel::Auto,

@@ -14,7 +14,7 @@ use crate::model::loader::Loader;
 use crate::model::profile::stage;
 use crate::model::rope::RopeTables;
 use crate::ops;
-use crate::quant::{common_qdq, ActivationQdq, KvCacheQdq, QuantLinear};
+use crate::quant::{common_qdq, forward_quantized_all, ActivationQdq, KvCacheQdq, QuantLinear};
 
 #[derive(Clone)]
 pub struct Attention {
@@ -179,12 +179,12 @@ impl Attention {
         let qkv = [&self.q_proj, &self.k_proj, &self.v_proj];
         let [q_in, k_in, v_in] = layer_inputs(qkv, &x, prequantized)?;
         drop(x);
-        let (q, k, v) = stage("qkv_proj", dev, || {
-            Ok((
-                self.q_proj.forward_quantized(&q_in)?,
-                self.k_proj.forward_quantized(&k_in)?,
-                self.v_proj.forward_quantized(&v_in)?,
-            ))
+        let [q, k, v] = stage("qkv_proj", dev, || {
+            forward_quantized_all([
+                (&self.q_proj, &q_in),
+                (&self.k_proj, &k_in),
+                (&self.v_proj, &v_in),
+            ])
         })?;
         drop((q_in, k_in, v_in));
         let (q, gate) = match self.output_gate {

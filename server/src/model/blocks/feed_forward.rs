@@ -14,7 +14,7 @@ use crate::quant::{ActivationQdq, QuantLinear};
 #[derive(Clone)]
 pub enum FeedForward {
     Dense(Mlp),
-    Sparse(Moe),
+    Sparse(Box<Moe>),
 }
 
 impl FeedForward {
@@ -26,7 +26,7 @@ impl FeedForward {
         layer: usize,
     ) -> std::result::Result<Self, LoadError> {
         Ok(match &c.moe {
-            Some(moe) if c.is_sparse_layer(layer) => Self::Sparse(Moe::load(vb, c, moe)?),
+            Some(moe) if c.is_sparse_layer(layer) => Self::Sparse(Box::new(Moe::load(vb, c, moe)?)),
             _ => Self::Dense(Mlp::load(
                 &vb.pp("mlp"),
                 PROJ_NAMES,

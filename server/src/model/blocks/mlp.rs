@@ -12,8 +12,8 @@ use crate::ops::{self, StackRows};
 use crate::quant::dense::DenseWeight;
 use crate::quant::mxfp4::{self, Mxfp4Weight};
 use crate::quant::{
-    common_qdq, decodes_in_gemm, matmul_t_stacked, matmul_t_stacked_into_rows, ActivationQdq,
-    QuantLinear, QuantizedWeight, SCALE_DTYPES,
+    common_qdq, decodes_in_gemm, forward_prepared_all, matmul_t_stacked,
+    matmul_t_stacked_into_rows, ActivationQdq, QuantLinear, QuantizedWeight, SCALE_DTYPES,
 };
 
 /// Rows of the MLP input processed at once. The `[rows, intermediate]` activations (gate, up
@@ -222,8 +222,8 @@ impl Mlp {
         let rows = x.dims()[0];
         let (w_gate, w_up) = stage("gate_up_proj", dev, || {
             Ok((
-                self.gate_proj.dequantized_like(&x)?,
-                self.up_proj.dequantized_like(&x)?,
+                self.gate_proj.prepared_like(&x)?,
+                self.up_proj.prepared_like(&x)?,
             ))
         })?;
         let mut w_down = None;
@@ -232,14 +232,14 @@ impl Mlp {
             let x = x.narrow(0, start, MLP_CHUNK.min(rows - start))?;
             let [gate_in, up_in] =
                 layer_inputs([&self.gate_proj, &self.up_proj], &x, prequantized)?;
-            let (gate, up) = stage("gate_up_proj", dev, || {
-                Ok((
-                    self.gate_proj.forward_dequantized(&gate_in, &w_gate)?,
-                    self.up_proj.forward_dequantized(&up_in, &w_up)?,
-                ))
+            let [gate, up] = stage("gate_up_proj", dev, || {
+                forward_prepared_all([
+                    (&self.gate_proj, &gate_in, &w_gate),
+                    (&self.up_proj, &up_in, &w_up),
+                ])
             })?;
             drop((gate_in, up_in));
-            let qdq = self.down_proj.activation();
+            let qdq = self.down_proj.input_qdq();
             let down_in = stage(self.act.stage_name(), dev, || {
                 ops::gated_mul(self.act, &gate, &up, qdq)
             })?;
@@ -247,9 +247,7 @@ impl Mlp {
             // Dequantized once gate/up of the first chunk are gone (one weight fewer alive).
             let w = match w_down.take() {
                 Some(w) => w,
-                None => stage("down_proj", dev, || {
-                    self.down_proj.dequantized_like(&down_in)
-                })?,
+                None => stage("down_proj", dev, || self.down_proj.prepared_like(&down_in))?,
             };
             stage("down_proj", dev, || out.push(&down_in, &w))?;
             w_down = Some(w);

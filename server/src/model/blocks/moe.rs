@@ -123,7 +123,7 @@ impl Moe {
                 Some(f32("gate.e_score_correction_bias", &[cfg.num_experts])?),
             ),
         };
-        let stacked = vb.pp("experts");
+        let stacked = vb.experts("experts");
         let experts = if vb.checkpoint().contains(&stacked.name("gate_up_proj")) {
             Mlp::load_fused(&stacked, cfg.num_experts, (h, inter), c.hidden_act)?
         } else {
@@ -188,7 +188,8 @@ impl Moe {
     }
 
     /// The experts alone, `{vb}.E.{gate,up,down}_proj` or fused (`{vb}.gate_up_proj`), for a
-    /// family whose router is its own (Gemma 4's): run with [`Self::forward_routed`].
+    /// family whose router is its own (Gemma 4's): run with [`Self::forward_routed`]. `vb`
+    /// comes from [`Loader::experts`].
     pub fn load_experts(
         vb: &Loader,
         c: &ModelConfig,
