@@ -37,12 +37,14 @@ use candle_core::{DType, Device, Tensor};
 use clap::{Parser, Subcommand};
 use exactscore_server::model::profile as stages;
 use exactscore_server::model::{AttentionKernel, Model, ModelOptions, ScoreInput, SequenceScores};
-use exactscore_server::quant::{ActivationQdq, ActivationQuantMode, LinearOptions};
+use exactscore_server::quant::{ActivationQdq, ActivationQuantMode, Fp8Matmul, LinearOptions};
 use serde_json::Value;
 
 #[cfg(feature = "cuda")]
 mod attention_check;
 mod diff_bench;
+#[cfg(feature = "cuda")]
+mod fp8_gemm_check;
 #[cfg(feature = "cuda")]
 mod jit_report;
 mod kld_bench;
@@ -116,7 +118,8 @@ enum Command {
         /// (CPU runs).
         #[arg(long, default_value = "llama3-8b")]
         shape: String,
-        /// Comma list of w4a16, nvfp4, nvfp4a16, fp8, bf16.
+        /// Comma list of w4a16, nvfp4, nvfp4a16, fp8, bf16, and fp8-emulated (the fp8 weights
+        /// with `--fp8-matmul emulated`).
         #[arg(long, value_delimiter = ',', default_value = "w4a16")]
         formats: Vec<String>,
         /// Windows per forward pass.
@@ -481,6 +484,7 @@ fn options(
             dtype,
             activation_quant: act,
             kv_cache: Default::default(),
+            fp8_matmul: Default::default(),
         },
         max_seq_len,
         attention,
@@ -635,6 +639,7 @@ const CHECKED: &[&str] = &[
 
 fn check(fixtures: &Path, device: &Device, only: &[String]) -> Result<()> {
     let mut rows = Vec::new();
+    let mut tensor_core_rows = Vec::new();
     let mut failures = 0;
     let chosen = |variant: &str| only.is_empty() || only.iter().any(|o| o == variant);
     for &variant in CHECKED.iter().filter(|v| chosen(v)) {
@@ -699,6 +704,19 @@ fn check(fixtures: &Path, device: &Device, only: &[String]) -> Result<()> {
                 let (max32, mean32) = diff(&g32, &cpu_scores);
                 let (max16, mean16) = diff(&g16, &cpu_scores);
                 let (max_flash, mean_flash) = diff(&f16, &cpu_scores);
+                // Where bf16 multiplies fp8 layers on the tensor cores, the emulated bf16 path's
+                // error beside theirs.
+                if gpu16.linears().iter().any(|(_, l)| l.on_fp8_tensor_cores()) {
+                    let attention = AttentionKernel::Materialized;
+                    let mut opts = options(device, DType::BF16, act, 512, attention);
+                    opts.linear.fp8_matmul = Fp8Matmul::Emulated;
+                    let emulated = score(&Model::load(&dir, &opts)?, &seqs)?;
+                    let (max_e, mean_e) = diff(&emulated, &cpu_scores);
+                    tensor_core_rows.push(format!(
+                        "| {variant} act={act:?} | {max16:.2e} / {mean16:.2e} | {max_e:.2e} / \
+                         {mean_e:.2e} |"
+                    ));
+                }
                 // Greedy flags and top-k come from the same GPU rows: their ids must match the CPU.
                 let (argmax_agree, top_k_agree) = ranking_agreement(&g32, &cpu_scores);
                 let ref_bf16_mean = reference["bf16_run"]["diff_stats_vs_f32"]["mean"]
@@ -865,6 +883,14 @@ fn check(fixtures: &Path, device: &Device, only: &[String]) -> Result<()> {
     for r in rows {
         println!("{r}");
     }
+    if !tensor_core_rows.is_empty() {
+        println!("bf16 per-token |Δ| against the CPU f32 path of fp8 layers on the tensor cores (the rows above) and emulated (`--fp8-matmul emulated`), max / mean:");
+        println!("| variant | tensor cores | emulated |");
+        println!("|---|---|---|");
+        for r in tensor_core_rows {
+            println!("{r}");
+        }
+    }
     failures += kld_bench::check(fixtures, device)?;
     failures += diff_bench::check(fixtures, device)?;
     if device.is_cuda() {
@@ -880,11 +906,25 @@ fn check(fixtures: &Path, device: &Device, only: &[String]) -> Result<()> {
         failures += usize::from(!gemm_f32_check(device)?);
         failures += usize::from(!linear_attention_check(device)?);
         failures += mla_inputs_check::run(device)?;
+        failures += fp8_gemm_check::run(device)?;
     }
     if failures > 0 {
         bail!("{failures} check(s) failed");
     }
     Ok(())
+}
+
+/// Milliseconds per call of `f` on `device`: the mean of ten after one to warm up.
+#[cfg(feature = "cuda")]
+fn time_ms(device: &Device, f: &dyn Fn() -> candle_core::Result<Tensor>) -> Result<f64> {
+    f()?;
+    device.synchronize()?;
+    let start = Instant::now();
+    for _ in 0..10 {
+        f()?;
+    }
+    device.synchronize()?;
+    Ok(start.elapsed().as_secs_f64() / 10.0 * 1e3)
 }
 
 /// The f32 GEMM kernel of the Linears: bitwise equal to its CPU reference (a fused
@@ -916,16 +956,7 @@ fn gemm_f32_check(device: &Device) -> Result<bool> {
     let (m, n, k) = (2048, 14336, 4096);
     let x = Tensor::randn(0f32, 1.0, (m, k), device)?;
     let w = Tensor::randn(0f32, 1.0, (n, k), device)?;
-    let time = |f: &dyn Fn() -> candle_core::Result<Tensor>| -> Result<f64> {
-        f()?;
-        device.synchronize()?;
-        let start = Instant::now();
-        for _ in 0..10 {
-            f()?;
-        }
-        device.synchronize()?;
-        Ok(start.elapsed().as_secs_f64() / 10.0 * 1e3)
-    };
+    let time = |f: &dyn Fn() -> candle_core::Result<Tensor>| time_ms(device, f);
     let ours = time(&|| exactscore_server::cuda::gemm::matmul_t_f32(&x, &w))?;
     let cublas = time(&|| x.matmul(&w.t()?))?;
     let tflops = |ms: f64| 2.0 * (m * n * k) as f64 / ms / 1e9;
@@ -1156,20 +1187,24 @@ fn speed(
         // the peak below is this model's own.
         exactscore_server::device::release_freed_memory(device)?;
         let t_load = Instant::now();
-        let (config, ckpt) = random_model::build(&shape, format, None)?;
+        // `fp8-emulated`: the fp8 weights with their layers emulated rather than on the tensor
+        // cores (`--fp8-matmul emulated`).
+        let (built, fp8_matmul) = match format.as_str() {
+            "fp8-emulated" => ("fp8", Fp8Matmul::Emulated),
+            other => (other, Fp8Matmul::TensorCores),
+        };
+        let (config, ckpt) = random_model::build(&shape, built, None)?;
         // The compressed weights as stored: what the peak memory is judged against.
         let weight_bytes = ckpt.stored_bytes_with_prefix("");
-        let mut model = Model::from_checkpoint(
-            config,
-            &ckpt,
-            &options(
-                device,
-                dtype,
-                ActivationQuantMode::Emulate,
-                ctx,
-                AttentionKernel::Materialized,
-            ),
-        )?;
+        let mut opts = options(
+            device,
+            dtype,
+            ActivationQuantMode::Emulate,
+            ctx,
+            AttentionKernel::Materialized,
+        );
+        opts.linear.fp8_matmul = fp8_matmul;
+        let mut model = Model::from_checkpoint(config, &ckpt, &opts)?;
         drop(ckpt);
         device.synchronize()?;
         let load_s = t_load.elapsed().as_secs_f64();
