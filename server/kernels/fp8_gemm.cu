@@ -4,19 +4,6 @@
 // the activation QDQ (qdq.cuh) rounds to, so `code * scale` is the QDQ'd value bit for bit.
 #include "qdq.cuh"
 
-// The e4m3 codes of 8 values, as fp8_qdq_row computes them up to the multiplication by the
-// scale, packed little-endian.
-template <typename V>
-__device__ __forceinline__ uint2 fp8_codes8(const V& v, float scale) {
-    uint32_t word[2] = {0, 0};
-#pragma unroll
-    for (int j = 0; j < 8; ++j) {
-        float q = fminf(fmaxf(to_f32(v.v[j]) / scale + 0.0f, -448.0f), 448.0f);
-        word[j / 4] |= (uint32_t)fp8_e4m3_from_grid(round_to_grid(q, -6, 3)) << (8 * (j % 4));
-    }
-    return make_uint2(word[0], word[1]);
-}
-
 // A lane's UNROLL vectors of 8 values of a row at base, base + 256, ..., those below k.
 template <typename V, int UNROLL, typename T>
 __device__ __forceinline__ void load_vectors(V (&v)[UNROLL], const T* row, int base, int k) {

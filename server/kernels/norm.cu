@@ -119,6 +119,52 @@ __device__ void glu_mul_fp8_qdq(const T* gate, const T* up, T* out, int k) {
     fp8_qdq_row<T, 8>(out + base, out + base, k, fp8_token_scale(amax));
 }
 
+// The same, one block (256 threads) per row of k values, written as the down projection's
+// input for the fp8 tensor-core GEMM: e4m3 codes and the row's scale (absmax / 448 of the
+// products rounded to T, or `static_scale` when > 0), the codes quantize_fp8_rows (fp8_gemm.cu)
+// gives the product in T. Each thread keeps its first HELD products in registers between the
+// absmax and the encoding and computes those beyond again.
+template <typename T, typename Act>
+__device__ void glu_mul_fp8_codes(const T* gate, const T* up, uint8_t* codes, float* scales, int k,
+                                  float static_scale) {
+    constexpr int HELD = 8;
+    using P = Pack<T, 8>;
+    const long base = (long)blockIdx.x * k;
+    auto product = [&](int i) {
+        const P g = *reinterpret_cast<const P*>(gate + base + i);
+        const P u = *reinterpret_cast<const P*>(up + base + i);
+        return glu_mul8<T, Act>(g, u);
+    };
+    P held[HELD];
+    float amax = 0.0f;
+#pragma unroll
+    for (int h = 0; h < HELD; ++h) {
+        const int i = (threadIdx.x + h * 256) * 8;
+        if (i >= k) break;
+        held[h] = product(i);
+#pragma unroll
+        for (int j = 0; j < 8; ++j) amax = fmaxf(amax, fabsf(to_f32(held[h].v[j])));
+    }
+    for (int i = (threadIdx.x + HELD * 256) * 8; i < k; i += 256 * 8) {
+        const P p = product(i);
+#pragma unroll
+        for (int j = 0; j < 8; ++j) amax = fmaxf(amax, fabsf(to_f32(p.v[j])));
+    }
+    // every thread takes part in the block-wide max, whatever the static scale
+    float scale = fp8_token_scale(amax);
+    if (static_scale > 0.0f) scale = static_scale;
+#pragma unroll
+    for (int h = 0; h < HELD; ++h) {
+        const int i = (threadIdx.x + h * 256) * 8;
+        if (i >= k) break;
+        *reinterpret_cast<uint2*>(codes + base + i) = fp8_codes8(held[h], scale);
+    }
+    for (int i = (threadIdx.x + HELD * 256) * 8; i < k; i += 256 * 8) {
+        *reinterpret_cast<uint2*>(codes + base + i) = fp8_codes8(product(i), scale);
+    }
+    if (threadIdx.x == 0) scales[blockIdx.x] = scale;
+}
+
 // ---- gated RMSNorm (Gated DeltaNet's output norm): one block (256 threads) per row ---------
 
 // transformers' Qwen3NextRMSNormGated / Qwen3_5RMSNormGated, rounded where it rounds:
@@ -172,6 +218,14 @@ __device__ void gated_rms_norm(const T* x, const W* weight, const T* z, T* out, 
     }                                                                                              \
     extern "C" __global__ void silu_mul_fp8_qdq_##SUFFIX(const T* g, const T* u, T* o, int k) {    \
         glu_mul_fp8_qdq<T, Silu>(g, u, o, k);                                                      \
+    }                                                                                              \
+    extern "C" __global__ void silu_mul_fp8_codes_##SUFFIX(const T* g, const T* u, uint8_t* c,     \
+                                                           float* s, int k, float ss) {            \
+        glu_mul_fp8_codes<T, Silu>(g, u, c, s, k, ss);                                             \
+    }                                                                                              \
+    extern "C" __global__ void gelu_tanh_mul_fp8_codes_##SUFFIX(const T* g, const T* u, uint8_t* c, \
+                                                                float* s, int k, float ss) {       \
+        glu_mul_fp8_codes<T, GeluTanh>(g, u, c, s, k, ss);                                         \
     }                                                                                              \
     extern "C" __global__ void gelu_tanh_mul_##SUFFIX(const T* g, const T* u, T* o, long n) {      \
         glu_mul<T, GeluTanh>(g, u, o, n);                                                          \

@@ -33,3 +33,18 @@ __device__ void fp8_qdq_row(const T* src, T* dst, int k, float scale) {
         *reinterpret_cast<V*>(dst + i) = v;
     }
 }
+
+// ---- e4m3 codes for the fp8 tensor-core GEMM (fp8_gemm.cu, and the gated activations of norm.cu) ----
+
+// The e4m3 codes of 8 values, as fp8_qdq_row computes them up to the multiplication by the
+// scale, packed little-endian.
+template <typename V>
+__device__ __forceinline__ uint2 fp8_codes8(const V& v, float scale) {
+    uint32_t word[2] = {0, 0};
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+        float q = fminf(fmaxf(to_f32(v.v[j]) / scale + 0.0f, -448.0f), 448.0f);
+        word[j / 4] |= (uint32_t)fp8_e4m3_from_grid(round_to_grid(q, -6, 3)) << (8 * (j % 4));
+    }
+    return make_uint2(word[0], word[1]);
+}

@@ -116,8 +116,9 @@ pub fn gelu_tanh_mul(gate: &Tensor, up: &Tensor, fp8_qdq: bool) -> Result<Tensor
     gated_mul("gelu_tanh_mul", gate, up, fp8_qdq)
 }
 
-/// `act(gate) * up` by the kernel family `base` (`silu_mul`, `gelu_tanh_mul`).
-fn gated_mul(base: &str, gate: &Tensor, up: &Tensor, fp8_qdq: bool) -> Result<Tensor> {
+/// `gate` and `up` contiguous, checked to be of one shape and dtype with rows of a multiple of
+/// 8 elements; and that row length.
+fn gate_and_up(base: &str, gate: &Tensor, up: &Tensor) -> Result<(Tensor, Tensor, usize)> {
     let (gate, up) = (gate.contiguous()?, up.contiguous()?);
     if gate.dims() != up.dims() || gate.dtype() != up.dtype() {
         bail!(
@@ -126,14 +127,58 @@ fn gated_mul(base: &str, gate: &Tensor, up: &Tensor, fp8_qdq: bool) -> Result<Te
             up.dims()
         );
     }
-    let n = gate.elem_count();
     let row = *gate.dims().last().unwrap_or(&0);
-    if n % 8 != 0 || row % 8 != 0 {
+    if gate.elem_count() % 8 != 0 || row % 8 != 0 {
         bail!(
             "{base} needs rows of a multiple of 8 elements, got {:?}",
             gate.dims()
         );
     }
+    Ok((gate, up, row))
+}
+
+/// `act(gate) * up` (`gate`, `up`: `[rows, k]`, bf16/f16) by the kernel family `base`
+/// (`silu_mul`, `gelu_tanh_mul`), rounded as [`silu_mul`] rounds it and written as e4m3 codes
+/// and one f32 scale per row, per token or `static_scale`: the codes `fp8_gemm`'s
+/// `quantize_fp8_rows` gives that product, in the same pass.
+pub fn gated_mul_fp8_rows(
+    base: &str,
+    gate: &Tensor,
+    up: &Tensor,
+    static_scale: Option<f32>,
+) -> Result<(Tensor, Tensor)> {
+    let (gate, up, k) = gate_and_up(base, gate, up)?;
+    let (rows, _) = gate.dims2()?;
+    if gate.dtype() == DType::F32 {
+        bail!("{base}: fp8 codes of bf16 or f16 products, not f32");
+    }
+    let name = kernel_name(&format!("{base}_fp8_codes"), gate.dtype());
+    with_float_type!(gate.dtype(), T => with_slice::<T, _>(&gate, |gs, go, dev| {
+        with_slice::<T, _>(&up, |us, uo, _| {
+            if go % 8 != 0 || uo % 8 != 0 {
+                bail!("{base} needs 16-byte aligned inputs");
+            }
+            let func = kernel(dev, &NORM, &name)?;
+            // SAFETY: the kernel writes every code and every scale.
+            let codes = unsafe { dev.alloc::<u8>(rows * k) }?;
+            let scales = unsafe { dev.alloc::<f32>(rows) }?;
+            if rows > 0 {
+                let (gs, us) = (gs.slice(go..), us.slice(uo..));
+                let (k32, s) = (k as i32, static_scale.unwrap_or(0.0));
+                let mut b = func.builder();
+                b.arg(&gs).arg(&us).arg(&codes).arg(&scales).arg(&k32).arg(&s);
+                // SAFETY: arguments match `*_mul_fp8_codes_*` (one 256-thread block per row).
+                unsafe { b.launch(grid_rows(rows)) }.w()?;
+            }
+            Ok((wrap(codes, dev, (rows, k)), wrap(scales, dev, rows)))
+        })
+    }))
+}
+
+/// `act(gate) * up` by the kernel family `base` (`silu_mul`, `gelu_tanh_mul`).
+fn gated_mul(base: &str, gate: &Tensor, up: &Tensor, fp8_qdq: bool) -> Result<Tensor> {
+    let (gate, up, row) = gate_and_up(base, gate, up)?;
+    let n = gate.elem_count();
     let variant = if fp8_qdq {
         format!("{base}_fp8_qdq")
     } else {

@@ -183,6 +183,13 @@ impl QuantLinear {
     pub fn on_fp8_tensor_cores(&self) -> bool {
         self.fp8_tensor_cores.is_some()
     }
+
+    /// For a layer on the fp8 tensor cores, the scale its input rows are quantized with
+    /// ([`ops::quantize_fp8_rows`]): `Some(None)` per token, `Some(Some(s))` static. Whatever
+    /// produces the input may quantize it so and hand the rows to [`RowChunks::push_fp8_rows`].
+    pub fn fp8_input_scale(&self) -> Option<Option<f32>> {
+        self.fp8_tensor_cores.as_ref().map(|fp8| fp8.static_scale)
+    }
 }
 
 /// A Linear with e4m3 weights (one scale per output channel, or per tensor) and e4m3
@@ -248,12 +255,6 @@ impl Fp8TensorCores {
         let rows = ops::quantize_fp8_rows(x, self.static_scale)?;
         ops::fp8_matmul_t(&rows, &self.columns(), x.dtype())
     }
-
-    /// Adds `QDQ(x) · Wᵀ` into rows `row0..` of `out`.
-    fn add_into_rows(&self, out: &Tensor, row0: usize, x: &Tensor) -> Result<()> {
-        let rows = ops::quantize_fp8_rows(x, self.static_scale)?;
-        ops::fp8_matmul_t_add_into_rows(out, row0, &rows, &self.columns())
-    }
 }
 
 /// A Linear's output added to the residual stream, over an input that arrives in row chunks.
@@ -274,7 +275,35 @@ pub struct RowChunks<'a> {
 impl RowChunks<'_> {
     /// `x · wᵀ` for the next `x.dims()[0]` rows; `w` from [`QuantLinear::prepared_like`].
     pub fn push(&mut self, x: &Tensor, w: &PreparedWeight) -> Result<()> {
-        let n = x.dims()[0];
+        if let Some(fp8) = &self.linear.fp8_tensor_cores {
+            return self.push_fp8_rows(&ops::quantize_fp8_rows(x, fp8.static_scale)?);
+        }
+        let row0 = self.take_rows(x.dims()[0])?;
+        match &w.0 {
+            Some(w) if self.in_place => ops::matmul_t_add_into_rows(&self.residual, row0, x, w)?,
+            _ => self.parts.push(self.linear.forward_prepared(x, w)?),
+        }
+        Ok(())
+    }
+
+    /// [`Self::push`] of rows already quantized as the layer's [`QuantLinear::fp8_input_scale`]
+    /// says, for a layer on the fp8 tensor cores.
+    pub fn push_fp8_rows(&mut self, rows: &ops::Fp8Rows) -> Result<()> {
+        let Some(fp8) = self.linear.fp8_tensor_cores.clone() else {
+            candle_core::bail!("fp8 rows pushed into a layer that is not on the fp8 tensor cores");
+        };
+        let row0 = self.take_rows(rows.codes.dims()[0])?;
+        if self.in_place {
+            ops::fp8_matmul_t_add_into_rows(&self.residual, row0, rows, &fp8.columns())?;
+        } else {
+            let y = ops::fp8_matmul_t(rows, &fp8.columns(), self.residual.dtype())?;
+            self.parts.push(self.linear.add_bias(y)?);
+        }
+        Ok(())
+    }
+
+    /// The first of the next `n` output rows, now counted as filled.
+    fn take_rows(&mut self, n: usize) -> Result<usize> {
         if self.filled + n > self.rows {
             candle_core::bail!(
                 "{} rows pushed into an output of {}",
@@ -282,15 +311,8 @@ impl RowChunks<'_> {
                 self.rows
             );
         }
-        match (&self.linear.fp8_tensor_cores, &w.0) {
-            (Some(fp8), _) if self.in_place => fp8.add_into_rows(&self.residual, self.filled, x)?,
-            (None, Some(w)) if self.in_place => {
-                ops::matmul_t_add_into_rows(&self.residual, self.filled, x, w)?
-            }
-            _ => self.parts.push(self.linear.forward_prepared(x, w)?),
-        }
         self.filled += n;
-        Ok(())
+        Ok(self.filled - n)
     }
 
     /// The residual stream with the whole output added.

@@ -1,5 +1,7 @@
 //! `check`'s fp8 tensor-core rows (`ops::fp8_gemm`): the row quantization kernel bitwise equal
-//! to its CPU reference (per token and static, bf16 and f16, with the QDQ edge rows); the GEMM
+//! to its CPU reference (per token and static, bf16 and f16, with the QDQ edge rows), and the
+//! SwiGLU / GeGLU kernels that write the codes themselves equal to the activation then the
+//! quantization; the GEMM
 //! against f32 sums of the same codes and scales; every row alone equal to the same row among
 //! 300 (1..=130 rows) and a window's rows alone equal to them among eight windows, bit for bit,
 //! written fresh and added into a residual; and its time against bf16 cuBLAS on the Llama-3-8B
@@ -8,8 +10,8 @@
 use anyhow::Result;
 use candle_core::{DType, Device, Tensor};
 use exactscore_server::ops::{
-    fp8_matmul_t, fp8_matmul_t_add_into_rows, fp8_tensor_cores, quantize_fp8_rows, Fp8Columns,
-    Fp8Rows,
+    fp8_matmul_t, fp8_matmul_t_add_into_rows, fp8_tensor_cores, gated_mul, gated_mul_fp8_rows,
+    quantize_fp8_rows, Activation, Fp8Columns, Fp8Rows,
 };
 
 use crate::{bits_equal, time_ms};
@@ -57,6 +59,22 @@ pub fn run(device: &Device) -> Result<usize> {
                 let cpu = quantize_fp8_rows(&x.to_device(&Device::Cpu)?, scale)?;
                 quantize_cases.push(
                     bits_equal(&gpu.codes, &cpu.codes)? && bits_equal(&gpu.scales, &cpu.scales)?,
+                );
+            }
+        }
+    }
+    // The gated activations writing the down projection's codes in their own pass = the
+    // activation, then the quantization (on the device: the same expf).
+    for dtype in [DType::BF16, DType::F16] {
+        for act in [Activation::Silu, Activation::GeluTanh] {
+            for (k, scale) in [(14336, None), (17408, None), (1024, Some(0.037f32))] {
+                let gate = input(37, k, dtype, device)?;
+                let up = (input(37, k, dtype, device)? * 0.5)?;
+                let fused = gated_mul_fp8_rows(act, &gate, &up, scale)?;
+                let apart = quantize_fp8_rows(&gated_mul(act, &gate, &up, None)?, scale)?;
+                quantize_cases.push(
+                    bits_equal(&fused.codes, &apart.codes)?
+                        && bits_equal(&fused.scales, &apart.scales)?,
                 );
             }
         }
@@ -141,7 +159,7 @@ pub fn run(device: &Device) -> Result<usize> {
     let tflops = |ms: f64| 2.0 * (m * n * k) as f64 / ms / 1e9;
     let ok = quantize_exact && invariant && worst_rel <= 1e-2;
     println!(
-        "| fp8 tensor cores: row quantization = CPU bitwise {quantize_exact} {quantize_cases:?}; GEMM vs f32 sums \
+        "| fp8 tensor cores: row quantization = CPU bitwise, and fused into SwiGLU / GeGLU = apart, {quantize_exact} {quantize_cases:?}; GEMM vs f32 sums \
          of the same codes max rel {worst_rel:.1e} (emulated bf16 GEMM {worst_emulated_rel:.1e}); rows alone = among 300 (1..=130, fresh and \
          into a residual) and a window alone = among 8, bitwise {invariant}; [{m}, {k}] x \
          [{n}, {k}]ᵀ: {fp8_ms:.2} ms ({:.0} TFLOP/s) + quantizing the rows {quantize_ms:.2} ms, \

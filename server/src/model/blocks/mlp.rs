@@ -239,6 +239,15 @@ impl Mlp {
                 ])
             })?;
             drop((gate_in, up_in));
+            // On the fp8 tensor cores the activation writes the down projection's codes itself.
+            if let Some(scale) = self.down_proj.fp8_input_scale() {
+                let rows = stage(self.act.stage_name(), dev, || {
+                    ops::gated_mul_fp8_rows(self.act, &gate, &up, scale)
+                })?;
+                drop((gate, up));
+                stage("down_proj", dev, || out.push_fp8_rows(&rows))?;
+                continue;
+            }
             let qdq = self.down_proj.input_qdq();
             let down_in = stage(self.act.stage_name(), dev, || {
                 ops::gated_mul(self.act, &gate, &up, qdq)
