@@ -717,6 +717,36 @@ mod tests {
         })
     }
 
+    /// A layer on the fp8 tensor cores quantizes its own input: nothing upstream may apply its
+    /// QDQ (norms fuse none for it, stacked experts never share one), though `/info` still
+    /// reports the scheme.
+    #[test]
+    fn a_layer_on_the_fp8_tensor_cores_takes_its_input_unquantized() -> Result<()> {
+        let qdq = ActivationQdq::Fp8Static { scale: 0.5 };
+        let mut on_cores = linear(0, Some(qdq.clone()))?;
+        let codes = Tensor::zeros((8, 32), DType::U8, &Device::Cpu)?;
+        on_cores.fp8_tensor_cores = Some(Arc::new(Fp8TensorCores {
+            codes,
+            scales: Tensor::ones(8, DType::F32, &Device::Cpu)?,
+            static_scale: Some(0.5),
+        }));
+        let emulated = linear(1, Some(qdq.clone()))?;
+        assert_eq!(on_cores.activation(), Some(&qdq));
+        assert_eq!(on_cores.input_qdq(), None);
+        assert_eq!(on_cores.fp8_input_scale(), Some(Some(0.5)));
+        assert_eq!(emulated.input_qdq(), Some(&qdq));
+        assert_eq!(emulated.fp8_input_scale(), None);
+        assert_eq!(common_qdq(&[&emulated, &emulated]), Some(Some(&qdq)));
+        assert_eq!(common_qdq(&[&on_cores, &on_cores]), None);
+        assert_eq!(common_qdq(&[&emulated, &on_cores]), None);
+        // its input reaches it as it is
+        let x = Tensor::randn(0f32, 3f32, (5, 32), &Device::Cpu)?;
+        let [a, b] = quantized_inputs([&on_cores, &emulated], &x)?;
+        assert_eq!(a.to_vec2::<f32>()?, x.to_vec2::<f32>()?);
+        assert_eq!(b.to_vec2::<f32>()?, qdq.apply(&x)?.to_vec2::<f32>()?);
+        Ok(())
+    }
+
     #[test]
     fn sharing_the_input_gives_each_layer_its_own_qdq() -> Result<()> {
         let x = Tensor::randn(0f32, 3f32, (5, 32), &Device::Cpu)?;
