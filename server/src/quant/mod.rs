@@ -331,17 +331,22 @@ impl RowChunks<'_> {
     }
 }
 
-/// [`QuantLinear::forward_prepared`] of each layer on its input. Layers on the fp8 tensor cores
-/// that follow one another and read the same input (one tensor, as q/k/v and gate/up do) with
-/// the same activation scale quantize it once.
+/// [`QuantLinear::forward_prepared`] of each layer on its input (with the weight given, else
+/// prepared just for this product: [`QuantLinear::forward_quantized`], so that no two layers'
+/// dequantized weights are alive at once). Layers on the fp8 tensor cores that follow one
+/// another and read the same input (one tensor, as q/k/v and gate/up do) with the same
+/// activation scale quantize it once.
 pub fn forward_prepared_all<const N: usize>(
-    layers: [(&QuantLinear, &Tensor, &PreparedWeight); N],
+    layers: [(&QuantLinear, &Tensor, Option<&PreparedWeight>); N],
 ) -> Result<[Tensor; N]> {
     let mut shared: Option<(candle_core::TensorId, Option<f32>, ops::Fp8Rows)> = None;
     let mut out = Vec::with_capacity(N);
     for (linear, x, w) in layers {
         let Some(fp8) = &linear.fp8_tensor_cores else {
-            out.push(linear.forward_prepared(x, w)?);
+            out.push(match w {
+                Some(w) => linear.forward_prepared(x, w)?,
+                None => linear.forward_quantized(x)?,
+            });
             continue;
         };
         let rows = match shared.take() {
@@ -360,19 +365,11 @@ pub fn forward_prepared_all<const N: usize>(
         .unwrap_or_else(|_| unreachable!("one output per layer")))
 }
 
-/// [`forward_prepared_all`] with each weight prepared for its input.
+/// [`forward_prepared_all`] with each weight prepared for its own product.
 pub fn forward_quantized_all<const N: usize>(
     layers: [(&QuantLinear, &Tensor); N],
 ) -> Result<[Tensor; N]> {
-    let prepared = layers
-        .iter()
-        .map(|(l, x)| l.prepared_like(x))
-        .collect::<Result<Vec<_>>>()?;
-    let mut i = 0;
-    forward_prepared_all(layers.map(|(l, x)| {
-        i += 1;
-        (l, x, &prepared[i - 1])
-    }))
+    forward_prepared_all(layers.map(|(l, x)| (l, x, None)))
 }
 
 /// The weights of `linears` (of one shape: a mixture's experts) dequantized into one `[linears,

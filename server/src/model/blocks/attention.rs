@@ -180,6 +180,14 @@ impl Attention {
         let [q_in, k_in, v_in] = layer_inputs(qkv, &x, prequantized)?;
         drop(x);
         let [q, k, v] = stage("qkv_proj", dev, || {
+            // one at a time unless they share an fp8 quantization (as the MLP's gate and up)
+            if !self.q_proj.on_fp8_tensor_cores() {
+                return Ok([
+                    self.q_proj.forward_quantized(&q_in)?,
+                    self.k_proj.forward_quantized(&k_in)?,
+                    self.v_proj.forward_quantized(&v_in)?,
+                ]);
+            }
             forward_quantized_all([
                 (&self.q_proj, &q_in),
                 (&self.k_proj, &k_in),

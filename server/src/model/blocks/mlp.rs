@@ -233,9 +233,17 @@ impl Mlp {
             let [gate_in, up_in] =
                 layer_inputs([&self.gate_proj, &self.up_proj], &x, prequantized)?;
             let [gate, up] = stage("gate_up_proj", dev, || {
+                // one at a time unless they share an fp8 quantization (the order of the
+                // allocations shows in how much memory the allocator gives back after a request)
+                if !self.gate_proj.on_fp8_tensor_cores() {
+                    return Ok([
+                        self.gate_proj.forward_prepared(&gate_in, &w_gate)?,
+                        self.up_proj.forward_prepared(&up_in, &w_up)?,
+                    ]);
+                }
                 forward_prepared_all([
-                    (&self.gate_proj, &gate_in, &w_gate),
-                    (&self.up_proj, &up_in, &w_up),
+                    (&self.gate_proj, &gate_in, Some(&w_gate)),
+                    (&self.up_proj, &up_in, Some(&w_up)),
                 ])
             })?;
             drop((gate_in, up_in));
