@@ -42,15 +42,6 @@ pub enum Fp8Matmul {
     Emulated,
 }
 
-impl Fp8Matmul {
-    pub fn name(self) -> &'static str {
-        match self {
-            Self::TensorCores => "tensor-cores",
-            Self::Emulated => "emulated",
-        }
-    }
-}
-
 impl ActivationQdq {
     pub fn load(
         ckpt: &Checkpoint,
