@@ -122,45 +122,32 @@ __device__ void glu_mul_fp8_qdq(const T* gate, const T* up, T* out, int k) {
 // The same, one block (256 threads) per row of k values, written as the down projection's
 // input for the fp8 tensor-core GEMM: e4m3 codes and the row's scale (absmax / 448 of the
 // products rounded to T, or `static_scale` when > 0), the codes quantize_fp8_rows (fp8_gemm.cu)
-// gives the product in T. Each thread keeps its first HELD products in registers between the
-// absmax and the encoding and computes those beyond again.
+// gives the product in T. The products wait in dynamic shared memory (k values of T) between
+// the absmax and the encoding: each is computed once and few registers are live, so that
+// enough blocks share an SM to keep the loads in flight (products held in registers took 98
+// and allowed two blocks). Each thread reads back only the packs it wrote.
 template <typename T, typename Act>
 __device__ void glu_mul_fp8_codes(const T* gate, const T* up, uint8_t* codes, float* scales, int k,
                                   float static_scale) {
-    constexpr int HELD = 8;
     using P = Pack<T, 8>;
+    extern __shared__ __align__(16) unsigned char s_products[];
+    P* held = reinterpret_cast<P*>(s_products);
     const long base = (long)blockIdx.x * k;
-    auto product = [&](int i) {
+    float amax = 0.0f;
+#pragma unroll 2
+    for (int i = threadIdx.x * 8; i < k; i += 256 * 8) {
         const P g = *reinterpret_cast<const P*>(gate + base + i);
         const P u = *reinterpret_cast<const P*>(up + base + i);
-        return glu_mul8<T, Act>(g, u);
-    };
-    P held[HELD];
-    float amax = 0.0f;
-#pragma unroll
-    for (int h = 0; h < HELD; ++h) {
-        const int i = (threadIdx.x + h * 256) * 8;
-        if (i >= k) break;
-        held[h] = product(i);
-#pragma unroll
-        for (int j = 0; j < 8; ++j) amax = fmaxf(amax, fabsf(to_f32(held[h].v[j])));
-    }
-    for (int i = (threadIdx.x + HELD * 256) * 8; i < k; i += 256 * 8) {
-        const P p = product(i);
+        const P p = glu_mul8<T, Act>(g, u);
 #pragma unroll
         for (int j = 0; j < 8; ++j) amax = fmaxf(amax, fabsf(to_f32(p.v[j])));
+        held[i / 8] = p;
     }
     // every thread takes part in the block-wide max, whatever the static scale
     float scale = fp8_token_scale(amax);
     if (static_scale > 0.0f) scale = static_scale;
-#pragma unroll
-    for (int h = 0; h < HELD; ++h) {
-        const int i = (threadIdx.x + h * 256) * 8;
-        if (i >= k) break;
-        *reinterpret_cast<uint2*>(codes + base + i) = fp8_codes8(held[h], scale);
-    }
-    for (int i = (threadIdx.x + HELD * 256) * 8; i < k; i += 256 * 8) {
-        *reinterpret_cast<uint2*>(codes + base + i) = fp8_codes8(product(i), scale);
+    for (int i = threadIdx.x * 8; i < k; i += 256 * 8) {
+        *reinterpret_cast<uint2*>(codes + base + i) = fp8_codes8(held[i / 8], scale);
     }
     if (threadIdx.x == 0) scales[blockIdx.x] = scale;
 }

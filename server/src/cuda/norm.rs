@@ -1,7 +1,7 @@
 //! Launches of kernels/norm.cu: RMSNorm and the gated activations.
 // Kernel launches are FFI: the argument lists below must match the kernel signatures.
 
-use candle_core::cuda_backend::cudarc::driver::PushKernelArg;
+use candle_core::cuda_backend::cudarc::driver::{LaunchConfig, PushKernelArg};
 use candle_core::cuda_backend::WrapErr;
 use candle_core::{bail, DType, Result, Tensor};
 
@@ -137,6 +137,11 @@ fn gate_and_up(base: &str, gate: &Tensor, up: &Tensor) -> Result<(Tensor, Tensor
     Ok((gate, up, row))
 }
 
+/// Rows the fused gated activation keeps in shared memory (`k` values of the compute dtype),
+/// up to what every fp8 GPU grants a block (Ada: 99 KiB); longer rows are written and then
+/// quantized.
+const FUSED_ROW_BYTES: usize = 96 << 10;
+
 /// `act(gate) * up` (`gate`, `up`: `[rows, k]`, bf16/f16) by the kernel family `base`
 /// (`silu_mul`, `gelu_tanh_mul`), rounded as [`silu_mul`] rounds it and written as e4m3 codes
 /// and one f32 scale per row, per token or `static_scale`: the codes `fp8_gemm`'s
@@ -152,6 +157,11 @@ pub fn gated_mul_fp8_rows(
     if gate.dtype() == DType::F32 {
         bail!("{base}: fp8 codes of bf16 or f16 products, not f32");
     }
+    let row_bytes = k * gate.dtype().size_in_bytes();
+    if row_bytes > FUSED_ROW_BYTES {
+        let product = gated_mul(base, &gate, &up, false)?;
+        return super::fp8_gemm::quantize_fp8_rows(&product, static_scale);
+    }
     let name = kernel_name(&format!("{base}_fp8_codes"), gate.dtype());
     with_float_type!(gate.dtype(), T => with_slice::<T, _>(&gate, |gs, go, dev| {
         with_slice::<T, _>(&up, |us, uo, _| {
@@ -159,6 +169,7 @@ pub fn gated_mul_fp8_rows(
                 bail!("{base} needs 16-byte aligned inputs");
             }
             let func = kernel(dev, &NORM, &name)?;
+            func.allow_shared_bytes(row_bytes)?;
             // SAFETY: the kernel writes every code and every scale.
             let codes = unsafe { dev.alloc::<u8>(rows * k) }?;
             let scales = unsafe { dev.alloc::<f32>(rows) }?;
@@ -167,8 +178,13 @@ pub fn gated_mul_fp8_rows(
                 let (k32, s) = (k as i32, static_scale.unwrap_or(0.0));
                 let mut b = func.builder();
                 b.arg(&gs).arg(&us).arg(&codes).arg(&scales).arg(&k32).arg(&s);
-                // SAFETY: arguments match `*_mul_fp8_codes_*` (one 256-thread block per row).
-                unsafe { b.launch(grid_rows(rows)) }.w()?;
+                let config = LaunchConfig {
+                    shared_mem_bytes: row_bytes as u32,
+                    ..grid_rows(rows)
+                };
+                // SAFETY: arguments match `*_mul_fp8_codes_*` (one 256-thread block per row,
+                // a row of products in shared memory).
+                unsafe { b.launch(config) }.w()?;
             }
             Ok((wrap(codes, dev, (rows, k)), wrap(scales, dev, rows)))
         })
