@@ -739,9 +739,9 @@ impl WeightSummary {
             push_unique(formats.entry(kind.clone()).or_default(), w.describe());
             if let Some(qdq) = linear.activation() {
                 // How it runs is part of what the numbers are (bf16 sums differ).
-                let how = match linear.on_fp8_tensor_cores() {
-                    true => format!("{}, on the fp8 tensor cores", qdq.describe()),
-                    false => qdq.describe().into(),
+                let how = match linear.fp8_tensor_cores_summary() {
+                    Some(cores) => format!("{}, {cores}", qdq.describe()),
+                    None => qdq.describe().into(),
                 };
                 push_unique(activation.entry(kind.clone()).or_default(), how);
             }

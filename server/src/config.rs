@@ -44,6 +44,7 @@ pub enum ActQuantArg {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
 pub enum Fp8MatmulArg {
     TensorCores,
+    TensorCoresFastAccum,
     Emulated,
 }
 
@@ -114,8 +115,10 @@ pub struct Args {
     /// How a Linear with fp8 e4m3 weights (per channel or tensor) and fp8 activations (per
     /// token or static) multiplies in bf16/f16 on a GPU with fp8 tensor cores (compute
     /// capability 8.9+): the e4m3 codes on the tensor cores with f32 sums, as vLLM runs it
-    /// (`tensor-cores`), or the QDQ'd activations times the dequantized weight in bf16
-    /// (`emulated`). f32 and the CPU always emulate.
+    /// (`tensor-cores`; block FP8 on Hopper too), summed in Hopper's fp8 accumulator as
+    /// vLLM's per-channel CUTLASS kernels do (`tensor-cores-fast-accum`), or the QDQ'd
+    /// activations times the dequantized weight in bf16 (`emulated`). f32 and the CPU always
+    /// emulate.
     #[arg(
         long,
         env = "EXACTSCORE_FP8_MATMUL",
@@ -545,6 +548,7 @@ impl Config {
             },
             fp8_matmul: match args.fp8_matmul {
                 Fp8MatmulArg::TensorCores => Fp8Matmul::TensorCores,
+                Fp8MatmulArg::TensorCoresFastAccum => Fp8Matmul::TensorCoresFastAccum,
                 Fp8MatmulArg::Emulated => Fp8Matmul::Emulated,
             },
             kv_cache,

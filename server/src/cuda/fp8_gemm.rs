@@ -1,6 +1,8 @@
-//! The fp8 tensor-core GEMM (`ops/fp8_gemm.rs`): the row quantization kernel
+//! The fp8 tensor-core GEMM (`ops/fp8_gemm.rs`): the row quantization kernels
 //! (kernels/fp8_gemm.cu) and cuBLASLt's fp8 GEMM with outer-vector scales, `out[i, j] =
-//! round(x_scale[i] · w_scale[j] · Σ_k x[i, k] · w[j, k] (+ out[i, j]))` with f32 sums.
+//! round(x_scale[i] · w_scale[j] · Σ_k x[i, k] · w[j, k] (+ out[i, j]))` with f32 sums, or
+//! with block scales (Hopper), `round(Σ_b x_scale[b, i] · w_scale[j / 128, b] · Σ_{k in b}
+//! x[i, k] · w[j, k] (+ out[i, j]))` over the blocks b of 128 inputs.
 //!
 //! The algorithm is chosen once per weight shape and output dtype, for a fixed number of rows
 //! ([`CANONICAL_ROWS`]) and among those that do not split k, and then used for every call: the
@@ -21,12 +23,8 @@ use super::{device_address, kernel_name, with_slice, wrap};
 
 /// Rows of the problem the algorithm is chosen for (four windows of 2048).
 const CANONICAL_ROWS: u64 = 8192;
-/// Hopper's fast fp8 accumulation (the tensor cores' own accumulator, not promoted to f32 registers
-/// every few k-blocks): what vLLM serves, whose fp8 GEMMs on Hopper are CUTLASS's
-/// `…FP8FastAccum` schedules. Measured on an H200: max error 2.1e-3 of the largest output
-/// against f32 sums of the same codes (2.4e-3 promoted; the emulated bf16 layer 1.0e-2), and
-/// 5 % of an 8B forward faster.
-const FAST_ACCUMULATION: i8 = 1;
+/// With block scales, the rows of a problem are a multiple of this.
+const BLOCK_ROWS: usize = 4;
 /// cuBLASLt's workspace (its recommendation for Hopper).
 const WORKSPACE_BYTES: usize = 32 << 20;
 
@@ -81,6 +79,44 @@ pub fn quantize_fp8_rows(x: &Tensor, static_scale: Option<f32>) -> Result<(Tenso
     }))
 }
 
+/// e4m3 codes (`[m, k]`, u8) and f32 scales `[k / 128, m]` of `x` (`[m, k]`, bf16/f16, k a
+/// multiple of 128): one scale per row and 128 values, max(absmax, 1e-10) / 448, rounded up to
+/// a power of two where `power_of_two`.
+pub fn quantize_fp8_row_groups(x: &Tensor, power_of_two: bool) -> Result<(Tensor, Tensor)> {
+    let x = x.contiguous()?;
+    let (m, k) = x.dims2()?;
+    if !k.is_multiple_of(128) || !x.layout().start_offset().is_multiple_of(8) {
+        bail!("quantize_fp8_row_groups: k = {k} must be a multiple of 128, the start offset of 8");
+    }
+    if x.dtype() == DType::F32 {
+        bail!("quantize_fp8_row_groups: bf16 or f16 rows, not f32");
+    }
+    let halves = m * (k / 128);
+    with_float_type!(x.dtype(), T => with_slice::<T, _>(&x, |xs, xo, dev| {
+        let name = kernel_name("quantize_fp8_row_groups", x.dtype());
+        let func = kernel(dev, &FP8_GEMM, &name)?;
+        let stream = dev.cuda_stream();
+        // SAFETY: the kernel writes every code and every scale.
+        let codes = unsafe { stream.alloc::<u8>(m * k) }.w()?;
+        let scales = unsafe { stream.alloc::<f32>(halves) }.w()?;
+        if m > 0 {
+            let xs = xs.slice(xo..);
+            let (m32, k32, pow2) = (m as i32, k as i32, i32::from(power_of_two));
+            let mut b = func.builder();
+            b.arg(&xs).arg(&codes).arg(&scales).arg(&m32).arg(&k32).arg(&pow2);
+            // half a warp per group of 128, sixteen groups per block of 256
+            let config = LaunchConfig {
+                grid_dim: (halves.div_ceil(16) as u32, 1, 1),
+                block_dim: (256, 1, 1),
+                shared_mem_bytes: 0,
+            };
+            // SAFETY: x holds m rows of k values, codes m * k bytes, scales m * k / 128 floats.
+            unsafe { b.launch(config) }.w()?;
+        }
+        Ok((wrap(codes, dev, (m, k)), wrap(scales, dev, (k / 128, m))))
+    }))
+}
+
 /// `x · wᵀ` with the scales applied, as a new `[m, n]` tensor in `dtype` (bf16/f16).
 pub fn fp8_matmul_t(
     x_codes: &Tensor,
@@ -88,6 +124,7 @@ pub fn fp8_matmul_t(
     w_codes: &Tensor,
     w_scales: &Tensor,
     dtype: DType,
+    fast_accum: bool,
 ) -> Result<Tensor> {
     let (m, _) = x_codes.dims2()?;
     let (n, _) = w_codes.dims2()?;
@@ -99,12 +136,19 @@ pub fn fp8_matmul_t(
         let slice = unsafe { dev.cuda_stream().alloc::<T>(m * n) }.w()?;
         wrap(slice, dev, (m, n))
     });
-    fp8_matmul_t_into_rows(&out, 0, x_codes, x_scales, w_codes, w_scales, false)?;
+    fp8_matmul_t_into_rows(
+        &out, 0, x_codes, x_scales, w_codes, w_scales, false, fast_accum,
+    )?;
     Ok(out)
 }
 
 /// [`fp8_matmul_t`] written into rows `row0..row0 + m` of `out` (`[rows, n]`, contiguous,
-/// bf16/f16), added to what they hold where `accumulate` (one rounding of the sum).
+/// bf16/f16), added to what they hold where `accumulate` (one rounding of the sum). The scales
+/// are per row and column (`[m]`, `[n]`) or per block (`[k / 128, m]`, `[n / 128, k / 128]`;
+/// k a multiple of 512 (cuBLASLt reads the weight's scales wrong unless each row of them is
+/// 16-byte aligned: `check`), n of 128; other than 4k rows run padded; summed in f32
+/// whatever `fast_accum` says).
+#[allow(clippy::too_many_arguments)]
 pub fn fp8_matmul_t_into_rows(
     out: &Tensor,
     row0: usize,
@@ -113,8 +157,34 @@ pub fn fp8_matmul_t_into_rows(
     w_codes: &Tensor,
     w_scales: &Tensor,
     accumulate: bool,
+    fast_accum: bool,
 ) -> Result<()> {
     let (m, k) = x_codes.dims2()?;
+    // Block scales: cuBLASLt takes a multiple of 4 rows (each group's row scales 16-byte
+    // aligned). Other chunks run padded with zero rows on a copy of their output rows: a row's
+    // sums and its one rounding do not depend on the rows beside it.
+    if x_scales.rank() == 2 && !m.is_multiple_of(BLOCK_ROWS) && out.dim(0)? >= row0 + m {
+        let pad = m.next_multiple_of(BLOCK_ROWS) - m;
+        let groups = x_scales.dim(0)?;
+        let dev = x_codes.device();
+        let codes = Tensor::cat(&[x_codes, &Tensor::zeros((pad, k), DType::U8, dev)?], 0)?;
+        let scales = Tensor::cat(
+            &[x_scales, &Tensor::zeros((groups, pad), DType::F32, dev)?],
+            1,
+        )?;
+        let rows = out.narrow(0, row0, m)?;
+        let padded = Tensor::cat(
+            &[
+                &rows,
+                &Tensor::zeros((pad, rows.dim(1)?), out.dtype(), dev)?,
+            ],
+            0,
+        )?;
+        fp8_matmul_t_into_rows(
+            &padded, 0, &codes, &scales, w_codes, w_scales, accumulate, fast_accum,
+        )?;
+        return out.slice_set(&padded.narrow(0, 0, m)?, 0, row0);
+    }
     let (n, w_k) = w_codes.dims2()?;
     let (rows, out_n) = out.dims2()?;
     let contiguous = [out, x_codes, x_scales, w_codes, w_scales]
@@ -128,11 +198,22 @@ pub fn fp8_matmul_t_into_rows(
             .iter()
             .all(|t| t.layout().start_offset().is_multiple_of(4))
         && (out.layout().start_offset() + row0 * n).is_multiple_of(8);
+    let scaling = if x_scales.dims() == [m] && w_scales.dims() == [n] {
+        Some(Scaling::PerRowAndColumn)
+    } else if x_scales.dims() == [k / 128, m]
+        && w_scales.dims() == [n / 128, k / 128]
+        && k.is_multiple_of(512)
+        && n.is_multiple_of(128)
+        && m.is_multiple_of(BLOCK_ROWS)
+    {
+        Some(Scaling::Blocks)
+    } else {
+        None
+    };
     if w_k != k
         || out_n != n
         || row0 + m > rows
-        || x_scales.elem_count() != m
-        || w_scales.elem_count() != n
+        || scaling.is_none()
         || !contiguous
         || !aligned
         || !k.is_multiple_of(16)
@@ -140,12 +221,13 @@ pub fn fp8_matmul_t_into_rows(
         || [x_scales, w_scales].iter().any(|t| t.dtype() != DType::F32)
     {
         bail!(
-            "fp8_matmul_t: x {:?} ({} scales) and w {:?} ({} scales) into rows {row0}.. of \
-             {:?} (u8 codes, f32 scales, contiguous and 16-byte aligned, k a multiple of 16)",
+            "fp8_matmul_t: x {:?} (scales {:?}) and w {:?} (scales {:?}) into rows {row0}.. of \
+             {:?} (u8 codes, f32 scales per row and column or per block, contiguous and 16-byte \
+             aligned, k a multiple of 16)",
             x_codes.dims(),
-            x_scales.elem_count(),
+            x_scales.dims(),
             w_codes.dims(),
-            w_scales.elem_count(),
+            w_scales.dims(),
             out.dims()
         );
     }
@@ -168,6 +250,8 @@ pub fn fp8_matmul_t_into_rows(
         k: k as u64,
         d_type,
         beta: if accumulate { 1.0 } else { 0.0 },
+        scaling: scaling.unwrap_or(Scaling::PerRowAndColumn),
+        fast_accum,
     };
     // SAFETY: every address holds what `problem` says (shapes checked above).
     unsafe {
@@ -208,6 +292,20 @@ struct Problem {
     k: u64,
     d_type: lt_sys::cudaDataType,
     beta: f32,
+    scaling: Scaling,
+    /// Hopper's fast fp8 accumulation (`CUBLASLT_MATMUL_DESC_FAST_ACCUM`); else the partial
+    /// sums are promoted to f32.
+    fast_accum: bool,
+}
+
+/// Where the scales apply.
+#[derive(Clone, Copy, PartialEq, Eq, Hash, Debug)]
+enum Scaling {
+    /// One per row of `x` and one per row of `w` (`OUTER_VEC_32F`).
+    PerRowAndColumn,
+    /// One per row of `x` and 128 inputs (`VEC128_32F`), one per 128 × 128 block of `w`
+    /// (`BLK128x128_32F`).
+    Blocks,
 }
 
 /// The values of `CUBLASLT_MATMUL_DESC_TRANSA/B` (a `cublasOperation_t`, an int32).
@@ -270,8 +368,8 @@ unsafe fn set_desc<T>(
 }
 
 impl Problem {
-    /// The descriptor: f32 compute and scales, `w` transposed, outer-vector scales (one per
-    /// output column for `w`, one per row for `x`), [`FAST_ACCUMULATION`].
+    /// The descriptor: f32 compute and scales, `w` transposed, the scale modes of
+    /// `self.scaling`, fast accumulation or not (never with block scales: their sums are f32).
     fn desc(&self, w_scales: u64, x_scales: u64) -> Result<Desc> {
         use lt_sys::cublasLtMatmulDescAttributes_t as A;
         let desc = Desc(
@@ -281,17 +379,28 @@ impl Problem {
             )
             .lt()?,
         );
-        let outer = lt_sys::cublasLtMatmulMatrixScale_t::CUBLASLT_MATMUL_MATRIX_SCALE_OUTER_VEC_32F;
+        use lt_sys::cublasLtMatmulMatrixScale_t as S;
+        let (w_mode, x_mode) = match self.scaling {
+            Scaling::PerRowAndColumn => (
+                S::CUBLASLT_MATMUL_MATRIX_SCALE_OUTER_VEC_32F,
+                S::CUBLASLT_MATMUL_MATRIX_SCALE_OUTER_VEC_32F,
+            ),
+            Scaling::Blocks => (
+                S::CUBLASLT_MATMUL_MATRIX_SCALE_BLK128x128_32F,
+                S::CUBLASLT_MATMUL_MATRIX_SCALE_VEC128_32F,
+            ),
+        };
+        let fast_accum = self.fast_accum && self.scaling == Scaling::PerRowAndColumn;
         // SAFETY: each value has the attribute's documented type.
         unsafe {
             set_desc(&desc, A::CUBLASLT_MATMUL_DESC_TRANSA, &CUBLAS_OP_T)?;
             set_desc(&desc, A::CUBLASLT_MATMUL_DESC_TRANSB, &CUBLAS_OP_N)?;
-            set_desc(&desc, A::CUBLASLT_MATMUL_DESC_A_SCALE_MODE, &outer)?;
-            set_desc(&desc, A::CUBLASLT_MATMUL_DESC_B_SCALE_MODE, &outer)?;
+            set_desc(&desc, A::CUBLASLT_MATMUL_DESC_A_SCALE_MODE, &w_mode)?;
+            set_desc(&desc, A::CUBLASLT_MATMUL_DESC_B_SCALE_MODE, &x_mode)?;
             set_desc(
                 &desc,
                 A::CUBLASLT_MATMUL_DESC_FAST_ACCUM,
-                &FAST_ACCUMULATION,
+                &i8::from(fast_accum),
             )?;
             set_desc(&desc, A::CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, &w_scales)?;
             set_desc(&desc, A::CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, &x_scales)?;
@@ -312,7 +421,7 @@ impl Problem {
         Ok(made)
     }
 
-    /// The algorithm for this weight shape and output (see the module documentation), chosen
+    /// The algorithm for this weight shape, output and accumulation (see the module documentation), chosen
     /// on first use on each GPU and kept.
     /// `desc` has the scale pointers set (cuBLASLt needs them to choose).
     fn algorithm(
@@ -321,11 +430,19 @@ impl Problem {
         handle: Handle,
         desc: &Desc,
     ) -> Result<lt_sys::cublasLtMatmulAlgo_t> {
-        type Key = (usize, u64, u64, u32, bool);
+        type Key = (usize, u64, u64, u32, bool, Scaling, bool);
         static CHOSEN: OnceLock<Mutex<HashMap<Key, lt_sys::cublasLtMatmulAlgo_t>>> =
             OnceLock::new();
         let ctx = dev.cuda_stream().context().cu_ctx() as usize;
-        let key = (ctx, self.n, self.k, self.d_type as u32, self.beta != 0.0);
+        let key = (
+            ctx,
+            self.n,
+            self.k,
+            self.d_type as u32,
+            self.beta != 0.0,
+            self.scaling,
+            self.fast_accum,
+        );
         if let Some(algo) = CHOSEN
             .get_or_init(Default::default)
             .lock()

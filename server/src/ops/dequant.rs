@@ -140,15 +140,8 @@ impl ActivationQdq {
                 power_of_two,
             } => {
                 for part in row.chunks_mut(group) {
-                    let scale = absmax(part).max(VLLM_GROUP_EPS) / FP8_E4M3_MAX;
-                    qdq_fp8(
-                        part,
-                        if power_of_two {
-                            ceil_power_of_two(scale)
-                        } else {
-                            scale
-                        },
-                    );
+                    let scale = fp8_group_scale(part, power_of_two);
+                    qdq_fp8(part, scale);
                 }
             }
             Self::Nvfp4 { global_scale } => {
@@ -165,6 +158,16 @@ impl ActivationQdq {
 /// (a set mantissa carries into the exponent).
 pub fn ceil_power_of_two(s: f32) -> f32 {
     f32::from_bits((s.to_bits() + 0x007f_ffff) & 0xff80_0000)
+}
+
+/// The scale of one token's group of inputs, as vLLM's `per_token_group_quant_fp8` computes
+/// it: max(absmax, 1e-10) / 448, rounded up to a power of two (UE8M0) where `power_of_two`.
+pub fn fp8_group_scale(part: &[f32], power_of_two: bool) -> f32 {
+    let scale = absmax(part).max(VLLM_GROUP_EPS) / FP8_E4M3_MAX;
+    match power_of_two {
+        true => ceil_power_of_two(scale),
+        false => scale,
+    }
 }
 
 /// The per-token fp8 scale of a row: absmax / 448, or f32 epsilon for a row of zeros.

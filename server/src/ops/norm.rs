@@ -4,7 +4,7 @@
 use candle_core::{DType, Device, Module, Result, Tensor, D};
 
 use super::dequant::{activation_qdq, ActivationQdq};
-use super::fp8_gemm::{quantize_fp8_rows, Fp8Rows};
+use super::fp8_gemm::{quantize_fp8_rows, Fp8InputScale, Fp8Rows};
 
 super::gpu_entry_points!(norm {
     fn rms_norm(x: &Tensor, weight: &Tensor, eps: f32, fp8_qdq: bool) -> Result<Tensor>;
@@ -122,26 +122,28 @@ pub fn gated_mul(
     finish_qdq(product, qdq, fused)
 }
 
-/// [`gated_mul`] without a QDQ, quantized per row to e4m3 codes ([`quantize_fp8_rows`] with
-/// `static_scale`): the down projection's input on the fp8 tensor cores. On a GPU in bf16/f16 the
-/// SwiGLU and GeGLU kernels write the codes in the same pass (the same bits).
+/// [`gated_mul`] without a QDQ, quantized to e4m3 codes ([`quantize_fp8_rows`] with `scale`):
+/// the down projection's input on the fp8 tensor cores. On a GPU in bf16/f16 the SwiGLU and
+/// GeGLU kernels write the codes with one scale per row in the same pass (the same bits).
 pub fn gated_mul_fp8_rows(
     act: Activation,
     gate: &Tensor,
     up: &Tensor,
-    static_scale: Option<f32>,
+    scale: Fp8InputScale,
 ) -> Result<Fp8Rows> {
     let kernel = match act {
         Activation::Silu => Some("silu_mul"),
         Activation::GeluTanh => Some("gelu_tanh_mul"),
         Activation::ClampedSwiglu => None,
     };
-    match kernel {
-        Some(base) if gate.device().is_cuda() && gate.dtype() != DType::F32 => {
+    match (kernel, scale.per_row()) {
+        (Some(base), Some(static_scale))
+            if gate.device().is_cuda() && gate.dtype() != DType::F32 =>
+        {
             let (codes, scales) = gpu::gated_mul_fp8_rows(base, gate, up, static_scale)?;
             Ok(Fp8Rows { codes, scales })
         }
-        _ => quantize_fp8_rows(&gated_mul(act, gate, up, None)?, static_scale),
+        _ => quantize_fp8_rows(&gated_mul(act, gate, up, None)?, scale),
     }
 }
 

@@ -35,11 +35,22 @@ impl std::str::FromStr for ActivationQuantMode {
 #[serde(rename_all = "kebab-case")]
 pub enum Fp8Matmul {
     /// The e4m3 codes on the tensor cores, f32 sums, both scales applied to each sum, rounded
-    /// once: how vLLM runs the layer (default).
+    /// once (default).
     #[default]
     TensorCores,
+    /// The same with Hopper's fast fp8 accumulation: the tensor cores' own accumulator, not
+    /// promoted to f32 registers every few k-blocks, as vLLM's CUTLASS `…FP8FastAccum` GEMMs
+    /// sum.
+    TensorCoresFastAccum,
     /// QDQ'd activations times the dequantized weight, both in the compute dtype.
     Emulated,
+}
+
+impl Fp8Matmul {
+    /// Whether a layer that can multiplies on the fp8 tensor cores.
+    pub fn on_tensor_cores(self) -> bool {
+        self != Self::Emulated
+    }
 }
 
 impl ActivationQdq {

@@ -184,23 +184,34 @@ impl QuantLinear {
         self.fp8_tensor_cores.is_some()
     }
 
+    /// For a layer on the fp8 tensor cores, how it multiplies (`/info`).
+    pub fn fp8_tensor_cores_summary(&self) -> Option<&'static str> {
+        let fp8 = self.fp8_tensor_cores.as_ref()?;
+        Some(match fp8.fast_accum && fp8.input.per_row().is_some() {
+            true => "on the fp8 tensor cores, fast accumulation",
+            false => "on the fp8 tensor cores",
+        })
+    }
+
     /// For a layer on the fp8 tensor cores, the scale its input rows are quantized with
-    /// ([`ops::quantize_fp8_rows`]): `Some(None)` per token, `Some(Some(s))` static. Whatever
-    /// produces the input may quantize it so and hand the rows to [`RowChunks::push_fp8_rows`].
-    pub fn fp8_input_scale(&self) -> Option<Option<f32>> {
-        self.fp8_tensor_cores.as_ref().map(|fp8| fp8.static_scale)
+    /// ([`ops::quantize_fp8_rows`]). Whatever produces the input may quantize it so and hand
+    /// the rows to [`RowChunks::push_fp8_rows`].
+    pub fn fp8_input_scale(&self) -> Option<ops::Fp8InputScale> {
+        self.fp8_tensor_cores.as_ref().map(|fp8| fp8.input)
     }
 }
 
-/// A Linear with e4m3 weights (one scale per output channel, or per tensor) and e4m3
-/// activations (per token, or one static scale) that multiplies on the fp8 tensor cores.
+/// A Linear with e4m3 weights (one scale per output channel or per tensor, with e4m3
+/// activations per token or static; or one scale per 128 × 128 block, with activations per
+/// token and 128 inputs) that multiplies on the fp8 tensor cores.
 #[derive(Clone)]
 struct Fp8TensorCores {
     codes: Tensor,
-    /// f32, one per output channel.
+    /// f32, one per output channel (`[out]`) or per block (`[out / 128, in / 128]`).
     scales: Tensor,
-    /// The activations' static scale, or `None` for one per token.
-    static_scale: Option<f32>,
+    input: ops::Fp8InputScale,
+    /// [`Fp8Matmul::TensorCoresFastAccum`].
+    fast_accum: bool,
 }
 
 impl Fp8TensorCores {
@@ -212,13 +223,11 @@ impl Fp8TensorCores {
         activation: Option<&ActivationQdq>,
         opts: &LinearOptions,
     ) -> Result<Option<Self>> {
-        let static_scale = match activation {
-            Some(ActivationQdq::Fp8PerToken) => None,
-            Some(&ActivationQdq::Fp8Static { scale }) => Some(scale),
-            _ => return Ok(None),
+        let Some(input) = activation.and_then(ops::Fp8InputScale::of) else {
+            return Ok(None);
         };
         let (out, inp) = weight.shape();
-        let applies = opts.fp8_matmul == Fp8Matmul::TensorCores
+        let applies = opts.fp8_matmul.on_tensor_cores()
             && matches!(opts.dtype, DType::BF16 | DType::F16)
             && inp.is_multiple_of(16)
             && out.is_multiple_of(8)
@@ -231,15 +240,27 @@ impl Fp8TensorCores {
         else {
             return Ok(None);
         };
-        let scales = match block {
-            (1, cols) if cols == inp => scale.clone(),
-            (rows, cols) if (rows, cols) == (out, inp) => scale.broadcast_as(out)?.contiguous()?,
+        let b = ops::FP8_BLOCK;
+        let scales = match (block, input) {
+            (_, ops::Fp8InputScale::PerTokenGroup128 { .. }) => {
+                // cuBLASLt's block scales: whole blocks, and the weight's rows of scales 16-byte
+                // aligned (it reads shorter rows wrong, measured: `check`'s block fp8 row)
+                if block != (b, b) || !out.is_multiple_of(b) || !inp.is_multiple_of(4 * b) {
+                    return Ok(None);
+                }
+                scale.reshape((out / b, inp / b))?.contiguous()?
+            }
+            ((1, cols), _) if cols == inp => scale.flatten_all()?,
+            ((rows, cols), _) if (rows, cols) == (out, inp) => {
+                scale.flatten_all()?.broadcast_as(out)?.contiguous()?
+            }
             _ => return Ok(None),
         };
         Ok(Some(Self {
             codes: codes.clone(),
             scales,
-            static_scale,
+            input,
+            fast_accum: opts.fp8_matmul == Fp8Matmul::TensorCoresFastAccum,
         }))
     }
 
@@ -247,12 +268,13 @@ impl Fp8TensorCores {
         ops::Fp8Columns {
             codes: &self.codes,
             scales: &self.scales,
+            fast_accum: self.fast_accum,
         }
     }
 
     /// `QDQ(x) · Wᵀ` of the unquantized `x`.
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        let rows = ops::quantize_fp8_rows(x, self.static_scale)?;
+        let rows = ops::quantize_fp8_rows(x, self.input)?;
         ops::fp8_matmul_t(&rows, &self.columns(), x.dtype())
     }
 }
@@ -276,7 +298,7 @@ impl RowChunks<'_> {
     /// `x · wᵀ` for the next `x.dims()[0]` rows; `w` from [`QuantLinear::prepared_like`].
     pub fn push(&mut self, x: &Tensor, w: &PreparedWeight) -> Result<()> {
         if let Some(fp8) = &self.linear.fp8_tensor_cores {
-            return self.push_fp8_rows(&ops::quantize_fp8_rows(x, fp8.static_scale)?);
+            return self.push_fp8_rows(&ops::quantize_fp8_rows(x, fp8.input)?);
         }
         let row0 = self.take_rows(x.dims()[0])?;
         match &w.0 {
@@ -339,7 +361,7 @@ impl RowChunks<'_> {
 pub fn forward_prepared_all<const N: usize>(
     layers: [(&QuantLinear, &Tensor, Option<&PreparedWeight>); N],
 ) -> Result<[Tensor; N]> {
-    let mut shared: Option<(candle_core::TensorId, Option<f32>, ops::Fp8Rows)> = None;
+    let mut shared: Option<(candle_core::TensorId, ops::Fp8InputScale, ops::Fp8Rows)> = None;
     let mut out = Vec::with_capacity(N);
     for (linear, x, w) in layers {
         let Some(fp8) = &linear.fp8_tensor_cores else {
@@ -350,12 +372,8 @@ pub fn forward_prepared_all<const N: usize>(
             continue;
         };
         let rows = match shared.take() {
-            Some(same) if (same.0, same.1) == (x.id(), fp8.static_scale) => same,
-            _ => (
-                x.id(),
-                fp8.static_scale,
-                ops::quantize_fp8_rows(x, fp8.static_scale)?,
-            ),
+            Some(same) if (same.0, same.1) == (x.id(), fp8.input) => same,
+            _ => (x.id(), fp8.input, ops::quantize_fp8_rows(x, fp8.input)?),
         };
         out.push(linear.add_bias(ops::fp8_matmul_t(&rows.2, &fp8.columns(), x.dtype())?)?);
         shared = Some(rows);
@@ -725,12 +743,16 @@ mod tests {
         on_cores.fp8_tensor_cores = Some(Arc::new(Fp8TensorCores {
             codes,
             scales: Tensor::ones(8, DType::F32, &Device::Cpu)?,
-            static_scale: Some(0.5),
+            input: ops::Fp8InputScale::Static(0.5),
+            fast_accum: false,
         }));
         let emulated = linear(1, Some(qdq.clone()))?;
         assert_eq!(on_cores.activation(), Some(&qdq));
         assert_eq!(on_cores.input_qdq(), None);
-        assert_eq!(on_cores.fp8_input_scale(), Some(Some(0.5)));
+        assert_eq!(
+            on_cores.fp8_input_scale(),
+            Some(ops::Fp8InputScale::Static(0.5))
+        );
         assert_eq!(emulated.input_qdq(), Some(&qdq));
         assert_eq!(emulated.fp8_input_scale(), None);
         assert_eq!(common_qdq(&[&emulated, &emulated]), Some(Some(&qdq)));

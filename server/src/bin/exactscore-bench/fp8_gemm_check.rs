@@ -11,10 +11,13 @@ use anyhow::Result;
 use candle_core::{DType, Device, Tensor};
 use exactscore_server::ops::{
     fp8_matmul_t, fp8_matmul_t_add_into_rows, fp8_tensor_cores, gated_mul, gated_mul_fp8_rows,
-    quantize_fp8_rows, Activation, Fp8Columns, Fp8Rows,
+    quantize_fp8_rows, Activation, Fp8Columns, Fp8InputScale, Fp8Rows,
 };
 
 use crate::{bits_equal, time_ms};
+
+const PER_TOKEN: Fp8InputScale = Fp8InputScale::PerToken;
+const STATIC: Fp8InputScale = Fp8InputScale::Static(0.037);
 
 /// `[rows, k]` random values with the QDQ edge rows (zeros, far beyond fp8's range but finite in
 /// `dtype`, tiny, -0.0).
@@ -48,11 +51,13 @@ pub fn run(device: &Device) -> Result<usize> {
         );
         return Ok(0);
     }
-    // The quantization kernel vs the CPU reference.
-    // bf16 / f16, per token / static, k = 4096 (in registers) and 17,408 (partly read again).
+    // The quantization kernels vs the CPU reference.
+    // bf16 / f16, per token / static / per group of 128 (scales as they are and rounded up to
+    // powers of two), k = 4096 and 17,408.
     let mut quantize_cases = Vec::new();
+    let groups = |power_of_two| Fp8InputScale::PerTokenGroup128 { power_of_two };
     for dtype in [DType::BF16, DType::F16] {
-        for scale in [None, Some(0.037f32)] {
+        for scale in [PER_TOKEN, STATIC, groups(false), groups(true)] {
             for k in [4096, 17408] {
                 let x = input(37, k, dtype, device)?;
                 let gpu = quantize_fp8_rows(&x, scale)?;
@@ -67,7 +72,7 @@ pub fn run(device: &Device) -> Result<usize> {
     // activation, then the quantization (on the device: the same expf).
     for dtype in [DType::BF16, DType::F16] {
         for act in [Activation::Silu, Activation::GeluTanh] {
-            for (k, scale) in [(14336, None), (17408, None), (1024, Some(0.037f32))] {
+            for (k, scale) in [(14336, PER_TOKEN), (17408, PER_TOKEN), (1024, STATIC)] {
                 let gate = input(37, k, dtype, device)?;
                 let up = (input(37, k, dtype, device)? * 0.5)?;
                 let fused = gated_mul_fp8_rows(act, &gate, &up, scale)?;
@@ -80,16 +85,76 @@ pub fn run(device: &Device) -> Result<usize> {
         }
     }
     let quantize_exact = quantize_cases.iter().all(|&same| same);
+    let mut ok = quantize_exact;
+    let mut report = format!(
+        "row quantization = CPU bitwise, and fused into SwiGLU / GeGLU = apart, \
+         {quantize_exact} {quantize_cases:?}"
+    );
+    for fast_accum in [false, true] {
+        let gemm = check_gemm(device, fast_accum)?;
+        ok &= gemm.invariant && gemm.worst_rel <= 1e-2;
+        report += &format!(
+            "; {}: GEMM vs f32 sums of the same codes max rel {:.1e} (k up to 14336; emulated \
+             bf16 GEMM {:.1e}), rows alone = among 300 (1..=130, fresh and into a residual) and \
+             a window alone = among 8, bitwise {}; {}",
+            if fast_accum {
+                "fast accumulation"
+            } else {
+                "f32 sums"
+            },
+            gemm.worst_rel,
+            gemm.worst_emulated_rel,
+            gemm.invariant,
+            gemm.timing,
+        );
+    }
+    let block = check_block_gemm(device)?;
+    ok &= block.invariant && block.worst_rel <= 1e-2;
+    report += &format!(
+        "; block fp8 (128 x 128 weight blocks, rows per 128 inputs): GEMM vs f32 sums max rel \
+         {:.1e} (1..=300 rows, k 512 to 14336), rows alone = among 300 (1, 3, 4, 37, 129; \
+         fresh and added into a residual) bitwise {}; {}",
+        block.worst_rel, block.invariant, block.timing
+    );
+    // The SwiGLU writing the down projection's codes, against writing bf16 (a window of the
+    // Llama-3-8B MLP).
+    let gate = Tensor::randn(0f32, 1.0, (2048, 14336), device)?.to_dtype(DType::BF16)?;
+    let up = Tensor::randn(0f32, 1.0, (2048, 14336), device)?.to_dtype(DType::BF16)?;
+    let time = |f: &dyn Fn() -> candle_core::Result<Tensor>| time_ms(device, f);
+    let codes_ms =
+        time(&|| gated_mul_fp8_rows(Activation::Silu, &gate, &up, PER_TOKEN).map(|q| q.codes))?;
+    let bf16_ms = time(&|| gated_mul(Activation::Silu, &gate, &up, None))?;
+    report += &format!(
+        "; SwiGLU [2048, 14336] writing codes {codes_ms:.3} ms, writing bf16 {bf16_ms:.3} ms"
+    );
+    println!(
+        "| fp8 tensor cores: {report} | {} |",
+        if ok { "ok" } else { "FAIL" }
+    );
+    Ok(usize::from(!ok))
+}
+
+struct GemmCheck {
+    worst_rel: f32,
+    worst_emulated_rel: f32,
+    invariant: bool,
+    timing: String,
+}
+
+/// The GEMM summing as `fast_accum` says: against f32 sums of the decoded codes, row
+/// invariance, and its time on the Llama-3-8B MLP shape against bf16 cuBLAS.
+fn check_gemm(device: &Device, fast_accum: bool) -> Result<GemmCheck> {
     // The GEMM against f32 sums of the decoded codes, and row invariance.
     let (mut worst_rel, mut worst_emulated_rel, mut invariant) = (0f32, 0f32, true);
-    for (n, k) in [(256, 128), (1024, 4096), (200, 512)] {
+    for (n, k) in [(256, 128), (1024, 4096), (200, 512), (512, 14336)] {
         let x = input(300, k, DType::BF16, device)?;
-        let q = quantize_fp8_rows(&x, None)?;
+        let q = quantize_fp8_rows(&x, PER_TOKEN)?;
         let w_values = input(n, k, DType::BF16, device)?;
-        let w = quantize_fp8_rows(&w_values, None)?;
+        let w = quantize_fp8_rows(&w_values, PER_TOKEN)?;
         let columns = Fp8Columns {
             codes: &w.codes,
             scales: &w.scales,
+            fast_accum,
         };
         let all = fp8_matmul_t(&q, &columns, DType::BF16)?;
         let decode = |r: &Fp8Rows| -> Result<Tensor> {
@@ -141,11 +206,12 @@ pub fn run(device: &Device) -> Result<usize> {
     let (m, n, k) = (8 * 2048, 14336, 4096);
     let x = Tensor::randn(0f32, 1.0, (m, k), device)?.to_dtype(DType::BF16)?;
     let w_values = Tensor::randn(0f32, 0.02, (n, k), device)?.to_dtype(DType::BF16)?;
-    let q = quantize_fp8_rows(&x, None)?;
-    let w = quantize_fp8_rows(&w_values, None)?;
+    let q = quantize_fp8_rows(&x, PER_TOKEN)?;
+    let w = quantize_fp8_rows(&w_values, PER_TOKEN)?;
     let columns = Fp8Columns {
         codes: &w.codes,
         scales: &w.scales,
+        fast_accum,
     };
     let all = fp8_matmul_t(&q, &columns, DType::BF16)?;
     for window in [0, 5] {
@@ -154,19 +220,151 @@ pub fn run(device: &Device) -> Result<usize> {
     }
     let time = |f: &dyn Fn() -> candle_core::Result<Tensor>| time_ms(device, f);
     let fp8_ms = time(&|| fp8_matmul_t(&q, &columns, DType::BF16))?;
-    let quantize_ms = time(&|| quantize_fp8_rows(&x, None).map(|q| q.codes))?;
+    let quantize_ms = time(&|| quantize_fp8_rows(&x, PER_TOKEN).map(|q| q.codes))?;
     let bf16_ms = time(&|| x.matmul(&w_values.t()?))?;
     let tflops = |ms: f64| 2.0 * (m * n * k) as f64 / ms / 1e9;
-    let ok = quantize_exact && invariant && worst_rel <= 1e-2;
-    println!(
-        "| fp8 tensor cores: row quantization = CPU bitwise, and fused into SwiGLU / GeGLU = apart, {quantize_exact} {quantize_cases:?}; GEMM vs f32 sums \
-         of the same codes max rel {worst_rel:.1e} (emulated bf16 GEMM {worst_emulated_rel:.1e}); rows alone = among 300 (1..=130, fresh and \
-         into a residual) and a window alone = among 8, bitwise {invariant}; [{m}, {k}] x \
-         [{n}, {k}]ᵀ: {fp8_ms:.2} ms ({:.0} TFLOP/s) + quantizing the rows {quantize_ms:.2} ms, \
-         vs bf16 cuBLAS {bf16_ms:.2} ms ({:.0} TFLOP/s) | {} |",
+    let timing = format!(
+        "[{m}, {k}] x [{n}, {k}]ᵀ: {fp8_ms:.2} ms ({:.0} TFLOP/s) + quantizing the rows \
+         {quantize_ms:.3} ms, vs bf16 cuBLAS {bf16_ms:.2} ms ({:.0} TFLOP/s)",
         tflops(fp8_ms),
-        tflops(bf16_ms),
-        if ok { "ok" } else { "FAIL" }
+        tflops(bf16_ms)
     );
-    Ok(usize::from(!ok))
+    Ok(GemmCheck {
+        worst_rel,
+        worst_emulated_rel,
+        invariant,
+        timing,
+    })
+}
+
+/// Random e4m3 codes (`[n, k]`, no NaN) and one scale in [1e-3, 1e-2] per 128 × 128 block.
+fn block_weight(n: usize, k: usize, device: &Device) -> Result<(Tensor, Tensor)> {
+    let bytes = Tensor::rand(0f32, 254.0, (n, k), &Device::Cpu)?.to_vec2::<f32>()?;
+    // 0..=253 onto the codes without 0x7f and 0xff
+    let codes: Vec<u8> = bytes
+        .iter()
+        .flatten()
+        .map(|&b| {
+            let b = b as u8;
+            if b >= 0x7f {
+                b + 1
+            } else {
+                b
+            }
+        })
+        .collect();
+    let codes = Tensor::from_vec(codes, (n, k), device)?;
+    let scales = Tensor::rand(1e-3f32, 1e-2, (n / 128, k / 128), device)?;
+    Ok((codes, scales))
+}
+
+/// `codes · scales` in f32 on the CPU, one scale per `[rows_per_scale, 128]` tile, the scales
+/// given as `[row tiles, k / 128]`.
+fn decode_blocks(codes: &Tensor, scales: &Tensor, rows_per_scale: usize) -> Result<Tensor> {
+    let codes = codes.to_device(&Device::Cpu)?.to_vec2::<u8>()?;
+    let scales = scales.to_device(&Device::Cpu)?.to_vec2::<f32>()?;
+    let k = codes[0].len();
+    let values: Vec<f32> = codes
+        .iter()
+        .enumerate()
+        .flat_map(|(i, row)| {
+            let scales = &scales[i / rows_per_scale];
+            row.iter().enumerate().map(move |(j, &c)| {
+                exactscore_server::ops::minifloat::fp8_e4m3_to_f32(c) * scales[j / 128]
+            })
+        })
+        .collect();
+    Ok(Tensor::from_vec(values, (codes.len(), k), &Device::Cpu)?)
+}
+
+/// Rows `start..start + len` of rows quantized per group (scales `[k / 128, m]`), copied.
+fn group_rows_of(q: &Fp8Rows, start: usize, len: usize) -> Result<Fp8Rows> {
+    Ok(Fp8Rows {
+        codes: q.codes.narrow(0, start, len)?.force_contiguous()?,
+        scales: q.scales.narrow(1, start, len)?.force_contiguous()?,
+    })
+}
+
+struct BlockCheck {
+    worst_rel: f32,
+    invariant: bool,
+    timing: String,
+}
+
+/// Block FP8 on the tensor cores: activations quantized per row and 128 inputs, the weight per
+/// 128 × 128 block, against f32 sums of the decoded values; rows alone vs among all.
+fn check_block_gemm(device: &Device) -> Result<BlockCheck> {
+    let groups = Fp8InputScale::PerTokenGroup128 {
+        power_of_two: false,
+    };
+    let (mut worst_rel, mut invariant) = (0f32, true);
+    for (m, n, k) in [
+        (300, 256, 512),
+        (37, 128, 1024),
+        (3, 256, 2048),
+        (1, 128, 512),
+        (300, 512, 14336),
+    ] {
+        let x = input(m.max(4), k, DType::BF16, device)?.narrow(0, 0, m)?;
+        let q = quantize_fp8_rows(&x, groups)?;
+        let (w_codes, w_scales) = block_weight(n, k, device)?;
+        let columns = Fp8Columns {
+            codes: &w_codes,
+            scales: &w_scales,
+            fast_accum: false,
+        };
+        let all = fp8_matmul_t(&q, &columns, DType::BF16)?;
+        let x_values = decode_blocks(&q.codes, &q.scales.t()?, 1)?;
+        let reference = x_values.matmul(&decode_blocks(&w_codes, &w_scales, 128)?.t()?)?;
+        let scale = reference.abs()?.max_all()?.to_scalar::<f32>()?;
+        let error = (all.to_dtype(DType::F32)?.to_device(&Device::Cpu)? - &reference)?
+            .abs()?
+            .max_all()?
+            .to_scalar::<f32>()?;
+        worst_rel = worst_rel.max(error / scale.max(f32::MIN_POSITIVE));
+        if m < 300 {
+            continue;
+        }
+        // rows alone (other than multiples of 4: padded) = among 300, fresh and added
+        for rows in [1, 3, 4, 37, 129] {
+            let part = fp8_matmul_t(&group_rows_of(&q, m - rows, rows)?, &columns, DType::BF16)?;
+            invariant &= bits_equal(&part, &all.narrow(0, m - rows, rows)?)?;
+        }
+        let residual = input(m, n, DType::BF16, device)?;
+        let whole = residual.copy()?;
+        fp8_matmul_t_add_into_rows(&whole, 0, &q, &columns)?;
+        for (start, rows) in [(12, 16), (40, 37), (299, 1)] {
+            let part = residual.copy()?;
+            fp8_matmul_t_add_into_rows(&part, start, &group_rows_of(&q, start, rows)?, &columns)?;
+            invariant &= bits_equal(
+                &part.narrow(0, start, rows)?,
+                &whole.narrow(0, start, rows)?,
+            )?;
+        }
+    }
+    let (m, n, k) = (8 * 2048, 14336, 4096);
+    let x = Tensor::randn(0f32, 1.0, (m, k), device)?.to_dtype(DType::BF16)?;
+    let (w_codes, w_scales) = block_weight(n, k, device)?;
+    let columns = Fp8Columns {
+        codes: &w_codes,
+        scales: &w_scales,
+        fast_accum: false,
+    };
+    let q = quantize_fp8_rows(&x, groups)?;
+    let all = fp8_matmul_t(&q, &columns, DType::BF16)?;
+    let alone = fp8_matmul_t(&group_rows_of(&q, 5 * 2048, 2048)?, &columns, DType::BF16)?;
+    invariant &= bits_equal(&alone, &all.narrow(0, 5 * 2048, 2048)?)?;
+    let time = |f: &dyn Fn() -> candle_core::Result<Tensor>| time_ms(device, f);
+    let gemm_ms = time(&|| fp8_matmul_t(&q, &columns, DType::BF16))?;
+    let quantize_ms = time(&|| quantize_fp8_rows(&x, groups).map(|q| q.codes))?;
+    let timing = format!(
+        "[{m}, {k}] x [{n}, {k}]ᵀ: {gemm_ms:.2} ms ({:.0} TFLOP/s) + quantizing the rows \
+         {quantize_ms:.3} ms",
+        2.0 * (m * n * k) as f64 / gemm_ms / 1e9
+    );
+    Ok(BlockCheck {
+        worst_rel,
+        invariant,
+        timing,
+    })
 }

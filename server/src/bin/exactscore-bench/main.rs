@@ -29,6 +29,7 @@
 //! * `write-checkpoint --shape llama3-8b --format w4a16 --out DIR --tokenizer TOKDIR`: the same
 //!   random model as a Hugging Face directory on disk, for end-to-end runs through the server.
 
+use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
@@ -118,8 +119,9 @@ enum Command {
         /// (CPU runs).
         #[arg(long, default_value = "llama3-8b")]
         shape: String,
-        /// Comma list of w4a16, nvfp4, nvfp4a16, fp8, bf16, and fp8-emulated (the fp8 weights
-        /// with `--fp8-matmul emulated`).
+        /// Comma list of w4a16, nvfp4, nvfp4a16, fp8, fp8-block, bf16; a suffix -emulated or
+        /// -fast-accum loads fp8 weights with `--fp8-matmul emulated` /
+        /// `tensor-cores-fast-accum`.
         #[arg(long, value_delimiter = ',', default_value = "w4a16")]
         formats: Vec<String>,
         /// Windows per forward pass.
@@ -140,6 +142,10 @@ enum Command {
         /// printed as a per-stage table (ms per window).
         #[arg(long)]
         profile: bool,
+        /// After timing, the largest batch's windows scored by the same weights in f32, and
+        /// each format's per-token |Δ| against that (max / mean).
+        #[arg(long)]
+        against_f32: bool,
     },
     /// `/kld` throughput next to `/score`: a random model of a real shape in `--format` and a
     /// bf16 reference of the same shape, both on the device.
@@ -301,6 +307,7 @@ fn main() -> Result<()> {
             device,
             attention,
             profile,
+            against_f32,
         } => speed(
             &shape,
             &formats,
@@ -313,7 +320,10 @@ fn main() -> Result<()> {
                 .iter()
                 .map(|a| parse_attention(a))
                 .collect::<Result<Vec<_>>>()?,
-            profile,
+            SpeedReport {
+                profile,
+                against_f32,
+            },
         ),
         Command::Kld {
             shape,
@@ -708,13 +718,17 @@ fn check(fixtures: &Path, device: &Device, only: &[String]) -> Result<()> {
                 // error beside theirs.
                 if gpu16.linears().iter().any(|(_, l)| l.on_fp8_tensor_cores()) {
                     let attention = AttentionKernel::Materialized;
-                    let mut opts = options(device, DType::BF16, act, 512, attention);
-                    opts.linear.fp8_matmul = Fp8Matmul::Emulated;
-                    let emulated = score(&Model::load(&dir, &opts)?, &seqs)?;
-                    let (max_e, mean_e) = diff(&emulated, &cpu_scores);
+                    let mut errors = Vec::new();
+                    for fp8_matmul in [Fp8Matmul::TensorCoresFastAccum, Fp8Matmul::Emulated] {
+                        let mut opts = options(device, DType::BF16, act, 512, attention);
+                        opts.linear.fp8_matmul = fp8_matmul;
+                        let scores = score(&Model::load(&dir, &opts)?, &seqs)?;
+                        let (max, mean) = diff(&scores, &cpu_scores);
+                        errors.push(format!("{max:.2e} / {mean:.2e}"));
+                    }
                     tensor_core_rows.push(format!(
-                        "| {variant} act={act:?} | {max16:.2e} / {mean16:.2e} | {max_e:.2e} / \
-                         {mean_e:.2e} |"
+                        "| {variant} act={act:?} | {max16:.2e} / {mean16:.2e} | {} |",
+                        errors.join(" | ")
                     ));
                 }
                 // Greedy flags and top-k come from the same GPU rows: their ids must match the CPU.
@@ -884,9 +898,9 @@ fn check(fixtures: &Path, device: &Device, only: &[String]) -> Result<()> {
         println!("{r}");
     }
     if !tensor_core_rows.is_empty() {
-        println!("bf16 per-token |Δ| against the CPU f32 path of fp8 layers on the tensor cores (the rows above) and emulated (`--fp8-matmul emulated`), max / mean:");
-        println!("| variant | tensor cores | emulated |");
-        println!("|---|---|---|");
+        println!("bf16 per-token |Δ| against the CPU f32 path of fp8 layers on the tensor cores (f32 sums: the rows above; fast accumulation) and emulated (`--fp8-matmul emulated`), max / mean:");
+        println!("| variant | tensor cores | fast accumulation | emulated |");
+        println!("|---|---|---|---|");
         for r in tensor_core_rows {
             println!("{r}");
         }
@@ -1165,6 +1179,14 @@ fn bf16_ceiling(device: &Device) -> Result<f64> {
     Ok(2.0 * (n as f64).powi(3) * iters as f64 / t.elapsed().as_secs_f64() / 1e12)
 }
 
+/// What `speed` reports besides the timings.
+struct SpeedReport {
+    /// A per-stage profile of each timed batch.
+    profile: bool,
+    /// Each format's per-token error against the same weights in f32.
+    against_f32: bool,
+}
+
 #[allow(clippy::too_many_arguments)]
 fn speed(
     shape: &str,
@@ -1175,8 +1197,10 @@ fn speed(
     dtype: DType,
     device: &Device,
     attention: &[AttentionKernel],
-    profile: bool,
+    report: SpeedReport,
 ) -> Result<()> {
+    // f32 scores of the largest batch per checkpoint format, shared by its variants.
+    let mut f32_scores: HashMap<String, Vec<SequenceScores>> = HashMap::new();
     let shape = random_model::Shape::named(shape)?;
     let ceiling = bf16_ceiling(device)?;
     println!("device {device:?}, cuBLAS bf16 8192^3 ceiling {ceiling:.0} TFLOP/s, shape {}, ctx {ctx}, compute {dtype:?}", shape.name);
@@ -1188,10 +1212,13 @@ fn speed(
         exactscore_server::device::release_freed_memory(device)?;
         let t_load = Instant::now();
         // `fp8-emulated`: the fp8 weights with their layers emulated rather than on the tensor
-        // cores (`--fp8-matmul emulated`).
-        let (built, fp8_matmul) = match format.as_str() {
-            "fp8-emulated" => ("fp8", Fp8Matmul::Emulated),
-            other => (other, Fp8Matmul::TensorCores),
+        // cores (`--fp8-matmul emulated`); `fp8-fast-accum`: on them with fast accumulation.
+        let (built, fp8_matmul) = if let Some(f) = format.strip_suffix("-emulated") {
+            (f, Fp8Matmul::Emulated)
+        } else if let Some(f) = format.strip_suffix("-fast-accum") {
+            (f, Fp8Matmul::TensorCoresFastAccum)
+        } else {
+            (format.as_str(), Fp8Matmul::TensorCores)
         };
         let (config, ckpt) = random_model::build(&shape, built, None)?;
         // The compressed weights as stored: what the peak memory is judged against.
@@ -1204,8 +1231,7 @@ fn speed(
             AttentionKernel::Materialized,
         );
         opts.linear.fp8_matmul = fp8_matmul;
-        let mut model = Model::from_checkpoint(config, &ckpt, &opts)?;
-        drop(ckpt);
+        let mut model = Model::from_checkpoint(config.clone(), &ckpt, &opts)?;
         device.synchronize()?;
         let load_s = t_load.elapsed().as_secs_f64();
         let bpw = random_model::decoder_bits_per_weight(&model);
@@ -1253,9 +1279,35 @@ fn speed(
                 gib(weight_bytes),
                 peak as f64 / weight_bytes as f64,
             );
-            if profile {
+            if report.profile {
                 print_profile(&model, &windows, device)?;
             }
+        }
+        if report.against_f32 {
+            let batch = batches.iter().copied().max().unwrap_or(1);
+            let seqs: Vec<Vec<u32>> = tokens
+                .chunks(ctx)
+                .take(batch)
+                .map(<[u32]>::to_vec)
+                .collect();
+            if !f32_scores.contains_key(built) {
+                let attention = AttentionKernel::Materialized;
+                let opts = options(
+                    device,
+                    DType::F32,
+                    ActivationQuantMode::Emulate,
+                    ctx,
+                    attention,
+                );
+                let reference = Model::from_checkpoint(config, &ckpt, &opts)?;
+                f32_scores.insert(built.to_string(), score(&reference, &seqs)?);
+            }
+            let (max, mean) = diff(&score(&model, &seqs)?, &f32_scores[built]);
+            println!(
+                "|   per-token |Δ| against the same weights in f32 over {} tokens: max {max:.2e}, \
+                 mean {mean:.2e} |",
+                batch * ctx
+            );
         }
     }
     Ok(())

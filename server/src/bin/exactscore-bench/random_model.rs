@@ -1568,7 +1568,19 @@ fn quantization_config(
                 json!({"num_bits": 8, "type": "float", "symmetric": true, "strategy": "token", "dynamic": true}),
             ),
         ),
-        other => bail!("unknown format {other} (w4a16, nvfp4, nvfp4a16, fp8, bf16)"),
+        // Hugging Face FP8 (the official Qwen3 / DeepSeek FP8 releases' layout), whose
+        // `modules_to_not_convert` are regexes transformers matches with `re.match`.
+        "fp8-block" => {
+            let skipped: Vec<&str> = ignore
+                .iter()
+                .map(|k| k.strip_prefix("re:").unwrap_or(k))
+                .collect();
+            return Ok(Some(json!({
+                "quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                "weight_block_size": [128, 128], "modules_to_not_convert": skipped
+            })));
+        }
+        other => bail!("unknown format {other} (w4a16, nvfp4, nvfp4a16, fp8, fp8-block, bf16)"),
     };
     Ok(Some(json!({
         "quant_method": "compressed-tensors", "format": fmt, "quantization_status": "compressed",
@@ -1850,6 +1862,29 @@ fn tensors(
                             constant(Dtype::F32, vec![1], 500.0f32, f32_bytes),
                         );
                     }
+                }
+                "fp8-block" => {
+                    t.insert(
+                        format!("{n}.weight"),
+                        rng.tensor(Dtype::F8_E4M3, vec![out, inp], |b| fp8_in(b, 1..15, true)),
+                    );
+                    // Block scales as a trained layer's (absmax / 448: 2^-12..2^-10), in f32
+                    // as the releases store them.
+                    let blocks = vec![out.div_ceil(128), inp.div_ceil(128)];
+                    let scales = rng.bf16_in(blocks.clone(), 115 - shift..117 - shift, false);
+                    let data = scales
+                        .data
+                        .chunks(2)
+                        .flat_map(|b| f32_bytes(half::bf16::from_le_bytes([b[0], b[1]]).to_f32()))
+                        .collect();
+                    t.insert(
+                        format!("{n}.weight_scale_inv"),
+                        HostTensor {
+                            dtype: Dtype::F32,
+                            shape: blocks,
+                            data,
+                        },
+                    );
                 }
                 _ => {
                     t.insert(
