@@ -25,6 +25,7 @@ use super::{device_address, kernel_name, with_slice, wrap};
 const CANONICAL_ROWS: u64 = 8192;
 /// With block scales, the rows of a problem are a multiple of this.
 const BLOCK_ROWS: usize = 4;
+
 /// cuBLASLt's workspace (its recommendation for Hopper).
 const WORKSPACE_BYTES: usize = 32 << 20;
 
@@ -145,9 +146,9 @@ pub fn fp8_matmul_t(
 /// [`fp8_matmul_t`] written into rows `row0..row0 + m` of `out` (`[rows, n]`, contiguous,
 /// bf16/f16), added to what they hold where `accumulate` (one rounding of the sum). The scales
 /// are per row and column (`[m]`, `[n]`) or per block (`[k / 128, m]`, `[n / 128, k / 128]`;
-/// k a multiple of 512 (cuBLASLt reads the weight's scales wrong unless each row of them is
-/// 16-byte aligned: `check`), n of 128; other than 4k rows run padded; summed in f32
-/// whatever `fast_accum` says).
+/// `[n / 128, k / 128 padded to a multiple of 4]`; k and n multiples of 128; other than 4k rows
+/// run padded;
+/// summed in f32 whatever `fast_accum` says).
 #[allow(clippy::too_many_arguments)]
 pub fn fp8_matmul_t_into_rows(
     out: &Tensor,
@@ -201,8 +202,9 @@ pub fn fp8_matmul_t_into_rows(
     let scaling = if x_scales.dims() == [m] && w_scales.dims() == [n] {
         Some(Scaling::PerRowAndColumn)
     } else if x_scales.dims() == [k / 128, m]
-        && w_scales.dims() == [n / 128, k / 128]
-        && k.is_multiple_of(512)
+        // rows of weight scales padded to 16 bytes (ops::fp8_block_scales_for_gemm)
+        && w_scales.dims() == [n / 128, (k / 128).next_multiple_of(4)]
+        && k.is_multiple_of(128)
         && n.is_multiple_of(128)
         && m.is_multiple_of(BLOCK_ROWS)
     {

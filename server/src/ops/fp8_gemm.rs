@@ -93,8 +93,8 @@ pub struct Fp8Rows {
 }
 
 /// An e4m3 weight as the GEMM reads it: codes `[n, k]` (u8) and f32 scales, one per output
-/// channel (`[n]`, with rows of one scale each) or one per 128 × 128 block (`[n / 128, k /
-/// 128]`, with rows of one scale per 128 inputs); and how its products are summed: in f32
+/// channel (`[n]`) or one per 128 × 128 block ([`fp8_block_scales_for_gemm`]); and how its
+/// products are summed: in f32
 /// (the tensor cores' partial sums promoted to f32 registers every few k-blocks), or with
 /// `fast_accum` in the tensor cores' own accumulator (Hopper's fast fp8 accumulation, per
 /// row scales only).
@@ -107,6 +107,19 @@ pub struct Fp8Columns<'a> {
 /// Whether `device` runs [`fp8_matmul_t`]: a CUDA GPU with fp8 tensor cores.
 pub fn fp8_tensor_cores(device: &Device) -> bool {
     device.is_cuda() && gpu::fp8_gemm_supported(device).unwrap_or(false)
+}
+
+/// A block-FP8 weight's scales (`[n / 128, k / 128]`, f32) as the GEMM reads them: each row
+/// padded with zeros to a multiple of 4 scales (16 bytes; cuBLASLt reads shorter rows wrong,
+/// measured by `check`).
+pub fn fp8_block_scales_for_gemm(scales: &Tensor) -> Result<Tensor> {
+    let (rows, cols) = scales.dims2()?;
+    let pad = cols.next_multiple_of(4) - cols;
+    if pad == 0 {
+        return scales.contiguous();
+    }
+    let zeros = Tensor::zeros((rows, pad), scales.dtype(), scales.device())?;
+    Tensor::cat(&[scales, &zeros], 1)
 }
 
 /// `x` (`[m, k]`) quantized as `scale` says: the codes and scales of the activation QDQ, so
@@ -151,9 +164,9 @@ pub fn quantize_fp8_rows(x: &Tensor, scale: Fp8InputScale) -> Result<Fp8Rows> {
     Ok(Fp8Rows {
         codes: Tensor::from_vec(codes, (m, k), x.device())?,
         // per group: each group's scales side by side
-        scales: match group == k.max(1) {
-            true => scales.flatten_all()?,
-            false => scales.t()?.contiguous()?,
+        scales: match scale {
+            Fp8InputScale::PerTokenGroup128 { .. } => scales.t()?.contiguous()?,
+            _ => scales.flatten_all()?,
         },
     })
 }
@@ -266,6 +279,20 @@ mod tests {
             power_of_two: false,
         };
         assert!(quantize_fp8_rows(&odd, scale).is_err());
+    }
+
+    #[test]
+    fn block_scales_are_padded_to_rows_of_16_bytes() {
+        let scales = Tensor::new(&[[1f32, 2.0], [3.0, 4.0]], &Device::Cpu).unwrap();
+        let padded = fp8_block_scales_for_gemm(&scales).unwrap();
+        let want = [[1f32, 2.0, 0.0, 0.0], [3.0, 4.0, 0.0, 0.0]];
+        assert_eq!(padded.to_vec2::<f32>().unwrap(), want);
+        let whole = Tensor::ones((3, 8), DType::F32, &Device::Cpu).unwrap();
+        let same = fp8_block_scales_for_gemm(&whole).unwrap();
+        assert_eq!(
+            same.to_vec2::<f32>().unwrap(),
+            whole.to_vec2::<f32>().unwrap()
+        );
     }
 
     #[test]

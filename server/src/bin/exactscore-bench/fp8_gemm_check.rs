@@ -92,7 +92,10 @@ pub fn run(device: &Device) -> Result<usize> {
     );
     for fast_accum in [false, true] {
         let gemm = check_gemm(device, fast_accum)?;
-        ok &= gemm.invariant && gemm.worst_rel <= 1e-2;
+        // Hopper's fp8 accumulator loses bits over long sums (1.9e-3 to 2.4e-2 measured at
+        // k = 14336, against 1.8e-3 to 3.4e-3 promoted to f32): judged against gross errors only.
+        let bound = if fast_accum { 5e-2 } else { 1e-2 };
+        ok &= gemm.invariant && gemm.worst_rel <= bound;
         report += &format!(
             "; {}: GEMM vs f32 sums of the same codes max rel {:.1e} (k up to 14336; emulated \
              bf16 GEMM {:.1e}), rows alone = among 300 (1..=130, fresh and into a residual) and \
@@ -112,7 +115,7 @@ pub fn run(device: &Device) -> Result<usize> {
     ok &= block.invariant && block.worst_rel <= 1e-2;
     report += &format!(
         "; block fp8 (128 x 128 weight blocks, rows per 128 inputs): GEMM vs f32 sums max rel \
-         {:.1e} (1..=300 rows, k 512 to 14336), rows alone = among 300 (1, 3, 4, 37, 129; \
+         {:.1e} (1..=300 rows, k 128 to 14336), rows alone = among 300 (1, 3, 4, 37, 129; \
          fresh and added into a residual) bitwise {}; {}",
         block.worst_rel, block.invariant, block.timing
     );
@@ -237,7 +240,9 @@ fn check_gemm(device: &Device, fast_accum: bool) -> Result<GemmCheck> {
     })
 }
 
-/// Random e4m3 codes (`[n, k]`, no NaN) and one scale in [1e-3, 1e-2] per 128 × 128 block.
+/// Random e4m3 codes (`[n, k]`, no NaN) and one scale in [1e-3, 1e-2] per 128 × 128 block, as
+/// the GEMM reads them (each row of scales padded to a multiple of 4: here with more random
+/// scales, which the GEMM must not read).
 fn block_weight(n: usize, k: usize, device: &Device) -> Result<(Tensor, Tensor)> {
     let bytes = Tensor::rand(0f32, 254.0, (n, k), &Device::Cpu)?.to_vec2::<f32>()?;
     // 0..=253 onto the codes without 0x7f and 0xff
@@ -254,7 +259,12 @@ fn block_weight(n: usize, k: usize, device: &Device) -> Result<(Tensor, Tensor)>
         })
         .collect();
     let codes = Tensor::from_vec(codes, (n, k), device)?;
-    let scales = Tensor::rand(1e-3f32, 1e-2, (n / 128, k / 128), device)?;
+    let scales = Tensor::rand(
+        1e-3f32,
+        1e-2,
+        (n / 128, (k / 128).next_multiple_of(4)),
+        device,
+    )?;
     Ok((codes, scales))
 }
 
@@ -304,6 +314,10 @@ fn check_block_gemm(device: &Device) -> Result<BlockCheck> {
         (3, 256, 2048),
         (1, 128, 512),
         (300, 512, 14336),
+        (300, 128, 128),
+        (37, 256, 256),
+        (300, 384, 384),
+        (300, 128, 640),
     ] {
         let x = input(m.max(4), k, DType::BF16, device)?.narrow(0, 0, m)?;
         let q = quantize_fp8_rows(&x, groups)?;
