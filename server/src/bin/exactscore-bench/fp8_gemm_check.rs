@@ -226,10 +226,43 @@ fn check_gemm(device: &Device, fast_accum: bool) -> Result<GemmCheck> {
     let quantize_ms = time(&|| quantize_fp8_rows(&x, PER_TOKEN).map(|q| q.codes))?;
     let bf16_ms = time(&|| x.matmul(&w_values.t()?))?;
     let tflops = |ms: f64| 2.0 * (m * n * k) as f64 / ms / 1e9;
+    // The same rows in chunks, as the MLP multiplies them (2,048 rows at a time), and the
+    // down projection's shape.
+    let mut chunked = Vec::new();
+    for rows in [2048, 4096, 8192] {
+        let chunks = (0..m)
+            .step_by(rows)
+            .map(|start| rows_of(&q, start, rows))
+            .collect::<Result<Vec<_>>>()?;
+        let ms = time(&|| {
+            let mut last = None;
+            for chunk in &chunks {
+                last = Some(fp8_matmul_t(chunk, &columns, DType::BF16)?);
+            }
+            Ok(last.expect("at least one chunk"))
+        })?;
+        chunked.push(format!("{rows}-row chunks {:.0}", tflops(ms)));
+    }
+    let down_w = quantize_fp8_rows(&w_values.t()?.contiguous()?, PER_TOKEN)?;
+    let down_x = quantize_fp8_rows(
+        &Tensor::randn(0f32, 1.0, (2048, n), device)?.to_dtype(DType::BF16)?,
+        PER_TOKEN,
+    )?;
+    let down = Fp8Columns {
+        codes: &down_w.codes,
+        scales: &down_w.scales,
+        fast_accum,
+    };
+    let down_ms = time(&|| fp8_matmul_t(&down_x, &down, DType::BF16))?;
+    chunked.push(format!(
+        "down [2048, {n}] x [{k}, {n}]ᵀ {:.0}",
+        2.0 * (2048 * n * k) as f64 / down_ms / 1e9
+    ));
     let timing = format!(
-        "[{m}, {k}] x [{n}, {k}]ᵀ: {fp8_ms:.2} ms ({:.0} TFLOP/s) + quantizing the rows \
-         {quantize_ms:.3} ms, vs bf16 cuBLAS {bf16_ms:.2} ms ({:.0} TFLOP/s)",
+        "[{m}, {k}] x [{n}, {k}]ᵀ: {fp8_ms:.2} ms ({:.0} TFLOP/s; {} TFLOP/s) + quantizing the \
+         rows {quantize_ms:.3} ms, vs bf16 cuBLAS {bf16_ms:.2} ms ({:.0} TFLOP/s)",
         tflops(fp8_ms),
+        chunked.join(", "),
         tflops(bf16_ms)
     );
     Ok(GemmCheck {
