@@ -4,9 +4,9 @@
 //! with block scales (Hopper), `round(Σ_b x_scale[b, i] · w_scale[j / 128, b] · Σ_{k in b}
 //! x[i, k] · w[j, k] (+ out[i, j]))` over the blocks b of 128 inputs.
 //!
-//! The algorithm is chosen once per weight shape and output dtype, for a fixed number of rows
-//! ([`CANONICAL_ROWS`]) and among those that do not split k, and then used for every call: the
-//! kernel, and so each row's summation order, does not follow the batch.
+//! The algorithm is chosen once per weight shape, output dtype, scaling and accumulation, for a
+//! fixed number of rows ([`CANONICAL_ROWS`]) and among those that do not split k, and then used
+//! for every call: the kernel, and so each row's summation order, does not follow the batch.
 
 use std::collections::HashMap;
 use std::ffi::c_void;
@@ -145,10 +145,9 @@ pub fn fp8_matmul_t(
 
 /// [`fp8_matmul_t`] written into rows `row0..row0 + m` of `out` (`[rows, n]`, contiguous,
 /// bf16/f16), added to what they hold where `accumulate` (one rounding of the sum). The scales
-/// are per row and column (`[m]`, `[n]`) or per block (`[k / 128, m]`, `[n / 128, k / 128]`;
-/// `[n / 128, k / 128 padded to a multiple of 4]`; k and n multiples of 128; other than 4k rows
-/// run padded;
-/// summed in f32 whatever `fast_accum` says).
+/// are per row and column (`[m]`, `[n]`) or per block (`[k / 128, m]` and the weight's
+/// `[n / 128, k / 128 padded to a multiple of 4]`, k and n multiples of 128; row counts that
+/// are no multiple of 4 run padded; summed in f32 whatever `fast_accum` says).
 #[allow(clippy::too_many_arguments)]
 pub fn fp8_matmul_t_into_rows(
     out: &Tensor,
