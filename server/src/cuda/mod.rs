@@ -38,6 +38,7 @@ macro_rules! with_float_type {
 pub mod attention;
 pub mod dequant;
 pub mod embedding;
+mod fp8_cublaslt;
 pub mod fp8_gemm;
 pub mod gemm;
 pub mod linear_attention;
