@@ -108,3 +108,40 @@ fn moe_batch_compositions_are_bitwise_invariant() {
         random_compositions(variant, candle_core::DType::BF16, 12, seed + 1);
     }
 }
+
+/// A large batch's mixture runs its tokens in chunks (a budget of routed rows): each chunk's
+/// experts get fewer rows, as a smaller batch's do, and every token scores the same bits. Here
+/// the budget is forced down to a few tokens per chunk (Gemma 4's routed mixture beside its
+/// dense MLP, and Qwen3-MoE's).
+#[test]
+fn moe_tokens_in_chunks_score_the_same_bits() {
+    use exactscore_server::model::blocks::set_routed_row_bytes;
+    let seqs: Vec<Vec<u32>> = (0..3)
+        .map(|s| (0..40).map(|i| (s * 389 + i * 71) % 2000).collect())
+        .collect();
+    for variant in ["gemma4_moe-w4a16-g32", "qwen3moe-w4a16-g32"] {
+        for dtype in [candle_core::DType::F32, candle_core::DType::BF16] {
+            let model = Model::load(&fixtures().join(variant), &options(dtype, Emulate)).unwrap();
+            let whole = score_all(&model, &seqs, 3);
+            // 7 tokens' routed rows: 120 tokens in 18 chunks
+            let config: serde_json::Value = serde_json::from_str(
+                &std::fs::read_to_string(fixtures().join(variant).join("config.json")).unwrap(),
+            )
+            .unwrap();
+            let text = config.get("text_config").unwrap_or(&config);
+            let hidden = text["hidden_size"].as_u64().unwrap() as usize;
+            let k = text
+                .get("num_experts_per_tok")
+                .or_else(|| text.get("top_k_experts"))
+                .and_then(|v| v.as_u64())
+                .unwrap() as usize;
+            set_routed_row_bytes(7 * k * hidden * dtype.size_in_bytes());
+            let chunked = score_all(&model, &seqs, 3);
+            set_routed_row_bytes(512 << 20);
+            assert_eq!(
+                whole, chunked,
+                "{variant} {dtype:?}: tokens in chunks changed the scores"
+            );
+        }
+    }
+}

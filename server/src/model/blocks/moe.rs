@@ -8,7 +8,7 @@
 //! bf16/f16 the experts run stacked, a group at a time, so that a layer costs a few launches
 //! rather than several per expert.
 
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 
 use candle_core::{DType, Result, Tensor};
 
@@ -28,6 +28,19 @@ static DEVICE_PLANS: AtomicBool = AtomicBool::new(true);
 /// Allows or forbids planning the experts' rows on the GPU, process-wide.
 pub fn plan_experts_on_device(on: bool) {
     DEVICE_PLANS.store(on, Ordering::Relaxed);
+}
+
+/// The most bytes of routed rows (tokens × experts per token × hidden, in the compute dtype)
+/// that one pass of [`Moe::forward_routed`] gathers. Those rows in and out, and the experts'
+/// intermediate rows, are most of a large batch's activations (1.8 GB at eight windows of
+/// Gemma 4 26B-A4B, 1.28× its weights at the peak); larger batches run their tokens in equal
+/// chunks. A chunk gives each expert fewer rows, as a smaller batch does: the same bits
+/// (`exactscore-bench check`, and `speed --invariance` on the real shapes).
+static ROUTED_ROW_BYTES: AtomicUsize = AtomicUsize::new(512 << 20);
+
+/// Sets the budget of [`ROUTED_ROW_BYTES`], process-wide (tests force small chunks with it).
+pub fn set_routed_row_bytes(bytes: usize) {
+    ROUTED_ROW_BYTES.store(bytes, Ordering::Relaxed);
 }
 
 #[derive(Clone)]
@@ -366,6 +379,29 @@ impl Moe {
         residual: Tensor,
         routes: Option<&mut Vec<Route>>,
     ) -> Result<Tensor> {
+        let (tokens, hidden) = x.dims2()?;
+        let row_bytes = top.k * hidden * x.dtype().size_in_bytes();
+        let most = (ROUTED_ROW_BYTES.load(Ordering::Relaxed) / row_bytes.max(1)).max(1);
+        if tokens > most {
+            if let Some(routes) = routes {
+                record_routes(&top, routes);
+            }
+            let chunk = tokens.div_ceil(tokens.div_ceil(most));
+            let mut outs = Vec::new();
+            for start in (0..tokens).step_by(chunk) {
+                let len = chunk.min(tokens - start);
+                let rows = start * top.k..(start + len) * top.k;
+                let part = TopExperts {
+                    k: top.k,
+                    experts: top.experts[rows.clone()].to_vec(),
+                    weights: top.weights[rows].to_vec(),
+                };
+                let x = x.narrow(0, start, len)?;
+                outs.push(self.forward_routed(&x, part, residual.narrow(0, start, len)?, None)?);
+            }
+            drop(residual);
+            return Tensor::cat(&outs, 0);
+        }
         let plan = ExpertRows::new(&top, self.experts.len());
         profile::record_expert_load(plan.ranges.iter().map(|r| r.len()));
         let combined = if ops::stacks_experts(x) && self.stackable {
@@ -375,9 +411,7 @@ impl Moe {
         };
         let out = self.combine(x, combined, residual)?;
         if let Some(routes) = routes {
-            let pairs = top.experts.iter().map(|&e| e as usize).zip(top.weights);
-            let pairs: Vec<(usize, f32)> = pairs.collect();
-            routes.extend(pairs.chunks(top.k.max(1)).map(<[_]>::to_vec));
+            record_routes(&top, routes);
         }
         Ok(out)
     }
@@ -559,6 +593,17 @@ impl Moe {
 /// The experts that have rows, in groups that run stacked: most rows first, at most `most` to a
 /// group, and an expert joins the group while padding it to the group's first expert costs at
 /// most a quarter of that count or [`STACK_PAD_ROWS`] rows (a GEMM tile's worth).
+/// Appends each token's (expert, weight) pairs of `top` to `routes`.
+fn record_routes(top: &TopExperts, routes: &mut Vec<Route>) {
+    let pairs: Vec<(usize, f32)> = top
+        .experts
+        .iter()
+        .map(|&e| e as usize)
+        .zip(top.weights.iter().copied())
+        .collect();
+    routes.extend(pairs.chunks(top.k.max(1)).map(<[_]>::to_vec));
+}
+
 fn stack_groups(ranges: &[std::ops::Range<usize>], most: usize) -> Vec<Vec<usize>> {
     let mut order: Vec<usize> = (0..ranges.len())
         .filter(|&e| !ranges[e].is_empty())
