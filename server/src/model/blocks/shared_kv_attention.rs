@@ -225,7 +225,9 @@ impl SharedKvAttention {
         }
     }
 
-    /// The materialised attention, one sequence at a time; returns `[tokens, heads * head_dim]`.
+    /// The materialised attention, one sequence at a time, each written into its rows of the
+    /// output (not collected and concatenated: a second copy of the batch's outputs at the
+    /// peak); returns `[tokens, heads * head_dim]`.
     fn attend_each_sequence(
         &self,
         q: &Tensor,
@@ -233,7 +235,8 @@ impl SharedKvAttention {
         batch: &BatchLayout,
         rope: &RopeTables,
     ) -> Result<Tensor> {
-        let mut outputs = Vec::with_capacity(batch.lens().len());
+        let width = self.num_heads * self.head_dim;
+        let outputs = Tensor::zeros((q.dims()[0], width), q.dtype(), q.device())?;
         let mut offset = 0;
         let group = self.num_heads / self.num_kv_heads;
         for &len in batch.lens() {
@@ -260,12 +263,10 @@ impl SharedKvAttention {
                 self.sliding_window,
                 batch.blocks(),
             )?;
-            outputs.push(
-                out.transpose(1, 2)?
-                    .reshape((len, self.num_heads * self.head_dim))?,
-            );
+            let out = out.transpose(1, 2)?.reshape((len, width))?;
+            outputs.slice_set(&out, 0, offset)?;
             offset += len;
         }
-        Tensor::cat(&outputs, 0)
+        Ok(outputs)
     }
 }
