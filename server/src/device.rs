@@ -30,6 +30,9 @@ mod gpu {
     pub fn memory_total(_device: &Device) -> Result<Option<u64>> {
         Ok(None)
     }
+    pub fn pool_peak_since_last(_device: &Device) -> Result<Option<u64>> {
+        Ok(None)
+    }
 }
 
 /// CUDA device `ordinal`, its memory pool set to keep freed blocks (see
@@ -89,4 +92,10 @@ pub fn host_memory_available() -> Option<u64> {
 /// starts from what live tensors hold.
 pub fn release_freed_memory(device: &Device) -> Result<()> {
     gpu::release_freed_memory(device)
+}
+
+/// The most bytes live tensors held on `device` since the last call (a GPU pool's high
+/// watermark, then reset; `None` on the CPU): the memory column of the stage profile.
+pub fn peak_since_last(device: &Device) -> Result<Option<u64>> {
+    gpu::pool_peak_since_last(device)
 }

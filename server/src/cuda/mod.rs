@@ -184,6 +184,31 @@ pub fn release_freed_memory(device: &candle_core::Device) -> Result<()> {
     })
 }
 
+/// The most bytes that live allocations of `device`'s pool held since the last call (the pool's
+/// used-memory high watermark, then reset), for `exactscore-bench speed --profile`.
+pub fn pool_peak_since_last(device: &candle_core::Device) -> Result<Option<u64>> {
+    if !device.is_cuda() {
+        return Ok(None);
+    }
+    let mut high = 0u64;
+    // SAFETY: `pool` is the device's default pool; both attributes are a cuuint64_t.
+    with_default_pool(
+        device,
+        "read the CUDA memory pool's high watermark",
+        |pool| unsafe {
+            use sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_USED_MEM_HIGH as HIGH;
+            match sys::cuMemPoolGetAttribute(pool, HIGH, (&mut high as *mut u64).cast()) {
+                sys::CUresult::CUDA_SUCCESS => {
+                    let mut zero = 0u64;
+                    sys::cuMemPoolSetAttribute(pool, HIGH, (&mut zero as *mut u64).cast())
+                }
+                error => error,
+            }
+        },
+    )?;
+    Ok(Some(high))
+}
+
 /// The device address of `t`'s first element (contiguous, on a GPU), for kernels that take
 /// tensors by address.
 fn device_address<T: CudaDType + DeviceRepr>(t: &Tensor) -> Result<u64> {

@@ -11,6 +11,8 @@ use candle_core::{Device, Result};
 static ENABLED: AtomicBool = AtomicBool::new(false);
 /// (stage, total time, calls), in the order stages first ran.
 static TOTALS: Mutex<Vec<(&'static str, Duration, u64)>> = Mutex::new(Vec::new());
+/// (stage, the most bytes live tensors held during one of its calls), where the device says.
+static PEAKS: Mutex<Vec<(&'static str, u64)>> = Mutex::new(Vec::new());
 
 pub fn set_enabled(on: bool) {
     ENABLED.store(on, Ordering::Relaxed);
@@ -26,6 +28,11 @@ pub fn take() -> Vec<(&'static str, Duration, u64)> {
     std::mem::take(&mut *TOTALS.lock().unwrap_or_else(|e| e.into_inner()))
 }
 
+/// Each stage's memory peak since the last call (empty on the CPU), and a fresh start.
+pub fn take_peaks() -> Vec<(&'static str, u64)> {
+    std::mem::take(&mut *PEAKS.lock().unwrap_or_else(|e| e.into_inner()))
+}
+
 /// Runs `f` as the stage `name` on `device`. Every piece of the model's device work runs in a
 /// stage, so this is where a thread is bound to the device it works on (cuBLAS and candle's
 /// per-thread stream resolve against the thread's current context, which work on another
@@ -36,10 +43,18 @@ pub fn stage<R>(name: &'static str, device: &Device, f: impl FnOnce() -> Result<
         return f();
     }
     device.synchronize()?;
+    crate::device::peak_since_last(device)?;
     let start = Instant::now();
     let out = f()?;
     device.synchronize()?;
     let elapsed = start.elapsed();
+    if let Some(peak) = crate::device::peak_since_last(device)? {
+        let mut peaks = PEAKS.lock().unwrap_or_else(|e| e.into_inner());
+        match peaks.iter_mut().find(|(n, _)| *n == name) {
+            Some((_, most)) => *most = (*most).max(peak),
+            None => peaks.push((name, peak)),
+        }
+    }
     let mut totals = TOTALS.lock().unwrap_or_else(|e| e.into_inner());
     match totals.iter_mut().find(|(n, _, _)| *n == name) {
         Some((_, total, calls)) => {

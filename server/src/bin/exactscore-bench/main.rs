@@ -146,6 +146,10 @@ enum Command {
         /// each format's per-token |Δ| against that (max / mean).
         #[arg(long)]
         against_f32: bool,
+        /// After timing, the first window scored alone against the same window in each timed
+        /// batch: bitwise or not, and the largest per-token |Δ|.
+        #[arg(long)]
+        invariance: bool,
     },
     /// `/kld` throughput next to `/score`: a random model of a real shape in `--format` and a
     /// bf16 reference of the same shape, both on the device.
@@ -308,6 +312,7 @@ fn main() -> Result<()> {
             attention,
             profile,
             against_f32,
+            invariance,
         } => speed(
             &shape,
             &formats,
@@ -323,6 +328,7 @@ fn main() -> Result<()> {
             SpeedReport {
                 profile,
                 against_f32,
+                invariance,
             },
         ),
         Command::Kld {
@@ -1185,6 +1191,8 @@ struct SpeedReport {
     profile: bool,
     /// Each format's per-token error against the same weights in f32.
     against_f32: bool,
+    /// The first window alone against the same window in each timed batch.
+    invariance: bool,
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -1282,6 +1290,27 @@ fn speed(
             if report.profile {
                 print_profile(&model, &windows, device)?;
             }
+            if report.invariance && batch > 1 {
+                let scores = |windows: &[ScoreInput]| -> Result<Vec<f32>> {
+                    let first = model.score(windows)?.swap_remove(0);
+                    Ok(first.token_logprobs().collect())
+                };
+                let (alone, batched) = (scores(&windows[..1])?, scores(&windows)?);
+                let bitwise = alone.len() == batched.len()
+                    && alone
+                        .iter()
+                        .zip(&batched)
+                        .all(|(a, b)| a.to_bits() == b.to_bits());
+                let max = alone
+                    .iter()
+                    .zip(&batched)
+                    .map(|(a, b)| (a - b).abs())
+                    .fold(0f32, f32::max);
+                println!(
+                    "|   the first window alone vs among {batch}: bitwise {bitwise}, max per-token \
+                     |Δ| {max:.2e} |"
+                );
+            }
         }
         if report.against_f32 {
             let batch = batches.iter().copied().max().unwrap_or(1);
@@ -1317,6 +1346,7 @@ fn speed(
 fn print_profile(model: &Model, windows: &[ScoreInput], device: &Device) -> Result<()> {
     stages::set_enabled(true);
     let _ = stages::take();
+    let _ = stages::take_peaks();
     let _ = stages::take_expert_load();
     let t = Instant::now();
     let scored = model.score(windows);
@@ -1343,6 +1373,19 @@ fn print_profile(model: &Model, windows: &[ScoreInput], device: &Device) -> Resu
         "|   profile, ms/window (calls): {} ; sum {covered:.1} of {total:.1} synchronized |",
         line.join(", ")
     );
+    let mut peaks = stages::take_peaks();
+    if !peaks.is_empty() {
+        peaks.sort_by_key(|&(_, bytes)| std::cmp::Reverse(bytes));
+        let line: Vec<String> = peaks
+            .iter()
+            .take(6)
+            .map(|(name, bytes)| format!("{name} {:.2}", *bytes as f64 / (1u64 << 30) as f64))
+            .collect();
+        println!(
+            "|   memory, GiB held by live tensors at each stage's peak (the highest six): {} |",
+            line.join(", ")
+        );
+    }
     let (mut load, active_per_layer) = stages::take_expert_load();
     if !load.is_empty() {
         // Tokens each expert received in this batch, summed over the sparse layers.
