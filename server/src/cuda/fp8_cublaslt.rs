@@ -8,6 +8,8 @@ use std::collections::HashMap;
 use std::ffi::c_void;
 use std::sync::{Mutex, OnceLock};
 
+mod survey;
+
 use candle_core::cuda_backend::cudarc::cublaslt::{result as lt, sys as lt_sys};
 use candle_core::cuda_backend::cudarc::driver::DevicePtr;
 use candle_core::cuda_backend::{CudaDevice, WrapErr};
@@ -19,6 +21,7 @@ const CANONICAL_ROWS: u64 = 8192;
 const WORKSPACE_BYTES: usize = 32 << 20;
 
 /// Device addresses of a GEMM's operands.
+#[derive(Clone, Copy)]
 pub(super) struct Operands {
     pub w: u64,
     pub x: u64,
@@ -195,13 +198,41 @@ impl Problem {
         {
             return Ok(*algo);
         }
-        let layouts = self.layouts(CANONICAL_ROWS)?;
+        let algo = match self.heuristic(handle, desc, CANONICAL_ROWS, 1) {
+            Ok(found) => found[0].algo,
+            Err(e) => bail!(
+                "cuBLASLt has no fp8 GEMM for a [{}, {}] weight on this GPU: {e}",
+                self.n,
+                self.k
+            ),
+        };
+        CHOSEN
+            .get_or_init(Default::default)
+            .lock()
+            .unwrap()
+            .insert(key, algo);
+        Ok(algo)
+    }
+
+    /// Up to `count` of cuBLASLt's algorithms for this problem at `rows` rows, best first by its
+    /// heuristic, among those that do not split k.
+    fn heuristic(
+        &self,
+        handle: Handle,
+        desc: &Desc,
+        rows: u64,
+        count: usize,
+    ) -> Result<Vec<lt_sys::cublasLtMatmulHeuristicResult_t>> {
+        let layouts = self.layouts(rows)?;
         let pref = Pref(lt::create_matmul_pref().lt()?);
         let workspace = WORKSPACE_BYTES as u64;
         let no_split_k = lt_sys::cublasLtReductionScheme_t::CUBLASLT_REDUCTION_SCHEME_NONE as u32;
         use lt_sys::cublasLtMatmulPreferenceAttributes_t as P;
-        // SAFETY: live descriptors; values of the documented types (u64, u32).
-        let heuristic = unsafe {
+        let mut found = Vec::with_capacity(count);
+        let mut returned = 0;
+        // SAFETY: live descriptors; values of the documented types (u64, u32); `found` has room
+        // for `count` results and cuBLASLt writes `returned` of them.
+        unsafe {
             lt::set_matmul_pref_attribute(
                 pref.0,
                 P::CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
@@ -217,22 +248,26 @@ impl Problem {
             )
             .lt()?;
             let [w, x, out] = [layouts.0[0], layouts.0[1], layouts.0[2]];
-            lt::get_matmul_algo_heuristic(handle.0, desc.0, w, x, out, out, pref.0)
-        };
-        let algo = match heuristic {
-            Ok(h) => h.algo,
-            Err(e) => bail!(
-                "cuBLASLt has no fp8 GEMM for a [{}, {}] weight on this GPU: {e:?}",
-                self.n,
-                self.k
-            ),
-        };
-        CHOSEN
-            .get_or_init(Default::default)
-            .lock()
-            .unwrap()
-            .insert(key, algo);
-        Ok(algo)
+            lt_sys::cublasLtMatmulAlgoGetHeuristic(
+                handle.0,
+                desc.0,
+                w,
+                x,
+                out,
+                out,
+                pref.0,
+                count as i32,
+                found.as_mut_ptr(),
+                &mut returned,
+            )
+            .result()
+            .lt()?;
+            found.set_len(returned.max(0) as usize);
+        }
+        if found.is_empty() {
+            bail!("no algorithm (CUBLAS_STATUS_NOT_SUPPORTED)");
+        }
+        Ok(found)
     }
 
     fn d_type(&self) -> Result<lt_sys::cudaDataType> {
@@ -247,12 +282,25 @@ impl Problem {
     /// The operands hold an `[n, k]` and an `[m, k]` e4m3 matrix, the scales `scaling` says
     /// and `m` rows of `n` output values.
     pub unsafe fn run(&self, dev: &CudaDevice, ops: Operands) -> Result<()> {
-        let stream = dev.cuda_stream();
         // cuBLASLt resolves the stream against the current context.
-        stream.context().bind_to_thread().w()?;
+        dev.cuda_stream().context().bind_to_thread().w()?;
         let handle = handle(dev)?;
         let desc = self.desc(ops.w_scales, ops.x_scales)?;
         let algo = self.algorithm(dev, handle, &desc)?;
+        self.run_with(dev, handle, &desc, &algo, ops)
+    }
+
+    /// # Safety
+    /// As [`Self::run`]; `algo` is one of `heuristic`'s for this problem.
+    unsafe fn run_with(
+        &self,
+        dev: &CudaDevice,
+        handle: Handle,
+        desc: &Desc,
+        algo: &lt_sys::cublasLtMatmulAlgo_t,
+        ops: Operands,
+    ) -> Result<()> {
+        let stream = dev.cuda_stream();
         let layouts = self.layouts(self.m)?;
         let workspace = stream.alloc::<u8>(WORKSPACE_BYTES).w()?;
         let (workspace_at, _guard) = workspace.device_ptr(&stream);
@@ -271,7 +319,7 @@ impl Problem {
             out,
             ops.out as *mut c_void,
             out,
-            &algo,
+            algo,
             workspace_at as *mut c_void,
             WORKSPACE_BYTES,
             stream.cu_stream() as lt_sys::cudaStream_t,

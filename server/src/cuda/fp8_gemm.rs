@@ -261,3 +261,62 @@ fn device_address_any(t: &Tensor) -> Result<u64> {
         _ => device_address::<half::f16>(t),
     }
 }
+
+/// For `exactscore-bench`: up to `count` of cuBLASLt's algorithms for `x · wᵀ` (scales per row
+/// and column, a fresh bf16 output) as its heuristic ranks them for `heuristic_rows` rows, each
+/// described and timed on these operands (`Problem::survey`; the server runs the first at
+/// `CANONICAL_ROWS`), or without `heuristic_rows` the `count` fastest of every configuration
+/// cuBLASLt accepts (`Problem::explore`).
+pub fn fp8_matmul_t_survey(
+    x_codes: &Tensor,
+    x_scales: &Tensor,
+    w_codes: &Tensor,
+    w_scales: &Tensor,
+    fast_accum: bool,
+    heuristic_rows: Option<usize>,
+    count: usize,
+) -> Result<Vec<(String, f64)>> {
+    let (m, k) = x_codes.dims2()?;
+    let (n, w_k) = w_codes.dims2()?;
+    let Device::Cuda(dev) = x_codes.device() else {
+        bail!("fp8_matmul_t_survey: the codes are not on a CUDA device");
+    };
+    let parts = [x_codes, x_scales, w_codes, w_scales];
+    if w_k != k
+        || x_scales.dims() != [m]
+        || w_scales.dims() != [n]
+        || !parts
+            .iter()
+            .all(|t| t.is_contiguous() && t.layout().start_offset() == 0)
+    {
+        bail!("fp8_matmul_t_survey: contiguous [m, k] and [n, k] codes with [m] and [n] scales");
+    }
+    let out = Tensor::zeros((m, n), DType::BF16, x_codes.device())?;
+    let problem = Problem {
+        m: m as u64,
+        n: n as u64,
+        k: k as u64,
+        out_dtype: DType::BF16,
+        beta: 0.0,
+        scaling: Scaling::PerRowAndColumn,
+        fast_accum,
+    };
+    let ops = Operands {
+        w: device_address::<u8>(w_codes)?,
+        x: device_address::<u8>(x_codes)?,
+        w_scales: device_address::<f32>(w_scales)?,
+        x_scales: device_address::<f32>(x_scales)?,
+        out: device_address::<half::bf16>(&out)?,
+    };
+    // SAFETY: every address holds what `problem` says (shapes checked above).
+    unsafe {
+        match heuristic_rows {
+            Some(rows) => problem.survey(dev, ops, rows as u64, count, 20),
+            None => Ok(problem
+                .explore(dev, ops, 10)?
+                .into_iter()
+                .take(count)
+                .collect()),
+        }
+    }
+}

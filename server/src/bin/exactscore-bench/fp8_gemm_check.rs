@@ -18,6 +18,9 @@ use crate::{bits_equal, time_ms};
 
 const PER_TOKEN: Fp8InputScale = Fp8InputScale::PerToken;
 const STATIC: Fp8InputScale = Fp8InputScale::Static(0.037);
+/// A power of two: every quotient is exact, and on the e4m3 grid or one of its midpoints
+/// whenever the input is (the encoding's exact-division branch).
+const STATIC_POWER_OF_TWO: Fp8InputScale = Fp8InputScale::Static(0.03125);
 
 /// `[rows, k]` random values with the QDQ edge rows (zeros, far beyond fp8's range but finite in
 /// `dtype`, tiny, -0.0).
@@ -52,12 +55,18 @@ pub fn run(device: &Device) -> Result<usize> {
         return Ok(0);
     }
     // The quantization kernels vs the CPU reference.
-    // bf16 / f16, per token / static / per group of 128 (scales as they are and rounded up to
-    // powers of two), k = 4096 and 17,408.
+    // bf16 / f16, per token / static (any, a power of two) / per group of 128 (scales as they
+    // are and rounded up to powers of two), k = 4096 and 17,408.
     let mut quantize_cases = Vec::new();
     let groups = |power_of_two| Fp8InputScale::PerTokenGroup128 { power_of_two };
     for dtype in [DType::BF16, DType::F16] {
-        for scale in [PER_TOKEN, STATIC, groups(false), groups(true)] {
+        for scale in [
+            PER_TOKEN,
+            STATIC,
+            STATIC_POWER_OF_TWO,
+            groups(false),
+            groups(true),
+        ] {
             for k in [4096, 17408] {
                 let x = input(37, k, dtype, device)?;
                 let gpu = quantize_fp8_rows(&x, scale)?;
@@ -414,4 +423,43 @@ fn check_block_gemm(device: &Device) -> Result<BlockCheck> {
         invariant,
         timing,
     })
+}
+
+/// `exactscore-bench fp8-algos`: cuBLASLt's candidate algorithms for each fp8 GEMM of the
+/// Llama-3-8B layer at the rows the server runs it with (the attention projections on eight
+/// windows at once, the MLP's in 2,048-row chunks), as its heuristic ranks them for several row
+/// counts, each timed; the server runs the first of the ranking at 8,192 rows.
+pub fn survey(device: &Device, fast_accum: bool, count: usize) -> Result<()> {
+    use exactscore_server::cuda::fp8_gemm::fp8_matmul_t_survey;
+    println!(
+        "| projection [n, k] | rows | ranked for rows | rank | configuration | ms | TFLOP/s |"
+    );
+    println!("|---|---|---|---|---|---|---|");
+    for (name, n, k, m) in [
+        ("q/o", 4096, 4096, 16384),
+        ("k/v", 1024, 4096, 16384),
+        ("gate/up", 14336, 4096, 2048),
+        ("gate and up as one", 2 * 14336, 4096, 2048),
+        ("down", 4096, 14336, 2048),
+    ] {
+        let x = quantize_fp8_rows(
+            &Tensor::randn(0f32, 1.0, (m, k), device)?.to_dtype(DType::BF16)?,
+            PER_TOKEN,
+        )?;
+        let w = quantize_fp8_rows(
+            &Tensor::randn(0f32, 0.02, (n, k), device)?.to_dtype(DType::BF16)?,
+            PER_TOKEN,
+        )?;
+        for ranked_for in [Some(8192), None] {
+            let found = fp8_matmul_t_survey(
+                &x.codes, &x.scales, &w.codes, &w.scales, fast_accum, ranked_for, count,
+            )?;
+            let ranked_for = ranked_for.map_or("all, fastest first".to_string(), |r| r.to_string());
+            for (rank, (config, ms)) in found.iter().enumerate() {
+                let tflops = 2.0 * (m * n * k) as f64 / ms / 1e9;
+                println!("| {name} [{n}, {k}] | {m} | {ranked_for} | {rank} | {config} | {ms:.3} | {tflops:.0} |");
+            }
+        }
+    }
+    Ok(())
 }

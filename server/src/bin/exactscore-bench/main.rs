@@ -86,6 +86,18 @@ enum Command {
         #[arg(long, default_value = "cuda:0")]
         device: String,
     },
+    /// cuBLASLt's candidate algorithms for the fp8 GEMMs of the Llama-3-8B layer, timed.
+    #[cfg(feature = "cuda")]
+    Fp8Algos {
+        /// Hopper's fast accumulation instead of f32 sums.
+        #[arg(long)]
+        fast_accum: bool,
+        /// Candidates per ranking.
+        #[arg(long, default_value_t = 8)]
+        count: usize,
+        #[arg(long, default_value = "cuda:0")]
+        device: String,
+    },
     /// One projection of a stack of int4 experts, decoded inside the GEMM vs dequantized first.
     #[cfg(feature = "cuda")]
     MoeGemm {
@@ -294,6 +306,12 @@ fn main() -> Result<()> {
                 .iter()
                 .try_for_each(|&w| attention_check::timing(&device, w))
         }
+        #[cfg(feature = "cuda")]
+        Command::Fp8Algos {
+            fast_accum,
+            count,
+            device,
+        } => fp8_gemm_check::survey(&parse_device(&device)?, fast_accum, count),
         #[cfg(feature = "cuda")]
         Command::MoeGemm {
             experts,
