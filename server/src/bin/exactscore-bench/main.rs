@@ -162,6 +162,10 @@ enum Command {
         /// batch: bitwise or not, and the largest per-token |Δ|.
         #[arg(long)]
         invariance: bool,
+        /// The budget of a mixture's routed rows per pass, in MiB (default 512): larger
+        /// batches run their tokens in chunks.
+        #[arg(long)]
+        routed_row_mib: Option<usize>,
     },
     /// `/kld` throughput next to `/score`: a random model of a real shape in `--format` and a
     /// bf16 reference of the same shape, both on the device.
@@ -331,24 +335,30 @@ fn main() -> Result<()> {
             profile,
             against_f32,
             invariance,
-        } => speed(
-            &shape,
-            &formats,
-            &batch,
-            ctx,
-            iters,
-            parse_dtype(&dtype)?,
-            &parse_device(&device)?,
-            &attention
-                .iter()
-                .map(|a| parse_attention(a))
-                .collect::<Result<Vec<_>>>()?,
-            SpeedReport {
-                profile,
-                against_f32,
-                invariance,
-            },
-        ),
+            routed_row_mib,
+        } => {
+            if let Some(mib) = routed_row_mib {
+                exactscore_server::model::blocks::set_routed_row_bytes(mib << 20);
+            }
+            speed(
+                &shape,
+                &formats,
+                &batch,
+                ctx,
+                iters,
+                parse_dtype(&dtype)?,
+                &parse_device(&device)?,
+                &attention
+                    .iter()
+                    .map(|a| parse_attention(a))
+                    .collect::<Result<Vec<_>>>()?,
+                SpeedReport {
+                    profile,
+                    against_f32,
+                    invariance,
+                },
+            )
+        }
         Command::Kld {
             shape,
             format,
