@@ -155,9 +155,26 @@ impl ActivationBytes {
         // gate, up and their product over one row chunk, plus three dequantized weights.
         let chunk = t.min(super::blocks::MLP_CHUNK as u64);
         let mlp = 3 * chunk * inter * s + 3 * inter * h * s;
+        // A sparse layer's routed pass (blocks::moe): Gemma 4's mixture beside its dense MLP, or
+        // the experts in place of it.
+        let routed = match (
+            &config.moe,
+            config.gemma4.as_ref().and_then(|g| g.moe.as_ref()),
+        ) {
+            (Some(m), _) => Some((
+                m.experts_per_token,
+                m.num_experts,
+                m.expert_intermediate_size,
+            )),
+            (None, Some(m)) => Some((m.top_k, m.num_experts, m.intermediate_size)),
+            (None, None) => None,
+        };
+        let moe = routed.map_or(0, |(k, experts, inter)| {
+            super::blocks::routed_pass_bytes(t, k as u64, experts as u64, h, inter as u64, s)
+        });
         let logits_rows = super::decoder::lm_head_rows(config.vocab_size) as u64;
         Self {
-            layers: stream + (attention_tensors + scores).max(mlp),
+            layers: stream + (attention_tensors + scores).max(mlp).max(moe),
             // Logits in the compute dtype and in f32, for the served and the reference model.
             scoring: 2 * logits_rows * config.vocab_size as u64 * (s + 4),
         }
@@ -442,6 +459,38 @@ mod tests {
     /// With memory to spare, the work decides: a head that costs as much work as two layers
     /// but holds far more bytes (a bf16 lm_head beside 4-bit layers) moves two layers, not
     /// the many its bytes would.
+    /// A mixture's routed rows count, up to the budget of one pass: Qwen3-30B-A3B's shape (128
+    /// experts of 768, 8 per token, hidden 2048) at 8 and 32 windows of 2048 in bf16.
+    #[test]
+    fn a_mixtures_routed_rows_count_up_to_one_pass() {
+        let config = ModelConfig::from_json(
+            r#"{"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe",
+                "hidden_size": 2048, "intermediate_size": 6144, "moe_intermediate_size": 768,
+                "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128,
+                "num_hidden_layers": 48, "num_experts": 128, "num_experts_per_tok": 8,
+                "norm_topk_prob": true, "decoder_sparse_step": 1, "mlp_only_layers": [],
+                "vocab_size": 151936, "rms_norm_eps": 1e-6, "hidden_act": "silu",
+                "max_position_embeddings": 40960, "tie_word_embeddings": false,
+                "rope_parameters": {"rope_theta": 1000000.0, "rope_type": "default"}}"#,
+        )
+        .unwrap();
+        let at =
+            |tokens| ActivationBytes::estimate(&config, DType::BF16, tokens, 2048, true, false);
+        let (eight, thirty_two) = (at(8 * 2048).layers, at(32 * 2048).layers);
+        // 16384 tokens × 8 rows: in and out (2 × 512 MiB) and gate, up, product (3 × 192 MiB)
+        let routed = 16384 * 8 * (2 * 2048 + 3 * 768) * 2;
+        assert!(
+            eight > routed,
+            "{eight} bytes at 8 windows, routed rows alone {routed}"
+        );
+        // four times the tokens: the stream grows with them, the routed pass does not
+        let stream_growth = 3 * 3 * 16384 * 2048 * 2 * 4;
+        assert!(
+            thirty_two < eight + stream_growth,
+            "{thirty_two} bytes at 32 windows against {eight} at 8"
+        );
+    }
+
     #[test]
     fn with_room_the_split_balances_work_not_bytes() {
         let p = parts(8, 100, 300, 1500);

@@ -18,7 +18,7 @@ pub use feed_forward::FeedForward;
 pub use gated_delta_net::GatedDeltaNet;
 pub use mla::LatentAttention;
 pub use mlp::{Mlp, MLP_CHUNK, PROJ_NAMES};
-pub use moe::{plan_experts_on_device, set_routed_row_bytes, Moe, Route};
+pub use moe::{plan_experts_on_device, routed_pass_bytes, set_routed_row_bytes, Moe, Route};
 pub use norm::{NormKind, RmsNorm};
 pub use shared_kv_attention::{KeyValues, SharedKvAttention};
 

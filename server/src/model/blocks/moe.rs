@@ -43,6 +43,24 @@ pub fn set_routed_row_bytes(bytes: usize) {
     ROUTED_ROW_BYTES.store(bytes, Ordering::Relaxed);
 }
 
+/// What one routed pass of a mixture holds beyond its input, for the memory plan: the gathered
+/// rows of at most [`ROUTED_ROW_BYTES`] (all `tokens` where they fit), the experts' outputs over
+/// them, gate, up and their product, and one stack of dequantized experts.
+pub fn routed_pass_bytes(
+    tokens: u64,
+    per_token: u64,
+    experts: u64,
+    hidden: u64,
+    expert_intermediate: u64,
+    dtype_bytes: u64,
+) -> u64 {
+    let row = per_token * hidden * dtype_bytes;
+    let budget = ROUTED_ROW_BYTES.load(Ordering::Relaxed) as u64;
+    let rows = tokens.min((budget / row.max(1)).max(1)) * per_token;
+    let stack = (experts * 3 * expert_intermediate * hidden * dtype_bytes).min(STACK_BYTES as u64);
+    rows * (2 * hidden + 3 * expert_intermediate) * dtype_bytes + stack
+}
+
 #[derive(Clone)]
 pub struct Moe {
     /// The router `[experts, hidden]`, in the compute dtype (llm-compressor leaves it
