@@ -291,7 +291,8 @@ impl Problem {
     }
 
     /// # Safety
-    /// As [`Self::run`]; `algo` is one of `heuristic`'s for this problem.
+    /// As [`Self::run`]; `algo` is one cuBLASLt gave or accepted for this problem (its
+    /// heuristic's, or one that `cublasLtMatmulAlgoCheck` passed).
     unsafe fn run_with(
         &self,
         dev: &CudaDevice,

@@ -8,13 +8,21 @@ use candle_core::cuda_backend::cudarc::cublaslt::sys as lt_sys;
 use candle_core::cuda_backend::{CudaDevice, WrapErr};
 use candle_core::Result;
 
-use super::{handle, LtResult, Operands, Problem, WORKSPACE_BYTES};
+use super::{handle, Desc, Handle, LtResult, Operands, Problem, WORKSPACE_BYTES};
+
+use lt_sys::cublasLtMatmulAlgoCapAttributes_t as Cap;
+use lt_sys::cublasLtMatmulAlgoConfigAttributes_t as Config;
+use lt_sys::cublasStatus_t::CUBLAS_STATUS_SUCCESS as SUCCESS;
+use lt_sys::cudaDataType::{CUDA_R_32F, CUDA_R_8F_E4M3};
+
+/// Cluster shapes tried (`cublasLtClusterShape_t`): auto, 1×1, 2×1, 4×1, 1×2, 2×2, 3×1.
+const CLUSTERS: [u16; 7] = [0, 2, 3, 4, 5, 6, 17];
 
 impl Problem {
-    /// For `exactscore-bench`: up to `count` of the heuristic's algorithms for this problem at
-    /// `heuristic_rows` rows, in its order, each described (cuBLASLt's configuration ids) and
-    /// with the milliseconds of one run on `ops`, the mean of `reps`; the first is the one
-    /// [`Self::run`] uses when `heuristic_rows` is [`CANONICAL_ROWS`].
+    /// Up to `count` of the heuristic's algorithms for this problem at `heuristic_rows` rows,
+    /// in its order, each described (cuBLASLt's configuration ids) and with the milliseconds of
+    /// one run on `ops`, the mean of `reps`; the first is the one [`Self::run`] uses when
+    /// `heuristic_rows` is `CANONICAL_ROWS`.
     ///
     /// # Safety
     /// As [`Self::run`].
@@ -26,28 +34,20 @@ impl Problem {
         count: usize,
         reps: usize,
     ) -> Result<Vec<(String, f64)>> {
-        let stream = dev.cuda_stream();
-        stream.context().bind_to_thread().w()?;
+        dev.cuda_stream().context().bind_to_thread().w()?;
         let handle = handle(dev)?;
         let desc = self.desc(ops.w_scales, ops.x_scales)?;
         let mut timed = Vec::new();
         for found in self.heuristic(handle, &desc, heuristic_rows, count)? {
-            self.run_with(dev, handle, &desc, &found.algo, ops)?;
-            stream.synchronize().w()?;
-            let start = std::time::Instant::now();
-            for _ in 0..reps {
-                self.run_with(dev, handle, &desc, &found.algo, ops)?;
-            }
-            stream.synchronize().w()?;
-            let ms = start.elapsed().as_secs_f64() * 1e3 / reps as f64;
+            let ms = self.time(dev, handle, &desc, &found.algo, ops, reps)?;
             timed.push((describe(&found.algo, found.wavesCount), ms));
         }
         Ok(timed)
     }
 
-    /// For `exactscore-bench`: every configuration of every algorithm cuBLASLt has for these
-    /// types (tile, stages, cluster shape, custom option, CTA swizzling; never split k) that it
-    /// accepts for this problem, each described and timed as in [`Self::survey`], fastest first.
+    /// Every configuration of every algorithm cuBLASLt has for these types (tile, stages,
+    /// cluster shape, custom option, CTA swizzling; never split k) that it accepts for this
+    /// problem, each described and timed as in [`Self::survey`], fastest first.
     ///
     /// # Safety
     /// As [`Self::run`].
@@ -57,19 +57,14 @@ impl Problem {
         ops: Operands,
         reps: usize,
     ) -> Result<Vec<(String, f64)>> {
-        use lt_sys::cublasLtMatmulAlgoCapAttributes_t as Cap;
-        use lt_sys::cublasLtMatmulAlgoConfigAttributes_t as C;
-        use lt_sys::cudaDataType::{CUDA_R_32F, CUDA_R_8F_E4M3};
-        let stream = dev.cuda_stream();
-        stream.context().bind_to_thread().w()?;
+        dev.cuda_stream().context().bind_to_thread().w()?;
         let handle = handle(dev)?;
         let desc = self.desc(ops.w_scales, ops.x_scales)?;
         let layouts = self.layouts(self.m)?;
         let [w, x, out] = [layouts.0[0], layouts.0[1], layouts.0[2]];
-        let compute = lt_sys::cublasComputeType_t::CUBLAS_COMPUTE_32F;
         let d = self.d_type()?;
-        let mut ids = [0i32; 64];
-        let mut n_ids = 0;
+        let compute = lt_sys::cublasComputeType_t::CUBLAS_COMPUTE_32F;
+        let (mut ids, mut found) = ([0i32; 64], 0);
         lt_sys::cublasLtMatmulAlgoGetIds(
             handle.0,
             compute,
@@ -80,44 +75,14 @@ impl Problem {
             d,
             64,
             ids.as_mut_ptr(),
-            &mut n_ids,
+            &mut found,
         )
         .result()
         .lt()?;
-        let cap_list = |algo: &lt_sys::cublasLtMatmulAlgo_t, attr| -> Vec<u32> {
-            let mut size = 0usize;
-            lt_sys::cublasLtMatmulAlgoCapGetAttribute(
-                algo,
-                attr,
-                std::ptr::null_mut(),
-                0,
-                &mut size,
-            );
-            let mut values = vec![0u32; size / 4];
-            lt_sys::cublasLtMatmulAlgoCapGetAttribute(
-                algo,
-                attr,
-                values.as_mut_ptr().cast(),
-                size,
-                &mut size,
-            );
-            values
-        };
-        let cap_u32 = |algo: &lt_sys::cublasLtMatmulAlgo_t, attr| -> u32 {
-            let (mut value, mut size) = (0u32, 0usize);
-            lt_sys::cublasLtMatmulAlgoCapGetAttribute(
-                algo,
-                attr,
-                (&mut value as *mut u32).cast(),
-                4,
-                &mut size,
-            );
-            value
-        };
         let mut timed = Vec::new();
-        for &id in &ids[..n_ids.max(0) as usize] {
+        for &id in &ids[..found.max(0) as usize] {
             let mut base = std::mem::MaybeUninit::<lt_sys::cublasLtMatmulAlgo_t>::zeroed();
-            if lt_sys::cublasLtMatmulAlgoInit(
+            let init = lt_sys::cublasLtMatmulAlgoInit(
                 handle.0,
                 compute,
                 CUDA_R_32F,
@@ -127,106 +92,134 @@ impl Problem {
                 d,
                 id,
                 base.as_mut_ptr(),
-            ) != lt_sys::cublasStatus_t::CUBLAS_STATUS_SUCCESS
-            {
+            );
+            if init != SUCCESS {
                 continue;
             }
             let base = base.assume_init();
-            let mut tiles = cap_list(&base, Cap::CUBLASLT_ALGO_CAP_TILE_IDS);
-            let mut stages = cap_list(&base, Cap::CUBLASLT_ALGO_CAP_STAGES_IDS);
-            tiles.push(0);
-            stages.push(0);
-            let customs = cap_u32(&base, Cap::CUBLASLT_ALGO_CAP_CUSTOM_OPTION_MAX);
-            for &tile in &tiles {
-                for &stage in &stages {
-                    for cluster in [0u16, 2, 3, 4, 5, 6, 17] {
-                        for custom in 0..=customs {
-                            for swizzle in [0u32, 1] {
-                                let mut algo = base;
-                                let set = |algo: &mut lt_sys::cublasLtMatmulAlgo_t,
-                                           attr,
-                                           v: *const c_void,
-                                           size| {
-                                    lt_sys::cublasLtMatmulAlgoConfigSetAttribute(
-                                        algo, attr, v, size,
-                                    )
-                                };
-                                set(
-                                    &mut algo,
-                                    C::CUBLASLT_ALGO_CONFIG_TILE_ID,
-                                    (&tile as *const u32).cast(),
-                                    4,
-                                );
-                                set(
-                                    &mut algo,
-                                    C::CUBLASLT_ALGO_CONFIG_STAGES_ID,
-                                    (&stage as *const u32).cast(),
-                                    4,
-                                );
-                                set(
-                                    &mut algo,
-                                    C::CUBLASLT_ALGO_CONFIG_CLUSTER_SHAPE_ID,
-                                    (&cluster as *const u16).cast(),
-                                    2,
-                                );
-                                set(
-                                    &mut algo,
-                                    C::CUBLASLT_ALGO_CONFIG_CUSTOM_OPTION,
-                                    (&custom as *const u32).cast(),
-                                    4,
-                                );
-                                set(
-                                    &mut algo,
-                                    C::CUBLASLT_ALGO_CONFIG_CTA_SWIZZLING,
-                                    (&swizzle as *const u32).cast(),
-                                    4,
-                                );
-                                let mut result = std::mem::MaybeUninit::<
-                                    lt_sys::cublasLtMatmulHeuristicResult_t,
-                                >::zeroed();
-                                if lt_sys::cublasLtMatmulAlgoCheck(
-                                    handle.0,
-                                    desc.0,
-                                    w,
-                                    x,
-                                    out,
-                                    out,
-                                    &algo,
-                                    result.as_mut_ptr(),
-                                ) != lt_sys::cublasStatus_t::CUBLAS_STATUS_SUCCESS
-                                {
-                                    continue;
-                                }
-                                let result = result.assume_init();
-                                if result.workspaceSize > WORKSPACE_BYTES {
-                                    continue;
-                                }
-                                if self.run_with(dev, handle, &desc, &algo, ops).is_err() {
-                                    continue;
-                                }
-                                stream.synchronize().w()?;
-                                let start = std::time::Instant::now();
-                                for _ in 0..reps {
-                                    self.run_with(dev, handle, &desc, &algo, ops)?;
-                                }
-                                stream.synchronize().w()?;
-                                let ms = start.elapsed().as_secs_f64() * 1e3 / reps as f64;
-                                timed.push((describe(&algo, result.wavesCount), ms));
-                            }
-                        }
+            // 0: cuBLASLt's choice
+            let tiles = [
+                vec![0],
+                capability_list(&base, Cap::CUBLASLT_ALGO_CAP_TILE_IDS),
+            ]
+            .concat();
+            let stages = [
+                vec![0],
+                capability_list(&base, Cap::CUBLASLT_ALGO_CAP_STAGES_IDS),
+            ]
+            .concat();
+            let mut customs = 0u32;
+            let mut size = 0usize;
+            let custom_max = Cap::CUBLASLT_ALGO_CAP_CUSTOM_OPTION_MAX;
+            let custom_at = (&mut customs as *mut u32).cast();
+            lt_sys::cublasLtMatmulAlgoCapGetAttribute(&base, custom_max, custom_at, 4, &mut size);
+            for (&tile, &stage) in tiles
+                .iter()
+                .flat_map(|t| stages.iter().map(move |s| (t, s)))
+            {
+                for (cluster, custom, swizzle) in CLUSTERS
+                    .iter()
+                    .flat_map(|&c| (0..=customs).flat_map(move |o| [(c, o, 0u32), (c, o, 1)]))
+                {
+                    let mut algo = base;
+                    set_config(&mut algo, Config::CUBLASLT_ALGO_CONFIG_TILE_ID, &tile);
+                    set_config(&mut algo, Config::CUBLASLT_ALGO_CONFIG_STAGES_ID, &stage);
+                    set_config(
+                        &mut algo,
+                        Config::CUBLASLT_ALGO_CONFIG_CLUSTER_SHAPE_ID,
+                        &cluster,
+                    );
+                    set_config(
+                        &mut algo,
+                        Config::CUBLASLT_ALGO_CONFIG_CUSTOM_OPTION,
+                        &custom,
+                    );
+                    set_config(
+                        &mut algo,
+                        Config::CUBLASLT_ALGO_CONFIG_CTA_SWIZZLING,
+                        &swizzle,
+                    );
+                    let mut check = std::mem::MaybeUninit::zeroed();
+                    let status = lt_sys::cublasLtMatmulAlgoCheck(
+                        handle.0,
+                        desc.0,
+                        w,
+                        x,
+                        out,
+                        out,
+                        &algo,
+                        check.as_mut_ptr(),
+                    );
+                    if status != SUCCESS {
+                        continue;
                     }
+                    let check: lt_sys::cublasLtMatmulHeuristicResult_t = check.assume_init();
+                    if check.workspaceSize > WORKSPACE_BYTES
+                        || self.run_with(dev, handle, &desc, &algo, ops).is_err()
+                    {
+                        continue;
+                    }
+                    let ms = self.time(dev, handle, &desc, &algo, ops, reps)?;
+                    timed.push((describe(&algo, check.wavesCount), ms));
                 }
             }
         }
         timed.sort_by(|a, b| a.1.total_cmp(&b.1));
         Ok(timed)
     }
+
+    /// Milliseconds of one run of `algo` on `ops`, the mean of `reps` after a first one.
+    ///
+    /// # Safety
+    /// As [`Self::run_with`].
+    unsafe fn time(
+        &self,
+        dev: &CudaDevice,
+        handle: Handle,
+        desc: &Desc,
+        algo: &lt_sys::cublasLtMatmulAlgo_t,
+        ops: Operands,
+        reps: usize,
+    ) -> Result<f64> {
+        let stream = dev.cuda_stream();
+        self.run_with(dev, handle, desc, algo, ops)?;
+        stream.synchronize().w()?;
+        let start = std::time::Instant::now();
+        for _ in 0..reps {
+            self.run_with(dev, handle, desc, algo, ops)?;
+        }
+        stream.synchronize().w()?;
+        Ok(start.elapsed().as_secs_f64() * 1e3 / reps.max(1) as f64)
+    }
+}
+
+/// A capability of `algo` that is a list of u32 ids (tiles, stages); empty where not given.
+///
+/// # Safety
+/// `attr` is a list-valued capability.
+unsafe fn capability_list(algo: &lt_sys::cublasLtMatmulAlgo_t, attr: Cap) -> Vec<u32> {
+    let mut size = 0usize;
+    lt_sys::cublasLtMatmulAlgoCapGetAttribute(algo, attr, std::ptr::null_mut(), 0, &mut size);
+    let mut values = vec![0u32; size / 4];
+    let at = values.as_mut_ptr().cast();
+    if lt_sys::cublasLtMatmulAlgoCapGetAttribute(algo, attr, at, size, &mut size) != SUCCESS {
+        values.clear();
+    }
+    values
+}
+
+/// Sets one configuration attribute of `algo` (a rejected value shows in the check after).
+///
+/// # Safety
+/// `T` is the attribute's documented type.
+unsafe fn set_config<T>(algo: &mut lt_sys::cublasLtMatmulAlgo_t, attr: Config, value: &T) {
+    let at = (value as *const T).cast::<c_void>();
+    lt_sys::cublasLtMatmulAlgoConfigSetAttribute(algo, attr, at, std::mem::size_of::<T>());
 }
 
 /// An algorithm's configuration as cuBLASLt numbers it (`cublasLtMatmulAlgoConfigAttributes_t`),
 /// and the heuristic's estimate of its waves.
 fn describe(algo: &lt_sys::cublasLtMatmulAlgo_t, waves: f32) -> String {
-    use lt_sys::cublasLtMatmulAlgoConfigAttributes_t as C;
     let get = |attr| {
         let (mut value, mut size) = (0u64, 0usize);
         // SAFETY: a valid algorithm; the first call asks for the attribute's size (at most 8
@@ -239,33 +232,27 @@ fn describe(algo: &lt_sys::cublasLtMatmulAlgo_t, waves: f32) -> String {
                 0,
                 &mut size,
             );
-            if ask != lt_sys::cublasStatus_t::CUBLAS_STATUS_SUCCESS || size > 8 {
+            if ask != SUCCESS || size > 8 {
                 ask
             } else {
-                lt_sys::cublasLtMatmulAlgoConfigGetAttribute(
-                    algo,
-                    attr,
-                    (&mut value as *mut u64).cast(),
-                    size,
-                    &mut size,
-                )
+                let at = (&mut value as *mut u64).cast();
+                lt_sys::cublasLtMatmulAlgoConfigGetAttribute(algo, attr, at, size, &mut size)
             }
         };
-        if status == lt_sys::cublasStatus_t::CUBLAS_STATUS_SUCCESS {
-            value.to_string()
-        } else {
-            format!("{status:?}")
+        match status {
+            SUCCESS => value.to_string(),
+            error => format!("{error:?}"),
         }
     };
     format!(
         "id {} tile {} stages {} cluster {} inner {} swizzle {} custom {} waves {:.2}",
-        get(C::CUBLASLT_ALGO_CONFIG_ID),
-        get(C::CUBLASLT_ALGO_CONFIG_TILE_ID),
-        get(C::CUBLASLT_ALGO_CONFIG_STAGES_ID),
-        get(C::CUBLASLT_ALGO_CONFIG_CLUSTER_SHAPE_ID),
-        get(C::CUBLASLT_ALGO_CONFIG_INNER_SHAPE_ID),
-        get(C::CUBLASLT_ALGO_CONFIG_CTA_SWIZZLING),
-        get(C::CUBLASLT_ALGO_CONFIG_CUSTOM_OPTION),
+        get(Config::CUBLASLT_ALGO_CONFIG_ID),
+        get(Config::CUBLASLT_ALGO_CONFIG_TILE_ID),
+        get(Config::CUBLASLT_ALGO_CONFIG_STAGES_ID),
+        get(Config::CUBLASLT_ALGO_CONFIG_CLUSTER_SHAPE_ID),
+        get(Config::CUBLASLT_ALGO_CONFIG_INNER_SHAPE_ID),
+        get(Config::CUBLASLT_ALGO_CONFIG_CTA_SWIZZLING),
+        get(Config::CUBLASLT_ALGO_CONFIG_CUSTOM_OPTION),
         waves
     )
 }
