@@ -282,12 +282,16 @@ impl Problem {
     /// The operands hold an `[n, k]` and an `[m, k]` e4m3 matrix, the scales `scaling` says
     /// and `m` rows of `n` output values.
     pub unsafe fn run(&self, dev: &CudaDevice, ops: Operands) -> Result<()> {
-        // cuBLASLt resolves the stream against the current context.
-        dev.cuda_stream().context().bind_to_thread().w()?;
-        let handle = handle(dev)?;
-        let desc = self.desc(ops.w_scales, ops.x_scales)?;
+        let (handle, desc) = self.prepare(dev, ops)?;
         let algo = self.algorithm(dev, handle, &desc)?;
         self.run_with(dev, handle, &desc, &algo, ops)
+    }
+
+    /// The handle and descriptor for running this problem on `ops` from this thread.
+    fn prepare(&self, dev: &CudaDevice, ops: Operands) -> Result<(Handle, Desc)> {
+        // cuBLASLt resolves the stream against the current context.
+        dev.cuda_stream().context().bind_to_thread().w()?;
+        Ok((handle(dev)?, self.desc(ops.w_scales, ops.x_scales)?))
     }
 
     /// # Safety

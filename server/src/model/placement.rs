@@ -456,9 +456,6 @@ mod tests {
         }
     }
 
-    /// With memory to spare, the work decides: a head that costs as much work as two layers
-    /// but holds far more bytes (a bf16 lm_head beside 4-bit layers) moves two layers, not
-    /// the many its bytes would.
     /// A mixture's routed rows count, up to the budget of one pass: Qwen3-30B-A3B's shape (128
     /// experts of 768, 8 per token, hidden 2048) at 8 and 32 windows of 2048 in bf16.
     #[test]
@@ -491,6 +488,9 @@ mod tests {
         );
     }
 
+    /// With memory to spare, the work decides: a head that costs as much work as two layers
+    /// but holds far more bytes (a bf16 lm_head beside 4-bit layers) moves two layers, not
+    /// the many its bytes would.
     #[test]
     fn with_room_the_split_balances_work_not_bytes() {
         let p = parts(8, 100, 300, 1500);

@@ -8,7 +8,7 @@ use candle_core::cuda_backend::cudarc::cublaslt::sys as lt_sys;
 use candle_core::cuda_backend::{CudaDevice, WrapErr};
 use candle_core::Result;
 
-use super::{handle, Desc, Handle, LtResult, Operands, Problem, WORKSPACE_BYTES};
+use super::{Desc, Handle, LtResult, Operands, Problem, WORKSPACE_BYTES};
 
 use lt_sys::cublasLtMatmulAlgoCapAttributes_t as Cap;
 use lt_sys::cublasLtMatmulAlgoConfigAttributes_t as Config;
@@ -34,9 +34,7 @@ impl Problem {
         count: usize,
         reps: usize,
     ) -> Result<Vec<(String, f64)>> {
-        dev.cuda_stream().context().bind_to_thread().w()?;
-        let handle = handle(dev)?;
-        let desc = self.desc(ops.w_scales, ops.x_scales)?;
+        let (handle, desc) = self.prepare(dev, ops)?;
         let mut timed = Vec::new();
         for found in self.heuristic(handle, &desc, heuristic_rows, count)? {
             let ms = self.time(dev, handle, &desc, &found.algo, ops, reps)?;
@@ -57,9 +55,7 @@ impl Problem {
         ops: Operands,
         reps: usize,
     ) -> Result<Vec<(String, f64)>> {
-        dev.cuda_stream().context().bind_to_thread().w()?;
-        let handle = handle(dev)?;
-        let desc = self.desc(ops.w_scales, ops.x_scales)?;
+        let (handle, desc) = self.prepare(dev, ops)?;
         let layouts = self.layouts(self.m)?;
         let [w, x, out] = [layouts.0[0], layouts.0[1], layouts.0[2]];
         let d = self.d_type()?;

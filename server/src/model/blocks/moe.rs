@@ -43,6 +43,13 @@ pub fn set_routed_row_bytes(bytes: usize) {
     ROUTED_ROW_BYTES.store(bytes, Ordering::Relaxed);
 }
 
+/// The most tokens one routed pass gathers: [`ROUTED_ROW_BYTES`] of rows of `per_token` ×
+/// `hidden` values of `dtype_bytes` (at least one token).
+fn tokens_per_pass(per_token: u64, hidden: u64, dtype_bytes: u64) -> usize {
+    let row = (per_token * hidden * dtype_bytes).max(1);
+    (ROUTED_ROW_BYTES.load(Ordering::Relaxed) as u64 / row).max(1) as usize
+}
+
 /// What one routed pass of a mixture holds beyond its input, for the memory plan: the gathered
 /// rows of at most [`ROUTED_ROW_BYTES`] (all `tokens` where they fit), the experts' outputs over
 /// them, gate, up and their product, and one stack of dequantized experts.
@@ -54,9 +61,8 @@ pub fn routed_pass_bytes(
     expert_intermediate: u64,
     dtype_bytes: u64,
 ) -> u64 {
-    let row = per_token * hidden * dtype_bytes;
-    let budget = ROUTED_ROW_BYTES.load(Ordering::Relaxed) as u64;
-    let rows = tokens.min((budget / row.max(1)).max(1)) * per_token;
+    let per_pass = tokens_per_pass(per_token, hidden, dtype_bytes) as u64;
+    let rows = tokens.min(per_pass) * per_token;
     let stack = (experts * 3 * expert_intermediate * hidden * dtype_bytes).min(STACK_BYTES as u64);
     rows * (2 * hidden + 3 * expert_intermediate) * dtype_bytes + stack
 }
@@ -398,8 +404,8 @@ impl Moe {
         routes: Option<&mut Vec<Route>>,
     ) -> Result<Tensor> {
         let (tokens, hidden) = x.dims2()?;
-        let row_bytes = top.k * hidden * x.dtype().size_in_bytes();
-        let most = (ROUTED_ROW_BYTES.load(Ordering::Relaxed) / row_bytes.max(1)).max(1);
+        let dtype_bytes = x.dtype().size_in_bytes() as u64;
+        let most = tokens_per_pass(top.k as u64, hidden as u64, dtype_bytes);
         if tokens > most {
             if let Some(routes) = routes {
                 record_routes(&top, routes);
@@ -608,9 +614,6 @@ impl Moe {
     }
 }
 
-/// The experts that have rows, in groups that run stacked: most rows first, at most `most` to a
-/// group, and an expert joins the group while padding it to the group's first expert costs at
-/// most a quarter of that count or [`STACK_PAD_ROWS`] rows (a GEMM tile's worth).
 /// Appends each token's (expert, weight) pairs of `top` to `routes`.
 fn record_routes(top: &TopExperts, routes: &mut Vec<Route>) {
     let pairs: Vec<(usize, f32)> = top
@@ -622,6 +625,9 @@ fn record_routes(top: &TopExperts, routes: &mut Vec<Route>) {
     routes.extend(pairs.chunks(top.k.max(1)).map(<[_]>::to_vec));
 }
 
+/// The experts that have rows, in groups that run stacked: most rows first, at most `most` to a
+/// group, and an expert joins the group while padding it to the group's first expert costs at
+/// most a quarter of that count or [`STACK_PAD_ROWS`] rows (a GEMM tile's worth).
 fn stack_groups(ranges: &[std::ops::Range<usize>], most: usize) -> Vec<Vec<usize>> {
     let mut order: Vec<usize> = (0..ranges.len())
         .filter(|&e| !ranges[e].is_empty())
