@@ -3,6 +3,7 @@
 // Both work on the projections' natural layout [tokens, heads, head_dim] for a whole batch of
 // sequences at once (`starts`: prefix offsets of the sequences), so no transposes or GQA copies.
 #include "flash.cuh"
+#include "rms.cuh"
 
 #define ROW_THREADS 256
 
@@ -61,7 +62,16 @@ __device__ void soft_cap(const T* x, T* out, long n, float mul, float cap) {
 // transformers' `x * cos + rotate_half(x) * sin` with every product and the sum rounded to T,
 // as PyTorch runs it in T (checked bitwise against a CPU transcription by `exactscore-bench
 // check`). candle's rope kernel lets the compiler contract `x1 * c - x2 * s` into one FMA and so
-// differs from PyTorch in the last bit of some values.
+// differs from PyTorch in the last bit of some values. One pair: a at i, b at i + half; lo and
+// hi are their rotations.
+template <typename T>
+__device__ __forceinline__ void rope_pair(T a, T b, T c, T s, T& lo, T& hi) {
+    auto r = [](float v) { return to_f32(from_f32<T>(v)); };
+    const float af = to_f32(a), bf = to_f32(b), cf = to_f32(c), sf = to_f32(s);
+    lo = from_f32<T>(r(af * cf) - r(bf * sf));
+    hi = from_f32<T>(r(bf * cf) + r(af * sf));
+}
+
 // One thread per (token, head, VEC consecutive i < half), read and written as VEC-value vectors
 // (VEC 8: `half` and every start offset a multiple of 8); `pos[token]` is the token's position
 // in its sequence.
@@ -81,15 +91,52 @@ __device__ void rope_rotate_half(const T* x, T* out, const int32_t* pos, const T
     const V c = *reinterpret_cast<const V*>(cos + t), s = *reinterpret_cast<const V*>(sin + t);
     const V x1 = *reinterpret_cast<const V*>(src + i), x2 = *reinterpret_cast<const V*>(src + i + half);
     V o1, o2;
-    auto r = [](float v) { return to_f32(from_f32<T>(v)); };
 #pragma unroll
-    for (int j = 0; j < VEC; ++j) {
-        float cj = to_f32(c.v[j]), sj = to_f32(s.v[j]), a = to_f32(x1.v[j]), b = to_f32(x2.v[j]);
-        o1.v[j] = from_f32<T>(r(a * cj) - r(b * sj));
-        o2.v[j] = from_f32<T>(r(b * cj) + r(a * sj));
-    }
+    for (int j = 0; j < VEC; ++j) rope_pair(x1.v[j], x2.v[j], c.v[j], s.v[j], o1.v[j], o2.v[j]);
     *reinterpret_cast<V*>(dst + i) = o1;
     *reinterpret_cast<V*>(dst + i + half) = o2;
+}
+
+// transformers' per-head q/k norm (where `weight` is given) then RoPE on the first `rot` values
+// of each head of x [tokens, heads, dim], the others passed through, in one pass: the bits of
+// rms_norm (norm.cu) then rope_rotate_half on the rotary part (`exactscore-bench check`).
+// LANES lanes a head, 8 values each (dim % 8 == 0, rot % 16 == 0, 16-byte aligned rows and
+// tables); a lane of the rotary part's first half takes its partner's values from rot / 16
+// lanes on, one of the second half from as many back.
+template <typename T, typename W, int LANES>
+__device__ void head_norm_rope(const T* x, const W* weight, T* out, const int32_t* pos,
+                               const T* cos, const T* sin, long rows, int heads, int dim, int rot,
+                               float eps) {
+    using V = Pack<T, 8>;
+    const long row = ((long)blockIdx.x * blockDim.x + threadIdx.x) / LANES;
+    const int lane = threadIdx.x % LANES, col = lane * 8, half_lanes = rot / 16;
+    const bool mine = row < rows && col < dim;
+    const bool first = lane < half_lanes, rotary = lane < 2 * half_lanes;
+    V h{};
+    Pack<W, 8> w{};
+    int position = 0;
+    if (mine) {
+        h = *reinterpret_cast<const V*>(x + row * dim + col);
+        if (weight != nullptr) w = *reinterpret_cast<const Pack<W, 8>*>(weight + col);
+        position = pos[(int)row / heads];
+    }
+    if (weight != nullptr) h = rms_norm_lanes<T, W, LANES>(h, w, mine, dim, eps);
+    const int partner = threadIdx.x % 32 + (first ? half_lanes : rotary ? -half_lanes : 0);
+    const V p = shfl_pack(h, partner);
+    if (!mine) return;
+    V o = h;
+    if (rotary) {
+        const int i = (first ? lane : lane - half_lanes) * 8;
+        const long t = (long)position * (rot / 2) + i;
+        const V c = *reinterpret_cast<const V*>(cos + t), s = *reinterpret_cast<const V*>(sin + t);
+        T unused;
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+            if (first) rope_pair(h.v[j], p.v[j], c.v[j], s.v[j], o.v[j], unused);
+            else rope_pair(p.v[j], h.v[j], c.v[j], s.v[j], unused, o.v[j]);
+        }
+    }
+    *reinterpret_cast<V*>(out + row * dim + col) = o;
 }
 
 // MLA's flash inputs in one pass (model/blocks/mla.rs: flash_attend): per token and head,
@@ -303,6 +350,23 @@ __device__ void flash_attention(const T* __restrict__ q, const T* __restrict__ k
         rope_rotate_half<T, 8>(x, o, pos, c, s, heads, half, groups);                                \
     }
 
+// head_norm_rope{,_f32w}_l{LANES}_{SUFFIX}
+#define HEAD_NORM_ROPE_ENTRY(SUFFIX, T, LANES)                                                       \
+    extern "C" __global__ void head_norm_rope_l##LANES##_##SUFFIX(                                 \
+        const T* x, const T* w, T* o, const int32_t* pos, const T* c, const T* s, long rows,         \
+        int heads, int dim, int rot, float eps) {                                                     \
+        head_norm_rope<T, T, LANES>(x, w, o, pos, c, s, rows, heads, dim, rot, eps);                 \
+    }                                                                                                 \
+    extern "C" __global__ void head_norm_rope_f32w_l##LANES##_##SUFFIX(                             \
+        const T* x, const float* w, T* o, const int32_t* pos, const T* c, const T* s, long rows,     \
+        int heads, int dim, int rot, float eps) {                                                     \
+        head_norm_rope<T, float, LANES>(x, w, o, pos, c, s, rows, heads, dim, rot, eps);             \
+    }
+#define HEAD_NORM_ROPE_ENTRIES(SUFFIX, T)                                                             \
+    HEAD_NORM_ROPE_ENTRY(SUFFIX, T, 8)                                                                \
+    HEAD_NORM_ROPE_ENTRY(SUFFIX, T, 16)                                                               \
+    HEAD_NORM_ROPE_ENTRY(SUFFIX, T, 32)
+
 #define MLA_ENTRY(SUFFIX, T)                                                                          \
     extern "C" __global__ void mla_flash_inputs_##SUFFIX(                                             \
         const T* q, const T* kv, const T* kr, const int32_t* pos, const T* c, const T* s,            \
@@ -314,6 +378,8 @@ __device__ void flash_attention(const T* __restrict__ q, const T* __restrict__ k
 
 ROPE_ENTRY(bf16, __nv_bfloat16)
 ROPE_ENTRY(f16, __half)
+HEAD_NORM_ROPE_ENTRIES(bf16, __nv_bfloat16)
+HEAD_NORM_ROPE_ENTRIES(f16, __half)
 MLA_ENTRY(bf16, __nv_bfloat16)
 MLA_ENTRY(f16, __half)
 FLASH_ENTRIES(bf16, __nv_bfloat16)

@@ -2,6 +2,7 @@
 // activations (SwiGLU, GeGLU), each optionally followed in the same pass by the per-token fp8 QDQ
 // of the Linear that reads its output.
 #include "qdq.cuh"
+#include "rms.cuh"
 
 #define ROW_THREADS 256
 
@@ -43,26 +44,88 @@ __device__ void rms_norm(const T* x, const W* weight, T* out, int cols, float ep
     const long base = (long)blockIdx.x * cols;
     const int tid = threadIdx.x;
     float squares = 0.0f;
-    for (int i = tid * VEC; i < cols; i += ROW_THREADS * VEC) {
-        const V h = *reinterpret_cast<const V*>(x + base + i);
-#pragma unroll
-        for (int j = 0; j < VEC; ++j) squares += to_f32(h.v[j]) * to_f32(h.v[j]);
-    }
+    for (int i = tid * VEC; i < cols; i += ROW_THREADS * VEC)
+        squares = sum_squares(*reinterpret_cast<const V*>(x + base + i), squares);
     const float inv = rsqrtf(tree_sum(squares, s_red) / cols + eps);
     float amax = 0.0f;
     for (int i = tid * VEC; i < cols; i += ROW_THREADS * VEC) {
-        const V hv = *reinterpret_cast<const V*>(x + base + i);
-        const Pack<W, VEC> w = *reinterpret_cast<const Pack<W, VEC>*>(weight + i);
-        V o;
+        const V o = rms_scaled(*reinterpret_cast<const V*>(x + base + i),
+                               *reinterpret_cast<const Pack<W, VEC>*>(weight + i), inv);
+        if (FP8_QDQ) {
 #pragma unroll
-        for (int j = 0; j < VEC; ++j) {
-            o.v[j] = from_f32<T>(to_f32(hv.v[j]) * inv * to_f32(w.v[j]));
-            if (FP8_QDQ) amax = fmaxf(amax, fabsf(to_f32(o.v[j])));
+            for (int j = 0; j < VEC; ++j) amax = fmaxf(amax, fabsf(to_f32(o.v[j])));
         }
         *reinterpret_cast<V*>(out + base + i) = o;
     }
     // the input of the Linears that read this norm, when they all quantize it per token to fp8
     if (FP8_QDQ) fp8_qdq_row<T, VEC>(out + base, out + base, cols, fp8_token_scale(amax));
+}
+
+// RMSNorm of rows of at most 8 * LANES values (cols % 8 == 0, 16-byte aligned rows: the per-head
+// q/k norms), LANES lanes a row and 256 / LANES rows a block: a block a row left 240 of its 256
+// threads idle on a 128-wide head. The bits of rms_norm<T, W, 8, false> (rms_norm_lanes).
+template <typename T, typename W, int LANES>
+__device__ void rms_norm_narrow(const T* x, const W* weight, T* out, long rows, int cols,
+                                float eps) {
+    const long row = ((long)blockIdx.x * blockDim.x + threadIdx.x) / LANES;
+    const int col = (threadIdx.x % LANES) * 8;
+    const bool mine = row < rows && col < cols;
+    Pack<T, 8> h{};
+    Pack<W, 8> w{};
+    if (mine) {
+        h = *reinterpret_cast<const Pack<T, 8>*>(x + row * cols + col);
+        w = *reinterpret_cast<const Pack<W, 8>*>(weight + col);
+    }
+    const Pack<T, 8> o = rms_norm_lanes<T, W, LANES>(h, w, mine, cols, eps);
+    if (mine) *reinterpret_cast<Pack<T, 8>*>(out + row * cols + col) = o;
+}
+
+// RMSNorm of rows wider than 256 values (cols % 8 == 0, 16-byte aligned rows), a warp a row and
+// eight rows a block: a block a row took its 256 threads through four barriers a row and kept
+// too few loads in flight to stream the rows (~1.5 TB/s at 2,048 columns). Lane l does the
+// work of rms_norm's threads l, l + 32, ..., l + 224 (one partial sum each) and adds the
+// partial sums in tree_sum's order: threads t and t + 128, then + 64, + 32, then the shuffles.
+// The bits of rms_norm<T, W, 8, false>.
+template <typename T, typename W>
+__device__ void rms_norm_warp(const T* x, const W* weight, T* out, long rows, int cols,
+                              float eps) {
+    using V = Pack<T, 8>;
+    const int lane = threadIdx.x % 32;
+    const long row = (long)blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
+    if (row >= rows) return;  // the whole warp: no barrier below
+    const T* xr = x + row * cols;
+    T* orow = out + row * cols;
+    // thread lane + 32m of rms_norm reads the vectors at base + 256m, base + 2048 j on; eight
+    // loads in flight before the sums
+    float partial[8] = {};
+    for (int base = lane * 8; base < cols; base += ROW_THREADS * 8) {
+        V v[8];
+#pragma unroll
+        for (int m = 0; m < 8; ++m)
+            if (base + 256 * m < cols) v[m] = *reinterpret_cast<const V*>(xr + base + 256 * m);
+#pragma unroll
+        for (int m = 0; m < 8; ++m)
+            if (base + 256 * m < cols) partial[m] = sum_squares(v[m], partial[m]);
+    }
+#pragma unroll
+    for (int m = 0; m < 4; ++m) partial[m] += partial[m + 4];
+    partial[0] += partial[2];
+    partial[1] += partial[3];
+    const float inv = rsqrtf(lanes_sum<32>(partial[0] + partial[1]) / cols + eps);
+    for (int base = lane * 8; base < cols; base += 4 * 256) {
+        V v[4];
+        Pack<W, 8> w[4];
+#pragma unroll
+        for (int m = 0; m < 4; ++m) {
+            if (base + 256 * m >= cols) continue;
+            v[m] = *reinterpret_cast<const V*>(xr + base + 256 * m);
+            w[m] = *reinterpret_cast<const Pack<W, 8>*>(weight + base + 256 * m);
+        }
+#pragma unroll
+        for (int m = 0; m < 4; ++m)
+            if (base + 256 * m < cols)
+                *reinterpret_cast<V*>(orow + base + 256 * m) = rms_scaled(v[m], w[m], inv);
+    }
 }
 
 // ---- gated activations: out = act(gate) * up (SwiGLU, GeGLU) ---------------------------------------------------------
@@ -176,6 +239,17 @@ __device__ void gated_rms_norm(const T* x, const W* weight, const T* z, T* out, 
 
 // ---- extern "C" entry points, one per dtype -------------------------------------------------
 
+// rms_norm_narrow{LANES}_{SUFFIX} and rms_norm_f32w_narrow{LANES}_{SUFFIX}
+#define NARROW_NORM_ENTRIES(SUFFIX, T, LANES)                                                      \
+    extern "C" __global__ void rms_norm_narrow##LANES##_##SUFFIX(const T* x, const T* w, T* o,     \
+                                                                 long rows, int cols, float eps) { \
+        rms_norm_narrow<T, T, LANES>(x, w, o, rows, cols, eps);                                    \
+    }                                                                                              \
+    extern "C" __global__ void rms_norm_f32w_narrow##LANES##_##SUFFIX(                             \
+        const T* x, const float* w, T* o, long rows, int cols, float eps) {                        \
+        rms_norm_narrow<T, float, LANES>(x, w, o, rows, cols, eps);                                \
+    }
+
 #define NORM_ENTRIES(SUFFIX, T)                                                                    \
     extern "C" __global__ void rms_norm_##SUFFIX(const T* x, const T* w, T* o, int cols, float eps) { \
         rms_norm<T, T, 1, false>(x, w, o, cols, eps);                                              \
@@ -200,6 +274,17 @@ __device__ void gated_rms_norm(const T* x, const W* weight, const T* z, T* out, 
                                                                  int cols, float eps) {            \
         rms_norm<T, float, 8, true>(x, w, o, cols, eps);                                           \
     }                                                                                              \
+    extern "C" __global__ void rms_norm_warp_##SUFFIX(const T* x, const T* w, T* o, long rows,     \
+                                                      int cols, float eps) {                       \
+        rms_norm_warp<T, T>(x, w, o, rows, cols, eps);                                             \
+    }                                                                                              \
+    extern "C" __global__ void rms_norm_f32w_warp_##SUFFIX(const T* x, const float* w, T* o,       \
+                                                           long rows, int cols, float eps) {       \
+        rms_norm_warp<T, float>(x, w, o, rows, cols, eps);                                         \
+    }                                                                                              \
+    NARROW_NORM_ENTRIES(SUFFIX, T, 8)                                                              \
+    NARROW_NORM_ENTRIES(SUFFIX, T, 16)                                                             \
+    NARROW_NORM_ENTRIES(SUFFIX, T, 32)                                                             \
     extern "C" __global__ void silu_mul_##SUFFIX(const T* g, const T* u, T* o, long n) {           \
         glu_mul<T, Silu>(g, u, o, n);                                                              \
     }                                                                                              \

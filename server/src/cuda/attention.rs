@@ -98,6 +98,89 @@ pub fn rope_rotate_half(
     }))
 }
 
+/// The widest head `head_norm_rope*` (attention.cu) takes: 32 lanes of 8 values.
+const HEAD_NORM_ROPE_DIM: usize = 256;
+
+/// `x` `[tokens, heads, dim]` through the per-head RMSNorm (`norm`: weight `[dim]` in `x`'s
+/// dtype or f32, and eps) and RoPE on the first `rot` values in one kernel (`head_norm_rope*`):
+/// `None` where the heads or the tables do not fit it (f32, dim not a multiple of 8 or over
+/// [`HEAD_NORM_ROPE_DIM`], `rot` not a multiple of 16, unaligned rows).
+pub fn head_norm_rope(
+    x: &Tensor,
+    norm: Option<(&Tensor, f64)>,
+    rot: usize,
+    positions: &Tensor,
+    cos: &Tensor,
+    sin: &Tensor,
+) -> Result<Option<Tensor>> {
+    let (tokens, heads, dim) = x.dims3()?;
+    let weight = norm.map(|(w, _)| w);
+    let f32_weight = weight.is_some_and(|w| w.dtype() == DType::F32);
+    let weight_fits = weight.is_none_or(|w| {
+        w.dims() == [dim] && w.is_contiguous() && (f32_weight || w.dtype() == x.dtype())
+    });
+    let tables_fit = cos.dims2()?.1 == rot / 2 && sin.dims() == cos.dims();
+    let aligned = rows_of_vectors(dim, &[x]) && rows_of_vectors(rot / 2, &[cos, sin]);
+    if x.dtype() == DType::F32
+        || !x.is_contiguous()
+        || dim > HEAD_NORM_ROPE_DIM
+        || rot == 0
+        || rot > dim
+        || !rot.is_multiple_of(16)
+        || !(weight_fits && tables_fit && aligned)
+        || !weight.is_none_or(|w| rows_of_vectors(dim, &[w]))
+    {
+        return Ok(None);
+    }
+    let lanes = (dim / 8).next_power_of_two().max(8);
+    let base = match f32_weight {
+        true => format!("head_norm_rope_f32w_l{lanes}"),
+        false => format!("head_norm_rope_l{lanes}"),
+    };
+    let name = kernel_name(&base, x.dtype());
+    let eps = norm.map_or(0.0, |(_, eps)| eps as f32);
+    with_float_type!(x.dtype(), T => with_slice::<T, _>(x, |xs, xo, dev| {
+        with_slice::<i32, _>(positions, |ps, po, _| {
+            with_slice::<T, _>(cos, |cs, co, _| {
+                with_slice::<T, _>(sin, |ss, so, _| {
+                    let func = kernel(dev, &ATTENTION, &name)?;
+                    // SAFETY: the kernel writes every element.
+                    let out = unsafe { dev.alloc::<T>(x.elem_count().max(1)) }?;
+                    let (xs, ps, cs, ss) = (xs.slice(xo..), ps.slice(po..), cs.slice(co..), ss.slice(so..));
+                    let rows = (tokens * heads) as i64;
+                    let dims = [heads, dim, rot].map(|v| v as i32);
+                    // The weight's argument: its view, or a null pointer (no norm).
+                    macro_rules! launch {
+                        ($weight:expr) => {{
+                            let mut b = func.builder();
+                            b.arg(&xs).arg($weight).arg(&out).arg(&ps).arg(&cs).arg(&ss).arg(&rows);
+                            for d in &dims {
+                                b.arg(d);
+                            }
+                            b.arg(&eps);
+                            // SAFETY: arguments match `head_norm_rope{,_f32w}_l{lanes}_*` (`lanes`
+                            // threads per head; shapes and alignment checked above).
+                            unsafe { b.launch(grid_1d(tokens * heads * lanes)) }.w()?;
+                        }};
+                    }
+                    match weight {
+                        Some(w) => with_float_type!(w.dtype(), W => with_slice::<W, _>(w, |ws, wo, _| {
+                            let view = ws.slice(wo..);
+                            launch!(&view);
+                            Ok(())
+                        }))?,
+                        None => {
+                            let null = 0u64;
+                            launch!(&null)
+                        }
+                    }
+                    Ok(Some(wrap(out, dev, (tokens, heads, dim))))
+                })
+            })
+        })
+    }))
+}
+
 /// MLA's flash inputs (`mla_flash_inputs` in the kernels): `q` `[tokens, heads * (nope + rot)]`,
 /// `kv` `[tokens, heads * (nope + v)]`, `k_rot` `[tokens, rot]`, optional per-token query
 /// scales `[tokens]`; returns q, k, v `[tokens, heads, width]`, zero-padded.

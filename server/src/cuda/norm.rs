@@ -10,8 +10,30 @@ use super::{dequant::qdq_fp8, grid_1d, grid_rows, kernel_name, rows_of_vectors, 
 
 /// transformers' RMSNorm of `x` over the last dimension, in one pass: the normalised,
 /// weighted rows. With `fp8_qdq`, they then go through the per-token fp8 QDQ (as [`qdq_fp8`]
-/// without a static scale), in the same kernel when the rows allow vectors.
+/// without a static scale), in the same kernel when the rows allow vectors. Rows of vectors
+/// run a warp each, or, up to [`NARROW_COLS`] values (per-head norms), a few lanes each; the
+/// same bits as a block per row.
 pub fn rms_norm(x: &Tensor, weight: &Tensor, eps: f32, fp8_qdq: bool) -> Result<Tensor> {
+    launch_rms_norm(x, weight, eps, fp8_qdq, true)
+}
+
+/// [`rms_norm`] with a block per row whatever the row's width: the reference that
+/// `exactscore-bench check` holds the warp and lane kernels to, bit for bit.
+pub fn rms_norm_block_per_row(x: &Tensor, weight: &Tensor, eps: f32) -> Result<Tensor> {
+    launch_rms_norm(x, weight, eps, false, false)
+}
+
+/// The widest row `rms_norm_narrow*` (norm.cu) takes: 32 lanes of 8 values; wider rows run
+/// `rms_norm_warp*`.
+const NARROW_COLS: usize = 256;
+
+fn launch_rms_norm(
+    x: &Tensor,
+    weight: &Tensor,
+    eps: f32,
+    fp8_qdq: bool,
+    narrow_rows: bool,
+) -> Result<Tensor> {
     let x = x.contiguous()?;
     let dims = x.dims().to_vec();
     let cols = *dims.last().unwrap_or(&0);
@@ -32,10 +54,16 @@ pub fn rms_norm(x: &Tensor, weight: &Tensor, eps: f32, fp8_qdq: bool) -> Result<
     } else {
         "rms_norm"
     };
-    let variant = match (vectors, fp8_qdq) {
-        (true, true) => format!("{base}_v8_fp8_qdq"),
-        (true, false) => format!("{base}_v8"),
-        (false, _) => base.to_string(),
+    // threads per row (lanes of 8 values: a power of two, at least 8; or a warp) where rows
+    // share a block
+    let lanes =
+        (narrow_rows && vectors && !fp8_qdq).then(|| (cols / 8).next_power_of_two().clamp(8, 32));
+    let variant = match (lanes, vectors, fp8_qdq) {
+        (Some(_), ..) if cols > NARROW_COLS => format!("{base}_warp"),
+        (Some(lanes), ..) => format!("{base}_narrow{lanes}"),
+        (None, true, true) => format!("{base}_v8_fp8_qdq"),
+        (None, true, false) => format!("{base}_v8"),
+        (None, false, _) => base.to_string(),
     };
     let name = kernel_name(&variant, x.dtype());
     with_float_type!(x.dtype(), T => with_slice::<T, _>(&x, |xs, xo, dev| {
@@ -44,12 +72,25 @@ pub fn rms_norm(x: &Tensor, weight: &Tensor, eps: f32, fp8_qdq: bool) -> Result<
             // SAFETY: the kernel writes every element of `out`.
             let out = unsafe { dev.alloc::<T>(rows * cols) }?;
             let (xs, ws) = (xs.slice(xo..), ws.slice(wo..));
-            let c32 = cols as i32;
+            let (c32, rows64) = (cols as i32, rows as i64);
             let mut b = func.builder();
-            b.arg(&xs).arg(&ws).arg(&out).arg(&c32).arg(&eps);
-            // SAFETY: arguments match `rms_norm{,_f32w}{,_v8,_v8_fp8_qdq}_*` (one 256-thread
-            // block per row; aligned vectors checked above; the weight's type by `f32_weight`).
-            unsafe { b.launch(grid_rows(rows)) }.w()?;
+            b.arg(&xs).arg(&ws).arg(&out);
+            match lanes {
+                Some(lanes) => {
+                    b.arg(&rows64).arg(&c32).arg(&eps);
+                    // SAFETY: arguments match `rms_norm{,_f32w}_{narrow{lanes},warp}_*` (`lanes`
+                    // threads per row; aligned vectors checked above; the weight's type by
+                    // `f32_weight`).
+                    unsafe { b.launch(grid_1d(rows * lanes)) }.w()?;
+                }
+                None => {
+                    b.arg(&c32).arg(&eps);
+                    // SAFETY: arguments match `rms_norm{,_f32w}{,_v8,_v8_fp8_qdq}_*` (one
+                    // 256-thread block per row; aligned vectors checked above; the weight's
+                    // type by `f32_weight`).
+                    unsafe { b.launch(grid_rows(rows)) }.w()?;
+                }
+            }
             let out = wrap(out, dev, dims.clone());
             if fp8_qdq && !vectors { qdq_fp8(&out, None) } else { Ok(out) }
         }))

@@ -10,6 +10,14 @@ super::gpu_entry_points!(attention {
     fn matmul_tf32(a: &Tensor, b: &Tensor) -> Result<Tensor>;
     fn causal_softmax(scores: &Tensor, scale: f32, window: Option<usize>, dtype: DType) -> Result<Tensor>;
     fn rope_rotate_half(x: &Tensor, positions: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor>;
+    fn head_norm_rope(
+        x: &Tensor,
+        norm: Option<(&Tensor, f64)>,
+        rot: usize,
+        positions: &Tensor,
+        cos: &Tensor,
+        sin: &Tensor,
+    ) -> Result<Option<Tensor>>;
     fn soft_cap(x: &Tensor, cap: f64) -> Result<Tensor>;
     fn mla_flash_inputs(
         q: &Tensor,
@@ -286,6 +294,53 @@ pub fn rope_rotate_half(
 ) -> Result<Tensor> {
     gpu_only("rope_rotate_half", x)?;
     gpu::rope_rotate_half(x, positions, cos, sin)
+}
+
+/// `x` `[tokens, heads, head_dim]` with each head normed (RMSNorm, `norm`'s weight and eps,
+/// where given: Qwen3's and Gemma's q/k norms) and its first `rotary_dim` values rotated as
+/// [`rope_rotate_half`] rotates them, the rest passed through, for [`flash_attention`]. Partial
+/// rotary runs as one kernel where the heads allow it (the composition copies the rotary part
+/// out and back); full rotary as the norm then [`rope_rotate_half`], which is as fast (a lane
+/// of the fused kernel rotates 8 values where a thread of the RoPE kernel rotates 8 pairs:
+/// 0.147 against 0.139 ms on Qwen3's queries at 16,384 tokens, H200). The same bits either
+/// way (`check`). A GPU op only.
+pub fn head_norm_rope(
+    x: &Tensor,
+    norm: Option<(&Tensor, f64)>,
+    rotary_dim: usize,
+    positions: &Tensor,
+    cos: &Tensor,
+    sin: &Tensor,
+) -> Result<Tensor> {
+    gpu_only("head_norm_rope", x)?;
+    let partial = rotary_dim < x.dims().last().copied().unwrap_or(0);
+    if partial {
+        if let Some(out) = gpu::head_norm_rope(x, norm, rotary_dim, positions, cos, sin)? {
+            return Ok(out);
+        }
+    }
+    let x = match norm {
+        Some((weight, eps)) => super::rms_norm(x, weight, eps, None)?,
+        None => x.clone(),
+    };
+    rotate_leading(&x, rotary_dim, |x| rope_rotate_half(x, positions, cos, sin))
+}
+
+/// `rotate` applied to the first `rotary_dim` values of `x`'s last axis, the others passed
+/// through (partial rotary embeddings).
+pub fn rotate_leading(
+    x: &Tensor,
+    rotary_dim: usize,
+    rotate: impl FnOnce(&Tensor) -> Result<Tensor>,
+) -> Result<Tensor> {
+    let last = x.rank() - 1;
+    let dim = x.dims()[last];
+    if rotary_dim == dim {
+        return rotate(x);
+    }
+    let rotated = rotate(&x.narrow(last, 0, rotary_dim)?.contiguous()?)?;
+    let pass = x.narrow(last, rotary_dim, dim - rotary_dim)?;
+    Tensor::cat(&[rotated, pass], last)?.contiguous()
 }
 
 /// The shapes of an MLA layer's heads for [`mla_flash_inputs`].

@@ -47,6 +47,8 @@ mod diff_bench;
 #[cfg(feature = "cuda")]
 mod fp8_gemm_check;
 #[cfg(feature = "cuda")]
+mod head_norm_check;
+#[cfg(feature = "cuda")]
 mod jit_report;
 mod kld_bench;
 mod memory_plan;
@@ -54,6 +56,8 @@ mod memory_plan;
 mod mla_inputs_check;
 #[cfg(feature = "cuda")]
 mod moe_gemm_bench;
+#[cfg(feature = "cuda")]
+mod norm_bench;
 mod pipeline_bench;
 mod qdq_check;
 mod random_model;
@@ -95,6 +99,16 @@ enum Command {
         /// Candidates per ranking.
         #[arg(long, default_value_t = 8)]
         count: usize,
+        #[arg(long, default_value = "cuda:0")]
+        device: String,
+    },
+    /// RMSNorm's kernels (a warp, lanes or a block per row) and the per-head norm + RoPE,
+    /// fused and composed, timed on a batch's shapes.
+    #[cfg(feature = "cuda")]
+    Norms {
+        /// Rows (tokens) of each shape.
+        #[arg(long, default_value_t = 16384)]
+        tokens: usize,
         #[arg(long, default_value = "cuda:0")]
         device: String,
     },
@@ -316,6 +330,8 @@ fn main() -> Result<()> {
             count,
             device,
         } => fp8_gemm_check::survey(&parse_device(&device)?, fast_accum, count),
+        #[cfg(feature = "cuda")]
+        Command::Norms { tokens, device } => norm_bench::run(&parse_device(&device)?, tokens),
         #[cfg(feature = "cuda")]
         Command::MoeGemm {
             experts,
@@ -954,6 +970,7 @@ fn check(fixtures: &Path, device: &Device, only: &[String]) -> Result<()> {
         failures += usize::from(!gemm_f32_check(device)?);
         failures += usize::from(!linear_attention_check(device)?);
         failures += mla_inputs_check::run(device)?;
+        failures += head_norm_check::run(device)?;
         failures += fp8_gemm_check::run(device)?;
     }
     if failures > 0 {

@@ -232,22 +232,6 @@ impl Attention {
         Ok((half(0)?, Some(half(dim)?)))
     }
 
-    /// `rotate` applied to the first [`Self::rotary_dim`] dimensions of `x` (its last axis),
-    /// the others passed through.
-    fn rotate_partial(
-        &self,
-        x: Tensor,
-        rotate: impl FnOnce(&Tensor) -> Result<Tensor>,
-    ) -> Result<Tensor> {
-        if self.rotary_dim == self.head_dim {
-            return rotate(&x);
-        }
-        let last = x.rank() - 1;
-        let rotated = rotate(&x.narrow(last, 0, self.rotary_dim)?.contiguous()?)?;
-        let pass = x.narrow(last, self.rotary_dim, self.head_dim - self.rotary_dim)?;
-        Tensor::cat(&[rotated, pass], last)?.contiguous()
-    }
-
     /// The materialised path, one sequence at a time; returns `[tokens, heads * head_dim]`.
     fn attend_each_sequence(
         &self,
@@ -295,7 +279,7 @@ impl Attention {
         }
         let x = x.transpose(0, 1)?.contiguous()?.unsqueeze(0)?;
         match rope {
-            Some(rope) => self.rotate_partial(x, |x| rope.apply(x)),
+            Some(rope) => ops::rotate_leading(&x, self.rotary_dim, |x| rope.apply(x)),
             None => Ok(x),
         }
     }
@@ -314,22 +298,16 @@ impl Attention {
         rope: &RopeTables,
     ) -> Result<Tensor> {
         let tokens = q.dims()[0];
-        let split = |x: Tensor, heads: usize, norm: Option<&RmsNorm>| -> Result<Tensor> {
-            let x = x.reshape((tokens, heads, self.head_dim))?;
-            match norm {
-                Some(norm) => norm.forward(&x, None),
-                None => Ok(x),
-            }
-        };
+        let split = |x: Tensor, heads: usize| x.reshape((tokens, heads, self.head_dim));
         let (cos, sin) = rope.tables();
-        let v = split(v, self.num_kv_heads, None)?;
+        let v = split(v, self.num_kv_heads)?;
         let dev = q.device().clone();
         // the per-head norms, where the model has them, and RoPE
         let (q, k) = stage("rope", &dev, || {
-            let rotate = |x: Tensor, heads, norm| {
-                self.rotate_partial(split(x, heads, norm)?, |x| {
-                    ops::rope_rotate_half(x, &index.positions, cos, sin)
-                })
+            let rotate = |x: Tensor, heads, norm: Option<&RmsNorm>| {
+                let norm = norm.map(|n| (n.weight(), n.eps()));
+                let x = split(x, heads)?;
+                ops::head_norm_rope(&x, norm, self.rotary_dim, &index.positions, cos, sin)
             };
             Ok((
                 rotate(q, self.num_heads, self.q_norm.as_ref())?,

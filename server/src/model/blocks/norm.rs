@@ -55,6 +55,15 @@ impl RmsNorm {
         })
     }
 
+    /// The weight as the kernels take it (`1 + w` in f32 for [`NormKind::OnePlusWeight`]).
+    pub fn weight(&self) -> &Tensor {
+        &self.weight
+    }
+
+    pub fn eps(&self) -> f64 {
+        self.eps
+    }
+
     /// The normalised `x`, put through `qdq` (the activation QDQ of the Linears that read it)
     /// when there is one. [`NormKind::OnePlusWeight`]'s f32 `1 + w` makes it transformers'
     /// GemmaRMSNorm: normalise in f32, multiply by `1 + w` in f32, cast back.

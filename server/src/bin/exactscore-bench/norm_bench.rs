@@ -1,0 +1,110 @@
+//! RMSNorm's kernels and the per-head norm + RoPE timed alone on a batch's shapes: the kernel
+//! the server runs against the block-per-row kernel (and, for the heads, the composition the
+//! fused kernel replaced), in effective GB/s (bytes read and written once).
+
+use std::time::Instant;
+
+use anyhow::Result;
+use candle_core::{DType, Device, Tensor};
+use exactscore_server::cuda::attention::head_norm_rope as fused_kernel;
+use exactscore_server::cuda::norm::rms_norm_block_per_row;
+use exactscore_server::ops::{head_norm_rope, rms_norm, rope_rotate_half, rotate_leading};
+
+/// Mean milliseconds of 20 synchronized runs of `f`, after one warm-up.
+fn time_ms(device: &Device, f: impl Fn() -> candle_core::Result<Tensor>) -> Result<f64> {
+    f()?;
+    device.synchronize()?;
+    let start = Instant::now();
+    for _ in 0..20 {
+        f()?;
+    }
+    device.synchronize()?;
+    Ok(start.elapsed().as_secs_f64() / 20.0 * 1e3)
+}
+
+fn row(what: &str, shape: &str, bytes: usize, ms: f64) {
+    println!(
+        "| {what} | {shape} | {ms:.3} | {:.0} |",
+        bytes as f64 / ms / 1e6
+    );
+}
+
+pub fn run(device: &Device, tokens: usize) -> Result<()> {
+    let (dtype, eps) = (DType::BF16, 1e-6);
+    println!("| kernel | shape (bf16) | ms | GB/s |");
+    println!("|---|---|---|---|");
+    for cols in [2048usize, 2816, 4096, 5120, 8192] {
+        let x = Tensor::randn(0f32, 1.0, (tokens, cols), device)?.to_dtype(dtype)?;
+        let w = Tensor::rand(0.5f32, 1.5, cols, device)?.to_dtype(dtype)?;
+        let bytes = 2 * x.elem_count() * 2;
+        let shape = format!("[{tokens}, {cols}]");
+        row(
+            "RMSNorm, served",
+            &shape,
+            bytes,
+            time_ms(device, || rms_norm(&x, &w, eps, None))?,
+        );
+        let block = time_ms(device, || rms_norm_block_per_row(&x, &w, eps as f32))?;
+        row("RMSNorm, a block per row", &shape, bytes, block);
+    }
+    let positions = Tensor::new(
+        (0..tokens as i32)
+            .map(|t| t % 2048)
+            .collect::<Vec<_>>()
+            .as_slice(),
+        device,
+    )?;
+    // (heads, dim, rotary dims, f32 weight): Qwen3's q, Llama's q, Qwen3.5's full-attention q
+    for (heads, dim, rot, f32_weight) in [(32, 128, 128, false), (16, 256, 64, true)] {
+        let x = Tensor::randn(0f32, 1.0, (tokens, heads, dim), device)?.to_dtype(dtype)?;
+        let w = Tensor::rand(0.5f32, 1.5, dim, device)?;
+        let w = if f32_weight { w } else { w.to_dtype(dtype)? };
+        let table = Tensor::randn(0f32, 1.0, (2048, rot / 2), device)?.to_dtype(dtype)?;
+        let bytes = 2 * x.elem_count() * 2;
+        let shape = format!("[{tokens}, {heads}, {dim}], {rot} rotary");
+        let norm = Some((&w, eps));
+        let served = || head_norm_rope(&x, norm, rot, &positions, &table, &table);
+        row(
+            "head norm + RoPE, served",
+            &shape,
+            bytes,
+            time_ms(device, served)?,
+        );
+        let fused = || -> candle_core::Result<Tensor> {
+            fused_kernel(&x, norm, rot, &positions, &table, &table)?
+                .ok_or_else(|| candle_core::Error::Msg("no fused kernel for the shape".into()))
+        };
+        row(
+            "head norm + RoPE, fused kernel",
+            &shape,
+            bytes,
+            time_ms(device, fused)?,
+        );
+        let composed = || {
+            rotate_leading(&rms_norm(&x, &w, eps, None)?, rot, |x| {
+                rope_rotate_half(x, &positions, &table, &table)
+            })
+        };
+        row(
+            "head norm, then RoPE (rotary part copied out and back)",
+            &shape,
+            bytes,
+            time_ms(device, composed)?,
+        );
+        let narrow = || rms_norm(&x, &w, eps, None);
+        row(
+            "head norm alone, lanes per row",
+            &shape,
+            bytes,
+            time_ms(device, narrow)?,
+        );
+        let block = || rms_norm_block_per_row(&x, &w, eps as f32);
+        row(
+            "head norm alone, a block per row",
+            &shape,
+            bytes,
+            time_ms(device, block)?,
+        );
+    }
+    Ok(())
+}
