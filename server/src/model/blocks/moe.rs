@@ -699,32 +699,44 @@ struct ExpertRows {
 }
 
 impl ExpertRows {
+    /// A counting sort of the routes by expert, each expert's rows in token order. A vector per
+    /// expert, grown route by route, took twice as long (2.2 against 1.1 ms on a 2-core machine
+    /// for eight windows of Qwen3-30B-A3B, 131,072 routes): host time a layer's GPU work waits
+    /// for behind the router's read-back.
     fn new(top: &TopExperts, experts: usize) -> Self {
-        let k = top.k;
-        let mut groups: Vec<Vec<(u32, f32)>> = vec![Vec::new(); experts];
-        for (i, (&e, &w)) in top.experts.iter().zip(&top.weights).enumerate() {
-            groups[e as usize].push(((i / k) as u32, w));
+        let (k, n) = (top.k.max(1), top.experts.len());
+        let mut starts = vec![0usize; experts + 1];
+        for &e in &top.experts {
+            starts[e as usize + 1] += 1;
         }
-        let mut rows = ExpertRows {
-            token: Vec::with_capacity(top.experts.len()),
-            weight: Vec::with_capacity(top.experts.len()),
-            ranges: Vec::with_capacity(experts),
-            positions: vec![0; top.experts.len()],
-            k,
-        };
-        let mut filled = vec![0usize; top.experts.len() / k.max(1)];
-        for group in groups {
-            let start = rows.token.len();
-            for (t, w) in group {
-                let t = t as usize;
-                rows.positions[t * k + filled[t]] = rows.token.len() as u32;
-                filled[t] += 1;
-                rows.token.push(t as u32);
-                rows.weight.push(w);
+        for e in 0..experts {
+            starts[e + 1] += starts[e];
+        }
+        let ranges = starts.windows(2).map(|w| w[0]..w[1]).collect();
+        let (mut token, mut weight) = (vec![0u32; n], vec![0f32; n]);
+        let mut next = starts;
+        for (t, (ids, ws)) in top.experts.chunks(k).zip(top.weights.chunks(k)).enumerate() {
+            for (&e, &w) in ids.iter().zip(ws) {
+                let r = &mut next[e as usize];
+                (token[*r], weight[*r]) = (t as u32, w);
+                *r += 1;
             }
-            rows.ranges.push(start..rows.token.len());
         }
-        rows
+        // each token's rows in ascending expert order: the rows lie in expert order
+        let mut positions = vec![0u32; n];
+        let mut filled = vec![0u32; n / k];
+        for (r, &t) in token.iter().enumerate() {
+            let slot = &mut filled[t as usize];
+            positions[t as usize * k + *slot as usize] = r as u32;
+            *slot += 1;
+        }
+        ExpertRows {
+            token,
+            weight,
+            ranges,
+            positions,
+            k: top.k,
+        }
     }
 }
 
