@@ -107,11 +107,7 @@ __device__ void rms_norm_warp(const T* x, const W* weight, T* out, long rows, in
         for (int m = 0; m < 8; ++m)
             if (base + 256 * m < cols) partial[m] = sum_squares(v[m], partial[m]);
     }
-#pragma unroll
-    for (int m = 0; m < 4; ++m) partial[m] += partial[m + 4];
-    partial[0] += partial[2];
-    partial[1] += partial[3];
-    const float inv = rsqrtf(lanes_sum<32>(partial[0] + partial[1]) / cols + eps);
+    const float inv = rsqrtf(lanes_sum<32>(tree8(partial)) / cols + eps);
     for (int base = lane * 8; base < cols; base += 4 * 256) {
         V v[4];
         Pack<W, 8> w[4];
@@ -221,6 +217,14 @@ __device__ void glu_mul_fp8_codes(const T* gate, const T* up, uint8_t* codes, fl
 // n = x * rsqrt(mean(x²) + eps) in f32, rounded to T; p = w * n, kept in f32 for an f32 weight
 // (the releases store it so), else rounded to T; out = p * silu(z) in f32, rounded to T.
 template <typename T, typename W>
+__device__ __forceinline__ T gated_normed(T x, W w, T z, float inv) {
+    const float n = to_f32(from_f32<T>(to_f32(x) * inv));
+    float p = to_f32(w) * n;
+    if (sizeof(W) != sizeof(float)) p = to_f32(from_f32<T>(p));
+    return from_f32<T>(p * Silu::f(to_f32(z)));
+}
+
+template <typename T, typename W>
 __device__ void gated_rms_norm(const T* x, const W* weight, const T* z, T* out, int cols,
                                float eps) {
     __shared__ float s_red[ROW_THREADS];
@@ -229,11 +233,37 @@ __device__ void gated_rms_norm(const T* x, const W* weight, const T* z, T* out, 
     float squares = 0.0f;
     for (int i = tid; i < cols; i += ROW_THREADS) squares += to_f32(x[base + i]) * to_f32(x[base + i]);
     const float inv = rsqrtf(tree_sum(squares, s_red) / cols + eps);
-    for (int i = tid; i < cols; i += ROW_THREADS) {
-        const float n = to_f32(from_f32<T>(to_f32(x[base + i]) * inv));
-        float p = to_f32(weight[i]) * n;
-        if (sizeof(W) != sizeof(float)) p = to_f32(from_f32<T>(p));
-        out[base + i] = from_f32<T>(p * Silu::f(to_f32(z[base + i])));
+    for (int i = tid; i < cols; i += ROW_THREADS)
+        out[base + i] = gated_normed(x[base + i], weight[i], z[base + i], inv);
+}
+
+// The same for rows of at most 256 values (Gated DeltaNet's heads), LANES lanes a row (LANES =
+// next power of two of cols / 8, at least 4) and 256 / LANES rows a block: lane l holds the
+// values l + LANES·m, m < 8, which gated_rms_norm's threads of those indices hold one each, so
+// its tree's pairs are the lane's own (tree8) down to LANES and then across lanes. The same
+// bits.
+template <typename T, typename W, int LANES>
+__device__ void gated_rms_norm_narrow(const T* x, const W* weight, const T* z, T* out, long rows,
+                                      int cols, float eps) {
+    const long row = ((long)blockIdx.x * blockDim.x + threadIdx.x) / LANES;
+    const int lane = threadIdx.x % LANES;
+    const long base = row * cols;
+    T v[8];
+    float squares[8];
+#pragma unroll
+    for (int m = 0; m < 8; ++m) {
+        const int i = lane + LANES * m;
+        const bool has = row < rows && i < cols;
+        v[m] = has ? x[base + i] : from_f32<T>(0.0f);
+        float s = 0.0f;
+        if (has) s += to_f32(v[m]) * to_f32(v[m]);
+        squares[m] = s;
+    }
+    const float inv = rsqrtf(lanes_sum<LANES>(tree8(squares)) / cols + eps);
+#pragma unroll
+    for (int m = 0; m < 8; ++m) {
+        const int i = lane + LANES * m;
+        if (row < rows && i < cols) out[base + i] = gated_normed(v[m], weight[i], z[base + i], inv);
     }
 }
 
@@ -248,6 +278,17 @@ __device__ void gated_rms_norm(const T* x, const W* weight, const T* z, T* out, 
     extern "C" __global__ void rms_norm_f32w_narrow##LANES##_##SUFFIX(                             \
         const T* x, const float* w, T* o, long rows, int cols, float eps) {                        \
         rms_norm_narrow<T, float, LANES>(x, w, o, rows, cols, eps);                                \
+    }
+
+// gated_rms_norm_narrow{LANES}_{SUFFIX} and gated_rms_norm_f32w_narrow{LANES}_{SUFFIX}
+#define GATED_NARROW_ENTRIES(SUFFIX, T, LANES)                                                     \
+    extern "C" __global__ void gated_rms_norm_narrow##LANES##_##SUFFIX(                            \
+        const T* x, const T* w, const T* z, T* o, long rows, int cols, float eps) {                \
+        gated_rms_norm_narrow<T, T, LANES>(x, w, z, o, rows, cols, eps);                           \
+    }                                                                                              \
+    extern "C" __global__ void gated_rms_norm_f32w_narrow##LANES##_##SUFFIX(                       \
+        const T* x, const float* w, const T* z, T* o, long rows, int cols, float eps) {            \
+        gated_rms_norm_narrow<T, float, LANES>(x, w, z, o, rows, cols, eps);                       \
     }
 
 #define NORM_ENTRIES(SUFFIX, T)                                                                    \
@@ -305,6 +346,10 @@ __device__ void gated_rms_norm(const T* x, const W* weight, const T* z, T* out, 
     extern "C" __global__ void gelu_tanh_mul_fp8_qdq_##SUFFIX(const T* g, const T* u, T* o, int k) { \
         glu_mul_fp8_qdq<T, GeluTanh>(g, u, o, k);                                                  \
     }                                                                                              \
+    GATED_NARROW_ENTRIES(SUFFIX, T, 4)                                                             \
+    GATED_NARROW_ENTRIES(SUFFIX, T, 8)                                                             \
+    GATED_NARROW_ENTRIES(SUFFIX, T, 16)                                                            \
+    GATED_NARROW_ENTRIES(SUFFIX, T, 32)                                                            \
     extern "C" __global__ void gated_rms_norm_##SUFFIX(const T* x, const T* w, const T* z, T* o,   \
                                                        int cols, float eps) {                      \
         gated_rms_norm<T, T>(x, w, z, o, cols, eps);                                               \

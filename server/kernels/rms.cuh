@@ -33,6 +33,17 @@ __device__ __forceinline__ float lanes_sum(float v) {
     return v;
 }
 
+// Eight partial sums of one lane added as the block kernels' tree_sum adds the slots t,
+// t + 4 LANES·… that a lane holds at m = 0..7 (slot lane + LANES·m): m and m + 4, then m + 2,
+// then m + 1; the lanes below are the caller's (lanes_sum).
+__device__ __forceinline__ float tree8(float (&partial)[8]) {
+#pragma unroll
+    for (int m = 0; m < 4; ++m) partial[m] += partial[m + 4];
+    partial[0] += partial[2];
+    partial[1] += partial[3];
+    return partial[0] + partial[1];
+}
+
 // RMSNorm of one row of `cols` values held by LANES lanes, 8 each (`mine`: this lane holds the
 // 8 values `h` and their weights `w`; lanes past the row's end hold none and add zeros): the
 // bits of norm.cu's block-per-row rms_norm with 16-byte vectors, whose threads hold the same 8

@@ -99,8 +99,30 @@ fn launch_rms_norm(
 
 /// transformers' gated RMSNorm of `x` over its last dimension, gated by `z` (same shape and
 /// dtype): `round(w · round(x̂) · silu(z))`, the weight's product kept in f32 for an f32 weight
-/// and rounded to the compute dtype for a weight in it (one block per row).
+/// and rounded to the compute dtype for a weight in it. A block per row, or a few lanes per row
+/// of at most [`NARROW_COLS`] values (Gated DeltaNet's heads): the same bits.
 pub fn gated_rms_norm(x: &Tensor, weight: &Tensor, z: &Tensor, eps: f32) -> Result<Tensor> {
+    launch_gated_rms_norm(x, weight, z, eps, true)
+}
+
+/// [`gated_rms_norm`] with a block per row whatever the row's width: `check`'s reference for
+/// the narrow rows' kernel.
+pub fn gated_rms_norm_block_per_row(
+    x: &Tensor,
+    weight: &Tensor,
+    z: &Tensor,
+    eps: f32,
+) -> Result<Tensor> {
+    launch_gated_rms_norm(x, weight, z, eps, false)
+}
+
+fn launch_gated_rms_norm(
+    x: &Tensor,
+    weight: &Tensor,
+    z: &Tensor,
+    eps: f32,
+    narrow_rows: bool,
+) -> Result<Tensor> {
     let (x, z) = (x.contiguous()?, z.contiguous()?);
     let dims = x.dims().to_vec();
     let cols = *dims.last().unwrap_or(&0);
@@ -125,7 +147,13 @@ pub fn gated_rms_norm(x: &Tensor, weight: &Tensor, z: &Tensor, eps: f32) -> Resu
     } else {
         "gated_rms_norm"
     };
-    let name = kernel_name(base, x.dtype());
+    // lanes per row: 8 values each, a power of two from 4 to 32
+    let lanes =
+        (narrow_rows && cols <= NARROW_COLS).then(|| (cols.next_power_of_two() / 8).clamp(4, 32));
+    let name = match lanes {
+        Some(lanes) => kernel_name(&format!("{base}_narrow{lanes}"), x.dtype()),
+        None => kernel_name(base, x.dtype()),
+    };
     with_float_type!(x.dtype(), T => with_slice::<T, _>(&x, |xs, xo, dev| {
         with_slice::<T, _>(&z, |zs, zo, _| {
             with_float_type!(weight.dtype(), W => with_slice::<W, _>(weight, |ws, wo, _| {
@@ -133,12 +161,23 @@ pub fn gated_rms_norm(x: &Tensor, weight: &Tensor, z: &Tensor, eps: f32) -> Resu
                 // SAFETY: the kernel writes every element of `out`.
                 let out = unsafe { dev.alloc::<T>(rows * cols) }?;
                 let (xs, zs, ws) = (xs.slice(xo..), zs.slice(zo..), ws.slice(wo..));
-                let c32 = cols as i32;
+                let (c32, rows64) = (cols as i32, rows as i64);
                 let mut b = func.builder();
-                b.arg(&xs).arg(&ws).arg(&zs).arg(&out).arg(&c32).arg(&eps);
-                // SAFETY: arguments match `gated_rms_norm{,_f32w}_*` (one 256-thread block per
-                // row; the weight's type by `f32_weight`).
-                unsafe { b.launch(grid_rows(rows)) }.w()?;
+                b.arg(&xs).arg(&ws).arg(&zs).arg(&out);
+                match lanes {
+                    Some(lanes) => {
+                        b.arg(&rows64).arg(&c32).arg(&eps);
+                        // SAFETY: arguments match `gated_rms_norm{,_f32w}_narrow{lanes}_*`
+                        // (`lanes` threads per row; the weight's type by `f32_weight`).
+                        unsafe { b.launch(grid_1d(rows * lanes)) }.w()?;
+                    }
+                    None => {
+                        b.arg(&c32).arg(&eps);
+                        // SAFETY: arguments match `gated_rms_norm{,_f32w}_*` (one 256-thread
+                        // block per row; the weight's type by `f32_weight`).
+                        unsafe { b.launch(grid_rows(rows)) }.w()?;
+                    }
+                }
                 Ok(wrap(out, dev, dims.clone()))
             }))
         })

@@ -1,5 +1,6 @@
 //! `check`'s norm rows: RMSNorm's kernels that run a few lanes per row (q/k norms) or a warp
-//! per row against its block-per-row kernel, and the fused per-head norm + RoPE kernel
+//! per row, and the gated RMSNorm's lanes per row (Gated DeltaNet heads), against their
+//! block-per-row kernels, and the fused per-head norm + RoPE kernel
 //! (`ops::head_norm_rope`) against the composition it replaced in the flash path (norm, then
 //! RoPE on the rotary part, the rest passed through), bit for bit, on the head shapes of Llama,
 //! Qwen3, GLM-4.5 (partial rotary), Qwen3.5 / Qwen3-Next (partial rotary, f32 `1 + w`) and odd
@@ -8,8 +9,8 @@
 use anyhow::{bail, Result};
 use candle_core::{DType, Device, Tensor};
 use exactscore_server::cuda::attention::head_norm_rope as fused_kernel;
-use exactscore_server::cuda::norm::rms_norm_block_per_row;
-use exactscore_server::ops::{rms_norm, rope_rotate_half, rotate_leading};
+use exactscore_server::cuda::norm::{gated_rms_norm_block_per_row, rms_norm_block_per_row};
+use exactscore_server::ops::{gated_rms_norm, rms_norm, rope_rotate_half, rotate_leading};
 
 use crate::bits_equal;
 
@@ -48,6 +49,28 @@ pub fn run(device: &Device) -> Result<usize> {
                 let (x, weight) = inputs(device, (rows, 3, dim), dtype, f32_weight)?;
                 let narrow = rms_norm(&x, &weight, eps, None)?;
                 let block = rms_norm_block_per_row(&x, &weight, eps as f32)?;
+                let same = bits_equal(&narrow, &block)?;
+                failures += usize::from(!same);
+                println!(
+                    "| {dim} wide | {dtype:?} | {:?} | {same} | {} |",
+                    weight.dtype(),
+                    if same { "ok" } else { "FAIL" }
+                );
+            }
+        }
+    }
+    println!("| gated RMSNorm, lanes per row vs a block per row | dtype | weight | bitwise | |");
+    println!("|---|---|---|---|---|");
+    for dim in [16, 64, 100, 128, 256] {
+        for dtype in [DType::F32, DType::BF16, DType::F16] {
+            for f32_weight in [false, true] {
+                if f32_weight && dtype == DType::F32 {
+                    continue;
+                }
+                let (x, weight) = inputs(device, (300, 3, dim), dtype, f32_weight)?;
+                let z = Tensor::randn(0f32, 2.0, x.dims(), device)?.to_dtype(dtype)?;
+                let narrow = gated_rms_norm(&x, &weight, &z, eps)?;
+                let block = gated_rms_norm_block_per_row(&x, &weight, &z, eps as f32)?;
                 let same = bits_equal(&narrow, &block)?;
                 failures += usize::from(!same);
                 println!(

@@ -7,8 +7,10 @@ use std::time::Instant;
 use anyhow::Result;
 use candle_core::{DType, Device, Tensor};
 use exactscore_server::cuda::attention::head_norm_rope as fused_kernel;
-use exactscore_server::cuda::norm::rms_norm_block_per_row;
-use exactscore_server::ops::{head_norm_rope, rms_norm, rope_rotate_half, rotate_leading};
+use exactscore_server::cuda::norm::{gated_rms_norm_block_per_row, rms_norm_block_per_row};
+use exactscore_server::ops::{
+    gated_rms_norm, head_norm_rope, rms_norm, rope_rotate_half, rotate_leading,
+};
 
 /// Mean milliseconds of 20 synchronized runs of `f`, after one warm-up.
 fn time_ms(device: &Device, f: impl Fn() -> candle_core::Result<Tensor>) -> Result<f64> {
@@ -47,6 +49,25 @@ pub fn run(device: &Device, tokens: usize) -> Result<()> {
         let block = time_ms(device, || rms_norm_block_per_row(&x, &w, eps as f32))?;
         row("RMSNorm, a block per row", &shape, bytes, block);
     }
+    // Gated DeltaNet's output norm: Qwen3.5-27B's 48 value heads of 128
+    let x = Tensor::randn(0f32, 1.0, (tokens, 48, 128), device)?.to_dtype(dtype)?;
+    let z = Tensor::randn(0f32, 1.0, (tokens, 48, 128), device)?.to_dtype(dtype)?;
+    let w = Tensor::rand(0.5f32, 1.5, 128, device)?;
+    let (bytes, shape) = (3 * x.elem_count() * 2, format!("[{tokens}, 48, 128]"));
+    let gated = || gated_rms_norm(&x, &w, &z, eps);
+    row(
+        "gated RMSNorm, served",
+        &shape,
+        bytes,
+        time_ms(device, gated)?,
+    );
+    let block = || gated_rms_norm_block_per_row(&x, &w, &z, eps as f32);
+    row(
+        "gated RMSNorm, a block per row",
+        &shape,
+        bytes,
+        time_ms(device, block)?,
+    );
     let positions = Tensor::new(
         (0..tokens as i32)
             .map(|t| t % 2048)
