@@ -1,7 +1,7 @@
 //! Launches of kernels/norm.cu: RMSNorm and the gated activations.
 // Kernel launches are FFI: the argument lists below must match the kernel signatures.
 
-use candle_core::cuda_backend::cudarc::driver::{LaunchConfig, PushKernelArg};
+use candle_core::cuda_backend::cudarc::driver::{LaunchArgs, LaunchConfig, PushKernelArg};
 use candle_core::cuda_backend::WrapErr;
 use candle_core::{bail, DType, Result, Tensor};
 
@@ -26,6 +26,31 @@ pub fn rms_norm_block_per_row(x: &Tensor, weight: &Tensor, eps: f32) -> Result<T
 /// The widest row `rms_norm_narrow*` (norm.cu) takes: 32 lanes of 8 values; wider rows run
 /// `rms_norm_warp*`.
 const NARROW_COLS: usize = 256;
+
+/// Ends a norm kernel's arguments and launches it: `lanes` threads per row (then `rows, cols,
+/// eps`), or one 256-thread block per row (then `cols, eps`).
+///
+/// # Safety
+/// `b` holds the kernel's leading arguments, and its signature ends as described.
+unsafe fn launch_rows<'a>(
+    mut b: LaunchArgs<'a>,
+    lanes: Option<usize>,
+    (rows, cols, eps): (&'a i64, &'a i32, &'a f32),
+) -> Result<()> {
+    match lanes {
+        Some(lanes) => {
+            b.arg(rows).arg(cols).arg(eps);
+            // SAFETY: the caller's.
+            unsafe { b.launch(grid_1d(*rows as usize * lanes)) }.w()?;
+        }
+        None => {
+            b.arg(cols).arg(eps);
+            // SAFETY: the caller's.
+            unsafe { b.launch(grid_rows(*rows as usize)) }.w()?;
+        }
+    }
+    Ok(())
+}
 
 fn launch_rms_norm(
     x: &Tensor,
@@ -75,22 +100,11 @@ fn launch_rms_norm(
             let (c32, rows64) = (cols as i32, rows as i64);
             let mut b = func.builder();
             b.arg(&xs).arg(&ws).arg(&out);
-            match lanes {
-                Some(lanes) => {
-                    b.arg(&rows64).arg(&c32).arg(&eps);
-                    // SAFETY: arguments match `rms_norm{,_f32w}_{narrow{lanes},warp}_*` (`lanes`
-                    // threads per row; aligned vectors checked above; the weight's type by
-                    // `f32_weight`).
-                    unsafe { b.launch(grid_1d(rows * lanes)) }.w()?;
-                }
-                None => {
-                    b.arg(&c32).arg(&eps);
-                    // SAFETY: arguments match `rms_norm{,_f32w}{,_v8,_v8_fp8_qdq}_*` (one
-                    // 256-thread block per row; aligned vectors checked above; the weight's
-                    // type by `f32_weight`).
-                    unsafe { b.launch(grid_rows(rows)) }.w()?;
-                }
-            }
+            // SAFETY: `rms_norm{,_f32w}_{narrow{lanes},warp}_*` (lanes per row) and
+            // `rms_norm{,_f32w}{,_v8,_v8_fp8_qdq}_*` (a block per row) take these arguments,
+            // then the ones launch_rows adds; aligned vectors checked above, the weight's type by
+            // `f32_weight`.
+            unsafe { launch_rows(b, lanes, (&rows64, &c32, &eps)) }?;
             let out = wrap(out, dev, dims.clone());
             if fp8_qdq && !vectors { qdq_fp8(&out, None) } else { Ok(out) }
         }))
@@ -164,20 +178,9 @@ fn launch_gated_rms_norm(
                 let (c32, rows64) = (cols as i32, rows as i64);
                 let mut b = func.builder();
                 b.arg(&xs).arg(&ws).arg(&zs).arg(&out);
-                match lanes {
-                    Some(lanes) => {
-                        b.arg(&rows64).arg(&c32).arg(&eps);
-                        // SAFETY: arguments match `gated_rms_norm{,_f32w}_narrow{lanes}_*`
-                        // (`lanes` threads per row; the weight's type by `f32_weight`).
-                        unsafe { b.launch(grid_1d(rows * lanes)) }.w()?;
-                    }
-                    None => {
-                        b.arg(&c32).arg(&eps);
-                        // SAFETY: arguments match `gated_rms_norm{,_f32w}_*` (one 256-thread
-                        // block per row; the weight's type by `f32_weight`).
-                        unsafe { b.launch(grid_rows(rows)) }.w()?;
-                    }
-                }
+                // SAFETY: `gated_rms_norm{,_f32w}{,_narrow{lanes}}_*` take these arguments, then
+                // the ones launch_rows adds; the weight's type by `f32_weight`.
+                unsafe { launch_rows(b, lanes, (&rows64, &c32, &eps)) }?;
                 Ok(wrap(out, dev, dims.clone()))
             }))
         })

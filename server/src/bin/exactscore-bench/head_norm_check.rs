@@ -30,6 +30,40 @@ fn inputs(
     Ok((x, weight))
 }
 
+/// A norm as served against its block-per-row kernel (`norms` gives both of `x` and a weight)
+/// over `widths` × dtypes × weights in the dtype or in f32: prints one line per case, returns
+/// the number whose bits differ.
+fn against_block_per_row(
+    device: &Device,
+    name: &str,
+    widths: &[usize],
+    norms: impl Fn(&Tensor, &Tensor) -> Result<(Tensor, Tensor)>,
+) -> Result<usize> {
+    println!("| {name}, as served vs a block per row | dtype | weight | bitwise | |");
+    println!("|---|---|---|---|---|");
+    let mut failures = 0;
+    for &dim in widths {
+        for dtype in [DType::F32, DType::BF16, DType::F16] {
+            for f32_weight in [false, true] {
+                if f32_weight && dtype == DType::F32 {
+                    continue;
+                }
+                let rows = if dim <= 256 { 300 } else { 70 };
+                let (x, weight) = inputs(device, (rows, 3, dim), dtype, f32_weight)?;
+                let (served, block) = norms(&x, &weight)?;
+                let same = bits_equal(&served, &block)?;
+                failures += usize::from(!same);
+                println!(
+                    "| {dim} wide | {dtype:?} | {:?} | {same} | {} |",
+                    weight.dtype(),
+                    if same { "ok" } else { "FAIL" }
+                );
+            }
+        }
+    }
+    Ok(failures)
+}
+
 /// Prints one line per case; returns the number of cases whose bits differ.
 pub fn run(device: &Device) -> Result<usize> {
     println!(
@@ -39,48 +73,21 @@ pub fn run(device: &Device) -> Result<usize> {
     let eps = 1e-6;
     let mut failures = 0;
     // head widths (lanes per row), then rows of a warp each, past 2,048 several vectors a thread
-    for dim in [64, 80, 128, 256, 264, 2048, 2816, 3000, 8192] {
-        for dtype in [DType::F32, DType::BF16, DType::F16] {
-            for f32_weight in [false, true] {
-                if f32_weight && dtype == DType::F32 {
-                    continue;
-                }
-                let rows = if dim <= 256 { 300 } else { 70 };
-                let (x, weight) = inputs(device, (rows, 3, dim), dtype, f32_weight)?;
-                let narrow = rms_norm(&x, &weight, eps, None)?;
-                let block = rms_norm_block_per_row(&x, &weight, eps as f32)?;
-                let same = bits_equal(&narrow, &block)?;
-                failures += usize::from(!same);
-                println!(
-                    "| {dim} wide | {dtype:?} | {:?} | {same} | {} |",
-                    weight.dtype(),
-                    if same { "ok" } else { "FAIL" }
-                );
-            }
-        }
-    }
-    println!("| gated RMSNorm, lanes per row vs a block per row | dtype | weight | bitwise | |");
-    println!("|---|---|---|---|---|");
-    for dim in [16, 64, 100, 128, 256] {
-        for dtype in [DType::F32, DType::BF16, DType::F16] {
-            for f32_weight in [false, true] {
-                if f32_weight && dtype == DType::F32 {
-                    continue;
-                }
-                let (x, weight) = inputs(device, (300, 3, dim), dtype, f32_weight)?;
-                let z = Tensor::randn(0f32, 2.0, x.dims(), device)?.to_dtype(dtype)?;
-                let narrow = gated_rms_norm(&x, &weight, &z, eps)?;
-                let block = gated_rms_norm_block_per_row(&x, &weight, &z, eps as f32)?;
-                let same = bits_equal(&narrow, &block)?;
-                failures += usize::from(!same);
-                println!(
-                    "| {dim} wide | {dtype:?} | {:?} | {same} | {} |",
-                    weight.dtype(),
-                    if same { "ok" } else { "FAIL" }
-                );
-            }
-        }
-    }
+    let widths = [64, 80, 128, 256, 264, 2048, 2816, 3000, 8192];
+    failures += against_block_per_row(device, "RMSNorm", &widths, |x, w| {
+        Ok((
+            rms_norm(x, w, eps, None)?,
+            rms_norm_block_per_row(x, w, eps as f32)?,
+        ))
+    })?;
+    failures +=
+        against_block_per_row(device, "gated RMSNorm", &[16, 64, 100, 128, 256], |x, w| {
+            let z = Tensor::randn(0f32, 2.0, x.dims(), device)?.to_dtype(x.dtype())?;
+            Ok((
+                gated_rms_norm(x, w, &z, eps)?,
+                gated_rms_norm_block_per_row(x, w, &z, eps as f32)?,
+            ))
+        })?;
     println!("| per-head norm + RoPE, fused vs composed | dtype | bitwise | |");
     println!("|---|---|---|---|");
     let lens = [37usize, 1, 130];

@@ -2,27 +2,15 @@
 //! the server runs against the block-per-row kernel (and, for the heads, the composition the
 //! fused kernel replaced), in effective GB/s (bytes read and written once).
 
-use std::time::Instant;
-
 use anyhow::Result;
+
+use crate::time_ms;
 use candle_core::{DType, Device, Tensor};
 use exactscore_server::cuda::attention::head_norm_rope as fused_kernel;
 use exactscore_server::cuda::norm::{gated_rms_norm_block_per_row, rms_norm_block_per_row};
 use exactscore_server::ops::{
     gated_rms_norm, head_norm_rope, rms_norm, rope_rotate_half, rotate_leading,
 };
-
-/// Mean milliseconds of 20 synchronized runs of `f`, after one warm-up.
-fn time_ms(device: &Device, f: impl Fn() -> candle_core::Result<Tensor>) -> Result<f64> {
-    f()?;
-    device.synchronize()?;
-    let start = Instant::now();
-    for _ in 0..20 {
-        f()?;
-    }
-    device.synchronize()?;
-    Ok(start.elapsed().as_secs_f64() / 20.0 * 1e3)
-}
 
 fn row(what: &str, shape: &str, bytes: usize, ms: f64) {
     println!(
@@ -44,9 +32,9 @@ pub fn run(device: &Device, tokens: usize) -> Result<()> {
             "RMSNorm, served",
             &shape,
             bytes,
-            time_ms(device, || rms_norm(&x, &w, eps, None))?,
+            time_ms(device, &|| rms_norm(&x, &w, eps, None))?,
         );
-        let block = time_ms(device, || rms_norm_block_per_row(&x, &w, eps as f32))?;
+        let block = time_ms(device, &|| rms_norm_block_per_row(&x, &w, eps as f32))?;
         row("RMSNorm, a block per row", &shape, bytes, block);
     }
     // Gated DeltaNet's output norm: Qwen3.5-27B's 48 value heads of 128
@@ -59,14 +47,14 @@ pub fn run(device: &Device, tokens: usize) -> Result<()> {
         "gated RMSNorm, served",
         &shape,
         bytes,
-        time_ms(device, gated)?,
+        time_ms(device, &gated)?,
     );
     let block = || gated_rms_norm_block_per_row(&x, &w, &z, eps as f32);
     row(
         "gated RMSNorm, a block per row",
         &shape,
         bytes,
-        time_ms(device, block)?,
+        time_ms(device, &block)?,
     );
     let positions = Tensor::new(
         (0..tokens as i32)
@@ -89,7 +77,7 @@ pub fn run(device: &Device, tokens: usize) -> Result<()> {
             "head norm + RoPE, served",
             &shape,
             bytes,
-            time_ms(device, served)?,
+            time_ms(device, &served)?,
         );
         let fused = || -> candle_core::Result<Tensor> {
             fused_kernel(&x, norm, rot, &positions, &table, &table)?
@@ -99,7 +87,7 @@ pub fn run(device: &Device, tokens: usize) -> Result<()> {
             "head norm + RoPE, fused kernel",
             &shape,
             bytes,
-            time_ms(device, fused)?,
+            time_ms(device, &fused)?,
         );
         let composed = || {
             rotate_leading(&rms_norm(&x, &w, eps, None)?, rot, |x| {
@@ -110,21 +98,21 @@ pub fn run(device: &Device, tokens: usize) -> Result<()> {
             "head norm, then RoPE (rotary part copied out and back)",
             &shape,
             bytes,
-            time_ms(device, composed)?,
+            time_ms(device, &composed)?,
         );
         let narrow = || rms_norm(&x, &w, eps, None);
         row(
             "head norm alone, lanes per row",
             &shape,
             bytes,
-            time_ms(device, narrow)?,
+            time_ms(device, &narrow)?,
         );
         let block = || rms_norm_block_per_row(&x, &w, eps as f32);
         row(
             "head norm alone, a block per row",
             &shape,
             bytes,
-            time_ms(device, block)?,
+            time_ms(device, &block)?,
         );
     }
     Ok(())
