@@ -117,7 +117,10 @@ pub fn head_norm_rope(
     let weight = norm.map(|(w, _)| w);
     let f32_weight = weight.is_some_and(|w| w.dtype() == DType::F32);
     let weight_fits = weight.is_none_or(|w| {
-        w.dims() == [dim] && w.is_contiguous() && (f32_weight || w.dtype() == x.dtype())
+        w.dims() == [dim]
+            && w.is_contiguous()
+            && (f32_weight || w.dtype() == x.dtype())
+            && rows_of_vectors(dim, &[w])
     });
     let tables_fit = cos.dims2()?.1 == rot / 2 && sin.dims() == cos.dims();
     let aligned = rows_of_vectors(dim, &[x]) && rows_of_vectors(rot / 2, &[cos, sin]);
@@ -128,7 +131,6 @@ pub fn head_norm_rope(
         || rot > dim
         || !rot.is_multiple_of(16)
         || !(weight_fits && tables_fit && aligned)
-        || !weight.is_none_or(|w| rows_of_vectors(dim, &[w]))
     {
         return Ok(None);
     }
