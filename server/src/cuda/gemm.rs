@@ -18,19 +18,23 @@ use candle_core::cuda_backend::{
 use candle_core::{bail, CpuStorage, CudaStorage, DType, InplaceOp3, Layout, Result, Tensor};
 
 use super::module::{kernel, GEMM};
-use super::{with_slice, wrap};
+use super::{kernel_name, with_slice, wrap};
 
-/// `x · wᵀ` (`x`: `[m, k]`, `w`: `[n, k]`, f32) with every output summed by fused multiply-adds
-/// over k in order (`matmul_t_f32` in gemm.cu; its CPU reference is
+/// `x · wᵀ` (`x`: `[m, k]`, `w`: `[n, k]` f32) in f32 with every output summed by fused
+/// multiply-adds over k in order (`matmul_t_f32` in gemm.cu; its CPU reference is
 /// [`crate::ops::gemm::matmul_t_sequential_fma`]): a row's result is the same bits whatever
-/// other rows share the call.
+/// other rows share the call. `x` in bf16 or f16 is read as the f32 values it holds (a router's
+/// f32 logits of the hidden states): inside the narrow kernels, else cast first.
 pub fn matmul_t_f32(x: &Tensor, w: &Tensor) -> Result<Tensor> {
     let (x, w) = (x.contiguous()?, w.contiguous()?);
     let (m, k) = x.dims2()?;
     let (n, w_k) = w.dims2()?;
-    if w_k != k || x.dtype() != DType::F32 || w.dtype() != DType::F32 {
+    if w_k != k
+        || !matches!(x.dtype(), DType::F32 | DType::BF16 | DType::F16)
+        || w.dtype() != DType::F32
+    {
         bail!(
-            "matmul_t_f32: x {:?} {:?} and w {:?} {:?} (f32, the same k)",
+            "matmul_t_f32: x {:?} {:?} and w {:?} {:?} (w f32, the same k)",
             x.dims(),
             x.dtype(),
             w.dims(),
@@ -40,22 +44,33 @@ pub fn matmul_t_f32(x: &Tensor, w: &Tensor) -> Result<Tensor> {
     if m == 0 || n == 0 {
         return Tensor::zeros((m, n), DType::F32, x.device());
     }
-    // Tiles (rows, columns) per block of 256 threads: 128 x 128, or 16 x 64 for outputs at
-    // most 64 wide (a router), which would leave most of a 128-wide tile idle. Both kernels
-    // sum each output in the same order: the choice changes no bit.
+    // Tiles (rows, columns) per block of 256 threads: 128 x 128, or (16 · rows per thread) x 64
+    // for outputs at most 64 wide (a router), which would leave most of a 128-wide tile idle:
+    // the most rows per thread that still give the batch 64 blocks. Every kernel sums each
+    // output in the same order: the choice changes no bit.
     let narrow = n <= 64;
-    let (tile_m, tile_n) = if narrow { (16, 64) } else { (128, 128) };
-    with_slice::<f32, _>(&x, |xs, xo, dev| {
+    if !narrow && x.dtype() != DType::F32 {
+        return matmul_t_f32(&x.to_dtype(DType::F32)?, &w);
+    }
+    let rows_per_thread = [4, 2, 1]
+        .into_iter()
+        .find(|&r| m.div_ceil(16 * r) >= 64)
+        .unwrap_or(1);
+    let (tile_m, tile_n) = if narrow {
+        (16 * rows_per_thread, 64)
+    } else {
+        (128, 128)
+    };
+    with_float_type!(x.dtype(), T => with_slice::<T, _>(&x, |xs, xo, dev| {
         with_slice::<f32, _>(&w, |ws, wo, _| {
-            // float4 loads: k and both start offsets multiples of 4 (16-byte aligned rows).
+            // vector loads of 4: k and both start offsets multiples of 4 (aligned rows).
             let vec4 = k.is_multiple_of(4) && xo.is_multiple_of(4) && wo.is_multiple_of(4);
-            let name = match (narrow, vec4) {
-                (false, true) => "matmul_t_f32_v4",
-                (false, false) => "matmul_t_f32",
-                (true, true) => "matmul_t_f32_narrow_v4",
-                (true, false) => "matmul_t_f32_narrow",
+            let suffix = if vec4 { "_v4" } else { "" };
+            let name = match narrow {
+                false => format!("matmul_t_f32{suffix}"),
+                true => kernel_name(&format!("matmul_t_f32_narrow{rows_per_thread}{suffix}"), x.dtype()),
             };
-            let func = kernel(dev, &GEMM, name)?;
+            let func = kernel(dev, &GEMM, &name)?;
             // SAFETY: the kernel writes every element.
             let out = unsafe { dev.alloc::<f32>(m * n) }?;
             let (xs, ws) = (xs.slice(xo..), ws.slice(wo..));
@@ -67,12 +82,12 @@ pub fn matmul_t_f32(x: &Tensor, w: &Tensor) -> Result<Tensor> {
                 block_dim: (256, 1, 1),
                 shared_mem_bytes: 0,
             };
-            // SAFETY: arguments match the four `matmul_t_f32*` kernels; x holds m * k
-            // values, w n * k, out m * n.
+            // SAFETY: arguments match the `matmul_t_f32*` kernels (x's type in the narrow
+            // ones' names); x holds m * k values, w n * k, out m * n.
             unsafe { b.launch(config) }.w()?;
             Ok(wrap(out, dev, (m, n)))
         })
-    })
+    }))
 }
 
 /// Adds `x · wᵀ` (`x`: `[m, k]`, `w`: `[n, k]`, both contiguous, bf16 or f16) to rows

@@ -81,7 +81,8 @@ enum Command {
         #[arg(long, default_value = "cuda:0")]
         device: String,
     },
-    /// Each compiled flash-attention tiling timed alone on the Llama-3-8B attention shape.
+    /// Each compiled flash-attention tiling timed alone on the Llama-3-8B and GLM-4.7-Flash
+    /// attention shapes.
     #[cfg(feature = "cuda")]
     Attention {
         /// 2048-token windows per launch.
@@ -994,8 +995,9 @@ fn time_ms(device: &Device, f: &dyn Fn() -> candle_core::Result<Tensor>) -> Resu
 
 /// The f32 GEMM kernel of the Linears: bitwise equal to its CPU reference (a fused
 /// multiply-add chain over k per output), every row alone equal to the same row among 300
-/// (row counts 1..=130, with edges of both dimensions inside tiles), and its time against
-/// cuBLAS's on the Llama-3-8B MLP shape.
+/// (row counts 1..=130, with edges of both dimensions inside tiles; 2100 and 5003 rows for a
+/// router's narrow kernels), and its time against cuBLAS's on the Llama-3-8B MLP shape and a
+/// router's.
 #[cfg(feature = "cuda")]
 fn gemm_f32_check(device: &Device) -> Result<bool> {
     use exactscore_server::ops::gemm::matmul_t_sequential_fma;
@@ -1017,6 +1019,34 @@ fn gemm_f32_check(device: &Device) -> Result<bool> {
                 exactscore_server::cuda::gemm::matmul_t_f32(&x.narrow(0, 300 - rows, rows)?, &w)?;
             invariant &= bits_equal(&part, &all.narrow(0, 300 - rows, rows)?)?;
         }
+        if n <= 64 {
+            // Longer batches take the narrow kernels of 2 and 4 rows per thread: the same
+            // bits as the reference, and their last 300 rows as those rows alone.
+            for m in [2100, 5003] {
+                let x_long = Tensor::randn(0f32, 1.0, (m, k), device)?;
+                let long = exactscore_server::cuda::gemm::matmul_t_f32(&x_long, &w)?;
+                let cpu = matmul_t_sequential_fma(
+                    &x_long.flatten_all()?.to_vec1::<f32>()?,
+                    &w.flatten_all()?.to_vec1::<f32>()?,
+                    (m, n, k),
+                );
+                reference_exact &=
+                    bits_equal(&long, &Tensor::from_vec(cpu, (m, n), &Device::Cpu)?)?;
+                let tail = x_long.narrow(0, m - 300, 300)?;
+                let alone = exactscore_server::cuda::gemm::matmul_t_f32(&tail, &w)?;
+                invariant &= bits_equal(&alone, &long.narrow(0, m - 300, 300)?)?;
+                // bf16 / f16 rows read as f32 inside the kernel = cast first
+                for dtype in [DType::BF16, DType::F16] {
+                    let half = x_long.to_dtype(dtype)?;
+                    let direct = exactscore_server::cuda::gemm::matmul_t_f32(&half, &w)?;
+                    let cast = exactscore_server::cuda::gemm::matmul_t_f32(
+                        &half.to_dtype(DType::F32)?,
+                        &w,
+                    )?;
+                    reference_exact &= bits_equal(&direct, &cast)?;
+                }
+            }
+        }
     }
     let (m, n, k) = (2048, 14336, 4096);
     let x = Tensor::randn(0f32, 1.0, (m, k), device)?;
@@ -1030,15 +1060,59 @@ fn gemm_f32_check(device: &Device) -> Result<bool> {
     let hidden = Tensor::randn(0f32, 1.0, (2048, 2048), device)?;
     let router_ms = time(&|| exactscore_server::cuda::gemm::matmul_t_f32(&hidden, &router))?;
     let router_cublas = time(&|| hidden.matmul(&router.t()?))?;
+    let batch = Tensor::randn(0f32, 1.0, (16384, 2048), device)?;
+    let batch_ms = time(&|| exactscore_server::cuda::gemm::matmul_t_f32(&batch, &router))?;
+    let batch_cublas = time(&|| batch.matmul(&router.t()?))?;
     println!(
         "| f32 GEMM kernel: = CPU reference bitwise {reference_exact}; rows alone = rows among \
          300, 1..=130 rows, bitwise {invariant}; [{m}, {k}] x [{n}, {k}]ᵀ: {ours:.2} ms \
          ({:.1} TFLOP/s) vs cuBLAS {cublas:.2} ms ({:.1} TFLOP/s); router [2048, 2048] x \
-         [64, 2048]ᵀ: {router_ms:.3} ms vs cuBLAS {router_cublas:.3} ms |",
+         [64, 2048]ᵀ: {router_ms:.3} ms vs cuBLAS {router_cublas:.3} ms; [16384, 2048]: \
+         {batch_ms:.3} ms vs cuBLAS {batch_cublas:.3} ms |",
         tflops(ours),
         tflops(cublas)
     );
+    router_timing(device, &batch, &router)?;
     Ok(reference_exact && invariant)
+}
+
+/// The pieces of a DeepSeek-style router's stage on `hidden` (bf16 in the model) and its f32
+/// weight `router` (64 experts, sigmoid, top 4 of one group, as GLM-4.7-Flash routes): the cast
+/// to f32 and the GEMM, or the GEMM from the bf16 rows, the choice on the device, and the choice
+/// read back as the host plan reads it.
+#[cfg(feature = "cuda")]
+fn router_timing(device: &Device, hidden: &Tensor, router: &Tensor) -> Result<()> {
+    use exactscore_server::ops::{self, GroupScore, GroupedRouting, RouterScores};
+    let routing = GroupedRouting {
+        k: 4,
+        n_group: 1,
+        topk_group: 1,
+        norm: true,
+        routed_scaling_factor: 1.8,
+        scores: RouterScores::Sigmoid,
+        group_score: GroupScore::TopTwoSum,
+    };
+    let bias = Tensor::randn(0f32, 0.01, router.dims()[0], device)?;
+    let x = hidden.to_dtype(DType::BF16)?;
+    let logits = exactscore_server::cuda::gemm::matmul_t_f32(hidden, router)?;
+    let time = |f: &dyn Fn() -> candle_core::Result<Tensor>| time_ms(device, f);
+    let cast = time(&|| x.to_dtype(DType::F32))?;
+    let gemm = time(&|| exactscore_server::cuda::gemm::matmul_t_f32(hidden, router))?;
+    let from_bf16 = time(&|| exactscore_server::cuda::gemm::matmul_t_f32(&x, router))?;
+    let choice = time(&|| {
+        ops::moe_route_grouped_on_device(&logits, Some(&bias), &routing).map(|(ids, _)| ids)
+    })?;
+    let read_back = time(&|| {
+        let top = ops::moe_route_grouped(&logits, Some(&bias), &routing)?;
+        Tensor::new(top.weights.as_slice(), &Device::Cpu)
+    })?;
+    println!(
+        "| router of {} tokens, ms: bf16 -> f32 {cast:.3}, GEMM {gemm:.3} (from the bf16 rows \
+         {from_bf16:.3}), sigmoid + choice on the device {choice:.3}, the same read back for \
+         the host plan {read_back:.3} |",
+        hidden.dims()[0]
+    );
+    Ok(())
 }
 
 /// The linear-attention ops on the device against the CPU reference: the causal conv1d, and

@@ -273,8 +273,7 @@ impl Moe {
         };
         match self.cfg.router.grouped(k, norm) {
             Some(routing) => {
-                let x = x.to_dtype(router.dtype())?;
-                let logits = ops::matmul_t(&x, router)?;
+                let logits = ops::matmul_t_cast(x, router)?;
                 ops::moe_route_grouped(&logits, self.correction_bias.as_ref(), &routing)
             }
             None => ops::moe_route(&self.router_logits(x, router)?, k, norm),
@@ -342,7 +341,7 @@ impl Moe {
         let norm = self.cfg.norm_topk_prob;
         let (ids, weights) = stage("router", dev, || match self.cfg.router.grouped(k, norm) {
             Some(routing) => {
-                let logits = ops::matmul_t(&x.to_dtype(router.dtype())?, router)?;
+                let logits = ops::matmul_t_cast(x, router)?;
                 ops::moe_route_grouped_on_device(&logits, self.correction_bias.as_ref(), &routing)
             }
             None => ops::moe_route_on_device(&self.router_logits(x, router)?, k, norm),
