@@ -141,10 +141,11 @@ __device__ void head_norm_rope(const T* x, const W* weight, T* out, const int32_
 
 // MLA's flash inputs in one pass (model/blocks/mla.rs: flash_attend): per token and head,
 // q = [q_nope; rope(q_rot)] (times `qscale[token]` where given: Mistral 4), k = [kv_nope;
-// rope(k_rot)] (k_rot shared by the heads), v = kv's value part, each zero-padded to `width`.
+// rope(k_rot)] (k_rot shared by the heads), v = kv's value part, each zero-padded to `width`
+// (v only where `v_out` is given: the flash kernel reads values that need no padding in place).
 // The same arithmetic as the composition it replaces: rope_rotate_half's rounding above, the
 // scale a product rounded once, the padding +0. `interleave`: DeepSeek's paired layout, whose
-// de-interleaved copy ([evens; odds]) is rotated. One thread per (token, head, d < width).
+// de-interleaved copy ([evens; odds]) is rotated.
 template <typename T>
 __device__ T mla_rope_at(const T* x, int j, int rot, bool interleave, const T* cos, const T* sin,
                          long t) {
@@ -158,33 +159,106 @@ __device__ T mla_rope_at(const T* x, int j, int rot, bool interleave, const T* c
     return j < half ? from_f32<T>(r(a * c) - r(b * s)) : from_f32<T>(r(b * c) + r(a * s));
 }
 
+// mla_rope_at for the 8 values j0..j0 + 7 of one half (j0 and rot / 2 multiples of 8), from
+// 16-byte loads of x and of the tables' row `t`: the same products and roundings.
+template <typename T>
+__device__ Pack<T, 8> mla_rope8(const T* x, int j0, int rot, bool interleave, const T* cos,
+                                const T* sin, long t) {
+    using V = Pack<T, 8>;
+    const int half = rot / 2, first = j0 < half, i0 = first ? j0 : j0 - half;
+    V a, b;
+    if (interleave) {  // x[2i], x[2i + 1] for i = i0..i0 + 7
+        const V lo = *reinterpret_cast<const V*>(x + 2 * i0), hi = *reinterpret_cast<const V*>(x + 2 * i0 + 8);
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            a.v[e] = lo.v[2 * e], b.v[e] = lo.v[2 * e + 1];
+            a.v[e + 4] = hi.v[2 * e], b.v[e + 4] = hi.v[2 * e + 1];
+        }
+    } else {
+        a = *reinterpret_cast<const V*>(x + i0);
+        b = *reinterpret_cast<const V*>(x + i0 + half);
+    }
+    const V c = *reinterpret_cast<const V*>(cos + t * half + i0), s = *reinterpret_cast<const V*>(sin + t * half + i0);
+    auto r = [](float v) { return to_f32(from_f32<T>(v)); };
+    V o;
+#pragma unroll
+    for (int e = 0; e < 8; ++e) {
+        const float av = to_f32(a.v[e]), bv = to_f32(b.v[e]), cv = to_f32(c.v[e]), sv = to_f32(s.v[e]);
+        o.v[e] = first ? from_f32<T>(r(av * cv) - r(bv * sv)) : from_f32<T>(r(bv * cv) + r(av * sv));
+    }
+    return o;
+}
+
+// One thread per (token, head, 8 consecutive d < width): three 16-byte stores, and 32-bit index
+// arithmetic (the launcher checks that the chunks fit), where a thread per value with 64-bit
+// divisions spent most of its time finding its place (3.9 ms per window of GLM-4.7-Flash).
+// `vec`: nope, v_dim multiples of 8, rot of 16, and q, kv, k_rot and the tables 16-byte aligned:
+// each chunk lies in one part (and one rotary half) and takes 16-byte loads, so that the lanes
+// of a warp, whichever part they hold, do alike work. Else each value is found one by one.
+constexpr int MLA_VALUES = 8;
 template <typename T>
 __device__ void mla_flash_inputs(const T* q, const T* kv, const T* k_rot, const int32_t* pos,
                                  const T* cos, const T* sin, const T* qscale, T* q_out, T* k_out,
                                  T* v_out, int tokens, int heads, int nope, int rot, int v_dim,
-                                 int width, int interleave) {
-    const long idx = (long)blockIdx.x * blockDim.x + threadIdx.x;
-    if (idx >= (long)tokens * heads * width) return;
-    const int d = (int)(idx % width);
-    const long row = idx / width;  // token * heads + head
-    const long token = row / heads;
+                                 int width, int interleave, int vec) {
+    using V = Pack<T, MLA_VALUES>;
+    const int chunks = width / MLA_VALUES;
+    const int idx = blockIdx.x * blockDim.x + threadIdx.x;
+    if (idx >= tokens * heads * chunks) return;
+    const int row = idx / chunks;  // token * heads + head
+    const int d0 = (idx - row * chunks) * MLA_VALUES;
+    const int token = row / heads;
     const long t = pos[token];
+    const T* qh = q + (long)row * (nope + rot);
+    const T* kvh = kv + (long)row * (nope + v_dim);
+    const T* kr = k_rot + (long)token * rot;
     const T zero = from_f32<T>(0.0f);
-    const T* qh = q + row * (nope + rot);
-    const T* kvh = kv + row * (nope + v_dim);
-    T qv = zero, kval = zero, vv = zero;
-    if (d < nope) {
-        qv = qh[d];
-        kval = kvh[d];
-    } else if (d < nope + rot) {
-        qv = mla_rope_at(qh + nope, d - nope, rot, interleave, cos, sin, t);
-        kval = mla_rope_at(k_rot + token * rot, d - nope, rot, interleave, cos, sin, t);
+    V qc, kc, vc;
+    if (vec) {
+        if (d0 < nope) {
+            qc = *reinterpret_cast<const V*>(qh + d0);
+            kc = *reinterpret_cast<const V*>(kvh + d0);
+        } else if (d0 < nope + rot) {
+            qc = mla_rope8(qh + nope, d0 - nope, rot, interleave, cos, sin, t);
+            kc = mla_rope8(kr, d0 - nope, rot, interleave, cos, sin, t);
+        } else {
+#pragma unroll
+            for (int j = 0; j < MLA_VALUES; ++j) qc.v[j] = kc.v[j] = zero;
+        }
+        if (v_out == nullptr) {
+        } else if (d0 < v_dim) {
+            vc = *reinterpret_cast<const V*>(kvh + nope + d0);
+        } else {
+#pragma unroll
+            for (int j = 0; j < MLA_VALUES; ++j) vc.v[j] = zero;
+        }
+    } else {
+#pragma unroll
+        for (int j = 0; j < MLA_VALUES; ++j) {
+            const int d = d0 + j;
+            T qv = zero, kval = zero;
+            if (d < nope) {
+                qv = qh[d];
+                kval = kvh[d];
+            } else if (d < nope + rot) {
+                qv = mla_rope_at(qh + nope, d - nope, rot, interleave, cos, sin, t);
+                kval = mla_rope_at(kr, d - nope, rot, interleave, cos, sin, t);
+            }
+            qc.v[j] = qv;
+            kc.v[j] = kval;
+            if (v_out != nullptr) vc.v[j] = d < v_dim ? kvh[nope + d] : zero;
+        }
     }
-    if (qscale != nullptr && d < nope + rot) qv = from_f32<T>(to_f32(qv) * to_f32(qscale[token]));
-    if (d < v_dim) vv = kvh[nope + d];
-    q_out[idx] = qv;
-    k_out[idx] = kval;
-    v_out[idx] = vv;
+    if (qscale != nullptr) {
+        const float scale = to_f32(qscale[token]);
+#pragma unroll
+        for (int j = 0; j < MLA_VALUES; ++j)
+            if (d0 + j < nope + rot) qc.v[j] = from_f32<T>(to_f32(qc.v[j]) * scale);
+    }
+    const long at = (long)row * width + d0;
+    *reinterpret_cast<V*>(q_out + at) = qc;
+    *reinterpret_cast<V*>(k_out + at) = kc;
+    if (v_out != nullptr) *reinterpret_cast<V*>(v_out + at) = vc;
 }
 
 // ---- flash attention ---------------------------------------------------------------------------
@@ -202,13 +276,15 @@ __device__ void mla_flash_inputs(const T* q, const T* kv, const T* k_rot, const 
 // values (conflict-free ldmatrix): (64 * MT + 2 * KEYS) * (D + 8) values; the launcher
 // (cuda/attention.rs) computes the same size.
 
-// q: [tokens, hq, D], k and v: [tokens, hkv, D], out: [tokens, hq, D]; grid (hq, query blocks of
-// the longest sequence, sequences). `scale_log2` = softmax scale * log2(e); `window` 0 = none.
+// q: [tokens, hq, D], k: [tokens, hkv, D], out: [tokens, hq, D]; v: [tokens, hkv, D] with its
+// tokens `v_stride` and its heads `v_head_stride` values apart (multiples of 8: a view of MLA's
+// values in place); grid (hq, query blocks of the longest sequence, sequences). `scale_log2` =
+// softmax scale * log2(e); `window` 0 = none.
 template <typename T, int D, int MT, int KEYS>
 __device__ void flash_attention(const T* __restrict__ q, const T* __restrict__ k,
                                 const T* __restrict__ v, T* __restrict__ out,
                                 const int32_t* __restrict__ starts, int hq, int hkv,
-                                float scale_log2, int window) {
+                                float scale_log2, int window, int v_stride, int v_head_stride) {
     constexpr int LD = D + 8;
     constexpr int FA_ROWS = 64 * MT, FA_KEYS = KEYS;
     extern __shared__ __align__(16) unsigned char fa_smem[];
@@ -224,8 +300,8 @@ __device__ void flash_attention(const T* __restrict__ q, const T* __restrict__ k
 
     // one tile of ROWS rows into padded rows, as one copy group
     auto padded = [&](T* dst) { return [=](int r, int c) { return dst + r * LD + c * 8; }; };
-    auto load_keys = [&](T* dst, const T* src, int row0) {
-        load_rows<D, FA_THREADS, FA_KEYS, LD * sizeof(T)>(padded(dst), src, kv_stride, b, row0);
+    auto load_keys = [&](T* dst, const T* src, long stride, int row0) {
+        load_rows<D, FA_THREADS, FA_KEYS, LD * sizeof(T)>(padded(dst), src, stride, b, row0);
         cp_async_commit();
     };
 
@@ -245,10 +321,10 @@ __device__ void flash_attention(const T* __restrict__ q, const T* __restrict__ k
     // during P·V. One buffer each: the barriers below order every reuse.
     load_rows<D, FA_THREADS, FA_ROWS, LD * sizeof(T)>(padded(qs), q + (long)head * D, q_stride, b, q0);
     cp_async_commit();
-    load_keys(ks, k + (long)kv_head * D, first_tile * FA_KEYS);
+    load_keys(ks, k + (long)kv_head * D, kv_stride, first_tile * FA_KEYS);
     for (int tile = first_tile; tile <= last_tile; ++tile) {
         const int k0 = tile * FA_KEYS;
-        load_keys(vs, v + (long)kv_head * D, k0);
+        load_keys(vs, v + (long)kv_head * v_head_stride, v_stride, k0);
         cp_async_wait<1>();  // Q and K of this tile have landed (V may still be in flight)
         __syncthreads();
 
@@ -289,7 +365,7 @@ __device__ void flash_attention(const T* __restrict__ q, const T* __restrict__ k
 
         cp_async_wait<0>();  // V has landed
         __syncthreads();     // ... for every thread, and every warp is done reading K
-        if (tile < last_tile) load_keys(ks, k + (long)kv_head * D, k0 + FA_KEYS);
+        if (tile < last_tile) load_keys(ks, k + (long)kv_head * D, kv_stride, k0 + FA_KEYS);
 
         // O += P·V: the S accumulators are already in the A-operand layout, 16 keys per step
         if (visible) {
@@ -327,8 +403,8 @@ __device__ void flash_attention(const T* __restrict__ q, const T* __restrict__ k
     extern "C" __global__ void __launch_bounds__(FA_THREADS, 2)                                     \
         flash_attention_d##D##_r##ROWS##_k##KEYS##_##SUFFIX(                                       \
             const T* q, const T* k, const T* v, T* o, const int32_t* st, int hq, int hkv, float sl2, \
-            int w) {                                                                                 \
-        flash_attention<T, D, ROWS / 64, KEYS>(q, k, v, o, st, hq, hkv, sl2, w);                    \
+            int w, int vs, int vhs) {                                                                \
+        flash_attention<T, D, ROWS / 64, KEYS>(q, k, v, o, st, hq, hkv, sl2, w, vs, vhs);           \
     }
 #define FLASH_ENTRIES(SUFFIX, T)                                                                     \
     FLASH_ENTRY(SUFFIX, T, 64, 128, 64)                                                              \
@@ -371,9 +447,9 @@ __device__ void flash_attention(const T* __restrict__ q, const T* __restrict__ k
     extern "C" __global__ void mla_flash_inputs_##SUFFIX(                                             \
         const T* q, const T* kv, const T* kr, const int32_t* pos, const T* c, const T* s,            \
         const T* qs, T* qo, T* ko, T* vo, int tokens, int heads, int nope, int rot, int v_dim,       \
-        int width, int interleave) {                                                                  \
+        int width, int interleave, int vec) {                                                         \
         mla_flash_inputs<T>(q, kv, kr, pos, c, s, qs, qo, ko, vo, tokens, heads, nope, rot, v_dim,   \
-                            width, interleave);                                                       \
+                            width, interleave, vec);                                                  \
     }
 
 ROPE_ENTRY(bf16, __nv_bfloat16)

@@ -7,7 +7,8 @@ use candle_core::{bail, DType, Device, Result, Tensor};
 
 use super::module::{kernel, KernelModule, ATTENTION, ATTENTION_SM90};
 use super::{
-    grid_1d, grid_rows, kernel_name, rows_of_vectors, vector_kernel_name, with_slice, wrap,
+    grid_1d, grid_rows, kernel_name, rows_of_vectors, vector_kernel_name, with_slice, with_view,
+    wrap,
 };
 
 /// Threads per block of `flash_attention_*` (attention.cu).
@@ -24,11 +25,21 @@ pub fn wgmma_runs_on(device: &Device) -> Result<bool> {
     )
 }
 
+/// K and V buffers of the wgmma kernel for `head_dim` (attention_sm90.cu's `WG_ENTRIES`): two
+/// at 128; one at 256, where two would leave room for one block per SM.
+fn wgmma_kv_buffers(head_dim: usize) -> usize {
+    if head_dim == 128 {
+        2
+    } else {
+        1
+    }
+}
+
 /// The flash kernel of a tiling (`rows` x `keys`, wgmma or mma.sync) for `head_dim`: its name
 /// (without the dtype suffix), module, and dynamic shared memory per block. `mma.sync`: the Q
 /// tile and one K and one V tile, rows padded by 8 for a conflict-free `ldmatrix`. wgmma: the Q
-/// tile and two K and two V tiles, swizzled instead of padded, plus room to align them to 1024
-/// bytes.
+/// tile and [`wgmma_kv_buffers`] K and V tiles, swizzled instead of padded, plus room to align
+/// them to 1024 bytes.
 fn flash_kernel(
     (rows, keys, wgmma): (usize, usize, bool),
     head_dim: usize,
@@ -38,7 +49,7 @@ fn flash_kernel(
         (
             format!("flash_attention_wgmma_d{head_dim}_r{rows}_k{keys}"),
             &ATTENTION_SM90,
-            (rows + 4 * keys) * head_dim * elem + 1024,
+            (rows + 2 * wgmma_kv_buffers(head_dim) * keys) * head_dim * elem + 1024,
         )
     } else {
         (
@@ -183,9 +194,12 @@ pub fn head_norm_rope(
     }))
 }
 
+/// Values of each output per thread of `mla_flash_inputs` (attention.cu's `MLA_VALUES`).
+const MLA_VALUES: usize = 8;
+
 /// MLA's flash inputs (`mla_flash_inputs` in the kernels): `q` `[tokens, heads * (nope + rot)]`,
 /// `kv` `[tokens, heads * (nope + v)]`, `k_rot` `[tokens, rot]`, optional per-token query
-/// scales `[tokens]`; returns q, k, v `[tokens, heads, width]`, zero-padded.
+/// scales `[tokens]`; returns q, k and (where `values`) v `[tokens, heads, width]`, zero-padded.
 #[allow(clippy::too_many_arguments)]
 pub fn mla_flash_inputs(
     q: &Tensor,
@@ -196,7 +210,8 @@ pub fn mla_flash_inputs(
     sin: &Tensor,
     query_scale: Option<&Tensor>,
     (heads, nope, rot, v_dim, width, interleave): (usize, usize, usize, usize, usize, bool),
-) -> Result<(Tensor, Tensor, Tensor)> {
+    values: bool,
+) -> Result<(Tensor, Tensor, Option<Tensor>)> {
     let (q, kv, k_rot) = (q.contiguous()?, kv.contiguous()?, k_rot.contiguous()?);
     let tokens = q.dims()[0];
     if q.dims() != [tokens, heads * (nope + rot)]
@@ -204,6 +219,8 @@ pub fn mla_flash_inputs(
         || k_rot.dims() != [tokens, rot]
         || rot % 2 != 0
         || width < (nope + rot).max(v_dim)
+        || !width.is_multiple_of(MLA_VALUES)
+        || tokens * heads * width / MLA_VALUES > i32::MAX as usize
     {
         bail!(
             "mla_flash_inputs: q {:?}, kv {:?}, k_rot {:?} for {heads} heads of {nope} + {rot} / \
@@ -214,6 +231,7 @@ pub fn mla_flash_inputs(
         );
     }
     let n = tokens * heads * width;
+    let threads = n / MLA_VALUES;
     let scale = query_scale
         .map(|s| s.to_dtype(q.dtype())?.contiguous())
         .transpose()?;
@@ -225,27 +243,39 @@ pub fn mla_flash_inputs(
                     with_slice::<T, _>(cos, |cs, co, _| {
                         with_slice::<T, _>(sin, |ss, so, _| {
                             let func = kernel(dev, &ATTENTION, &name)?;
-                            // SAFETY: the kernel writes every element of the three outputs.
-                            let (qo_, ko_, vo_) = unsafe {
-                                (dev.alloc::<T>(n.max(1))?, dev.alloc::<T>(n.max(1))?, dev.alloc::<T>(n.max(1))?)
-                            };
+                            // SAFETY: the kernel writes every element of the outputs.
+                            let (qo_, ko_) = unsafe { (dev.alloc::<T>(n.max(1))?, dev.alloc::<T>(n.max(1))?) };
+                            let vo_ = values.then(|| unsafe { dev.alloc::<T>(n.max(1)) }).transpose()?;
                             let (qs, kvs, krs) = (qs.slice(qo..), kvs.slice(kvo..), krs.slice(kro..));
                             let (ps, cs, ss) = (ps.slice(po..), cs.slice(co..), ss.slice(so..));
                             let dims = [tokens, heads, nope, rot, v_dim, width].map(|v| v as i32);
                             let interleave = i32::from(interleave);
-                            // The scales' argument: their view, or a null pointer.
+                            // 16-byte loads: every chunk of 8 in one part and one rotary half,
+                            // every row aligned
+                            let aligned = [nope, v_dim, qo, kvo, kro, co, so]
+                                .iter()
+                                .all(|v| v.is_multiple_of(MLA_VALUES));
+                            let vec = i32::from(aligned && rot.is_multiple_of(2 * MLA_VALUES));
+                            let null = 0u64;
+                            // The scales' argument: their view, or a null pointer; the values'
+                            // output, or a null pointer.
                             macro_rules! launch {
                                 ($scales:expr) => {{
                                     let mut b = func.builder();
                                     b.arg(&qs).arg(&kvs).arg(&krs).arg(&ps).arg(&cs).arg(&ss);
-                                    b.arg($scales).arg(&qo_).arg(&ko_).arg(&vo_);
+                                    b.arg($scales).arg(&qo_).arg(&ko_);
+                                    match &vo_ {
+                                        Some(vo_) => b.arg(vo_),
+                                        None => b.arg(&null),
+                                    };
                                     for d in &dims {
                                         b.arg(d);
                                     }
-                                    b.arg(&interleave);
+                                    b.arg(&interleave).arg(&vec);
                                     // SAFETY: arguments match `mla_flash_inputs_*` (one thread
-                                    // per output element).
-                                    unsafe { b.launch(grid_1d(n)) }.w()?;
+                                    // per 8 values of each output, 16-byte aligned as `width`
+                                    // is a multiple of 8).
+                                    unsafe { b.launch(grid_1d(threads)) }.w()?;
                                 }};
                             }
                             match &scale {
@@ -254,13 +284,11 @@ pub fn mla_flash_inputs(
                                     launch!(&view);
                                     Ok(())
                                 })?,
-                                None => {
-                                    let null = 0u64;
-                                    launch!(&null)
-                                }
+                                None => launch!(&null),
                             }
                             let shape = (tokens, heads, width);
-                            Ok((wrap(qo_, dev, shape), wrap(ko_, dev, shape), wrap(vo_, dev, shape)))
+                            let v = vo_.map(|vo_| wrap(vo_, dev, shape));
+                            Ok((wrap(qo_, dev, shape), wrap(ko_, dev, shape), v))
                         })
                     })
                 })
@@ -271,7 +299,8 @@ pub fn mla_flash_inputs(
 
 /// Causal softmax attention of `q` `[tokens, hq, d]` over `k`, `v` `[tokens, hkv, d]` for the
 /// sequences whose token ranges are `starts[i]..starts[i + 1]` (i32, on the device); `max_len`
-/// is the longest of them. Returns `[tokens, hq * d]` in the compute dtype. Scores and the
+/// is the longest of them. `v` may be a view whose tokens and heads lie apart by multiples of 8
+/// values (MLA's values within its `[tokens, heads, nope + v]` rows), else it is copied. Returns `[tokens, hq * d]` in the compute dtype. Scores and the
 /// softmax state stay in f32 on chip; nothing of size T×T is written. `tile`: the tiling
 /// (`ops::FlashTiling`, which checks that it was compiled for this head size).
 #[allow(clippy::too_many_arguments)]
@@ -296,6 +325,13 @@ pub fn flash_attention(
             q.dtype()
         );
     }
+    let in_place = match v.stride() {
+        [tokens, heads, 1] => [tokens, heads, &v.layout().start_offset()]
+            .iter()
+            .all(|s| s.is_multiple_of(8) && **s <= i32::MAX as usize),
+        _ => false,
+    };
+    let v = if in_place { v.clone() } else { v.contiguous()? };
     let sequences = starts.elem_count() - 1;
     let (base, module, shared) = flash_kernel(tile, dim, q.dtype().size_in_bytes());
     let name = kernel_name(&base, q.dtype());
@@ -310,9 +346,10 @@ pub fn flash_attention(
     let w32 = window.map_or(0, |w| w as i32);
     with_float_type!(q.dtype(), T => with_slice::<T, _>(q, |qs, qo, dev| {
         with_slice::<T, _>(k, |ks, ko, _| {
-            with_slice::<T, _>(v, |vs, vo, _| {
+            with_view::<T, _>(&v, |vs, vo, v_strides, _| {
                 with_slice::<i32, _>(starts, |ss, so, _| {
                     let func = kernel(dev, module, &name)?;
+                    let (v_stride, v_head_stride) = (v_strides[0] as i32, v_strides[1] as i32);
                     // Over 48 KiB of dynamic shared memory must be allowed explicitly.
                     func.allow_shared_bytes(shared)?;
                     // SAFETY: every row of every sequence is written by exactly one block.
@@ -320,6 +357,7 @@ pub fn flash_attention(
                     let (qs, ks, vs, ss) = (qs.slice(qo..), ks.slice(ko..), vs.slice(vo..), ss.slice(so..));
                     let mut b = func.builder();
                     b.arg(&qs).arg(&ks).arg(&vs).arg(&out).arg(&ss).arg(&hq32).arg(&hkv32).arg(&scale_log2).arg(&w32);
+                    b.arg(&v_stride).arg(&v_head_stride);
                     // SAFETY: arguments match `flash_attention_d*_r*_k*_*`.
                     unsafe { b.launch(config) }.w()?;
                     Ok(wrap(out, dev, (tokens, hq * dim)))

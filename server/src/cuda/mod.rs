@@ -124,6 +124,27 @@ fn with_slice<T: CudaDType + DeviceRepr, R>(
     f(T::as_cuda_slice(cuda)?, layout.start_offset(), &cuda.device)
 }
 
+/// [`with_slice`] for a tensor whose last dimension alone need be contiguous (rows of a wider
+/// tensor, seen in place): also its strides, in elements.
+fn with_view<T: CudaDType + DeviceRepr, R>(
+    t: &Tensor,
+    f: impl FnOnce(&CudaSlice<T>, usize, &[usize], &CudaDevice) -> Result<R>,
+) -> Result<R> {
+    let (storage, layout) = t.storage_and_layout();
+    let Storage::Cuda(cuda) = &*storage else {
+        bail!("expected a CUDA tensor, found one on {:?}", t.device())
+    };
+    if layout.stride().last() != Some(&1) {
+        bail!("CUDA kernels need the last dimension contiguous");
+    }
+    f(
+        T::as_cuda_slice(cuda)?,
+        layout.start_offset(),
+        layout.stride(),
+        &cuda.device,
+    )
+}
+
 fn wrap<T: CudaDType>(slice: CudaSlice<T>, dev: &CudaDevice, shape: impl Into<Shape>) -> Tensor {
     let storage = Storage::Cuda(CudaStorage::wrap_cuda_slice(slice, dev.clone()));
     Tensor::from_storage(storage, shape, BackpropOp::none(), false)

@@ -28,7 +28,8 @@ super::gpu_entry_points!(attention {
         sin: &Tensor,
         query_scale: Option<&Tensor>,
         dims: (usize, usize, usize, usize, usize, bool),
-    ) -> Result<(Tensor, Tensor, Tensor)>;
+        values: bool,
+    ) -> Result<(Tensor, Tensor, Option<Tensor>)>;
     /// `tile`: rows and keys per block, and whether the kernel is the wgmma one.
     fn flash_attention(
         q: &Tensor,
@@ -360,7 +361,9 @@ pub struct MlaHeads {
 /// rotary part rotated (and times `query_scale[token]`, Mistral 4's, where given), `k` the
 /// `kv` nope part with the shared `k_rot` `[tokens, rope]` rotated, `v` the value part, each
 /// `[tokens, heads, width]` zero-padded: the bits of the rope, concatenation, scaling and
-/// padding it replaces (a GPU kernel only).
+/// padding it replaces (a GPU kernel only). Values that fill `width` (GLM-4.7-Flash's 256)
+/// come back as a view of `kv`, which the flash kernel reads in place: no copy of a fifth of
+/// the pass's bytes.
 #[allow(clippy::too_many_arguments)]
 pub fn mla_flash_inputs(
     q: &Tensor,
@@ -374,7 +377,25 @@ pub fn mla_flash_inputs(
 ) -> Result<(Tensor, Tensor, Tensor)> {
     gpu_only("mla_flash_inputs", q)?;
     let dims = (h.heads, h.nope, h.rope, h.value, h.width, h.interleave);
-    gpu::mla_flash_inputs(q, kv, k_rot, positions, cos, sin, query_scale, dims)
+    let in_place = h.value == h.width;
+    let (q, k, v) = gpu::mla_flash_inputs(
+        q,
+        kv,
+        k_rot,
+        positions,
+        cos,
+        sin,
+        query_scale,
+        dims,
+        !in_place,
+    )?;
+    let v = match v {
+        Some(v) => v,
+        None => kv
+            .reshape((kv.dims()[0], h.heads, h.nope + h.value))?
+            .narrow(2, h.nope, h.value)?,
+    };
+    Ok((q, k, v))
 }
 
 /// Causal attention of a whole batch in the projections' `[tokens, heads, head_dim]` layout
@@ -454,16 +475,25 @@ impl FlashTiling {
                 ..FlashTiling::DEFAULT
             },
         ];
-        // Head sizes of 192 (MLA's nope + rope keys) and 256 (Qwen3.5, Gemma): one MMA row
-        // tile per warp, as two would hold 2 x 256 / 2 accumulators per thread at 256.
-        const WIDE: &[FlashTiling] = &[FlashTiling {
+        // Head sizes of 192 (MLA's nope + rope keys) and 256 (Qwen3.5, Gemma, GLM-4.7-Flash's
+        // MLA): one MMA row tile per warp, as two would hold 2 x 256 / 2 accumulators per
+        // thread at 256; the wgmma kernel likewise at 256 (one 64-row tile).
+        const WIDE: FlashTiling = FlashTiling {
             rows: 64,
             ..FlashTiling::DEFAULT
-        }];
+        };
+        const D256: &[FlashTiling] = &[
+            WIDE,
+            FlashTiling {
+                mma: FlashMma::Wgmma,
+                ..WIDE
+            },
+        ];
         match head_dim {
             64 => &[FlashTiling::DEFAULT],
             128 => D128,
-            192 | 256 => WIDE,
+            192 => &[WIDE],
+            256 => D256,
             _ => &[],
         }
     }
@@ -479,17 +509,12 @@ impl FlashTiling {
     /// What the model runs for `head_dim` on `device`: the wgmma kernel where it is compiled
     /// and runs, else [`Self::sync_for`]. Both give the same bits (`exactscore-bench check`).
     pub fn for_device(head_dim: usize, device: &Device) -> Result<Self> {
-        let wgmma = Self {
-            mma: FlashMma::Wgmma,
-            ..Self::DEFAULT
-        };
-        Ok(
-            if Self::compiled(head_dim).contains(&wgmma) && wgmma.runs_on(device)? {
-                wgmma
-            } else {
-                Self::sync_for(head_dim)
-            },
-        )
+        for &tiling in Self::compiled(head_dim) {
+            if tiling.mma == FlashMma::Wgmma && tiling.runs_on(device)? {
+                return Ok(tiling);
+            }
+        }
+        Ok(Self::sync_for(head_dim))
     }
 
     /// Whether this tiling's kernel runs on `device`: wgmma needs a Hopper GPU (sm_90) and a

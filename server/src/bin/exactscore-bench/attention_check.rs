@@ -215,51 +215,56 @@ fn host_f32(t: &Tensor) -> Result<Vec<f32>> {
 }
 
 /// Each compiled tiling's time on the attention of `windows` 2048-token windows of the
-/// Llama-3-8B shape (32 query heads, 8 KV heads, head_dim 128, bf16): the median of 20
-/// launches, each synchronized, and the rate on the causal half (2·2·T²/2·d per head).
+/// Llama-3-8B shape (32 query heads, 8 KV heads, head_dim 128, bf16) and of GLM-4.7-Flash's MLA
+/// (20 heads of 256, keys and values expanded from the latent): the median of 20 launches,
+/// each synchronized, and the rate on the causal half (2·2·T²/2·d per head).
 pub fn timing(device: &Device, windows: usize) -> Result<()> {
-    let (len, hq, hkv, dim) = (2048usize, 32usize, 8usize, 128usize);
+    let len = 2048usize;
     let tokens = windows * len;
     let starts: Vec<i32> = (0..=windows as i32).map(|i| i * len as i32).collect();
     let starts = Tensor::new(starts.as_slice(), device)?;
-    let q = Tensor::randn(0f32, 2.0, (tokens, hq, dim), device)?.to_dtype(DType::BF16)?;
-    let k = Tensor::randn(0f32, 1.0, (tokens, hkv, dim), device)?.to_dtype(DType::BF16)?;
-    let v = Tensor::randn(0f32, 1.0, (tokens, hkv, dim), device)?.to_dtype(DType::BF16)?;
-    let flops = (4 * len * len * dim * hq * windows) as f64 / 2.0;
-    println!("| flash tiling (rows x keys), {windows} windows | ms per layer | ms per window (32 layers) | TFLOP/s on the causal half |");
+    println!("| shape | flash tiling (rows x keys), {windows} windows | ms per layer | TFLOP/s on the causal half |");
     println!("|---|---|---|---|");
-    for &tiling in FlashTiling::compiled(dim) {
-        if !tiling.runs_on(device)? {
-            continue;
+    for (shape, hq, hkv, dim) in [
+        ("Llama-3-8B", 32usize, 8usize, 128usize),
+        ("GLM-4.7-Flash", 20, 20, 256),
+    ] {
+        let q = Tensor::randn(0f32, 2.0, (tokens, hq, dim), device)?.to_dtype(DType::BF16)?;
+        let k = Tensor::randn(0f32, 1.0, (tokens, hkv, dim), device)?.to_dtype(DType::BF16)?;
+        let v = Tensor::randn(0f32, 1.0, (tokens, hkv, dim), device)?.to_dtype(DType::BF16)?;
+        let flops = (4 * len * len * dim * hq * windows) as f64 / 2.0;
+        for &tiling in FlashTiling::compiled(dim) {
+            if !tiling.runs_on(device)? {
+                continue;
+            }
+            let opts = FlashOptions {
+                tiling,
+                ..FlashOptions::plain(dim)
+            };
+            let run = || {
+                flash_attention(&q, &k, &v, &starts, len, &opts).and_then(|o| {
+                    device.synchronize()?;
+                    Ok(o)
+                })
+            };
+            run()?;
+            let mut times: Vec<f64> = (0..20)
+                .map(|_| {
+                    let t = std::time::Instant::now();
+                    run().map(|_| t.elapsed().as_secs_f64())
+                })
+                .collect::<candle_core::Result<_>>()?;
+            times.sort_by(f64::total_cmp);
+            let median = times[times.len() / 2];
+            println!(
+                "| {shape} d{dim} | {}x{} {:?} | {:.3} | {:.0} |",
+                tiling.rows,
+                tiling.keys,
+                tiling.mma,
+                median * 1e3,
+                flops / median / 1e12
+            );
         }
-        let opts = FlashOptions {
-            tiling,
-            ..FlashOptions::plain(dim)
-        };
-        let run = || {
-            flash_attention(&q, &k, &v, &starts, len, &opts).and_then(|o| {
-                device.synchronize()?;
-                Ok(o)
-            })
-        };
-        run()?;
-        let mut times: Vec<f64> = (0..20)
-            .map(|_| {
-                let t = std::time::Instant::now();
-                run().map(|_| t.elapsed().as_secs_f64())
-            })
-            .collect::<candle_core::Result<_>>()?;
-        times.sort_by(f64::total_cmp);
-        let median = times[times.len() / 2];
-        println!(
-            "| {}x{} {:?} | {:.3} | {:.2} | {:.0} |",
-            tiling.rows,
-            tiling.keys,
-            tiling.mma,
-            median * 1e3,
-            median * 1e3 * 32.0 / windows as f64,
-            flops / median / 1e12
-        );
     }
     Ok(())
 }

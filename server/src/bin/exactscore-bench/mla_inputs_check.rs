@@ -58,11 +58,13 @@ pub fn run(device: &Device) -> Result<usize> {
     println!("| MLA flash inputs (fused vs composed) | bitwise q / k / v | |");
     println!("|---|---|---|");
     let mut failures = 0;
-    // (heads, nope, rope, value, width, interleave): DeepSeek-V3 / Kimi K2, GLM-4.7-Flash, small
+    // (heads, nope, rope, value, width, interleave): DeepSeek-V3 / Kimi K2, GLM-4.7-Flash, small,
+    // and parts not in whole 8-value chunks (the kernel's one-by-one copies)
     for (heads, nope, rope, value, width, interleave) in [
         (8, 128, 64, 128, 192, true),
         (5, 192, 64, 256, 256, false),
         (3, 32, 16, 24, 64, true),
+        (4, 36, 12, 20, 64, false),
     ] {
         let h = MlaHeads {
             heads,
