@@ -2,11 +2,11 @@
 // same blocks, pipeline and online softmax as attention.cu's mma.sync kernel, with Q·Kᵀ read by
 // the tensor cores straight from shared memory and P·V taking P from registers. One block is
 // one warpgroup (4 warps) over 64 · MT query rows (MT 64-row wgmma tiles) of one head: 128 rows
-// at head size 128; 64 at 256, whose 128 accumulators a thread holds per tile.
+// at head size 128; 64 at 192 and 256, whose 96 and 128 accumulators a thread holds per tile.
 #include "flash.cuh"
 
-// ---- wgmma: m64n64k16 with both operands in shared memory (S = Q·Kᵀ), m64n128k16 with A in
-// registers and B transposed in shared memory (O += P·V); f32 accumulators in the m16n8 layout of
+// ---- wgmma: m64n64k16 with both operands in shared memory (S = Q·Kᵀ), m64n128k16 and
+// m64n64k16 with A in registers and B transposed in shared memory (O += P·V); f32 accumulators in the m16n8 layout of
 // each warp's 16 rows (value 4 * j + e: column block j, row g + 8 * (e / 2), column 2t + e % 2).
 template <typename T> struct Wgmma;
 // One 16-bit input type's two MMAs (PTX_TYPE: its name in the instruction).
@@ -26,6 +26,14 @@ template <typename T> struct Wgmma;
                 "wgmma.mma_async.sync.aligned.m64n128k16.f32." PTX_TYPE "." PTX_TYPE                 \
                 " {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, {%64, %65, %66, %67}, %68, p, 1, 1, 1;\n}\n" \
                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]) \
+                : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b));                                \
+        }                                                                                             \
+        static __device__ __forceinline__ void pv64(float (&d)[32], const uint32_t (&a)[4], uint64_t b) { \
+            asm volatile(                                                                             \
+                "{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\n"                                              \
+                "wgmma.mma_async.sync.aligned.m64n64k16.f32." PTX_TYPE "." PTX_TYPE                  \
+                " {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, {%32, %33, %34, %35}, %36, p, 1, 1, 1;\n}\n" \
+                : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]) \
                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b));                                \
         }                                                                                             \
     };
@@ -79,19 +87,19 @@ __device__ __forceinline__ void load_tile_swizzled(unsigned char* dst, const T* 
                                         stride, b, row0);
 }
 
-// Grid and arguments as attention.cu's flash_attention (V strided as it says); D = 128 or 256, 64 · MT query rows per
-// block, KEYS keys per step, BUFFERS K and V buffers.
+// Grid and arguments as attention.cu's flash_attention (V strided as it says); D = 128, 192 or
+// 256, 64 · MT query rows per block, KEYS keys per step, BUFFERS K and V buffers.
 // - Two (head size 128): the next tile's K and V load during the whole of this tile's work (one
 //   buffer of each was 3-9 % slower on an H200).
-// - One (256, whose double buffers, 160 KiB, would leave one block per SM): V loads during
-//   Q·Kᵀ and the softmax, the next K during P·V, as in attention.cu, and two blocks share an SM,
-//   one's softmax beside the other's MMAs.
+// - One (192 and 256, where two, 160 KiB at 256, would leave one block per SM): V loads during
+//   Q·Kᵀ and the softmax, the next K during P·V, as in attention.cu, and two blocks share an
+//   SM, one's softmax beside the other's MMAs.
 template <typename T, int D, int MT, int KEYS, int BUFFERS>
 __device__ void flash_attention_wgmma(const T* __restrict__ q, const T* __restrict__ k,
                                       const T* __restrict__ v, T* __restrict__ out,
                                       const int32_t* __restrict__ starts, int hq, int hkv,
                                       float scale_log2, int window, int v_stride, int v_head_stride) {
-    static_assert(D % 128 == 0 && (BUFFERS == 1 || BUFFERS == 2), "P·V runs in 128-column halves");
+    static_assert(D % 64 == 0 && (BUFFERS == 1 || BUFFERS == 2), "P·V runs in 128- and 64-column parts");
     constexpr int ROWS = 64 * MT, TILE = KEYS * D * 2, CHUNK_KEYS = KEYS * 128, CHUNK_ROWS = ROWS * 128;
     extern __shared__ __align__(16) unsigned char wg_smem_raw[];
     const uint32_t raw = (uint32_t)__cvta_generic_to_shared(wg_smem_raw);
@@ -197,11 +205,16 @@ __device__ void flash_attention_wgmma(const T* __restrict__ q, const T* __restri
 #pragma unroll
             for (int j = 0; j < KEYS / 16; ++j) {
                 // V is the transposed B operand: 128 output columns (two 64-value chunks,
-                // CHUNK_KEYS apart) per MMA
+                // CHUNK_KEYS apart) per MMA, and the last 64 alone where D is an odd number
+                // of 64s (192: MLA's keys)
 #pragma unroll
                 for (int h = 0; h < D / 128; ++h) {
                     const uint64_t b = descriptor_plus(v_desc, 16 * j * 128 + 2 * h * CHUNK_KEYS);
                     Wgmma<T>::pv(reinterpret_cast<float(&)[64]>(acc[mt][16 * h]), p[mt][j], b);
+                }
+                if constexpr (D % 128 != 0) {
+                    const uint64_t b = descriptor_plus(v_desc, 16 * j * 128 + 2 * (D / 128) * CHUNK_KEYS);
+                    Wgmma<T>::pv64(reinterpret_cast<float(&)[32]>(acc[mt][16 * (D / 128)]), p[mt][j], b);
                 }
             }
         }
@@ -227,6 +240,7 @@ __device__ void flash_attention_wgmma(const T* __restrict__ q, const T* __restri
     }
 #define WG_ENTRIES(SUFFIX, T)                                                                        \
     WG_ENTRY(SUFFIX, T, 128, 128, 64, 2)                                                             \
+    WG_ENTRY(SUFFIX, T, 192, 64, 64, 1)                                                              \
     WG_ENTRY(SUFFIX, T, 256, 64, 64, 1)
 WG_ENTRIES(bf16, __nv_bfloat16)
 WG_ENTRIES(f16, __half)

@@ -26,7 +26,7 @@ pub fn wgmma_runs_on(device: &Device) -> Result<bool> {
 }
 
 /// K and V buffers of the wgmma kernel for `head_dim` (attention_sm90.cu's `WG_ENTRIES`): two
-/// at 128; one at 256, where two would leave room for one block per SM.
+/// at 128; one at 192 and 256, where two would leave room for one block per SM at 256.
 fn wgmma_kv_buffers(head_dim: usize) -> usize {
     if head_dim == 128 {
         2

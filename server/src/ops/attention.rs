@@ -477,12 +477,12 @@ impl FlashTiling {
         ];
         // Head sizes of 192 (MLA's nope + rope keys) and 256 (Qwen3.5, Gemma, GLM-4.7-Flash's
         // MLA): one MMA row tile per warp, as two would hold 2 x 256 / 2 accumulators per
-        // thread at 256; the wgmma kernel likewise at 256 (one 64-row tile).
+        // thread at 256; the wgmma kernel likewise (one 64-row tile).
         const WIDE: FlashTiling = FlashTiling {
             rows: 64,
             ..FlashTiling::DEFAULT
         };
-        const D256: &[FlashTiling] = &[
+        const WIDE_TILINGS: &[FlashTiling] = &[
             WIDE,
             FlashTiling {
                 mma: FlashMma::Wgmma,
@@ -492,8 +492,7 @@ impl FlashTiling {
         match head_dim {
             64 => &[FlashTiling::DEFAULT],
             128 => D128,
-            192 => &[WIDE],
-            256 => D256,
+            192 | 256 => WIDE_TILINGS,
             _ => &[],
         }
     }

@@ -215,9 +215,10 @@ fn host_f32(t: &Tensor) -> Result<Vec<f32>> {
 }
 
 /// Each compiled tiling's time on the attention of `windows` 2048-token windows of the
-/// Llama-3-8B shape (32 query heads, 8 KV heads, head_dim 128, bf16) and of GLM-4.7-Flash's MLA
-/// (20 heads of 256, keys and values expanded from the latent): the median of 20 launches,
-/// each synchronized, and the rate on the causal half (2·2·T²/2·d per head).
+/// Llama-3-8B shape (32 query heads, 8 KV heads, head_dim 128, bf16) and of GLM-4.7-Flash's and
+/// DeepSeek-V3's MLA (20 heads of 256, 128 of 192: keys and values expanded from the latent,
+/// values padded to the keys' width): the median of 20 launches, each synchronized, and the rate
+/// on the causal half (2·2·T²/2·d per head).
 pub fn timing(device: &Device, windows: usize) -> Result<()> {
     let len = 2048usize;
     let tokens = windows * len;
@@ -228,6 +229,7 @@ pub fn timing(device: &Device, windows: usize) -> Result<()> {
     for (shape, hq, hkv, dim) in [
         ("Llama-3-8B", 32usize, 8usize, 128usize),
         ("GLM-4.7-Flash", 20, 20, 256),
+        ("DeepSeek-V3", 128, 128, 192),
     ] {
         let q = Tensor::randn(0f32, 2.0, (tokens, hq, dim), device)?.to_dtype(DType::BF16)?;
         let k = Tensor::randn(0f32, 1.0, (tokens, hkv, dim), device)?.to_dtype(DType::BF16)?;

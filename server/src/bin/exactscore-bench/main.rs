@@ -81,8 +81,8 @@ enum Command {
         #[arg(long, default_value = "cuda:0")]
         device: String,
     },
-    /// Each compiled flash-attention tiling timed alone on the Llama-3-8B and GLM-4.7-Flash
-    /// attention shapes.
+    /// Each compiled flash-attention tiling timed alone on the Llama-3-8B, GLM-4.7-Flash and
+    /// DeepSeek-V3 attention shapes.
     #[cfg(feature = "cuda")]
     Attention {
         /// 2048-token windows per launch.
