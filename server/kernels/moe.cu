@@ -292,6 +292,34 @@ extern "C" __global__ void moe_plan_place(const uint32_t* ids, const float* weig
     }
 }
 
+// The plan's rows padded for experts that run as batched GEMMs over groups of one row count
+// (model/blocks/moe.rs: experts_stacked lays the host plan out the same way): expert e's rows go
+// to dest[e].., followed by pad_to[e] - count padding rows that repeat its first token and weigh
+// 0; map[old row] = its padded row. A warp per expert.
+extern "C" __global__ void moe_pad_rows(const uint32_t* rows_token, const float* row_weight,
+                                        const uint64_t* offsets, const uint32_t* dest,
+                                        const uint32_t* pad_to, int experts, uint32_t* padded_token,
+                                        float* padded_weight, uint32_t* map) {
+    const int e = (int)(((long)blockIdx.x * blockDim.x + threadIdx.x) / 32), lane = threadIdx.x % 32;
+    if (e >= experts) return;
+    const uint64_t first = offsets[e];
+    const uint32_t count = (uint32_t)(offsets[e + 1] - first), to = dest[e];
+    for (uint32_t r = lane; r < pad_to[e]; r += 32) {
+        const bool real = r < count;
+        padded_token[to + r] = rows_token[first + (real ? r : 0)];
+        padded_weight[to + r] = real ? row_weight[first + r] : 0.0f;
+        if (real) map[first + r] = to + r;
+    }
+}
+
+// positions[i] (a plan row, or MOE_NO_ROW) through `map`.
+extern "C" __global__ void moe_pad_positions(const uint32_t* positions, const uint32_t* map,
+                                             int entries, uint32_t* out) {
+    const long i = (long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= entries) return;
+    out[i] = positions[i] == MOE_NO_ROW ? MOE_NO_ROW : map[positions[i]];
+}
+
 // out[t] = residual[t] + (((0 + w_0 y[pos[t][0]]) + w_1 y[pos[t][1]]) + ...): a token's
 // expert outputs weighted by their router weights (in f32 and rounded to T, or, with
 // `compute_dtype_weights`, by the weight rounded to T), summed in the order of `pos` (ascending

@@ -192,6 +192,76 @@ pub fn moe_plan(
     })
 }
 
+/// A plan's rows (`moe_plan`'s rows_token, row_weight, positions and offsets) padded per
+/// expert: expert `e`'s rows to `dest[e]..dest[e] + rows[e]` of `padded` rows, the padding
+/// repeating its first token with weight 0 (`moe_pad_rows`), and the positions mapped onto
+/// them (`moe_pad_positions`).
+pub fn moe_pad_plan(
+    rows_token: &Tensor,
+    row_weight: &Tensor,
+    positions: &Tensor,
+    offsets: &Tensor,
+    (dest, rows): (&[u32], &[u32]),
+    padded: usize,
+) -> Result<[Tensor; 3]> {
+    let experts = dest.len();
+    let entries = positions.elem_count();
+    let total: usize = rows.iter().map(|&r| r as usize).sum();
+    if rows.len() != experts
+        || offsets.elem_count() != experts + 1
+        || total != padded
+        || entries > i32::MAX as usize
+    {
+        bail!(
+            "moe_pad_plan: {experts} experts' destinations, {} row counts ({total} of {padded}), \
+             offsets {:?}",
+            rows.len(),
+            offsets.dims()
+        );
+    }
+    let dev = rows_token.device();
+    let (dest, rows) = (Tensor::new(dest, dev)?, Tensor::new(rows, dev)?);
+    with_slice::<u32, _>(rows_token, |ts, to, dev| {
+        // SAFETY (allocations): moe_pad_rows writes every padded row (the destinations tile
+        // 0..padded) and the map entry of every plan row, moe_pad_positions every position.
+        let padded_token = unsafe { dev.alloc::<u32>(padded.max(1)) }?;
+        let padded_weight = unsafe { dev.alloc::<f32>(padded.max(1)) }?;
+        let map = unsafe { dev.alloc::<u32>(rows_token.elem_count().max(1)) }?;
+        let out = unsafe { dev.alloc::<u32>(entries.max(1)) }?;
+        let ts = ts.slice(to..);
+        with_slice::<f32, _>(row_weight, |ws, wo, _| {
+            with_slice::<i64, _>(offsets, |os, oo, _| {
+                with_slice::<u32, _>(&dest, |ds, _, _| {
+                    with_slice::<u32, _>(&rows, |rs, _, _| {
+                        let (ws, os) = (ws.slice(wo..), os.slice(oo..));
+                        let e32 = experts as i32;
+                        let pad = kernel(dev, &MOE, "moe_pad_rows")?;
+                        let mut b = pad.builder();
+                        b.arg(&ts).arg(&ws).arg(&os).arg(ds).arg(rs).arg(&e32);
+                        b.arg(&padded_token).arg(&padded_weight).arg(&map);
+                        // SAFETY: arguments match `moe_pad_rows` (a warp per expert).
+                        unsafe { b.launch(grid_1d(experts * 32)) }.w()
+                    })
+                })
+            })
+        })?;
+        with_slice::<u32, _>(positions, |ps, po, _| {
+            let ps = ps.slice(po..);
+            let n32 = entries as i32;
+            let remap = kernel(dev, &MOE, "moe_pad_positions")?;
+            let mut b = remap.builder();
+            b.arg(&ps).arg(&map).arg(&n32).arg(&out);
+            // SAFETY: arguments match `moe_pad_positions` (a thread per entry).
+            unsafe { b.launch(grid_1d(entries)) }.w()
+        })?;
+        Ok([
+            wrap(padded_token, dev, padded),
+            wrap(padded_weight, dev, padded),
+            wrap(out, dev, positions.dims()),
+        ])
+    })
+}
+
 /// `residual[t] + Σ_j weights[r] · y[r]` over `r = positions[t, j]` per token `t` (u32
 /// `[tokens, k]`), the sum taken in the order of `positions`: each term rounded to the
 /// compute dtype from the f32 product (with `compute_dtype_weights`, from the product with the

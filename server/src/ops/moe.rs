@@ -24,6 +24,14 @@ super::gpu_entry_points!(moe {
         experts: usize,
         tile_rows: usize,
     ) -> Result<[Tensor; 5]>;
+    fn moe_pad_plan(
+        rows_token: &Tensor,
+        row_weight: &Tensor,
+        positions: &Tensor,
+        offsets: &Tensor,
+        dest_and_rows: (&[u32], &[u32]),
+        padded: usize,
+    ) -> Result<[Tensor; 3]>;
     fn moe_combine(
         y: &Tensor,
         weights: &Tensor,
@@ -153,6 +161,29 @@ pub fn moe_plan(
         tiles,
         tile_rows,
     })
+}
+
+/// `plan`'s rows padded for experts that multiply as batched GEMMs over groups of one row
+/// count: expert `e`'s rows moved to `dest[e]..`, then `rows[e]` minus its count padding rows
+/// that repeat its first token and weigh 0; `padded` rows in all. Returns the padded rows'
+/// tokens (u32 `[padded]`) and weights (f32 `[padded]`) and the positions pointing at them
+/// (u32 `[tokens, k]`): the host plan's padded layout (`Moe::experts_stacked`), made where the
+/// plan is, so that only the counts leave the GPU. GPU only.
+pub fn moe_pad_plan(
+    plan: &ExpertPlan,
+    dest: &[u32],
+    rows: &[u32],
+    padded: usize,
+) -> Result<[Tensor; 3]> {
+    super::gpu_only("moe_pad_plan", &plan.rows_token)?;
+    gpu::moe_pad_plan(
+        &plan.rows_token,
+        &plan.row_weight,
+        &plan.positions,
+        &plan.offsets,
+        (dest, rows),
+        padded,
+    )
 }
 
 /// A group-limited router ([`moe_route_grouped`]): DeepSeek-V3's (sigmoid scores, a

@@ -318,12 +318,24 @@ impl Moe {
 
     /// Whether the experts' rows can stay on the GPU whoever routes them (a model's own router
     /// then calls [`Self::forward_routed_on_device`]): experts stacked in one int4 GEMM that
-    /// takes each expert's own row count.
+    /// takes each expert's own row count, or dequantized in padded groups (only the counts
+    /// leave the GPU) while the batch's routed rows fit one pass.
     pub fn experts_plan_on_device(&self, x: &Tensor) -> Result<bool> {
         let allowed = DEVICE_PLANS.load(Ordering::Relaxed);
         if !(allowed && ops::stacks_experts(x) && self.stackable) {
             return Ok(false);
         }
+        if self.decodes_in_gemm(x)? {
+            return Ok(true);
+        }
+        let (tokens, hidden) = x.dims2()?;
+        let k = self.cfg.experts_per_token as u64;
+        Ok(tokens <= tokens_per_pass(k, hidden as u64, x.dtype().size_in_bytes() as u64))
+    }
+
+    /// Whether the experts multiply as one int4 GEMM that decodes their weights, for `x`'s
+    /// rows spread evenly over them.
+    fn decodes_in_gemm(&self, x: &Tensor) -> Result<bool> {
         let all: Vec<&Mlp> = self.experts.iter().collect();
         let mean_rows = x.dims()[0] * self.cfg.experts_per_token / all.len().max(1);
         stack_decodes_in_gemm(&all, mean_rows, x.dtype())
@@ -365,6 +377,9 @@ impl Moe {
 
     /// The experts' rows laid out and multiplied on the device from the router's choice there.
     fn experts_on_device(&self, x: &Tensor, ids: &Tensor, weights: &Tensor) -> Result<Combined> {
+        if !self.decodes_in_gemm(x)? {
+            return self.experts_padded_on_device(x, ids, weights);
+        }
         let (dev, k) = (x.device(), self.cfg.experts_per_token);
         let experts = self.experts.len();
         // 64-row tiles where an expert's rows are expected to fit one (a tile decodes its
@@ -392,6 +407,82 @@ impl Moe {
             rows_token: plan.rows_token,
             positions: plan.positions,
         })
+    }
+
+    /// [`Self::experts_on_device`] for experts dequantized in groups padded to one row count:
+    /// the rows planned on the GPU ([`ops::moe_plan`]), only the experts' counts read back to
+    /// form the groups as [`Self::experts_stacked`] forms them, and the rows padded on the GPU
+    /// ([`ops::moe_pad_plan`]). The host plan's rows in the host plan's order: the same bits.
+    fn experts_padded_on_device(
+        &self,
+        x: &Tensor,
+        ids: &Tensor,
+        weights: &Tensor,
+    ) -> Result<Combined> {
+        let (dev, dtype, hidden) = (x.device(), x.dtype(), x.dims()[1]);
+        let (k, experts) = (self.cfg.experts_per_token, self.experts.len());
+        let (plan, ranges) = stage("experts", dev, || {
+            // one tile per row at most: the int4 GEMM's tiles are not read here
+            let plan = ops::moe_plan(ids, weights, k, experts, 128)?;
+            let offsets = plan.offsets.to_vec1::<i64>()?;
+            let ranges: Vec<std::ops::Range<usize>> = offsets
+                .windows(2)
+                .map(|w| w[0] as usize..w[1] as usize)
+                .collect();
+            Ok((plan, ranges))
+        })?;
+        profile::record_expert_load(ranges.iter().map(|r| r.len()));
+        let groups = self.padded_groups(&ranges, hidden, dtype);
+        let (mut dest, mut rows) = (vec![0u32; experts], vec![0u32; experts]);
+        let mut padded = 0;
+        for (group, counts) in &groups {
+            for (&e, &m) in group.iter().zip(counts) {
+                (dest[e], rows[e]) = (padded as u32, m as u32);
+                padded += m;
+            }
+        }
+        let [rows_token, row_weight, positions] = stage("experts", dev, || {
+            ops::moe_pad_plan(&plan, &dest, &rows, padded)
+        })?;
+        drop(plan);
+        let y = stage("experts", dev, || {
+            Tensor::zeros((padded, hidden), dtype, dev)
+        })?;
+        for (group, counts) in &groups {
+            let first_row = dest[group[0]] as usize;
+            let n = counts.iter().sum();
+            let xs = stage("experts", dev, || {
+                ops::gather_rows(x, &rows_token.narrow(0, first_row, n)?)
+            })?;
+            let members: Vec<&Mlp> = group.iter().map(|&e| &self.experts[e]).collect();
+            forward_stacked(&members, xs, StackRows::Counts(counts), &y, first_row)?;
+        }
+        Ok(Combined {
+            y,
+            weights: row_weight.reshape((padded, 1))?,
+            rows_token,
+            positions,
+        })
+    }
+
+    /// The experts with rows (`ranges`, one per expert) in the groups that run as batched GEMMs
+    /// over their dequantized weights ([`stack_groups`]), each with its experts' row count:
+    /// the group's first (largest), to which the others are padded.
+    fn padded_groups(
+        &self,
+        ranges: &[std::ops::Range<usize>],
+        hidden: usize,
+        dtype: DType,
+    ) -> Vec<(Vec<usize>, Vec<usize>)> {
+        let expert_bytes = 3 * self.cfg.expert_intermediate_size * hidden * dtype.size_in_bytes();
+        let most = (STACK_BYTES / expert_bytes.max(1)).clamp(1, STACK_EXPERTS);
+        stack_groups(ranges, most)
+            .into_iter()
+            .map(|group| {
+                let rows = vec![ranges[group[0]].len(); group.len()];
+                (group, rows)
+            })
+            .collect()
     }
 
     /// [`Self::forward`] with the experts `top` already chosen.
@@ -528,16 +619,7 @@ impl Moe {
                 let rows = with_rows.iter().map(|&e| plan.ranges[e].len()).collect();
                 vec![(with_rows, rows)]
             } else {
-                let expert_bytes =
-                    3 * self.cfg.expert_intermediate_size * hidden * dtype.size_in_bytes();
-                let most = (STACK_BYTES / expert_bytes.max(1)).clamp(1, STACK_EXPERTS);
-                stack_groups(&plan.ranges, most)
-                    .into_iter()
-                    .map(|group| {
-                        let rows = vec![plan.ranges[group[0]].len(); group.len()];
-                        (group, rows)
-                    })
-                    .collect()
+                self.padded_groups(&plan.ranges, hidden, dtype)
             };
         let padded: usize = groups.iter().flat_map(|(_, rows)| rows).sum();
         let y = Tensor::zeros((padded, hidden), dtype, dev)?;
