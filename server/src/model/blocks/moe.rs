@@ -422,7 +422,7 @@ impl Moe {
         let (dev, dtype, hidden) = (x.device(), x.dtype(), x.dims()[1]);
         let (k, experts) = (self.cfg.experts_per_token, self.experts.len());
         let (plan, ranges) = stage("experts", dev, || {
-            // one tile per row at most: the int4 GEMM's tiles are not read here
+            // any tile size: the int4 GEMM's tiles are not read on this path
             let plan = ops::moe_plan(ids, weights, k, experts, 128)?;
             let offsets = plan.offsets.to_vec1::<i64>()?;
             let ranges: Vec<std::ops::Range<usize>> = offsets
