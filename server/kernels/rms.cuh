@@ -1,5 +1,5 @@
 // RMSNorm arithmetic shared by the norm kernels (norm.cu) and the per-head norm + RoPE
-// (attention.cu): one expression per step, so every kernel that norms a row gets the same bits.
+// (rope.cu): one expression per step, so every kernel that norms a row gets the same bits.
 #pragma once
 #include "common.cuh"
 

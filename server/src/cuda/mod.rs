@@ -44,6 +44,7 @@ pub mod gemm;
 pub mod linear_attention;
 pub mod moe;
 pub mod norm;
+pub mod rope;
 pub mod scoring;
 
 mod module;
@@ -114,14 +115,10 @@ fn with_slice<T: CudaDType + DeviceRepr, R>(
     t: &Tensor,
     f: impl FnOnce(&CudaSlice<T>, usize, &CudaDevice) -> Result<R>,
 ) -> Result<R> {
-    let (storage, layout) = t.storage_and_layout();
-    let Storage::Cuda(cuda) = &*storage else {
-        bail!("expected a CUDA tensor, found one on {:?}", t.device())
-    };
-    if !layout.is_contiguous() {
+    if !t.is_contiguous() {
         bail!("CUDA kernels need contiguous inputs");
     }
-    f(T::as_cuda_slice(cuda)?, layout.start_offset(), &cuda.device)
+    with_view(t, |slice, offset, _, dev| f(slice, offset, dev))
 }
 
 /// [`with_slice`] for a tensor whose last dimension alone need be contiguous (rows of a wider
@@ -134,7 +131,7 @@ fn with_view<T: CudaDType + DeviceRepr, R>(
     let Storage::Cuda(cuda) = &*storage else {
         bail!("expected a CUDA tensor, found one on {:?}", t.device())
     };
-    if layout.stride().last() != Some(&1) {
+    if layout.stride().last().is_some_and(|&s| s != 1) {
         bail!("CUDA kernels need the last dimension contiguous");
     }
     f(

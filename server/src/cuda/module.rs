@@ -43,6 +43,7 @@ kernel_modules! {
     LINEAR_ATTENTION: "linear_attention",
     MOE: "moe",
     NORM: "norm",
+    ROPE: "rope",
     SCORING: "scoring",
     STORED_REFERENCE: "stored_reference",
 }

@@ -18,6 +18,7 @@ pub mod linear_attention;
 pub mod minifloat;
 pub mod moe;
 pub mod norm;
+pub mod rope;
 pub mod scoring;
 
 pub use attention::*;
@@ -28,6 +29,7 @@ pub use gemm::*;
 pub use linear_attention::*;
 pub use moe::*;
 pub use norm::*;
+pub use rope::*;
 pub use scoring::*;
 
 /// Declares the GPU entry points of the family `cuda::$family` that its ops file calls, as a

@@ -8,8 +8,8 @@
 
 use anyhow::{bail, Result};
 use candle_core::{DType, Device, Tensor};
-use exactscore_server::cuda::attention::head_norm_rope as fused_kernel;
 use exactscore_server::cuda::norm::{gated_rms_norm_block_per_row, rms_norm_block_per_row};
+use exactscore_server::cuda::rope::head_norm_rope as fused_kernel;
 use exactscore_server::ops::{gated_rms_norm, rms_norm, rope_rotate_half, rotate_leading};
 
 use crate::bits_equal;
