@@ -419,7 +419,7 @@ impl Moe {
         ids: &Tensor,
         weights: &Tensor,
     ) -> Result<Combined> {
-        let (dev, dtype, hidden) = (x.device(), x.dtype(), x.dims()[1]);
+        let dev = x.device();
         let (k, experts) = (self.cfg.experts_per_token, self.experts.len());
         let (plan, ranges) = stage("experts", dev, || {
             // any tile size: the int4 GEMM's tiles are not read on this path
@@ -432,7 +432,7 @@ impl Moe {
             Ok((plan, ranges))
         })?;
         profile::record_expert_load(ranges.iter().map(|r| r.len()));
-        let groups = self.padded_groups(&ranges, hidden, dtype);
+        let groups = self.padded_groups(&ranges, x.dims()[1], x.dtype());
         let (mut dest, mut rows) = (vec![0u32; experts], vec![0u32; experts]);
         let mut padded = 0;
         for (group, counts) in &groups {
@@ -445,24 +445,39 @@ impl Moe {
             ops::moe_pad_plan(&plan, &dest, &rows, padded)
         })?;
         drop(plan);
+        Ok(Combined {
+            y: self.multiply_groups(x, &groups, &rows_token)?,
+            weights: row_weight.reshape((padded, 1))?,
+            rows_token,
+            positions,
+        })
+    }
+
+    /// The experts' outputs `[rows, hidden]` over their rows of `x`: each of `groups` (experts
+    /// and their row counts, as [`Self::padded_groups`] or the int4 GEMM forms them) gathers
+    /// its rows (`rows_token`, u32 on the device: every group's rows, one group after another)
+    /// and runs its projections stacked ([`forward_stacked`]) into its rows of the output.
+    fn multiply_groups(
+        &self,
+        x: &Tensor,
+        groups: &[(Vec<usize>, Vec<usize>)],
+        rows_token: &Tensor,
+    ) -> Result<Tensor> {
+        let (dev, dtype, hidden) = (x.device(), x.dtype(), x.dims()[1]);
         let y = stage("experts", dev, || {
-            Tensor::zeros((padded, hidden), dtype, dev)
+            Tensor::zeros((rows_token.elem_count(), hidden), dtype, dev)
         })?;
-        for (group, counts) in &groups {
-            let first_row = dest[group[0]] as usize;
+        let mut first_row = 0;
+        for (group, counts) in groups {
             let n = counts.iter().sum();
             let xs = stage("experts", dev, || {
                 ops::gather_rows(x, &rows_token.narrow(0, first_row, n)?)
             })?;
             let members: Vec<&Mlp> = group.iter().map(|&e| &self.experts[e]).collect();
             forward_stacked(&members, xs, StackRows::Counts(counts), &y, first_row)?;
+            first_row += n;
         }
-        Ok(Combined {
-            y,
-            weights: row_weight.reshape((padded, 1))?,
-            rows_token,
-            positions,
-        })
+        Ok(y)
     }
 
     /// The experts with rows (`ranges`, one per expert) in the groups that run as batched GEMMs
@@ -580,9 +595,8 @@ impl Moe {
     /// expert's alive at a time).
     fn experts_one_by_one(&self, x: &Tensor, plan: ExpertRows) -> Result<Combined> {
         let (dev, dtype, hidden) = (x.device(), x.dtype(), x.dims()[1]);
-        let xs = stage("experts", dev, || {
-            ops::gather_rows(x, &Tensor::new(plan.token.as_slice(), dev)?)
-        })?;
+        let rows_token = stage("experts", dev, || Tensor::new(plan.token.as_slice(), dev))?;
+        let xs = stage("experts", dev, || ops::gather_rows(x, &rows_token))?;
         let mut ys = Vec::new();
         for (expert, rows) in self.experts.iter().zip(&plan.ranges) {
             if rows.is_empty() {
@@ -595,7 +609,7 @@ impl Moe {
         Combined::upload(
             Tensor::cat(&ys, 0)?,
             &plan.weight,
-            &plan.token,
+            rows_token,
             &plan.positions,
             plan.k,
         )
@@ -622,13 +636,11 @@ impl Moe {
                 self.padded_groups(&plan.ranges, hidden, dtype)
             };
         let padded: usize = groups.iter().flat_map(|(_, rows)| rows).sum();
-        let y = Tensor::zeros((padded, hidden), dtype, dev)?;
         // Where each of the plan's rows lands among the padded rows.
         let mut padded_row = vec![0u32; plan.token.len()];
         let (mut rows_token, mut weights) =
             (Vec::with_capacity(padded), Vec::with_capacity(padded));
         for (group, rows) in &groups {
-            let first_row = rows_token.len();
             for (&e, &m) in group.iter().zip(rows) {
                 let range = plan.ranges[e].clone();
                 let pad = m - range.len();
@@ -640,18 +652,15 @@ impl Moe {
                 rows_token.extend(std::iter::repeat_n(plan.token[range.start], pad));
                 weights.extend(std::iter::repeat_n(0.0, pad));
             }
-            let xs = stage("experts", dev, || {
-                ops::gather_rows(x, &Tensor::new(&rows_token[first_row..], dev)?)
-            })?;
-            let experts: Vec<&Mlp> = group.iter().map(|&e| &self.experts[e]).collect();
-            forward_stacked(&experts, xs, StackRows::Counts(rows), &y, first_row)?;
         }
         let positions: Vec<u32> = plan
             .positions
             .iter()
             .map(|&r| padded_row[r as usize])
             .collect();
-        Combined::upload(y, &weights, &rows_token, &positions, plan.k)
+        let rows_token = stage("experts", dev, || Tensor::new(rows_token.as_slice(), dev))?;
+        let y = self.multiply_groups(x, &groups, &rows_token)?;
+        Combined::upload(y, &weights, rows_token, &positions, plan.k)
     }
 
     /// Every Linear with its name under the block (`experts.3.up_proj`,
@@ -745,11 +754,12 @@ struct Combined {
 }
 
 impl Combined {
-    /// The host plan's vectors on `y`'s device.
+    /// The host plan's weights and positions on `y`'s device (its rows' tokens are there
+    /// already: the experts' rows were gathered by them).
     fn upload(
         y: Tensor,
         weights: &[f32],
-        rows_token: &[u32],
+        rows_token: Tensor,
         positions: &[u32],
         k: usize,
     ) -> Result<Self> {
@@ -757,7 +767,7 @@ impl Combined {
         stage("experts", &dev, || {
             Ok(Self {
                 weights: Tensor::from_slice(weights, (weights.len(), 1), &dev)?,
-                rows_token: Tensor::new(rows_token, &dev)?,
+                rows_token,
                 positions: Tensor::from_slice(positions, (positions.len() / k.max(1), k), &dev)?,
                 y,
             })
