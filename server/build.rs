@@ -2,8 +2,8 @@
 //! into one fatbin (loaded by `cuda/module.rs`): machine code (SASS) for every architecture in $EXACTSCORE_CUDA_ARCHS
 //! (default `80,89,90`: A100, L40S/RTX 4090, H100/H200) and $CUDA_COMPUTE_CAP, plus PTX of the
 //! newest one so that later GPUs can still JIT it. Machine code loads without the driver's PTX
-//! JIT, which costs seconds on a fresh machine. kernels/attention_sm90.cu (Hopper's wgmma) is
-//! built for sm_90a alone, when 90 is among the architectures.
+//! JIT, which costs seconds on a fresh machine. kernels/*_sm90.cu (Hopper's wgmma) are built
+//! for sm_90a alone, when 90 is among the architectures.
 //! nvcc comes from $NVCC or PATH (a CUDA toolkit, or `scripts/cuda-env.sh` without one).
 
 fn main() {
@@ -46,19 +46,21 @@ fn main() {
         assert!(status.success(), "nvcc failed on {src}");
     }
     // The wgmma kernels exist for sm_90 alone (arch-specific sm_90a machine code, no PTX).
-    let sm90 = out.join("attention_sm90.fatbin");
-    if archs.contains(&90) {
+    for name in hopper_families() {
+        let fatbin = out.join(format!("{name}.fatbin"));
+        if !archs.contains(&90) {
+            std::fs::write(&fatbin, []).expect("OUT_DIR is writable");
+            continue;
+        }
         let status = std::process::Command::new(&nvcc)
             .args(["--fatbin", "-O3", "-std=c++17"])
             .arg("-gencode=arch=compute_90a,code=sm_90a")
             .arg("-o")
-            .arg(&sm90)
-            .arg("kernels/attention_sm90.cu")
+            .arg(&fatbin)
+            .arg(format!("kernels/{name}.cu"))
             .status()
             .expect("nvcc ran a moment ago");
-        assert!(status.success(), "nvcc failed on kernels/attention_sm90.cu");
-    } else {
-        std::fs::write(&sm90, []).expect("OUT_DIR is writable");
+        assert!(status.success(), "nvcc failed on kernels/{name}.cu");
     }
 }
 
@@ -86,14 +88,29 @@ fn architectures() -> Vec<u32> {
     archs
 }
 
-/// The op families' kernel files: every `kernels/*.cu` but the sm_90a-only one, built apart.
+/// The op families' kernel files: every `kernels/*.cu` but the sm_90a-only ones, built apart.
 fn families() -> Vec<String> {
+    kernel_stems()
+        .into_iter()
+        .filter(|s| !s.ends_with("_sm90"))
+        .collect()
+}
+
+/// The sm_90a-only kernel files, `kernels/*_sm90.cu`.
+fn hopper_families() -> Vec<String> {
+    kernel_stems()
+        .into_iter()
+        .filter(|s| s.ends_with("_sm90"))
+        .collect()
+}
+
+/// Every `kernels/*.cu`'s stem, sorted.
+fn kernel_stems() -> Vec<String> {
     let mut names: Vec<String> = std::fs::read_dir("kernels")
         .expect("server/kernels is readable")
         .filter_map(|entry| {
             let name = entry.ok()?.file_name().into_string().ok()?;
-            let stem = name.strip_suffix(".cu")?;
-            (stem != "attention_sm90").then(|| stem.to_string())
+            name.strip_suffix(".cu").map(str::to_string)
         })
         .collect();
     names.sort();

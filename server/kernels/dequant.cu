@@ -302,29 +302,4 @@ DEQUANT_ENTRIES(f32, float)
 DEQUANT_ENTRIES(bf16, __nv_bfloat16)
 DEQUANT_ENTRIES(f16, __half)
 
-// One entry per dtype and tile height; the launcher's int4_gemm_shared_bytes (cuda/dequant/int4_gemm.rs) gives
-// each one's dynamic shared memory, as asserted below. `stacked`: block (x, y, z) takes expert
-// slot z's rows y · BM.., the offsets following the weights' addresses in ptrs (a plan made on
-// the host). `tiled`: block (x, y) takes tile y of `tiles` ([count, (slot, first row)...], as
-// moe_plan_place writes it on the device; blocks past the count return at once).
-#define INT4_GEMM_ENTRY(SUFFIX, T, BM)                                                               \
-    extern "C" __global__ void __launch_bounds__(IG_THREADS, 2)                                      \
-        matmul_t_int4_stacked_m##BM##_##SUFFIX(const uint64_t* ptrs, const T* x, T* y, int n, int k,  \
-                                               int g) {                                              \
-        int4_gemm_stacked<T, BM>(ptrs, ptrs + 3 * gridDim.z, blockIdx.z, blockIdx.y * BM, x, y, n,   \
-                                 k, g);                                                              \
-    }                                                                                                \
-    extern "C" __global__ void __launch_bounds__(IG_THREADS, 2)                                      \
-        matmul_t_int4_tiled_m##BM##_##SUFFIX(const uint64_t* ptrs, const uint64_t* offsets,           \
-                                             const uint32_t* tiles, const T* x, T* y, int n, int k,  \
-                                             int g) {                                                \
-        if (blockIdx.y >= tiles[0]) return;                                                          \
-        int4_gemm_stacked<T, BM>(ptrs, offsets, tiles[1 + 2 * blockIdx.y], tiles[2 + 2 * blockIdx.y], \
-                                 x, y, n, k, g);                                                     \
-    }
-INT4_GEMM_ENTRY(bf16, __nv_bfloat16, 128)
-INT4_GEMM_ENTRY(f16, __half, 128)
-INT4_GEMM_ENTRY(bf16, __nv_bfloat16, 64)
-INT4_GEMM_ENTRY(f16, __half, 64)
-static_assert(ig_shared_bytes<64>() == 75776, "int4_gemm_shared_bytes in cuda/dequant/int4_gemm.rs");
-static_assert(ig_shared_bytes<128>() == 100352, "int4_gemm_shared_bytes in cuda/dequant/int4_gemm.rs");
+INT4_GEMM_ENTRIES(, IgMmaSync)

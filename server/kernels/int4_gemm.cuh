@@ -9,16 +9,18 @@
 //
 // Each weight value is dequant_int_words' T((q - 8 - zp) · scale), one f32 product rounded once,
 // so the products are those of the dequantized weight; they are summed in f32 on tensor cores
-// (mma.sync m16n8k16) and rounded once to T.
+// (mma.sync m16n8k16, or wgmma on Hopper: int4_gemm_sm90.cu) in ascending k, and rounded once
+// to T.
 //
-// Tile BM rows × 128 outputs × 64 k, 8 warps of BM/2 × 32, a 3-stage cp.async pipeline of x's rows, the raw int4 words, scales and zero points. Each k-tile's
-// words are decoded once per block into a 16-bit tile in shared memory, one k-tile ahead of the MMAs that read it (and
-// after them in program order, so the decoding's ALU work issues while the tensor cores run),
-// and one barrier per k-tile orders both. Each weight is read from memory once per BM rows, as
-// 4 bits. Grid (n / 128, the most rows of a slot / BM, slots): a block past its slot's rows
-// returns at once, and a warp skips the 16-row MMA tiles past them. Needs k % 64 == 0, group %
-// 32 == 0 (a 32-wide half k-tile has one scale per row), n even and 16-byte aligned x and words
-// (checked by the caller); n may be ragged.
+// Tile BM rows × 128 outputs × 64 k, 256 threads, a 3-stage cp.async pipeline of x's rows, the
+// raw int4 words, scales and zero points. Each k-tile's words are decoded once per block into a
+// 16-bit tile in shared memory, one k-tile ahead of the MMAs that read it (and after them in
+// program order, so the decoding's ALU work issues while the tensor cores run), and one barrier
+// per k-tile orders both. Each weight is read from memory once per BM rows, as 4 bits. Grid
+// (n / 128, the most rows of a slot / BM, slots): a block past its slot's rows returns at once,
+// and a warp skips the MMA tiles past them. Needs k % 64 == 0, group % 32 == 0 (a 32-wide half
+// k-tile has one scale per row), n even and 16-byte aligned x and words (checked by the
+// caller); n may be ragged.
 #include <type_traits>
 
 #include "mma.cuh"
@@ -118,14 +120,98 @@ template <int BM>
 constexpr int ig_shared_bytes() {
     return IG_STAGES * sizeof(IgStage<BM>) + 2 * IG_BN * IG_BK * sizeof(uint16_t);
 }
+// int4_gemm_shared_bytes in cuda/dequant/int4_gemm.rs (which adds 1024 bytes to align them).
+static_assert(ig_shared_bytes<64>() == 75776 && ig_shared_bytes<128>() == 100352, "int4_gemm_shared_bytes");
+static_assert(sizeof(IgStage<64>) % 1024 == 0 && sizeof(IgStage<128>) % 1024 == 0, "stages keep wgmma's 1024-byte alignment");
+
+// The tensor-core half of int4_gemm_stacked on mma.sync (any GPU from sm_80): 8 warps of BM/2
+// rows × 32 outputs, A fragments (x) and B fragments (the decoded weights) through ldmatrix.
+// int4_gemm_sm90.cu's IgWgmma is the same contract on Hopper's wgmma:
+//  * `IgMma(rows)`: this block holds `rows` (>= 1) rows of its expert from row0;
+//  * `idle()`: this thread's warp or warpgroup has no row to multiply;
+//  * `multiply(x, w)`: one k-tile's products (x: BM rows, w: 128 outputs, both 64-wide, ig_at);
+//  * `finish()`: its products are in the accumulators and its tiles no longer read;
+//  * `publish()`: this thread's shared-memory writes become visible to the next
+//    multiply's reads after the next barrier;
+//  * `store(y, n0, n)`: the sums, rounded to T, into y's rows row0.. (y at the block's first
+//    row), outputs n0.. (< n).
+template <typename T, int BM>
+struct IgMmaSync {
+    static constexpr int ROWS_W = BM / 2, MT = ROWS_W / 16;  // rows and 16-row MMA tiles per warp
+    float acc[MT][4][4];
+    int lane, wm, wn, tiles_m;  // this warp: rows wm·ROWS_W.., outputs wn·32..; its row tiles
+    __device__ __forceinline__ explicit IgMmaSync(int rows) {
+        const int warp = threadIdx.x / 32;
+        lane = threadIdx.x % 32;
+        wm = warp / 4;
+        wn = warp % 4;
+        tiles_m = min(MT, max(0, (rows - wm * ROWS_W + 15) / 16));
+#pragma unroll
+        for (int i = 0; i < MT; ++i)
+#pragma unroll
+            for (int j = 0; j < 4; ++j) acc[i][j][0] = acc[i][j][1] = acc[i][j][2] = acc[i][j][3] = 0.0f;
+    }
+    __device__ __forceinline__ bool idle() const { return tiles_m == 0; }
+    __device__ __forceinline__ void multiply(const uint16_t* xs, const uint16_t* ws) {
+        if (tiles_m == MT) multiply_tiles(xs, ws, std::true_type{});
+        else if (tiles_m > 0) multiply_tiles(xs, ws, std::false_type{});
+    }
+    __device__ __forceinline__ void finish() {}
+    static __device__ __forceinline__ void publish() {}
+    // Every 16-row tile of the warp (`full`), or those holding rows.
+    template <typename Full>
+    __device__ __forceinline__ void multiply_tiles(const uint16_t* xs, const uint16_t* ws, Full) {
+#pragma unroll
+        for (int kk = 0; kk < IG_BK / 16; ++kk) {
+            // b[np][0], b[np][1]: outputs wn·32 + np·16 + 0..7; b[np][2], b[np][3]: + 8..15
+            uint32_t b[2][4];
+#pragma unroll
+            for (int np = 0; np < 2; ++np)
+                ldmatrix_x4(b[np], ws + ig_at(wn * 32 + np * 16 + (lane & 7) + (lane >> 4) * 8,
+                                              kk * 2 + ((lane >> 3) & 1)));
+            // One 16-row tile's A fragments at a time, both output halves' B fragments held.
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt) {
+                if (!Full::value && mt >= tiles_m) break;
+                uint32_t a[4];
+                ldmatrix_x4(a, xs + ig_at(wm * ROWS_W + mt * 16 + (lane & 15), kk * 2 + (lane >> 4)));
+#pragma unroll
+                for (int np = 0; np < 2; ++np) {
+                    Mma<T>::run(acc[mt][2 * np], a, b[np][0], b[np][1]);
+                    Mma<T>::run(acc[mt][2 * np + 1], a, b[np][2], b[np][3]);
+                }
+            }
+        }
+    }
+    // c0, c1: row lane / 4, outputs 2·(lane % 4) + {0, 1}; c2, c3: 8 rows further.
+    __device__ __forceinline__ void store(T* y, int row0, int m, int n0, int n) const {
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) {
+#pragma unroll
+            for (int half = 0; half < 2; ++half) {
+                const int r = row0 + wm * ROWS_W + mt * 16 + half * 8 + lane / 4;
+                if (r >= m) continue;
+#pragma unroll
+                for (int nt = 0; nt < 4; ++nt) {
+                    const int c = n0 + wn * 32 + nt * 8 + 2 * (lane % 4);
+                    if (c < n) {  // n is even: the pair is whole
+                        *reinterpret_cast<uint32_t*>(y + (long)r * n + c) =
+                            Mma<T>::pack(acc[mt][nt][2 * half], acc[mt][nt][2 * half + 1]);
+                    }
+                }
+            }
+        }
+    }
+};
 
 // This block: rows row0..row0 + BM of expert slot z (whose rows start at offsets[z]), outputs
-// blockIdx.x · IG_BN.. (the entry points below map the grid to (z, row0)).
-template <typename T, int BM>
+// blockIdx.x · IG_BN.. (the entry points below map the grid to (z, row0)), multiplied by the
+// tensor-core half `Mul` (IgMmaSync, or IgWgmma on Hopper). The dynamic shared memory holds
+// ig_shared_bytes<BM>() from its first 1024-byte boundary on (wgmma's swizzle atoms).
+template <typename T, int BM, typename Mul>
 __device__ void int4_gemm_stacked(const uint64_t* ptrs, const uint64_t* offsets, int z, int row0,
                                   const T* x, T* y, int n, int k, int group) {
 #if __CUDA_ARCH__ >= 800
-    constexpr int ROWS_W = BM / 2, MT = ROWS_W / 16;  // rows and 16-row MMA tiles per warp
     const long first = (long)offsets[z];
     const int m = (int)((long)offsets[z + 1] - first);
     const int n0 = blockIdx.x * IG_BN;
@@ -135,13 +221,12 @@ __device__ void int4_gemm_stacked(const uint64_t* ptrs, const uint64_t* offsets,
     const int32_t* zps = (const int32_t*)ptrs[3 * z + 2];
     x += first * k;
     y += first * n;
-    extern __shared__ __align__(128) unsigned char ig_smem[];
-    IgStage<BM>* stages = reinterpret_cast<IgStage<BM>*>(ig_smem);
+    extern __shared__ __align__(16) unsigned char ig_smem_raw[];
+    const uint32_t raw = (uint32_t)__cvta_generic_to_shared(ig_smem_raw);
+    IgStage<BM>* stages = reinterpret_cast<IgStage<BM>*>(ig_smem_raw + ((1024 - (raw & 1023)) & 1023));
     uint16_t* decoded = reinterpret_cast<uint16_t*>(stages + IG_STAGES);  // [2][IG_BN][IG_BK], ig_at
-    const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
-    const int wm = warp / 4, wn = warp % 4;  // this warp: rows wm·ROWS_W.., outputs wn·32..
+    const int tid = threadIdx.x;
     const int words_per_row = k / 8, groups = k / group, tiles = k / IG_BK;
-
     // Copies per k-tile: 16-byte chunks of x (chunk tid % 8 of rows tid / 8 + XSTEP·j), one
     // weight row's words (threads < 128, two chunks) or its scales (threads >= 128), and its
     // zero points (threads < 128). Pointers advance with the k-tile; no division in the loop.
@@ -201,42 +286,7 @@ __device__ void int4_gemm_stacked(const uint64_t* ptrs, const uint64_t* offsets,
         else write(IgDecodeF32<T>(sc, zp));
     };
 
-    float acc[MT][4][4];
-#pragma unroll
-    for (int i = 0; i < MT; ++i)
-#pragma unroll
-        for (int j = 0; j < 4; ++j) acc[i][j][0] = acc[i][j][1] = acc[i][j][2] = acc[i][j][3] = 0.0f;
-    // 16-row MMA tiles of this warp that hold rows; a warp with none only copies and decodes.
-    const int tiles_m = min(MT, max(0, (m - row0 - wm * ROWS_W + 15) / 16));
-
-    // Tile t's MMAs: every 16-row tile of the warp (`full`), or those holding rows.
-    auto multiply = [&](int t, auto full) {
-        constexpr bool FULL = decltype(full)::value;
-        const IgStage<BM>& s = stages[t % IG_STAGES];
-        const uint16_t* bs = decoded + (t % 2) * IG_BN * IG_BK;
-#pragma unroll
-        for (int kk = 0; kk < IG_BK / 16; ++kk) {
-            // b[np][0], b[np][1]: outputs wn·32 + np·16 + 0..7; b[np][2], b[np][3]: + 8..15
-            uint32_t b[2][4];
-#pragma unroll
-            for (int np = 0; np < 2; ++np)
-                ldmatrix_x4(b[np], bs + ig_at(wn * 32 + np * 16 + (lane & 7) + (lane >> 4) * 8,
-                                              kk * 2 + ((lane >> 3) & 1)));
-            // One 16-row tile's A fragments at a time, both output halves' B fragments held.
-#pragma unroll
-            for (int mt = 0; mt < MT; ++mt) {
-                if (!FULL && mt >= tiles_m) break;
-                uint32_t a[4];
-                ldmatrix_x4(a, &s.x[ig_at(wm * ROWS_W + mt * 16 + (lane & 15), kk * 2 + (lane >> 4))]);
-#pragma unroll
-                for (int np = 0; np < 2; ++np) {
-                    Mma<T>::run(acc[mt][2 * np], a, b[np][0], b[np][1]);
-                    Mma<T>::run(acc[mt][2 * np + 1], a, b[np][2], b[np][3]);
-                }
-            }
-        }
-    };
-
+    Mul mul(m - row0);
 #pragma unroll
     for (int t = 0; t < IG_STAGES - 1; ++t) {
         if (t < tiles) load(t);
@@ -248,31 +298,41 @@ __device__ void int4_gemm_stacked(const uint64_t* ptrs, const uint64_t* offsets,
     for (int t = 0; t < tiles; ++t) {
         // Tile t + 1 has landed, everyone decoded tile t and is done with tile t - 1.
         cp_async_wait<IG_STAGES - 3>();
+        Mul::publish();
         __syncthreads();
         if (t + IG_STAGES - 1 < tiles) load(t + IG_STAGES - 1);
         cp_async_commit();
-        if (tiles_m == MT) multiply(t, std::true_type{});
-        else if (tiles_m > 0) multiply(t, std::false_type{});
+        mul.multiply(stages[t % IG_STAGES].x, decoded + (t % 2) * IG_BN * IG_BK);
         if (t + 1 < tiles) decode(t + 1);
+        mul.finish();
     }
     cp_async_wait<0>();
-    if (tiles_m == 0) return;
-    // c0, c1: row lane / 4, outputs 2·(lane % 4) + {0, 1}; c2, c3: 8 rows further.
-#pragma unroll
-    for (int mt = 0; mt < MT; ++mt) {
-#pragma unroll
-        for (int half = 0; half < 2; ++half) {
-            const int r = row0 + wm * ROWS_W + mt * 16 + half * 8 + lane / 4;
-            if (r >= m) continue;
-#pragma unroll
-            for (int nt = 0; nt < 4; ++nt) {
-                const int c = n0 + wn * 32 + nt * 8 + 2 * (lane % 4);
-                if (c < n) {  // n is even: the pair is whole
-                    *reinterpret_cast<uint32_t*>(y + (long)r * n + c) =
-                        Mma<T>::pack(acc[mt][nt][2 * half], acc[mt][nt][2 * half + 1]);
-                }
-            }
-        }
-    }
+    if (!mul.idle()) mul.store(y, row0, m, n0, n);
 #endif
 }
+
+// One entry per dtype and tile height for the tensor-core half MUL (NAME in the kernels' names).
+// `stacked`: block (x, y, z) takes expert slot z's rows y · BM.., the offsets following the
+// weights' addresses in ptrs (a plan made on the host). `tiled`: block (x, y) takes tile y of
+// `tiles` ([count, (slot, first row)...], as moe_plan_place writes it on the device; blocks past
+// the count return at once).
+#define INT4_GEMM_ENTRY(NAME, MUL, SUFFIX, T, BM)                                                    \
+    extern "C" __global__ void __launch_bounds__(IG_THREADS, 2)                                      \
+        matmul_t_int4_stacked##NAME##_m##BM##_##SUFFIX(const uint64_t* ptrs, const T* x, T* y, int n, \
+                                                      int k, int g) {                                \
+        int4_gemm_stacked<T, BM, MUL<T, BM>>(ptrs, ptrs + 3 * gridDim.z, blockIdx.z, blockIdx.y * BM, \
+                                             x, y, n, k, g);                                         \
+    }                                                                                                \
+    extern "C" __global__ void __launch_bounds__(IG_THREADS, 2)                                      \
+        matmul_t_int4_tiled##NAME##_m##BM##_##SUFFIX(const uint64_t* ptrs, const uint64_t* offsets,   \
+                                                    const uint32_t* tiles, const T* x, T* y, int n,  \
+                                                    int k, int g) {                                  \
+        if (blockIdx.y >= tiles[0]) return;                                                          \
+        int4_gemm_stacked<T, BM, MUL<T, BM>>(ptrs, offsets, tiles[1 + 2 * blockIdx.y],               \
+                                             tiles[2 + 2 * blockIdx.y], x, y, n, k, g);              \
+    }
+#define INT4_GEMM_ENTRIES(NAME, MUL)                           \
+    INT4_GEMM_ENTRY(NAME, MUL, bf16, __nv_bfloat16, 128)      \
+    INT4_GEMM_ENTRY(NAME, MUL, f16, __half, 128)              \
+    INT4_GEMM_ENTRY(NAME, MUL, bf16, __nv_bfloat16, 64)       \
+    INT4_GEMM_ENTRY(NAME, MUL, f16, __half, 64)

@@ -17,10 +17,7 @@ pub fn wgmma_runs_on(device: &Device) -> Result<bool> {
     let Device::Cuda(dev) = device else {
         return Ok(false);
     };
-    Ok(
-        ATTENTION_SM90.is_built()
-            && dev.cuda_stream().context().compute_capability().w()? == (9, 0),
-    )
+    ATTENTION_SM90.runs_on(dev)
 }
 
 /// K and V buffers of the wgmma kernel for `head_dim` (attention_sm90.cu's `WG_ENTRIES`): two

@@ -37,6 +37,8 @@ kernel_modules! {
     /// for sm_90 (loading it then fails, and its kernels are reported missing).
     ATTENTION_SM90: "attention_sm90",
     DEQUANT: "dequant",
+    /// The int4 GEMM on wgmma: as [`ATTENTION_SM90`], sm_90a only.
+    INT4_GEMM_SM90: "int4_gemm_sm90",
     EMBEDDING: "embedding",
     FP8_GEMM: "fp8_gemm",
     GEMM: "gemm",
@@ -52,6 +54,15 @@ impl KernelModule {
     /// Whether build.rs built machine code into this module (see [`ATTENTION_SM90`]).
     pub(crate) fn is_built(&self) -> bool {
         !self.image.is_empty()
+    }
+
+    /// Whether this module's machine code runs on `dev`: built, and for an sm_90a-only module
+    /// (`*_sm90`), `dev` is a Hopper GPU (compute capability 9.0).
+    pub(crate) fn runs_on(&self, dev: &CudaDevice) -> Result<bool> {
+        if !self.name.ends_with("_sm90") {
+            return Ok(self.is_built());
+        }
+        Ok(self.is_built() && dev.cuda_stream().context().compute_capability().w()? == (9, 0))
     }
 }
 

@@ -2,14 +2,16 @@
 //! the kernel that decodes the int4 weights inside the GEMM, in each tiling, against dequantizing
 //! the stack into memory and one batched cuBLAS GEMM, with both results compared. Counts the
 //! useful FLOPs (2·rows·n·k). Scales are bf16 values, as checkpoints store them (the kernel's
-//! packed bf16 decoding), and once arbitrary f32 values (its f32 decoding).
+//! packed bf16 decoding), and once arbitrary f32 values (its f32 decoding). The int4 kernel runs
+//! on mma.sync and, on a Hopper GPU, on wgmma, whose output must be mma.sync's bit for bit.
 
 use std::time::Instant;
 
 use anyhow::Result;
 use candle_core::{DType, Device, Tensor};
+use exactscore_server::cuda::attention::wgmma_runs_on;
 use exactscore_server::cuda::dequant::{
-    dequant_int_stacked, matmul_t_int4_stacked_into_rows, INT4_GEMM_TILE_ROWS,
+    dequant_int_stacked, int4_gemm_on_wgmma, matmul_t_int4_stacked_into_rows, INT4_GEMM_TILE_ROWS,
 };
 use exactscore_server::ops::matmul_t_stacked_into_rows;
 
@@ -41,8 +43,8 @@ fn time_ms(device: &Device, iters: usize, mut f: impl FnMut() -> Result<()>) -> 
 }
 
 pub fn run(device: &Device, experts: usize, rows: &[usize], group: usize) -> Result<()> {
-    println!("| projection [n, k] | experts × rows | scales | path | ms | useful TFLOP/s | max |Δ| / max |ref| |");
-    println!("|---|---|---|---|---|---|---|");
+    println!("| projection [n, k] | experts × rows | scales | path | ms | useful TFLOP/s | max |Δ| / max |ref| | = mma.sync |");
+    println!("|---|---|---|---|---|---|---|---|");
     for (name, n, k) in [("gate or up", 768usize, 2048usize), ("down", 2048, 768)] {
         let codes: Vec<Tensor> = (0..experts)
             .map(|e| {
@@ -101,30 +103,52 @@ fn time_row(
     );
     let reference = reference.to_dtype(DType::F32)?;
     let scale = reference.abs()?.max_all()?.to_scalar::<f32>()?;
+    let kernels: &[(&str, bool)] = match wgmma_runs_on(device)? {
+        true => &[("mma.sync", false), ("wgmma", true)],
+        false => &[("mma.sync", false)],
+    };
+    let mut bitwise = true;
     for tile in INT4_GEMM_TILE_ROWS {
-        let out = Tensor::zeros((experts * m, n), DType::BF16, device)?;
-        let ms = time_ms(device, 5, || {
-            matmul_t_int4_stacked_into_rows(
-                &out,
-                0,
-                &x,
-                weights,
-                &vec![m; experts],
-                (n, k),
-                group,
-                Some(tile),
-            )?;
-            Ok(())
-        })?;
-        let error = (out.to_dtype(DType::F32)? - &reference)?
-            .abs()?
-            .max_all()?
-            .to_scalar::<f32>()?;
-        println!(
-            "| {name} [{n}, {k}] | {experts} × {m} | {kind} | int4 kernel, {tile} rows per block | {ms:.3} | {:.0} | {:.1e} |",
-            flops / ms / 1e9,
-            error / scale
-        );
+        let mut sync_out: Option<Tensor> = None;
+        for &(kernel, wgmma) in kernels {
+            int4_gemm_on_wgmma(wgmma);
+            let out = Tensor::zeros((experts * m, n), DType::BF16, device)?;
+            let ms = time_ms(device, 5, || {
+                matmul_t_int4_stacked_into_rows(
+                    &out,
+                    0,
+                    &x,
+                    weights,
+                    &vec![m; experts],
+                    (n, k),
+                    group,
+                    Some(tile),
+                )?;
+                Ok(())
+            })?;
+            let out = out.to_dtype(DType::F32)?;
+            let error = (&out - &reference)?.abs()?.max_all()?.to_scalar::<f32>()?;
+            let same = match &sync_out {
+                None => {
+                    sync_out = Some(out);
+                    String::new()
+                }
+                Some(sync) => {
+                    let same = (sync - &out)?.abs()?.max_all()?.to_scalar::<f32>()? == 0.0;
+                    bitwise &= same;
+                    same.to_string()
+                }
+            };
+            println!(
+                "| {name} [{n}, {k}] | {experts} × {m} | {kind} | int4 {kernel}, {tile} rows per block | {ms:.3} | {:.0} | {:.1e} | {same} |",
+                flops / ms / 1e9,
+                error / scale
+            );
+        }
+    }
+    int4_gemm_on_wgmma(true);
+    if !bitwise {
+        anyhow::bail!("the wgmma int4 GEMM differs from mma.sync's");
     }
     Ok(())
 }

@@ -5,18 +5,29 @@
 
 use candle_core::cuda_backend::cudarc::driver::{LaunchConfig, PushKernelArg};
 use candle_core::cuda_backend::WrapErr;
+use std::sync::atomic::{AtomicBool, Ordering};
+
 use candle_core::{bail, DType, Result, Tensor};
 
-use super::super::module::{kernel, DEQUANT};
+use super::super::module::{kernel, DEQUANT, INT4_GEMM_SM90};
 use super::super::{device_address, kernel_name, with_slice};
 use super::stack_addresses;
 
+static WGMMA: AtomicBool = AtomicBool::new(true);
+
+/// Allows or forbids the wgmma kernels (kernels/int4_gemm_sm90.cu) process-wide, where they run
+/// (a Hopper GPU); forbidden, every GPU takes the mma.sync ones. Both give the same bits.
+pub fn int4_gemm_on_wgmma(on: bool) {
+    WGMMA.store(on, Ordering::Relaxed);
+}
+
 /// Rows of x per block of `matmul_t_int4_stacked` (its two tilings), and each tiling's dynamic
 /// shared memory: 3 stages of 64-wide k-tiles (x rows, 128 weight rows' int4 words, two scales
-/// and zero points each), and two decoded 128-row weight tiles.
+/// and zero points each), two decoded 128-row weight tiles, and room to align them to 1024 bytes
+/// (wgmma's swizzle atoms; int4_gemm.cuh's ig_shared_bytes without it).
 pub const INT4_GEMM_TILE_ROWS: [usize; 2] = [64, 128];
 fn int4_gemm_shared_bytes(tile_rows: usize) -> usize {
-    3 * (tile_rows * 64 * 2 + 128 * 8 * 4 + 2 * 128 * 8) + 2 * 128 * 64 * 2
+    3 * (tile_rows * 64 * 2 + 128 * 8 * 4 + 2 * 128 * 8) + 2 * 128 * 64 * 2 + 1024
 }
 
 /// The tiling for blocks of `rows`: 64 rows where none has more, else 128 (each weight tile is
@@ -194,8 +205,9 @@ fn check_int4_gemm(
     Ok(())
 }
 
-/// One launch of `matmul_t_int4_{stacked,tiled}_m{tile_rows}` (tiled where `plan` gives the
-/// GPU-made offsets and tiles; `args` then holds only the weights' addresses).
+/// One launch of `matmul_t_int4_{stacked,tiled}[_wgmma]_m{tile_rows}` (tiled where `plan` gives
+/// the GPU-made offsets and tiles; `args` then holds only the weights' addresses; wgmma on a
+/// Hopper GPU unless [`int4_gemm_on_wgmma`] forbids it).
 #[allow(clippy::too_many_arguments)]
 fn launch_int4_gemm(
     out: &Tensor,
@@ -215,7 +227,6 @@ fn launch_int4_gemm(
     }
     let x = x.contiguous()?;
     let variant = if plan.is_some() { "tiled" } else { "stacked" };
-    let name = kernel_name(&format!("matmul_t_int4_{variant}_m{tile_rows}"), dtype);
     let shared = int4_gemm_shared_bytes(tile_rows);
     with_float_type!(dtype, T => {
         if !device_address::<T>(&x)?.is_multiple_of(16) {
@@ -226,7 +237,13 @@ fn launch_int4_gemm(
             .map(|(offsets, tiles)| Ok::<_, candle_core::Error>((device_address::<i64>(offsets)?, device_address::<u32>(tiles)?)))
             .transpose()?;
         with_slice::<T, _>(&x, |xs, xo, dev| {
-            let func = kernel(dev, &DEQUANT, &name)?;
+            let func = if WGMMA.load(Ordering::Relaxed) && INT4_GEMM_SM90.runs_on(dev)? {
+                let name = format!("matmul_t_int4_{variant}_wgmma_m{tile_rows}");
+                kernel(dev, &INT4_GEMM_SM90, &kernel_name(&name, dtype))?
+            } else {
+                let name = format!("matmul_t_int4_{variant}_m{tile_rows}");
+                kernel(dev, &DEQUANT, &kernel_name(&name, dtype))?
+            };
             func.allow_shared_bytes(shared)?;
             let args = dev.clone_htod(args)?;
             let xs = xs.slice(xo..);
@@ -242,7 +259,7 @@ fn launch_int4_gemm(
                 block_dim: (256, 1, 1),
                 shared_mem_bytes: shared as u32,
             };
-            // SAFETY: arguments match `matmul_t_int4_{stacked,tiled}_m*`; the weights' shapes,
+            // SAFETY: arguments match `matmul_t_int4_{stacked,tiled}[_wgmma]_m*`; the weights' shapes,
             // x's and out's were checked by check_int4_gemm, and `out` (contiguous, x's dtype)
             // holds rows row0..row0 + Σ rows of n values, which the kernel alone writes. A
             // tiled plan's offsets and tiles come from moe_plan (every row of every expert
