@@ -108,16 +108,16 @@ __device__ void matmul_t_f32(const float* __restrict__ x, const float* __restric
 // ---- the same sums for narrow outputs (a router: n = 64 experts) ------------------------------
 //
 // With n <= 64 the 128 x 128 tiles leave most of a block idle and give a 2048-row batch 16
-// blocks for 132 SMs. Here a block of 256 threads makes (16 * RPT) x 64 outputs, RPT rows by 4
-// columns a thread (rows ty * RPT.., columns tx * 4..), k in steps of 32 through shared memory:
-// RPT = 4 gives 16 products per two shared-memory reads (the loads, not the FMAs, bound a
-// thread with one row), and fewer rows per thread keep short batches on more SMs. Each output
-// is the same fmaf chain over k = 0, 1, ... from 0, so every kernel here gives the same bits and
-// any of them may serve any shape. (Steps of 64 were slower on an H200: 0.080 against 0.070 ms
-// for 2048 rows, 0.192 against 0.160 for 16384.)
-constexpr int NARROW_BN = 64, NARROW_BK = 32, NARROW_LOADERS = GEMM_THREADS / (NARROW_BK / 4);
+// blocks for 132 SMs. Here a block of 256 threads makes (16 * RPT) x (16 * CPT) outputs, RPT
+// rows by CPT columns a thread (rows ty * RPT.., columns tx * CPT..), k in steps of 32 through
+// shared memory: RPT = CPT = 4 gives 16 products per two shared-memory reads (the loads, not the
+// FMAs, bound a thread with one row), and smaller tiles keep short batches on more SMs. Each
+// output is the same fmaf chain over k = 0, 1, ... from 0, so every kernel here gives the same
+// bits and any of them may serve any shape. (Steps of 64 were slower on an H200: 0.080 against
+// 0.070 ms for 2048 rows, 0.192 against 0.160 for 16384.)
+constexpr int NARROW_BK = 32, NARROW_LOADERS = GEMM_THREADS / (NARROW_BK / 4);
 
-// RPT consecutive floats of shared memory (16 * RPT bytes aligned) into registers.
+// RPT consecutive floats of shared memory (4 * RPT bytes aligned) into registers.
 template <int RPT> __device__ __forceinline__ void narrow_rows(const float* p, float (&a)[RPT]) {
     if constexpr (RPT == 4) {
         const float4 v = *reinterpret_cast<const float4*>(p);
@@ -130,10 +130,10 @@ template <int RPT> __device__ __forceinline__ void narrow_rows(const float* p, f
     }
 }
 
-template <bool VEC4, int RPT, typename TX>
+template <bool VEC4, int RPT, int CPT, typename TX>
 __device__ void matmul_t_f32_narrow(const TX* __restrict__ x, const float* __restrict__ w,
                                     float* __restrict__ out, int m, int n, int k) {
-    constexpr int BM = 16 * RPT, XS_PITCH = BM + GEMM_PAD;
+    constexpr int BM = 16 * RPT, NARROW_BN = 16 * CPT, XS_PITCH = BM + GEMM_PAD;
     constexpr int X_PASSES = (BM + NARROW_LOADERS - 1) / NARROW_LOADERS;
     __shared__ __align__(16) float xs[NARROW_BK][XS_PITCH];
     __shared__ __align__(16) float ws[NARROW_BK][NARROW_BN + GEMM_PAD];
@@ -144,7 +144,7 @@ __device__ void matmul_t_f32_narrow(const TX* __restrict__ x, const float* __res
     // passes of NARROW_LOADERS rows.
     const int load_r = tid / (NARROW_BK / 4), load_k = (tid % (NARROW_BK / 4)) * 4;
     constexpr int W_PASSES = NARROW_BN / NARROW_LOADERS;
-    float acc[RPT][4] = {};
+    float acc[RPT][CPT] = {};
     // The next step's values, loaded while the current step is multiplied.
     float xv[X_PASSES][4], wv[W_PASSES][4];
     const auto load = [&](int k0) {
@@ -174,16 +174,13 @@ __device__ void matmul_t_f32_narrow(const TX* __restrict__ x, const float* __res
         if (k0 + NARROW_BK < k) load(k0 + NARROW_BK);
 #pragma unroll
         for (int kk = 0; kk < NARROW_BK; ++kk) {
-            float a[RPT];
+            float a[RPT], b[CPT];
             narrow_rows<RPT>(&xs[kk][ty * RPT], a);
-            const float4 b = *reinterpret_cast<const float4*>(&ws[kk][tx * 4]);
+            narrow_rows<CPT>(&ws[kk][tx * CPT], b);
 #pragma unroll
-            for (int i = 0; i < RPT; ++i) {
-                acc[i][0] = fmaf(a[i], b.x, acc[i][0]);
-                acc[i][1] = fmaf(a[i], b.y, acc[i][1]);
-                acc[i][2] = fmaf(a[i], b.z, acc[i][2]);
-                acc[i][3] = fmaf(a[i], b.w, acc[i][3]);
-            }
+            for (int i = 0; i < RPT; ++i)
+#pragma unroll
+                for (int j = 0; j < CPT; ++j) acc[i][j] = fmaf(a[i], b[j], acc[i][j]);
         }
         __syncthreads();
     }
@@ -192,28 +189,31 @@ __device__ void matmul_t_f32_narrow(const TX* __restrict__ x, const float* __res
         const long r = row0 + ty * RPT + i;
         if (r >= m) return;
 #pragma unroll
-        for (int j = 0; j < 4; ++j) {
-            const long c = col0 + tx * 4 + j;
+        for (int j = 0; j < CPT; ++j) {
+            const long c = col0 + tx * CPT + j;
             if (c < n) out[r * n + c] = acc[i][j];
         }
     }
 }
 
-// matmul_t_f32_narrow{RPT}[_v4]_{x's type}: x in f32, or in bf16 / f16 read as f32 (a router's
-// f32 product of the compute-dtype hidden states, without a cast of them into memory first)
-#define NARROW_ENTRY(RPT, VEC, VEC4, SUFFIX, TX)                                                    \
+// matmul_t_f32_narrow{RPT}x{CPT}[_v4]_{x's type}: x in f32, or in bf16 / f16 read as f32 (a
+// router's f32 product of the compute-dtype hidden states, without a cast of them into memory
+// first)
+#define NARROW_ENTRY(RPT, CPT, VEC, VEC4, SUFFIX, TX)                                               \
     extern "C" __global__ void __launch_bounds__(GEMM_THREADS)                                     \
-        matmul_t_f32_narrow##RPT##VEC##_##SUFFIX(const TX* x, const float* w, float* o, int m,      \
-                                                 int n, int k) {                                   \
-        matmul_t_f32_narrow<VEC4, RPT, TX>(x, w, o, m, n, k);                                      \
+        matmul_t_f32_narrow##RPT##x##CPT##VEC##_##SUFFIX(const TX* x, const float* w, float* o,    \
+                                                         int m, int n, int k) {                    \
+        matmul_t_f32_narrow<VEC4, RPT, CPT, TX>(x, w, o, m, n, k);                                 \
     }
+#define NARROW_TILE(RPT, CPT, SUFFIX, TX)                                                           \
+    NARROW_ENTRY(RPT, CPT, , false, SUFFIX, TX)                                                     \
+    NARROW_ENTRY(RPT, CPT, _v4, true, SUFFIX, TX)
 #define NARROW_ENTRIES(SUFFIX, TX)                                                                  \
-    NARROW_ENTRY(1, , false, SUFFIX, TX)                                                            \
-    NARROW_ENTRY(1, _v4, true, SUFFIX, TX)                                                          \
-    NARROW_ENTRY(2, , false, SUFFIX, TX)                                                            \
-    NARROW_ENTRY(2, _v4, true, SUFFIX, TX)                                                          \
-    NARROW_ENTRY(4, , false, SUFFIX, TX)                                                            \
-    NARROW_ENTRY(4, _v4, true, SUFFIX, TX)
+    NARROW_TILE(1, 2, SUFFIX, TX)                                                                   \
+    NARROW_TILE(1, 4, SUFFIX, TX)                                                                   \
+    NARROW_TILE(2, 2, SUFFIX, TX)                                                                   \
+    NARROW_TILE(2, 4, SUFFIX, TX)                                                                   \
+    NARROW_TILE(4, 4, SUFFIX, TX)
 NARROW_ENTRIES(f32, float)
 NARROW_ENTRIES(bf16, __nv_bfloat16)
 NARROW_ENTRIES(f16, __half)

@@ -1032,6 +1032,12 @@ fn gemm_f32_check(device: &Device) -> Result<bool> {
                 );
                 reference_exact &=
                     bits_equal(&long, &Tensor::from_vec(cpu, (m, n), &Device::Cpu)?)?;
+                // every narrow tiling: the same bits
+                for tiling in exactscore_server::cuda::gemm::NARROW_TILINGS {
+                    let tiled =
+                        exactscore_server::cuda::gemm::matmul_t_f32_tiled(&x_long, &w, tiling)?;
+                    reference_exact &= bits_equal(&tiled, &long)?;
+                }
                 let tail = x_long.narrow(0, m - 300, 300)?;
                 let alone = exactscore_server::cuda::gemm::matmul_t_f32(&tail, &w)?;
                 invariant &= bits_equal(&alone, &long.narrow(0, m - 300, 300)?)?;
@@ -1072,6 +1078,17 @@ fn gemm_f32_check(device: &Device) -> Result<bool> {
         tflops(ours),
         tflops(cublas)
     );
+    // Each narrow tiling on a router's bf16 rows, one window and eight.
+    let mut tilings = String::new();
+    for tiling in exactscore_server::cuda::gemm::NARROW_TILINGS {
+        let ms = [&hidden, &batch].map(|x| {
+            let x = x.to_dtype(DType::BF16)?;
+            time(&|| exactscore_server::cuda::gemm::matmul_t_f32_tiled(&x, &router, tiling))
+        });
+        let [one, eight] = ms;
+        tilings += &format!(" {}x{} {:.3} / {:.3};", tiling.0, tiling.1, one?, eight?);
+    }
+    println!("| router GEMM from bf16 rows by narrow tiling (rows x columns a thread), ms at 2048 / 16384 rows:{tilings} |");
     router_timing(device, &batch, &router)?;
     Ok(reference_exact && invariant)
 }
