@@ -1,19 +1,25 @@
 // The embedding family (ops/embedding.rs, cuda/embedding.rs).
 #include "common.cuh"
 
-// ---- embedding lookup: out[i] = table[ids[i]], rows of `cols` values; one thread per value ---
-
-template <typename T>
-__device__ void gather_rows(const T* table, const uint32_t* ids, T* out, int cols, long n) {
-    long idx = (long)blockIdx.x * blockDim.x + threadIdx.x;
-    if (idx >= n) return;
-    out[idx] = table[(long)ids[idx / cols] * cols + idx % cols];
+// ---- row gather (the embedding lookup, a mixture's routed rows): out[r] = table[ids[r]], rows of
+// `cols` values. A block per row, V values a thread (the _v8 entries: 16-byte vectors of 8 where
+// cols and the rows' starts allow them).
+template <typename T, int V>
+__device__ void gather_rows(const T* table, const uint32_t* ids, T* out, int cols) {
+    const T* src = table + (long)ids[blockIdx.x] * cols;
+    T* dst = out + (long)blockIdx.x * cols;
+    for (int c = threadIdx.x * V; c < cols; c += blockDim.x * V)
+        *reinterpret_cast<Pack<T, V>*>(dst + c) = *reinterpret_cast<const Pack<T, V>*>(src + c);
 }
 
-#define EMBEDDING_ENTRIES(SUFFIX, T)                                                               \
-    extern "C" __global__ void gather_rows_##SUFFIX(const T* table, const uint32_t* ids, T* o,     \
-                                                    int cols, long n) {                            \
-        gather_rows<T>(table, ids, o, cols, n);                                                    \
+#define EMBEDDING_ENTRIES(SUFFIX, T)                                                                \
+    extern "C" __global__ void gather_rows_##SUFFIX(const T* table, const uint32_t* ids, T* o,      \
+                                                    int cols) {                                     \
+        gather_rows<T, 1>(table, ids, o, cols);                                                     \
+    }                                                                                               \
+    extern "C" __global__ void gather_rows_v8_##SUFFIX(const T* table, const uint32_t* ids, T* o,   \
+                                                       int cols) {                                  \
+        gather_rows<T, 8>(table, ids, o, cols);                                                     \
     }
 
 EMBEDDING_ENTRIES(f32, float)

@@ -229,6 +229,9 @@ extern "C" __global__ void __launch_bounds__(32 * MOE_GROUPED_WARPS)
 // in). A token whose router saw a NaN (ids = experts everywhere) gets no rows and the position
 // MOE_NO_ROW. One warp per expert in both kernels.
 constexpr uint32_t MOE_NO_ROW = 0xffffffffu;
+// Entries a lane reads before the warp scans them: the warp's loop over every entry is bound by
+// the loads' latency, not by the scan.
+constexpr int MOE_PLAN_AHEAD = 8;
 
 // counts[e]: the entries that chose e; and MOE_NO_ROW for the positions of NaN tokens.
 extern "C" __global__ void moe_plan_count(const uint32_t* ids, int entries, int experts,
@@ -239,7 +242,13 @@ extern "C" __global__ void moe_plan_count(const uint32_t* ids, int entries, int 
     const int e = thread / 32, lane = threadIdx.x % 32;
     if (e >= experts) return;
     uint32_t n = 0;
-    for (int i = lane; i < entries; i += 32) n += ids[i] == (uint32_t)e;
+    for (int base = 0; base < entries; base += 32 * MOE_PLAN_AHEAD) {
+#pragma unroll
+        for (int u = 0; u < MOE_PLAN_AHEAD; ++u) {
+            const int i = base + 32 * u + lane;
+            n += i < entries && ids[i] == (uint32_t)e;
+        }
+    }
     for (int s = 16; s > 0; s >>= 1) n += __shfl_xor_sync(0xffffffff, n, s);
     if (lane == 0) counts[e] = n;
 }
@@ -275,20 +284,29 @@ extern "C" __global__ void moe_plan_place(const uint32_t* ids, const float* weig
     }
     const int entries = tokens * k;
     uint32_t placed = 0;
-    for (int base = 0; base < entries; base += 32) {
-        const int i = base + lane;
-        const bool mine = i < entries && ids[i] == (uint32_t)e;
-        const uint32_t ballot = __ballot_sync(0xffffffff, mine);
-        if (mine) {
-            const uint32_t row = first + placed + __popc(ballot & ((1u << lane) - 1));
-            const int t = i / k;
-            rows_token[row] = t;
-            row_weight[row] = weights[i];
-            int j = 0;
-            for (int s = 0; s < k; ++s) j += ids[t * k + s] < (uint32_t)e;
-            positions[t * k + j] = row;
+    for (int base = 0; base < entries; base += 32 * MOE_PLAN_AHEAD) {
+        uint32_t id[MOE_PLAN_AHEAD];  // loaded together: one memory latency per MOE_PLAN_AHEAD steps
+#pragma unroll
+        for (int u = 0; u < MOE_PLAN_AHEAD; ++u) {
+            const int i = base + 32 * u + lane;
+            id[u] = i < entries ? ids[i] : MOE_NO_ROW;
         }
-        placed += __popc(ballot);
+#pragma unroll
+        for (int u = 0; u < MOE_PLAN_AHEAD; ++u) {
+            const int i = base + 32 * u + lane;
+            const bool mine = id[u] == (uint32_t)e;
+            const uint32_t ballot = __ballot_sync(0xffffffff, mine);
+            if (mine) {
+                const uint32_t row = first + placed + __popc(ballot & ((1u << lane) - 1));
+                const int t = i / k;
+                rows_token[row] = t;
+                row_weight[row] = weights[i];
+                int j = 0;
+                for (int s = 0; s < k; ++s) j += ids[t * k + s] < (uint32_t)e;
+                positions[t * k + j] = row;
+            }
+            placed += __popc(ballot);
+        }
     }
 }
 
@@ -320,28 +338,44 @@ extern "C" __global__ void moe_pad_positions(const uint32_t* positions, const ui
     out[i] = positions[i] == MOE_NO_ROW ? MOE_NO_ROW : map[positions[i]];
 }
 
-// out[t] = residual[t] + (((0 + w_0 y[pos[t][0]]) + w_1 y[pos[t][1]]) + ...): a token's
-// expert outputs weighted by their router weights (in f32 and rounded to T, or, with
+// out[t] = residual[t] + ((((0 + w_0 y[pos[t][0]]) + w_1 y[pos[t][1]]) + ...) + shared[t]): a
+// token's expert outputs weighted by their router weights (in f32 and rounded to T, or, with
 // `compute_dtype_weights`, by the weight rounded to T), summed in the order of `pos` (ascending
-// expert), every add rounded to T (an add in f32 rounded once is the correctly rounded add in
-// bf16/f16), as a weighted multiply, an index_add into zeros and the residual add give it. One
-// thread per output value.
-template <typename T>
+// expert), plus the shared expert's output where `shared` is not null, every add rounded to T
+// (an add in f32 rounded once is the correctly rounded add in bf16/f16), as a weighted
+// multiply, an index_add into zeros, the shared expert's add and the residual add give it. A
+// block per token, V values a thread (the _v8 entries: 16-byte vectors where cols and the rows'
+// starts allow them).
+template <typename T, int V>
 __device__ void moe_combine(const T* y, const float* w, const uint32_t* pos, const T* residual,
-                            T* out, int k, int cols, int compute_dtype_weights, long n) {
-    const long idx = (long)blockIdx.x * blockDim.x + threadIdx.x;
-    if (idx >= n) return;
-    const long t = idx / cols;
-    const int c = idx % cols;
-    T acc = from_f32<T>(0.0f);
-    for (int j = 0; j < k; ++j) {
-        if (pos[t * k + j] == MOE_NO_ROW) continue;  // a NaN token: its residual is NaN
-        const long row = pos[t * k + j];
-        const float weight = compute_dtype_weights ? to_f32(from_f32<T>(w[row])) : w[row];
-        const T term = from_f32<T>(to_f32(y[row * cols + c]) * weight);
-        acc = from_f32<T>(to_f32(acc) + to_f32(term));
+                            const T* shared, T* out, int k, int cols, int compute_dtype_weights) {
+    const long t = blockIdx.x;
+    for (int c = threadIdx.x * V; c < cols; c += blockDim.x * V) {
+        T acc[V];
+#pragma unroll
+        for (int i = 0; i < V; ++i) acc[i] = from_f32<T>(0.0f);
+        for (int j = 0; j < k; ++j) {
+            const uint32_t row = pos[t * k + j];
+            if (row == MOE_NO_ROW) continue;  // a NaN token: its residual is NaN
+            const float weight = compute_dtype_weights ? to_f32(from_f32<T>(w[row])) : w[row];
+            const Pack<T, V> ys = *reinterpret_cast<const Pack<T, V>*>(y + (long)row * cols + c);
+#pragma unroll
+            for (int i = 0; i < V; ++i) {
+                const T term = from_f32<T>(to_f32(ys.v[i]) * weight);
+                acc[i] = from_f32<T>(to_f32(acc[i]) + to_f32(term));
+            }
+        }
+        if (shared) {
+            const Pack<T, V> ss = *reinterpret_cast<const Pack<T, V>*>(shared + t * cols + c);
+#pragma unroll
+            for (int i = 0; i < V; ++i) acc[i] = from_f32<T>(to_f32(acc[i]) + to_f32(ss.v[i]));
+        }
+        const Pack<T, V> rs = *reinterpret_cast<const Pack<T, V>*>(residual + t * cols + c);
+        Pack<T, V> o;
+#pragma unroll
+        for (int i = 0; i < V; ++i) o.v[i] = from_f32<T>(to_f32(rs.v[i]) + to_f32(acc[i]));
+        *reinterpret_cast<Pack<T, V>*>(out + t * cols + c) = o;
     }
-    out[idx] = from_f32<T>(to_f32(residual[idx]) + to_f32(acc));
 }
 
 // ---- extern "C" entry points, one per dtype -------------------------------------------------
@@ -352,9 +386,14 @@ __device__ void moe_combine(const T* y, const float* w, const uint32_t* pos, con
         moe_topk<T>(l, e, k, norm, ids, w, rows);                                                  \
     }                                                                                              \
     extern "C" __global__ void moe_combine_##SUFFIX(const T* y, const float* w, const uint32_t* pos, \
-                                                    const T* r, T* o, int k, int cols, int cw,     \
-                                                    long n) {                                      \
-        moe_combine<T>(y, w, pos, r, o, k, cols, cw, n);                                           \
+                                                    const T* r, const T* s, T* o, int k, int cols, \
+                                                    int cw) {                                      \
+        moe_combine<T, 1>(y, w, pos, r, s, o, k, cols, cw);                                        \
+    }                                                                                              \
+    extern "C" __global__ void moe_combine_v8_##SUFFIX(const T* y, const float* w,                 \
+                                                       const uint32_t* pos, const T* r, const T* s, \
+                                                       T* o, int k, int cols, int cw) {            \
+        moe_combine<T, 8>(y, w, pos, r, s, o, k, cols, cw);                                        \
     }
 
 MOE_ENTRIES(f32, float)

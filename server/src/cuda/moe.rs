@@ -6,7 +6,10 @@ use candle_core::cuda_backend::WrapErr;
 use candle_core::{bail, DType, Result, Tensor};
 
 use super::module::{kernel, MOE};
-use super::{grid_1d, kernel_name, with_slice, wrap};
+use super::{
+    device_address, grid_1d, grid_rows, kernel_name, rows_of_vectors, vector_kernel_name,
+    with_slice, wrap,
+};
 
 /// The router of a mixture of experts on its logits `[tokens, experts]`: per token the ids and
 /// weights of its top `k` experts by f32 softmax probability (ties to the lowest id), the
@@ -262,6 +265,19 @@ pub fn moe_pad_plan(
     })
 }
 
+/// A `[rows, cols]` tensor on `like`'s GPU in its dtype, not cleared (`ops::expert_rows`).
+pub fn expert_rows(rows: usize, cols: usize, like: &Tensor) -> Result<Tensor> {
+    let candle_core::Device::Cuda(dev) = like.device() else {
+        bail!("expert_rows: {:?} is not a GPU", like.device());
+    };
+    with_float_type!(like.dtype(), T => {
+        // SAFETY: every bit pattern is a value of T; the experts' GEMMs write every row that
+        // is read later (ops::expert_rows).
+        let rows_buffer = unsafe { dev.alloc::<T>(rows * cols) }?;
+        Ok(wrap(rows_buffer, dev, (rows, cols)))
+    })
+}
+
 /// `residual[t] + Σ_j weights[r] · y[r]` over `r = positions[t, j]` per token `t` (u32
 /// `[tokens, k]`), the sum taken in the order of `positions`: each term rounded to the
 /// compute dtype from the f32 product (with `compute_dtype_weights`, from the product with the
@@ -272,25 +288,40 @@ pub fn moe_combine(
     compute_dtype_weights: bool,
     positions: &Tensor,
     residual: &Tensor,
+    shared: Option<&Tensor>,
 ) -> Result<Tensor> {
     let (y, residual) = (y.contiguous()?, residual.contiguous()?);
+    let shared = shared.map(Tensor::contiguous).transpose()?;
     let (tokens, k) = positions.dims2()?;
     let (rows, cols) = y.dims2()?;
     if residual.dims() != [tokens, cols]
         || residual.dtype() != y.dtype()
         || weights.elem_count() != rows
         || weights.dtype() != DType::F32
+        || shared
+            .as_ref()
+            .is_some_and(|s| s.dims() != residual.dims() || s.dtype() != y.dtype())
     {
         bail!(
-            "moe_combine: y {:?}, weights {:?}, residual {:?}",
+            "moe_combine: y {:?}, weights {:?}, residual {:?}, shared {:?}",
             y.dims(),
             weights.dims(),
-            residual.dims()
+            residual.dims(),
+            shared.as_ref().map(Tensor::dims)
         );
     }
+    if tokens == 0 || cols == 0 {
+        return Tensor::zeros((tokens, cols), y.dtype(), y.device());
+    }
     let n = tokens * cols;
-    let name = kernel_name("moe_combine", y.dtype());
-    with_float_type!(y.dtype(), T => with_slice::<T, _>(&y, |ys, yo, dev| {
+    let mut vectored = vec![&y, &residual];
+    vectored.extend(shared.as_ref());
+    let vectors = rows_of_vectors(cols, &vectored);
+    let name = vector_kernel_name("moe_combine", vectors, y.dtype());
+    with_float_type!(y.dtype(), T => {
+    // The shared expert's output, or null.
+    let shared_address = shared.as_ref().map(device_address::<T>).transpose()?.unwrap_or(0);
+    with_slice::<T, _>(&y, |ys, yo, dev| {
         with_slice::<f32, _>(weights, |ws, wo, _| {
             with_slice::<u32, _>(positions, |ps, po, _| {
                 with_slice::<T, _>(&residual, |rs, ro, _| {
@@ -299,17 +330,19 @@ pub fn moe_combine(
                     let out = unsafe { dev.alloc::<T>(n) }?;
                     let (ys, ws) = (ys.slice(yo..), ws.slice(wo..));
                     let (ps, rs) = (ps.slice(po..), rs.slice(ro..));
-                    let (k32, c32, cw, n64) =
-                        (k as i32, cols as i32, i32::from(compute_dtype_weights), n as i64);
+                    let (k32, c32, cw) = (k as i32, cols as i32, i32::from(compute_dtype_weights));
                     let mut b = func.builder();
-                    b.arg(&ys).arg(&ws).arg(&ps).arg(&rs).arg(&out);
-                    b.arg(&k32).arg(&c32).arg(&cw).arg(&n64);
-                    // SAFETY: arguments match `moe_combine_*` (one thread per output; every
-                    // position < rows of y, built by the caller).
-                    unsafe { b.launch(grid_1d(n)) }.w()?;
+                    b.arg(&ys).arg(&ws).arg(&ps).arg(&rs).arg(&shared_address).arg(&out);
+                    b.arg(&k32).arg(&c32).arg(&cw);
+                    // SAFETY: arguments match `moe_combine[_v8]_*` (a block per token; 16-byte
+                    // vectors only where rows_of_vectors allows them; every position < rows of
+                    // y, built by the caller; `shared`, when given, [tokens, cols] and alive
+                    // until the launch is ordered on the stream).
+                    unsafe { b.launch(grid_rows(tokens)) }.w()?;
                     Ok(wrap(out, dev, (tokens, cols)))
                 })
             })
         })
-    }))
+    })
+    })
 }

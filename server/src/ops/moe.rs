@@ -4,6 +4,7 @@
 use candle_core::{DType, Device, Result, Tensor};
 
 super::gpu_entry_points!(moe {
+    fn expert_rows(rows: usize, cols: usize, like: &Tensor) -> Result<Tensor>;
     fn moe_topk(logits: &Tensor, k: usize, norm: bool) -> Result<(Vec<u32>, Vec<f32>)>;
     fn moe_topk_on_device(logits: &Tensor, k: usize, norm: bool) -> Result<(Tensor, Tensor)>;
     fn moe_route_grouped(
@@ -38,6 +39,7 @@ super::gpu_entry_points!(moe {
         compute_dtype_weights: bool,
         positions: &Tensor,
         residual: &Tensor,
+        shared: Option<&Tensor>,
     ) -> Result<Tensor>;
 });
 
@@ -374,12 +376,26 @@ fn route_on_cpu(logits: &Tensor, k: usize, norm: bool) -> Result<(Vec<u32>, Vec<
     Ok((experts, weights))
 }
 
+/// A `[rows, cols]` tensor in `like`'s dtype and device for the experts' GEMMs to write their
+/// rows into. Not cleared on the GPU (a memset of every routed row cost more than 1 ms a window
+/// on GLM-4.7-Flash): the GEMMs write every row a plan places, and the rows a plan leaves
+/// unplaced (a NaN token's entries) are never read back ([`moe_combine`] skips them). Zeros
+/// elsewhere.
+pub fn expert_rows(rows: usize, cols: usize, like: &Tensor) -> Result<Tensor> {
+    if like.device().is_cuda() {
+        return gpu::expert_rows(rows, cols, like);
+    }
+    Tensor::zeros((rows, cols), like.dtype(), like.device())
+}
+
 /// `residual` plus, per token, the sum of its weighted rows of `y` (the expert outputs, one
-/// row per routed token): row `r` weighted by `weights[r]` (f32 `[rows, 1]`; in the compute
-/// dtype with `compute_dtype_weights`, else in f32 and rounded). `rows_token` names each row's
-/// token (the CPU adds by it; the GPU kernel gathers by `positions` instead), `positions` (u32
+/// row per routed token), plus `shared` (a shared expert's output, `[tokens, cols]`) where
+/// given: row `r` weighted by `weights[r]` (f32 `[rows, 1]`; in the compute dtype with
+/// `compute_dtype_weights`, else in f32 and rounded). `rows_token` names each row's token (the
+/// CPU adds by it; the GPU kernel gathers by `positions` instead), `positions` (u32
 /// `[tokens, k]`) each token's rows in the order they are added, which is the order of the rows.
-/// Every add is rounded to the compute dtype, as an `index_add` into zeros does.
+/// Every add is rounded to the compute dtype, as transformers' `index_add` into zeros, then the
+/// shared expert's add and the residual's do.
 pub fn moe_combine(
     y: &Tensor,
     weights: &Tensor,
@@ -387,9 +403,17 @@ pub fn moe_combine(
     rows_token: &Tensor,
     positions: &Tensor,
     residual: &Tensor,
+    shared: Option<&Tensor>,
 ) -> Result<Tensor> {
     if y.device().is_cuda() {
-        return gpu::moe_combine(y, weights, compute_dtype_weights, positions, residual);
+        return gpu::moe_combine(
+            y,
+            weights,
+            compute_dtype_weights,
+            positions,
+            residual,
+            shared,
+        );
     }
     let dtype = y.dtype();
     let y = if compute_dtype_weights {
@@ -399,5 +423,9 @@ pub fn moe_combine(
             .broadcast_mul(weights)?
             .to_dtype(dtype)?
     };
-    residual + residual.zeros_like()?.index_add(rows_token, &y, 0)?
+    let routed = residual.zeros_like()?.index_add(rows_token, &y, 0)?;
+    match shared {
+        Some(shared) => residual + (routed + shared)?,
+        None => residual + routed,
+    }
 }

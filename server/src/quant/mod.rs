@@ -437,7 +437,7 @@ pub fn matmul_t_stacked(linears: &[&QuantLinear], x: &Tensor, rows: StackRows) -
                 .reshape((total, n))
         }
         None => {
-            let y = Tensor::zeros((total, n), x.dtype(), x.device())?;
+            let y = ops::expert_rows(total, n, x)?;
             matmul_t_stacked_into_rows(linears, x, rows, &y, 0)?;
             Ok(y)
         }

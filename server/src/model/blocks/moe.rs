@@ -397,7 +397,7 @@ impl Moe {
         }
         let xs = stage("experts", dev, || ops::gather_rows(x, &plan.rows_token))?;
         let y = stage("experts", dev, || {
-            Tensor::zeros((plan.rows, x.dims()[1]), x.dtype(), dev)
+            ops::expert_rows(plan.rows, x.dims()[1], x)
         })?;
         let all: Vec<&Mlp> = self.experts.iter().collect();
         forward_stacked(&all, xs, StackRows::Planned(&plan), &y, 0)?;
@@ -546,17 +546,24 @@ impl Moe {
     }
 
     /// `residual` plus the experts' outputs added back per token, and the shared expert where
-    /// the block has one. With a shared expert the routed experts add into zeros (transformers'
-    /// index_add_), the gated shared expert is added to that, and the sum to the residual
-    /// stream.
+    /// the block has one, in one kernel: as transformers sums them, the routed experts into
+    /// zeros, plus the (gated) shared expert, then the residual stream.
     fn combine(&self, x: &Tensor, combined: Combined, residual: Tensor) -> Result<Tensor> {
         let dev = x.device().clone();
-        let shared_zeros = |residual: &Tensor| stage("experts", &dev, || residual.zeros_like());
-        let into = match &self.shared {
-            Some(_) => shared_zeros(&residual)?,
-            None => residual.clone(),
+        let shared = match &self.shared {
+            Some(shared) => {
+                let zeros = stage("experts", &dev, || residual.zeros_like())?;
+                let y = shared.mlp.forward(x.clone(), zeros, false)?;
+                Some(match &shared.gate {
+                    Some(gate) => stage("shared_expert_gate", &dev, || {
+                        y.broadcast_mul(&ops::sigmoid(&gate.forward(x)?)?)
+                    })?,
+                    None => y,
+                })
+            }
+            None => None,
         };
-        let out = stage("experts", &dev, || {
+        stage("experts", &dev, || {
             let Combined {
                 y,
                 weights,
@@ -569,26 +576,10 @@ impl Moe {
                 self.cfg.weights_in_compute_dtype,
                 &rows_token,
                 &positions,
-                &into,
+                &residual,
+                shared.as_ref(),
             )
-        })?;
-        drop(into);
-        let out = match &self.shared {
-            Some(shared) => {
-                let y = shared
-                    .mlp
-                    .forward(x.clone(), shared_zeros(&residual)?, false)?;
-                match &shared.gate {
-                    Some(gate) => stage("shared_expert_gate", &dev, || {
-                        let gate = ops::sigmoid(&gate.forward(x)?)?;
-                        residual + (out + y.broadcast_mul(&gate)?)?
-                    })?,
-                    None => stage("experts", &dev, || residual + (out + y)?)?,
-                }
-            }
-            None => out,
-        };
-        Ok(out)
+        })
     }
 
     /// Each expert on its contiguous rows, its weights dequantized right before its GEMMs (one
