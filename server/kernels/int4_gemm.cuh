@@ -9,14 +9,14 @@
 //
 // Each weight value is dequant_int_words' T((q - 8 - zp) · scale), one f32 product rounded once,
 // so the products are those of the dequantized weight; they are summed in f32 on tensor cores
-// (mma.sync m16n8k16, or wgmma on Hopper: int4_gemm_sm90.cu) in ascending k, and rounded once
-// to T.
+// (mma.sync m16n8k16, or wgmma on Hopper: int4_gemm_sm90.cu, the same bits) in ascending k,
+// and rounded once to T.
 //
 // Tile BM rows × 128 outputs × 64 k, 256 threads, a 3-stage cp.async pipeline of x's rows, the
-// raw int4 words, scales and zero points. Each k-tile's words are decoded once per block into a
-// 16-bit tile in shared memory, one k-tile ahead of the MMAs that read it (and after them in
-// program order, so the decoding's ALU work issues while the tensor cores run), and one barrier
-// per k-tile orders both. Each weight is read from memory once per BM rows, as 4 bits. Grid
+// raw int4 words, scales and zero points. With mma.sync each k-tile's words are decoded once per
+// block into a 16-bit tile in shared memory, one k-tile ahead of the MMAs that read it (and
+// after them in program order, so the decoding's ALU work issues while the tensor cores run),
+// and one barrier per k-tile orders both; wgmma decodes into its A registers instead. Each weight is read from memory once per BM rows, as 4 bits. Grid
 // (n / 128, the most rows of a slot / BM, slots): a block past its slot's rows returns at once,
 // and a warp skips the MMA tiles past them. Needs k % 64 == 0, group % 32 == 0 (a 32-wide half
 // k-tile has one scale per row), n even and 16-byte aligned x and words (checked by the
@@ -129,6 +129,8 @@ static_assert(sizeof(IgStage<64>) % 1024 == 0 && sizeof(IgStage<128>) % 1024 == 
 // int4_gemm_sm90.cu's IgWgmma is the same contract on Hopper's wgmma:
 //  * `IgMma(rows)`: this block holds `rows` (>= 1) rows of its expert from row0;
 //  * `idle()`: this thread's warp or warpgroup has no row to multiply;
+//  * `DECODES`: whether it decodes each k-tile's weights itself (`decode(stage, has_zp)`, into
+//    its registers) instead of reading the block's decoded tile;
 //  * `multiply(x, w)`: one k-tile's products (x: BM rows, w: 128 outputs, both 64-wide, ig_at);
 //  * `finish()`: its products are in the accumulators and its tiles no longer read;
 //  * `publish()`: this thread's shared-memory writes become visible to the next
@@ -137,6 +139,7 @@ static_assert(sizeof(IgStage<64>) % 1024 == 0 && sizeof(IgStage<128>) % 1024 == 
 //    row), outputs n0.. (< n).
 template <typename T, int BM>
 struct IgMmaSync {
+    static constexpr bool DECODES = false;  // reads the block's shared decoded tile
     static constexpr int ROWS_W = BM / 2, MT = ROWS_W / 16;  // rows and 16-row MMA tiles per warp
     float acc[MT][4][4];
     int lane, wm, wn, tiles_m;  // this warp: rows wm·ROWS_W.., outputs wn·32..; its row tiles
@@ -286,6 +289,12 @@ __device__ void int4_gemm_stacked(const uint64_t* ptrs, const uint64_t* offsets,
         else write(IgDecodeF32<T>(sc, zp));
     };
 
+    // The next k-tile's weights: into the shared decoded tile, or by the tensor-core half itself
+    // (into its registers) where it decodes its own.
+    auto prepare = [&](Mul& mul, int t) {
+        if constexpr (Mul::DECODES) mul.decode(stages[t % IG_STAGES], zps != nullptr);
+        else decode(t);
+    };
     Mul mul(m - row0);
 #pragma unroll
     for (int t = 0; t < IG_STAGES - 1; ++t) {
@@ -294,7 +303,7 @@ __device__ void int4_gemm_stacked(const uint64_t* ptrs, const uint64_t* offsets,
     }
     cp_async_wait<IG_STAGES - 2>();
     __syncthreads();
-    decode(0);
+    prepare(mul, 0);
     for (int t = 0; t < tiles; ++t) {
         // Tile t + 1 has landed, everyone decoded tile t and is done with tile t - 1.
         cp_async_wait<IG_STAGES - 3>();
@@ -303,7 +312,7 @@ __device__ void int4_gemm_stacked(const uint64_t* ptrs, const uint64_t* offsets,
         if (t + IG_STAGES - 1 < tiles) load(t + IG_STAGES - 1);
         cp_async_commit();
         mul.multiply(stages[t % IG_STAGES].x, decoded + (t % 2) * IG_BN * IG_BK);
-        if (t + 1 < tiles) decode(t + 1);
+        if (t + 1 < tiles) prepare(mul, t + 1);
         mul.finish();
     }
     cp_async_wait<0>();
