@@ -131,8 +131,8 @@ static_assert(sizeof(IgStage<64>) % 1024 == 0 && sizeof(IgStage<128>) % 1024 == 
 //  * `idle()`: this thread's warp or warpgroup has no row to multiply;
 //  * `DECODES`: whether it decodes each k-tile's weights itself (`decode(stage, has_zp)`, into
 //    its registers) instead of reading the block's decoded tile;
-//  * `multiply(x, w)`: one k-tile's products (x: BM rows, w: 128 outputs, both 64-wide, ig_at);
-//  * `finish()`: its products are in the accumulators and its tiles no longer read;
+//  * `multiply(x, w)`: one k-tile's products (x: BM rows, w: 128 outputs, both 64-wide, ig_at),
+//    complete when it returns: its tiles are no longer read;
 //  * `publish()`: this thread's shared-memory writes become visible to the next
 //    multiply's reads after the next barrier;
 //  * `store(y, n0, n)`: the sums, rounded to T, into y's rows row0.. (y at the block's first
@@ -159,7 +159,6 @@ struct IgMmaSync {
         if (tiles_m == MT) multiply_tiles(xs, ws, std::true_type{});
         else if (tiles_m > 0) multiply_tiles(xs, ws, std::false_type{});
     }
-    __device__ __forceinline__ void finish() {}
     static __device__ __forceinline__ void publish() {}
     // Every 16-row tile of the warp (`full`), or those holding rows.
     template <typename Full>
@@ -313,7 +312,6 @@ __device__ void int4_gemm_stacked(const uint64_t* ptrs, const uint64_t* offsets,
         cp_async_commit();
         mul.multiply(stages[t % IG_STAGES].x, decoded + (t % 2) * IG_BN * IG_BK);
         if (t + 1 < tiles) prepare(mul, t + 1);
-        mul.finish();
     }
     cp_async_wait<0>();
     if (!mul.idle()) mul.store(y, row0, m, n0, n);

@@ -80,7 +80,6 @@ struct IgWgmma {
         wgmma_wait_all();
         fence_registers<BM / 2>(acc);
     }
-    __device__ __forceinline__ void finish() {}
     // x's rows (cp.async, the generic proxy) are read by the tensor cores (the async proxy).
     static __device__ __forceinline__ void publish() { fence_proxy_async(); }
     // acc[4j + e]: output out_row + 8·(e / 2), row 8j + 2·t4 + e % 2 of the block's.

@@ -319,30 +319,30 @@ pub fn moe_combine(
     let vectors = rows_of_vectors(cols, &vectored);
     let name = vector_kernel_name("moe_combine", vectors, y.dtype());
     with_float_type!(y.dtype(), T => {
-    // The shared expert's output, or null.
-    let shared_address = shared.as_ref().map(device_address::<T>).transpose()?.unwrap_or(0);
-    with_slice::<T, _>(&y, |ys, yo, dev| {
-        with_slice::<f32, _>(weights, |ws, wo, _| {
-            with_slice::<u32, _>(positions, |ps, po, _| {
-                with_slice::<T, _>(&residual, |rs, ro, _| {
-                    let func = kernel(dev, &MOE, &name)?;
-                    // SAFETY: the kernel writes every element.
-                    let out = unsafe { dev.alloc::<T>(n) }?;
-                    let (ys, ws) = (ys.slice(yo..), ws.slice(wo..));
-                    let (ps, rs) = (ps.slice(po..), rs.slice(ro..));
-                    let (k32, c32, cw) = (k as i32, cols as i32, i32::from(compute_dtype_weights));
-                    let mut b = func.builder();
-                    b.arg(&ys).arg(&ws).arg(&ps).arg(&rs).arg(&shared_address).arg(&out);
-                    b.arg(&k32).arg(&c32).arg(&cw);
-                    // SAFETY: arguments match `moe_combine[_v8]_*` (a block per token; 16-byte
-                    // vectors only where rows_of_vectors allows them; every position < rows of
-                    // y, built by the caller; `shared`, when given, [tokens, cols] and alive
-                    // until the launch is ordered on the stream).
-                    unsafe { b.launch(grid_rows(tokens)) }.w()?;
-                    Ok(wrap(out, dev, (tokens, cols)))
+        // The shared expert's output, or null.
+        let shared_address = shared.as_ref().map(device_address::<T>).transpose()?.unwrap_or(0);
+        with_slice::<T, _>(&y, |ys, yo, dev| {
+            with_slice::<f32, _>(weights, |ws, wo, _| {
+                with_slice::<u32, _>(positions, |ps, po, _| {
+                    with_slice::<T, _>(&residual, |rs, ro, _| {
+                        let func = kernel(dev, &MOE, &name)?;
+                        // SAFETY: the kernel writes every element.
+                        let out = unsafe { dev.alloc::<T>(n) }?;
+                        let (ys, ws) = (ys.slice(yo..), ws.slice(wo..));
+                        let (ps, rs) = (ps.slice(po..), rs.slice(ro..));
+                        let (k32, c32, cw) = (k as i32, cols as i32, i32::from(compute_dtype_weights));
+                        let mut b = func.builder();
+                        b.arg(&ys).arg(&ws).arg(&ps).arg(&rs).arg(&shared_address).arg(&out);
+                        b.arg(&k32).arg(&c32).arg(&cw);
+                        // SAFETY: arguments match `moe_combine[_v8]_*` (a block per token; 16-byte
+                        // vectors only where rows_of_vectors allows them; every position < rows of
+                        // y, built by the caller; `shared`, when given, [tokens, cols] and alive
+                        // until the launch is ordered on the stream).
+                        unsafe { b.launch(grid_rows(tokens)) }.w()?;
+                        Ok(wrap(out, dev, (tokens, cols)))
+                    })
                 })
             })
         })
-    })
     })
 }

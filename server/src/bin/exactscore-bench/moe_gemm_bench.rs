@@ -9,9 +9,9 @@ use std::time::Instant;
 
 use anyhow::Result;
 use candle_core::{DType, Device, Tensor};
-use exactscore_server::cuda::attention::wgmma_runs_on;
 use exactscore_server::cuda::dequant::{
-    dequant_int_stacked, int4_gemm_on_wgmma, matmul_t_int4_stacked_into_rows, INT4_GEMM_TILE_ROWS,
+    dequant_int_stacked, int4_gemm_on_wgmma, int4_gemm_wgmma_runs_on,
+    matmul_t_int4_stacked_into_rows, INT4_GEMM_TILE_ROWS,
 };
 use exactscore_server::ops::matmul_t_stacked_into_rows;
 
@@ -103,7 +103,7 @@ fn time_row(
     );
     let reference = reference.to_dtype(DType::F32)?;
     let scale = reference.abs()?.max_all()?.to_scalar::<f32>()?;
-    let kernels: &[(&str, bool)] = match wgmma_runs_on(device)? {
+    let kernels: &[(&str, bool)] = match int4_gemm_wgmma_runs_on(device)? {
         true => &[("mma.sync", false), ("wgmma", true)],
         false => &[("mma.sync", false)],
     };

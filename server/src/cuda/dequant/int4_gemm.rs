@@ -3,11 +3,11 @@
 //! GPU.
 // Kernel launches are FFI: the argument lists below must match the kernel signatures.
 
-use candle_core::cuda_backend::cudarc::driver::{LaunchConfig, PushKernelArg};
-use candle_core::cuda_backend::WrapErr;
 use std::sync::atomic::{AtomicBool, Ordering};
 
-use candle_core::{bail, DType, Result, Tensor};
+use candle_core::cuda_backend::cudarc::driver::{LaunchConfig, PushKernelArg};
+use candle_core::cuda_backend::WrapErr;
+use candle_core::{bail, DType, Device, Result, Tensor};
 
 use super::super::module::{kernel, DEQUANT, INT4_GEMM_SM90};
 use super::super::{device_address, kernel_name, with_slice};
@@ -19,6 +19,14 @@ static WGMMA: AtomicBool = AtomicBool::new(true);
 /// (a Hopper GPU); forbidden, every GPU takes the mma.sync ones. Both give the same bits.
 pub fn int4_gemm_on_wgmma(on: bool) {
     WGMMA.store(on, Ordering::Relaxed);
+}
+
+/// Whether the wgmma kernels were built (for sm_90) and run on `device` (a Hopper GPU).
+pub fn int4_gemm_wgmma_runs_on(device: &Device) -> Result<bool> {
+    match device {
+        Device::Cuda(dev) => INT4_GEMM_SM90.runs_on(dev),
+        _ => Ok(false),
+    }
 }
 
 /// Rows of x per block of `matmul_t_int4_stacked` (its two tilings), and each tiling's dynamic
