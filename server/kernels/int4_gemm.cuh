@@ -1,9 +1,10 @@
 #pragma once
 // A stack of int4 experts' GEMMs with the dequantization inside: y[r, c] = Σ_k x[r, k] · w_z[c, k]
 // for the rows r = offsets[z]..offsets[z + 1] of each expert slot z (any number, 0 included: no
-// padding), w_z given by the addresses of its packed int4 words, f32 scales and int32 zero
+// padding), w_z given by the addresses of its packed int4 words, scales and int32 zero
 // points (or 0) at ptrs[3z..3z + 3] (as dequant_int4_words_stacked in dequant.cu takes them),
-// the offsets following at ptrs[3·slots..]. For few rows per expert (a 2048-token window gives
+// the offsets following at ptrs[3·slots..]. Scales S as the checkpoint stores them (f32, bf16 or
+// f16; each widens to f32 exactly, see IgScaleAt). For few rows per expert (a 2048-token window gives
 // each of 128 experts ~128 rows), where writing every dequantized weight to memory and reading
 // it back costs several times the GEMM itself.
 //
@@ -112,8 +113,38 @@ template <int BM>
 struct IgStage {
     uint16_t x[BM * IG_BK];             // x rows, 16-bit values, chunks permuted (ig_at)
     uint32_t words[IG_BN * IG_BK / 8];  // the tile's int4 words, 8 per weight row
-    float scales[IG_HALVES][IG_BN];
+    uint32_t scales[IG_HALVES][IG_BN];  // the aligned 4 bytes holding each scale (IgScaleAt)
     int32_t zps[IG_HALVES][IG_BN];
+};
+
+// The 4-byte-aligned word that holds the scale at `p` (cp.async copies whole words): the f32
+// scale itself, or the 16-bit one with its neighbour.
+template <typename S>
+__device__ __forceinline__ const void* ig_scale_word(const S* p) {
+    return (const void*)((uintptr_t)p & ~(uintptr_t)3);
+}
+
+// A k-tile's scales, widened to f32 from the words the stage holds. A 16-bit scale's half of
+// its word is the parity of its index row · groups + group in the weight's scales, whose
+// address is 4-byte aligned (checked by the launcher): (row · groups) is odd where both are.
+template <typename S>
+struct IgScaleAt {
+    int n0, k0, groups, group;  // the block's first output, the tile's first k; per weight row
+    // The scale of output r of the block (its row n0 + r) in half h of the tile.
+    __device__ __forceinline__ float operator()(const uint32_t (&scales)[IG_HALVES][IG_BN], int r,
+                                                int h) const {
+        const uint32_t word = scales[h][r];
+        if constexpr (sizeof(S) == 4) {
+            return __uint_as_float(word);
+        } else {
+            const int g = (k0 + 32 * h) / group;
+            const bool high = (((n0 + r) & groups) ^ g) & 1;
+            const unsigned short bits = high ? (unsigned short)(word >> 16) : (unsigned short)word;
+            S v;
+            memcpy(&v, &bits, sizeof(v));
+            return to_f32(v);
+        }
+    }
 };
 
 template <int BM>
@@ -129,8 +160,9 @@ static_assert(sizeof(IgStage<64>) % 1024 == 0 && sizeof(IgStage<128>) % 1024 == 
 // int4_gemm_sm90.cu's IgWgmma is the same contract on Hopper's wgmma:
 //  * `IgMma(rows)`: this block holds `rows` (>= 1) rows of its expert from row0;
 //  * `idle()`: this thread's warp or warpgroup has no row to multiply;
-//  * `DECODES`: whether it decodes each k-tile's weights itself (`decode(stage, has_zp)`, into
-//    its registers) instead of reading the block's decoded tile;
+//  * `DECODES`: whether it decodes each k-tile's weights itself (`decode(stage, scale_at,
+//    has_zp)`, into its registers; scale_at: the tile's IgScaleAt) instead of reading the
+//    block's decoded tile;
 //  * `multiply(x, w)`: one k-tile's products (x: BM rows, w: 128 outputs, both 64-wide, ig_at),
 //    complete when it returns: its tiles are no longer read;
 //  * `publish()`: this thread's shared-memory writes become visible to the next
@@ -210,7 +242,7 @@ struct IgMmaSync {
 // blockIdx.x · IG_BN.. (the entry points below map the grid to (z, row0)), multiplied by the
 // tensor-core half `Mul` (IgMmaSync, or IgWgmma on Hopper). The dynamic shared memory holds
 // ig_shared_bytes<BM>() from its first 1024-byte boundary on (wgmma's swizzle atoms).
-template <typename T, int BM, typename Mul>
+template <typename T, int BM, typename S, typename Mul>
 __device__ void int4_gemm_stacked(const uint64_t* ptrs, const uint64_t* offsets, int z, int row0,
                                   const T* x, T* y, int n, int k, int group) {
 #if __CUDA_ARCH__ >= 800
@@ -219,7 +251,7 @@ __device__ void int4_gemm_stacked(const uint64_t* ptrs, const uint64_t* offsets,
     const int n0 = blockIdx.x * IG_BN;
     if (row0 >= m) return;  // the whole block: no barrier is waiting
     const int32_t* packed = (const int32_t*)ptrs[3 * z];
-    const float* scales = (const float*)ptrs[3 * z + 1];
+    const S* scales = (const S*)ptrs[3 * z + 1];
     const int32_t* zps = (const int32_t*)ptrs[3 * z + 2];
     x += first * k;
     y += first * n;
@@ -242,7 +274,7 @@ __device__ void int4_gemm_stacked(const uint64_t* ptrs, const uint64_t* offsets,
     const bool w_valid = n0 + wr < n;
     const long w_row = (long)(w_valid ? n0 + wr : 0);
     const int32_t* w_src = packed + w_row * words_per_row;
-    const float* s_src = scales + w_row * groups;
+    const S* s_src = scales + w_row * groups;
     const int32_t* z_src = zps ? zps + w_row * groups : nullptr;
     const int halves_per_group = group / 32;
     int next_group = 0, halves_left = halves_per_group;  // of the next 32-wide half k-tile
@@ -263,7 +295,7 @@ __device__ void int4_gemm_stacked(const uint64_t* ptrs, const uint64_t* offsets,
                 }
                 if (z_src) ig_cp_async4(&s.zps[h][wr], z_src + next_group, w_valid);
             } else {
-                ig_cp_async4(&s.scales[h][wr], s_src + next_group, w_valid);
+                ig_cp_async4(&s.scales[h][wr], ig_scale_word(s_src + next_group), w_valid);
             }
             if (--halves_left == 0) {
                 ++next_group;
@@ -273,10 +305,11 @@ __device__ void int4_gemm_stacked(const uint64_t* ptrs, const uint64_t* offsets,
     };
     // Thread pairs decode a weight row of a k-tile: 32 values each, the 4 words of one half.
     const int dr = tid / 2, dh = tid % 2;
+    auto scale_at = [&](int t) { return IgScaleAt<S>{n0, t * IG_BK, groups, group}; };
     auto decode = [&](int t) {
         const IgStage<BM>& s = stages[t % IG_STAGES];
         const uint4 w = *reinterpret_cast<const uint4*>(&s.words[dr * 8 + dh * 4]);
-        const float sc = s.scales[dh][dr];
+        const float sc = scale_at(t)(s.scales, dr, dh);
         const int zp = zps ? s.zps[dh][dr] : 0;
         uint16_t* d = decoded + (t % 2) * IG_BN * IG_BK;
         auto write = [&](const auto& dq) {
@@ -291,7 +324,7 @@ __device__ void int4_gemm_stacked(const uint64_t* ptrs, const uint64_t* offsets,
     // The next k-tile's weights: into the shared decoded tile, or by the tensor-core half itself
     // (into its registers) where it decodes its own.
     auto prepare = [&](Mul& mul, int t) {
-        if constexpr (Mul::DECODES) mul.decode(stages[t % IG_STAGES], zps != nullptr);
+        if constexpr (Mul::DECODES) mul.decode(stages[t % IG_STAGES], scale_at(t), zps != nullptr);
         else decode(t);
     };
     Mul mul(m - row0);
@@ -318,28 +351,34 @@ __device__ void int4_gemm_stacked(const uint64_t* ptrs, const uint64_t* offsets,
 #endif
 }
 
-// One entry per dtype and tile height for the tensor-core half MUL (NAME in the kernels' names).
+// One entry per dtype, tile height and scale dtype for the tensor-core half MUL (NAME in the
+// kernels' names, SS the scales' dtype: `_s{f32,bf16,f16}`).
 // `stacked`: block (x, y, z) takes expert slot z's rows y · BM.., the offsets following the
 // weights' addresses in ptrs (a plan made on the host). `tiled`: block (x, y) takes tile y of
 // `tiles` ([count, (slot, first row)...], as moe_plan_place writes it on the device; blocks past
 // the count return at once).
-#define INT4_GEMM_ENTRY(NAME, MUL, SUFFIX, T, BM)                                                    \
-    extern "C" __global__ void __launch_bounds__(IG_THREADS, 2)                                      \
-        matmul_t_int4_stacked##NAME##_m##BM##_##SUFFIX(const uint64_t* ptrs, const T* x, T* y, int n, \
-                                                      int k, int g) {                                \
-        int4_gemm_stacked<T, BM, MUL<T, BM>>(ptrs, ptrs + 3 * gridDim.z, blockIdx.z, blockIdx.y * BM, \
-                                             x, y, n, k, g);                                         \
-    }                                                                                                \
-    extern "C" __global__ void __launch_bounds__(IG_THREADS, 2)                                      \
-        matmul_t_int4_tiled##NAME##_m##BM##_##SUFFIX(const uint64_t* ptrs, const uint64_t* offsets,   \
-                                                    const uint32_t* tiles, const T* x, T* y, int n,  \
-                                                    int k, int g) {                                  \
-        if (blockIdx.y >= tiles[0]) return;                                                          \
-        int4_gemm_stacked<T, BM, MUL<T, BM>>(ptrs, offsets, tiles[1 + 2 * blockIdx.y],               \
-                                             tiles[2 + 2 * blockIdx.y], x, y, n, k, g);              \
+#define INT4_GEMM_ENTRY(NAME, MUL, SUFFIX, T, BM, SS, S)                                           \
+    extern "C" __global__ void __launch_bounds__(IG_THREADS, 2)                                    \
+        matmul_t_int4_stacked##NAME##_m##BM##_s##SS##_##SUFFIX(const uint64_t* ptrs, const T* x,   \
+                                                              T* y, int n, int k, int g) {         \
+        int4_gemm_stacked<T, BM, S, MUL<T, BM>>(ptrs, ptrs + 3 * gridDim.z, blockIdx.z,            \
+                                                blockIdx.y * BM, x, y, n, k, g);                   \
+    }                                                                                              \
+    extern "C" __global__ void __launch_bounds__(IG_THREADS, 2)                                    \
+        matmul_t_int4_tiled##NAME##_m##BM##_s##SS##_##SUFFIX(const uint64_t* ptrs,                 \
+                                                            const uint64_t* offsets,               \
+                                                            const uint32_t* tiles, const T* x,     \
+                                                            T* y, int n, int k, int g) {           \
+        if (blockIdx.y >= tiles[0]) return;                                                        \
+        int4_gemm_stacked<T, BM, S, MUL<T, BM>>(ptrs, offsets, tiles[1 + 2 * blockIdx.y],          \
+                                                tiles[2 + 2 * blockIdx.y], x, y, n, k, g);         \
     }
-#define INT4_GEMM_ENTRIES(NAME, MUL)                           \
-    INT4_GEMM_ENTRY(NAME, MUL, bf16, __nv_bfloat16, 128)      \
-    INT4_GEMM_ENTRY(NAME, MUL, f16, __half, 128)              \
-    INT4_GEMM_ENTRY(NAME, MUL, bf16, __nv_bfloat16, 64)       \
-    INT4_GEMM_ENTRY(NAME, MUL, f16, __half, 64)
+#define INT4_GEMM_SCALES(NAME, MUL, SUFFIX, T, BM)               \
+    INT4_GEMM_ENTRY(NAME, MUL, SUFFIX, T, BM, f32, float)         \
+    INT4_GEMM_ENTRY(NAME, MUL, SUFFIX, T, BM, bf16, __nv_bfloat16) \
+    INT4_GEMM_ENTRY(NAME, MUL, SUFFIX, T, BM, f16, __half)
+#define INT4_GEMM_ENTRIES(NAME, MUL)                            \
+    INT4_GEMM_SCALES(NAME, MUL, bf16, __nv_bfloat16, 128)       \
+    INT4_GEMM_SCALES(NAME, MUL, f16, __half, 128)               \
+    INT4_GEMM_SCALES(NAME, MUL, bf16, __nv_bfloat16, 64)        \
+    INT4_GEMM_SCALES(NAME, MUL, f16, __half, 64)

@@ -42,7 +42,8 @@ struct IgWgmma {
         for (int i = 0; i < BM / 2; ++i) acc[i] = 0.0f;
     }
     __device__ __forceinline__ bool idle() const { return false; }
-    __device__ __forceinline__ void decode(const IgStage<BM>& s, bool has_zp) {
+    template <typename ScaleAt>
+    __device__ __forceinline__ void decode(const IgStage<BM>& s, const ScaleAt& scale_at, bool has_zp) {
 #pragma unroll
         for (int rr = 0; rr < 2; ++rr) {  // outputs out_row and out_row + 8
             const int r = out_row + 8 * rr;
@@ -51,7 +52,7 @@ struct IgWgmma {
             const uint32_t ws[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
 #pragma unroll
             for (int h = 0; h < IG_HALVES; ++h) {
-                const float sc = s.scales[h][r];
+                const float sc = scale_at(s.scales, r, h);
                 const int zp = has_zp ? s.zps[h][r] : 0;
                 const bool bf16_way = IgDecodeBf16::applies(sc, zp);
 #pragma unroll

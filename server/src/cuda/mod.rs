@@ -50,12 +50,16 @@ pub mod scoring;
 mod module;
 
 fn kernel_name(base: &str, dtype: DType) -> String {
-    let suffix = match dtype {
+    format!("{base}_{}", dtype_suffix(dtype))
+}
+
+/// The kernels' name for a float dtype (f16 for any but f32 and bf16).
+fn dtype_suffix(dtype: DType) -> &'static str {
+    match dtype {
         DType::F32 => "f32",
         DType::BF16 => "bf16",
         _ => "f16",
-    };
-    format!("{base}_{suffix}")
+    }
 }
 
 /// [`kernel_name`] of the `{base}_v8` variant (16-byte vectors, see [`rows_of_vectors`]) when

@@ -4,7 +4,7 @@
 //!
 //! `w[r, c] = (q[r, c] - zp[r, c / group]) * scale[r, c / group]`, exact in f32.
 
-use candle_core::{DType, Device, Result, Tensor};
+use candle_core::{Device, Result, Tensor};
 use safetensors::Dtype as StDtype;
 
 use super::compressed_tensors::{Format, LayerScheme, Strategy};
@@ -23,8 +23,10 @@ pub fn codes_tensor(format: Format) -> &'static str {
 
 /// Both on-disk layouts (and native GPTQ, `super::gptq`) are brought at load into one layout
 /// that the CPU reference and the GPU kernel share: codes packed into int32 words along each
-/// row (the pack-quantized layout, as stored, so the bulk of the bytes is not touched), f32
-/// scales `[out, groups]` and unpacked i32 zero points `[out, groups]` (both tiny).
+/// row (the pack-quantized layout, as stored, so the bulk of the bytes is not touched), scales
+/// `[out, groups]` in their stored dtype (f32, bf16 or f16: widened to f32 where they are used,
+/// exactly; held in f32 they would add 1/16 byte a weight at group 32) and unpacked i32 zero
+/// points `[out, groups]`.
 pub struct IntWeight {
     out: usize,
     inp: usize,
@@ -151,7 +153,7 @@ impl IntWeight {
             cpu,
         )?;
         let scale_bits = (raw_scale.dtype().size_in_bytes() * 8) as f64;
-        let scale = raw_scale.to_dtype(DType::F32)?.to_device(device)?;
+        let scale = raw_scale.to_device(device)?;
         let zp_name = format!("{name}.weight_zero_point");
         let zero_point = match (args.symmetric, packed) {
             (true, _) => None,

@@ -1,9 +1,12 @@
 //! One projection of a stack of int4 experts (a Qwen3-30B-A3B layer's 128 experts) timed alone:
 //! the kernel that decodes the int4 weights inside the GEMM, in each tiling, against dequantizing
 //! the stack into memory and one batched cuBLAS GEMM, with both results compared. Counts the
-//! useful FLOPs (2·rows·n·k). Scales are bf16 values, as checkpoints store them (the kernel's
-//! packed bf16 decoding), and once arbitrary f32 values (its f32 decoding). The int4 kernel runs
-//! on mma.sync and, on a Hopper GPU, on wgmma, whose output must be mma.sync's bit for bit.
+//! useful FLOPs (2·rows·n·k). Scales are bf16, as checkpoints store them (the kernel's packed
+//! bf16 decoding); once the same values held in f32, whose products must be the same bits; and
+//! once arbitrary f32 values (its f32 decoding). A third shape has an odd number of groups per
+//! row (Gemma 4's experts' down projection at group 64), so that half the rows' 16-bit scales
+//! start in the middle of a 4-byte word. The int4 kernel runs on mma.sync and, on a Hopper GPU,
+//! on wgmma, whose output must be mma.sync's bit for bit.
 
 use std::time::Instant;
 
@@ -45,7 +48,12 @@ fn time_ms(device: &Device, iters: usize, mut f: impl FnMut() -> Result<()>) -> 
 pub fn run(device: &Device, experts: usize, rows: &[usize], group: usize) -> Result<()> {
     println!("| projection [n, k] | experts × rows | scales | path | ms | useful TFLOP/s | max |Δ| / max |ref| | = mma.sync |");
     println!("|---|---|---|---|---|---|---|---|");
-    for (name, n, k) in [("gate or up", 768usize, 2048usize), ("down", 2048, 768)] {
+    let shapes = [
+        ("gate or up", 768usize, 2048usize, group),
+        ("down", 2048, 768, group),
+        ("down, 11 groups a row", 2816, 704, 64),
+    ];
+    for (name, n, k, group) in shapes {
         let codes: Vec<Tensor> = (0..experts)
             .map(|e| {
                 Tensor::from_vec(
@@ -60,10 +68,21 @@ pub fn run(device: &Device, experts: usize, rows: &[usize], group: usize) -> Res
             .collect::<candle_core::Result<_>>()?;
         let bf16_scales: Vec<Tensor> = f32_scales
             .iter()
-            .map(|s| s.to_dtype(DType::BF16)?.to_dtype(DType::F32))
+            .map(|s| s.to_dtype(DType::BF16))
             .collect::<candle_core::Result<_>>()?;
+        let bf16_in_f32: Vec<Tensor> = bf16_scales
+            .iter()
+            .map(|s| s.to_dtype(DType::F32))
+            .collect::<candle_core::Result<_>>()?;
+        // one input per row count, shared by the kinds of scales
+        let inputs: Vec<Tensor> = rows
+            .iter()
+            .map(|&m| Tensor::randn(0f32, 1.0, (experts * m, k), device)?.to_dtype(DType::BF16))
+            .collect::<candle_core::Result<_>>()?;
+        let mut stored_bf16 = Vec::new();
         for (kind, scales, rows) in [
             ("bf16", &bf16_scales, rows),
+            ("bf16 in f32", &bf16_in_f32, &rows[..1]),
             ("f32", &f32_scales, &rows[..1]),
         ] {
             let weights: Vec<_> = codes
@@ -71,30 +90,53 @@ pub fn run(device: &Device, experts: usize, rows: &[usize], group: usize) -> Res
                 .zip(scales)
                 .map(|(c, s)| (c, s, None))
                 .collect();
-            for &m in rows {
-                time_row(device, (name, n, k), (experts, m), group, kind, &weights)?;
+            for (&m, x) in rows.iter().zip(&inputs) {
+                let outs = time_row(device, (name, n, k), (x, experts, m), group, kind, &weights)?;
+                match kind {
+                    "bf16" if m == rows[0] => stored_bf16 = outs,
+                    "bf16 in f32" if !bitwise(&outs, &stored_bf16)? => {
+                        anyhow::bail!(
+                            "{name}: bf16 scales held in f32 give other bits than stored in bf16"
+                        )
+                    }
+                    _ => {}
+                }
             }
         }
     }
     Ok(())
 }
 
+/// Whether two lists of tensors are equal bit for bit (f32 tensors, no NaN).
+fn bitwise(a: &[Tensor], b: &[Tensor]) -> Result<bool> {
+    if a.len() != b.len() {
+        return Ok(false);
+    }
+    for (a, b) in a.iter().zip(b) {
+        if (a - b)?.abs()?.max_all()?.to_scalar::<f32>()? != 0.0 {
+            return Ok(false);
+        }
+    }
+    Ok(true)
+}
+
+/// Times one row of the table (every path, every tiling) and returns the mma.sync kernel's
+/// outputs in f32, one per tiling.
 #[allow(clippy::type_complexity)]
 fn time_row(
     device: &Device,
     (name, n, k): (&str, usize, usize),
-    (experts, m): (usize, usize),
+    (x, experts, m): (&Tensor, usize, usize),
     group: usize,
     kind: &str,
     weights: &[(&Tensor, &Tensor, Option<&Tensor>)],
-) -> Result<()> {
-    let x = Tensor::randn(0f32, 1.0, (experts * m, k), device)?.to_dtype(DType::BF16)?;
+) -> Result<Vec<Tensor>> {
     let flops = 2.0 * (experts * m * n * k) as f64;
     let reference = Tensor::zeros((experts * m, n), DType::BF16, device)?;
     let dequantized = time_ms(device, 5, || {
         let w = dequant_int_stacked(weights, (n, k), 4, group, DType::BF16)?
             .expect("int4 stacks dequantize in one launch");
-        matmul_t_stacked_into_rows(&reference, 0, &x, &w)?;
+        matmul_t_stacked_into_rows(&reference, 0, x, &w)?;
         Ok(())
     })?;
     println!(
@@ -107,7 +149,7 @@ fn time_row(
         true => &[("mma.sync", false), ("wgmma", true)],
         false => &[("mma.sync", false)],
     };
-    let mut bitwise = true;
+    let (mut same_kernels, mut outputs) = (true, Vec::new());
     for tile in INT4_GEMM_TILE_ROWS {
         let mut sync_out: Option<Tensor> = None;
         for &(kernel, wgmma) in kernels {
@@ -117,7 +159,7 @@ fn time_row(
                 matmul_t_int4_stacked_into_rows(
                     &out,
                     0,
-                    &x,
+                    x,
                     weights,
                     &vec![m; experts],
                     (n, k),
@@ -134,8 +176,8 @@ fn time_row(
                     String::new()
                 }
                 Some(sync) => {
-                    let same = (sync - &out)?.abs()?.max_all()?.to_scalar::<f32>()? == 0.0;
-                    bitwise &= same;
+                    let same = bitwise(std::slice::from_ref(sync), &[out])?;
+                    same_kernels &= same;
                     same.to_string()
                 }
             };
@@ -145,10 +187,11 @@ fn time_row(
                 error / scale
             );
         }
+        outputs.extend(sync_out);
     }
     int4_gemm_on_wgmma(true);
-    if !bitwise {
+    if !same_kernels {
         anyhow::bail!("the wgmma int4 GEMM differs from mma.sync's");
     }
-    Ok(())
+    Ok(outputs)
 }

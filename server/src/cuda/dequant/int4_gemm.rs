@@ -10,7 +10,7 @@ use candle_core::cuda_backend::WrapErr;
 use candle_core::{bail, DType, Device, Result, Tensor};
 
 use super::super::module::{kernel, DEQUANT, INT4_GEMM_SM90};
-use super::super::{device_address, kernel_name, with_slice};
+use super::super::{device_address, dtype_suffix, kernel_name, with_slice};
 use super::stack_addresses;
 
 static WGMMA: AtomicBool = AtomicBool::new(true);
@@ -58,13 +58,13 @@ fn int4_gemm_takes((n, k): (usize, usize), bits: usize, group: usize, dtype: DTy
         && dtype != DType::F32
 }
 
-/// Whether the codes at `addresses` ([`stack_addresses`]) are aligned for the kernel's 16-byte
-/// copies.
-fn int4_codes_aligned(addresses: &[u64]) -> bool {
+/// Whether the codes and scales at `addresses` ([`stack_addresses`]) are aligned for the
+/// kernel's copies: 16 bytes of codes, the 4 bytes that hold a scale (a 16-bit scale's word is
+/// found from its index, which needs the scales to start on a word).
+fn int4_gemm_aligned(addresses: &[u64]) -> bool {
     addresses
-        .iter()
-        .step_by(3)
-        .all(|codes| codes.is_multiple_of(16))
+        .chunks(3)
+        .all(|w| w[0].is_multiple_of(16) && w[1].is_multiple_of(4))
 }
 
 /// Whether `matmul_t_int4_stacked` multiplies these weights (one shape `[n, k]` of `bits`-bit
@@ -78,7 +78,7 @@ pub fn int4_gemm_applies(
     dtype: DType,
 ) -> Result<bool> {
     Ok(int4_gemm_takes(shape, bits, group, dtype)
-        && int4_codes_aligned(&stack_addresses(weights, shape, bits, group)?))
+        && int4_gemm_aligned(&stack_addresses(weights, shape, bits, group)?))
 }
 
 /// `x_z · w_zᵀ` for the int4 weights `weights` (one shape `[n, k]`, one group: a mixture's
@@ -115,8 +115,8 @@ pub fn matmul_t_int4_stacked_into_rows(
     let tile_rows = tile_rows.unwrap_or_else(|| int4_gemm_tile_rows(rows));
     // The weights' addresses, then each block's first row.
     let mut args = stack_addresses(weights, (n, k), 4, group)?;
-    if !int4_codes_aligned(&args) {
-        bail!("matmul_t_int4_stacked_into_rows: codes not 16-byte aligned");
+    if !int4_gemm_aligned(&args) {
+        bail!("matmul_t_int4_stacked_into_rows: codes or scales not aligned");
     }
     args.extend(std::iter::once(0).chain(rows.iter().scan(0u64, |end, &r| {
         *end += r as u64;
@@ -127,7 +127,19 @@ pub fn matmul_t_int4_stacked_into_rows(
         most.div_ceil(tile_rows) as u32,
         weights.len() as u32,
     );
-    launch_int4_gemm(out, row0, x, &args, None, tile_rows, grid, n, k, group)
+    let scales = weights[0].1.dtype();
+    launch_int4_gemm(
+        out,
+        row0,
+        x,
+        (&args, scales),
+        None,
+        tile_rows,
+        grid,
+        n,
+        k,
+        group,
+    )
 }
 
 /// [`matmul_t_int4_stacked_into_rows`] on a plan made on the GPU (`ops::moe_plan`): the
@@ -164,15 +176,15 @@ pub fn matmul_t_int4_tiled_into_rows(
         return Ok(());
     }
     let args = stack_addresses(weights, (n, k), 4, group)?;
-    if !int4_codes_aligned(&args) {
-        bail!("matmul_t_int4_tiled_into_rows: codes not 16-byte aligned");
+    if !int4_gemm_aligned(&args) {
+        bail!("matmul_t_int4_tiled_into_rows: codes or scales not aligned");
     }
     let grid = (n.div_ceil(128) as u32, max_tiles as u32, 1);
     launch_int4_gemm(
         out,
         row0,
         x,
-        &args,
+        (&args, weights[0].1.dtype()),
         Some((offsets, tiles)),
         tile_rows,
         grid,
@@ -213,15 +225,15 @@ fn check_int4_gemm(
     Ok(())
 }
 
-/// One launch of `matmul_t_int4_{stacked,tiled}[_wgmma]_m{tile_rows}` (tiled where `plan` gives
-/// the GPU-made offsets and tiles; `args` then holds only the weights' addresses; wgmma on a
-/// Hopper GPU unless [`int4_gemm_on_wgmma`] forbids it).
+/// One launch of `matmul_t_int4_{stacked,tiled}[_wgmma]_m{tile_rows}_s{scales}` (tiled where
+/// `plan` gives the GPU-made offsets and tiles; `args` then holds only the weights' addresses;
+/// `scales`: their dtype; wgmma on a Hopper GPU unless [`int4_gemm_on_wgmma`] forbids it).
 #[allow(clippy::too_many_arguments)]
 fn launch_int4_gemm(
     out: &Tensor,
     row0: usize,
     x: &Tensor,
-    args: &[u64],
+    (args, scales): (&[u64], DType),
     plan: Option<(&Tensor, &Tensor)>,
     tile_rows: usize,
     grid_dim: (u32, u32, u32),
@@ -235,6 +247,10 @@ fn launch_int4_gemm(
     }
     let x = x.contiguous()?;
     let variant = if plan.is_some() { "tiled" } else { "stacked" };
+    let scales = match scales {
+        DType::F32 | DType::BF16 | DType::F16 => dtype_suffix(scales),
+        other => bail!("int4 GEMM: {other:?} scales"),
+    };
     let shared = int4_gemm_shared_bytes(tile_rows);
     with_float_type!(dtype, T => {
         if !device_address::<T>(&x)?.is_multiple_of(16) {
@@ -246,10 +262,10 @@ fn launch_int4_gemm(
             .transpose()?;
         with_slice::<T, _>(&x, |xs, xo, dev| {
             let func = if WGMMA.load(Ordering::Relaxed) && INT4_GEMM_SM90.runs_on(dev)? {
-                let name = format!("matmul_t_int4_{variant}_wgmma_m{tile_rows}");
+                let name = format!("matmul_t_int4_{variant}_wgmma_m{tile_rows}_s{scales}");
                 kernel(dev, &INT4_GEMM_SM90, &kernel_name(&name, dtype))?
             } else {
-                let name = format!("matmul_t_int4_{variant}_m{tile_rows}");
+                let name = format!("matmul_t_int4_{variant}_m{tile_rows}_s{scales}");
                 kernel(dev, &DEQUANT, &kernel_name(&name, dtype))?
             };
             func.allow_shared_bytes(shared)?;
@@ -267,7 +283,7 @@ fn launch_int4_gemm(
                 block_dim: (256, 1, 1),
                 shared_mem_bytes: shared as u32,
             };
-            // SAFETY: arguments match `matmul_t_int4_{stacked,tiled}[_wgmma]_m*`; the weights' shapes,
+            // SAFETY: arguments match `matmul_t_int4_{stacked,tiled}[_wgmma]_m*_s*`; the weights' shapes,
             // x's and out's were checked by check_int4_gemm, and `out` (contiguous, x's dtype)
             // holds rows row0..row0 + Σ rows of n values, which the kernel alone writes. A
             // tiled plan's offsets and tiles come from moe_plan (every row of every expert

@@ -12,12 +12,12 @@ pub use int4_gemm::*;
 
 use super::module::{kernel, DEQUANT};
 use super::{
-    device_address, grid_1d, grid_row_items, grid_rows, kernel_name, rows_of_vectors,
+    device_address, dtype_suffix, grid_1d, grid_row_items, grid_rows, kernel_name, rows_of_vectors,
     vector_kernel_name, with_slice, wrap,
 };
 
-/// pack-quantized int4/int8 → `[rows, cols]` in `dtype`. `scales`: f32 `[rows, groups]`;
-/// `zero_points`: i32 `[rows, groups]` or `None` (symmetric).
+/// pack-quantized int4/int8 → `[rows, cols]` in `dtype`. `scales`: `[rows, groups]` in f32, bf16
+/// or f16 (as stored); `zero_points`: i32 `[rows, groups]` or `None` (symmetric).
 #[allow(clippy::too_many_arguments)]
 pub fn dequant_int(
     codes: &Tensor,
@@ -37,54 +37,56 @@ pub fn dequant_int(
     let groups = scales.dims()[1] as i32;
     // act-order: the group of each column, u32 on the device (or a null pointer)
     let g_idx = g_idx.map(Tensor::contiguous).transpose()?;
-    let name = match (words_kernel, bits) {
-        (true, 4) => kernel_name("dequant_int4_words", dtype),
-        (true, _) => kernel_name("dequant_int8_words", dtype),
-        (false, _) => kernel_name("dequant_int", dtype),
+    let base = match (words_kernel, bits) {
+        (true, 4) => "dequant_int4_words",
+        (true, _) => "dequant_int8_words",
+        (false, _) => "dequant_int",
     };
+    let name = int_kernel_name(base, scales, dtype)?;
+    let scales = scale_address(scales)?;
     let launch = |zp: Option<(&CudaSlice<i32>, usize)>,
                   gi: Option<(&CudaSlice<u32>, usize)>|
      -> Result<Tensor> {
         with_slice::<i32, _>(codes, |codes, co, dev| {
-            with_slice::<f32, _>(scales, |scales, so, _| {
-                with_float_type!(dtype, T => {
-                    let func = kernel(dev, &DEQUANT, &name)?;
-                    // SAFETY: the kernel writes every element.
-                    let out = unsafe { dev.alloc::<T>(rows * cols) }?;
-                    let (codes, scales) = (codes.slice(co..), scales.slice(so..));
-                    let zp_view = zp.map(|(z, zo)| z.slice(zo..));
-                    let null = 0u64;
-                    let mut b = func.builder();
-                    b.arg(&codes);
-                    b.arg(&scales);
-                    match &zp_view {
-                        Some(z) => b.arg(z),
+            with_float_type!(dtype, T => {
+                let func = kernel(dev, &DEQUANT, &name)?;
+                // SAFETY: the kernel writes every element.
+                let out = unsafe { dev.alloc::<T>(rows * cols) }?;
+                let codes = codes.slice(co..);
+                let zp_view = zp.map(|(z, zo)| z.slice(zo..));
+                let null = 0u64;
+                let mut b = func.builder();
+                b.arg(&codes);
+                b.arg(&scales);
+                match &zp_view {
+                    Some(z) => b.arg(z),
+                    None => b.arg(&null),
+                };
+                b.arg(&out);
+                let (r, c, w, bi, g) = (rows as i32, cols as i32, words_per_row as i32, bits as i32, group as i32);
+                b.arg(&r).arg(&c);
+                if !words_kernel {
+                    b.arg(&w).arg(&bi);
+                }
+                b.arg(&g);
+                let gi_view = gi.map(|(g, go)| g.slice(go..));
+                if !words_kernel {
+                    match &gi_view {
+                        Some(gi) => b.arg(gi),
                         None => b.arg(&null),
                     };
-                    b.arg(&out);
-                    let (r, c, w, bi, g) = (rows as i32, cols as i32, words_per_row as i32, bits as i32, group as i32);
-                    b.arg(&r).arg(&c);
-                    if !words_kernel {
-                        b.arg(&w).arg(&bi);
-                    }
-                    b.arg(&g);
-                    let gi_view = gi.map(|(g, go)| g.slice(go..));
-                    if !words_kernel {
-                        match &gi_view {
-                            Some(gi) => b.arg(gi),
-                            None => b.arg(&null),
-                        };
-                        b.arg(&groups);
-                    }
-                    let config = if words_kernel {
-                        grid_row_items(rows, words_per_row)
-                    } else {
-                        grid_1d(rows * words_per_row)
-                    };
-                    // SAFETY: arguments match `dequant_int_*` / `dequant_int{4,8}_words_*`.
-                    unsafe { b.launch(config) }.w()?;
-                    Ok(wrap(out, dev, (rows, cols)))
-                })
+                    b.arg(&groups);
+                }
+                let config = if words_kernel {
+                    grid_row_items(rows, words_per_row)
+                } else {
+                    grid_1d(rows * words_per_row)
+                };
+                // SAFETY: arguments match `dequant_int_s*` / `dequant_int{4,8}_words_s*`;
+                // `scales` (the caller's) outlives the launch (the stream orders any later
+                // free).
+                unsafe { b.launch(config) }.w()?;
+                Ok(wrap(out, dev, (rows, cols)))
             })
         })
     };
@@ -117,7 +119,11 @@ pub fn dequant_int_stacked(
         return Ok(None);
     }
     let addresses = stack_addresses(weights, (rows, cols), bits, group)?;
-    let name = kernel_name(&format!("dequant_int{bits}_words_stacked"), dtype);
+    let name = int_kernel_name(
+        &format!("dequant_int{bits}_words_stacked"),
+        weights[0].1,
+        dtype,
+    )?;
     with_slice::<i32, _>(first, |_, _, dev| {
         with_float_type!(dtype, T => {
             let func = kernel(dev, &DEQUANT, &name)?;
@@ -130,7 +136,7 @@ pub fn dequant_int_stacked(
             b.arg(&addresses).arg(&out).arg(&r).arg(&c).arg(&g);
             let mut config = grid_row_items(rows, cols / per);
             config.grid_dim.2 = n as u32;
-            // SAFETY: arguments match `dequant_int{4,8}_words_stacked_*`; every address was
+            // SAFETY: arguments match `dequant_int{4,8}_words_stacked_s*`; every address was
             // checked against its weight's shape above, and the weights outlive the launch
             // (the caller holds them; the stream orders it before any later free).
             unsafe { b.launch(config) }.w()?;
@@ -141,7 +147,7 @@ pub fn dequant_int_stacked(
 
 /// The device addresses of a stack's (codes, scales, zero points or 0), three per weight, as the
 /// `_stacked` kernels take them; every weight must be `[rows, cols]` of `bits`-bit codes in
-/// groups of `group`.
+/// groups of `group`, its scales in the first one's dtype.
 fn stack_addresses(
     weights: &[(&Tensor, &Tensor, Option<&Tensor>)],
     (rows, cols): (usize, usize),
@@ -151,21 +157,43 @@ fn stack_addresses(
     let per = 32 / bits;
     let mut addresses = Vec::with_capacity(3 * weights.len());
     for &(codes, scales, zero_points) in weights {
-        if codes.dims() != [rows, cols / per] || scales.dims() != [rows, cols / group] {
+        if codes.dims() != [rows, cols / per]
+            || scales.dims() != [rows, cols / group]
+            || scales.dtype() != weights[0].1.dtype()
+        {
             bail!(
-                "stacked int{bits} weights: codes {:?} and scales {:?} for a [{rows}, {cols}] weight",
+                "stacked int{bits} weights: codes {:?} and scales {:?} ({:?}) for a [{rows}, {cols}] \
+                 weight",
                 codes.dims(),
-                scales.dims()
+                scales.dims(),
+                scales.dtype()
             );
         }
         addresses.push(device_address::<i32>(codes)?);
-        addresses.push(device_address::<f32>(scales)?);
+        addresses.push(scale_address(scales)?);
         addresses.push(match zero_points {
             Some(z) => device_address::<i32>(z)?,
             None => 0,
         });
     }
     Ok(addresses)
+}
+
+/// The name of the int kernel `base` for `scales`' dtype and the output's:
+/// `{base}_s{scales}_{dtype}`.
+fn int_kernel_name(base: &str, scales: &Tensor, dtype: DType) -> Result<String> {
+    match scales.dtype() {
+        DType::F32 | DType::BF16 | DType::F16 => Ok(kernel_name(
+            &format!("{base}_s{}", dtype_suffix(scales.dtype())),
+            dtype,
+        )),
+        other => bail!("int weights with {other:?} scales"),
+    }
+}
+
+/// The device address of a weight's scales (f32, bf16 or f16).
+fn scale_address(scales: &Tensor) -> Result<u64> {
+    with_float_type!(scales.dtype(), S => device_address::<S>(scales))
 }
 
 /// nvfp4 → `[rows, cols]` in `dtype`: the fp8 scales divided by the per-tensor scale and each
