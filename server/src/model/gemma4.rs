@@ -375,11 +375,15 @@ impl Layer for Gemma4DecoderLayer {
             (KeySource::Own { .. }, None) => candle_core::bail!("a layer without keys owns them"),
         };
         let out = self.self_attn.forward(&normed, &kv, batch, rope)?;
-        drop(kv);
+        // What the attention read goes now, but for keys and values a later layer reads: at
+        // eight windows of 2048 these are ~0.25 GB that the feed-forward's peak would hold.
+        drop((kv, normed));
+        let own = own.filter(|_| matches!(self.keys, KeySource::Own { stored_at: Some(_) }));
         let x = (&x
             + stage("norm", dev, || {
                 self.post_attention_layernorm.forward(&out, None)
             })?)?;
+        drop(out);
         let normed = stage("norm", dev, || {
             self.pre_feedforward_layernorm.forward(&x, None)
         })?;
