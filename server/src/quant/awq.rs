@@ -223,6 +223,7 @@ pub fn load(
             group,
             codes,
             scale,
+            scale_dtype: raw_scale.dtype(),
             zero_point: Some(zero_point),
             g_idx: None,
             symmetric: false,

@@ -407,6 +407,7 @@ pub fn load(
             group,
             codes,
             scale,
+            scale_dtype: raw_scale.dtype(),
             zero_point: asym.then_some(zero_point),
             g_idx,
             symmetric: args.symmetric,

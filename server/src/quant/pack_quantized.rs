@@ -4,7 +4,7 @@
 //!
 //! `w[r, c] = (q[r, c] - zp[r, c / group]) * scale[r, c / group]`, exact in f32.
 
-use candle_core::{Device, Result, Tensor};
+use candle_core::{DType, Device, Result, Tensor};
 use safetensors::Dtype as StDtype;
 
 use super::compressed_tensors::{Format, LayerScheme, Strategy};
@@ -55,6 +55,9 @@ pub(crate) struct IntParts {
     pub codes: Vec<i32>,
     /// `[out, groups]`.
     pub scale: Vec<f32>,
+    /// The dtype the checkpoint stores the scales in: each value of `scale` is one of it, so
+    /// the weight holds them in it, exactly.
+    pub scale_dtype: DType,
     /// Signed zero points `[out, groups]`; `None` when all are zero.
     pub zero_point: Option<Vec<i32>>,
     pub g_idx: Option<Vec<u32>>,
@@ -233,7 +236,9 @@ impl IntWeight {
             bits: parts.bits,
             group: parts.group,
             codes: Tensor::from_vec(words, (out, cols), device)?,
-            scale: Tensor::from_vec(parts.scale, (out, groups), device)?,
+            scale: Tensor::from_vec(parts.scale, (out, groups), &Device::Cpu)?
+                .to_dtype(parts.scale_dtype)?
+                .to_device(device)?,
             zero_point: parts
                 .zero_point
                 .map(|zp| Tensor::from_vec(zp, (out, groups), device))
