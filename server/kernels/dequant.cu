@@ -10,9 +10,9 @@
 // pack-quantized int4/int8: w = (q - zp) * scale. `zps` may be null (symmetric). Column c
 // takes the scale and zero point of group c / group, or g_idx[c] (act-order) where `g_idx` is
 // not null; `groups` per row. Scales S as the checkpoint stores them (f32, bf16 or f16: each
-// widens to f32 exactly).
-template <typename T, typename S>
-__device__ void dequant_int(const int32_t* packed, const S* scales, const int32_t* zps, T* out,
+// widens to f32 exactly), zero points Z signed, int32 or a byte each.
+template <typename T, typename S, typename Z>
+__device__ void dequant_int(const int32_t* packed, const S* scales, const Z* zps, T* out,
                             int rows, int cols, int words_per_row, int bits, int group,
                             const uint32_t* g_idx, int groups) {
     long idx = (long)blockIdx.x * blockDim.x + threadIdx.x;
@@ -28,7 +28,7 @@ __device__ void dequant_int(const int32_t* packed, const S* scales, const int32_
         if (c >= cols) break;
         int g = r * groups + (g_idx ? (int)g_idx[c] : c / group);
         int q = (int)((word >> (i * bits)) & mask) - offset;
-        int zp = zps ? zps[g] : 0;
+        int zp = zps ? (int)zps[g] : 0;
         out[(long)r * cols + c] = from_f32<T>((float)(q - zp) * to_f32(scales[g]));
     }
 }
@@ -42,8 +42,8 @@ __device__ void dequant_int(const int32_t* packed, const S* scales, const int32_
 // experts): grid z picks the weight, whose packed, scale and zero-point (or 0) addresses are
 // ptrs[3z..3z + 3], and its output follows the previous one's.
 #define DEQUANT_ITEMS 2
-template <typename T, typename S, int BITS>
-__device__ void dequant_int_words(const int32_t* packed, const S* scales, const int32_t* zps, T* out,
+template <typename T, typename S, typename Z, int BITS>
+__device__ void dequant_int_words(const int32_t* packed, const S* scales, const Z* zps, T* out,
                                   int rows, int cols, int group, int r, int word_block) {
     constexpr int PER = 32 / BITS;
     const int words_per_row = cols / PER;
@@ -61,7 +61,7 @@ __device__ void dequant_int_words(const int32_t* packed, const S* scales, const 
         const int c0 = w * PER;
         const long g = (long)r * (cols / group) + c0 / group;
         float s = to_f32(scales[g]);
-        int zp = zps ? zps[g] : 0;
+        int zp = zps ? (int)zps[g] : 0;
         Pack<T, PER> p;
 #pragma unroll
         for (int i = 0; i < PER; ++i) {
@@ -72,10 +72,10 @@ __device__ void dequant_int_words(const int32_t* packed, const S* scales, const 
     }
 }
 
-template <typename T, typename S, int BITS>
+template <typename T, typename S, typename Z, int BITS>
 __device__ void dequant_int_words_stacked(const uint64_t* ptrs, T* out, int rows, int cols, int group) {
     const uint64_t* p = ptrs + 3 * blockIdx.z;
-    dequant_int_words<T, S, BITS>((const int32_t*)p[0], (const S*)p[1], (const int32_t*)p[2],
+    dequant_int_words<T, S, Z, BITS>((const int32_t*)p[0], (const S*)p[1], (const Z*)p[2],
                                out + (long)blockIdx.z * rows * cols, rows, cols, group, blockIdx.x,
                                blockIdx.y);
 }
@@ -247,38 +247,37 @@ __device__ void qdq_nvfp4(const T* x, T* out, long groups, float global_scale) {
 
 // ---- extern "C" entry points, one per dtype -------------------------------------------------
 
-// The int kernels, one per dtype T and scale dtype S (SS in the name: `_s{f32,bf16,f16}`).
-#define DEQUANT_INT_ENTRIES(SUFFIX, T, SS, S)                                                      \
-    extern "C" __global__ void dequant_int_s##SS##_##SUFFIX(const int32_t* p, const S* s,         \
-                                                          const int32_t* z, T* o, int rows,       \
-                                                          int cols, int wpr, int bits, int g,     \
-                                                          const uint32_t* gi, int groups) {       \
-        dequant_int<T, S>(p, s, z, o, rows, cols, wpr, bits, g, gi, groups);                       \
+// The int kernels, one per dtype T, scale dtype S (SS in the name: `_s{f32,bf16,f16}`) and
+// zero-point type Z (ZS: `` for int32 or none, `_z8` for a byte each).
+#define DEQUANT_INT_ENTRIES(SUFFIX, T, SS, S, ZS, Z)                                               \
+    extern "C" __global__ void dequant_int_s##SS##ZS##_##SUFFIX(                                   \
+        const int32_t* p, const S* s, const Z* z, T* o, int rows, int cols, int wpr, int bits,     \
+        int g, const uint32_t* gi, int groups) {                                                   \
+        dequant_int<T, S, Z>(p, s, z, o, rows, cols, wpr, bits, g, gi, groups);                    \
     }                                                                                              \
-    extern "C" __global__ void dequant_int4_words_s##SS##_##SUFFIX(const int32_t* p, const S* s,  \
-                                                                 const int32_t* z, T* o, int rows, \
-                                                                 int cols, int g) {               \
-        dequant_int_words<T, S, 4>(p, s, z, o, rows, cols, g, blockIdx.x, blockIdx.y);             \
+    extern "C" __global__ void dequant_int4_words_s##SS##ZS##_##SUFFIX(                            \
+        const int32_t* p, const S* s, const Z* z, T* o, int rows, int cols, int g) {               \
+        dequant_int_words<T, S, Z, 4>(p, s, z, o, rows, cols, g, blockIdx.x, blockIdx.y);          \
     }                                                                                              \
-    extern "C" __global__ void dequant_int8_words_s##SS##_##SUFFIX(const int32_t* p, const S* s,  \
-                                                                 const int32_t* z, T* o, int rows, \
-                                                                 int cols, int g) {               \
-        dequant_int_words<T, S, 8>(p, s, z, o, rows, cols, g, blockIdx.x, blockIdx.y);             \
+    extern "C" __global__ void dequant_int8_words_s##SS##ZS##_##SUFFIX(                            \
+        const int32_t* p, const S* s, const Z* z, T* o, int rows, int cols, int g) {               \
+        dequant_int_words<T, S, Z, 8>(p, s, z, o, rows, cols, g, blockIdx.x, blockIdx.y);          \
     }                                                                                              \
-    extern "C" __global__ void dequant_int4_words_stacked_s##SS##_##SUFFIX(const uint64_t* ptrs,  \
-                                                                         T* o, int rows, int cols, \
-                                                                         int g) {                 \
-        dequant_int_words_stacked<T, S, 4>(ptrs, o, rows, cols, g);                                \
+    extern "C" __global__ void dequant_int4_words_stacked_s##SS##ZS##_##SUFFIX(                    \
+        const uint64_t* ptrs, T* o, int rows, int cols, int g) {                                   \
+        dequant_int_words_stacked<T, S, Z, 4>(ptrs, o, rows, cols, g);                             \
     }                                                                                              \
-    extern "C" __global__ void dequant_int8_words_stacked_s##SS##_##SUFFIX(const uint64_t* ptrs,  \
-                                                                         T* o, int rows, int cols, \
-                                                                         int g) {                 \
-        dequant_int_words_stacked<T, S, 8>(ptrs, o, rows, cols, g);                                \
+    extern "C" __global__ void dequant_int8_words_stacked_s##SS##ZS##_##SUFFIX(                    \
+        const uint64_t* ptrs, T* o, int rows, int cols, int g) {                                   \
+        dequant_int_words_stacked<T, S, Z, 8>(ptrs, o, rows, cols, g);                             \
     }
-#define DEQUANT_INT_ALL_SCALES(SUFFIX, T)              \
-    DEQUANT_INT_ENTRIES(SUFFIX, T, f32, float)         \
-    DEQUANT_INT_ENTRIES(SUFFIX, T, bf16, __nv_bfloat16) \
-    DEQUANT_INT_ENTRIES(SUFFIX, T, f16, __half)
+#define DEQUANT_INT_ZERO_POINTS(SUFFIX, T, SS, S)          \
+    DEQUANT_INT_ENTRIES(SUFFIX, T, SS, S, , int32_t)      \
+    DEQUANT_INT_ENTRIES(SUFFIX, T, SS, S, _z8, int8_t)
+#define DEQUANT_INT_ALL_SCALES(SUFFIX, T)                  \
+    DEQUANT_INT_ZERO_POINTS(SUFFIX, T, f32, float)         \
+    DEQUANT_INT_ZERO_POINTS(SUFFIX, T, bf16, __nv_bfloat16) \
+    DEQUANT_INT_ZERO_POINTS(SUFFIX, T, f16, __half)
 
 #define DEQUANT_ENTRIES(SUFFIX, T)                                                                 \
     DEQUANT_INT_ALL_SCALES(SUFFIX, T)                                                              \

@@ -1,10 +1,10 @@
 #pragma once
 // A stack of int4 experts' GEMMs with the dequantization inside: y[r, c] = Σ_k x[r, k] · w_z[c, k]
 // for the rows r = offsets[z]..offsets[z + 1] of each expert slot z (any number, 0 included: no
-// padding), w_z given by the addresses of its packed int4 words, scales and int32 zero
-// points (or 0) at ptrs[3z..3z + 3] (as dequant_int4_words_stacked in dequant.cu takes them),
-// the offsets following at ptrs[3·slots..]. Scales S as the checkpoint stores them (f32, bf16 or
-// f16; each widens to f32 exactly, see IgScaleAt). For few rows per expert (a 2048-token window gives
+// padding), w_z given by the addresses of its packed int4 words, scales and zero points (or 0)
+// at ptrs[3z..3z + 3] (as dequant_int4_words_stacked_*_z8 in dequant.cu takes them), the offsets
+// following at ptrs[3·slots..]. Scales S as the checkpoint stores them (f32, bf16 or f16; each
+// widens to f32 exactly), zero points a signed byte each (see IgGroupAt). For few rows per expert (a 2048-token window gives
 // each of 128 experts ~128 rows), where writing every dequantized weight to memory and reading
 // it back costs several times the GEMM itself.
 //
@@ -113,37 +113,48 @@ template <int BM>
 struct IgStage {
     uint16_t x[BM * IG_BK];             // x rows, 16-bit values, chunks permuted (ig_at)
     uint32_t words[IG_BN * IG_BK / 8];  // the tile's int4 words, 8 per weight row
-    uint32_t scales[IG_HALVES][IG_BN];  // the aligned 4 bytes holding each scale (IgScaleAt)
-    int32_t zps[IG_HALVES][IG_BN];
+    uint32_t scales[IG_HALVES][IG_BN];  // the aligned 4 bytes holding each scale (IgGroupAt)
+    uint32_t zps[IG_HALVES][IG_BN];     // the aligned 4 bytes holding each zero point
 };
 
-// The 4-byte-aligned word that holds the scale at `p` (cp.async copies whole words): the f32
-// scale itself, or the 16-bit one with its neighbour.
-template <typename S>
-__device__ __forceinline__ const void* ig_scale_word(const S* p) {
+// The 4-byte-aligned word that holds the value at `p` (cp.async copies whole words): an f32
+// scale itself, or a 16-bit scale or a byte zero point with its neighbours.
+template <typename V>
+__device__ __forceinline__ const void* ig_word_of(const V* p) {
     return (const void*)((uintptr_t)p & ~(uintptr_t)3);
 }
 
-// A k-tile's scales, widened to f32 from the words the stage holds. A 16-bit scale's half of
-// its word is the parity of its index row · groups + group in the weight's scales, whose
-// address is 4-byte aligned (checked by the launcher): (row · groups) is odd where both are.
+// The value of type V at element e of an array that starts on a 4-byte boundary (checked by the
+// launcher), from the aligned word that holds it.
+template <typename V>
+__device__ __forceinline__ V ig_part(uint32_t word, long e) {
+    const uint32_t part = word >> (8 * sizeof(V) * ((uint32_t)e % (4 / sizeof(V))));
+    V v;
+    memcpy(&v, &part, sizeof(V));  // the low bytes (little-endian)
+    return v;
+}
+
+// A k-tile's scales (S, widened to f32) and zero points (signed bytes) from the words its stage
+// holds: the value of output r of the block (row n0 + r of the weight) and half h of the tile
+// is element (n0 + r) · groups + g[h] of the weight's scales or zero points. Made once per
+// k-tile (the divisions), read per value.
 template <typename S>
-struct IgScaleAt {
-    int n0, k0, groups, group;  // the block's first output, the tile's first k; per weight row
-    // The scale of output r of the block (its row n0 + r) in half h of the tile.
-    __device__ __forceinline__ float operator()(const uint32_t (&scales)[IG_HALVES][IG_BN], int r,
-                                                int h) const {
-        const uint32_t word = scales[h][r];
-        if constexpr (sizeof(S) == 4) {
-            return __uint_as_float(word);
-        } else {
-            const int g = (k0 + 32 * h) / group;
-            const bool high = (((n0 + r) & groups) ^ g) & 1;
-            const unsigned short bits = high ? (unsigned short)(word >> 16) : (unsigned short)word;
-            S v;
-            memcpy(&v, &bits, sizeof(v));
-            return to_f32(v);
-        }
+struct IgGroupAt {
+    int n0, groups, g[IG_HALVES];  // the block's first output, groups a row, each half's group
+    __device__ __forceinline__ IgGroupAt(int n0_, int k0, int groups_, int group)
+        : n0(n0_), groups(groups_) {
+#pragma unroll
+        for (int h = 0; h < IG_HALVES; ++h) g[h] = (k0 + 32 * h) / group;
+    }
+    __device__ __forceinline__ long at(int r, int h) const { return (long)(n0 + r) * groups + g[h]; }
+    __device__ __forceinline__ float scale(const uint32_t (&scales)[IG_HALVES][IG_BN], int r,
+                                           int h) const {
+        if constexpr (sizeof(S) == 4) return __uint_as_float(scales[h][r]);
+        else return to_f32(ig_part<S>(scales[h][r], at(r, h)));
+    }
+    __device__ __forceinline__ int zero_point(const uint32_t (&zps)[IG_HALVES][IG_BN], int r,
+                                              int h) const {
+        return (int)ig_part<int8_t>(zps[h][r], at(r, h));
     }
 };
 
@@ -160,9 +171,8 @@ static_assert(sizeof(IgStage<64>) % 1024 == 0 && sizeof(IgStage<128>) % 1024 == 
 // int4_gemm_sm90.cu's IgWgmma is the same contract on Hopper's wgmma:
 //  * `IgMma(rows)`: this block holds `rows` (>= 1) rows of its expert from row0;
 //  * `idle()`: this thread's warp or warpgroup has no row to multiply;
-//  * `DECODES`: whether it decodes each k-tile's weights itself (`decode(stage, scale_at,
-//    has_zp)`, into its registers; scale_at: the tile's IgScaleAt) instead of reading the
-//    block's decoded tile;
+//  * `DECODES`: whether it decodes each k-tile's weights itself (`decode(stage, at, has_zp)`,
+//    into its registers; at: the tile's IgGroupAt) instead of reading the block's decoded tile;
 //  * `multiply(x, w)`: one k-tile's products (x: BM rows, w: 128 outputs, both 64-wide, ig_at),
 //    complete when it returns: its tiles are no longer read;
 //  * `publish()`: this thread's shared-memory writes become visible to the next
@@ -252,7 +262,7 @@ __device__ void int4_gemm_stacked(const uint64_t* ptrs, const uint64_t* offsets,
     if (row0 >= m) return;  // the whole block: no barrier is waiting
     const int32_t* packed = (const int32_t*)ptrs[3 * z];
     const S* scales = (const S*)ptrs[3 * z + 1];
-    const int32_t* zps = (const int32_t*)ptrs[3 * z + 2];
+    const int8_t* zps = (const int8_t*)ptrs[3 * z + 2];
     x += first * k;
     y += first * n;
     extern __shared__ __align__(16) unsigned char ig_smem_raw[];
@@ -275,7 +285,7 @@ __device__ void int4_gemm_stacked(const uint64_t* ptrs, const uint64_t* offsets,
     const long w_row = (long)(w_valid ? n0 + wr : 0);
     const int32_t* w_src = packed + w_row * words_per_row;
     const S* s_src = scales + w_row * groups;
-    const int32_t* z_src = zps ? zps + w_row * groups : nullptr;
+    const int8_t* z_src = zps ? zps + w_row * groups : nullptr;
     const int halves_per_group = group / 32;
     int next_group = 0, halves_left = halves_per_group;  // of the next 32-wide half k-tile
     auto load = [&](int t) {
@@ -293,9 +303,9 @@ __device__ void int4_gemm_stacked(const uint64_t* ptrs, const uint64_t* offsets,
                     cp_async16(&s.words[wr * 8], w_src + k0 / 8, w_valid);
                     cp_async16(&s.words[wr * 8 + 4], w_src + k0 / 8 + 4, w_valid);
                 }
-                if (z_src) ig_cp_async4(&s.zps[h][wr], z_src + next_group, w_valid);
+                if (z_src) ig_cp_async4(&s.zps[h][wr], ig_word_of(z_src + next_group), w_valid);
             } else {
-                ig_cp_async4(&s.scales[h][wr], ig_scale_word(s_src + next_group), w_valid);
+                ig_cp_async4(&s.scales[h][wr], ig_word_of(s_src + next_group), w_valid);
             }
             if (--halves_left == 0) {
                 ++next_group;
@@ -305,12 +315,13 @@ __device__ void int4_gemm_stacked(const uint64_t* ptrs, const uint64_t* offsets,
     };
     // Thread pairs decode a weight row of a k-tile: 32 values each, the 4 words of one half.
     const int dr = tid / 2, dh = tid % 2;
-    auto scale_at = [&](int t) { return IgScaleAt<S>{n0, t * IG_BK, groups, group}; };
+    auto group_at = [&](int t) { return IgGroupAt<S>(n0, t * IG_BK, groups, group); };
     auto decode = [&](int t) {
         const IgStage<BM>& s = stages[t % IG_STAGES];
         const uint4 w = *reinterpret_cast<const uint4*>(&s.words[dr * 8 + dh * 4]);
-        const float sc = scale_at(t)(s.scales, dr, dh);
-        const int zp = zps ? s.zps[dh][dr] : 0;
+        const IgGroupAt<S> at = group_at(t);
+        const float sc = at.scale(s.scales, dr, dh);
+        const int zp = zps ? at.zero_point(s.zps, dr, dh) : 0;
         uint16_t* d = decoded + (t % 2) * IG_BN * IG_BK;
         auto write = [&](const auto& dq) {
             const uint32_t ws[4] = {w.x, w.y, w.z, w.w};
@@ -324,7 +335,7 @@ __device__ void int4_gemm_stacked(const uint64_t* ptrs, const uint64_t* offsets,
     // The next k-tile's weights: into the shared decoded tile, or by the tensor-core half itself
     // (into its registers) where it decodes its own.
     auto prepare = [&](Mul& mul, int t) {
-        if constexpr (Mul::DECODES) mul.decode(stages[t % IG_STAGES], scale_at(t), zps != nullptr);
+        if constexpr (Mul::DECODES) mul.decode(stages[t % IG_STAGES], group_at(t), zps != nullptr);
         else decode(t);
     };
     Mul mul(m - row0);

@@ -42,8 +42,8 @@ struct IgWgmma {
         for (int i = 0; i < BM / 2; ++i) acc[i] = 0.0f;
     }
     __device__ __forceinline__ bool idle() const { return false; }
-    template <typename ScaleAt>
-    __device__ __forceinline__ void decode(const IgStage<BM>& s, const ScaleAt& scale_at, bool has_zp) {
+    template <typename GroupAt>
+    __device__ __forceinline__ void decode(const IgStage<BM>& s, const GroupAt& at, bool has_zp) {
 #pragma unroll
         for (int rr = 0; rr < 2; ++rr) {  // outputs out_row and out_row + 8
             const int r = out_row + 8 * rr;
@@ -52,8 +52,8 @@ struct IgWgmma {
             const uint32_t ws[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
 #pragma unroll
             for (int h = 0; h < IG_HALVES; ++h) {
-                const float sc = scale_at(s.scales, r, h);
-                const int zp = has_zp ? s.zps[h][r] : 0;
+                const float sc = at.scale(s.scales, r, h);
+                const int zp = has_zp ? at.zero_point(s.zps, r, h) : 0;
                 const bool bf16_way = IgDecodeBf16::applies(sc, zp);
 #pragma unroll
                 for (int q = 0; q < 2; ++q) {  // the half's two k16 steps: words 2kk, 2kk + 1

@@ -25,8 +25,8 @@ pub fn codes_tensor(format: Format) -> &'static str {
 /// that the CPU reference and the GPU kernel share: codes packed into int32 words along each
 /// row (the pack-quantized layout, as stored, so the bulk of the bytes is not touched), scales
 /// `[out, groups]` in their stored dtype (f32, bf16 or f16: widened to f32 where they are used,
-/// exactly; held in f32 they would add 1/16 byte a weight at group 32) and unpacked i32 zero
-/// points `[out, groups]`.
+/// exactly; held in f32 they would add 1/16 byte a weight at group 32) and unpacked signed zero
+/// points `[out, groups]`, a byte each where they fit ([`zero_point_tensor`]).
 pub struct IntWeight {
     out: usize,
     inp: usize,
@@ -170,7 +170,7 @@ impl IntWeight {
                 Some(signed_bytes(&bytes)?)
             }
         }
-        .map(|zp| Tensor::from_vec(zp, (out, groups), device))
+        .map(|zp| zero_point_tensor(zp, (out, groups), device))
         .transpose()?;
         let zp_bits = if zero_point.is_some() {
             bits as f64
@@ -241,7 +241,7 @@ impl IntWeight {
                 .to_device(device)?,
             zero_point: parts
                 .zero_point
-                .map(|zp| Tensor::from_vec(zp, (out, groups), device))
+                .map(|zp| zero_point_tensor(zp, (out, groups), device))
                 .transpose()?,
             symmetric: parts.symmetric,
             g_idx: parts
@@ -262,6 +262,32 @@ impl IntWeight {
             q.extend(unpack_int32(row, self.bits, self.inp));
         }
         Ok(q)
+    }
+}
+
+/// Signed zero points `[out, groups]` as the weight holds them: a byte each (u8 holding the i8)
+/// where every one fits, as every 4-bit weight's and most 8-bit ones' do, else i32 (GPTQ v1's
+/// 8-bit off-by-one reaches 128). The kernels read either (`cuda::dequant`).
+fn zero_point_tensor(zp: Vec<i32>, shape: (usize, usize), device: &Device) -> Result<Tensor> {
+    match zp.iter().all(|z| i8::try_from(*z).is_ok()) {
+        true => {
+            let bytes: Vec<u8> = zp.into_iter().map(|z| z as i8 as u8).collect();
+            Tensor::from_vec(bytes, shape, device)
+        }
+        false => Tensor::from_vec(zp, shape, device),
+    }
+}
+
+/// The values of [`zero_point_tensor`], row-major.
+fn zero_points_i32(zp: &Tensor) -> Result<Vec<i32>> {
+    let flat = zp.flatten_all()?;
+    match flat.dtype() {
+        DType::U8 => Ok(flat
+            .to_vec1::<u8>()?
+            .into_iter()
+            .map(|b| b as i8 as i32)
+            .collect()),
+        _ => flat.to_vec1::<i32>(),
     }
 }
 
@@ -316,7 +342,7 @@ impl QuantizedWeight for IntWeight {
         let q = self.codes()?;
         let groups = self.scale.dim(1)?;
         let zp = match &self.zero_point {
-            Some(zp) => zp.flatten_all()?.to_vec1::<i32>()?,
+            Some(zp) => zero_points_i32(zp)?,
             None => vec![0; self.out * groups],
         };
         let scale = to_f32_vec(&self.scale)?;

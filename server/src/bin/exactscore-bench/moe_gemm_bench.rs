@@ -3,9 +3,10 @@
 //! the stack into memory and one batched cuBLAS GEMM, with both results compared. Counts the
 //! useful FLOPs (2·rows·n·k). Scales are bf16, as checkpoints store them (the kernel's packed
 //! bf16 decoding); once the same values held in f32, whose products must be the same bits; and
-//! once arbitrary f32 values (its f32 decoding). A third shape has an odd number of groups per
-//! row (Gemma 4's experts' down projection at group 64), so that half the rows' 16-bit scales
-//! start in the middle of a 4-byte word. The int4 kernel runs on mma.sync and, on a Hopper GPU,
+//! once arbitrary f32 values (its f32 decoding); and once with zero points (a signed byte each,
+//! as asymmetric weights hold them). A third shape has an odd number of groups per row (Gemma
+//! 4's experts' down projection at group 64), so that the rows' 16-bit scales and byte zero
+//! points start anywhere in a 4-byte word. The int4 kernel runs on mma.sync and, on a Hopper GPU,
 //! on wgmma, whose output must be mma.sync's bit for bit.
 
 use std::time::Instant;
@@ -74,21 +75,38 @@ pub fn run(device: &Device, experts: usize, rows: &[usize], group: usize) -> Res
             .iter()
             .map(|s| s.to_dtype(DType::F32))
             .collect::<candle_core::Result<_>>()?;
+        // asymmetric weights' zero points, a signed byte each as the weights hold them
+        let zero_points: Vec<Tensor> = (0..experts)
+            .map(|e| {
+                let bytes = random_words(n * (k / group), 0x5bd1_e995 + e as u64)
+                    .into_iter()
+                    .map(|w| ((w as u32 % 16) as i32 - 8) as i8 as u8)
+                    .collect::<Vec<u8>>();
+                Tensor::from_vec(bytes, (n, k / group), device)
+            })
+            .collect::<candle_core::Result<_>>()?;
         // one input per row count, shared by the kinds of scales
         let inputs: Vec<Tensor> = rows
             .iter()
             .map(|&m| Tensor::randn(0f32, 1.0, (experts * m, k), device)?.to_dtype(DType::BF16))
             .collect::<candle_core::Result<_>>()?;
         let mut stored_bf16 = Vec::new();
-        for (kind, scales, rows) in [
-            ("bf16", &bf16_scales, rows),
-            ("bf16 in f32", &bf16_in_f32, &rows[..1]),
-            ("f32", &f32_scales, &rows[..1]),
+        for (kind, scales, zps, rows) in [
+            ("bf16", &bf16_scales, None, rows),
+            ("bf16 in f32", &bf16_in_f32, None, &rows[..1]),
+            ("f32", &f32_scales, None, &rows[..1]),
+            (
+                "bf16, zero points",
+                &bf16_scales,
+                Some(&zero_points),
+                &rows[..1],
+            ),
         ] {
             let weights: Vec<_> = codes
                 .iter()
                 .zip(scales)
-                .map(|(c, s)| (c, s, None))
+                .enumerate()
+                .map(|(e, (c, s))| (c, s, zps.map(|z| &z[e])))
                 .collect();
             for (&m, x) in rows.iter().zip(&inputs) {
                 let outs = time_row(device, (name, n, k), (x, experts, m), group, kind, &weights)?;
@@ -186,6 +204,11 @@ fn time_row(
                 flops / ms / 1e9,
                 error / scale
             );
+            // The same products summed in another order; a misread scale or zero point is off
+            // by whole multiples of a scale.
+            if error > 1e-2 * scale {
+                anyhow::bail!("{name} ({kind}): int4 {kernel} off the dequantized GEMM by {error}");
+            }
         }
         outputs.extend(sync_out);
     }

@@ -58,13 +58,14 @@ fn int4_gemm_takes((n, k): (usize, usize), bits: usize, group: usize, dtype: DTy
         && dtype != DType::F32
 }
 
-/// Whether the codes and scales at `addresses` ([`stack_addresses`]) are aligned for the
-/// kernel's copies: 16 bytes of codes, the 4 bytes that hold a scale (a 16-bit scale's word is
-/// found from its index, which needs the scales to start on a word).
+/// Whether the codes, scales and zero points at `addresses` ([`stack_addresses`]) are aligned
+/// for the kernel's copies: 16 bytes of codes, the 4 bytes that hold a scale or a zero point (a
+/// 16-bit scale's or a byte zero point's word is found from its index, which needs them to
+/// start on a word).
 fn int4_gemm_aligned(addresses: &[u64]) -> bool {
     addresses
         .chunks(3)
-        .all(|w| w[0].is_multiple_of(16) && w[1].is_multiple_of(4))
+        .all(|w| w[0].is_multiple_of(16) && w[1].is_multiple_of(4) && w[2].is_multiple_of(4))
 }
 
 /// Whether `matmul_t_int4_stacked` multiplies these weights (one shape `[n, k]` of `bits`-bit
@@ -78,7 +79,16 @@ pub fn int4_gemm_applies(
     dtype: DType,
 ) -> Result<bool> {
     Ok(int4_gemm_takes(shape, bits, group, dtype)
+        && byte_zero_points(weights)
         && int4_gemm_aligned(&stack_addresses(weights, shape, bits, group)?))
+}
+
+/// Whether every weight's zero points are bytes, as the kernel reads them, or absent (a 4-bit
+/// weight's always fit a byte, `quant::pack_quantized`).
+fn byte_zero_points(weights: &[(&Tensor, &Tensor, Option<&Tensor>)]) -> bool {
+    weights
+        .iter()
+        .all(|(_, _, z)| z.is_none_or(|z| z.dtype() == DType::U8))
 }
 
 /// `x_z · w_zᵀ` for the int4 weights `weights` (one shape `[n, k]`, one group: a mixture's
@@ -115,8 +125,8 @@ pub fn matmul_t_int4_stacked_into_rows(
     let tile_rows = tile_rows.unwrap_or_else(|| int4_gemm_tile_rows(rows));
     // The weights' addresses, then each block's first row.
     let mut args = stack_addresses(weights, (n, k), 4, group)?;
-    if !int4_gemm_aligned(&args) {
-        bail!("matmul_t_int4_stacked_into_rows: codes or scales not aligned");
+    if !int4_gemm_aligned(&args) || !byte_zero_points(weights) {
+        bail!("matmul_t_int4_stacked_into_rows: codes, scales or zero points not aligned, or i32 zero points");
     }
     args.extend(std::iter::once(0).chain(rows.iter().scan(0u64, |end, &r| {
         *end += r as u64;
@@ -176,8 +186,8 @@ pub fn matmul_t_int4_tiled_into_rows(
         return Ok(());
     }
     let args = stack_addresses(weights, (n, k), 4, group)?;
-    if !int4_gemm_aligned(&args) {
-        bail!("matmul_t_int4_tiled_into_rows: codes or scales not aligned");
+    if !int4_gemm_aligned(&args) || !byte_zero_points(weights) {
+        bail!("matmul_t_int4_tiled_into_rows: codes, scales or zero points not aligned, or i32 zero points");
     }
     let grid = (n.div_ceil(128) as u32, max_tiles as u32, 1);
     launch_int4_gemm(

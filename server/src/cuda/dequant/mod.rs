@@ -17,7 +17,8 @@ use super::{
 };
 
 /// pack-quantized int4/int8 → `[rows, cols]` in `dtype`. `scales`: `[rows, groups]` in f32, bf16
-/// or f16 (as stored); `zero_points`: i32 `[rows, groups]` or `None` (symmetric).
+/// or f16 (as stored); `zero_points`: `[rows, groups]`, i32 or u8 holding i8, or `None`
+/// (symmetric).
 #[allow(clippy::too_many_arguments)]
 pub fn dequant_int(
     codes: &Tensor,
@@ -42,27 +43,19 @@ pub fn dequant_int(
         (true, _) => "dequant_int8_words",
         (false, _) => "dequant_int",
     };
-    let name = int_kernel_name(base, scales, dtype)?;
+    let name = int_kernel_name(base, scales, zero_points, dtype)?;
     let scales = scale_address(scales)?;
-    let launch = |zp: Option<(&CudaSlice<i32>, usize)>,
-                  gi: Option<(&CudaSlice<u32>, usize)>|
-     -> Result<Tensor> {
+    let zero_points = zero_point_address(zero_points)?;
+    let launch = |gi: Option<(&CudaSlice<u32>, usize)>| -> Result<Tensor> {
         with_slice::<i32, _>(codes, |codes, co, dev| {
             with_float_type!(dtype, T => {
                 let func = kernel(dev, &DEQUANT, &name)?;
                 // SAFETY: the kernel writes every element.
                 let out = unsafe { dev.alloc::<T>(rows * cols) }?;
                 let codes = codes.slice(co..);
-                let zp_view = zp.map(|(z, zo)| z.slice(zo..));
                 let null = 0u64;
                 let mut b = func.builder();
-                b.arg(&codes);
-                b.arg(&scales);
-                match &zp_view {
-                    Some(z) => b.arg(z),
-                    None => b.arg(&null),
-                };
-                b.arg(&out);
+                b.arg(&codes).arg(&scales).arg(&zero_points).arg(&out);
                 let (r, c, w, bi, g) = (rows as i32, cols as i32, words_per_row as i32, bits as i32, group as i32);
                 b.arg(&r).arg(&c);
                 if !words_kernel {
@@ -83,20 +76,16 @@ pub fn dequant_int(
                     grid_1d(rows * words_per_row)
                 };
                 // SAFETY: arguments match `dequant_int_s*` / `dequant_int{4,8}_words_s*`;
-                // `scales` (the caller's) outlives the launch (the stream orders any later
-                // free).
+                // the scales and zero points (the caller's) outlive the launch (the stream
+                // orders any later free).
                 unsafe { b.launch(config) }.w()?;
                 Ok(wrap(out, dev, (rows, cols)))
             })
         })
     };
-    let with_g_idx = |zp: Option<(&CudaSlice<i32>, usize)>| match &g_idx {
-        Some(g) => with_slice::<u32, _>(g, |gi, go, _| launch(zp, Some((gi, go)))),
-        None => launch(zp, None),
-    };
-    match zero_points {
-        Some(zp) => with_slice::<i32, _>(zp, |z, zo, _| with_g_idx(Some((z, zo)))),
-        None => with_g_idx(None),
+    match &g_idx {
+        Some(g) => with_slice::<u32, _>(g, |gi, go, _| launch(Some((gi, go)))),
+        None => launch(None),
     }
 }
 
@@ -119,9 +108,11 @@ pub fn dequant_int_stacked(
         return Ok(None);
     }
     let addresses = stack_addresses(weights, (rows, cols), bits, group)?;
+    let (_, scales, zero_points) = weights[0];
     let name = int_kernel_name(
         &format!("dequant_int{bits}_words_stacked"),
-        weights[0].1,
+        scales,
+        zero_points,
         dtype,
     )?;
     with_slice::<i32, _>(first, |_, _, dev| {
@@ -147,7 +138,7 @@ pub fn dequant_int_stacked(
 
 /// The device addresses of a stack's (codes, scales, zero points or 0), three per weight, as the
 /// `_stacked` kernels take them; every weight must be `[rows, cols]` of `bits`-bit codes in
-/// groups of `group`, its scales in the first one's dtype.
+/// groups of `group`, its scales and zero points (or none) as the first one's.
 fn stack_addresses(
     weights: &[(&Tensor, &Tensor, Option<&Tensor>)],
     (rows, cols): (usize, usize),
@@ -157,43 +148,64 @@ fn stack_addresses(
     let per = 32 / bits;
     let mut addresses = Vec::with_capacity(3 * weights.len());
     for &(codes, scales, zero_points) in weights {
+        let zp_dtype = |z: Option<&Tensor>| z.map(Tensor::dtype);
         if codes.dims() != [rows, cols / per]
             || scales.dims() != [rows, cols / group]
             || scales.dtype() != weights[0].1.dtype()
+            || zp_dtype(zero_points) != zp_dtype(weights[0].2)
         {
             bail!(
                 "stacked int{bits} weights: codes {:?} and scales {:?} ({:?}) for a [{rows}, {cols}] \
-                 weight",
+                 weight, zero points {:?} where the first's are {:?}",
                 codes.dims(),
                 scales.dims(),
-                scales.dtype()
+                scales.dtype(),
+                zp_dtype(zero_points),
+                zp_dtype(weights[0].2),
             );
         }
         addresses.push(device_address::<i32>(codes)?);
         addresses.push(scale_address(scales)?);
-        addresses.push(match zero_points {
-            Some(z) => device_address::<i32>(z)?,
-            None => 0,
-        });
+        addresses.push(zero_point_address(zero_points)?);
     }
     Ok(addresses)
 }
 
-/// The name of the int kernel `base` for `scales`' dtype and the output's:
-/// `{base}_s{scales}_{dtype}`.
-fn int_kernel_name(base: &str, scales: &Tensor, dtype: DType) -> Result<String> {
-    match scales.dtype() {
-        DType::F32 | DType::BF16 | DType::F16 => Ok(kernel_name(
-            &format!("{base}_s{}", dtype_suffix(scales.dtype())),
-            dtype,
-        )),
-        other => bail!("int weights with {other:?} scales"),
+/// The name of the int kernel `base` for the scales' dtype, the zero points' and the output's:
+/// `{base}_s{scales}[_z8]_{dtype}` (`_z8`: byte zero points; i32 ones and none take the
+/// plain kernel).
+fn int_kernel_name(
+    base: &str,
+    scales: &Tensor,
+    zero_points: Option<&Tensor>,
+    dtype: DType,
+) -> Result<String> {
+    if !matches!(scales.dtype(), DType::F32 | DType::BF16 | DType::F16) {
+        bail!("int weights with {:?} scales", scales.dtype());
     }
+    let bytes = match zero_points.map(Tensor::dtype) {
+        Some(DType::U8) => "_z8",
+        None | Some(DType::I32) => "",
+        Some(other) => bail!("int weights with {other:?} zero points"),
+    };
+    Ok(kernel_name(
+        &format!("{base}_s{}{bytes}", dtype_suffix(scales.dtype())),
+        dtype,
+    ))
 }
 
 /// The device address of a weight's scales (f32, bf16 or f16).
 fn scale_address(scales: &Tensor) -> Result<u64> {
     with_float_type!(scales.dtype(), S => device_address::<S>(scales))
+}
+
+/// The device address of a weight's zero points (u8 or i32), 0 where it has none.
+fn zero_point_address(zero_points: Option<&Tensor>) -> Result<u64> {
+    match zero_points {
+        None => Ok(0),
+        Some(z) if z.dtype() == DType::U8 => device_address::<u8>(z),
+        Some(z) => device_address::<i32>(z),
+    }
 }
 
 /// nvfp4 → `[rows, cols]` in `dtype`: the fp8 scales divided by the per-tensor scale and each
