@@ -4,9 +4,9 @@
 // padding), w_z given by the addresses of its packed int4 words, scales and zero points (or 0)
 // at ptrs[3z..3z + 3] (as dequant_int4_words_stacked_*_z8 in dequant.cu takes them), the offsets
 // following at ptrs[3·slots..]. Scales S as the checkpoint stores them (f32, bf16 or f16; each
-// widens to f32 exactly), zero points a signed byte each (see IgGroupAt). For few rows per expert (a 2048-token window gives
-// each of 128 experts ~128 rows), where writing every dequantized weight to memory and reading
-// it back costs several times the GEMM itself.
+// widens to f32 exactly), zero points a signed byte each (see IgGroupAt). For few rows per
+// expert (a 2048-token window gives each of 128 experts ~128 rows), where writing every
+// dequantized weight to memory and reading it back costs several times the GEMM itself.
 //
 // Each weight value is dequant_int_words' T((q - 8 - zp) · scale), one f32 product rounded once,
 // so the products are those of the dequantized weight; they are summed in f32 on tensor cores

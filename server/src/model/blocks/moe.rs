@@ -463,9 +463,11 @@ impl Moe {
         groups: &[(Vec<usize>, Vec<usize>)],
         rows_token: &Tensor,
     ) -> Result<Tensor> {
-        let (dev, dtype, hidden) = (x.device(), x.dtype(), x.dims()[1]);
+        let (dev, hidden) = (x.device(), x.dims()[1]);
+        // Not cleared: the groups' rows together are all of them, and each group's down
+        // projection writes its rows (beta 0).
         let y = stage("experts", dev, || {
-            Tensor::zeros((rows_token.elem_count(), hidden), dtype, dev)
+            ops::expert_rows(rows_token.elem_count(), hidden, x)
         })?;
         let mut first_row = 0;
         for (group, counts) in groups {
