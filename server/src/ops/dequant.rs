@@ -334,8 +334,8 @@ pub enum Nvfp4PerTensor {
 /// A quantized weight's tensors as its GPU dequantization kernel reads them.
 pub enum Packed<'a> {
     /// pack-quantized int4/int8 words, scales `[out, groups]` (f32, bf16 or f16, as stored),
-    /// i32 zero points; with act-order, the group of each input column (`g_idx`, u32 `[in]`)
-    /// instead of `c / group`.
+    /// signed zero points (u8 holding i8 where they fit, else i32); with act-order, the group
+    /// of each input column (`g_idx`, u32 `[in]`) instead of `c / group`.
     Int {
         codes: &'a Tensor,
         scale: &'a Tensor,
