@@ -1142,3 +1142,29 @@ fn gpt_oss_bf16_compute_is_as_close_to_f32_as_transformers_bf16() {
         );
     }
 }
+
+/// Each MLA, GLM and Gemma 4 fixture is served as the class its config.json names: what
+/// `/info`'s `architecture` reports (`Architecture::hf_name`).
+#[test]
+fn issue_fixtures_are_served_as_their_classes() {
+    for variant in [
+        "deepseek_v3-w4a16-g32",
+        "deepseek_v3-fp8-dynamic",
+        "deepseek_v2-w4a16-g32",
+        "deepseek_v2-fp8-dynamic",
+        "mistral4-w4a16-g32",
+        "glm4_moe_lite-w4a16-g32",
+        "glm4_moe-w4a16-g32",
+        "gemma4-w4a16-g32",
+        "gemma4-nvfp4a16",
+        "gemma4_moe-w4a16-g32",
+    ] {
+        let text = std::fs::read_to_string(fixtures().join(variant).join("config.json")).unwrap();
+        let named: Value = serde_json::from_str(&text).unwrap();
+        assert_eq!(
+            load_config(variant).architecture.hf_name(),
+            named["architectures"][0].as_str().unwrap(),
+            "{variant}"
+        );
+    }
+}

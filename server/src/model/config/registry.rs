@@ -139,3 +139,26 @@ impl Architecture {
         self.config().unread_prefixes()
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::Architecture;
+
+    /// README's "Supported checkpoints" table names every class we serve (`/info` reports the
+    /// served model's class, [`Architecture::hf_name`]).
+    #[test]
+    fn every_served_class_is_named_in_the_readme_table() {
+        let path = concat!(env!("CARGO_MANIFEST_DIR"), "/../README.md");
+        let readme = std::fs::read_to_string(path).unwrap();
+        let section = readme
+            .split("\n## ")
+            .find(|s| s.starts_with("Supported checkpoints"))
+            .expect("README.md has a `## Supported checkpoints` section");
+        let missing: Vec<&str> = Architecture::ALL
+            .iter()
+            .map(|a| a.hf_name())
+            .filter(|name| !section.contains(&format!("`{name}`")))
+            .collect();
+        assert!(missing.is_empty(), "not in README's table: {missing:?}");
+    }
+}
