@@ -378,7 +378,12 @@ impl Layer for Gemma4DecoderLayer {
         // What the attention read goes now, but for keys and values a later layer reads: at
         // eight windows of 2048 these are ~0.25 GB that the feed-forward's peak would hold.
         drop((kv, normed));
-        let own = own.filter(|_| matches!(self.keys, KeySource::Own { stored_at: Some(_) }));
+        let stored = match self.keys {
+            KeySource::Own {
+                stored_at: Some(at),
+            } => own.map(|kv| (at, kv)),
+            _ => None,
+        };
         let x = (&x
             + stage("norm", dev, || {
                 self.post_attention_layernorm.forward(&out, None)
@@ -407,13 +412,7 @@ impl Layer for Gemma4DecoderLayer {
         if width > self.hidden {
             parts.push(stream.narrow(1, self.hidden, width - self.hidden)?);
         }
-        if let (
-            KeySource::Own {
-                stored_at: Some(at),
-            },
-            Some(kv),
-        ) = (self.keys, own)
-        {
+        if let Some((at, kv)) = stored {
             if at != width {
                 candle_core::bail!("keys stored at stream column {at}, the stream has {width}");
             }

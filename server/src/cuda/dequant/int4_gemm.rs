@@ -69,8 +69,8 @@ fn int4_gemm_aligned(addresses: &[u64]) -> bool {
 }
 
 /// Whether `matmul_t_int4_stacked` multiplies these weights (one shape `[n, k]` of `bits`-bit
-/// codes in groups of `group`) in `dtype` ([`int4_gemm_takes`]), their codes aligned for its
-/// 16-byte copies.
+/// codes in groups of `group`) in `dtype` ([`int4_gemm_takes`]), laid out as it reads them
+/// ([`kernel_args`]).
 pub fn int4_gemm_applies(
     weights: &[(&Tensor, &Tensor, Option<&Tensor>)],
     shape: (usize, usize),
@@ -78,17 +78,27 @@ pub fn int4_gemm_applies(
     group: usize,
     dtype: DType,
 ) -> Result<bool> {
-    Ok(int4_gemm_takes(shape, bits, group, dtype)
-        && byte_zero_points(weights)
-        && int4_gemm_aligned(&stack_addresses(weights, shape, bits, group)?))
+    Ok(int4_gemm_takes(shape, bits, group, dtype) && kernel_args(weights, shape, group)?.is_some())
 }
 
-/// Whether every weight's zero points are bytes, as the kernel reads them, or absent (a 4-bit
-/// weight's always fit a byte, `quant::pack_quantized`).
-fn byte_zero_points(weights: &[(&Tensor, &Tensor, Option<&Tensor>)]) -> bool {
-    weights
+/// The weights' addresses as the kernel takes them ([`stack_addresses`]) and their scales'
+/// dtype, or `None` where it cannot read them: zero points that are not bytes (a 4-bit
+/// weight's always fit one, `quant::pack_quantized`) or addresses not aligned for its copies.
+fn kernel_args(
+    weights: &[(&Tensor, &Tensor, Option<&Tensor>)],
+    shape: (usize, usize),
+    group: usize,
+) -> Result<Option<(Vec<u64>, DType)>> {
+    let byte_zero_points = weights
         .iter()
-        .all(|(_, _, z)| z.is_none_or(|z| z.dtype() == DType::U8))
+        .all(|(_, _, z)| z.is_none_or(|z| z.dtype() == DType::U8));
+    if !byte_zero_points {
+        return Ok(None);
+    }
+    let args = stack_addresses(weights, shape, 4, group)?;
+    // (an empty stack launches nothing: its scales' dtype is never read)
+    let scales = weights.first().map_or(DType::F32, |(_, s, _)| s.dtype());
+    Ok(int4_gemm_aligned(&args).then_some((args, scales)))
 }
 
 /// `x_z · w_zᵀ` for the int4 weights `weights` (one shape `[n, k]`, one group: a mixture's
@@ -124,10 +134,11 @@ pub fn matmul_t_int4_stacked_into_rows(
     }
     let tile_rows = tile_rows.unwrap_or_else(|| int4_gemm_tile_rows(rows));
     // The weights' addresses, then each block's first row.
-    let mut args = stack_addresses(weights, (n, k), 4, group)?;
-    if !int4_gemm_aligned(&args) || !byte_zero_points(weights) {
-        bail!("matmul_t_int4_stacked_into_rows: codes, scales or zero points not aligned, or i32 zero points");
-    }
+    let Some((mut args, scales)) = kernel_args(weights, (n, k), group)? else {
+        bail!(
+            "matmul_t_int4_stacked_into_rows: weights the kernel cannot read (int4_gemm_applies)"
+        );
+    };
     args.extend(std::iter::once(0).chain(rows.iter().scan(0u64, |end, &r| {
         *end += r as u64;
         Some(*end)
@@ -137,7 +148,6 @@ pub fn matmul_t_int4_stacked_into_rows(
         most.div_ceil(tile_rows) as u32,
         weights.len() as u32,
     );
-    let scales = weights[0].1.dtype();
     launch_int4_gemm(
         out,
         row0,
@@ -185,16 +195,15 @@ pub fn matmul_t_int4_tiled_into_rows(
     if total == 0 || max_tiles == 0 {
         return Ok(());
     }
-    let args = stack_addresses(weights, (n, k), 4, group)?;
-    if !int4_gemm_aligned(&args) || !byte_zero_points(weights) {
-        bail!("matmul_t_int4_tiled_into_rows: codes, scales or zero points not aligned, or i32 zero points");
-    }
+    let Some((args, scales)) = kernel_args(weights, (n, k), group)? else {
+        bail!("matmul_t_int4_tiled_into_rows: weights the kernel cannot read (int4_gemm_applies)");
+    };
     let grid = (n.div_ceil(128) as u32, max_tiles as u32, 1);
     launch_int4_gemm(
         out,
         row0,
         x,
-        (&args, weights[0].1.dtype()),
+        (&args, scales),
         Some((offsets, tiles)),
         tile_rows,
         grid,
