@@ -17,6 +17,7 @@ use exactscore_server::config::{Args, Config, LogFormat};
 use tracing_subscriber::EnvFilter;
 
 fn main() -> ExitCode {
+    exactscore_server::http::memory::configure_malloc();
     let args = match Args::try_parse() {
         Ok(args) => args,
         Err(e) if !e.use_stderr() => {
