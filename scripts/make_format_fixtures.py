@@ -11,8 +11,12 @@ embeddings) to stay under 1 MB each; FP8's reference.json also holds `reference_
 transformers with vLLM's per-token-group fp8 activation QDQ. The W8A8-INT8 fixture is
 llm-compressor's `W8A8` preset on that base; its `reference_emulated` is vLLM's int8
 activations with the int8 GEMM exact in int32 (`reference_emulated_qdq`: the same activations
-dequantized, then an f32 GEMM). The ModelOpt NVFP4 fixture is packed by this script from the
-format (nvidia-modelopt is not installed), its config in hf_quant_config.json.
+dequantized, then an f32 GEMM). The ModelOpt NVFP4, FP8 and MIXED_PRECISION fixtures are
+packed by this script from the format; `llama-modelopt-export-nvfp4` and
+`llama-modelopt-export-fp8` are quantized and exported by nvidia-modelopt 0.47.0 itself (on the
+CPU), which also checks the packer: its NVFP4 export is bit-identical. `llama-fp8-static-tensor`
+is llm-compressor's `FP8` preset. The per-tensor FP8 fixtures with a scale per fused shard hold
+`reference_served`: the weights requantized as vLLM serves them (`vllm_fused_fp8`).
 
 The KV-cache fixtures (`llama-kv-fp8-tensor`, `llama-kv-fp8-head`, `llama-kv-none`) are W4A16
 checkpoints whose fp8 k/v scales llm-compressor 0.14 calibrates (`kv_cache_scheme`, per tensor
@@ -232,16 +236,7 @@ def reference_logprobs(weights, config=None, hooks=None):
     model.eval()
     if hooks is not None:
         hooks(model)
-    seqs = []
-    for text, ids in texts():
-        logits = model(input_ids=torch.tensor([ids])).logits[0].to(torch.float64)
-        lsm = torch.log_softmax(logits, dim=-1)
-        lp = lsm[:-1].gather(1, torch.tensor(ids[1:])[:, None])[:, 0].numpy()
-        seqs.append({"text": text, "token_ids": ids,
-                     "token_logprobs": [None] + [float(v) for v in lp],
-                     "top1_ids": [int(i) for i in logits.argmax(-1)],
-                     "sum_nll": float(-lp.sum()), "num_scored": len(lp)})
-    return seqs
+    return scored(model)
 
 
 def dequant_check(deq):
@@ -832,6 +827,78 @@ def int8_qdq_hooks(linears):
     return register
 
 
+def make_ct_fp8_static(name):
+    """llm-compressor 0.14 `FP8` (fp8 weights and static activations, one scale per tensor) on
+    the tiny base, calibrated on the reference sequences; the weights as compressed-tensors
+    decompresses them (each layer's own scale); `reference_served`: the weights as vLLM serves
+    them (every shard requantized to its fused layer's largest scale, `vllm_fused_fp8` with
+    compressed-tensors' rule), activations unquantized; `reference_emulated`: those weights
+    with each Linear's input through the static fp8 QDQ of its fused layer's largest
+    `input_scale`."""
+    from datasets import Dataset
+    from llmcompressor import oneshot
+    from llmcompressor.modifiers.quantization import QuantizationModifier
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    cfg, dense = tiny_config(), tiny_dense()
+    base = FIXTURES / f".{name}.base"  # oneshot wants a model with a path
+    model = AutoModelForCausalLM.from_config(LlamaConfig(**cfg), dtype=torch.bfloat16)
+    model.load_state_dict(dense, strict=False)
+    model.tie_weights()
+    model.save_pretrained(str(base))
+    for f in ["tokenizer.json", "tokenizer_config.json"]:  # oneshot wants a processor too
+        shutil.copy(DENSE / f, base / f)
+    model = AutoModelForCausalLM.from_pretrained(str(base), dtype=torch.bfloat16)
+    ids = [ids for _t, ids in texts()]
+    calibration = Dataset.from_dict({"input_ids": ids,
+                                     "attention_mask": [[1] * len(i) for i in ids]})
+    model = oneshot(model=model, dataset=calibration, num_calibration_samples=len(ids),
+                    max_seq_length=max(len(i) for i in ids),
+                    recipe=QuantizationModifier(targets="Linear", scheme="FP8",
+                                                ignore=["lm_head"]))
+    tmp = FIXTURES / f".{name}.tmp"
+    model.save_pretrained(str(tmp), save_compressed=True)
+    shutil.rmtree(base)
+    qconfig = json.loads((tmp / "config.json").read_text())["quantization_config"]
+    quantized = load_file(str(tmp / "model.safetensors"))
+    m = AutoModelForCausalLM.from_pretrained(str(tmp), dtype=torch.float32)
+    hq = getattr(m, "hf_quantizer", None)
+    if hq is not None and hasattr(m, "ct_decompress_hook"):
+        hq.compressor.decompress_model(m)
+    shutil.rmtree(tmp)
+    lins = linear_names(dense)
+    sd = m.state_dict()
+    deq = {lin: sd[lin + ".weight"].detach().float().numpy() for lin in lins}
+    for lin in lins:  # compressed-tensors' reading is the format's formula, exactly
+        spec = (quantized[lin + ".weight"].float() * quantized[lin + ".weight_scale"].float())
+        assert np.array_equal(spec.numpy(), deq[lin]), lin
+    served = vllm_fused_fp8(quantized, always=True)
+    input_scales = {}
+    for layer in range(cfg["num_hidden_layers"]):
+        for group in FUSED:
+            names = [f"model.layers.{layer}.{g}" for g in group]
+            top = max(quantized[n + ".input_scale"].float().reshape(()) for n in names)
+            input_scales.update({n: top for n in names})
+    write_variant(name, qconfig, quantized, deq,
+                  "compressed-tensors 0.19.0 (transformers from_pretrained + decompress_model)",
+                  config=cfg, dense=dense)
+    weights = {k: v.float() for k, v in dense.items()}
+    weights.update({lin + ".weight": w for lin, w in served.items()})
+    out = FIXTURES / name
+    ref = json.loads((out / "reference.json").read_text())
+    mean = lambda seqs: sum(s["sum_nll"] for s in seqs) / sum(s["num_scored"] for s in seqs)
+    for key, what, hooks in [
+            ("reference_served", "the weights as vLLM serves them (vllm_fused_fp8, every "
+             "layer requantized to its fused layer's largest scale), activations unquantized",
+             None),
+            ("reference_emulated", "the served weights, each Linear's input through the static "
+             "fp8 QDQ (fp8_static_qdq) of its fused layer's largest input_scale",
+             fp8_static_hooks(input_scales))]:
+        seqs = reference_logprobs(weights, cfg, hooks)
+        ref[key] = {"activations": what, "sequences": seqs, "mean_nll": mean(seqs)}
+    (out / "reference.json").write_text(json.dumps(ref, indent=1) + "\n")
+
+
 def make_ct_w8a8(name):
     """llm-compressor 0.14 `W8A8` on the tiny base; the weights as compressed-tensors
     decompresses them; `reference_emulated`: vLLM's int8 activations and int32 GEMM;
@@ -1036,6 +1103,138 @@ def make_modelopt_nvfp4(name):
     (out / "hf_quant_config.json").write_text(
         json.dumps(config.pop("quantization_config"), indent=4) + "\n")
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+
+
+MODELOPT_EXPORTS = {"llama-modelopt-export-nvfp4": "NVFP4", "llama-modelopt-export-fp8": "FP8"}
+
+
+def make_modelopt_export(name, algo):
+    """The tiny base quantized and exported by nvidia-modelopt itself (`mtq.quantize` with
+    its NVFP4 / FP8 default config, max calibration on the reference sequences, then
+    `export_hf_checkpoint`), on the CPU in f32. The reference weights are modelopt's own
+    dequantization of the exported tensors (`NVFP4QTensor.dequantize`; fp8 `weight *
+    weight_scale`). `reference_emulated`: FP8, modelopt's own fake-quantized model (weights
+    and static activations, its `_fp8_eager`); NVFP4, `nvfp4_act_hooks` with 1 / input_scale
+    (modelopt's NVFP4 activation fake-quant runs only on CUDA). The exported embeddings and
+    norms are bf16 values held in f32; they are stored as bf16 (the same numbers)."""
+    import modelopt
+    import modelopt.torch.quantization as mtq
+    from modelopt.torch.export import export_hf_checkpoint
+    from modelopt.torch.quantization.qtensor import NVFP4QTensor
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    cfg, dense = tiny_config(), tiny_dense()
+    model = AutoModelForCausalLM.from_config(LlamaConfig(**cfg), dtype=torch.float32,
+                                             attn_implementation="sdpa")
+    model.load_state_dict({k: v.float() for k, v in dense.items()}, strict=False)
+    model.tie_weights()
+    model.eval()
+    qcfg = {"NVFP4": mtq.NVFP4_DEFAULT_CFG, "FP8": mtq.FP8_DEFAULT_CFG}[algo]
+    with torch.no_grad():
+        mtq.quantize(model, qcfg, lambda m: [m(input_ids=torch.tensor([ids]))
+                                             for _t, ids in texts()])
+        fake_quant = scored(model) if algo == "FP8" else None
+    work = FIXTURES / f".{name}-work"
+    shutil.rmtree(work, ignore_errors=True)
+    export_hf_checkpoint(model, export_dir=str(work))
+    exported = load_file(str(work / "model.safetensors"))
+    config = json.loads((work / "config.json").read_text())
+    hf_quant_config = (work / "hf_quant_config.json").read_text()
+    shutil.rmtree(work)
+    qconfig = config.pop("quantization_config")
+    config["dtype"] = "bfloat16"
+    tensors, deq, input_scales = {}, {}, {}
+    for key, t in exported.items():
+        if t.dtype == torch.float32 and t.dim() > 0:
+            assert torch.equal(t.to(torch.bfloat16).float(), t), key
+            t = t.to(torch.bfloat16)
+        tensors[key] = t
+        if key.endswith(".weight_scale"):
+            lin = key[: -len(".weight_scale")]
+            w, s = exported[lin + ".weight"], exported[key]
+            if algo == "NVFP4":
+                scale_2 = exported[lin + ".weight_scale_2"]
+                q = NVFP4QTensor(torch.Size([w.shape[0], w.shape[1] * 2]), torch.float32, w)
+                theirs = q.dequantize(dtype=torch.float32, scale=s, double_scale=scale_2,
+                                      block_sizes={-1: 16})
+                # The same numbers as the format's formula; modelopt's table decodes code 8
+                # as +0.0 where e2m1 (and the formula) has -0.0, so the bits kept are the
+                # formula's.
+                deq[lin] = modelopt_nvfp4_dequantize(w, s, scale_2)
+                assert torch.equal(torch.from_numpy(deq[lin]), theirs), lin
+            else:
+                deq[lin] = (w.float() * s.float()).numpy()
+            input_scales[lin] = exported[lin + ".input_scale"].float().reshape(())
+    assert sorted(deq) == sorted(linear_names(dense)), sorted(deq)
+    if algo == "NVFP4":
+        emulated = ("NVFP4 activation fake-quant per 16 (compressed-tensors' formula, "
+                    "nvfp4_act_qdq) with global scale 1 / input_scale (vLLM's "
+                    "input_global_scale_inv)", nvfp4_act_hooks(input_scales))
+    else:
+        emulated = None
+    write_variant(name, qconfig, tensors, deq,
+                  f"nvidia-modelopt {modelopt.__version__}'s own dequantization of its export "
+                  "(f32)", config=config, dense=dense, emulated=emulated)
+    out = FIXTURES / name
+    (out / "hf_quant_config.json").write_text(hf_quant_config)
+    if fake_quant is not None:
+        ref = json.loads((out / "reference.json").read_text())
+        served = {k: v.float() for k, v in dense.items()}
+        for lin, w in vllm_fused_fp8(exported).items():
+            served[lin + ".weight"] = w
+        seqs = reference_logprobs(served, config)
+        ref["reference_served"] = {
+            "weights": "vLLM's requantize_with_max_scale of the fused q/k/v and gate/up shards "
+                       "(vllm_fused_fp8), transformers f32, activations unquantized",
+            "sequences": seqs,
+            "mean_nll": sum(s["sum_nll"] for s in seqs) / sum(s["num_scored"] for s in seqs)}
+        ref["reference_emulated"] = {
+            "activations": f"nvidia-modelopt {modelopt.__version__}'s fake-quantized model "
+                           "(f32): its weights and static per-tensor fp8 activations as "
+                           "modelopt simulates them",
+            "sequences": fake_quant,
+            "mean_nll": sum(s["sum_nll"] for s in fake_quant)
+            / sum(s["num_scored"] for s in fake_quant)}
+        ref["versions"]["modelopt"] = modelopt.__version__
+        (out / "reference.json").write_text(json.dumps(ref, indent=1) + "\n")
+
+
+def vllm_fused_fp8(tensors, always=False):
+    """The per-tensor fp8 weights of a checkpoint as vLLM serves them (f32): the shards it
+    fuses (q/k/v, gate/up) each requantized to their largest `weight_scale` (ModelOpt: where
+    the scales differ; compressed-tensors, `always`: every layer, even alone), as vLLM's `requantize_with_max_scale` does on CUDA: `per_tensor_dequantize` (codes
+    as float16 times the scale, a 0-dim CUDA tensor that PyTorch's CUDA kernel reads as
+    float16; the product rounded to float16), then `static_scaled_fp8_quant` (times
+    `1.0f / max_scale`, clamped to ±448, rounded to e4m3)."""
+    out = {}
+    for layer in range(2):
+        for group in FUSED:
+            names = [f"model.layers.{layer}.{g}" for g in group]
+            scales = [tensors[n + ".weight_scale"].float().reshape(()) for n in names]
+            top = max(scales)
+            for n, s in zip(names, scales):
+                code = tensors[n + ".weight"]
+                if not always and all(torch.equal(x, scales[0]) for x in scales):
+                    out[n] = code.float() * s
+                    continue
+                dq = (code.float() * s.to(torch.float16).float()).to(torch.float16)
+                q = (dq.float() * (torch.tensor(1.0) / top)).clamp(-448.0, 448.0)
+                out[n] = q.to(torch.float8_e4m3fn).float() * top
+    return out
+
+
+def scored(model):
+    """`reference_logprobs`' sequences of an already built model."""
+    seqs = []
+    for text, ids in texts():
+        logits = model(input_ids=torch.tensor([ids])).logits[0].to(torch.float64)
+        lsm = torch.log_softmax(logits, dim=-1)
+        lp = lsm[:-1].gather(1, torch.tensor(ids[1:])[:, None])[:, 0].numpy()
+        seqs.append({"text": text, "token_ids": ids,
+                     "token_logprobs": [None] + [float(v) for v in lp],
+                     "top1_ids": [int(i) for i in logits.argmax(-1)],
+                     "sum_nll": float(-lp.sum()), "num_scored": len(lp)})
+    return seqs
 
 
 def fp8_static_qdq(x, scale):
@@ -1308,12 +1507,17 @@ def main():
         make_fp8_vectors(500)
     if not only or "llama-w8a8-int8" in only:
         make_ct_w8a8("llama-w8a8-int8")
+    if not only or "llama-fp8-static-tensor" in only:
+        make_ct_fp8_static("llama-fp8-static-tensor")
     if not only or "llama-modelopt-nvfp4" in only:
         make_modelopt_nvfp4("llama-modelopt-nvfp4")
     if not only or "llama-modelopt-fp8" in only:
         make_modelopt_fp8("llama-modelopt-fp8")
     if not only or "llama-modelopt-mixed" in only:
         make_modelopt_mixed("llama-modelopt-mixed")
+    for name, algo in MODELOPT_EXPORTS.items():
+        if not only or name in only:
+            make_modelopt_export(name, algo)
     for name, (sym, fmt) in AUTOROUND_VARIANTS.items():
         if not only or name in only:
             make_autoround(name, sym, fmt)

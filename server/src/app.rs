@@ -345,6 +345,7 @@ fn load_models(config: &Config) -> Result<Loaded, AppError> {
             activation_quant: config.activation_quant,
             kv_cache: config.kv_cache,
             fp8_matmul: config.fp8_matmul,
+            fused_fp8_scales: config.fused_fp8_scales,
         },
         max_seq_len: max_input_tokens,
         attention: config.attention,

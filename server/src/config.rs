@@ -10,6 +10,7 @@ use clap::{Parser, ValueEnum};
 use crate::engine::fault::FaultInjection;
 use crate::engine::BatchLimits;
 use crate::model::AttentionKernel;
+use crate::quant::fused_shards::FusedFp8Scales;
 use crate::quant::{ActivationQuantMode, Fp8Matmul, KvCacheDtype, KvCacheOptions, KvCacheQuant};
 
 /// The tiny bundled checkpoint, so that `cargo run -p exactscore-server` serves at once.
@@ -46,6 +47,12 @@ pub enum Fp8MatmulArg {
     TensorCores,
     TensorCoresFastAccum,
     Emulated,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum FusedFp8ScalesArg {
+    Served,
+    PerLayer,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -126,6 +133,17 @@ pub struct Args {
         default_value = "tensor-cores"
     )]
     pub fp8_matmul: Fp8MatmulArg,
+    /// Per-tensor fp8 layers that vLLM fuses (q/k/v, gate/up) with a scale each: as vLLM serves
+    /// them (`served`: one weight scale per fused layer, the largest, each shard's codes
+    /// requantized to it, and the largest static input scale; compressed-tensors W8A8 and
+    /// ModelOpt FP8), or each layer's own scales as transformers reads them (`per-layer`).
+    #[arg(
+        long,
+        env = "EXACTSCORE_FUSED_FP8_SCALES",
+        value_enum,
+        default_value = "served"
+    )]
+    pub fused_fp8_scales: FusedFp8ScalesArg,
     /// Apply the checkpoint's `kv_cache_scheme` (fp8 K/V, and q, after RoPE, as vLLM's
     /// FlashAttention 3 path does: docs/kv-cache.md) or not (`off`).
     #[arg(
@@ -368,6 +386,7 @@ pub struct Config {
     pub micro_batch_sequences: Option<usize>,
     pub activation_quant: ActivationQuantMode,
     pub fp8_matmul: Fp8Matmul,
+    pub fused_fp8_scales: FusedFp8Scales,
     pub kv_cache: KvCacheOptions,
     pub attention: AttentionKernel,
     pub http: HttpConfig,
@@ -550,6 +569,10 @@ impl Config {
                 Fp8MatmulArg::TensorCores => Fp8Matmul::TensorCores,
                 Fp8MatmulArg::TensorCoresFastAccum => Fp8Matmul::TensorCoresFastAccum,
                 Fp8MatmulArg::Emulated => Fp8Matmul::Emulated,
+            },
+            fused_fp8_scales: match args.fused_fp8_scales {
+                FusedFp8ScalesArg::Served => FusedFp8Scales::Served,
+                FusedFp8ScalesArg::PerLayer => FusedFp8Scales::PerLayer,
             },
             kv_cache,
             attention: match args.attention {

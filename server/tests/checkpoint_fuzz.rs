@@ -89,6 +89,7 @@ fn options() -> ModelOptions {
             activation_quant: ActivationQuantMode::Emulate,
             kv_cache: Default::default(),
             fp8_matmul: Default::default(),
+            fused_fp8_scales: Default::default(),
         },
         max_seq_len: 512,
         attention: AttentionKernel::Auto,

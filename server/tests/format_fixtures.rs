@@ -9,6 +9,7 @@ use common::*;
 use exactscore_server::checkpoint::Checkpoint;
 use exactscore_server::model::Model;
 use exactscore_server::ops::{Nvfp4PerTensor, Packed};
+use exactscore_server::quant::fused_shards::FusedFp8Scales;
 use exactscore_server::quant::{
     awq, gptq, ActivationQuantMode, KvCacheDtype, KvCacheOptions, KvCacheQuant, QuantizedWeight,
 };
@@ -39,10 +40,14 @@ fn sha256_f32(w: &[f32]) -> String {
 
 /// Every quantized Linear of `variant` dequantizes to the bits of its `dequant_check.json`.
 fn assert_dequant_check(variant: &str) {
+    assert_dequant_check_of(&load(variant, ActivationQuantMode::Emulate), variant);
+}
+
+/// [`assert_dequant_check`] of a loaded `model` of `variant`.
+fn assert_dequant_check_of(model: &Model, variant: &str) {
     let text =
         std::fs::read_to_string(fixtures().join(variant).join("dequant_check.json")).unwrap();
     let checks: Value = serde_json::from_str(&text).unwrap();
-    let model = load(variant, ActivationQuantMode::Emulate);
     let mut checked = 0;
     for (name, linear) in model.linears() {
         let Some(check) = checks.get(&name) else {
@@ -492,7 +497,8 @@ fn hf_fp8_edge_blocks_equal_the_block_formula() {
             shape[0].as_u64().unwrap() as usize,
             shape[1].as_u64().unwrap() as usize,
         );
-        let w = Fp8Weight::load(&ckpt, layer, (out, inp), &scheme, &Device::Cpu).unwrap();
+        let w =
+            Fp8Weight::load(&ckpt, layer, (out, inp), &scheme, || Ok(None), &Device::Cpu).unwrap();
         assert_eq!(
             sha256_f32(&w.dequantize_f32().unwrap()),
             check["sha256_f32_le"].as_str().unwrap(),
@@ -681,6 +687,169 @@ fn modelopt_mixed_precision_reads_each_module_as_listed() {
 fn modelopt_mixed_precision_emulated_activations_match_the_reference() {
     let emulated = &reference(MODELOPT_MIXED)["reference_emulated"];
     assert_emulation_matters(MODELOPT_MIXED, emulated, 5.0);
+}
+
+/// Checkpoints that nvidia-modelopt itself quantized and exported (`export_hf_checkpoint`:
+/// config.json's `quantization_config` with `config_groups`, hf_quant_config.json beside it,
+/// the embeddings in `exclude_modules`).
+const MODELOPT_EXPORTS: [(&str, &str); 2] = [
+    (
+        "llama-modelopt-export-nvfp4",
+        "modelopt nvfp4 fp4 e2m1 g16 (fp8 scales)",
+    ),
+    (MODELOPT_EXPORT_FP8, "modelopt fp8 e4m3 tensor"),
+];
+const MODELOPT_EXPORT_FP8: &str = "llama-modelopt-export-fp8";
+
+/// `variant` in f32 on the CPU with `--fused-fp8-scales fused`.
+fn load_fused(variant: &str, act: ActivationQuantMode, fused: FusedFp8Scales) -> Model {
+    let mut opts = options(candle_core::DType::F32, act);
+    opts.linear.fused_fp8_scales = fused;
+    Model::load(&fixtures().join(variant), &opts).unwrap_or_else(|e| panic!("{variant}: {e}"))
+}
+
+/// Each layer's own scales (`--fused-fp8-scales per-layer`): weights-only per token against
+/// transformers on modelopt's own dequantization of the export, and those weights bit for bit.
+#[test]
+fn modelopt_exports_match_modelopts_own_dequantization_per_token() {
+    for (variant, described) in MODELOPT_EXPORTS {
+        let model = load_fused(variant, ActivationQuantMode::Off, FusedFp8Scales::PerLayer);
+        let (max, mean, rel) = deltas_of(&model, variant, &reference(variant));
+        println!("{variant} weights only: max |Δ| {max:.2e}, mean {mean:.2e}, NLL rel {rel:.2e}");
+        assert!(max <= 1e-4, "{variant}: max |Δlogprob| {max:e} > 1e-4");
+        assert_dequant_check_of(&model, variant);
+        let quantized = model
+            .linears()
+            .into_iter()
+            .filter(|(name, _)| name != "lm_head");
+        let mut count = 0;
+        for (name, linear) in quantized {
+            assert_eq!(linear.weight().describe(), described, "{variant}: {name}");
+            count += 1;
+        }
+        assert_eq!(count, 14, "{variant}: two layers of seven Linears");
+    }
+}
+
+/// The FP8 export as vLLM serves it (`--fused-fp8-scales served`, the default): modelopt gives
+/// q/k/v and gate/up a weight scale each, vLLM requantizes each shard to their largest; per
+/// token against transformers on those requantized weights (the fixture script's own emulation
+/// of vLLM's arithmetic), and each fused layer's shards on one scale. Each layer's own scales
+/// miss that reference by far more.
+#[test]
+fn modelopt_fp8_export_scores_as_vllm_serves_it() {
+    let served = &reference(MODELOPT_EXPORT_FP8)["reference_served"];
+    let model = load(MODELOPT_EXPORT_FP8, ActivationQuantMode::Off);
+    let (max, mean, _) = deltas_of(&model, MODELOPT_EXPORT_FP8, served);
+    let per_layer = load_fused(
+        MODELOPT_EXPORT_FP8,
+        ActivationQuantMode::Off,
+        FusedFp8Scales::PerLayer,
+    );
+    let (own_max, own_mean, _) = deltas_of(&per_layer, MODELOPT_EXPORT_FP8, served);
+    println!(
+        "served: max |Δ| {max:.2e}, mean {mean:.2e}; per-layer scales against it: max \
+         {own_max:.2e}, mean {own_mean:.2e}"
+    );
+    assert!(max <= 1e-4, "max |Δlogprob| {max:e} > 1e-4");
+    assert!(own_mean > 100.0 * 1e-4, "per-layer mean |Δ| {own_mean:e}");
+    let scale_of = |name: &str| {
+        let linears = model.linears();
+        let (_, linear) = linears.iter().find(|(n, _)| n == name).unwrap();
+        let Some(Packed::Fp8 { scale, .. }) = linear.weight().packed() else {
+            panic!("{name}: not an fp8 weight");
+        };
+        scale.to_vec1::<f32>().unwrap()
+    };
+    let described = |name: &str| {
+        let linears = model.linears();
+        let (_, linear) = linears.iter().find(|(n, _)| n == name).unwrap();
+        linear.weight().describe()
+    };
+    assert!(described("model.layers.0.self_attn.k_proj").contains("requantized"));
+    // one shard, nothing to requantize (ModelOpt: only where the shards' scales differ)
+    assert_eq!(
+        described("model.layers.0.self_attn.o_proj"),
+        "modelopt fp8 e4m3 tensor"
+    );
+    for group in [
+        ["q_proj", "k_proj", "v_proj"].as_slice(),
+        &["gate_proj", "up_proj"],
+    ] {
+        let module = if group.len() == 3 { "self_attn" } else { "mlp" };
+        let scales: Vec<Vec<f32>> = group
+            .iter()
+            .map(|p| scale_of(&format!("model.layers.0.{module}.{p}")))
+            .collect();
+        assert!(
+            scales.iter().all(|s| s == &scales[0]),
+            "{group:?}: {scales:?}"
+        );
+    }
+}
+
+/// `--activation-quant emulate` on modelopt's exports, each layer's own scales: FP8 against
+/// modelopt's own fake-quantized model (its weights and static activations as modelopt
+/// simulates them, a product with 448 / amax where ExactScore divides by `input_scale`:
+/// rounding flips, the mean NLL within 0.1 %); NVFP4 against the repo's NVFP4 QDQ with
+/// 1 / input_scale (modelopt's own NVFP4 activation fake-quant needs CUDA). Off misses either
+/// by far more.
+#[test]
+fn modelopt_exports_emulated_activations_match_the_reference() {
+    for ((variant, _), factor) in MODELOPT_EXPORTS.into_iter().zip([10.0, 4.0]) {
+        let emulated = &reference(variant)["reference_emulated"];
+        let of = |act| {
+            let model = load_fused(variant, act, FusedFp8Scales::PerLayer);
+            deltas_of(&model, variant, emulated)
+        };
+        let (max, mean, rel) = of(ActivationQuantMode::Emulate);
+        let (off_max, off_mean, off_rel) = of(ActivationQuantMode::Off);
+        println!(
+            "{variant} emulated: max |Δ| {max:.2e}, mean {mean:.2e}, NLL rel {rel:.2e}; off: \
+             max {off_max:.2e}, mean {off_mean:.2e}, NLL rel {off_rel:.2e}"
+        );
+        assert!(
+            rel <= 1e-3,
+            "{variant}: mean NLL differs by {rel:e} (relative)"
+        );
+        assert!(
+            off_mean > 100.0 * 1e-4 && off_mean > factor * mean,
+            "{variant}: off {off_mean:e}"
+        );
+    }
+}
+
+const FP8_STATIC: &str = "llama-fp8-static-tensor";
+
+/// compressed-tensors FP8 with per-tensor weights and static activations (llm-compressor's
+/// `FP8` preset): each layer's own scales (`--fused-fp8-scales per-layer`) per token against
+/// transformers on compressed-tensors' decompression, those weights bit for bit; as vLLM
+/// serves it (the default: every layer requantized to its fused layer's largest scale, the
+/// largest static input scale) against transformers on the weights so requantized, weights
+/// only and with the static fp8 activations. Each layer's own scales miss the served
+/// reference by far more.
+#[test]
+fn fp8_static_tensor_scores_as_compressed_tensors_reads_it_and_as_vllm_serves_it() {
+    let reference = reference(FP8_STATIC);
+    let off = ActivationQuantMode::Off;
+    let per_layer = load_fused(FP8_STATIC, off, FusedFp8Scales::PerLayer);
+    let (max, mean, _) = deltas_of(&per_layer, FP8_STATIC, &reference);
+    println!("{FP8_STATIC} per-layer weights only: max |Δ| {max:.2e}, mean {mean:.2e}");
+    assert!(max <= 1e-4, "per-layer: max |Δlogprob| {max:e} > 1e-4");
+    assert_dequant_check_of(&per_layer, FP8_STATIC);
+    let served = &reference["reference_served"];
+    let (max, mean, _) = deltas_against(FP8_STATIC, off, served);
+    let (own_max, own_mean, _) = deltas_of(&per_layer, FP8_STATIC, served);
+    println!(
+        "{FP8_STATIC} served: max |Δ| {max:.2e}, mean {mean:.2e}; per-layer against it: max \
+         {own_max:.2e}, mean {own_mean:.2e}"
+    );
+    assert!(max <= 1e-4, "served: max |Δlogprob| {max:e} > 1e-4");
+    assert!(own_mean > 100.0 * 1e-4, "per-layer mean |Δ| {own_mean:e}");
+    let ((max, _, _), _) =
+        assert_emulation_matters(FP8_STATIC, &reference["reference_emulated"], 2.0);
+    // static scales: no dynamic scale for an ulp upstream to move
+    assert!(max <= 1e-4, "emulated: max |Δlogprob| {max:e} > 1e-4");
 }
 
 /// `variant` loaded in f32 on the CPU with the KV-cache options `kv`.

@@ -56,6 +56,7 @@ fn load(name: &str, max_seq_len: usize) -> Model {
             activation_quant: ActivationQuantMode::Emulate,
             kv_cache: Default::default(),
             fp8_matmul: Default::default(),
+            fused_fp8_scales: Default::default(),
         },
         max_seq_len,
         attention: Default::default(),

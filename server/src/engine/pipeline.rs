@@ -596,6 +596,7 @@ mod tests {
                 activation_quant: ActivationQuantMode::Emulate,
                 kv_cache: Default::default(),
                 fp8_matmul: Default::default(),
+                fused_fp8_scales: Default::default(),
             },
             max_seq_len: 2048,
             attention: Default::default(),

@@ -7,7 +7,7 @@ use safetensors::Dtype as StDtype;
 
 use super::compressed_tensors::{Format, LayerScheme, Strategy};
 use super::minifloat::fp8_e4m3_to_f32;
-use super::{to_f32_vec, QuantizedWeight, SCALE_DTYPES};
+use super::{fused_shards, to_f32_vec, QuantizedWeight, SCALE_DTYPES};
 use crate::checkpoint::{Checkpoint, LoadError};
 use crate::ops::Packed;
 
@@ -33,14 +33,19 @@ pub struct Fp8Weight {
     strategy: Strategy,
     /// `scale_fmt: ue8m0` (checked at load).
     power_of_two_scales: bool,
+    /// Codes requantized to the scale of the fused layer vLLM serves (`super::fused_shards`).
+    requantized: bool,
 }
 
 impl Fp8Weight {
+    /// `served_scale`: the scale that vLLM requantizes a per-tensor weight to, asked once the
+    /// weight's own tensors are checked (`None`: its own).
     pub fn load(
         ckpt: &Checkpoint,
         name: &str,
         (out, inp): (usize, usize),
         scheme: &LayerScheme,
+        served_scale: impl FnOnce() -> std::result::Result<Option<f32>, LoadError>,
         device: &Device,
     ) -> std::result::Result<Self, LoadError> {
         let weight = ckpt.tensor(
@@ -84,19 +89,35 @@ impl Fp8Weight {
                 });
             }
         }
+        // One scale for the fused layer this shard belongs to, its codes requantized to it,
+        // as vLLM serves them (`super::fused_shards`).
+        let served_scale = served_scale()?;
+        let (weight, scale) = match served_scale {
+            Some(max) => {
+                let own = to_f32_vec(&scale)?[0];
+                let codes =
+                    fused_shards::requantized_weight(ckpt, name, (out, inp), (own, max), device)?;
+                (codes, Tensor::new(&[max], device)?)
+            }
+            None => (
+                weight,
+                scale
+                    .flatten_all()?
+                    .to_dtype(DType::F32)?
+                    .to_device(device)?,
+            ),
+        };
         Ok(Self {
             out,
             inp,
             weight,
-            scale: scale
-                .flatten_all()?
-                .to_dtype(DType::F32)?
-                .to_device(device)?,
+            scale,
             block,
             stored_bits: 8.0 + scale_bits / (block.0 * block.1) as f64,
             format: scheme.format,
             strategy: scheme.weights.strategy,
             power_of_two_scales: scheme.weights.power_of_two_scales,
+            requantized: served_scale.is_some(),
         })
     }
 }
@@ -127,7 +148,11 @@ impl QuantizedWeight for Fp8Weight {
             true => " (ue8m0 scales)",
             false => "",
         };
-        format!("{source} fp8 e4m3 {how}{ue8m0}")
+        let requantized = match self.requantized {
+            true => " (requantized to the fused layer's scale, as vLLM serves it)",
+            false => "",
+        };
+        format!("{source} fp8 e4m3 {how}{ue8m0}{requantized}")
     }
 
     fn bits_per_weight(&self) -> f64 {

@@ -7,6 +7,7 @@ pub mod awq;
 pub mod compressed_tensors;
 pub mod dense;
 pub mod float_quantized;
+pub mod fused_shards;
 pub mod gptq;
 pub mod hf_fp8;
 pub mod kv_cache;
@@ -540,6 +541,7 @@ pub struct LinearOptions {
     pub activation_quant: ActivationQuantMode,
     pub kv_cache: KvCacheOptions,
     pub fp8_matmul: Fp8Matmul,
+    pub fused_fp8_scales: fused_shards::FusedFp8Scales,
 }
 
 /// Loads the Linear `name` (`name.weight` or its compressed tensors, optional `name.bias`).
@@ -619,6 +621,7 @@ pub fn load_linear(
                     name,
                     (out, inp),
                     s,
+                    || fused_shards::served_weight_scale(ckpt, name, s, opts.fused_fp8_scales),
                     dev,
                 )?),
                 vec!["weight", float_quantized::scale_tensor(s.format)],
@@ -657,9 +660,20 @@ pub fn load_linear(
         }
         Some(args) => {
             used.extend(["input_global_scale", "input_scale", "input_zero_point"]);
-            let qdq = match scheme.map(|s| s.format) {
-                Some(Format::ModeloptNvfp4) => modelopt::input_qdq(ckpt, name)?,
-                _ => ActivationQdq::load(ckpt, name, args)?,
+            let qdq = match scheme {
+                Some(s) if s.format == Format::ModeloptNvfp4 => modelopt::input_qdq(ckpt, name)?,
+                Some(s) => match ActivationQdq::load(ckpt, name, args)? {
+                    ActivationQdq::Fp8Static { .. } => ActivationQdq::Fp8Static {
+                        scale: fused_shards::served_input_scale(
+                            ckpt,
+                            name,
+                            s,
+                            opts.fused_fp8_scales,
+                        )?,
+                    },
+                    qdq => qdq,
+                },
+                None => unreachable!("activations come with a scheme"),
             };
             (opts.activation_quant == ActivationQuantMode::Emulate).then_some(qdq)
         }

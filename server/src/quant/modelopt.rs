@@ -128,15 +128,9 @@ pub fn parse_config(raw: &Value) -> Result<ModeloptConfig, LoadError> {
     Ok(ModeloptConfig { layers, excluded })
 }
 
-/// The projections vLLM fuses into one layer (`qkv_proj`, `gate_up_proj`, MLA's
-/// `fused_qkv_a_proj`), whose listed algorithms must agree: vLLM refuses a checkpoint whose
-/// shards of one fused layer differ, so it is not served and has no scores to reproduce.
-const FUSED_SHARDS: [&[&str]; 3] = [
-    &["q_proj", "k_proj", "v_proj"],
-    &["gate_proj", "up_proj"],
-    &["q_a_proj", "kv_a_proj_with_mqa"],
-];
-
+/// Refuses listed algorithms that differ between the shards of one layer vLLM fuses
+/// ([`super::fused_shards::FUSED_SHARDS`]): vLLM refuses such a checkpoint, so it is not served
+/// and has no scores to reproduce.
 fn refuse_split_fused_layers(
     layers: &[(String, LayerScheme)],
     field: &dyn Fn(&str) -> String,
@@ -148,7 +142,10 @@ fn refuse_split_fused_layers(
         let Some((base, leaf)) = name.rsplit_once('.') else {
             continue;
         };
-        let Some(shards) = FUSED_SHARDS.iter().find(|s| s.contains(&leaf)) else {
+        let Some(shards) = super::fused_shards::FUSED_SHARDS
+            .iter()
+            .find(|s| s.contains(&leaf))
+        else {
             continue;
         };
         for sibling in shards.iter().map(|s| format!("{base}.{s}")) {

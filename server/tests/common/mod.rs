@@ -31,6 +31,7 @@ pub fn options(dtype: DType, act: ActivationQuantMode) -> ModelOptions {
             activation_quant: act,
             kv_cache: Default::default(),
             fp8_matmul: Default::default(),
+            fused_fp8_scales: Default::default(),
         },
         max_seq_len: 512,
         attention: Default::default(),

@@ -81,6 +81,7 @@ pub fn load_model_options() -> exactscore_server::model::ModelOptions {
             activation_quant: ActivationQuantMode::Emulate,
             kv_cache: Default::default(),
             fp8_matmul: Default::default(),
+            fused_fp8_scales: Default::default(),
         },
         max_seq_len: 512,
         attention: Default::default(),

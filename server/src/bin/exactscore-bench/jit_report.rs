@@ -24,6 +24,7 @@ pub fn report(model_dir: &Path, device: &Device) -> Result<()> {
             activation_quant: ActivationQuantMode::Emulate,
             kv_cache: Default::default(),
             fp8_matmul: Default::default(),
+            fused_fp8_scales: Default::default(),
         },
         max_seq_len: 2048,
         attention: AttentionKernel::Auto,

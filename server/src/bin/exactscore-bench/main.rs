@@ -546,6 +546,7 @@ fn options(
             activation_quant: act,
             kv_cache: Default::default(),
             fp8_matmul: Default::default(),
+            fused_fp8_scales: Default::default(),
         },
         max_seq_len,
         attention,
@@ -684,11 +685,16 @@ const CHECKED: &[&str] = &[
     // gpt-oss: attention sinks (materialized), clamped SwiGLU experts in bf16 and native MXFP4
     "gpt_oss-dense-bf16",
     "gpt_oss-mxfp4",
-    // compressed-tensors W8A8-INT8 (int8 per-token activations); ModelOpt NVFP4 and FP8
+    // compressed-tensors W8A8-INT8 (int8 per-token activations) and FP8 static per tensor
+    // (fused shards requantized as vLLM serves them); ModelOpt NVFP4 and FP8
     "llama-w8a8-int8",
+    "llama-fp8-static-tensor",
     "llama-modelopt-nvfp4",
     "llama-modelopt-fp8",
     "llama-modelopt-mixed",
+    // quantized and exported by nvidia-modelopt 0.47 itself
+    "llama-modelopt-export-nvfp4",
+    "llama-modelopt-export-fp8",
     // an fp8 KV-cache scheme, per tensor and per KV head (emulated: the default)
     "llama-kv-fp8-tensor",
     "llama-kv-fp8-head",
