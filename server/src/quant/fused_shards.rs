@@ -1,6 +1,7 @@
 //! Per-tensor fp8 layers that vLLM fuses into one, as it serves them. vLLM multiplies q/k/v as
 //! one `qkv_proj`, gate/up as one `gate_up_proj` (Mixtral's w1/w3, each expert's gate/up as its
-//! `w13`), MLA's q_a/kv_a as `fused_qkv_a_proj`, and a fused layer has one weight scale and one
+//! `w13`), MLA's q_a/kv_a as `fused_qkv_a_proj`, Qwen3.5's `in_proj_qkv`/`in_proj_z` and
+//! `in_proj_b`/`in_proj_a`, and a fused layer has one weight scale and one
 //! static input scale. Where the checkpoint stores a scale per shard, vLLM takes the largest and
 //! requantizes each shard's codes to it (`requantize_with_max_scale`, for compressed-tensors'
 //! W8A8 tensor strategy always, for ModelOpt FP8 where the shards' scales differ), and takes the
@@ -22,12 +23,15 @@ use super::load_scalar;
 use super::minifloat::{fp8_e4m3_from_grid, fp8_e4m3_to_f32, round_to_fp8_e4m3, FP8_E4M3_MAX};
 use crate::checkpoint::{Checkpoint, LoadError};
 
-/// The projections vLLM fuses into one layer, by the last part of their names.
-pub const FUSED_SHARDS: [&[&str]; 4] = [
+/// The projections vLLM fuses into one layer, by the last part of their names (its models'
+/// `packed_modules_mapping`: Qwen3.5's gated delta net fuses `in_proj_qkvz` and `in_proj_ba`).
+pub const FUSED_SHARDS: [&[&str]; 6] = [
     &["q_proj", "k_proj", "v_proj"],
     &["gate_proj", "up_proj"],
     &["w1", "w3"],
     &["q_a_proj", "kv_a_proj_with_mqa"],
+    &["in_proj_qkv", "in_proj_z"],
+    &["in_proj_b", "in_proj_a"],
 ];
 
 /// How per-tensor fp8 scales of fused layers are read (`--fused-fp8-scales`).
