@@ -827,15 +827,12 @@ def int8_qdq_hooks(linears):
     return register
 
 
-def make_ct_fp8_static(name):
-    """llm-compressor 0.14 `FP8` (fp8 weights and static activations, one scale per tensor) on
-    the tiny base, calibrated on the reference sequences; the weights as compressed-tensors
-    decompresses them (each layer's own scale); `reference_served`: the weights as vLLM serves
-    them (every shard requantized to its fused layer's largest scale, `vllm_fused_fp8` with
-    compressed-tensors' rule), activations unquantized; `reference_emulated`: those weights
-    with each Linear's input through the static fp8 QDQ of its fused layer's largest
-    `input_scale`."""
-    from datasets import Dataset
+def llmcompressor_tiny(name, scheme, calibrate=False):
+    """llm-compressor 0.14's preset `scheme` on the tiny base (`calibrate`: on the reference
+    sequences, for static activation scales), saved compressed and read back. Returns (config,
+    dense tensors, quantization_config, the saved tensors, {Linear: the weight
+    compressed-tensors decompresses, f32 numpy}), each weight asserted equal to codes times
+    scale."""
     from llmcompressor import oneshot
     from llmcompressor.modifiers.quantization import QuantizationModifier
     from transformers import AutoModelForCausalLM, LlamaConfig
@@ -846,16 +843,19 @@ def make_ct_fp8_static(name):
     model.load_state_dict(dense, strict=False)
     model.tie_weights()
     model.save_pretrained(str(base))
-    for f in ["tokenizer.json", "tokenizer_config.json"]:  # oneshot wants a processor too
-        shutil.copy(DENSE / f, base / f)
     model = AutoModelForCausalLM.from_pretrained(str(base), dtype=torch.bfloat16)
-    ids = [ids for _t, ids in texts()]
-    calibration = Dataset.from_dict({"input_ids": ids,
-                                     "attention_mask": [[1] * len(i) for i in ids]})
-    model = oneshot(model=model, dataset=calibration, num_calibration_samples=len(ids),
-                    max_seq_length=max(len(i) for i in ids),
-                    recipe=QuantizationModifier(targets="Linear", scheme="FP8",
-                                                ignore=["lm_head"]))
+    recipe = QuantizationModifier(targets="Linear", scheme=scheme, ignore=["lm_head"])
+    if calibrate:
+        from datasets import Dataset
+        from transformers import AutoTokenizer
+        ids = [ids for _t, ids in texts()]
+        model = oneshot(model=model, recipe=recipe, processor=AutoTokenizer.from_pretrained(
+                            str(DENSE)),
+                        dataset=Dataset.from_dict({"input_ids": ids,
+                                                   "attention_mask": [[1] * len(i) for i in ids]}),
+                        num_calibration_samples=len(ids), max_seq_length=max(map(len, ids)))
+    else:
+        model = oneshot(model=model, recipe=recipe)
     tmp = FIXTURES / f".{name}.tmp"
     model.save_pretrained(str(tmp), save_compressed=True)
     shutil.rmtree(base)
@@ -866,12 +866,23 @@ def make_ct_fp8_static(name):
     if hq is not None and hasattr(m, "ct_decompress_hook"):
         hq.compressor.decompress_model(m)
     shutil.rmtree(tmp)
-    lins = linear_names(dense)
     sd = m.state_dict()
-    deq = {lin: sd[lin + ".weight"].detach().float().numpy() for lin in lins}
-    for lin in lins:  # compressed-tensors' reading is the format's formula, exactly
+    deq = {lin: sd[lin + ".weight"].detach().float().numpy() for lin in linear_names(dense)}
+    for lin in deq:  # compressed-tensors' reading is the format's formula, exactly
         spec = (quantized[lin + ".weight"].float() * quantized[lin + ".weight_scale"].float())
         assert np.array_equal(spec.numpy(), deq[lin]), lin
+    return cfg, dense, qconfig, quantized, deq
+
+
+def make_ct_fp8_static(name):
+    """llm-compressor 0.14 `FP8` (fp8 weights and static activations, one scale per tensor) on
+    the tiny base, calibrated on the reference sequences; the weights as compressed-tensors
+    decompresses them (each layer's own scale); `reference_served`: the weights as vLLM serves
+    them (every shard requantized to its fused layer's largest scale, `vllm_fused_fp8` with
+    compressed-tensors' rule), activations unquantized; `reference_emulated`: those weights
+    with each Linear's input through the static fp8 QDQ of its fused layer's largest
+    `input_scale`."""
+    cfg, dense, qconfig, quantized, deq = llmcompressor_tiny(name, "FP8", calibrate=True)
     served = vllm_fused_fp8(quantized, always=True)
     input_scales = {}
     for layer in range(cfg["num_hidden_layers"]):
@@ -903,37 +914,11 @@ def make_ct_w8a8(name):
     """llm-compressor 0.14 `W8A8` on the tiny base; the weights as compressed-tensors
     decompresses them; `reference_emulated`: vLLM's int8 activations and int32 GEMM;
     `reference_emulated_qdq`: the same activations dequantized, then an f32 GEMM."""
-    from llmcompressor import oneshot
-    from llmcompressor.modifiers.quantization import QuantizationModifier
-    from transformers import AutoModelForCausalLM, LlamaConfig
-
-    cfg, dense = tiny_config(), tiny_dense()
-    base = FIXTURES / f".{name}.base"  # oneshot wants a model with a path
-    model = AutoModelForCausalLM.from_config(LlamaConfig(**cfg), dtype=torch.bfloat16)
-    model.load_state_dict(dense, strict=False)
-    model.tie_weights()
-    model.save_pretrained(str(base))
-    model = AutoModelForCausalLM.from_pretrained(str(base), dtype=torch.bfloat16)
-    model = oneshot(model=model, recipe=QuantizationModifier(
-        targets="Linear", scheme="W8A8", ignore=["lm_head"]))
-    tmp = FIXTURES / f".{name}.tmp"
-    model.save_pretrained(str(tmp), save_compressed=True)
-    shutil.rmtree(base)
-    qconfig = json.loads((tmp / "config.json").read_text())["quantization_config"]
-    quantized = load_file(str(tmp / "model.safetensors"))
-    m = AutoModelForCausalLM.from_pretrained(str(tmp), dtype=torch.float32)
-    hq = getattr(m, "hf_quantizer", None)
-    if hq is not None and hasattr(m, "ct_decompress_hook"):
-        hq.compressor.decompress_model(m)
-    shutil.rmtree(tmp)
+    cfg, dense, qconfig, quantized, deq = llmcompressor_tiny(name, "W8A8")
     lins = linear_names(dense)
-    sd = m.state_dict()
-    deq = {lin: sd[lin + ".weight"].detach().float().numpy() for lin in lins}
     codes = {lin: quantized[lin + ".weight"] for lin in lins}
     scales = {lin: quantized[lin + ".weight_scale"] for lin in lins}
-    for lin in lins:  # compressed-tensors' reading is the format's formula, exactly
-        spec = (codes[lin].float() * scales[lin].float()).numpy()
-        assert codes[lin].dtype == torch.int8 and np.array_equal(spec, deq[lin]), lin
+    assert all(codes[lin].dtype == torch.int8 for lin in lins)
     write_variant(name, qconfig, quantized, deq,
                   "compressed-tensors 0.19.0 (transformers from_pretrained + decompress_model)",
                   config=cfg, dense=dense,
