@@ -1513,3 +1513,76 @@ fn malformed_native_mxfp4_experts_are_named() {
     });
     assert_mentions(&err, &["quant_method", "mxfp4", "MixtralForCausalLM"]);
 }
+
+/// A log writer that keeps what it is given.
+#[derive(Clone, Default)]
+struct Captured(std::sync::Arc<std::sync::Mutex<Vec<u8>>>);
+
+impl std::io::Write for Captured {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        self.0.lock().unwrap().extend_from_slice(buf);
+        Ok(buf.len())
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+/// NVFP4 shards that vLLM fuses with different global scales (k_proj's doubled here): the
+/// checkpoint loads, each shard read with its own scale, and a warning names the layers and
+/// says what vLLM does instead. The unmodified fixture loads without it.
+#[test]
+fn nvfp4_fused_shards_with_different_global_scales_are_read_per_layer_and_named() {
+    let captured = Captured::default();
+    let writer = captured.clone();
+    let dispatch = tracing::Dispatch::new(
+        tracing_subscriber::fmt()
+            .with_writer(move || writer.clone())
+            .with_ansi(false)
+            .finish(),
+    );
+    let load = |dir: &Path| {
+        tracing::dispatcher::with_default(&dispatch, || {
+            Model::load(dir, &options(candle_core::DType::F32, Default::default()))
+        })
+    };
+    let unmodified = edited_copy("llama-nvfp4", 2, |_| {}, |_| {});
+    load(unmodified.path()).expect("unmodified copy loads");
+    let log = || String::from_utf8(captured.0.lock().unwrap().clone()).unwrap();
+    assert!(!log().contains("different global scales"), "{}", log());
+    let k = "model.layers.0.self_attn.k_proj.weight_global_scale";
+    let dir = edited_copy(
+        "llama-nvfp4",
+        2,
+        |t| {
+            let (_, _, bytes) = t.get_mut(k).unwrap();
+            let doubled = 2.0 * f32::from_le_bytes(bytes[..4].try_into().unwrap());
+            bytes[..4].copy_from_slice(&doubled.to_le_bytes());
+        },
+        |_| {},
+    );
+    let model = load(dir.path()).expect("loads, per layer");
+    let log = log();
+    assert_mentions(
+        &log,
+        &[
+            "different global scales",
+            "model.layers.0.self_attn.q_proj",
+            "model.layers.0.self_attn.k_proj",
+            "vLLM issue #54150",
+        ],
+    );
+    let linears = model.linears();
+    let (_, k_proj) = linears
+        .iter()
+        .find(|(n, _)| n == "model.layers.0.self_attn.k_proj")
+        .unwrap();
+    let Some(exactscore_server::ops::Packed::Nvfp4 { per_tensor, .. }) = k_proj.weight().packed()
+    else {
+        panic!("k_proj: not nvfp4");
+    };
+    assert_eq!(
+        per_tensor,
+        exactscore_server::ops::Nvfp4PerTensor::Divides(16064.0)
+    );
+}

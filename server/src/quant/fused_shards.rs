@@ -45,9 +45,9 @@ pub enum FusedFp8Scales {
     PerLayer,
 }
 
-/// The Linears fused with `name` that the checkpoint holds (`name` among them), or `name`
-/// alone.
-fn shards_of(ckpt: &Checkpoint, name: &str) -> Vec<String> {
+/// The Linears fused with `name` that hold the tensor `tensor` in the checkpoint (`name`
+/// among them), in the group's order; or `name` alone.
+fn shards_of(ckpt: &Checkpoint, name: &str, tensor: &str) -> Vec<String> {
     let Some((base, leaf)) = name.rsplit_once('.') else {
         return vec![name.to_string()];
     };
@@ -55,7 +55,7 @@ fn shards_of(ckpt: &Checkpoint, name: &str) -> Vec<String> {
         Some(group) => group
             .iter()
             .map(|shard| format!("{base}.{shard}"))
-            .filter(|shard| shard == name || ckpt.contains(&format!("{shard}.weight")))
+            .filter(|shard| shard == name || ckpt.contains(&format!("{shard}.{tensor}")))
             .collect(),
         None => vec![name.to_string()],
     }
@@ -67,15 +67,15 @@ fn shards_of(ckpt: &Checkpoint, name: &str) -> Vec<String> {
 fn input_scale_peers(ckpt: &Checkpoint, name: &str) -> Vec<String> {
     let parts: Vec<&str> = name.rsplitn(3, '.').collect();
     let [leaf, index, experts] = parts[..] else {
-        return shards_of(ckpt, name);
+        return shards_of(ckpt, name, "input_scale");
     };
     if !experts.ends_with("experts") || index.parse::<usize>().is_err() {
-        return shards_of(ckpt, name);
+        return shards_of(ckpt, name, "input_scale");
     }
     let group: &[&str] = match leaf {
         "gate_proj" | "up_proj" | "w1" | "w3" => &["gate_proj", "up_proj", "w1", "w3"],
         "down_proj" | "w2" => &["down_proj", "w2"],
-        _ => return shards_of(ckpt, name),
+        _ => return shards_of(ckpt, name, "input_scale"),
     };
     let prefix = format!("{experts}.");
     let mut peers: Vec<String> = ckpt
@@ -126,7 +126,7 @@ pub fn served_weight_scale(
     if mode == FusedFp8Scales::PerLayer || !shares_fused_scales(scheme) {
         return Ok(None);
     }
-    let shards = shards_of(ckpt, name);
+    let shards = shards_of(ckpt, name, "weight_scale");
     let max = largest(ckpt, &shards, "weight_scale")?;
     if scheme.format == Format::ModeloptFp8 {
         let own = load_scalar(ckpt, &format!("{name}.weight_scale"))?;
@@ -152,6 +152,39 @@ pub fn served_input_scale(
         true => largest(ckpt, &input_scale_peers(ckpt, name), "input_scale"),
         false => load_scalar(ckpt, &format!("{name}.input_scale")),
     }
+}
+
+/// Logs, once a process, a layer whose NVFP4 shards that vLLM fuses carry different global
+/// scales (`tensor`: `weight_global_scale` or `weight_scale_2`), asked by the group's first
+/// shard. vLLM serves such a layer with one global scale, the largest (a mixture's gate/up: the
+/// gate's), without touching the block scales, and warns "Accuracy may be affected" (vLLM
+/// issue #54150: real NVFP4 mixtures with gate/up scales up to 10x apart). ExactScore scores
+/// each shard with its own, as transformers does: that is the checkpoint's model, and vLLM's
+/// reading is a known fault, not a format.
+pub fn warn_if_global_scales_differ(ckpt: &Checkpoint, name: &str, tensor: &str) {
+    static WARNED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+    let shards = shards_of(ckpt, name, tensor);
+    if shards.len() < 2 || shards[0] != name {
+        return;
+    }
+    let values: Vec<f32> = shards
+        .iter()
+        .filter_map(|n| load_scalar(ckpt, &format!("{n}.{tensor}")).ok())
+        .collect();
+    if values.windows(2).all(|w| w[0] == w[1])
+        || WARNED.swap(true, std::sync::atomic::Ordering::Relaxed)
+    {
+        return;
+    }
+    tracing::warn!(
+        layers = ?shards,
+        tensor,
+        ?values,
+        "these NVFP4 shards, one layer in vLLM, have different global scales: vLLM serves \
+         them with one (the largest; a mixture's gate/up with the gate's) and warns that \
+         accuracy may be affected (vLLM issue #54150); ExactScore scores each with its own, as \
+         transformers does (further such layers are not logged)"
+    );
 }
 
 /// vLLM's `requantize_with_max_scale` of one shard: each e4m3 code times the shard's `scale`

@@ -60,6 +60,7 @@ impl Nvfp4Weight {
         device: &Device,
     ) -> std::result::Result<Self, LoadError> {
         let global = load_scalar(ckpt, &format!("{name}.weight_global_scale"))?;
+        super::fused_shards::warn_if_global_scales_differ(ckpt, name, "weight_global_scale");
         Self::load_codes(
             ckpt,
             name,
@@ -78,6 +79,7 @@ impl Nvfp4Weight {
         device: &Device,
     ) -> std::result::Result<Self, LoadError> {
         let scale_2 = load_scalar(ckpt, &format!("{name}.weight_scale_2"))?;
+        super::fused_shards::warn_if_global_scales_differ(ckpt, name, "weight_scale_2");
         Self::load_codes(
             ckpt,
             name,
