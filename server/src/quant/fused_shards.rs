@@ -100,8 +100,8 @@ fn largest(ckpt: &Checkpoint, names: &[String], tensor: &str) -> Result<f32, Loa
 }
 
 /// Whether vLLM gives the layers of `scheme` one weight scale per fused layer: per-tensor fp8
-/// weights with fp8 activations (compressed-tensors' W8A8 `Fp8LinearMethod` path; its W8A16
-/// path keeps the shards' scales, per channel) or ModelOpt FP8.
+/// weights with fp8 activations (compressed-tensors' `CompressedTensorsW8A8Fp8`; its W8A16
+/// scheme keeps the shards' scales, per channel) or ModelOpt FP8.
 fn shares_fused_scales(scheme: &LayerScheme) -> bool {
     let fp8_activations = scheme
         .input_activations
