@@ -48,12 +48,6 @@ impl Fp8Weight {
         served_scale: impl FnOnce() -> std::result::Result<Option<f32>, LoadError>,
         device: &Device,
     ) -> std::result::Result<Self, LoadError> {
-        let weight = ckpt.tensor(
-            &format!("{name}.weight"),
-            &[StDtype::F8_E4M3],
-            Some(&[out, inp]),
-            device,
-        )?;
         let block = match scheme.weights.strategy {
             Strategy::Tensor => (out, inp),
             Strategy::Channel => (1, inp),
@@ -90,8 +84,9 @@ impl Fp8Weight {
             }
         }
         // One scale for the fused layer this shard belongs to, its codes requantized to it,
-        // as vLLM serves them (`super::fused_shards`).
+        // as vLLM serves them (`super::fused_shards`); read once, after the scale is checked.
         let served_scale = served_scale()?;
+        let requantized = served_scale.is_some();
         let (weight, scale) = match served_scale {
             Some(max) => {
                 let own = to_f32_vec(&scale)?[0];
@@ -100,7 +95,12 @@ impl Fp8Weight {
                 (codes, Tensor::new(&[max], device)?)
             }
             None => (
-                weight,
+                ckpt.tensor(
+                    &format!("{name}.weight"),
+                    &[StDtype::F8_E4M3],
+                    Some(&[out, inp]),
+                    device,
+                )?,
                 scale
                     .flatten_all()?
                     .to_dtype(DType::F32)?
@@ -117,7 +117,7 @@ impl Fp8Weight {
             format: scheme.format,
             strategy: scheme.weights.strategy,
             power_of_two_scales: scheme.weights.power_of_two_scales,
-            requantized: served_scale.is_some(),
+            requantized,
         })
     }
 }

@@ -126,18 +126,16 @@ pub fn served_weight_scale(
     if mode == FusedFp8Scales::PerLayer || !shares_fused_scales(scheme) {
         return Ok(None);
     }
-    let shards = shards_of(ckpt, name, "weight_scale");
-    let max = largest(ckpt, &shards, "weight_scale")?;
-    if scheme.format == Format::ModeloptFp8 {
-        let own = load_scalar(ckpt, &format!("{name}.weight_scale"))?;
-        let all_equal = shards.iter().try_fold(true, |eq, n| {
-            Ok::<_, LoadError>(eq && load_scalar(ckpt, &format!("{n}.weight_scale"))? == own)
-        })?;
-        if all_equal {
-            return Ok(None);
-        }
+    let scales = shards_of(ckpt, name, "weight_scale")
+        .iter()
+        .map(|n| load_scalar(ckpt, &format!("{n}.weight_scale")))
+        .collect::<Result<Vec<f32>, LoadError>>()?;
+    if scheme.format == Format::ModeloptFp8 && scales.iter().all(|&s| s == scales[0]) {
+        return Ok(None);
     }
-    Ok(Some(max))
+    Ok(Some(
+        scales.iter().copied().fold(f32::NEG_INFINITY, f32::max),
+    ))
 }
 
 /// The static input scale that the layer `name` is served with: the largest over its fused
