@@ -211,10 +211,7 @@ __device__ void qdq_fp8_heads(const T* x, T* out, long n, int heads, long inner,
     const long i = (long)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= n) return;
     float scale = scales[(i / inner) % heads];
-    if (absmax) {
-        scale = scale / 448.0f;
-        if (scale == 0.0f) scale = 1.1920929e-07f;
-    }
+    if (absmax) scale = fp8_scale_of(scale);
     const float q = fminf(fmaxf(to_f32(x[i]) / scale + 0.0f, -448.0f), 448.0f);
     out[i] = from_f32<T>(round_to_grid(q, -6, 3) * scale);
 }

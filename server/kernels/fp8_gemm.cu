@@ -42,9 +42,7 @@ __device__ void quantize_fp8_rows(const T* x, uint8_t* codes, float* scales, int
                 for (int j = 0; j < VEC; ++j) amax = fmaxf(amax, fabsf(to_f32(v[u].v[j])));
             }
         }
-        for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffff, amax, o));
-        scale = amax / 448.0f;
-        if (scale == 0.0f) scale = 1.1920929e-07f;
+        scale = fp8_scale_of(warp_max(amax));
     }
     for (int base = lane * VEC; base < k; base += 32 * VEC * UNROLL) {
         V v[UNROLL];

@@ -80,21 +80,12 @@ __device__ void rms_norm_narrow(const T* x, const W* weight, T* out, long rows, 
     if (mine) *reinterpret_cast<Pack<T, 8>*>(out + row * cols + col) = o;
 }
 
-// RMSNorm of rows wider than 256 values (cols % 8 == 0, 16-byte aligned rows), a warp a row and
-// eight rows a block: a block a row took its 256 threads through four barriers a row and kept
-// too few loads in flight to stream the rows (~1.5 TB/s at 2,048 columns). Lane l does the
-// work of rms_norm's threads l, l + 32, ..., l + 224 (one partial sum each) and adds the
-// partial sums in tree_sum's order: threads t and t + 128, then + 64, + 32, then the shuffles.
-// The bits of rms_norm<T, W, 8, false>.
-template <typename T, typename W>
-__device__ void rms_norm_warp(const T* x, const W* weight, T* out, long rows, int cols,
-                              float eps) {
+// One row of rms_norm_warp: the normed vectors of 8 values of row `xr` of a lane, each handed
+// to `out(column, vector)`.
+template <typename T, typename W, typename Out>
+__device__ __forceinline__ void rms_norm_warp_row(const T* xr, const W* weight, int cols, float eps,
+                                                  int lane, Out out) {
     using V = Pack<T, 8>;
-    const int lane = threadIdx.x % 32;
-    const long row = (long)blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
-    if (row >= rows) return;  // the whole warp: no barrier below
-    const T* xr = x + row * cols;
-    T* orow = out + row * cols;
     // thread lane + 32m of rms_norm reads the vectors at base + 256m, base + 2048 j on; eight
     // loads in flight before the sums
     float partial[8] = {};
@@ -119,9 +110,55 @@ __device__ void rms_norm_warp(const T* x, const W* weight, T* out, long rows, in
         }
 #pragma unroll
         for (int m = 0; m < 4; ++m)
-            if (base + 256 * m < cols)
-                *reinterpret_cast<V*>(orow + base + 256 * m) = rms_scaled(v[m], w[m], inv);
+            if (base + 256 * m < cols) out(base + 256 * m, rms_scaled(v[m], w[m], inv));
     }
+}
+
+// RMSNorm of rows wider than 256 values (cols % 8 == 0, 16-byte aligned rows), a warp a row and
+// eight rows a block: a block a row took its 256 threads through four barriers a row and kept
+// too few loads in flight to stream the rows (~1.5 TB/s at 2,048 columns). Lane l does the
+// work of rms_norm's threads l, l + 32, ..., l + 224 (one partial sum each) and adds the
+// partial sums in tree_sum's order: threads t and t + 128, then + 64, + 32, then the shuffles.
+// The bits of rms_norm<T, W, 8, false>.
+template <typename T, typename W>
+__device__ void rms_norm_warp(const T* x, const W* weight, T* out, long rows, int cols,
+                              float eps) {
+    const int lane = threadIdx.x % 32;
+    const long row = (long)blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
+    if (row >= rows) return;  // the whole warp: no barrier below
+    T* orow = out + row * cols;
+    rms_norm_warp_row(x + row * cols, weight, cols, eps, lane, [&](int i, const Pack<T, 8>& o) {
+        *reinterpret_cast<Pack<T, 8>*>(orow + i) = o;
+    });
+}
+
+// rms_norm_warp's rows written as the input of Linears on the fp8 tensor cores: e4m3 codes and
+// one f32 scale per row (absmax / 448 of the normed row in T, or `static_scale` when > 0), the
+// codes that quantize_fp8_rows (fp8_gemm.cu) gives rms_norm_warp's output. The normed row waits
+// in dynamic shared memory (cols values of T per warp) between the absmax and the encoding, and
+// each lane reads back only the vectors it wrote: no normed row reaches global memory, and the
+// registers stay rms_norm_warp's (the row held in registers took 180 and ran no faster than the
+// norm and the quantization apart).
+template <typename T, typename W>
+__device__ void rms_norm_warp_fp8_codes(const T* x, const W* weight, uint8_t* codes,
+                                        float* scales, long rows, int cols, float eps,
+                                        float static_scale) {
+    extern __shared__ __align__(16) unsigned char s_normed[];
+    const int lane = threadIdx.x % 32;
+    const long row = (long)blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
+    if (row >= rows) return;  // the whole warp: no barrier below
+    Pack<T, 8>* held = reinterpret_cast<Pack<T, 8>*>(s_normed) + (threadIdx.x / 32) * (cols / 8);
+    float amax = 0.0f;
+    rms_norm_warp_row(x + row * cols, weight, cols, eps, lane, [&](int i, const Pack<T, 8>& o) {
+#pragma unroll
+        for (int j = 0; j < 8; ++j) amax = fmaxf(amax, fabsf(to_f32(o.v[j])));
+        held[i / 8] = o;
+    });
+    const float scale = static_scale > 0.0f ? static_scale : fp8_scale_of(warp_max(amax));
+    uint8_t* crow = codes + row * cols;
+    for (int i = lane * 8; i < cols; i += 256)
+        *reinterpret_cast<uint2*>(crow + i) = fp8_codes8(held[i / 8], scale);
+    if (lane == 0) scales[row] = scale;
 }
 
 // ---- gated activations: out = act(gate) * up (SwiGLU, GeGLU) ---------------------------------------------------------
@@ -322,6 +359,15 @@ __device__ void gated_rms_norm_narrow(const T* x, const W* weight, const T* z, T
     extern "C" __global__ void rms_norm_f32w_warp_##SUFFIX(const T* x, const float* w, T* o,       \
                                                            long rows, int cols, float eps) {       \
         rms_norm_warp<T, float>(x, w, o, rows, cols, eps);                                         \
+    }                                                                                              \
+    extern "C" __global__ void rms_norm_warp_fp8_codes_##SUFFIX(                                   \
+        const T* x, const T* w, uint8_t* c, float* s, long rows, int cols, float eps, float ss) {  \
+        rms_norm_warp_fp8_codes<T, T>(x, w, c, s, rows, cols, eps, ss);                            \
+    }                                                                                              \
+    extern "C" __global__ void rms_norm_f32w_warp_fp8_codes_##SUFFIX(                              \
+        const T* x, const float* w, uint8_t* c, float* s, long rows, int cols, float eps,          \
+        float ss) {                                                                                \
+        rms_norm_warp_fp8_codes<T, float>(x, w, c, s, rows, cols, eps, ss);                        \
     }                                                                                              \
     NARROW_NORM_ENTRIES(SUFFIX, T, 8)                                                              \
     NARROW_NORM_ENTRIES(SUFFIX, T, 16)                                                             \

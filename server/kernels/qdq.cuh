@@ -7,16 +7,28 @@
 // One block of 256 threads per row of k values; each thread handles VEC values per step at
 // tid * VEC + n * 256 * VEC.
 
+// The scale of values whose largest |value| is `amax`: amax / 448, or f32's epsilon where that
+// is 0 (a row of zeros).
+__device__ __forceinline__ float fp8_scale_of(float amax) {
+    const float scale = amax / 448.0f;
+    return scale == 0.0f ? 1.1920929e-07f : scale;
+}
+
+// The largest of the warp's `v`, in every lane.
+__device__ __forceinline__ float warp_max(float v) {
+    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffff, v, o));
+    return v;
+}
+
 // The row's scale from each thread's largest |value| (block-wide max / 448; the max does not
 // depend on the order it is reduced in, so every VEC and every caller gets the same bits).
 __device__ __forceinline__ float fp8_token_scale(float amax) {
     __shared__ float s_max[32];
-    for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffff, amax, o));
+    amax = warp_max(amax);
     if (threadIdx.x % 32 == 0) s_max[threadIdx.x / 32] = amax;
     __syncthreads();
     for (int w = 0; w < 256 / 32; ++w) amax = fmaxf(amax, s_max[w]);
-    float scale = amax / 448.0f;
-    return scale == 0.0f ? 1.1920929e-07f : scale;
+    return fp8_scale_of(amax);
 }
 
 // src -> dst (may be the same row: each thread reads only the values it then writes).

@@ -23,6 +23,77 @@ pub fn rms_norm_block_per_row(x: &Tensor, weight: &Tensor, eps: f32) -> Result<T
     launch_rms_norm(x, weight, eps, false, false)
 }
 
+/// [`rms_norm`] of `x` (`[rows, cols]`, bf16/f16) written as e4m3 codes and one f32 scale per
+/// row, per token or `static_scale`: the codes that `fp8_gemm`'s `quantize_fp8_rows` gives the
+/// normed rows, in the same pass (`rms_norm{,_f32w}_warp_fp8_codes`, a warp per row, the normed
+/// row in shared memory: [`FP8_CODES_SHARED_BYTES`]). Other rows are normed, then quantized.
+pub fn rms_norm_fp8_rows(
+    x: &Tensor,
+    weight: &Tensor,
+    eps: f32,
+    static_scale: Option<f32>,
+) -> Result<(Tensor, Tensor)> {
+    let x = x.contiguous()?;
+    let (rows, cols) = x.dims2()?;
+    let f32_weight = weight.dtype() == DType::F32 && x.dtype() != DType::F32;
+    if x.dtype() == DType::F32
+        || weight.dims() != [cols]
+        || !(weight.dtype() == x.dtype() || f32_weight)
+    {
+        bail!(
+            "rms_norm_fp8_rows: x {:?} {:?}, weight {:?} {:?}",
+            x.dims(),
+            x.dtype(),
+            weight.dims(),
+            weight.dtype()
+        );
+    }
+    let row_bytes = cols * x.dtype().size_in_bytes();
+    if !rows_of_vectors(cols, &[&x, weight]) || row_bytes > FP8_CODES_SHARED_BYTES {
+        let normed = rms_norm(&x, weight, eps, false)?;
+        return super::fp8_gemm::quantize_fp8_rows(&normed, static_scale);
+    }
+    let base = if f32_weight {
+        "rms_norm_f32w_warp_fp8_codes"
+    } else {
+        "rms_norm_warp_fp8_codes"
+    };
+    let name = kernel_name(base, x.dtype());
+    // a warp and a normed row in shared memory per row, up to 8 rows a block
+    let warps = (FP8_CODES_SHARED_BYTES / row_bytes).clamp(1, 8);
+    let shared = warps * row_bytes;
+    let config = LaunchConfig {
+        grid_dim: (rows.div_ceil(warps).max(1) as u32, 1, 1),
+        block_dim: (warps as u32 * 32, 1, 1),
+        shared_mem_bytes: shared as u32,
+    };
+    with_float_type!(x.dtype(), T => with_slice::<T, _>(&x, |xs, xo, dev| {
+        with_float_type!(weight.dtype(), W => with_slice::<W, _>(weight, |ws, wo, _| {
+            let func = kernel(dev, &NORM, &name)?;
+            func.allow_shared_bytes(shared)?;
+            // SAFETY: the kernel writes every code and every scale.
+            let codes = unsafe { dev.alloc::<u8>(rows * cols) }?;
+            let scales = unsafe { dev.alloc::<f32>(rows) }?;
+            if rows > 0 {
+                let (xs, ws) = (xs.slice(xo..), ws.slice(wo..));
+                let (rows64, c32, s) = (rows as i64, cols as i32, static_scale.unwrap_or(0.0));
+                let mut b = func.builder();
+                b.arg(&xs).arg(&ws).arg(&codes).arg(&scales).arg(&rows64).arg(&c32).arg(&eps).arg(&s);
+                // SAFETY: arguments match `rms_norm{,_f32w}_warp_fp8_codes_*` (a warp per row and
+                // its normed row in shared memory; aligned vectors checked above, the weight's
+                // type by `f32_weight`).
+                unsafe { b.launch(config) }.w()?;
+            }
+            Ok((wrap(codes, dev, (rows, cols)), wrap(scales, dev, rows)))
+        }))
+    }))
+}
+
+/// Shared memory for the normed rows of a block of `rms_norm_warp_fp8_codes`: within the
+/// 99 KiB a block may take on Ada (Hopper: 227), the oldest GPUs with fp8 tensor cores. Rows of
+/// up to 6144 values go 8 to a block, wider ones fewer.
+const FP8_CODES_SHARED_BYTES: usize = 96 << 10;
+
 /// The widest row `rms_norm_narrow*` (norm.cu) takes: 32 lanes of 8 values; wider rows run
 /// `rms_norm_warp*`.
 const NARROW_COLS: usize = 256;

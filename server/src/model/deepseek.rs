@@ -59,19 +59,17 @@ impl Layer for MlaLayer {
     ) -> Result<Tensor> {
         let dev = x.device().clone();
         let dev = &dev;
-        // A QDQ that the first query projection and kv_a share is applied by the norm.
-        let qdq = self.self_attn.input_qdq();
+        // What the first query projection and kv_a share, a QDQ or fp8 codes, the norm applies.
         let normed = stage("norm", dev, || {
-            self.input_layernorm.forward(&x, qdq.flatten())
+            self.input_layernorm
+                .forward_for(&x, self.self_attn.shared_input())
         })?;
-        let x = self
-            .self_attn
-            .forward(normed, x, qdq.is_some(), batch, rope)?;
-        let qdq = self.mlp.input_qdq();
+        let x = self.self_attn.forward(normed, x, batch, rope)?;
         let normed = stage("norm", dev, || {
-            self.post_attention_layernorm.forward(&x, qdq.flatten())
+            self.post_attention_layernorm
+                .forward_for(&x, self.mlp.shared_input())
         })?;
-        self.mlp.forward(normed, x, qdq.is_some(), routes)
+        self.mlp.forward(normed, x, routes)
     }
 
     fn local_rope(&self) -> bool {

@@ -70,23 +70,23 @@ impl LayerNorms for Norms {
         let dev = x.device().clone();
         let dev = &dev;
         let norms = &layer.norms;
-        let qdq = layer.self_attn.input_qdq();
         let normed = stage("norm", dev, || {
-            norms.input_layernorm.forward(&x, qdq.flatten())
+            norms
+                .input_layernorm
+                .forward_for(&x, layer.self_attn.shared_input())
         })?;
         let out = layer
             .self_attn
-            .forward(normed, x.zeros_like()?, qdq.is_some(), batch, rope)?;
+            .forward(normed, x.zeros_like()?, batch, rope)?;
         let x = (x + stage("norm", dev, || {
             norms.post_attention_layernorm.forward(&out, None)
         })?)?;
-        let qdq = layer.mlp.input_qdq();
         let normed = stage("norm", dev, || {
-            norms.pre_feedforward_layernorm.forward(&x, qdq.flatten())
+            norms
+                .pre_feedforward_layernorm
+                .forward_for(&x, layer.mlp.shared_input())
         })?;
-        let out = layer
-            .mlp
-            .forward(normed, x.zeros_like()?, qdq.is_some(), routes)?;
+        let out = layer.mlp.forward(normed, x.zeros_like()?, routes)?;
         x + stage("norm", dev, || {
             norms.post_feedforward_layernorm.forward(&out, None)
         })?

@@ -15,8 +15,8 @@
 use candle_core::{DType, Device, Result, Tensor};
 
 use super::blocks::{
-    BatchLayout, FeedForward, KeyValues, Mlp, Moe, NormKind, RmsNorm, Route, SharedKvAttention,
-    PROJ_NAMES,
+    BatchLayout, FeedForward, KeyValues, Mlp, Moe, NormKind, Normed, RmsNorm, Route,
+    SharedKvAttention, PROJ_NAMES,
 };
 use super::config::{
     Activation, Gemma4Moe, Gemma4Text, KeySource, ModelConfig, MoeConfig, MoeRouter,
@@ -392,7 +392,9 @@ impl Layer for Gemma4DecoderLayer {
         let normed = stage("norm", dev, || {
             self.pre_feedforward_layernorm.forward(&x, None)
         })?;
-        let dense = self.mlp.forward(normed, x.zeros_like()?, false, None)?;
+        let dense = self
+            .mlp
+            .forward(Normed::plain(normed), x.zeros_like()?, None)?;
         let ff = match &self.moe {
             Some(moe) => moe.forward(&x, &dense, routes)?,
             None => dense,

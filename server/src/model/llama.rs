@@ -62,18 +62,18 @@ impl LayerNorms for Norms {
         let dev = x.device().clone();
         let dev = &dev;
         let norms = &layer.norms;
-        // A QDQ that q/k/v (gate/up) share is applied by the norm that feeds them.
-        let qdq = layer.self_attn.input_qdq();
+        // What q/k/v (gate/up) share, a QDQ or fp8 codes, the norm that feeds them applies.
         let normed = stage("norm", dev, || {
-            norms.input_layernorm.forward(&x, qdq.flatten())
+            norms
+                .input_layernorm
+                .forward_for(&x, layer.self_attn.shared_input())
         })?;
-        let x = layer
-            .self_attn
-            .forward(normed, x, qdq.is_some(), batch, rope)?;
-        let qdq = layer.mlp.input_qdq();
+        let x = layer.self_attn.forward(normed, x, batch, rope)?;
         let normed = stage("norm", dev, || {
-            norms.post_attention_layernorm.forward(&x, qdq.flatten())
+            norms
+                .post_attention_layernorm
+                .forward_for(&x, layer.mlp.shared_input())
         })?;
-        layer.mlp.forward(normed, x, qdq.is_some(), routes)
+        layer.mlp.forward(normed, x, routes)
     }
 }

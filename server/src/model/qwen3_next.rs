@@ -77,23 +77,22 @@ impl Layer for HybridLayer {
         let dev = &dev;
         let x = match &self.mixer {
             Mixer::Attention(attn) => {
-                // A QDQ that q/k/v share is applied by the norm that feeds them.
-                let qdq = attn.input_qdq();
+                // What q/k/v share, a QDQ or fp8 codes, the norm that feeds them applies.
                 let normed = stage("norm", dev, || {
-                    self.input_layernorm.forward(&x, qdq.flatten())
+                    self.input_layernorm.forward_for(&x, attn.shared_input())
                 })?;
-                attn.forward(normed, x, qdq.is_some(), batch, rope)?
+                attn.forward(normed, x, batch, rope)?
             }
             Mixer::Linear(gdn) => {
                 let normed = stage("norm", dev, || self.input_layernorm.forward(&x, None))?;
                 gdn.forward(normed, x, batch.lens())?
             }
         };
-        let qdq = self.mlp.input_qdq();
         let normed = stage("norm", dev, || {
-            self.post_attention_layernorm.forward(&x, qdq.flatten())
+            self.post_attention_layernorm
+                .forward_for(&x, self.mlp.shared_input())
         })?;
-        self.mlp.forward(normed, x, qdq.is_some(), routes)
+        self.mlp.forward(normed, x, routes)
     }
 
     fn local_rope(&self) -> bool {

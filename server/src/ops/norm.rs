@@ -11,6 +11,12 @@ super::gpu_entry_points!(norm {
     fn silu_mul(gate: &Tensor, up: &Tensor, fp8_qdq: bool) -> Result<Tensor>;
     fn gelu_tanh_mul(gate: &Tensor, up: &Tensor, fp8_qdq: bool) -> Result<Tensor>;
     fn gated_rms_norm(x: &Tensor, weight: &Tensor, z: &Tensor, eps: f32) -> Result<Tensor>;
+    fn rms_norm_fp8_rows(
+        x: &Tensor,
+        weight: &Tensor,
+        eps: f32,
+        static_scale: Option<f32>,
+    ) -> Result<(Tensor, Tensor)>;
     fn gated_mul_fp8_rows(
         base: &str,
         gate: &Tensor,
@@ -73,6 +79,24 @@ pub fn rms_norm(
         }
     };
     finish_qdq(normed, qdq, fused)
+}
+
+/// [`rms_norm`] without a QDQ, quantized to e4m3 codes ([`quantize_fp8_rows`] with `scale`):
+/// the input of Linears on the fp8 tensor cores. On a GPU in bf16/f16 with one scale per row,
+/// the norm writes the codes and scales itself (the same bits, no normed rows in memory).
+pub fn rms_norm_fp8_rows(
+    x: &Tensor,
+    weight: &Tensor,
+    eps: f64,
+    scale: Fp8InputScale,
+) -> Result<Fp8Rows> {
+    match scale.per_row() {
+        Some(static_scale) if x.device().is_cuda() && x.dtype() != DType::F32 => {
+            let (codes, scales) = gpu::rms_norm_fp8_rows(x, weight, eps as f32, static_scale)?;
+            Ok(Fp8Rows { codes, scales })
+        }
+        _ => quantize_fp8_rows(&rms_norm(x, weight, eps, None)?, scale),
+    }
 }
 
 /// transformers' gated RMSNorm (`Qwen3NextRMSNormGated`, `Qwen3_5RMSNormGated`: the output

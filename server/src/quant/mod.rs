@@ -121,6 +121,15 @@ impl QuantLinear {
         self.add_bias(y)
     }
 
+    /// `x · Wᵀ (+ b)` of input rows already quantized as [`Self::fp8_input_scale`] says, for a
+    /// layer on the fp8 tensor cores.
+    pub fn forward_fp8_rows(&self, rows: &ops::Fp8Rows) -> Result<Tensor> {
+        let Some(fp8) = &self.fp8_tensor_cores else {
+            candle_core::bail!("fp8 rows given to a layer that is not on the fp8 tensor cores");
+        };
+        self.add_bias(ops::fp8_matmul_t(rows, &fp8.columns(), fp8.dtype)?)
+    }
+
     /// `residual + x · Wᵀ (+ b)` of an input that has been through this layer's activation QDQ
     /// already: this layer's output added to the residual stream. See [`RowChunks`].
     pub fn add_to_residual(&self, residual: Tensor, x: &Tensor) -> Result<Tensor> {
@@ -213,6 +222,8 @@ struct Fp8TensorCores {
     input: ops::Fp8InputScale,
     /// [`Fp8Matmul::TensorCoresFastAccum`].
     fast_accum: bool,
+    /// The compute dtype, which the products are rounded to.
+    dtype: DType,
 }
 
 impl Fp8TensorCores {
@@ -261,6 +272,7 @@ impl Fp8TensorCores {
             scales,
             input,
             fast_accum: opts.fp8_matmul == Fp8Matmul::TensorCoresFastAccum,
+            dtype: opts.dtype,
         }))
     }
 
@@ -484,6 +496,35 @@ fn dequantized_unless_decoded(
         ),
     }
     Ok(Some(dequantize_stacked(linears, x.dtype(), x.device())?))
+}
+
+/// What the layers that read one tensor (q/k/v, gate/up) let the op that produces it apply
+/// for all of them, in its own kernel.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum SharedInput<'a> {
+    /// Nothing: each layer prepares its input itself.
+    Separate,
+    /// One activation QDQ ([`common_qdq`]; `None`: none of them quantizes its input).
+    Qdq(Option<&'a ActivationQdq>),
+    /// All on the fp8 tensor cores with one input scale per row: the producer may write their
+    /// e4m3 codes ([`QuantLinear::forward_fp8_rows`]).
+    Fp8Rows(ops::Fp8InputScale),
+}
+
+/// [`SharedInput`] of `linears`.
+pub fn shared_input<'a>(linears: &[&'a QuantLinear]) -> SharedInput<'a> {
+    if let Some(qdq) = common_qdq(linears) {
+        return SharedInput::Qdq(qdq);
+    }
+    let scales: Vec<_> = linears.iter().map(|l| l.fp8_input_scale()).collect();
+    match scales.first() {
+        Some(&Some(scale))
+            if scale.per_row().is_some() && scales.iter().all(|&s| s == Some(scale)) =>
+        {
+            SharedInput::Fp8Rows(scale)
+        }
+        _ => SharedInput::Separate,
+    }
 }
 
 /// The activation QDQ that every layer of `linears` applies to its input, when they all apply
@@ -758,6 +799,7 @@ mod tests {
             scales: Tensor::ones(8, DType::F32, &Device::Cpu)?,
             input: ops::Fp8InputScale::Static(0.5),
             fast_accum: false,
+            dtype: DType::BF16,
         }));
         let emulated = linear(1, Some(qdq.clone()))?;
         assert_eq!(on_cores.activation(), Some(&qdq));
@@ -771,6 +813,34 @@ mod tests {
         assert_eq!(common_qdq(&[&emulated, &emulated]), Some(Some(&qdq)));
         assert_eq!(common_qdq(&[&on_cores, &on_cores]), None);
         assert_eq!(common_qdq(&[&emulated, &on_cores]), None);
+        // the norm writes codes only for layers that all take the same per-row scale
+        let static_fp8 = SharedInput::Fp8Rows(ops::Fp8InputScale::Static(0.5));
+        assert_eq!(shared_input(&[&on_cores, &on_cores]), static_fp8);
+        assert_eq!(shared_input(&[&on_cores, &emulated]), SharedInput::Separate);
+        assert_eq!(
+            shared_input(&[&emulated, &emulated]),
+            SharedInput::Qdq(Some(&qdq))
+        );
+        let mut other_scale = on_cores.clone();
+        other_scale.fp8_tensor_cores = Some(Arc::new(Fp8TensorCores {
+            input: ops::Fp8InputScale::Static(0.25),
+            ..(**on_cores.fp8_tensor_cores.as_ref().unwrap()).clone()
+        }));
+        assert_eq!(
+            shared_input(&[&on_cores, &other_scale]),
+            SharedInput::Separate
+        );
+        let mut per_group = on_cores.clone();
+        per_group.fp8_tensor_cores = Some(Arc::new(Fp8TensorCores {
+            input: ops::Fp8InputScale::PerTokenGroup128 {
+                power_of_two: false,
+            },
+            ..(**on_cores.fp8_tensor_cores.as_ref().unwrap()).clone()
+        }));
+        assert_eq!(
+            shared_input(&[&per_group, &per_group]),
+            SharedInput::Separate
+        );
         // its input reaches it as it is
         let x = Tensor::randn(0f32, 3f32, (5, 32), &Device::Cpu)?;
         let [a, b] = quantized_inputs([&on_cores, &emulated], &x)?;

@@ -11,7 +11,7 @@ use anyhow::Result;
 use candle_core::{DType, Device, Tensor};
 use exactscore_server::ops::{
     fp8_matmul_t, fp8_matmul_t_add_into_rows, fp8_tensor_cores, gated_mul, gated_mul_fp8_rows,
-    quantize_fp8_rows, Activation, Fp8Columns, Fp8InputScale, Fp8Rows,
+    quantize_fp8_rows, rms_norm, rms_norm_fp8_rows, Activation, Fp8Columns, Fp8InputScale, Fp8Rows,
 };
 
 use crate::{bits_equal, time_ms};
@@ -93,10 +93,36 @@ pub fn run(device: &Device) -> Result<usize> {
             }
         }
     }
+    // RMSNorm writing the codes of the Linears it feeds = the norm, then the quantization:
+    // rows of 4096 (8 a block), 8192 and 12288 (6 and 4), 576 (lanes past the row's end) and
+    // 65536 (normed, then quantized), bf16 and f32 weights (Gemma's `1 + w`).
+    for dtype in [DType::BF16, DType::F16] {
+        let cases = [
+            (4096, PER_TOKEN),
+            (8192, STATIC),
+            (12288, PER_TOKEN),
+            (576, PER_TOKEN),
+            (65536, PER_TOKEN),
+        ];
+        for (k, scale) in cases {
+            let x = (input(37, k, dtype, device)? * 3.0)?;
+            for weight_dtype in [dtype, DType::F32] {
+                let weight = (Tensor::randn(0f32, 0.5, k, &Device::Cpu)? + 1.0)?
+                    .to_dtype(weight_dtype)?
+                    .to_device(device)?;
+                let fused = rms_norm_fp8_rows(&x, &weight, 1e-6, scale)?;
+                let apart = quantize_fp8_rows(&rms_norm(&x, &weight, 1e-6, None)?, scale)?;
+                quantize_cases.push(
+                    bits_equal(&fused.codes, &apart.codes)?
+                        && bits_equal(&fused.scales, &apart.scales)?,
+                );
+            }
+        }
+    }
     let quantize_exact = quantize_cases.iter().all(|&same| same);
     let mut ok = quantize_exact;
     let mut report = format!(
-        "row quantization = CPU bitwise, and fused into SwiGLU / GeGLU = apart, \
+        "row quantization = CPU bitwise, and fused into SwiGLU / GeGLU and RMSNorm = apart, \
          {quantize_exact} {quantize_cases:?}"
     );
     for fast_accum in [false, true] {

@@ -6,15 +6,15 @@
 
 use candle_core::{Device, Result, Tensor};
 
-use super::layer_inputs;
 use super::norm::{NormKind, RmsNorm};
+use super::{forward_fp8_rows_all, layer_inputs, Normed};
 use crate::checkpoint::LoadError;
 use crate::model::config::ModelConfig;
 use crate::model::loader::Loader;
 use crate::model::profile::stage;
 use crate::model::rope::RopeTables;
 use crate::ops;
-use crate::quant::{common_qdq, forward_quantized_all, ActivationQdq, KvCacheQdq, QuantLinear};
+use crate::quant::{forward_quantized_all, shared_input, KvCacheQdq, QuantLinear, SharedInput};
 
 #[derive(Clone)]
 pub struct Attention {
@@ -137,10 +137,9 @@ impl Attention {
         self.local_rope
     }
 
-    /// The activation QDQ that q, k and v share, if they do (see [`common_qdq`]): the norm that
-    /// feeds them may apply it once.
-    pub fn input_qdq(&self) -> Option<Option<&ActivationQdq>> {
-        common_qdq(&[&self.q_proj, &self.k_proj, &self.v_proj])
+    /// What the norm that feeds q, k and v may apply for them ([`shared_input`]).
+    pub fn shared_input(&self) -> SharedInput<'_> {
+        shared_input(&[&self.q_proj, &self.k_proj, &self.v_proj])
     }
 
     /// The projections with their names.
@@ -163,20 +162,26 @@ impl Attention {
         ]
     }
 
-    /// `residual` plus the attention of `x` (`[tokens of all sequences, hidden]`); attention
-    /// never crosses sequence boundaries. `prequantized`: `x` has been through q/k/v's common
-    /// activation QDQ.
+    /// `residual` plus the attention of `input` (`[tokens of all sequences, hidden]`, normed
+    /// for [`Self::shared_input`]); attention never crosses sequence boundaries.
     pub fn forward(
         &self,
-        x: Tensor,
+        input: Normed,
         residual: Tensor,
-        prequantized: bool,
         batch: &BatchLayout,
         rope: &RopeTables,
     ) -> Result<Tensor> {
-        let dev = x.device().clone();
+        let dev = input.device().clone();
         let dev = &dev;
         let qkv = [&self.q_proj, &self.k_proj, &self.v_proj];
+        let (x, prequantized) = match input {
+            Normed::Fp8(rows) => {
+                let [q, k, v] = stage("qkv_proj", dev, || forward_fp8_rows_all(qkv, &rows))?;
+                drop(rows);
+                return self.attend_and_project(q, k, v, residual, batch, rope);
+            }
+            Normed::Rows { x, prequantized } => (x, prequantized),
+        };
         let [q_in, k_in, v_in] = layer_inputs(qkv, &x, prequantized)?;
         drop(x);
         let [q, k, v] = stage("qkv_proj", dev, || {
@@ -195,6 +200,21 @@ impl Attention {
             ])
         })?;
         drop((q_in, k_in, v_in));
+        self.attend_and_project(q, k, v, residual, batch, rope)
+    }
+
+    /// `residual` plus o_proj of the attention of the projected q, k and v.
+    fn attend_and_project(
+        &self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        residual: Tensor,
+        batch: &BatchLayout,
+        rope: &RopeTables,
+    ) -> Result<Tensor> {
+        let dev = q.device().clone();
+        let dev = &dev;
         let (q, gate) = match self.output_gate {
             true => stage("output_gate", dev, || self.split_gate(q))?,
             false => (q, None),

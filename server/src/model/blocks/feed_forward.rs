@@ -5,10 +5,11 @@ use candle_core::{Result, Tensor};
 
 use super::mlp::{Mlp, PROJ_NAMES};
 use super::moe::{Moe, Route};
+use super::Normed;
 use crate::checkpoint::LoadError;
 use crate::model::config::ModelConfig;
 use crate::model::loader::Loader;
-use crate::quant::{ActivationQdq, QuantLinear};
+use crate::quant::{QuantLinear, SharedInput};
 
 /// The feed-forward of a decoder layer.
 #[derive(Clone)]
@@ -37,27 +38,26 @@ impl FeedForward {
         })
     }
 
-    /// The activation QDQ the feed-forward's input norm may apply once (see
-    /// [`Mlp::input_qdq`]); none for experts, which each apply their own to their tokens.
-    pub fn input_qdq(&self) -> Option<Option<&ActivationQdq>> {
+    /// What the feed-forward's input norm may apply for it (see [`Mlp::shared_input`]);
+    /// nothing for experts, which each apply their own QDQ to their tokens.
+    pub fn shared_input(&self) -> SharedInput<'_> {
         match self {
-            Self::Dense(m) => m.input_qdq(),
-            Self::Sparse(_) => None,
+            Self::Dense(m) => m.shared_input(),
+            Self::Sparse(_) => SharedInput::Separate,
         }
     }
 
-    /// `residual` plus the feed-forward of `x` (normed). `prequantized`: `x` has been through
-    /// [`Self::input_qdq`]. `routes`: where a sparse block records every token's experts.
+    /// `residual` plus the feed-forward of `input` (normed for [`Self::shared_input`]).
+    /// `routes`: where a sparse block records every token's experts.
     pub fn forward(
         &self,
-        x: Tensor,
+        input: Normed,
         residual: Tensor,
-        prequantized: bool,
         routes: Option<&mut Vec<Route>>,
     ) -> Result<Tensor> {
         match self {
-            Self::Dense(m) => m.forward(x, residual, prequantized),
-            Self::Sparse(moe) => moe.forward(&x, residual, routes),
+            Self::Dense(m) => m.forward(input, residual),
+            Self::Sparse(moe) => moe.forward(&input.into_rows()?, residual, routes),
         }
     }
 

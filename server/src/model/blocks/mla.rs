@@ -13,15 +13,15 @@
 use candle_core::{Result, Tensor};
 
 use super::attention::{BatchLayout, FlashIndex};
-use super::layer_inputs;
 use super::norm::{NormKind, RmsNorm};
+use super::{forward_fp8_rows_all, layer_inputs, Normed};
 use crate::checkpoint::LoadError;
 use crate::model::config::{MlaConfig, ModelConfig};
 use crate::model::loader::Loader;
 use crate::model::profile::stage;
 use crate::model::rope::RopeTables;
 use crate::ops;
-use crate::quant::{common_qdq, ActivationQdq, QuantLinear};
+use crate::quant::{shared_input, QuantLinear, SharedInput};
 
 /// The latent norms are built with `DeepseekV3RMSNorm`'s default eps, not `rms_norm_eps`.
 const LATENT_NORM_EPS: f64 = 1e-6;
@@ -99,9 +99,9 @@ impl LatentAttention {
         [q, &self.kv_a_proj_with_mqa]
     }
 
-    /// The activation QDQ the layer's input norm may apply once (see [`common_qdq`]).
-    pub fn input_qdq(&self) -> Option<Option<&ActivationQdq>> {
-        common_qdq(&self.input_linears())
+    /// What the layer's input norm may apply for the Linears that read it ([`shared_input`]).
+    pub fn shared_input(&self) -> SharedInput<'_> {
+        shared_input(&self.input_linears())
     }
 
     /// The projections with their names.
@@ -136,36 +136,44 @@ impl LatentAttention {
         out
     }
 
-    /// `residual` plus the attention of `x` (`[tokens of all sequences, hidden]`, normed) over
-    /// the sequences of `batch`. `prequantized`: `x` has been through
-    /// [`Self::input_qdq`].
+    /// `residual` plus the attention of `input` (`[tokens of all sequences, hidden]`, normed
+    /// for [`Self::shared_input`]) over the sequences of `batch`.
     pub fn forward(
         &self,
-        x: Tensor,
+        input: Normed,
         residual: Tensor,
-        prequantized: bool,
         batch: &BatchLayout,
         rope: &RopeTables,
     ) -> Result<Tensor> {
-        let dev = x.device().clone();
+        let dev = input.device().clone();
         let dev = &dev;
-        let [q_in, kv_in] = layer_inputs(self.input_linears(), &x, prequantized)?;
-        drop(x);
-        let (q, latent) = stage("qkv_proj", dev, || {
-            let q = match &self.query {
-                Query::Direct(q_proj) => q_proj.forward_quantized(&q_in)?,
-                Query::LowRank {
-                    q_a_proj,
-                    q_a_layernorm,
-                    q_b_proj,
-                } => {
-                    let q_a = q_a_layernorm.forward(&q_a_proj.forward_quantized(&q_in)?, None)?;
-                    q_b_proj.forward(&q_a)?
-                }
-            };
-            Ok((q, self.kv_a_proj_with_mqa.forward_quantized(&kv_in)?))
-        })?;
-        drop((q_in, kv_in));
+        // the first query projection (the whole query, or its low-rank half) and the latent
+        let [q_first, kv_a] = self.input_linears();
+        let [q_first, latent] = match input {
+            Normed::Fp8(rows) => stage("qkv_proj", dev, || {
+                forward_fp8_rows_all([q_first, kv_a], &rows)
+            })?,
+            Normed::Rows { x, prequantized } => {
+                let [q_in, kv_in] = layer_inputs([q_first, kv_a], &x, prequantized)?;
+                drop(x);
+                stage("qkv_proj", dev, || {
+                    Ok([
+                        q_first.forward_quantized(&q_in)?,
+                        kv_a.forward_quantized(&kv_in)?,
+                    ])
+                })?
+            }
+        };
+        let q = match &self.query {
+            Query::Direct(_) => q_first,
+            Query::LowRank {
+                q_a_layernorm,
+                q_b_proj,
+                ..
+            } => stage("qkv_proj", dev, || {
+                q_b_proj.forward(&q_a_layernorm.forward(&q_first, None)?)
+            })?,
+        };
         let (rank, rope_dim) = (self.cfg.kv_lora_rank, self.cfg.qk_rope_head_dim);
         // its own stage: `--profile` shows the latent's expansion apart from the projections
         // of the input, and the attention core ("attention") apart from both

@@ -3,7 +3,7 @@
 
 use candle_core::{DType, Device, Result, Tensor};
 
-use super::layer_inputs;
+use super::{forward_fp8_rows_all, layer_inputs, Normed};
 use crate::checkpoint::LoadError;
 use crate::model::config::Activation;
 use crate::model::loader::Loader;
@@ -13,7 +13,8 @@ use crate::quant::dense::DenseWeight;
 use crate::quant::mxfp4::{self, Mxfp4Weight};
 use crate::quant::{
     common_qdq, decodes_in_gemm, forward_prepared_all, matmul_t_stacked,
-    matmul_t_stacked_into_rows, ActivationQdq, QuantLinear, QuantizedWeight, SCALE_DTYPES,
+    matmul_t_stacked_into_rows, shared_input, QuantLinear, QuantizedWeight, SharedInput,
+    SCALE_DTYPES,
 };
 
 /// Rows of the MLP input processed at once. The `[rows, intermediate]` activations (gate, up
@@ -192,9 +193,9 @@ impl Mlp {
             .collect()
     }
 
-    /// The activation QDQ that gate and up share, if they do (see [`common_qdq`]).
-    pub fn input_qdq(&self) -> Option<Option<&ActivationQdq>> {
-        common_qdq(&[&self.gate_proj, &self.up_proj])
+    /// What the norm that feeds gate and up may apply for them ([`shared_input`]).
+    pub fn shared_input(&self) -> SharedInput<'_> {
+        shared_input(&[&self.gate_proj, &self.up_proj])
     }
 
     /// The projections with the names transformers gives them.
@@ -215,38 +216,51 @@ impl Mlp {
         ]
     }
 
-    /// `residual` plus the MLP of `x`. `prequantized`: `x` has been through gate/up's common
-    /// activation QDQ.
-    pub fn forward(&self, x: Tensor, residual: Tensor, prequantized: bool) -> Result<Tensor> {
-        let dev = x.device();
-        let rows = x.dims()[0];
-        let (w_gate, w_up) = stage("gate_up_proj", dev, || {
-            Ok((
-                self.gate_proj.prepared_like(&x)?,
-                self.up_proj.prepared_like(&x)?,
-            ))
-        })?;
+    /// `residual` plus the MLP of `input` (normed for [`Self::shared_input`]).
+    pub fn forward(&self, input: Normed, residual: Tensor) -> Result<Tensor> {
+        let dev = input.device().clone();
+        let dev = &dev;
+        let rows = input.rows();
+        let gate_up = [&self.gate_proj, &self.up_proj];
+        // codes need no prepared weight
+        let prepared = match &input {
+            Normed::Rows { x, .. } => Some(stage("gate_up_proj", dev, || {
+                Ok((
+                    self.gate_proj.prepared_like(x)?,
+                    self.up_proj.prepared_like(x)?,
+                ))
+            })?),
+            Normed::Fp8(_) => None,
+        };
         let mut w_down = None;
         let mut out = self.down_proj.row_chunks_added_to(residual)?;
         for start in (0..rows).step_by(MLP_CHUNK) {
-            let x = x.narrow(0, start, MLP_CHUNK.min(rows - start))?;
-            let [gate_in, up_in] =
-                layer_inputs([&self.gate_proj, &self.up_proj], &x, prequantized)?;
-            let [gate, up] = stage("gate_up_proj", dev, || {
-                // one at a time unless they share an fp8 quantization (the order of the
-                // allocations shows in how much memory the allocator gives back after a request)
-                if !self.gate_proj.on_fp8_tensor_cores() {
-                    return Ok([
-                        self.gate_proj.forward_prepared(&gate_in, &w_gate)?,
-                        self.up_proj.forward_prepared(&up_in, &w_up)?,
-                    ]);
+            let [gate, up] = match input.narrow(start, MLP_CHUNK.min(rows - start))? {
+                Normed::Fp8(codes) => stage("gate_up_proj", dev, || {
+                    forward_fp8_rows_all(gate_up, &codes)
+                })?,
+                Normed::Rows { x, prequantized } => {
+                    let Some((w_gate, w_up)) = &prepared else {
+                        candle_core::bail!("the MLP's input changed kind between its chunks")
+                    };
+                    let [gate_in, up_in] = layer_inputs(gate_up, &x, prequantized)?;
+                    stage("gate_up_proj", dev, || {
+                        // one at a time unless they share an fp8 quantization (the order of the
+                        // allocations shows in how much memory the allocator gives back after
+                        // a request)
+                        if !self.gate_proj.on_fp8_tensor_cores() {
+                            return Ok([
+                                self.gate_proj.forward_prepared(&gate_in, w_gate)?,
+                                self.up_proj.forward_prepared(&up_in, w_up)?,
+                            ]);
+                        }
+                        forward_prepared_all([
+                            (&self.gate_proj, &gate_in, Some(w_gate)),
+                            (&self.up_proj, &up_in, Some(w_up)),
+                        ])
+                    })?
                 }
-                forward_prepared_all([
-                    (&self.gate_proj, &gate_in, Some(&w_gate)),
-                    (&self.up_proj, &up_in, Some(&w_up)),
-                ])
-            })?;
-            drop((gate_in, up_in));
+            };
             // On the fp8 tensor cores the activation writes the down projection's codes itself.
             if let Some(scale) = self.down_proj.fp8_input_scale() {
                 let rows = stage(self.act.stage_name(), dev, || {

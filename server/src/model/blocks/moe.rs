@@ -13,6 +13,7 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use candle_core::{DType, Result, Tensor};
 
 use super::mlp::{forward_stacked, stack_decodes_in_gemm, stackable, Mlp, PROJ_NAMES};
+use super::Normed;
 use crate::checkpoint::LoadError;
 use crate::model::config::{ModelConfig, MoeConfig, MoeRouter};
 use crate::model::loader::Loader;
@@ -555,7 +556,7 @@ impl Moe {
         let shared = match &self.shared {
             Some(shared) => {
                 let zeros = stage("experts", &dev, || residual.zeros_like())?;
-                let y = shared.mlp.forward(x.clone(), zeros, false)?;
+                let y = shared.mlp.forward(Normed::plain(x.clone()), zeros)?;
                 Some(match &shared.gate {
                     Some(gate) => stage("shared_expert_gate", &dev, || {
                         y.broadcast_mul(&ops::sigmoid(&gate.forward(x)?)?)
@@ -597,7 +598,8 @@ impl Moe {
             }
             let n = rows.len();
             let xs = xs.narrow(0, rows.start, n)?;
-            ys.push(expert.forward(xs, Tensor::zeros((n, hidden), dtype, dev)?, false)?);
+            let zeros = Tensor::zeros((n, hidden), dtype, dev)?;
+            ys.push(expert.forward(Normed::plain(xs), zeros)?);
         }
         Combined::upload(
             Tensor::cat(&ys, 0)?,

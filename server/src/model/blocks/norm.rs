@@ -2,10 +2,11 @@
 
 use candle_core::{DType, Device, Result, Tensor};
 
+use super::Normed;
 use crate::checkpoint::LoadError;
 use crate::model::loader::Loader;
 use crate::ops;
-use crate::quant::ActivationQdq;
+use crate::quant::{ActivationQdq, SharedInput};
 
 /// How a norm's weight scales the normalised row.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -69,6 +70,24 @@ impl RmsNorm {
     /// GemmaRMSNorm: normalise in f32, multiply by `1 + w` in f32, cast back.
     pub fn forward(&self, x: &Tensor, qdq: Option<&ActivationQdq>) -> Result<Tensor> {
         ops::rms_norm(x, &self.weight, self.eps, qdq)
+    }
+
+    /// The normalised `x` as the block after it takes it: with whatever `shared` lets the
+    /// norm apply for the block's Linears done in the norm's own kernel.
+    pub fn forward_for(&self, x: &Tensor, shared: SharedInput) -> Result<Normed> {
+        Ok(match shared {
+            SharedInput::Fp8Rows(scale) => {
+                Normed::Fp8(ops::rms_norm_fp8_rows(x, &self.weight, self.eps, scale)?)
+            }
+            SharedInput::Qdq(qdq) => Normed::Rows {
+                x: self.forward(x, qdq)?,
+                prequantized: true,
+            },
+            SharedInput::Separate => Normed::Rows {
+                x: self.forward(x, None)?,
+                prequantized: false,
+            },
+        })
     }
 
     /// The gated form ([`ops::gated_rms_norm`]): `x` normalised, weighted and multiplied by
