@@ -753,19 +753,18 @@ fn modelopt_fp8_export_scores_as_vllm_serves_it() {
     );
     assert!(max <= 1e-4, "max |Δlogprob| {max:e} > 1e-4");
     assert!(own_mean > 100.0 * 1e-4, "per-layer mean |Δ| {own_mean:e}");
-    let scale_of = |name: &str| {
-        let linears = model.linears();
+    let linears = model.linears();
+    let weight = |name: &str| {
         let (_, linear) = linears.iter().find(|(n, _)| n == name).unwrap();
-        let Some(Packed::Fp8 { scale, .. }) = linear.weight().packed() else {
+        linear.weight()
+    };
+    let scale_of = |name: &str| {
+        let Some(Packed::Fp8 { scale, .. }) = weight(name).packed() else {
             panic!("{name}: not an fp8 weight");
         };
         scale.to_vec1::<f32>().unwrap()
     };
-    let described = |name: &str| {
-        let linears = model.linears();
-        let (_, linear) = linears.iter().find(|(n, _)| n == name).unwrap();
-        linear.weight().describe()
-    };
+    let described = |name: &str| weight(name).describe();
     assert!(described("model.layers.0.self_attn.k_proj").contains("requantized"));
     // one shard, nothing to requantize (ModelOpt: only where the shards' scales differ)
     assert_eq!(
