@@ -156,6 +156,7 @@ __device__ void rms_norm_warp_fp8_codes(const T* x, const W* weight, uint8_t* co
     });
     const float scale = static_scale > 0.0f ? static_scale : fp8_scale_of(warp_max(amax));
     uint8_t* crow = codes + row * cols;
+#pragma unroll 4
     for (int i = lane * 8; i < cols; i += 256)
         *reinterpret_cast<uint2*>(crow + i) = fp8_codes8(held[i / 8], scale);
     if (lane == 0) scales[row] = scale;

@@ -10,7 +10,8 @@ use candle_core::{DType, Device, Tensor};
 use exactscore_server::cuda::norm::{gated_rms_norm_block_per_row, rms_norm_block_per_row};
 use exactscore_server::cuda::rope::head_norm_rope as fused_kernel;
 use exactscore_server::ops::{
-    gated_rms_norm, head_norm_rope, rms_norm, rope_rotate_half, rotate_leading,
+    gated_rms_norm, head_norm_rope, quantize_fp8_rows, rms_norm, rms_norm_fp8_rows,
+    rope_rotate_half, rotate_leading, Fp8InputScale,
 };
 
 fn row(what: &str, shape: &str, bytes: usize, ms: f64) {
@@ -37,6 +38,26 @@ pub fn run(device: &Device, tokens: usize) -> Result<()> {
         );
         let block = time_ms(device, &|| rms_norm_block_per_row(&x, &w, eps as f32))?;
         row("RMSNorm, a block per row", &shape, bytes, block);
+        // the input of Linears on the fp8 tensor cores: codes written by the norm, or the
+        // normed rows quantized after it (bytes: x read once, the codes written once)
+        let code_bytes = x.elem_count() * 3;
+        let fused = || Ok(rms_norm_fp8_rows(&x, &w, eps, Fp8InputScale::PerToken)?.codes);
+        row(
+            "RMSNorm writing fp8 codes",
+            &shape,
+            code_bytes,
+            time_ms(device, &fused)?,
+        );
+        let apart = || {
+            let normed = rms_norm(&x, &w, eps, None)?;
+            Ok(quantize_fp8_rows(&normed, Fp8InputScale::PerToken)?.codes)
+        };
+        row(
+            "RMSNorm, then fp8 codes",
+            &shape,
+            code_bytes,
+            time_ms(device, &apart)?,
+        );
     }
     // Gated DeltaNet's output norm: Qwen3.5-27B's 48 value heads of 128
     let x = Tensor::randn(0f32, 1.0, (tokens, 48, 128), device)?.to_dtype(dtype)?;
