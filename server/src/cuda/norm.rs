@@ -35,30 +35,16 @@ pub fn rms_norm_fp8_rows(
 ) -> Result<(Tensor, Tensor)> {
     let x = x.contiguous()?;
     let (rows, cols) = x.dims2()?;
-    let f32_weight = weight.dtype() == DType::F32 && x.dtype() != DType::F32;
-    if x.dtype() == DType::F32
-        || weight.dims() != [cols]
-        || !(weight.dtype() == x.dtype() || f32_weight)
-    {
-        bail!(
-            "rms_norm_fp8_rows: x {:?} {:?}, weight {:?} {:?}",
-            x.dims(),
-            x.dtype(),
-            weight.dims(),
-            weight.dtype()
-        );
+    let base = rms_norm_family(&x, weight, cols)?;
+    if x.dtype() == DType::F32 {
+        bail!("rms_norm_fp8_rows: fp8 codes of bf16 or f16 rows, not f32");
     }
     let row_bytes = cols * x.dtype().size_in_bytes();
     if !rows_of_vectors(cols, &[&x, weight]) || row_bytes > FP8_CODES_SHARED_BYTES {
         let normed = rms_norm(&x, weight, eps, false)?;
         return super::fp8_gemm::quantize_fp8_rows(&normed, static_scale);
     }
-    let base = if f32_weight {
-        "rms_norm_f32w_warp_fp8_codes"
-    } else {
-        "rms_norm_warp_fp8_codes"
-    };
-    let name = kernel_name(base, x.dtype());
+    let name = kernel_name(&format!("{base}_warp_fp8_codes"), x.dtype());
     // a warp and a normed row in shared memory per row, up to 8 rows a block
     let warps = (FP8_CODES_SHARED_BYTES / row_bytes).clamp(1, 8);
     let shared = warps * row_bytes;
@@ -81,12 +67,33 @@ pub fn rms_norm_fp8_rows(
                 b.arg(&xs).arg(&ws).arg(&codes).arg(&scales).arg(&rows64).arg(&c32).arg(&eps).arg(&s);
                 // SAFETY: arguments match `rms_norm{,_f32w}_warp_fp8_codes_*` (a warp per row and
                 // its normed row in shared memory; aligned vectors checked above, the weight's
-                // type by `f32_weight`).
+                // type by `rms_norm_family`).
                 unsafe { b.launch(config) }.w()?;
             }
             Ok((wrap(codes, dev, (rows, cols)), wrap(scales, dev, rows)))
         }))
     }))
+}
+
+/// The RMSNorm kernel family for `x`'s rows of `cols` values and `weight`: `rms_norm`, or
+/// `rms_norm_f32w` for an f32 weight beside a narrower x (multiplied in f32: GemmaRMSNorm's
+/// `1 + w`); an error for a weight of another length or dtype.
+fn rms_norm_family(x: &Tensor, weight: &Tensor, cols: usize) -> Result<&'static str> {
+    let f32_weight = weight.dtype() == DType::F32 && x.dtype() != DType::F32;
+    if weight.dims() != [cols] || !(weight.dtype() == x.dtype() || f32_weight) {
+        bail!(
+            "rms_norm: x {:?} {:?}, weight {:?} {:?}",
+            x.dims(),
+            x.dtype(),
+            weight.dims(),
+            weight.dtype()
+        );
+    }
+    Ok(if f32_weight {
+        "rms_norm_f32w"
+    } else {
+        "rms_norm"
+    })
 }
 
 /// Shared memory for the normed rows of a block of `rms_norm_warp_fp8_codes`: within the
@@ -134,22 +141,8 @@ fn launch_rms_norm(
     let dims = x.dims().to_vec();
     let cols = *dims.last().unwrap_or(&0);
     let rows = x.elem_count() / cols.max(1);
-    // An f32 weight beside a narrower x: multiplied in f32 (GemmaRMSNorm's `1 + w`).
-    let f32_weight = weight.dtype() == DType::F32 && x.dtype() != DType::F32;
-    if weight.dims() != [cols] || !(weight.dtype() == x.dtype() || f32_weight) {
-        bail!(
-            "rms_norm: x {dims:?} {:?}, weight {:?} {:?}",
-            x.dtype(),
-            weight.dims(),
-            weight.dtype()
-        );
-    }
+    let base = rms_norm_family(&x, weight, cols)?;
     let vectors = rows_of_vectors(cols, &[&x, weight]);
-    let base = if f32_weight {
-        "rms_norm_f32w"
-    } else {
-        "rms_norm"
-    };
     // threads per row (lanes of 8 values: a power of two, at least 8; or a warp) where rows
     // share a block
     let lanes =

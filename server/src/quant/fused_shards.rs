@@ -160,7 +160,12 @@ pub fn served_input_scale(
 /// each shard with its own, as transformers does: that is the checkpoint's model, and vLLM's
 /// reading is a known fault, not a format.
 pub fn warn_if_global_scales_differ(ckpt: &Checkpoint, name: &str, tensor: &str) {
-    static WARNED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+    use std::sync::atomic::{AtomicBool, Ordering};
+    static WARNED: AtomicBool = AtomicBool::new(false);
+    // once warned, the other layers' scales need not be read
+    if WARNED.load(Ordering::Relaxed) {
+        return;
+    }
     let shards = shards_of(ckpt, name, tensor);
     if shards.len() < 2 || shards[0] != name {
         return;
@@ -169,9 +174,7 @@ pub fn warn_if_global_scales_differ(ckpt: &Checkpoint, name: &str, tensor: &str)
         .iter()
         .filter_map(|n| load_scalar(ckpt, &format!("{n}.{tensor}")).ok())
         .collect();
-    if values.windows(2).all(|w| w[0] == w[1])
-        || WARNED.swap(true, std::sync::atomic::Ordering::Relaxed)
-    {
+    if values.windows(2).all(|w| w[0] == w[1]) || WARNED.swap(true, Ordering::Relaxed) {
         return;
     }
     tracing::warn!(
